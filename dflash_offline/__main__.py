@@ -1,0 +1,3 @@
+from dflash_offline.cli import main
+
+main()

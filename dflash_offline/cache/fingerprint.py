@@ -1,0 +1,73 @@
+"""The run fingerprint stored in ``CACHE/cache.json``: what must match for two runs to share a cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from dflash_offline.errors import CacheFormatError, FingerprintMismatchError
+
+CACHE_FORMAT_VERSION = 1
+"""Bump when the on-disk layout changes; readers refuse versions they do not know."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheFingerprint:
+    """Everything that determines the bytes a sample is stored as. Two runs may append to one cache
+    only when their fingerprints are equal; otherwise the first differing field is named."""
+
+    target_id: str
+    """How the target was named: a path, ``default`` or ``random:<preset>``."""
+    weights_hash: str
+    """Hash of the target's weights (or of the preset and seed for random targets)."""
+    num_target_layers: int
+    layer_ids: tuple[int, ...]
+    """Captured decoder layers, ascending; a feature is the residual stream after that layer."""
+    hidden_size: int
+    storage_dtype: str
+    """``bfloat16`` (stored as uint16 bits)."""
+    codec: str
+    """Compression codec name (see ``dflash_offline.cache.codecs``)."""
+    tokenizer_hash: str
+    chat_template_hash: str
+    max_length: int
+    too_long: str
+    """``truncate`` or ``skip``: changes which tokens a sample holds."""
+    bucket_edges: tuple[int, ...]
+    data_source: str
+    """Name of the data source (file name or ``sharegpt-default``); sample ids derive from it."""
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            d[f.name] = list(value) if isinstance(value, tuple) else value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheFingerprint:
+        names = {f.name for f in fields(cls)}
+        missing = names - d.keys()
+        if missing:
+            raise CacheFormatError(f"cache.json fingerprint lacks fields {sorted(missing)}")
+        kwargs = {name: d[name] for name in names}
+        kwargs["layer_ids"] = tuple(int(i) for i in kwargs["layer_ids"])
+        kwargs["bucket_edges"] = tuple(int(e) for e in kwargs["bucket_edges"])
+        return cls(**kwargs)
+
+    def first_difference(self, other: CacheFingerprint) -> str | None:
+        """Name of the first field whose value differs, or None when the fingerprints are equal."""
+        for f in fields(self):
+            if getattr(self, f.name) != getattr(other, f.name):
+                return f.name
+        return None
+
+    def check_same(self, new: CacheFingerprint) -> None:
+        """Raise ``FingerprintMismatchError`` naming the first field where ``new`` differs from ``self``."""
+        name = self.first_difference(new)
+        if name is not None:
+            raise FingerprintMismatchError(name, getattr(self, name), getattr(new, name))

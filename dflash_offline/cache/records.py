@@ -1,0 +1,159 @@
+"""Typed, frozen records for everything that crosses the cache boundary.
+
+Shape legend: T = tokens of one sample, F = features per token (num_layers * hidden_size).
+Features travel as bfloat16 tensors and are stored as their uint16 bit patterns (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_offline.errors import SampleError
+
+# Reasons a sample can land in the failures table. Kept as plain strings in the manifest so that SQL
+# users read them directly; the tuple documents the closed set.
+FAILURE_REASONS = (
+    "malformed_record",  # the data set row is not a valid conversation (bad JSON, missing fields, ...)
+    "unknown_role",  # a turn's role is none of system/user/assistant (human/gpt/system in ShareGPT)
+    "empty_conversation",
+    "empty_response",  # no assistant token survives templating (nothing to learn from)
+    "template_error",  # the chat template raised
+    "too_long",  # longer than --max-len with --too-long skip
+    "nonfinite_features",  # NaN/Inf in the captured hidden states
+    "truncated_source",  # the data file ends inside a record
+)
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleToWrite:
+    """One captured sample handed to a ``ShardWriter``."""
+
+    sample_id: str
+    """Stable id derived from the data source and the record's content (same across runs and world sizes)."""
+    source_index: int
+    """Position of the record in its data source (0-based)."""
+    input_ids_T: np.ndarray
+    """int32 [T]: token ids after templating (no padding)."""
+    loss_mask_T: np.ndarray
+    """uint8 [T]: 1 exactly on assistant-turn tokens."""
+    features_TF: torch.Tensor
+    """bfloat16 [T, F] on the CPU: residual stream after each captured layer, concatenated in ascending layer order."""
+    bucket_id: int
+    """Index of the first bucket edge >= T."""
+
+    def __post_init__(self) -> None:
+        num_tokens = int(self.input_ids_T.shape[0]) if self.input_ids_T.ndim == 1 else -1
+        if num_tokens <= 0:
+            raise SampleError(f"sample {self.sample_id!r}: input_ids must be a non-empty 1-D array")
+        if self.loss_mask_T.shape != (num_tokens,):
+            raise SampleError(
+                f"sample {self.sample_id!r}: loss_mask has shape {tuple(self.loss_mask_T.shape)}, "
+                f"input_ids has {num_tokens} tokens"
+            )
+        if self.features_TF.dtype != torch.bfloat16:
+            raise SampleError(f"sample {self.sample_id!r}: features must be bfloat16, got {self.features_TF.dtype}")
+        if self.features_TF.ndim != 2 or self.features_TF.shape[0] != num_tokens:
+            raise SampleError(
+                f"sample {self.sample_id!r}: features have shape {tuple(self.features_TF.shape)}, "
+                f"expected [{num_tokens}, F]"
+            )
+        if self.features_TF.device.type != "cpu":
+            raise SampleError(f"sample {self.sample_id!r}: features must be on the CPU")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_T.shape[0])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(np.count_nonzero(self.loss_mask_T))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleRow:
+    """One committed sample in the manifest (one row of the ``samples`` table)."""
+
+    sample_id: str
+    source_index: int
+    shard: str
+    """Name of the shard group under ``shards/`` (without the ``.zarr`` suffix)."""
+    row_start: int
+    """First token row of the sample in the shard's arrays."""
+    num_tokens: int
+    num_loss_tokens: int
+    bucket_id: int
+    checksum: int
+    """crc32c over the stored bytes: features (uint16 bits), then input_ids (int32), then loss_mask (uint8)."""
+    worker: int
+    session: str
+    created_at: dt.datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SampleRow:
+        return cls(**{name: d[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FailureRow:
+    """One sample that could not be cached, with the reason (one row of the ``failures`` table)."""
+
+    sample_id: str
+    """Stable id when the record could be parsed, else ``"<source>#<source_index>"``."""
+    source_index: int
+    reason: str
+    """One of ``FAILURE_REASONS``."""
+    detail: str
+    """Human-readable detail: the exception message, the offending length, the line number, ..."""
+    worker: int
+    session: str
+    created_at: dt.datetime
+
+    def __post_init__(self) -> None:
+        if self.reason not in FAILURE_REASONS:
+            raise ValueError(f"unknown failure reason {self.reason!r}; known: {FAILURE_REASONS}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardInfo:
+    """One writer session's Zarr group (one row of the ``shards`` table)."""
+
+    shard: str
+    worker: int
+    session: str
+    feature_width: int
+    chunk_rows: int
+    """Token rows per compressed inner chunk."""
+    shard_rows: int
+    """Token rows per Zarr shard (file); every write covers whole shards starting on a shard boundary."""
+    codec: str
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CachedSample:
+    """One sample read back from the cache."""
+
+    sample_id: str
+    input_ids_T: torch.Tensor
+    """int32 [T]."""
+    loss_mask_T: torch.Tensor
+    """uint8 [T]."""
+    features_TF: torch.Tensor
+    """bfloat16 [T, F]."""
+    bucket_id: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_T.shape[0])

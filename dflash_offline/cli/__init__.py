@@ -1,0 +1,70 @@
+"""The ``dflash`` command line: one small module per command, each building a typed config and calling
+one library function. Commands are imported lazily so that ``dflash --help`` does not import torch."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+from dflash_offline.errors import DflashError
+
+# command name -> "module:attribute" of its click command, in the order --help lists them.
+COMMANDS: dict[str, str] = {
+    "generate": "dflash_offline.cli.generate:generate",
+    "regenerate": "dflash_offline.cli.regenerate:regenerate",
+    "train": "dflash_offline.cli.train:train",
+    "export": "dflash_offline.cli.export:export",
+    "eval": "dflash_offline.cli.eval:eval_cmd",
+    "index": "dflash_offline.cli.index:index",
+    "sql": "dflash_offline.cli.sql:sql",
+    "status": "dflash_offline.cli.status:status",
+    "verify": "dflash_offline.cli.verify:verify",
+    "plot": "dflash_offline.cli.plot:plot",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported only when they are run (or listed in --help)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name in COMMANDS if self._load(name) is not None]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return self._load(cmd_name)
+
+    @staticmethod
+    def _load(name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name:  # the command is not written yet
+                return None
+            raise
+        command = getattr(module, attr)
+        assert isinstance(command, click.Command)
+        return command
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DflashError as e:
+            # A user-fixable problem: one clear line, no traceback.
+            raise click.ClickException(str(e)) from e
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dflash-offline")
+def main() -> None:
+    """Train DFlash speculative-decoding drafters offline: `dflash generate` captures target hidden
+    states into a sharded cache, `dflash train` trains the drafter from it."""
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

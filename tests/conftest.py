@@ -1,0 +1,22 @@
+"""Shared test configuration: the `gpu` marker skips without CUDA; hangs dump every thread's stack."""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+
+import pytest
+import torch
+
+# A hang in a worker thread or subprocess must fail with stacks, not block CI (pytest-timeout
+# enforces the limit; faulthandler shows where every thread was).
+faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
