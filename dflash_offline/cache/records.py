@@ -26,6 +26,7 @@ FAILURE_REASONS = (
     "too_long",  # longer than --max-len with --too-long skip
     "nonfinite_features",  # NaN/Inf in the captured hidden states
     "truncated_source",  # the data file ends inside a record
+    "duplicate_record",  # same id and content as an earlier record of the same source
 )
 
 
