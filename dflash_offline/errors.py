@@ -16,6 +16,10 @@ class CacheFormatError(DflashError):
     """A cache on disk is missing, of an unknown format version, or internally inconsistent."""
 
 
+class CacheDamageError(CacheFormatError):
+    """Stored bytes are missing, truncated, fail to decode or fail their checksum (run ``dflash verify``)."""
+
+
 class FingerprintMismatchError(DflashError):
     """An append or resume was asked with a run fingerprint that differs from the cache's."""
 
@@ -51,3 +55,7 @@ class ResumeError(DflashError):
 
 class WorkerError(DflashError):
     """A worker thread or process failed; the message carries its traceback."""
+
+
+class DrafterFormatError(DflashError):
+    """An exported drafter directory is missing files, has an unknown layout, or mismatched tensors."""

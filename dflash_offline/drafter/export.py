@@ -1,0 +1,210 @@
+"""Export a drafter in z-lab's DFlash layout, and load that layout back (DESIGN §4).
+
+A directory with
+  config.json        Qwen3 fields (model_type "qwen3", width, heads, head_dim, MLP, eps, RoPE, vocab,
+                     num_hidden_layers, full attention everywhere) plus ``architectures:
+                     ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` and ``dflash_config:
+                     {mask_token_id, target_layer_ids}``; our own training settings sit under
+                     ``dflash_offline`` (format version, γ, anchors), which other loaders ignore.
+  model.safetensors  ``layers.N.self_attn.{q,k,v,o}_proj.weight``,
+                     ``layers.N.self_attn.{q,k}_norm.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
+                     ``layers.N.{input,post_attention}_layernorm.weight``, ``fc.weight``,
+                     ``hidden_norm.weight``, ``norm.weight``: no embedding, no LM head (the target's).
+
+z-lab's published configs also carry ``auto_map`` pointing at their own ``dflash.py``; we ship no
+modelling code, so the export has none (SGLang/vLLM dispatch on ``architectures``). The loader reads
+z-lab's published drafters too (``block_size``/``num_target_layers`` at the top level or inside
+``dflash_config``; ``rope_theta`` at the top level or in ``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from dflash_offline.drafter.config import DrafterConfig
+from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.errors import ConfigError, DrafterFormatError
+
+EXPORT_FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def zlab_config(config: DrafterConfig, *, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` dict of an export."""
+    L = config.num_layers
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": L,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": L,
+        "layer_types": ["full_attention"] * L,
+        "initializer_range": config.initializer_range,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+        "dtype": _DTYPE_NAMES[dtype],
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),
+        },
+        "dflash_offline": {
+            "format_version": EXPORT_FORMAT_VERSION,
+            "loss_gamma": config.gamma,
+            "num_anchors": config.num_anchors,
+        },
+    }
+
+
+def config_from_zlab(data: dict[str, Any]) -> DrafterConfig:
+    """Parse an export's (or a z-lab drafter's) ``config.json`` dict."""
+    archs = data.get("architectures") or []
+    if ARCHITECTURE not in archs:
+        raise DrafterFormatError(f"architectures={archs!r}: not a {ARCHITECTURE} export")
+    ours = data.get("dflash_offline") or {}
+    version = ours.get("format_version", EXPORT_FORMAT_VERSION)
+    if version != EXPORT_FORMAT_VERSION:
+        raise DrafterFormatError(
+            f"export format version {version} is not readable by this dflash-offline "
+            f"(reads {EXPORT_FORMAT_VERSION}); use the dflash-offline release that wrote it"
+        )
+    layer_types = data.get("layer_types") or []
+    if data.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        raise DrafterFormatError(f"layer_types={layer_types}: only full-attention drafters are supported")
+    dflash = data.get("dflash_config") or {}
+
+    def pick(name: str) -> Any:
+        value = dflash.get(name, data.get(name))
+        if value is None:
+            raise DrafterFormatError(f"config.json has no {name} (top level or dflash_config)")
+        return value
+
+    params = data.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default" or data.get("rope_scaling"):
+        raise DrafterFormatError("only default RoPE (no rope_scaling) is supported")
+    heads = int(data["num_attention_heads"])
+    try:
+        return DrafterConfig(
+            hidden_size=int(data["hidden_size"]),
+            num_layers=int(data["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+            head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
+            intermediate_size=int(data["intermediate_size"]),
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(data.get("rope_theta") or params.get("rope_theta") or 10000.0),
+            vocab_size=int(data["vocab_size"]),
+            block_size=int(pick("block_size")),
+            target_layer_ids=tuple(int(i) for i in pick("target_layer_ids")),
+            num_target_layers=int(pick("num_target_layers")),
+            mask_token_id=int(pick("mask_token_id")),
+            max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
+            loss_gamma=ours.get("loss_gamma"),
+            num_anchors=int(ours.get("num_anchors", 512)),
+            initializer_range=float(data.get("initializer_range", 0.02)),
+        )
+    except KeyError as exc:
+        raise DrafterFormatError(f"config.json lacks {exc}") from exc
+    except ConfigError as exc:
+        raise DrafterFormatError(f"config.json is inconsistent: {exc}") from exc
+
+
+def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` into ``out_dir`` (created; files replaced).
+
+    ``dtype`` converts the weights (e.g. torch.bfloat16 for serving); None keeps the model's dtype.
+    Each file is written under a temporary name and renamed, so a crash leaves no half file.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    bad = [k for k in state if not k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))]
+    assert not bad, f"unexpected state dict entries {bad}"
+    first = next(iter(state.values()))
+    out_dtype = dtype or first.dtype
+    if out_dtype not in _DTYPE_NAMES:
+        raise ConfigError(f"export dtype {out_dtype} unsupported; use float32, bfloat16 or float16")
+    tensors = {k: v.detach().to("cpu", out_dtype).contiguous() for k, v in state.items()}
+    _atomic_write(out / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    text = json.dumps(zlab_config(model.config, dtype=out_dtype), indent=2, sort_keys=True) + "\n"
+    _atomic_write(out / CONFIG_FILE, lambda p: p.write_text(text))
+    return out
+
+
+def load_exported_drafter(
+    directory: str | Path,
+    *,
+    embed_VH: Tensor,
+    lm_head_VH: Tensor,
+    device: torch.device | str | None = None,
+) -> DFlashDrafter:
+    """Build a drafter from an export (weights keep the file's dtype) over the given frozen head."""
+    d = Path(directory)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (d / name).is_file():
+            raise DrafterFormatError(f"{d / name} is missing: not a drafter export directory")
+    try:
+        data = json.loads((d / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as exc:
+        raise DrafterFormatError(f"{d / CONFIG_FILE} is not valid JSON: {exc}") from exc
+    config = config_from_zlab(data)
+    tensors = load_file(str(d / WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
+    model = DFlashDrafter(config, embed_VH=embed_VH, lm_head_VH=lm_head_VH)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise DrafterFormatError(
+            f"{d / WEIGHTS_FILE} does not match its config: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for key, t in tensors.items():
+        if t.shape != expected[key].shape:
+            raise DrafterFormatError(
+                f"{key} has shape {tuple(t.shape)} in the file, {tuple(expected[key].shape)} in the config"
+            )
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) != 1:
+        raise DrafterFormatError(f"mixed weight dtypes {sorted(map(str, dtypes))} in {d / WEIGHTS_FILE}")
+    # assign=True keeps the file's dtype (no silent upcast into freshly initialised float32 weights).
+    model.load_state_dict(tensors, strict=True, assign=True)
+    if device is not None:
+        model.to(device)
+    return model
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
