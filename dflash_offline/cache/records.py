@@ -47,7 +47,8 @@ class SampleToWrite:
     loss_mask_T: np.ndarray
     """uint8 [T]: 1 exactly on assistant-turn tokens."""
     features_TF: torch.Tensor
-    """bfloat16 [T, F] on the CPU: residual stream after each captured layer, concatenated in ascending layer order."""
+    """bfloat16 [T, F] on the CPU: residual stream after each captured layer, concatenated in ascending
+    layer order."""
     bucket_id: int
     """Index of the first bucket edge >= T."""
 
@@ -61,7 +62,9 @@ class SampleToWrite:
                 f"input_ids has {num_tokens} tokens"
             )
         if self.features_TF.dtype != torch.bfloat16:
-            raise SampleError(f"sample {self.sample_id!r}: features must be bfloat16, got {self.features_TF.dtype}")
+            raise SampleError(
+                f"sample {self.sample_id!r}: features must be bfloat16, got {self.features_TF.dtype}"
+            )
         if self.features_TF.ndim != 2 or self.features_TF.shape[0] != num_tokens:
             raise SampleError(
                 f"sample {self.sample_id!r}: features have shape {tuple(self.features_TF.shape)}, "
@@ -93,7 +96,7 @@ class SampleRow:
     num_loss_tokens: int
     bucket_id: int
     checksum: int
-    """crc32c over the stored bytes: features (uint16 bits), then input_ids (int32), then loss_mask (uint8)."""
+    """crc32c over the raw bytes: features (uint16 bits), then input_ids (int32), then loss_mask (uint8)."""
     worker: int
     session: str
     created_at: dt.datetime
@@ -125,6 +128,13 @@ class FailureRow:
         if self.reason not in FAILURE_REASONS:
             raise ValueError(f"unknown failure reason {self.reason!r}; known: {FAILURE_REASONS}")
 
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FailureRow:
+        return cls(**{name: d[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardInfo:
@@ -140,6 +150,79 @@ class ShardInfo:
     """Token rows per Zarr shard (file); every write covers whole shards starting on a shard boundary."""
     codec: str
     created_at: dt.datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardInfo:
+        return cls(**{name: d[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+
+
+RUN_STATUSES = ("running", "finished", "interrupted", "failed")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunRow:
+    """One invocation of a command that writes the cache (one row of the ``runs`` table).
+
+    Rewritten in place (temp file + rename) as the run progresses: ``finished_at`` is None and
+    ``status`` is ``running`` until it ends; a run killed without a chance to say so stays ``running``."""
+
+    run_id: str
+    """Unique id of the invocation (also the file name ``manifest/runs/<run_id>.parquet``)."""
+    command: str
+    """``generate``, ``regenerate``, ...: what wrote to the cache."""
+    started_at: dt.datetime
+    finished_at: dt.datetime | None
+    status: str
+    """One of ``RUN_STATUSES``."""
+    num_workers: int
+    samples_committed: int
+    """Samples this run committed (not the cache total)."""
+    tokens_committed: int
+    bytes_written: int
+    """Stored (compressed) shard bytes this run wrote."""
+    failures: int
+    fingerprint_json: str
+    """``CacheFingerprint.to_dict()`` as JSON."""
+    host: str
+    config_json: str = "{}"
+    """The command's typed config as JSON (for reproduction)."""
+    error: str = ""
+    """The error message when ``status`` is ``failed``."""
+
+    def __post_init__(self) -> None:
+        if self.status not in RUN_STATUSES:
+            raise ValueError(f"unknown run status {self.status!r}; known: {RUN_STATUSES}")
+        if "/" in self.run_id or not self.run_id:
+            raise ValueError(f"run_id {self.run_id!r} must be a non-empty file name (no '/')")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunRow:
+        return cls(**{name: d[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WriterStats:
+    """What one ``ShardWriter`` session has committed so far."""
+
+    shard: str
+    samples: int
+    """Samples committed (their manifest rows are on disk)."""
+    tokens: int
+    loss_tokens: int
+    raw_bytes: int
+    """Uncompressed bytes of the committed features, input_ids and loss_mask."""
+    stored_bytes: int
+    """Bytes of the shard files this session wrote (compressed; includes gaps' padding and indexes)."""
+    failures: int
+    """Failure rows committed."""
+    flushes: int
+    """Manifest parts written."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

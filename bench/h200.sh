@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The measured runs on one lent H200 (see bench/RESULTS.md), one stage per device call:
+#   bench/h200.sh check      versions, GPU tests (flex attention, CUDA capture, pinned prefetch)
+#   bench/h200.sh generate   bench/generate.py on random:qwen3-8b at 16k-token batches (+ RSS at N and 4N)
+#   bench/h200.sh train      dflash generate a cache, dflash train --gpus 0 on it (data-wait fraction),
+#                            bench/train_loader.py at Qwen3-8B feature width
+# Needs, carried beside the tree: .whl (../shared/device/wheels.sh) and .device/ (a ShareGPT slice as
+# chat JSONL and the SmolLM2 tokenizer saved with save_pretrained: the GGUF does not travel).
+set -uo pipefail
+stage=${1:?stage: check, generate or train}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export DFLASH_PRESET_TOKENIZER=$PWD/.device/tokenizer DFLASH_CACHE_DIR=/tmp/dflash-user-cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+data=/tmp/sharegpt.jsonl
+[ -f $data ] || gunzip -c .device/sharegpt-4k.jsonl.gz > $data
+work=/tmp/dflash-bench
+mkdir -p $work
+
+case "$stage" in
+check)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  df -h /tmp | tail -1
+  nproc
+  python3 -c "import torch, transformers, zarr, numcodecs, duckdb, tensorstore; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__, 'duckdb', duckdb.__version__)"
+  timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x 2>&1 | tail -40 | tee "$out/gpu_tests.txt"
+  ;;
+generate)
+  timeout 500 python3 bench/generate.py --target random:qwen3-8b --device cuda --data $data \
+    --records 360 --max-len 4096 --tokens-per-batch 16384 --bucket-edges 512 1024 2048 4096 \
+    --disk-bytes 4294967296 --workdir $work --json "$out/generate.json" 2>&1 | tail -20
+  ;;
+rss)
+  timeout 500 python3 bench/generate.py --target random:qwen3-8b --device cuda --data $data \
+    --records 120 --max-len 4096 --tokens-per-batch 16384 --bucket-edges 512 1024 2048 4096 \
+    --disk-bytes 1073741824 --workdir $work --rss --json "$out/generate_rss.json" 2>&1 | tail -20
+  ;;
+train)
+  cache=$work/cache-train
+  rm -rf $cache $work/run
+  timeout 200 python3 -m dflash_offline generate --cache $cache --target random:qwen3-8b --data $data \
+    --limit 200 --max-len 4096 --tokens-per-batch 16384 --gpus 0 --no-progress 2>&1 | tail -8
+  timeout 300 python3 -m dflash_offline train --cache $cache --out $work/run --gpus 0 --max-steps 40 \
+    --tokens-per-microbatch 16384 --loader-threads 8 --prefetch 4 --checkpoint-every 1000 --no-progress 2>&1 | tail -8
+  cp $work/run/metrics.jsonl "$out/train_metrics.jsonl"
+  python3 - "$work/run/metrics.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])][5:]  # skip warm-up (compilation, allocator)
+n = len(rows)
+print(f"steps {n}: tokens/s {sum(r['tokens'] for r in rows) / sum(r['step_seconds'] for r in rows):,.0f}, "
+      f"data-wait {sum(r['data_wait_fraction'] * r['step_seconds'] for r in rows) / sum(r['step_seconds'] for r in rows):.2%}, "
+      f"step {sum(r['step_seconds'] for r in rows) / n * 1000:.0f} ms, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
+EOF
+  timeout 200 python3 bench/train_loader.py --device cuda --feature-width 20480 --threads 8 --reader-threads 8 2>&1 | tail -15
+  ;;
+esac

@@ -1,0 +1,216 @@
+"""DuckDB over the manifest: load the Parquet parts into the schema's tables, or open index.duckdb.
+
+``manifests/schema.sql`` defines the tables and views once; both the index file (``dflash index``) and
+the in-memory database behind ``dflash sql`` / ``dflash status`` are built by ``load_manifest``, so a
+query means the same thing against a finished index and against a cache still being written.
+
+DuckDB traps honoured here (DESIGN §2): rows go in through ``read_parquet`` and registered Arrow tables,
+never ``executemany``; every result is fetched completely before the next statement runs on its
+connection; index.duckdb is opened read-only (a read-write connection locks out every other process).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import duckdb
+import pyarrow as pa
+
+from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION
+from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint
+from dflash_offline.errors import CacheFormatError
+from dflash_offline.sql_files import read_schema
+
+Source = Literal["auto", "manifest", "index"]
+
+_FIRST_COMMIT = "ORDER BY created_at, shard, row_start"
+"""Which copy of a duplicated sample_id counts: the first committed (as in ``SampleTable``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ManifestLoad:
+    """What ``load_manifest`` put into the database."""
+
+    samples: int
+    duplicates: int
+    """Sample rows dropped because their sample_id was committed earlier."""
+    failures: int
+    shards: int
+    runs: int
+    parts: int
+    """Parquet parts read."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartStamp:
+    """One manifest part as seen on disk (how ``auto`` decides whether index.duckdb is current)."""
+
+    manifest_table: str
+    file: str
+    """Path relative to the cache root."""
+    mtime_ns: int
+
+
+def split_statements(sql: str) -> list[str]:
+    """Statements of a SQL file: split at ';' that ends a line; comment-only pieces dropped."""
+    pieces, current = [], []
+    for line in sql.splitlines():
+        current.append(line)
+        if line.rstrip().endswith(";"):
+            pieces.append("\n".join(current))
+            current = []
+    pieces.append("\n".join(current))
+    code = []
+    for piece in pieces:
+        meaningful = [ln for ln in piece.splitlines() if ln.strip() and not ln.strip().startswith("--")]
+        if meaningful:
+            code.append(piece.strip())
+    return code
+
+
+def quote_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _file_list(paths: list[Path]) -> str:
+    return "[" + ", ".join(quote_literal(str(p)) for p in paths) + "]"
+
+
+def part_stamps(root: str | Path) -> list[PartStamp]:
+    """Every manifest part on disk now, with its modification time (runs are rewritten in place)."""
+    layout = CacheLayout.at(root)
+    stamps = []
+    for table in MANIFEST_TABLES:
+        for path in layout.parts(table):
+            try:
+                mtime = path.stat().st_mtime_ns
+            except FileNotFoundError:  # pragma: no cover - a run part being replaced right now
+                continue
+            stamps.append(
+                PartStamp(manifest_table=table, file=str(path.relative_to(layout.root)), mtime_ns=mtime)
+            )
+    return stamps
+
+
+def _insert_arrow(con: duckdb.DuckDBPyConnection, table: str, arrow: pa.Table) -> None:
+    name = f"_arrow_{table}"
+    con.register(name, arrow)
+    try:
+        con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM {name}")
+    finally:
+        con.unregister(name)
+
+
+def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
+    # Not a new cursor: a cursor does not inherit the connection's `USE idx`. Fetched at once.
+    row = con.execute(sql).fetchall()[0]
+    return int(row[0])
+
+
+def load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
+    """Create the schema in ``con``'s current database and fill it from the cache's manifest."""
+    layout = CacheLayout.at(root)
+    fingerprint = read_fingerprint(root)
+    for statement in split_statements(read_schema()):
+        con.execute(statement)
+    stamps = part_stamps(root)
+    files = {t: [layout.root / s.file for s in stamps if s.manifest_table == t] for t in MANIFEST_TABLES}
+    if files["samples"]:
+        con.execute(
+            "CREATE TEMP TABLE _samples AS SELECT *, "
+            f"row_number() OVER (PARTITION BY sample_id {_FIRST_COMMIT}) "
+            f"AS _copy FROM read_parquet({_file_list(files['samples'])})"
+        )
+        con.execute("INSERT INTO samples BY NAME SELECT * EXCLUDE (_copy) FROM _samples WHERE _copy = 1")
+        con.execute(
+            "INSERT INTO duplicates "
+            "SELECT sample_id, shard, row_start, created_at FROM _samples WHERE _copy > 1"
+        )
+        con.execute("DROP TABLE _samples")
+    for table in ("failures", "shards", "runs"):
+        if files[table]:
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_file_list(files[table])})")
+    edges = list(fingerprint.bucket_edges)
+    _insert_arrow(
+        con,
+        "buckets",
+        pa.table(
+            {
+                "bucket_id": pa.array(range(len(edges) + 1), pa.int32()),
+                "max_tokens": pa.array([*edges, None], pa.int32()),
+            }
+        ),
+    )
+    _insert_arrow(
+        con,
+        "parts",
+        pa.table(
+            {
+                "manifest_table": [s.manifest_table for s in stamps],
+                "file": [s.file for s in stamps],
+                "mtime_ns": pa.array([s.mtime_ns for s in stamps], pa.int64()),
+            }
+        ),
+    )
+    duplicates = _count(con, "SELECT count(*) FROM duplicates")
+    meta = {
+        "format_version": str(CACHE_FORMAT_VERSION),
+        "fingerprint_json": json.dumps(fingerprint.to_dict(), sort_keys=True),
+        "duplicates_dropped": str(duplicates),
+    }
+    _insert_arrow(con, "meta", pa.table({"key": list(meta), "value": list(meta.values())}))
+    return ManifestLoad(
+        samples=_count(con, "SELECT count(*) FROM samples"),
+        duplicates=duplicates,
+        failures=_count(con, "SELECT count(*) FROM failures"),
+        shards=_count(con, "SELECT count(*) FROM shards"),
+        runs=_count(con, "SELECT count(*) FROM runs"),
+        parts=len(stamps),
+    )
+
+
+def index_is_current(root: str | Path) -> bool:
+    """True when index.duckdb exists and was built from exactly the manifest parts on disk now."""
+    layout = CacheLayout.at(root)
+    if not layout.index_path.is_file():
+        return False
+    try:
+        con = duckdb.connect(str(layout.index_path), read_only=True)
+    except duckdb.Error:
+        return False
+    try:
+        rows = con.cursor().execute("SELECT manifest_table, file, mtime_ns FROM parts").fetchall()
+    except duckdb.Error:
+        return False
+    finally:
+        con.close()
+    indexed = {PartStamp(manifest_table=t, file=f, mtime_ns=int(m)) for t, f, m in rows}
+    return indexed == set(part_stamps(root))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QueryDatabase:
+    """A DuckDB connection with the cache's tables and views, and where they came from."""
+
+    con: duckdb.DuckDBPyConnection
+    source: Literal["manifest", "index"]
+    """``manifest``: loaded in memory from the Parquet parts now; ``index``: index.duckdb, read-only."""
+
+
+def open_query_database(root: str | Path, source: Source = "auto") -> QueryDatabase:
+    """``manifest`` loads the live Parquet manifest into memory (works while writers run); ``index``
+    opens index.duckdb read-only; ``auto`` uses the index only when it is current."""
+    layout = CacheLayout.at(root)
+    read_fingerprint(root)  # a clear error for a path that is not a cache
+    if source == "index" or (source == "auto" and index_is_current(root)):
+        if not layout.index_path.is_file():
+            raise CacheFormatError(
+                f"{layout.index_path} does not exist; build it with `dflash index {layout.root}`"
+            )
+        return QueryDatabase(con=duckdb.connect(str(layout.index_path), read_only=True), source="index")
+    con = duckdb.connect(":memory:")
+    load_manifest(con, root)
+    return QueryDatabase(con=con, source="manifest")

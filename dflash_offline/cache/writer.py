@@ -1,0 +1,445 @@
+"""``ShardWriter``: one writer session appending samples to its own Zarr group, then committing them.
+
+Shape legend: T = tokens of one sample, F = features per token, R = rows of the staging block.
+
+Flush policy (never a read-modify-write of a shard): rows are staged in RAM from a shard boundary
+(``block_start``). When at least one shard's worth is staged, the whole shards are written, each as a
+new shard file of every array (``shard_file.py``; zarr-python only creates the group's metadata); a
+sample that straddles the last written boundary keeps its tail staged, and the next write starts
+exactly at that boundary. ``flush()`` (explicit, once ``flush_seconds`` have
+passed since the last commit, or on ``close()``) writes everything staged, the last shard partial,
+commits every written sample in one manifest part, and moves the next block to the NEXT shard
+boundary: the rows in between are a gap that is never stored. Every shard file is written once.
+
+Commit rule: the Parquet part naming a sample is renamed into ``manifest/samples/`` only after every
+shard file holding its rows has been renamed into place (and fsynced, with its folders, when
+``fsync=True``).
+A crash leaves unreferenced bytes, never a row that points at missing data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import re
+import secrets
+import time
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+import torch
+
+from dflash_offline.cache.checksum import sample_checksum
+from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.layout import CacheLayout, create_or_open_cache, fsync_dir
+from dflash_offline.cache.manifest import (
+    committed_sample_ids,
+    failed_sample_ids,
+    record_run,
+    records_to_table,
+    write_part,
+)
+from dflash_offline.cache.records import FailureRow, SampleRow, SampleToWrite, ShardInfo, WriterStats, utc_now
+from dflash_offline.cache.shard_file import write_shard_file
+from dflash_offline.cache.zarr_format import ARRAYS, create_shard_group, set_num_rows
+from dflash_offline.errors import CacheFormatError, SampleError
+
+__all__ = ["ShardWriter", "committed_sample_ids", "failed_sample_ids", "new_session_id", "record_run"]
+
+MIB = 1 << 20
+DEFAULT_CHUNK_BYTES = MIB
+"""Inner chunk ≈ 1 MiB: compression needs ≥ 1 MB to reach its ratio (DESIGN §2)."""
+DEFAULT_SHARD_BYTES = 32 * MIB
+"""One shard file ≈ 32 MiB: few files, and a whole-shard write amortises zarr's per-call overhead."""
+_SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def new_session_id() -> str:
+    """A fresh session id: UTC time (sortable) plus random hex (unique across hosts)."""
+    return f"{utc_now():%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
+
+
+def shard_geometry(feature_width: int, *, chunk_bytes: int, shard_bytes: int) -> tuple[int, int]:
+    """(chunk_rows, shard_rows): an inner chunk of at least ``chunk_bytes`` and a shard of about
+    ``shard_bytes`` (a whole number of chunks)."""
+    row_bytes = feature_width * 2
+    chunk_rows = max(1, math.ceil(chunk_bytes / row_bytes))
+    chunks_per_shard = max(1, round(shard_bytes / (chunk_rows * row_bytes)))
+    return chunk_rows, chunk_rows * chunks_per_shard
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Staged:
+    """A sample whose rows are staged (possibly partly written) but not yet committed."""
+
+    sample_id: str
+    source_index: int
+    row_start: int
+    """Absolute first row in the shard group's arrays."""
+    num_tokens: int
+    num_loss_tokens: int
+    bucket_id: int
+    checksum: int
+
+
+class ShardWriter:
+    """Append-only writer of one session's shard group. Not thread-safe: one thread owns it."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        fingerprint: CacheFingerprint,
+        *,
+        worker: int,
+        session: str | None = None,
+        fsync: bool = False,
+        flush_seconds: float = 30.0,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        known_sample_ids: Collection[str] | None = None,
+        encode_threads: int | None = None,
+    ) -> None:
+        self.layout: CacheLayout = create_or_open_cache(root, fingerprint)
+        self.fingerprint = fingerprint
+        self.worker = int(worker)
+        self.session = session or new_session_id()
+        if not _SESSION_RE.match(self.session):
+            raise SampleError(
+                f"session {self.session!r} must be letters, digits, '_', '.', '-' (it names files)"
+            )
+        self.shard = f"w{self.worker:03d}-{self.session}"
+        self.fsync = fsync
+        self.flush_seconds = flush_seconds
+        self.feature_width = fingerprint.feature_width
+        self.chunk_rows, self.shard_rows = shard_geometry(
+            self.feature_width, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes
+        )
+        # Read before anything of this session is created: a manifest that cannot be read stops us early.
+        self._known = set(committed_sample_ids(root) if known_sample_ids is None else known_sample_ids)
+        group = self.layout.shard_group(self.shard)
+        if group.exists():
+            raise CacheFormatError(
+                f"shard group {group} already exists: each writer session needs a new session id"
+            )
+        self._group = group
+        self._formats = create_shard_group(
+            group,
+            feature_width=self.feature_width,
+            chunk_rows=self.chunk_rows,
+            shard_rows=self.shard_rows,
+            codec=fingerprint.codec,
+            attributes={"shard": self.shard, "worker": self.worker, "session": self.session},
+        )
+        created_at = utc_now()
+        self.info = ShardInfo(
+            shard=self.shard,
+            worker=self.worker,
+            session=self.session,
+            feature_width=self.feature_width,
+            chunk_rows=self.chunk_rows,
+            shard_rows=self.shard_rows,
+            codec=fingerprint.codec,
+            created_at=created_at,
+        )
+        if fsync:
+            self._fsync_tree(group)
+        write_part(
+            self.layout.table_dir("shards") / f"{self.shard}.parquet",
+            records_to_table("shards", [self.info]),
+            fsync=fsync,
+        )
+        # Staging block: rows [block_start, next_row) of the arrays, held in RAM until written.
+        self._block_start = 0
+        self._next_row = 0
+        capacity = self.shard_rows * 2
+        self._features_RF = np.empty((capacity, self.feature_width), dtype=np.uint16)
+        self._ids_R = np.empty(capacity, dtype=np.int32)
+        self._mask_R = np.empty(capacity, dtype=np.uint8)
+        self._staged: list[_Staged] = []  # rows staged in RAM (the first may be partly written)
+        self._written: list[_Staged] = []  # every row written, not yet committed
+        self._unsynced: set[Path] = set()  # shard files written since the last commit
+        self._failures: list[FailureRow] = []
+        self._written_rows = 0  # rows of the arrays as resized so far
+        self._part = 0
+        self._last_commit = time.monotonic()
+        self._closed = False
+        self._stats = dict(
+            samples=0, tokens=0, loss_tokens=0, raw_bytes=0, stored_bytes=0, failures=0, flushes=0
+        )
+        # Compression runs on a pool (numcodecs releases the GIL); none is needed for raw chunks.
+        threads = encode_threads or min(8, os.cpu_count() or 1)
+        compressed = self._formats["features"].codec is not None
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dflash-encode") if compressed else None
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> WriterStats:
+        return WriterStats(shard=self.shard, **self._stats)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        # The caller failed: still commit what was validated, but never hide the original error.
+        try:
+            self.close()
+        except Exception as close_error:
+            exc.add_note(f"and closing shard writer {self.shard} failed too: {close_error!r}")
+
+    # ----------------------------------------------------------------------------------------------
+    def _validate(self, sample: SampleToWrite) -> tuple[np.ndarray, np.ndarray]:
+        where = f"sample {sample.sample_id!r} (source_index {sample.source_index})"
+        if not isinstance(sample.sample_id, str) or not sample.sample_id:
+            raise SampleError(f"{where}: sample_id must be a non-empty string")
+        width = int(sample.features_TF.shape[1])
+        if width != self.feature_width:
+            raise SampleError(
+                f"{where}: features are {width} wide, the cache stores {self.feature_width} "
+                f"({len(self.fingerprint.layer_ids)} layers × hidden {self.fingerprint.hidden_size}); "
+                f"capture the layers in the fingerprint or write to another cache"
+            )
+        if sample.sample_id in self._known:
+            raise SampleError(f"{where}: sample_id is already in the cache; skip committed ids when resuming")
+        ids = np.asarray(sample.input_ids_T)
+        if ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max)):
+            raise SampleError(
+                f"{where}: input_ids must be non-negative integers that fit int32 (got {ids.dtype})"
+            )
+        mask = np.asarray(sample.loss_mask_T)
+        if mask.dtype.kind not in "biu" or (mask.size and mask.max() > 1):
+            raise SampleError(f"{where}: loss_mask must hold 0/1 values (got dtype {mask.dtype})")
+        expected_bucket = bisect.bisect_left(self.fingerprint.bucket_edges, sample.num_tokens)
+        if sample.bucket_id != expected_bucket:
+            raise SampleError(
+                f"{where}: bucket_id {sample.bucket_id} but {sample.num_tokens} tokens fall in bucket "
+                f"{expected_bucket} of edges {list(self.fingerprint.bucket_edges)}"
+            )
+        return ids.astype(np.int32, copy=False), mask.astype(np.uint8, copy=False)
+
+    def _reserve(self, rows: int) -> None:
+        capacity = self._features_RF.shape[0]
+        if rows <= capacity:
+            return
+        new_capacity = max(rows, 2 * capacity)
+        used = self._next_row - self._block_start
+        for name in ("_features_RF", "_ids_R", "_mask_R"):
+            old = getattr(self, name)
+            new = np.empty((new_capacity, *old.shape[1:]), dtype=old.dtype)
+            new[:used] = old[:used]
+            setattr(self, name, new)
+
+    def add(self, sample: SampleToWrite) -> None:
+        """Validate and stage one sample (nothing is written for an invalid one). Whole shards are
+        written as soon as a shard's worth is staged; they are committed (one manifest part) by the
+        next ``flush()``, which happens by itself once ``flush_seconds`` have passed since the last
+        commit, so that a long run produces a few parts per worker and minute, not one per shard."""
+        if self._closed:
+            raise SampleError(f"shard writer {self.shard} is closed")
+        ids_T, mask_T = self._validate(sample)
+        num_tokens = sample.num_tokens
+        offset = self._next_row - self._block_start
+        self._reserve(offset + num_tokens)
+        # Copy now: the caller may reuse its (pinned) buffer as soon as add() returns.
+        features_TF = self._features_RF[offset : offset + num_tokens]
+        features_TF[:] = sample.features_TF.detach().view(torch.uint16).numpy()
+        self._ids_R[offset : offset + num_tokens] = ids_T
+        self._mask_R[offset : offset + num_tokens] = mask_T
+        checksum = sample_checksum(
+            features_TF, self._ids_R[offset : offset + num_tokens], self._mask_R[offset : offset + num_tokens]
+        )
+        self._staged.append(
+            _Staged(
+                sample_id=sample.sample_id,
+                source_index=int(sample.source_index),
+                row_start=self._next_row,
+                num_tokens=num_tokens,
+                num_loss_tokens=int(np.count_nonzero(mask_T)),
+                bucket_id=int(sample.bucket_id),
+                checksum=checksum,
+            )
+        )
+        self._known.add(sample.sample_id)
+        self._next_row += num_tokens
+        if self._next_row - self._block_start >= self.shard_rows:
+            self._write(whole_shards_only=True)
+        self._maybe_flush_on_time()
+
+    def add_failure(self, *, sample_id: str, source_index: int, reason: str, detail: str) -> None:
+        """Record a sample that could not be cached; committed with the next manifest part."""
+        if self._closed:
+            raise SampleError(f"shard writer {self.shard} is closed")
+        self._failures.append(
+            FailureRow(
+                sample_id=sample_id,
+                source_index=int(source_index),
+                reason=reason,
+                detail=detail,
+                worker=self.worker,
+                session=self.session,
+                created_at=utc_now(),
+            )
+        )
+        self._maybe_flush_on_time()
+
+    def _maybe_flush_on_time(self) -> None:
+        if time.monotonic() - self._last_commit >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> list[SampleRow]:
+        """Write every staged row (the last shard partial), fsync if asked, then commit one manifest
+        part; returns the rows committed. The next sample starts at the next shard boundary."""
+        if self._closed:
+            return []
+        self._write(whole_shards_only=False)
+        return self._commit()
+
+    def close(self) -> WriterStats:
+        """Flush and close; idempotent."""
+        try:
+            if not self._closed:
+                self.flush()
+                self._closed = True
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+        return self.stats
+
+    # ----------------------------------------------------------------------------------------------
+    def _write(self, *, whole_shards_only: bool) -> None:
+        try:
+            self._write_unguarded(whole_shards_only=whole_shards_only)
+        except BaseException:
+            # A failed write may have left part of a shard on disk: never write to this group again
+            # (a retry would rewrite a shard). Committed rows stay valid; start a new session to go on.
+            self._closed = True
+            raise
+
+    def _write_unguarded(self, *, whole_shards_only: bool) -> None:
+        start, end = self._block_start, self._next_row
+        if whole_shards_only:
+            stop = start + (end - start) // self.shard_rows * self.shard_rows
+        else:
+            stop = end
+        if stop > start:
+            self._write_rows(start, stop)
+        done = 0
+        while (
+            done < len(self._staged) and self._staged[done].row_start + self._staged[done].num_tokens <= stop
+        ):
+            done += 1
+        self._written += self._staged[:done]
+        self._staged = self._staged[done:]
+        if whole_shards_only:
+            # Keep the tail (rows of samples straddling `stop`) staged; the next write starts at `stop`.
+            tail, used = end - stop, stop - start
+            for buf in (self._features_RF, self._ids_R, self._mask_R):
+                buf[:tail] = buf[used : used + tail]
+            self._block_start = stop
+        else:
+            assert not self._staged
+            self._block_start = self._next_row = math.ceil(end / self.shard_rows) * self.shard_rows
+
+    def _write_rows(self, start: int, stop: int) -> None:
+        """Write rows [start, stop) (start on a shard boundary) as new shard files of every array."""
+        assert start % self.shard_rows == 0
+        staged: dict[str, np.ndarray] = {
+            "features": self._features_RF,
+            "input_ids": self._ids_R,
+            "loss_mask": self._mask_R,
+        }
+        for index in range(start // self.shard_rows, (stop - 1) // self.shard_rows + 1):
+            lo, hi = index * self.shard_rows, min(stop, (index + 1) * self.shard_rows)
+            for name in ARRAYS:
+                fmt = self._formats[name]
+                rows = staged[name][lo - start : hi - start]
+                self._stats["stored_bytes"] += write_shard_file(
+                    fmt, index, rows, pool=self._pool, fsync=False
+                )
+                self._unsynced.add(fmt.shard_path(index))
+        if stop > self._written_rows:  # the shape other readers bound their reads by; never trusted here
+            for name in ARRAYS:
+                set_num_rows(self._formats[name], stop)
+            self._written_rows = stop
+
+    def _sync_written(self) -> None:
+        """fsync every shard file written since the last commit, the folders naming them, and the
+        arrays' zarr.json (their resized shape)."""
+        folders = {path.parent for path in self._unsynced}
+        for path in sorted(self._unsynced):
+            _fsync_file(path)
+        for name in ARRAYS:
+            _fsync_file(self._group / name / "zarr.json")
+            folders |= {self._group / name / "c", self._group / name}
+        for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+            fsync_dir(folder)
+        self._unsynced.clear()
+
+    def _commit(self) -> list[SampleRow]:
+        """Commit the written samples and the failures: one manifest part each (data first)."""
+        written, failures = self._written, self._failures
+        if not written and not failures:
+            return []
+        if self.fsync and self._unsynced:
+            self._sync_written()
+        self._unsynced.clear()
+        now = utc_now()
+        rows = [
+            SampleRow(
+                sample_id=s.sample_id,
+                source_index=s.source_index,
+                shard=self.shard,
+                row_start=s.row_start,
+                num_tokens=s.num_tokens,
+                num_loss_tokens=s.num_loss_tokens,
+                bucket_id=s.bucket_id,
+                checksum=s.checksum,
+                worker=self.worker,
+                session=self.session,
+                created_at=now,
+            )
+            for s in written
+        ]
+        if rows:
+            path = self.layout.part_path("samples", self.shard, self._part)
+            write_part(path, records_to_table("samples", rows), fsync=self.fsync)
+        if failures:
+            path = self.layout.part_path("failures", self.shard, self._part)
+            write_part(path, records_to_table("failures", failures), fsync=self.fsync)
+        self._written, self._failures = [], []
+        self._part += 1
+        self._last_commit = time.monotonic()
+        tokens = sum(r.num_tokens for r in rows)
+        stats = self._stats
+        stats["samples"] += len(rows)
+        stats["tokens"] += tokens
+        stats["loss_tokens"] += sum(r.num_loss_tokens for r in rows)
+        stats["raw_bytes"] += tokens * (self.feature_width * 2 + 4 + 1)
+        stats["failures"] += len(failures)
+        stats["flushes"] += 1
+        return rows
+
+    def _fsync_tree(self, folder: Path) -> None:
+        for dirpath, _dirnames, filenames in os.walk(folder):
+            for name in filenames:
+                _fsync_file(Path(dirpath) / name)
+            fsync_dir(Path(dirpath))
+        fsync_dir(folder.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

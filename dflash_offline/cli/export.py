@@ -1,0 +1,20 @@
+"""``dflash export``: write a run's drafter in z-lab's DFlash layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), required=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
+@click.option("--step", type=int, default=None, help="Checkpoint step to export (default: the newest).")
+def export(run_dir: Path, out_dir: Path, dtype: str, step: int | None) -> None:
+    """Export the drafter of RUN_DIR (its newest checkpoint) as config.json + model.safetensors."""
+    from dflash_offline.train.export_run import export_run
+
+    path = export_run(run_dir, out_dir, dtype=dtype, step=step)
+    click.echo(f"exported to {path}")

@@ -1,0 +1,125 @@
+"""``dflash generate``: capture target hidden states into the cache (resumable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dflash_offline.cli.options import (
+    cache_option,
+    data_option,
+    placement_options,
+    progress_option,
+    seed_option,
+    target_option,
+)
+
+
+@click.command()
+@cache_option(help="Cache directory to create or resume (rerunning the same command resumes).")
+@target_option
+@data_option
+@click.option(
+    "--skip", type=click.IntRange(min=0), default=0, show_default=True, help="Records to skip first."
+)
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="Records to read after --skip.")
+@click.option("--max-len", "max_length", type=click.IntRange(min=2), default=3072, show_default=True)
+@click.option(
+    "--too-long",
+    type=click.Choice(["truncate", "skip"]),
+    default="skip",
+    show_default=True,
+    help="What to do with conversations longer than --max-len tokens.",
+)
+@click.option(
+    "--layer-ids", default=None, help="Captured target layers, e.g. 1,9,17,25,33 (default: DFlash rule)."
+)
+@click.option("--num-features", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--bucket-edges", default="256,512,1024,2048,3072", show_default=True)
+@click.option(
+    "--tokens-per-batch",
+    type=click.IntRange(min=1),
+    default=16384,
+    show_default=True,
+    help="Padded tokens per forward (rows × longest row).",
+)
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option(
+    "--window",
+    "window_records",
+    type=click.IntRange(min=1),
+    default=8192,
+    show_default=True,
+    help="Records planned (bucketed, packed, shuffled) together.",
+)
+@seed_option
+@click.option("--codec", default=None, help="Feature codec (default: the cache library's measured default).")
+@click.option(
+    "--fsync/--no-fsync", default=False, show_default=True, help="fsync shards before committing rows."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default=None,
+    help="Compute dtype (default: float32 on CPU, bfloat16 on GPU).",
+)
+@placement_options
+@progress_option
+def generate(
+    cache_dir: Path,
+    target: str,
+    data: str | None,
+    skip: int,
+    limit: int | None,
+    max_length: int,
+    too_long: str,
+    layer_ids: str | None,
+    num_features: int,
+    bucket_edges: str,
+    tokens_per_batch: int,
+    max_batch_size: int,
+    window_records: int,
+    seed: int,
+    codec: str | None,
+    fsync: bool,
+    dtype: str | None,
+    gpus: str | None,
+    workers: int,
+    threads: int,
+    progress: bool,
+) -> None:
+    """Run the target over a chat data set and store the hidden states of a few layers."""
+    from dflash_offline.generate.config import GenerateConfig, Placement, parse_gpus
+    from dflash_offline.generate.launch import generate_from_config
+    from dflash_offline.generate.plan import parse_bucket_edges
+
+    config = GenerateConfig(
+        cache_dir=cache_dir,
+        target=target,
+        data=None if data is None else Path(data),
+        skip=skip,
+        limit=limit,
+        max_length=max_length,
+        too_long=too_long,  # type: ignore[arg-type]
+        layer_ids=None if layer_ids is None else _parse_ids(layer_ids),
+        num_features=num_features,
+        bucket_edges=parse_bucket_edges(bucket_edges),
+        tokens_per_batch=tokens_per_batch,
+        max_batch_size=max_batch_size,
+        window_records=window_records,
+        seed=seed,
+        codec=codec,
+        fsync=fsync,
+        dtype=dtype,
+        placement=Placement(gpus=parse_gpus(gpus), num_cpu_workers=workers, threads_per_worker=threads),
+        progress=progress,
+    )
+    generate_from_config(config)
+
+
+def _parse_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise click.BadParameter(f"{text!r}: expected comma-separated integers") from e

@@ -1,0 +1,51 @@
+"""``dflash sql CACHE "SELECT ..."`` / ``dflash sql CACHE --query NAME``: query a cache with DuckDB."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dflash_offline.sql_files import named_queries
+
+
+def _query_names() -> str:
+    try:
+        return ", ".join(sorted(named_queries()))
+    except Exception:  # pragma: no cover - only the help text depends on it
+        return "(manifests/queries not found)"
+
+
+@click.command(
+    epilog="Tables: samples, failures, shards, runs, buckets, duplicates, parts, meta. "
+    "Views: bucket_stats, shard_stats, failure_stats, progress."
+)
+@click.argument("cache", type=click.Path(path_type=Path))
+@click.argument("statement", required=False)
+@click.option("--query", "-q", "query_name", metavar="NAME", help=f"Run a named query: {_query_names()}.")
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["table", "csv", "json"]),
+    default="table",
+    show_default=True,
+)
+@click.option(
+    "--source",
+    type=click.Choice(["auto", "manifest", "index"]),
+    default="auto",
+    show_default=True,
+    help="auto: index.duckdb when it is current, else the live Parquet manifest (works while writing).",
+)
+def sql(cache: Path, statement: str | None, query_name: str | None, output_format: str, source: str) -> None:
+    """Run one SQL STATEMENT (or --query NAME) against CACHE and print the result."""
+    from dflash_offline.cache.sql import SqlConfig, query_cache
+
+    config = SqlConfig(
+        root=cache,
+        sql=statement,
+        query_name=query_name,
+        output_format=output_format,  # type: ignore[arg-type]
+        source=source,  # type: ignore[arg-type]
+    )
+    click.echo(query_cache(config))

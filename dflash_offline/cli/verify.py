@@ -1,0 +1,22 @@
+"""``dflash verify CACHE``: re-read and re-checksum every committed sample; exit 1 on damage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("cache", type=click.Path(path_type=Path))
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+@click.option("--threads", type=click.IntRange(1, 256), default=4, show_default=True, help="Reader threads.")
+def verify(cache: Path, progress: bool, threads: int) -> None:
+    """Re-read every committed sample of CACHE, check its crc32c, and report damaged samples (by
+    shard), duplicated ids and unreferenced bytes. Exits 1 when a sample is damaged or duplicated."""
+    from dflash_offline.cache.verify import verify_cache
+
+    report = verify_cache(cache, progress=progress, num_threads=threads)
+    click.echo(report.render())
+    if not report.ok:
+        raise SystemExit(1)

@@ -1,0 +1,231 @@
+"""Render conversations with the target's chat template and mark the tokens the assistant generates.
+
+The loss mask is 1 on every token the model itself produces in an assistant turn: the turn's content
+*and* its end-of-turn token (``<|im_end|>`` for ChatML templates such as SmolLM2's), because the
+drafter must learn to predict where a turn ends. It is 0 on the turn header (``<|im_start|>assistant\\n``),
+on the whitespace a template writes after the end-of-turn token (the model never generates it: decoding
+stops at the end token), on system and user turns, and on empty assistant turns.
+
+Spans are found on characters, then mapped to tokens with the tokenizer's offset mapping, so a token
+that merges header and content characters (``"\\n\\n"`` when the content starts with a newline) is
+handled: a token is trained when it overlaps a span by at least one character.
+
+How the character spans are found, for any template that renders messages in order:
+  1. by prefix (exact): turn k starts where ``render(messages[:k], add_generation_prompt=True)`` ends and
+     ends where ``render(messages[:k+1])`` ends, trailing whitespace excluded. Used when every such
+     render is a prefix of the full render.
+  2. by search, when a template renders a turn differently once later turns follow (Qwen3 drops
+     reasoning from earlier turns; SmolLM2 adds its default system prompt only on a non-empty list):
+     each message's content is found in order in the full render, and the assistant span extends over
+     the template's end-of-turn marker (learned by rendering a probe conversation).
+Neither works -> ``template_error`` with the turn named.
+
+Shape legend: T = tokens of the rendered conversation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+import numpy as np
+
+from dflash_offline.data.records import Conversation, SourceFailure, TokenizedSample
+from dflash_offline.errors import DataError
+
+TooLong = Literal["truncate", "skip"]
+_PROBE_SENTINEL = "\u2063dflash-probe-7f3a\u2063"
+
+Chat = list[dict[str, str]]
+Render = Callable[[Chat, bool], str]
+
+
+def _sha16(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def chat_template_hash(tokenizer: Any) -> str:
+    """16 hex characters of sha256 over the chat template text (all named templates when a dict)."""
+    template = tokenizer.chat_template
+    if template is None:
+        raise DataError("the tokenizer has no chat template; use a target whose tokenizer defines one")
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return _sha16(text)
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """16 hex characters of sha256 over the canonical tokenizer definition.
+
+    For fast tokenizers this is the backend's JSON (vocab, merges, added tokens, normalizer,
+    pre-tokenizer, post-processor, decoder) with keys sorted and the runtime padding/truncation
+    settings removed, plus the special-token map: stable across processes, machines and a
+    save_pretrained round trip."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state: dict[str, Any] = json.loads(backend.to_str())
+        state.pop("truncation", None)
+        state.pop("padding", None)
+    else:
+        state = {"vocab": sorted(tokenizer.get_vocab().items())}
+    state["special_tokens_map"] = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    return _sha16(json.dumps(state, sort_keys=True, ensure_ascii=False))
+
+
+def _renderer(tokenizer: Any) -> Render:
+    def render(messages: Chat, add_generation_prompt: bool) -> str:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert isinstance(text, str), type(text)
+        return text
+
+    return render
+
+
+def tokenize_conversation(
+    tokenizer: Any, conv: Conversation, *, max_length: int, too_long: TooLong
+) -> TokenizedSample | SourceFailure:
+    """Render ``conv`` with the tokenizer's chat template, tokenize it and build the loss mask.
+
+    Longer than ``max_length`` tokens: ``truncate`` keeps the first ``max_length`` tokens,
+    ``skip`` returns a ``too_long`` failure. No trained token (left) -> ``empty_response``."""
+    if max_length < 1:
+        raise DataError(f"--max-len must be >= 1, got {max_length}")
+    if too_long not in ("truncate", "skip"):
+        raise DataError(f"--too-long must be 'truncate' or 'skip', got {too_long!r}")
+    if tokenizer.chat_template is None:
+        raise DataError("the tokenizer has no chat template; use a target whose tokenizer defines one")
+
+    def fail(reason: str, detail: str) -> SourceFailure:
+        return SourceFailure(
+            sample_id=conv.sample_id, source_index=conv.source_index, reason=reason, detail=detail
+        )
+
+    if not conv.messages:
+        return fail("empty_conversation", "the conversation has no messages")
+    chat: Chat = [{"role": m.role, "content": m.content} for m in conv.messages]
+    render = _renderer(tokenizer)
+    try:
+        text = render(chat, False)
+    except Exception as e:  # a user-supplied template may raise anything (jinja's raise_exception, ...)
+        return fail("template_error", f"rendering the conversation: {type(e).__name__}: {e}")
+
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids_T = np.asarray(encoded["input_ids"], dtype=np.int32)
+    offsets_T2 = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    num_tokens = int(ids_T.shape[0])
+    truncated = num_tokens > max_length
+    if truncated:
+        if too_long == "skip":
+            return fail("too_long", f"{num_tokens} tokens after templating > --max-len {max_length}")
+        ids_T = ids_T[:max_length]
+        offsets_T2 = offsets_T2[:max_length]
+    char_limit = int(offsets_T2[-1, 1]) if num_tokens else 0
+
+    try:
+        spans = assistant_char_spans(render, chat, text, char_limit=char_limit)
+    except _SpanError as e:
+        return fail("template_error", str(e))
+    loss_mask_T = spans_to_token_mask(spans, offsets_T2)
+    if not loss_mask_T.any():
+        where = f" within the first {max_length} tokens" if truncated else ""
+        return fail("empty_response", f"no assistant token to train on{where}")
+    return TokenizedSample(
+        sample_id=conv.sample_id,
+        source_index=conv.source_index,
+        input_ids_T=np.ascontiguousarray(ids_T),
+        loss_mask_T=loss_mask_T,
+        truncated=truncated,
+    )
+
+
+def spans_to_token_mask(spans: list[tuple[int, int]], offsets_T2: np.ndarray) -> np.ndarray:
+    """uint8 [T]: 1 on each token whose character range [start, end) overlaps a span [a, b)."""
+    starts_T, ends_T = offsets_T2[:, 0], offsets_T2[:, 1]
+    mask_T = np.zeros(offsets_T2.shape[0], dtype=bool)
+    for a, b in spans:
+        # A zero-width token strictly inside a span counts as inside it.
+        mask_T |= (ends_T > a) & (starts_T < b)
+    return mask_T.astype(np.uint8)
+
+
+class _SpanError(Exception):
+    """The assistant turns cannot be located in the rendered text (becomes ``template_error``)."""
+
+
+def assistant_char_spans(
+    render: Render, chat: Chat, text: str, *, char_limit: int | None = None
+) -> list[tuple[int, int]]:
+    """Character spans [start, end) of the assistant-generated text in ``text`` = render(chat).
+
+    Turns starting at or after ``char_limit`` (the end of the kept tokens) are not located."""
+    limit = len(text) if char_limit is None else char_limit
+    spans = _spans_by_prefix(render, chat, text, limit)
+    if spans is None:
+        spans = _spans_by_search(render, chat, text, limit)
+    return spans
+
+
+def _spans_by_prefix(render: Render, chat: Chat, text: str, limit: int) -> list[tuple[int, int]] | None:
+    spans: list[tuple[int, int]] = []
+    for k, message in enumerate(chat):
+        if message["role"] != "assistant" or not message["content"].strip():
+            continue
+        try:
+            before = render(chat[:k], True)
+            through = render(chat[: k + 1], False)
+        except Exception:
+            return None  # e.g. a template that refuses an empty or assistant-first prefix
+        if not (through.startswith(before) and text.startswith(through)):
+            return None
+        start, end = len(before), len(through.rstrip())
+        if start >= limit:
+            break
+        if end > start:
+            spans.append((start, end))
+    return spans
+
+
+def _end_of_turn_marker(render: Render) -> str:
+    """What the template writes right after an assistant message's content, whitespace stripped."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE_SENTINEL}]
+    try:
+        rendered = render(probe, False)
+    except Exception:
+        return ""
+    at = rendered.rfind(_PROBE_SENTINEL)
+    if at < 0:
+        return ""
+    return rendered[at + len(_PROBE_SENTINEL) :].strip()
+
+
+def _spans_by_search(render: Render, chat: Chat, text: str, limit: int) -> list[tuple[int, int]]:
+    end_marker = _end_of_turn_marker(render)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for k, message in enumerate(chat):
+        content = message["content"]
+        if not content.strip():
+            continue
+        at = text.find(content, cursor)
+        if at < 0:  # templates often strip the content
+            content = content.strip()
+            at = text.find(content, cursor)
+        if at < 0:
+            if message["role"] == "assistant":
+                raise _SpanError(
+                    f"message {k} (assistant) is not found verbatim in the rendered conversation and the "
+                    "template does not render conversation prefixes as prefixes; cannot mark its tokens"
+                )
+            continue  # a system/user text the template rewrites: nothing to mark, keep the cursor
+        end = at + len(content)
+        if message["role"] == "assistant":
+            if at >= limit:
+                break
+            if end_marker and text.startswith(end_marker, end):
+                end += len(end_marker)
+            spans.append((at, end))
+        cursor = end
+    return spans

@@ -1,0 +1,100 @@
+"""How capture jobs reach workers: dynamically, so that a slow worker never stalls the others.
+
+Two transports behind one interface:
+- ``QueueJobChannel``: a bounded multiprocessing queue, for worker processes spawned by one
+  coordinator (``--gpus`` / ``--workers``).
+- ``StoreJobChannel``: a ``torch.distributed`` key-value store, for ``torchrun`` where every rank is
+  a worker and rank 0 also plans; workers claim job slots with an atomic counter.
+Both carry ``CaptureJob`` records (pickled dataclasses, never tuples); ``None`` means "no more jobs".
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import time
+from typing import Any, Protocol
+
+from dflash_offline.generate.plan import CaptureJob
+
+
+class JobChannel(Protocol):
+    def put(self, job: CaptureJob) -> None: ...
+    def finish(self, num_consumers: int) -> None: ...
+    def get(self, timeout: float) -> CaptureJob | bool | None:
+        """A job; None when the producer has finished; False on timeout (poll again)."""
+        ...
+
+
+class QueueJobChannel:
+    """A bounded multiprocessing queue: ``put`` blocks when workers are ``depth`` jobs behind."""
+
+    def __init__(self, mp_context: Any, depth: int) -> None:
+        self._queue = mp_context.Queue(maxsize=depth)
+
+    def put(self, job: CaptureJob, timeout: float | None = None) -> None:
+        self._queue.put(job, timeout=timeout)
+
+    def try_put(self, job: CaptureJob, timeout: float) -> bool:
+        try:
+            self._queue.put(job, timeout=timeout)
+        except queue.Full:
+            return False
+        return True
+
+    def finish(self, num_consumers: int) -> None:
+        for _ in range(num_consumers):
+            self._queue.put(None)
+
+    def get(self, timeout: float) -> CaptureJob | bool | None:
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        assert item is None or isinstance(item, CaptureJob)
+        return item
+
+    def cancel_join(self) -> None:
+        """Let the coordinator exit even if jobs are still queued (after a stop)."""
+        self._queue.cancel_join_thread()
+
+
+class StoreJobChannel:
+    """Jobs published under ``job/<slot>`` keys of a distributed store, claimed with ``store.add``.
+
+    The producer publishes at most ``lookahead`` slots beyond the claims, so the store (held in
+    rank 0's memory) stays bounded. ``finish`` publishes one end marker per consumer."""
+
+    _END = b"end"
+
+    def __init__(self, store: Any, *, prefix: str, lookahead: int) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._lookahead = lookahead
+        self._published = 0
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}"
+
+    def put(self, job: CaptureJob) -> None:
+        while self._published - int(self._store.add(self._key("claimed"), 0)) >= self._lookahead:
+            time.sleep(0.01)
+        self._store.set(self._key(f"job/{self._published}"), pickle.dumps(job))
+        self._published += 1
+
+    def finish(self, num_consumers: int) -> None:
+        for _ in range(num_consumers):
+            self._store.set(self._key(f"job/{self._published}"), self._END)
+            self._published += 1
+
+    def get(self, timeout: float) -> CaptureJob | bool | None:
+        slot = int(self._store.add(self._key("claimed"), 1)) - 1
+        key = self._key(f"job/{slot}")
+        self._store.wait([key])  # the store's own timeout bounds a producer that died
+        payload = self._store.get(key)
+        self._store.delete_key(key)
+        if payload == self._END:
+            return None
+        job = pickle.loads(payload)
+        assert isinstance(job, CaptureJob)
+        return job

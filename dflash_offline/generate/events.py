@@ -1,0 +1,63 @@
+"""Records that workers send to the coordinating process (one queue, one record type per event)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_offline.cache.records import WriterStats
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerStarted:
+    worker: int
+    device: str
+    load_seconds: float
+    """Time to build the target on the device."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobDone:
+    """A job's samples were handed to the writer (committed at the writer's next flush)."""
+
+    worker: int
+    job_index: int
+    new_samples: int
+    """Samples of the job that the cache did not hold yet and that were written."""
+    new_tokens: int
+    failures: int
+    """Samples of the job that failed (non-finite features)."""
+    stored_bytes: int
+    """Bytes the worker's shard holds on disk so far (cumulative)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerTimings:
+    """Where a worker's wall time went."""
+
+    forward_seconds: float
+    """Target forward + padding strip + async copy launch (synchronised per batch on CPU only)."""
+    job_wait_seconds: float
+    """Waiting for the planner to hand out a job."""
+    writer_wait_seconds: float
+    """Forward loop blocked because the writer queue was full (disk or encode is the bottleneck)."""
+    write_seconds: float
+    """Writer thread busy encoding, checksumming and writing."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerFinished:
+    worker: int
+    device: str
+    jobs: int
+    stats: WriterStats
+    timings: WorkerTimings
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerFailed:
+    worker: int
+    device: str
+    traceback: str
+
+
+WorkerEvent = WorkerStarted | JobDone | WorkerFinished | WorkerFailed

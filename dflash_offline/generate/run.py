@@ -1,0 +1,455 @@
+"""The coordinator of ``dflash generate``: fingerprint, resume, plan, spawn workers, watch, summarise.
+
+One process plans (tokenizes and packs jobs, in a thread) and feeds a bounded job queue; one worker
+process per GPU (or ``--workers N`` CPU processes) captures and writes. Under ``torchrun`` every rank
+is a worker and rank 0 also plans and merges the index (``run_generate_distributed``).
+
+Rerunning the same command resumes: committed and failed samples are skipped, a different
+fingerprint is refused naming the field. Ctrl-C stops cleanly (workers finish their job and commit);
+an exception in a worker stops the run with the worker's traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.layout import create_or_open_cache, sweep_partial_files
+from dflash_offline.cache.manifest import (
+    committed_sample_ids,
+    failed_sample_ids,
+    record_run,
+    records_to_table,
+    write_part,
+)
+from dflash_offline.cache.records import FailureRow, RunRow, utc_now
+from dflash_offline.cache.writer import new_session_id
+from dflash_offline.data.records import SourceFailure
+from dflash_offline.errors import WorkerError
+from dflash_offline.generate.channel import QueueJobChannel
+from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted
+from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
+from dflash_offline.generate.progress import GenerateProgress
+from dflash_offline.generate.worker import WorkerSpec, run_worker
+
+PLANNER_WORKER_ID = -1
+"""``worker`` value of failure rows written by the planner (records that never reached a target)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunContext:
+    """What the coordinator derives before any worker starts."""
+
+    config: GenerateConfig
+    fingerprint: CacheFingerprint
+    tokenizer: Any
+    pad_id: int
+    done_ids: frozenset[str]
+    """Committed or failed sample ids already in the cache (resume)."""
+    run_id: str
+    session: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateSummary:
+    """The outcome of one run (also written as the ``runs`` table row)."""
+
+    run_id: str
+    status: str
+    samples_committed: int
+    tokens_committed: int
+    failures: int
+    stored_bytes: int
+    seconds: float
+    skipped_already_done: int
+    """Samples of the plan the cache already held (resume)."""
+    workers: tuple[WorkerFinished, ...]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_committed / self.seconds if self.seconds > 0 else 0.0
+
+
+def prepare_run(config: GenerateConfig) -> RunContext:
+    """Resolve target, tokenizer and layers; create or check the cache; load the resume state."""
+    from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec
+    from dflash_offline.data.sources import resolve_data_path, source_name
+    from dflash_offline.data.template import chat_template_hash, tokenizer_hash
+    from dflash_offline.target.layers import default_layer_ids
+    from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
+
+    data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts
+    info = target_info(resolve_target(config.target))
+    tokenizer = load_tokenizer(config.target)
+    if config.layer_ids is not None:
+        bad = [i for i in config.layer_ids if not 0 <= i < info.num_layers]
+        if bad:
+            from dflash_offline.errors import ConfigError
+
+            raise ConfigError(f"--layer-ids {list(config.layer_ids)}: {bad} outside 0..{info.num_layers - 1}")
+        layer_ids = tuple(sorted(set(config.layer_ids)))
+    else:
+        layer_ids = default_layer_ids(info.num_layers, config.num_features)
+    codec = config.codec or DEFAULT_CODEC
+    codec_spec(codec)  # unknown names fail here with the list of known ones
+    fingerprint = CacheFingerprint(
+        target_id=info.target_id,
+        weights_hash=info.weights_hash,
+        num_target_layers=info.num_layers,
+        layer_ids=layer_ids,
+        hidden_size=info.hidden_size,
+        storage_dtype="bfloat16",
+        codec=codec,
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        chat_template_hash=chat_template_hash(tokenizer),
+        max_length=config.max_length,
+        too_long=config.too_long,
+        bucket_edges=config.bucket_edges,
+        data_source=source_name(data_path),
+    )
+    create_or_open_cache(config.cache_dir, fingerprint)
+    done = committed_sample_ids(config.cache_dir) | failed_sample_ids(config.cache_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    session = new_session_id()
+    return RunContext(
+        config=config,
+        fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        pad_id=int(pad_id),
+        done_ids=frozenset(done),
+        run_id=f"generate-{session}",
+        session=session,
+    )
+
+
+def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
+    """The deterministic job stream of this run (resume only filters it)."""
+    from dflash_offline.data.sources import iter_records
+    from dflash_offline.data.template import tokenize_conversation
+
+    config = ctx.config
+    records = iter_records(config.data, skip=config.skip, limit=config.limit)
+    return plan_jobs(
+        records,
+        lambda conv: tokenize_conversation(
+            ctx.tokenizer, conv, max_length=config.max_length, too_long=config.too_long
+        ),
+        PlanConfig(
+            bucket_edges=config.bucket_edges,
+            tokens_per_batch=config.tokens_per_batch,
+            max_batch_size=config.max_batch_size,
+            window_records=config.window_records,
+            seed=config.seed,
+        ),
+        is_done=ctx.done_ids.__contains__,
+    )
+
+
+class FailureLog:
+    """Writes the planner's failures as manifest parts of its own (temp file + rename)."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self._layout = create_or_open_cache(ctx.config.cache_dir, ctx.fingerprint)
+        self._name = f"plan-{ctx.session}"
+        self._session = ctx.session
+        self._fsync = ctx.config.fsync
+        self._part = 0
+        self.count = 0
+
+    def write(self, failures: tuple[SourceFailure, ...]) -> None:
+        if not failures:
+            return
+        now = utc_now()
+        rows = [
+            FailureRow(
+                sample_id=f.sample_id,
+                source_index=f.source_index,
+                reason=f.reason,
+                detail=f.detail,
+                worker=PLANNER_WORKER_ID,
+                session=self._session,
+                created_at=now,
+            )
+            for f in failures
+        ]
+        write_part(
+            self._layout.part_path("failures", self._name, self._part),
+            records_to_table("failures", rows),
+            fsync=self._fsync,
+        )
+        self._part += 1
+        self.count += len(rows)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Tally:
+    """Mutable counters of the coordinator's event loop (never crosses a thread boundary)."""
+
+    samples: int = 0
+    tokens: int = 0
+    failures: int = 0
+    stored_bytes_by_worker: dict[int, int] = field(default_factory=dict)
+    finished: dict[int, WorkerFinished] = field(default_factory=dict)
+    failed: list[WorkerFailed] = field(default_factory=list)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(self.stored_bytes_by_worker.values())
+
+
+class _Planner(threading.Thread):
+    """Feeds the job channel from the plan; records failures; stops on request. Errors are kept."""
+
+    def __init__(
+        self, ctx: RunContext, channel: QueueJobChannel, stop: threading.Event, num_workers: int
+    ) -> None:
+        super().__init__(name="planner", daemon=True)
+        self._ctx = ctx
+        self._channel = channel
+        self._stop_requested = stop
+        self._num_workers = num_workers
+        self.failure_log = FailureLog(ctx)
+        self.error: BaseException | None = None
+        self.planned_samples = 0
+        self.planned_tokens = 0
+        self.skipped = 0
+        self.done = False
+
+    def run(self) -> None:
+        try:
+            for event in plan_events(self._ctx):
+                if self._stop_requested.is_set():
+                    return
+                self.failure_log.write(event.failures)
+                self.skipped += event.samples_already_done
+                job = event.job
+                if job is None:
+                    continue
+                self.skipped += len(job.samples) - job.num_new_samples
+                self.planned_samples += job.num_new_samples
+                self.planned_tokens += sum(
+                    s.num_tokens for s, done in zip(job.samples, job.already_done) if not done
+                )
+                while not self._channel.try_put(job, timeout=0.5):
+                    if self._stop_requested.is_set():
+                        return
+            self.done = True
+            self._channel.finish(self._num_workers)
+        except BaseException as e:
+            self.error = e
+
+
+def run_generate(
+    config: GenerateConfig, *, on_event: Callable[[object], None] | None = None
+) -> GenerateSummary:
+    """Run (or resume) a generate job on ``config.placement``; returns the summary.
+
+    Raises ``WorkerError`` (with the worker's traceback) when a worker fails; KeyboardInterrupt
+    stops workers after their current job and leaves the cache resumable (status ``interrupted``)."""
+    ctx = prepare_run(config)
+    sweep_partial_files(config.cache_dir)  # no writer of ours is running yet
+    placement = config.placement
+    num_workers = placement.num_workers
+    started_at = utc_now()
+    start = time.perf_counter()
+    run_row = _run_row(ctx, started_at=started_at, status="running", tally=_Tally(), num_workers=num_workers)
+    record_run(config.cache_dir, run_row)
+
+    mp_context = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
+    channel = QueueJobChannel(mp_context, depth=2 * num_workers + 2)
+    events: Any = mp_context.Queue()
+    stop_workers = mp_context.Event()
+    stop_planner = threading.Event()
+    processes = []
+    for worker in range(num_workers):
+        spec = WorkerSpec(
+            worker=worker,
+            device=placement.device_of(worker),
+            cpu_threads=placement.cpu_threads(),
+            target=config.target,
+            dtype=config.dtype,
+            cache_dir=config.cache_dir,
+            fingerprint=ctx.fingerprint,
+            session=ctx.session,
+            fsync=config.fsync,
+            flush_seconds=config.flush_seconds,
+            tokens_per_batch=config.tokens_per_batch,
+            writer_queue_depth=config.writer_queue_depth,
+            pad_id=ctx.pad_id,
+        )
+        process = mp_context.Process(
+            target=run_worker, args=(spec, channel, events, stop_workers), name=f"dflash-worker-{worker}"
+        )
+        process.start()
+        processes.append(process)
+
+    planner = _Planner(ctx, channel, stop_planner, num_workers)
+    planner.start()
+    tally = _Tally()
+    dead_since: dict[int, float] = {}
+    progress = GenerateProgress(enabled=config.progress, num_workers=num_workers)
+    status = "finished"
+    error: BaseException | None = None
+    try:
+        while len(tally.finished) + len(tally.failed) < num_workers:
+            if planner.error is not None:
+                raise planner.error
+            try:
+                event = events.get(timeout=0.2)
+            except queue.Empty:
+                _check_dead_workers(processes, tally, dead_since)
+                progress.update(tally=_progress_view(tally, planner))
+                continue
+            if on_event is not None:
+                on_event(event)
+            if isinstance(event, JobDone):
+                tally.samples += event.new_samples
+                tally.tokens += event.new_tokens
+                tally.failures += event.failures
+                tally.stored_bytes_by_worker[event.worker] = event.stored_bytes
+            elif isinstance(event, WorkerFinished):
+                tally.finished[event.worker] = event
+                tally.stored_bytes_by_worker[event.worker] = event.stats.stored_bytes
+            elif isinstance(event, WorkerFailed):
+                tally.failed.append(event)
+                raise WorkerError(
+                    f"worker {event.worker} ({event.device}) failed; the cache is resumable. "
+                    f"Its traceback:\n{event.traceback}"
+                )
+            elif isinstance(event, WorkerStarted):
+                progress.worker_started(event)
+            progress.update(tally=_progress_view(tally, planner))
+        if planner.error is not None:
+            raise planner.error
+    except KeyboardInterrupt as e:
+        status, error = "interrupted", e
+    except BaseException as e:
+        status, error = "failed", e
+    finally:
+        stop_planner.set()
+        if status != "finished":
+            stop_workers.set()
+        _drain_and_join(processes, events, tally, channel)
+        progress.close()
+        planner.join(timeout=5)
+
+    failures = tally.failures + planner.failure_log.count
+    summary = GenerateSummary(
+        run_id=ctx.run_id,
+        status=status,
+        samples_committed=sum(f.stats.samples for f in tally.finished.values()) or tally.samples,
+        tokens_committed=sum(f.stats.tokens for f in tally.finished.values()) or tally.tokens,
+        failures=failures,
+        stored_bytes=tally.stored_bytes,
+        seconds=time.perf_counter() - start,
+        skipped_already_done=planner.skipped,
+        workers=tuple(tally.finished[w] for w in sorted(tally.finished)),
+    )
+    record_run(
+        config.cache_dir,
+        _run_row(
+            ctx,
+            started_at=started_at,
+            status=status,
+            tally=tally,
+            num_workers=num_workers,
+            summary=summary,
+            error="" if error is None else f"{type(error).__name__}: {error}",
+        ),
+    )
+    if config.build_index:
+        from dflash_offline.cache.index import build_index
+
+        build_index(config.cache_dir)
+    if error is not None:
+        raise error
+    return summary
+
+
+def _progress_view(tally: _Tally, planner: _Planner) -> dict[str, Any]:
+    return {
+        "samples": tally.samples,
+        "tokens": tally.tokens,
+        "stored_bytes": tally.stored_bytes,
+        "failures": tally.failures + planner.failure_log.count,
+        "total": planner.planned_samples if planner.done else None,
+        "planned": planner.planned_samples,
+    }
+
+
+def _check_dead_workers(processes: list[Any], tally: _Tally, dead_since: dict[int, float]) -> None:
+    """A worker that exited without reporting (killed, out of memory) fails the run.
+
+    Called when the event queue has been quiet; a worker's last events are flushed into the queue
+    before its process ends, so one more quiet second after its exit means it died."""
+    now = time.monotonic()
+    for worker, process in enumerate(processes):
+        if process.exitcode is None or worker in tally.finished:
+            continue
+        first_seen = dead_since.setdefault(worker, now)
+        if now - first_seen > 1.0:
+            raise WorkerError(
+                f"worker {worker} exited with code {process.exitcode} without finishing "
+                f"(killed, or out of memory?); the cache is resumable: rerun the same command"
+            )
+
+
+def _drain_and_join(processes: list[Any], events: Any, tally: _Tally, channel: QueueJobChannel) -> None:
+    """Collect the workers' final events while they finish their current job, then join them."""
+    deadline = time.monotonic() + 600
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        try:
+            event = events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if isinstance(event, JobDone):
+            tally.samples += event.new_samples
+            tally.tokens += event.new_tokens
+            tally.failures += event.failures
+            tally.stored_bytes_by_worker[event.worker] = event.stored_bytes
+        elif isinstance(event, WorkerFinished):
+            tally.finished[event.worker] = event
+            tally.stored_bytes_by_worker[event.worker] = event.stats.stored_bytes
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=5)
+    channel.cancel_join()
+
+
+def _run_row(
+    ctx: RunContext,
+    *,
+    started_at: Any,
+    status: str,
+    tally: _Tally,
+    num_workers: int,
+    summary: GenerateSummary | None = None,
+    error: str = "",
+) -> RunRow:
+    return RunRow(
+        run_id=ctx.run_id,
+        command="generate",
+        started_at=started_at,
+        finished_at=None if status == "running" else utc_now(),
+        status=status,
+        num_workers=num_workers,
+        samples_committed=summary.samples_committed if summary else tally.samples,
+        tokens_committed=summary.tokens_committed if summary else tally.tokens,
+        bytes_written=summary.stored_bytes if summary else tally.stored_bytes,
+        failures=summary.failures if summary else tally.failures,
+        fingerprint_json=json.dumps(ctx.fingerprint.to_dict()),
+        host=socket.gethostname(),
+        config_json=json.dumps(ctx.config.to_dict(), default=str),
+        error=error,
+    )

@@ -1,0 +1,171 @@
+"""A target worker: one process per GPU (or CPU worker) that captures features for the jobs it pulls.
+
+It builds the target truncated after the last captured layer, pulls ``CaptureJob`` records from the
+job channel, runs them, and hands each ``CapturedBatch`` to its writer thread, which appends to this
+worker's own shard group. Every outcome goes back to the coordinator as a record on the event
+queue; an exception is reported with its traceback and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.writer import ShardWriter
+from dflash_offline.generate.capture_step import PinnedBufferPool, capture_job
+from dflash_offline.generate.channel import JobChannel
+from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted, WorkerTimings
+from dflash_offline.generate.writer_thread import BatchWritten, WriterThread
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerSpec:
+    """Everything a worker process needs (pickled to it at spawn)."""
+
+    worker: int
+    """Worker index: the shard group prefix ``w<worker>``."""
+    device: str
+    """``cuda:<i>`` or ``cpu``."""
+    cpu_threads: int
+    """torch intra-op threads (CPU workers share the machine's cores)."""
+    target: str
+    dtype: str | None
+    cache_dir: Path
+    fingerprint: CacheFingerprint
+    session: str
+    fsync: bool
+    flush_seconds: float
+    tokens_per_batch: int
+    writer_queue_depth: int
+    pad_id: int
+
+
+FAULT_ENV = "DFLASH_TEST_WORKER_FAULT"
+"""Testing hook: ``raise-after:<N>`` makes every worker raise after N jobs, to prove that a failing
+worker stops the run with its traceback instead of hanging it."""
+
+
+def _maybe_inject_fault(jobs_done: int) -> None:
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault.startswith("raise-after:") and jobs_done >= int(fault.split(":", 1)[1]):
+        raise RuntimeError(f"injected fault after {jobs_done} jobs ({FAULT_ENV}={fault})")
+
+
+def _dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        # float32 on CPU: bf16 matmuls measured 3x slower there (DESIGN); bf16 on GPUs.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_capture(spec: WorkerSpec, device: torch.device) -> Any:
+    """The truncated target as a callable (input_ids_BS, attention_mask_BS) -> features_BSF."""
+    from dflash_offline.target.capture import FeatureCapture
+    from dflash_offline.target.loader import load_target
+
+    layer_ids = spec.fingerprint.layer_ids
+    target = load_target(
+        spec.target, device=device, dtype=_dtype(spec.dtype, device), max_layer=max(layer_ids)
+    )
+    return FeatureCapture(target, layer_ids)
+
+
+def run_worker(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
+    """Process entry point. ``events`` is a queue of ``WorkerEvent`` records; ``stop`` an Event."""
+    # Ctrl-C goes to the whole process group: the coordinator decides, workers finish their job.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _work(spec, channel, events, stop)
+    except BaseException:
+        events.put(WorkerFailed(worker=spec.worker, device=spec.device, traceback=traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def _work(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(spec.cpu_threads)
+    start = time.perf_counter()
+    capture = build_capture(spec, device)
+    events.put(
+        WorkerStarted(worker=spec.worker, device=spec.device, load_seconds=time.perf_counter() - start)
+    )
+
+    feature_width = spec.fingerprint.feature_width
+    pool = PinnedBufferPool(
+        num_buffers=spec.writer_queue_depth + 2,  # queued + one being written + one being filled
+        elements=spec.tokens_per_batch * feature_width,
+        pin=device.type == "cuda",
+    )
+    forward_seconds = job_wait_seconds = 0.0
+    jobs = 0
+    with ShardWriter(
+        spec.cache_dir,
+        spec.fingerprint,
+        worker=spec.worker,
+        session=spec.session,
+        fsync=spec.fsync,
+        flush_seconds=spec.flush_seconds,
+        known_sample_ids=(),  # the planner hands out each sample once; skip the manifest scan
+    ) as writer:
+
+        def report(done: BatchWritten) -> None:
+            events.put(
+                JobDone(
+                    worker=spec.worker,
+                    job_index=done.job_index,
+                    new_samples=done.new_samples,
+                    new_tokens=done.new_tokens,
+                    failures=done.failures,
+                    stored_bytes=writer.stats.stored_bytes,
+                )
+            )
+
+        writer_thread = WriterThread(
+            writer,
+            bucket_edges=spec.fingerprint.bucket_edges,
+            depth=spec.writer_queue_depth,
+            on_written=report,
+        )
+        try:
+            while not stop.is_set():
+                wait_start = time.perf_counter()
+                job = channel.get(timeout=0.5)
+                job_wait_seconds += time.perf_counter() - wait_start
+                if job is False:
+                    continue
+                if job is None:
+                    break
+                assert not isinstance(job, bool)
+                _maybe_inject_fault(jobs)
+                forward_start = time.perf_counter()
+                batch = capture_job(capture, job, device=device, pool=pool, pad_id=spec.pad_id)
+                forward_seconds += time.perf_counter() - forward_start
+                writer_thread.submit(batch)
+                jobs += 1
+        finally:
+            writer_thread.close()
+    events.put(
+        WorkerFinished(
+            worker=spec.worker,
+            device=spec.device,
+            jobs=jobs,
+            stats=writer.stats,
+            timings=WorkerTimings(
+                forward_seconds=forward_seconds,
+                job_wait_seconds=job_wait_seconds,
+                writer_wait_seconds=writer_thread.blocked_seconds,
+                write_seconds=writer_thread.busy_seconds,
+            ),
+        )
+    )

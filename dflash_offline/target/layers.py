@@ -1,0 +1,73 @@
+"""Which target decoder layers are captured (DESIGN §3).
+
+A feature is the residual stream *after* decoder layer i (HF ``output_hidden_states[i + 1]``), before
+any final norm. Because our capture runs the layers directly and never applies the final norm, layer
+L−1 may be captured too (through ``output_hidden_states`` its entry would be post-norm instead).
+"""
+
+from __future__ import annotations
+
+from dflash_offline.errors import ConfigError
+
+
+def default_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[int, ...]:
+    """The DFlash rule (z-lab): ``int(round(1 + i·(L−4)/(n−1)))`` for i = 0..n−1; n = 1 -> (L // 2,).
+
+    Python's ``round`` (half to even) is part of the rule: other engines that round half up number
+    some layers differently. Raises ``ConfigError`` when the rule yields repeated ids (L < n + 3 or
+    so), since silently deduplicating would change the feature width."""
+    if num_target_layers < 1:
+        raise ConfigError(f"the target has {num_target_layers} layers; need at least 1")
+    if num_features < 1:
+        raise ConfigError(f"--num-features must be >= 1, got {num_features}")
+    if num_features == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    ids = tuple(round(1 + i * span / (num_features - 1)) for i in range(num_features))
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= num_target_layers:
+        raise ConfigError(
+            f"the DFlash default rule gives layer ids {list(ids)} for {num_features} features of a "
+            f"{num_target_layers}-layer target (repeated or out of range); pass --layer-ids explicitly "
+            f"(e.g. {','.join(str(i) for i in range(min(num_features, num_target_layers)))}) or fewer "
+            "--num-features"
+        )
+    return ids
+
+
+def parse_layer_ids(text: str, num_target_layers: int) -> tuple[int, ...]:
+    """Parse ``"1,9,17"`` into ascending unique ids in [0, L). Raises ``ConfigError`` naming the problem."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise ConfigError(f"--layer-ids {text!r}: give comma-separated integers, e.g. 1,9,17")
+    try:
+        ids = tuple(int(p) for p in parts)
+    except ValueError:
+        raise ConfigError(f"--layer-ids {text!r}: {parts} are not all integers") from None
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ConfigError(
+            f"--layer-ids {text!r}: {bad} out of range; the target has {num_target_layers} layers "
+            f"(valid ids 0..{num_target_layers - 1})"
+        )
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"--layer-ids {text!r}: ids repeat")
+    if list(ids) != sorted(ids):
+        raise ConfigError(
+            f"--layer-ids {text!r}: ids must be ascending (features are stored in ascending layer "
+            f"order), e.g. {','.join(str(i) for i in sorted(ids))}"
+        )
+    return ids
+
+
+def resolve_layer_ids(
+    num_target_layers: int, *, num_features: int | None = None, layer_ids: str | None = None
+) -> tuple[int, ...]:
+    """``--layer-ids`` when given (and consistent with ``--num-features`` if both are), else the default."""
+    if layer_ids is None:
+        return default_layer_ids(num_target_layers, 5 if num_features is None else num_features)
+    ids = parse_layer_ids(layer_ids, num_target_layers)
+    if num_features is not None and num_features != len(ids):
+        raise ConfigError(
+            f"--num-features {num_features} but --layer-ids {layer_ids!r} names {len(ids)} layers"
+        )
+    return ids

@@ -1,0 +1,96 @@
+"""Distributed setup read once into a typed record: the same code runs single-process, as spawned
+processes (``--gpus`` / ``--workers``) and under ``torchrun``."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DistInfo:
+    """Where this process sits in the data-parallel group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    """``nccl`` on CUDA, ``gloo`` on the CPU, ``none`` when single-process."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def free_port() -> int:
+    """A free TCP port on localhost for a process group started by us (not torchrun)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(
+    *, rank: int, world_size: int, local_rank: int, use_cuda: bool, timeout_s: float = 1800
+) -> DistInfo:
+    """Join the process group (when world_size > 1) and pick this rank's device.
+
+    Expects MASTER_ADDR / MASTER_PORT in the environment (torchrun sets them; ``launch`` does too)."""
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+    return DistInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        backend=backend if world_size > 1 else "none",
+    )
+
+
+def dist_info_from_env(*, use_cuda: bool) -> DistInfo:
+    """Under torchrun: rank, world size and local rank from its environment variables."""
+    return init_distributed(
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        use_cuda=use_cuda,
+    )
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """In-place sum over ranks (a no-op single-process); returns the tensor."""
+    if info.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        dist.destroy_process_group()

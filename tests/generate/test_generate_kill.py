@@ -1,0 +1,156 @@
+"""``dflash generate`` as a real subprocess: SIGKILL of the whole run at random points, then the same
+command again; and live SQL over the manifest while the run is still writing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_offline.cache.manifest import read_table
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.cache.verify import verify_cache
+
+from .conftest import make_chat_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def _generate_cmd(cache: Path, data: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "dflash_offline",
+        "generate",
+        "--cache",
+        str(cache),
+        "--target",
+        "random:tiny",
+        "--data",
+        str(data),
+        "--layer-ids",
+        "0,2",
+        "--max-len",
+        "256",
+        "--too-long",
+        "truncate",
+        "--bucket-edges",
+        "48,96,160,256",
+        "--tokens-per-batch",
+        "512",
+        "--window",
+        "30",
+        "--threads",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def _start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    # A new session so that SIGKILL reaches the coordinator and its workers alike.
+    return subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+
+
+def _features_by_id(root: Path) -> dict[str, tuple[torch.Tensor, np.ndarray, np.ndarray]]:
+    reader = CacheReader.open(root)
+    try:
+        samples = reader.read([str(s) for s in reader.samples.sample_id])
+        return {s.sample_id: (s.features_TF, s.input_ids_T.numpy(), s.loss_mask_T.numpy()) for s in samples}
+    finally:
+        reader.close()
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path: Path) -> None:
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 150, seed=7)
+    reference = tmp_path / "reference"
+    done = subprocess.run(_generate_cmd(reference, data), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    cache = tmp_path / "killed"
+    rng = np.random.default_rng(11)
+    kills = 0
+    for _attempt in range(6):
+        process = _start(_generate_cmd(cache, data, "--workers", "2"))
+        delay = float(rng.uniform(3.0, 12.0))
+        try:
+            process.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            kills += 1
+            continue
+        break  # it finished before the kill: the rest of the loop would only re-run a no-op
+    assert kills >= 3
+    final = subprocess.run(_generate_cmd(cache, data), capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stdout + final.stderr
+
+    samples = read_table(cache, "samples").column("sample_id").to_pylist()
+    assert len(samples) == len(set(samples))  # none twice
+    ref, got = _features_by_id(reference), _features_by_id(cache)
+    assert set(got) == set(ref)  # none missing
+    for sample_id, (features, ids, mask) in ref.items():
+        features2, ids2, mask2 = got[sample_id]
+        assert np.array_equal(ids, ids2)
+        assert np.array_equal(mask, mask2)
+        assert torch.equal(features.view(torch.int16), features2.view(torch.int16)), sample_id
+    report = verify_cache(cache, progress=False)
+    assert report.ok, report
+
+
+@pytest.mark.timeout(600)
+def test_sql_shows_buckets_while_generate_is_writing(tmp_path: Path) -> None:
+    # A larger random target so that the run lasts long enough to be observed mid-way.
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 400, seed=3, max_words=200)
+    cache = tmp_path / "cache"
+    cmd = _generate_cmd(cache, data)
+    cmd[cmd.index("random:tiny")] = "random:smollm2-135m"
+    cmd[cmd.index("0,2")] = "1,8,14"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = _start([*cmd, "--workers", "1"], env=env)
+    try:
+        deadline = time.monotonic() + 400
+        seen: list[dict[str, object]] = []
+        while time.monotonic() < deadline and process.poll() is None:
+            if (cache / "manifest" / "samples").is_dir():
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "dflash_offline",
+                        "sql",
+                        str(cache),
+                        "--query",
+                        "buckets",
+                        "--format",
+                        "json",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert out.returncode == 0, out.stderr
+                rows = json.loads(out.stdout) if out.stdout.strip() else []
+                if sum(int(row["samples"]) for row in rows) > 0 and process.poll() is None:
+                    seen = rows
+                    break
+            time.sleep(1.0)
+        assert seen, "no bucket rows appeared while the run was writing"
+        assert process.poll() is None  # still writing when the histogram was read
+        assert not (cache / "index.duckdb").exists()  # so the answer came from the live manifest
+        assert {"bucket_id", "samples", "tokens"} <= set(seen[0])
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
