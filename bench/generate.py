@@ -216,6 +216,13 @@ def main() -> None:
         wall = time.perf_counter() - started
         steady = wall - (worker_ready[0] - started if worker_ready else 0.0)
         results["e2e_tok_s"] = summary.tokens_committed / steady
+        for w in summary.workers:
+            t = w.timings
+            print(
+                f"worker {w.worker} ({w.device}): forward loop {t.forward_seconds:.1f} s, blocked on writer "
+                f"{t.writer_wait_seconds:.1f} s, writer busy {t.write_seconds:.1f} s, waited for jobs "
+                f"{t.job_wait_seconds:.1f} s, of {steady:.1f} s"
+            )
         results["e2e_tok_s_incl_startup"] = summary.tokens_committed / wall
         results["stored_bytes_per_token"] = summary.stored_bytes / max(summary.tokens_committed, 1)
         results["raw_bytes_per_token"] = 2 * len(layer_ids) * info.hidden_size

@@ -25,11 +25,14 @@ check)
   df -h /tmp | tail -1
   nproc
   python3 -c "import torch, transformers, zarr, numcodecs, duckdb, tensorstore; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__, 'duckdb', duckdb.__version__)"
-  timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x 2>&1 | tail -40 | tee "$out/gpu_tests.txt"
+  timeout 300 python3 -m pytest -q -m gpu tests/drafter tests/target tests/train tests/cache tests/generate -p no:cacheprovider 2>&1 | tail -40 | tee "$out/gpu_tests.txt"
+  ;;
+encode)
+  python3 bench/encode_scaling.py
   ;;
 generate)
   timeout 500 python3 bench/generate.py --target random:qwen3-8b --device cuda --data $data \
-    --records 360 --max-len 4096 --tokens-per-batch 16384 --bucket-edges 512 1024 2048 4096 \
+    --records 700 --max-len 4096 --tokens-per-batch 16384 --bucket-edges 512 1024 2048 4096 \
     --disk-bytes 4294967296 --workdir $work --json "$out/generate.json" 2>&1 | tail -20
   ;;
 rss)

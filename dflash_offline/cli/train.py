@@ -49,7 +49,13 @@ from dflash_offline.cli.options import cache_option, placement_options, progress
     default=None,
     help="Stop after this many optimizer steps (or at the end of --epochs, whichever is first).",
 )
-@click.option("--grad-accum", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--grad-accum",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Microbatches per GPU and step (a step mixes grad-accum × GPUs microbatches of all lengths).",
+)
 @click.option("--tokens-per-microbatch", type=click.IntRange(min=2), default=8192, show_default=True)
 @click.option(
     "--prefetch",

@@ -97,15 +97,15 @@ def _work(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None
         torch.set_num_threads(spec.cpu_threads)
     start = time.perf_counter()
     capture = build_capture(spec, device)
-    events.put(
-        WorkerStarted(worker=spec.worker, device=spec.device, load_seconds=time.perf_counter() - start)
-    )
-
     feature_width = spec.fingerprint.feature_width
+    # Pinned allocations take seconds at these sizes: part of start-up, before the worker says ready.
     pool = PinnedBufferPool(
         num_buffers=spec.writer_queue_depth + 2,  # queued + one being written + one being filled
         elements=spec.tokens_per_batch * feature_width,
         pin=device.type == "cuda",
+    )
+    events.put(
+        WorkerStarted(worker=spec.worker, device=spec.device, load_seconds=time.perf_counter() - start)
     )
     forward_seconds = job_wait_seconds = 0.0
     jobs = 0

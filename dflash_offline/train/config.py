@@ -38,7 +38,9 @@ class TrainConfig:
     epochs: int = 6
     max_steps: int | None = None
     """Stop after this many optimizer steps, or at the end of ``epochs``: whichever comes first."""
-    grad_accum: int = 1
+    grad_accum: int = 4
+    """Microbatches per rank and step: a step draws grad_accum × world_size microbatches across
+    buckets, so with one GPU and grad_accum 1 every step would hold a single length bucket."""
     tokens_per_microbatch: int = 8192
     # Data path.
     prefetch: int = 4

@@ -46,6 +46,7 @@ def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
         block_size=8,
         num_anchors=32,
         tokens_per_microbatch=600,
+        grad_accum=1,
         lr=3e-3,
         epochs=100,
         max_steps=12,
@@ -120,7 +121,7 @@ def _train_cmd(cache: Path, run: Path, steps: int) -> list[str]:
         "--cache", str(cache), "--out", str(run),
         "--num-layers", "1", "--block-size", "8", "--num-anchors", "32",
         "--tokens-per-microbatch", "600", "--lr", "3e-3", "--epochs", "100",
-        "--max-steps", str(steps), "--checkpoint-every", "3", "--loader-threads", "2",
+        "--max-steps", str(steps), "--grad-accum", "1", "--checkpoint-every", "3", "--loader-threads", "2",
         "--prefetch", "2", "--deterministic", "--threads", "1", "--no-progress",
     ]  # fmt: skip
 
