@@ -1,0 +1,101 @@
+"""``dflash eval``: acceptance length τ and speedup of an exported drafter on held-out prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dflash_offline.cli.options import data_option, progress_option, target_option
+
+
+@click.command("eval")
+@target_option
+@click.option(
+    "--drafter",
+    "drafter_dir",
+    type=click.Path(path_type=Path, file_okay=False, exists=True),
+    required=True,
+    help="Exported drafter directory (config.json + model.safetensors), e.g. RUN/drafter.",
+)
+@data_option
+@click.option(
+    "--exclude-cache",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Training cache whose samples are not used as prompts (default: the cache named by the "
+    "drafter's training run, when --drafter is RUN/drafter).",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Prompts.")
+@click.option(
+    "--skip", type=click.IntRange(min=0), default=0, show_default=True, help="Records to pass over first."
+)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option(
+    "--max-prompt-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="Longer prompts are passed over.",
+)
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default=None,
+    help="Target and drafter dtype (default: float32 on CPU, bfloat16 on GPU).",
+)
+@click.option(
+    "--warmup/--no-warmup",
+    default=True,
+    show_default=True,
+    help="Decode a few untimed tokens first.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Write the full report.",
+)
+@progress_option
+def eval_cmd(
+    target: str,
+    drafter_dir: Path,
+    data: str | None,
+    exclude_cache: Path | None,
+    limit: int,
+    skip: int,
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    device: str | None,
+    dtype: str | None,
+    warmup: bool,
+    json_path: Path | None,
+    progress: bool,
+) -> None:
+    """Speculative decoding with the target and the drafter (greedy, batch 1): τ per prompt and overall,
+    its histogram, the speedup over target-only decoding (prefill excluded), and a check that the
+    output equals the target's own greedy output."""
+    from dflash_offline.eval.report import format_table
+    from dflash_offline.eval.run import EvalConfig, run_eval
+
+    config = EvalConfig(
+        target=target,
+        drafter_dir=drafter_dir,
+        data=data,
+        exclude_cache=exclude_cache,
+        limit=limit,
+        skip=skip,
+        max_new_tokens=max_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        device=device,
+        dtype=dtype,
+        warmup=warmup,
+        progress=progress,
+    )
+    report = run_eval(config)
+    click.echo(format_table(report))
+    if json_path is not None:
+        report.write_json(json_path)
+        click.echo(f"report written to {json_path}")

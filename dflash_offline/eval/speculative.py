@@ -1,0 +1,267 @@
+"""Greedy speculative decoding with a block drafter (batch 1), and the target-only loop it is timed against.
+
+Legend: P prompt tokens, S tokens of one target call, B block size, K = B − 1 drafted tokens,
+C context positions handed to the drafter, F = n·H feature width, V vocabulary.
+
+The speculative loop (DESIGN §5). Prefill: one target forward over the prompt with forward hooks on the
+drafter's target layers gives the features of positions 0..P−1 and, from the last logits, the first
+new token x[P]. Then, with n the position of the newest token x[n] (not yet seen by the target):
+  1. the drafter proposes d_1..d_K from [x[n], MASK × K] at positions n..n+K, its context being the
+     features of positions 0..n−1 (handed over incrementally: only the positions it has not seen);
+  2. the target runs ONE forward over [x[n], d_1..d_K] (positions n..n+K) on its KV cache; p_i is its
+     greedy prediction for position n+i+1;
+  3. accepted a = the longest run with d_i == p_{i−1} (i = 1..a); the new tokens are d_1..d_a and the
+     bonus p_a, so the cycle's acceptance length is τ_cycle = a + 1;
+  4. the KV cache is cropped to positions 0..n+a, and the features of positions n..n+a (rows 0..a of
+     this forward) become the drafter's new context; n ← n + a + 1.
+Every token the loop emits is the target's own greedy choice given the tokens before it, so the output
+equals plain greedy decoding up to floating-point differences between one B-token forward and B
+one-token forwards (none in float32 on our CPU tests; a near-tie in bfloat16 can flip a token).
+
+Stopping is the same in both loops: the output is cut after the first stop token (kept) and to
+``max_new_tokens`` exactly; a cycle that overshoots is truncated, but its acceptance length counts
+what the target verified (the drafter's quality, not the budget's edge).
+Timing excludes the prefill in both loops; on CUDA the clock reads are preceded by a synchronize.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from dflash_offline.drafter.model import ContextCache, DFlashDrafter
+from dflash_offline.target.capture import capture_layer_outputs
+
+StopReason = Literal["stop_token", "length"]
+
+
+class BlockDrafter(Protocol):
+    """What the loop needs from a drafter (``DFlashBlockDrafter`` in production; fakes in tests)."""
+
+    @property
+    def block_size(self) -> int:
+        """B: the anchor plus K = B − 1 drafted tokens."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the context of the previous prompt."""
+        ...
+
+    def propose(self, *, new_features_CF: Tensor, anchor_token: int, anchor_position: int) -> Tensor:
+        """int64 [K]: draft tokens for positions anchor_position+1..anchor_position+K.
+
+        ``new_features_CF`` are the features of the positions the drafter has not seen yet; together
+        with the earlier calls since ``reset`` they cover positions 0..anchor_position−1 exactly."""
+        ...
+
+
+class DFlashBlockDrafter:
+    """A ``DFlashDrafter`` behind the ``BlockDrafter`` protocol, keeping its per-layer context K/V."""
+
+    def __init__(self, model: DFlashDrafter) -> None:
+        self.model = model
+        self._cache: ContextCache = model.new_context_cache()
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+    def reset(self) -> None:
+        self._cache = self.model.new_context_cache()
+
+    def propose(self, *, new_features_CF: Tensor, anchor_token: int, anchor_position: int) -> Tensor:
+        return self.model.draft(
+            context_features_CF=new_features_CF,
+            anchor_token=anchor_token,
+            anchor_position=anchor_position,
+            cache=self._cache,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecodeResult:
+    """The outcome of one prompt's decoding (speculative or target-only)."""
+
+    tokens: tuple[int, ...]
+    """New token ids (prompt excluded), cut after the first stop token and to max_new_tokens."""
+    accepted_per_cycle: tuple[int, ...]
+    """Speculative loop: accepted draft tokens a (0..B−1) of each draft–verify cycle, in order.
+    Target-only loop: empty."""
+    stop_reason: StopReason
+    """``stop_token`` when the output ends with a stop token, else ``length``."""
+    prefill_seconds: float
+    """Wall time of the prefill forward (excluded from the decode time)."""
+    decode_seconds: float
+    """Wall time from the end of the prefill to the last token (drafting included)."""
+    num_target_forwards: int
+    """Target forward calls after the prefill."""
+
+    @property
+    def num_cycles(self) -> int:
+        return len(self.accepted_per_cycle)
+
+    @property
+    def tau(self) -> float | None:
+        """Mean over cycles of (accepted + 1); None without a cycle."""
+        if not self.accepted_per_cycle:
+            return None
+        return sum(a + 1 for a in self.accepted_per_cycle) / len(self.accepted_per_cycle)
+
+
+class _Clock:
+    """perf_counter, synchronized with the device first so that queued kernels are counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._device = device
+
+    def now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+
+class TargetCaller:
+    """One HF CausalLM forward over new tokens on a ``DynamicCache``, portable across transformers 4.56–5.x
+    (5.24 renamed ``past_key_values`` to ``cache``; the old name warns there)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+        self.device = next(model.parameters()).device
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def __call__(self, ids: Sequence[int] | Tensor, cache: Any, *, last_only: bool = False) -> Tensor:
+        """float logits [S, V] of the S new tokens (only the last row when ``last_only``)."""
+        ids_1S = torch.as_tensor(ids, dtype=torch.int64, device=self.device).reshape(1, -1)
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
+        if last_only and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        logits = self.model(input_ids=ids_1S, **kwargs).logits[0]
+        return logits[-1:] if last_only else logits
+
+
+def _finish(tokens: list[int], *, max_new_tokens: int, stop_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """Cut after the first stop token and to max_new_tokens; True when a stop token ends the output."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            tokens = tokens[: i + 1]
+            break
+    tokens = tokens[:max_new_tokens]
+    return tokens, bool(tokens) and tokens[-1] in stop_ids
+
+
+def _done(tokens: list[int], *, max_new_tokens: int, stop_ids: frozenset[int], checked: int) -> bool:
+    return len(tokens) >= max_new_tokens or any(t in stop_ids for t in tokens[checked:])
+
+
+@torch.inference_mode()
+def target_only_decode(
+    target: TargetCaller, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: frozenset[int]
+) -> DecodeResult:
+    """Plain greedy decoding with the KV cache: the speculative loop with a block of one token."""
+    _check_args(prompt_ids, max_new_tokens)
+    clock = _Clock(target.device)
+    cache = target.new_cache()
+    t0 = clock.now()
+    tokens = [int(target(prompt_ids, cache, last_only=True)[-1].argmax())]
+    t1 = clock.now()
+    forwards = 0
+    while not _done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=len(tokens) - 1):
+        tokens.append(int(target([tokens[-1]], cache)[-1].argmax()))
+        forwards += 1
+    t2 = clock.now()
+    out, stopped = _finish(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    return DecodeResult(
+        tokens=tuple(out),
+        accepted_per_cycle=(),
+        stop_reason="stop_token" if stopped else "length",
+        prefill_seconds=t1 - t0,
+        decode_seconds=t2 - t1,
+        num_target_forwards=forwards,
+    )
+
+
+def accepted_length(draft_K: Sequence[int], predictions_B: Sequence[int]) -> int:
+    """The longest a with draft[i] == predictions[i] for i < a (predictions[i] is the target's choice
+    for the position of draft[i])."""
+    a = 0
+    for d, p in zip(draft_K, predictions_B):
+        if d != p:
+            break
+        a += 1
+    return a
+
+
+@torch.inference_mode()
+def speculative_decode(
+    target: TargetCaller,
+    drafter: BlockDrafter,
+    prompt_ids: Sequence[int],
+    *,
+    layer_ids: Sequence[int],
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+) -> DecodeResult:
+    """Greedy speculative decoding of one prompt (see the module docstring for the cycle)."""
+    _check_args(prompt_ids, max_new_tokens)
+    clock = _Clock(target.device)
+    K = drafter.block_size - 1
+    drafter.reset()
+    cache = target.new_cache()
+    accepted: list[int] = []
+    forwards = 0
+    with capture_layer_outputs(target.model, layer_ids) as captured:
+        t0 = clock.now()
+        tokens = [int(target(prompt_ids, cache, last_only=True)[-1].argmax())]
+        new_features_CF = captured.features()[0]  # positions 0..P−1
+        t1 = clock.now()
+        n = len(prompt_ids)  # position of tokens[-1], the anchor: known, not yet run through the target
+        checked = 0
+        while not _done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=checked):
+            checked = len(tokens)
+            anchor = tokens[-1]
+            draft_K = drafter.propose(new_features_CF=new_features_CF, anchor_token=anchor, anchor_position=n)
+            assert draft_K.shape == (K,), f"the drafter proposed {tuple(draft_K.shape)} tokens, expected {K}"
+            block_B = torch.cat([torch.tensor([anchor]), draft_K.to("cpu", torch.int64)])
+            predictions_B = target(block_B, cache).argmax(dim=-1).tolist()
+            forwards += 1
+            a = accepted_length(block_B[1:].tolist(), predictions_B)
+            accepted.append(a)
+            tokens.extend(block_B[1 : a + 1].tolist())
+            tokens.append(int(predictions_B[a]))
+            # Positions n+a+1..n+K hold rejected drafts: drop them from the target's cache. A negative
+            # crop removes that many tokens in every transformers version (5.24 refuses a positive
+            # target length; 4.x reads crop(0) as "keep nothing"), hence the guard.
+            if a < K:
+                cache.crop(-(K - a))
+            assert cache.get_seq_length() == n + a + 1, (cache.get_seq_length(), n, a)
+            new_features_CF = captured.features()[0, : a + 1]  # positions n..n+a
+            n += a + 1
+        t2 = clock.now()
+    out, stopped = _finish(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    return DecodeResult(
+        tokens=tuple(out),
+        accepted_per_cycle=tuple(accepted),
+        stop_reason="stop_token" if stopped else "length",
+        prefill_seconds=t1 - t0,
+        decode_seconds=t2 - t1,
+        num_target_forwards=forwards,
+    )
+
+
+def _check_args(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    assert len(prompt_ids) >= 1, "an empty prompt has no position to predict from"
+    assert max_new_tokens >= 1, max_new_tokens

@@ -1,0 +1,164 @@
+"""Plots of a training run (``RUN/metrics.jsonl``): loss, accuracy per block position, simulated τ,
+throughput. Block position k = 1..B−1 predicts the token k after the anchor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_offline.errors import ConfigError
+from dflash_offline.plot.common import pyplot, save, smooth
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_run_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The step records of ``RUN/metrics.jsonl``, by step. A last line still being written is passed over."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} has no {METRICS_FILE}: not a `dflash train` run directory")
+    rows: dict[int, dict[str, Any]] = {}
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                break  # a writer is mid-line
+            raise ConfigError(f"{path}:{number} is not valid JSON ({e})") from e
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows[row["step"]] = row  # a resumed run may repeat a step: the later line wins
+    if not rows:
+        raise ConfigError(f"{path} has no step yet: plot again once training has logged a step")
+    return [rows[s] for s in sorted(rows)]
+
+
+def _column(rows: list[dict[str, Any]], key: str) -> np.ndarray:
+    return np.array([float(r[key]) if isinstance(r.get(key), int | float) else np.nan for r in rows])
+
+
+def _title(run_dir: Path, what: str) -> str:
+    return f"{what}: {run_dir.resolve().name}"
+
+
+def plot_loss(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
+    plt = pyplot()
+    steps = _column(rows, "step")
+    loss = _column(rows, "loss")
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1.4))
+    ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="loss")
+    ax.plot(steps, smooth(loss), color="tab:blue", lw=2, label="smoothed")
+    finite = loss[np.isfinite(loss) & (loss > 0)]
+    if finite.size and finite.max() / finite.min() > 10:
+        ax.set_yscale("log")
+    ax.set_ylabel("decayed cross-entropy")
+    ax.set_title(
+        _title(run_dir, "training loss") + (f"  (last {loss[-1]:.4g})" if np.isfinite(loss[-1]) else "")
+    )
+    ax.legend(loc="upper right")
+    ax_lr.plot(steps, _column(rows, "lr"), color="tab:green", lw=1.5)
+    ax_lr.set_ylabel("learning rate", color="tab:green")
+    ax_lr.set_xlabel("optimizer step")
+    ax_gn = ax_lr.twinx()
+    ax_gn.plot(steps, _column(rows, "grad_norm"), color="tab:red", alpha=0.6, lw=0.8)
+    ax_gn.set_ylabel("grad norm (pre-clip)", color="tab:red")
+    ax_gn.grid(False)
+    return save(fig, out / "loss.png")
+
+
+def plot_accuracy(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
+    plt = pyplot()
+    width = max((len(r.get("acc_by_position") or []) for r in rows), default=0)
+    steps = _column(rows, "step")
+    acc_SK = np.full((len(rows), max(width, 1)), np.nan)
+    for i, r in enumerate(rows):
+        values = r.get("acc_by_position") or []
+        acc_SK[i, : len(values)] = values
+    fig, (ax_map, ax_pos) = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=(1.6, 1))
+    image = ax_map.imshow(
+        acc_SK.T,
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, 0.5, width + 0.5),
+        vmin=0.0,
+        vmax=1.0,
+        cmap="viridis",
+    )
+    fig.colorbar(image, ax=ax_map, label="greedy accuracy")
+    ax_map.set_xlabel("optimizer step")
+    ax_map.set_ylabel("block position k (predicts anchor + k)")
+    ax_map.set_title(_title(run_dir, "accuracy by block position"))
+    ax_map.grid(False)
+    positions = np.arange(1, width + 1)
+    span = max(1, len(rows) // 20)  # average a window of steps: one step's accuracy is noisy
+    marks = sorted({0, len(rows) // 2, len(rows) - span})
+    for j, start in enumerate(marks):
+        window = acc_SK[start : start + span]
+        label = f"steps {int(steps[start])}–{int(steps[min(start + span, len(rows)) - 1])}"
+        with np.errstate(invalid="ignore"):
+            mean = np.nanmean(window, axis=0) if np.isfinite(window).any() else np.full(width, np.nan)
+        ax_pos.plot(
+            positions, mean, marker="o", ms=3, lw=1.5, alpha=0.4 + 0.6 * (j + 1) / len(marks), label=label
+        )
+    ax_pos.set_ylim(0, 1)
+    ax_pos.set_xlabel("block position k")
+    ax_pos.set_ylabel("accuracy")
+    ax_pos.set_title("early, middle, latest")
+    ax_pos.legend(loc="upper right", fontsize=8)
+    return save(fig, out / "accuracy_by_position.png")
+
+
+def plot_tau(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
+    plt = pyplot()
+    steps = _column(rows, "step")
+    tau = _column(rows, "simulated_tau")
+    fig, ax = plt.subplots()
+    ax.plot(steps, tau, color="tab:purple", alpha=0.3, lw=0.8)
+    ax.plot(steps, smooth(tau), color="tab:purple", lw=2)
+    block = max((len(r.get("acc_by_position") or []) for r in rows), default=0) + 1
+    ax.axhline(block, color="grey", ls=":", lw=1)
+    ax.text(steps[0], block, f" B = {block} (every draft accepted)", va="bottom", fontsize=8, color="grey")
+    ax.set_ylim(bottom=1.0, top=block + 0.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("simulated τ = 1 + Σ_k Π_{i≤k} acc_i")
+    last = smooth(tau)[-1]
+    ax.set_title(
+        _title(run_dir, "simulated acceptance length")
+        + (f"  (smoothed last {last:.2f})" if np.isfinite(last) else "")
+    )
+    return save(fig, out / "simulated_tau.png")
+
+
+def plot_throughput(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
+    plt = pyplot()
+    steps = _column(rows, "step")
+    fig, ax = plt.subplots()
+    tps = _column(rows, "tokens_per_s")
+    ax.plot(steps, tps, color="tab:orange", alpha=0.3, lw=0.8)
+    ax.plot(steps, smooth(tps), color="tab:orange", lw=2)
+    ax.set_ylabel("tokens / s", color="tab:orange")
+    ax.set_xlabel("optimizer step")
+    ax_wait = ax.twinx()
+    ax_wait.plot(steps, 100 * smooth(_column(rows, "data_wait_fraction")), color="tab:grey", lw=1.5)
+    ax_wait.set_ylabel("% of step waiting for data", color="tab:grey")
+    ax_wait.set_ylim(0, 100)
+    ax_wait.grid(False)
+    ax.set_title(_title(run_dir, "training throughput"))
+    return save(fig, out / "throughput.png")
+
+
+def plot_run(run_dir: Path, out: Path) -> list[Path]:
+    """Write loss.png, accuracy_by_position.png, simulated_tau.png and throughput.png into ``out``."""
+    rows = read_run_metrics(run_dir)
+    return [
+        plot_loss(rows, run_dir, out),
+        plot_accuracy(rows, run_dir, out),
+        plot_tau(rows, run_dir, out),
+        plot_throughput(rows, run_dir, out),
+    ]

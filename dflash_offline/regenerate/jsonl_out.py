@@ -1,0 +1,77 @@
+"""An append-only JSONL file that a killed run can resume: one flushed line per finished record.
+
+On open, a last line without its newline (the process died mid-write) is cut off, so the rerun
+rewrites that record whole; every complete line must parse, else the file is not ours to extend.
+Each line carries a key field (``source_sample_id``) whose values are the records already done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import IO, Any
+
+from dflash_offline.errors import DataError
+
+
+class ResumableJsonl:
+    """Keys of the complete lines of ``path`` (created when missing), and an appender for new lines."""
+
+    def __init__(self, path: Path, *, key: str) -> None:
+        self.path = path
+        self.key = key
+        self.keys: set[str] = set()
+        """Key values of every complete line."""
+        self.repaired_bytes = 0
+        """Bytes of a partial last line cut off on open (0 when the file ended cleanly)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            self._load_and_repair()
+        self._file: IO[str] | None = None
+
+    def _load_and_repair(self) -> None:
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1  # 0 when there is no complete line
+        if end < len(data):
+            self.repaired_bytes = len(data) - end
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+        for number, raw in enumerate(data[:end].splitlines(), start=1):
+            if not raw.strip():
+                continue
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{self.path}:{number} is not valid JSON ({e}): not a file this command wrote; "
+                    "move it aside or choose another --out"
+                ) from e
+            if not isinstance(value, dict) or not isinstance(value.get(self.key), str):
+                raise DataError(
+                    f"{self.path}:{number} has no string {self.key!r}: not a file this command wrote; "
+                    "move it aside or choose another --out"
+                )
+            self.keys.add(value[self.key])
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write one line and flush it (a kill loses at most the line being written)."""
+        assert isinstance(record.get(self.key), str), f"record lacks its {self.key!r}"
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run)
+        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._file.flush()
+        self.keys.add(record[self.key])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> ResumableJsonl:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

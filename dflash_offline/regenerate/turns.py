@@ -1,0 +1,83 @@
+"""Which turns the target answers, and the conversation it builds from its own answers.
+
+The original assistant turns are dropped. The system and user turns are kept in order and cut into
+groups where the data had its assistant turns; the target answers after each group, and the prompt of answer k
+holds groups 0..k and the target's own answers 0..k−1 (so later turns build on what the target said,
+not on what another model said). An assistant turn before any user turn has no prompt and is dropped;
+so are system turns after the last user turn. A conversation of user turns alone gets one answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dflash_offline.data.records import Conversation, Message
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Answer:
+    """One regenerated assistant turn."""
+
+    text: str
+    """The decoded answer, stop token excluded."""
+    finish_reason: FinishReason
+    """``stop``: the target ended its turn; ``length``: cut at --max-new-tokens."""
+    num_tokens: int
+    """Generated tokens, the stop token excluded."""
+
+
+def user_groups(messages: tuple[Message, ...]) -> list[tuple[Message, ...]]:
+    """The system/user turns cut into groups, one answer after each: a group ends where the data had an
+    assistant turn (or at the end of the conversation) and holds at least one user turn; otherwise its
+    turns carry over to the next group (an assistant turn with no user turn before it has no prompt)."""
+    groups: list[tuple[Message, ...]] = []
+    pending: list[Message] = []
+    for m in (*messages, None):
+        if m is not None and m.role != "assistant":
+            pending.append(m)
+        elif any(p.role == "user" for p in pending):
+            groups.append(tuple(pending))
+            pending = []
+    return groups
+
+
+class PendingConversation:
+    """A conversation being regenerated, one answer per generation round (owned by one thread)."""
+
+    def __init__(self, conv: Conversation) -> None:
+        self.conv = conv
+        self.groups = user_groups(conv.messages)
+        self.answers: list[Answer] = []
+        self.dropped_turns = 0
+        """Answers not generated because their prompt grew past the limit (the conversation ends early)."""
+
+    @property
+    def done(self) -> bool:
+        return len(self.answers) + self.dropped_turns >= len(self.groups)
+
+    def next_prompt(self) -> list[dict[str, str]]:
+        """Chat messages (role/content) of the prompt of the next answer."""
+        k = len(self.answers)
+        assert k < len(self.groups), "the conversation is complete"
+        return self.chat(upto=k + 1)
+
+    def add_answer(self, answer: Answer) -> None:
+        assert not self.done
+        self.answers.append(answer)
+
+    def stop_early(self) -> None:
+        """End the conversation with the answers so far (the next prompt is too long)."""
+        self.dropped_turns = len(self.groups) - len(self.answers)
+
+    def chat(self, *, upto: int | None = None) -> list[dict[str, str]]:
+        """Groups 0..upto−1 with the answers between them (all answered groups when ``upto`` is None)."""
+        upto = len(self.answers) if upto is None else upto
+        chat: list[dict[str, str]] = []
+        for k, group in enumerate(self.groups[:upto]):
+            chat += [{"role": m.role, "content": m.content} for m in group]
+            if k < len(self.answers):
+                chat.append({"role": "assistant", "content": self.answers[k].text})
+        return chat

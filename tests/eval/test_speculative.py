@@ -1,0 +1,230 @@
+"""The speculative loop against plain greedy decoding (lossless), and τ counted on hand-made cases.
+
+The reference is ``target_only_decode``; it is itself checked against an independent greedy decode
+without a KV cache (a full forward over the whole sequence for every token)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dflash_offline.eval.report import histogram, prompt_result, summarize
+from dflash_offline.eval.speculative import (
+    DFlashBlockDrafter,
+    TargetCaller,
+    accepted_length,
+    speculative_decode,
+    target_only_decode,
+)
+from dflash_offline.target.capture import FeatureCapture
+from dflash_offline.target.loader import LoadedTarget, load_target
+from tests.eval.helpers import ScriptedDrafter, one_thread, untrained_drafter
+
+LAYERS = (0, 2)
+NO_STOP: frozenset[int] = frozenset()
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module", params=["random:tiny", "random:tiny-llama"])
+def target(request: pytest.FixtureRequest) -> LoadedTarget:
+    return load_target(request.param, device="cpu")
+
+
+def _prompts(target: LoadedTarget) -> list[list[int]]:
+    tok = target.tokenizer
+    texts = ["Hello there, how are you?", "Write a poem about the sea.", "2+2="]
+    prompts = [
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for t in texts
+    ]
+    return [*prompts, [17]]  # and a one-token prompt
+
+
+def _greedy_without_cache(target: LoadedTarget, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(target.model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def test_target_only_loop_is_greedy_decoding(target: LoadedTarget) -> None:
+    prompt = _prompts(target)[0]
+    got = target_only_decode(TargetCaller(target.model), prompt, max_new_tokens=12, stop_ids=NO_STOP)
+    assert list(got.tokens) == _greedy_without_cache(target, prompt, 12)
+    assert got.stop_reason == "length"
+    assert got.num_target_forwards == 11  # the first token comes from the prefill
+    assert got.accepted_per_cycle == ()
+    assert got.tau is None
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_untrained_drafter_is_lossless(target: LoadedTarget, block_size: int) -> None:
+    caller = TargetCaller(target.model)
+    drafter = DFlashBlockDrafter(untrained_drafter(target, block_size=block_size))
+    for prompt in _prompts(target):
+        ref = target_only_decode(caller, prompt, max_new_tokens=24, stop_ids=NO_STOP)
+        got = speculative_decode(
+            caller, drafter, prompt, layer_ids=LAYERS, max_new_tokens=24, stop_ids=NO_STOP
+        )
+        assert got.tokens == ref.tokens
+        assert len(got.tokens) == 24
+        assert all(0 <= a < block_size for a in got.accepted_per_cycle)
+        # Every cycle emits a + 1 tokens; the prefill emits the first.
+        assert 1 + sum(a + 1 for a in got.accepted_per_cycle) >= 24
+        assert 1 + sum(a + 1 for a in got.accepted_per_cycle[:-1]) < 24
+
+
+def test_perfect_drafter_accepts_every_block(target: LoadedTarget) -> None:
+    caller = TargetCaller(target.model)
+    B = 5
+    for prompt in _prompts(target):
+        ref = target_only_decode(caller, prompt, max_new_tokens=40, stop_ids=NO_STOP)
+        oracle = ScriptedDrafter(block_size=B, prompt_len=len(prompt), reference=ref.tokens)
+        got = speculative_decode(
+            caller, oracle, prompt, layer_ids=LAYERS, max_new_tokens=21, stop_ids=NO_STOP
+        )
+        assert got.tokens == ref.tokens[:21]
+        # 1 token from the prefill + 4 cycles × B tokens = 21: every cycle full, τ = B.
+        assert got.accepted_per_cycle == (B - 1,) * 4
+        assert got.tau == B
+        assert got.num_target_forwards == 4
+
+
+def test_tau_counted_on_a_hand_made_case(target: LoadedTarget) -> None:
+    caller = TargetCaller(target.model)
+    prompt = _prompts(target)[1]
+    B = 4
+    ref = target_only_decode(caller, prompt, max_new_tokens=60, stop_ids=NO_STOP)
+    script = [2, 0, 3, 1, 0, 3, 3]  # accepted drafts per cycle; 3 = B − 1 = all accepted
+    drafter = ScriptedDrafter(block_size=B, prompt_len=len(prompt), reference=ref.tokens, script=script)
+    # 1 + Σ (a + 1) = 1 + (3 + 1 + 4 + 2 + 1 + 4 + 4) = 20 tokens: the script ends exactly at the budget.
+    got = speculative_decode(caller, drafter, prompt, layer_ids=LAYERS, max_new_tokens=20, stop_ids=NO_STOP)
+    assert got.tokens == ref.tokens[:20]
+    assert list(got.accepted_per_cycle) == script
+    assert got.tau == pytest.approx((3 + 1 + 4 + 2 + 1 + 4 + 4) / 7)
+    assert histogram(got.accepted_per_cycle, B) == [2, 1, 1, 3]
+    # Anchors: each cycle starts at the last emitted token, at its position.
+    positions = [p for _, p in drafter.anchors]
+    expected_positions = [len(prompt)]
+    for a in script[:-1]:
+        expected_positions.append(expected_positions[-1] + a + 1)
+    assert positions == expected_positions
+    for token, pos in drafter.anchors:
+        assert token == ref.tokens[pos - len(prompt)]
+    # The report's overall τ is Σ (a + 1) ÷ cycles over all prompts, not a mean of per-prompt τ.
+    base = target_only_decode(caller, prompt, max_new_tokens=20, stop_ids=NO_STOP)
+    one = prompt_result(
+        sample_id="a",
+        record_id="",
+        prompt_tokens=len(prompt),
+        spec=got,
+        target_only=base,
+        block_size=B,
+        text="",
+    )
+    drafter2 = ScriptedDrafter(block_size=B, prompt_len=len(prompt), reference=ref.tokens, script=[0, 0, 0])
+    got2 = speculative_decode(caller, drafter2, prompt, layer_ids=LAYERS, max_new_tokens=4, stop_ids=NO_STOP)
+    assert list(got2.accepted_per_cycle) == [0, 0, 0]
+    two = prompt_result(
+        sample_id="b",
+        record_id="",
+        prompt_tokens=len(prompt),
+        spec=got2,
+        target_only=base,
+        block_size=B,
+        text="",
+    )
+    assert not two.identical
+    assert two.first_mismatch == 4
+    summary = summarize([one, two], block_size=B)
+    assert summary.tau == pytest.approx((19 + 3) / 10)
+    assert summary.accepted_histogram == [5, 1, 1, 3]
+    assert summary.identical_prompts == 1
+
+
+def test_drafter_context_is_the_target_features_of_every_earlier_position(target: LoadedTarget) -> None:
+    """After each crop, the features handed over are those of the accepted positions exactly: their
+    concatenation equals the features of the final sequence computed in one full forward."""
+    caller = TargetCaller(target.model)
+    prompt = _prompts(target)[0]
+    B = 4
+    ref = target_only_decode(caller, prompt, max_new_tokens=60, stop_ids=NO_STOP)
+    drafter = ScriptedDrafter(
+        block_size=B, prompt_len=len(prompt), reference=ref.tokens, script=[1, 0, 3, 2, 0, 1]
+    )
+    got = speculative_decode(caller, drafter, prompt, layer_ids=LAYERS, max_new_tokens=16, stop_ids=NO_STOP)
+    assert got.tokens == ref.tokens[:16]
+    start = 0
+    for anchor_position, features in drafter.contexts:
+        assert features.shape[0] == anchor_position - start  # exactly the positions not seen yet
+        start = anchor_position
+    context = torch.cat([f for _, f in drafter.contexts])
+    sequence = torch.tensor([list(prompt) + list(ref.tokens[: start - len(prompt)])])
+    full = FeatureCapture(target, LAYERS)(sequence, torch.ones_like(sequence))[0]
+    assert context.shape == full.shape
+    torch.testing.assert_close(context, full, rtol=1e-4, atol=1e-5)
+    # A wrong crop would shift features by a position: far outside the tolerance.
+    assert not torch.allclose(context[1:], full[:-1], rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 8, 13])
+def test_max_new_tokens_is_exact(target: LoadedTarget, max_new_tokens: int) -> None:
+    caller = TargetCaller(target.model)
+    prompt = _prompts(target)[2]
+    ref = target_only_decode(caller, prompt, max_new_tokens=40, stop_ids=NO_STOP)
+    oracle = ScriptedDrafter(block_size=4, prompt_len=len(prompt), reference=ref.tokens)
+    got = speculative_decode(
+        caller, oracle, prompt, layer_ids=LAYERS, max_new_tokens=max_new_tokens, stop_ids=NO_STOP
+    )
+    base = target_only_decode(caller, prompt, max_new_tokens=max_new_tokens, stop_ids=NO_STOP)
+    assert got.tokens == base.tokens == ref.tokens[:max_new_tokens]
+    assert got.stop_reason == base.stop_reason == "length"
+    if max_new_tokens == 1:
+        assert got.accepted_per_cycle == ()
+        assert got.tau is None
+
+
+def test_stop_token_ends_both_loops_identically(target: LoadedTarget) -> None:
+    """The stop token may arrive as the prefill token, as an accepted draft mid-block, or as a bonus."""
+    caller = TargetCaller(target.model)
+    prompt = _prompts(target)[0]
+    ref = target_only_decode(caller, prompt, max_new_tokens=40, stop_ids=NO_STOP)
+    # Positions where a token occurs for the first time: making it the stop token ends the output there.
+    firsts = [i for i, t in enumerate(ref.tokens) if t not in ref.tokens[:i]][:5]
+    assert firsts[0] == 0
+    assert len(firsts) >= 2
+    for stop_at in firsts:
+        stop = frozenset({ref.tokens[stop_at]})
+        base = target_only_decode(caller, prompt, max_new_tokens=40, stop_ids=stop)
+        assert base.tokens == ref.tokens[: stop_at + 1]
+        assert base.stop_reason == "stop_token"
+        for drafter in (
+            ScriptedDrafter(block_size=4, prompt_len=len(prompt), reference=ref.tokens),
+            ScriptedDrafter(block_size=4, prompt_len=len(prompt), reference=ref.tokens, script=[0, 1, 0, 2]),
+            DFlashBlockDrafter(untrained_drafter(target, block_size=4)),
+        ):
+            got = speculative_decode(
+                caller, drafter, prompt, layer_ids=LAYERS, max_new_tokens=40, stop_ids=stop
+            )
+            assert got.tokens == base.tokens
+            assert got.stop_reason == "stop_token"
+
+
+def test_accepted_length() -> None:
+    assert accepted_length([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_length([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted_length([5, 6, 7], [1, 6, 7, 8]) == 0
+    assert accepted_length([], [4]) == 0

@@ -1,0 +1,158 @@
+"""``dflash plot`` of a run, a cache and an eval report: PNGs that decode and are not blank, bucket counts
+against an independent count of what was written, and kind detection."""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from dflash_offline.cli import main
+from dflash_offline.errors import ConfigError
+from dflash_offline.eval.report import EVAL_REPORT_VERSION, EvalReport, PromptResult, summarize
+from dflash_offline.plot import default_out_dir, detect_kind, plot_path
+from dflash_offline.plot.cache_plots import bucket_labels, bucket_summary
+from dflash_offline.plot.run_plots import read_run_metrics
+from dflash_offline.train.metrics import StepMetrics
+from tests.eval.helpers import tiny_fingerprint, write_tiny_cache
+
+
+def _assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 200
+    assert image.shape[1] > 300
+    assert float(image[..., :3].std()) > 0.05  # not a blank canvas
+
+
+def _write_run(run: Path, num_steps: int, *, block: int = 8) -> None:
+    run.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    lines = []
+    for step in range(1, num_steps + 1):
+        progress = step / num_steps
+        acc = [float(np.clip(0.8 * progress * 0.85**k + rng.normal(0, 0.02), 0, 1)) for k in range(block - 1)]
+        tau = 1 + float(np.sum(np.cumprod(acc)))
+        metrics = StepMetrics(
+            step=step,
+            epoch=step * 3 // num_steps,
+            loss=8.0 * np.exp(-3 * progress) + rng.random() * 0.1,
+            lr=6e-4 * min(1.0, step / 3),
+            grad_norm=1.0 + rng.random(),
+            acc_by_position=acc,
+            simulated_tau=tau,
+            tokens=4096,
+            tokens_per_s=2000 + 100 * rng.random(),
+            step_seconds=2.0,
+            data_wait_fraction=0.05,
+            buckets=[0, 1],
+            num_blocks=64,
+        )
+        lines.append(metrics.to_json())
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n" + lines[-1][:20])  # a line being written
+
+
+def test_plot_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _write_run(run, 40)
+    rows = read_run_metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 41))  # the partial last line is passed over
+    result = plot_path(run)
+    assert result.kind == "run"
+    assert result.out_dir == run / "plots"
+    assert sorted(p.name for p in result.files) == [
+        "accuracy_by_position.png", "loss.png", "simulated_tau.png", "throughput.png",
+    ]  # fmt: skip
+    for path in result.files:
+        _assert_png(path)
+
+
+def test_plot_run_with_one_step(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _write_run(run, 1)
+    for path in plot_path(run, tmp_path / "out").files:
+        _assert_png(path)
+
+
+def test_plot_run_refuses_an_empty_log(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="no step yet"):
+        plot_path(tmp_path)
+
+
+def test_plot_cache(tmp_path: Path) -> None:
+    lengths = [3, 8, 9, 16, 17, 40, 64, 5, 30, 33, 2]  # edges 8, 16, 32, 64
+    cache = write_tiny_cache(
+        tmp_path / "cache", [f"s{i}" for i in range(len(lengths))], data_source="x", lengths=lengths
+    )
+    summary = bucket_summary(cache)
+    edges = tiny_fingerprint(data_source="x").bucket_edges
+    expected = [0] * len(edges)
+    expected_tokens = [0] * len(edges)
+    for n in lengths:
+        expected[bisect.bisect_left(edges, n)] += 1
+        expected_tokens[bisect.bisect_left(edges, n)] += n
+    assert list(summary.samples) == expected == [4, 2, 2, 3]
+    assert list(summary.tokens) == expected_tokens
+    assert summary.labels == ("≤8", "9–16", "17–32", "33–64")
+    result = CliRunner().invoke(main, ["plot", str(cache)])
+    assert result.exit_code == 0, result.output
+    out = default_out_dir(cache, "cache")
+    assert out == tmp_path / "cache-plots"
+    assert not (cache / "plots").exists()  # nothing is added to the cache itself
+    for name in ("buckets.png", "lengths.png"):
+        assert str(out / name) in result.output
+        _assert_png(out / name)
+
+
+def test_bucket_labels() -> None:
+    assert bucket_labels((256, 512, 3072)) == ["≤256", "257–512", "513–3072", ">3072"]
+
+
+def test_plot_eval_report(tmp_path: Path) -> None:
+    prompts = [
+        PromptResult(
+            sample_id=f"s{i}",
+            record_id="",
+            prompt_tokens=10,
+            new_tokens=20,
+            cycles=5,
+            accepted_histogram=[1, 2, 1, 1],
+            tau=2.4 + i,
+            spec_seconds=1.0,
+            target_seconds=1.5 + i,
+            speedup=1.5 + i,
+            identical=True,
+            first_mismatch=None,
+            stop_reason="length",
+            text="",
+        )
+        for i in range(3)
+    ]
+    report = EvalReport(
+        version=EVAL_REPORT_VERSION, config={}, target={}, drafter={}, held_out="", warnings=[],
+        prompts=prompts, summary=summarize(prompts, block_size=4),
+    )  # fmt: skip
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(asdict(report)))
+    result = plot_path(path)
+    assert result.kind == "eval"
+    assert [p.name for p in result.files] == ["eval_acceptance.png"]
+    assert result.out_dir == tmp_path / "report-plots"
+    _assert_png(result.files[0])
+
+
+def test_unknown_paths_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="expected a training run"):
+        detect_kind(tmp_path)
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigError, match="not a `dflash eval --json` report"):
+        plot_path(bad)

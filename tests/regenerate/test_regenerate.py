@@ -1,0 +1,229 @@
+"""``dflash regenerate``: answers are the target's own greedy decode, the output feeds the generate reader,
+a rerun resumes (partial last line included, and after a real SIGKILL), failures are reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_offline.cli import main
+from dflash_offline.data.records import Conversation, Message
+from dflash_offline.data.sources import iter_records
+from dflash_offline.errors import ConfigError, DataError
+from dflash_offline.eval.runtime import stop_token_ids
+from dflash_offline.eval.speculative import TargetCaller, target_only_decode
+from dflash_offline.regenerate import run as run_module
+from dflash_offline.regenerate.config import RegenerateConfig
+from dflash_offline.regenerate.generation import GeneratedTokens
+from dflash_offline.regenerate.jsonl_out import ResumableJsonl
+from dflash_offline.regenerate.run import render_prompt, run_regenerate
+from dflash_offline.regenerate.turns import user_groups
+from dflash_offline.target.loader import LoadedTarget, load_target
+from tests.eval.helpers import conversations, one_thread, write_chat_jsonl
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedTarget:
+    return load_target("random:tiny", device="cpu")
+
+
+def _config(out: Path, data: Path, **kw: Any) -> RegenerateConfig:
+    values: dict[str, Any] = {
+        "target": "random:tiny",
+        "max_new_tokens": 12,
+        "batch_size": 3,
+        "progress": False,
+    }
+    values.update(kw)
+    return RegenerateConfig(out=out, data=str(data), **values)
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _m(role: str, content: str) -> Message:
+    return Message(role=role, content=content)  # type: ignore[arg-type]
+
+
+def test_user_groups() -> None:
+    s, u1, u2, a = _m("system", "s"), _m("user", "u1"), _m("user", "u2"), _m("assistant", "a")
+    assert user_groups((s, u1, a, u2, a)) == [(s, u1), (u2,)]
+    assert user_groups((u1, u2, a)) == [(u1, u2)]  # a run of user turns: one answer
+    assert user_groups((u1,)) == [(u1,)]  # prompts only: answered
+    assert user_groups((u1, a, u2)) == [(u1,), (u2,)]  # a trailing user turn is answered too
+    assert user_groups((a, u1, a)) == [(u1,)]  # an assistant turn without a prompt is dropped
+    assert user_groups((s, a, u1, a)) == [(s, u1)]  # ... and the system turn carries over
+    assert user_groups((u1, a, s)) == [(u1,)]  # a system turn after the last user turn: dropped
+    assert user_groups((s, a)) == []
+
+
+def test_answers_are_the_targets_greedy_decode(tmp_path: Path, tiny: LoadedTarget) -> None:
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 5, turns=2)
+    out = tmp_path / "regen.jsonl"
+    summary = run_regenerate(_config(out, data))
+    assert (summary.written, summary.failed, summary.skipped, summary.answers) == (5, 0, 0, 10)
+    lines = _lines(out)
+    convs = {c.sample_id: c for c in conversations(data)}
+    caller, stop = TargetCaller(tiny.model), stop_token_ids(tiny.tokenizer, tiny.model)
+    for line in lines:
+        original = convs[line["source_sample_id"]]
+        assert line["id"] == original.record_id
+        messages = line["messages"]
+        kept = [{"role": m.role, "content": m.content} for m in original.messages if m.role != "assistant"]
+        assert [m for m in messages if m["role"] != "assistant"] == kept
+        assert [m["role"] for m in messages][-4:] == ["user", "assistant", "user", "assistant"]
+        # Each answer is the greedy continuation of the conversation so far, the target's own earlier
+        # answers included (independent reference: the eval's KV-cache greedy loop, batch 1, no padding).
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            ref = target_only_decode(
+                caller, render_prompt(tiny.tokenizer, messages[:k]), max_new_tokens=12, stop_ids=stop
+            )
+            tokens = [t for t in ref.tokens if t not in stop]
+            assert m["content"] == tiny.tokenizer.decode(tokens, skip_special_tokens=False)
+        assert line["finish_reasons"] == ["length", "length"]  # random weights never say <|im_end|> this soon
+        assert line["regenerated_by"]["target"] == "random:tiny"
+    # generate's reader takes the output as it is.
+    parsed = [c for c in iter_records(out) if isinstance(c, Conversation)]
+    assert [c.record_id for c in parsed] == [line["id"] for line in lines]
+
+
+def test_resume_after_a_partial_last_line(tmp_path: Path) -> None:
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 7)
+    out = tmp_path / "regen.jsonl"
+    first = run_regenerate(_config(out, data, limit=4))
+    assert first.written == 4
+    complete = out.read_text()
+    partial = json.dumps(_lines(out)[-1])[:37]  # a kill in the middle of writing a fifth line
+    with open(out, "a") as f:
+        f.write(partial)
+    second = run_regenerate(_config(out, data))
+    assert (second.written, second.skipped, second.failed) == (3, 4, 0)
+    assert second.repaired_bytes == len(partial)
+    text = out.read_text()
+    assert text.startswith(complete)
+    assert text.endswith("\n")
+    ids = [line["source_sample_id"] for line in _lines(out)]
+    assert sorted(ids) == sorted(c.sample_id for c in conversations(data))  # none missing, none twice
+    third = run_regenerate(_config(out, data))
+    assert (third.written, third.skipped) == (0, 7)
+
+
+def test_a_foreign_output_file_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "regen.jsonl"
+    out.write_text('{"id": 1}\n')
+    with pytest.raises(DataError, match="source_sample_id"):
+        ResumableJsonl(out, key="source_sample_id")
+    out.write_text("not json\n{}\n")
+    with pytest.raises(DataError, match="not valid JSON"):
+        ResumableJsonl(out, key="source_sample_id")
+    with pytest.raises(ConfigError, match=r"\.jsonl"):
+        _config(tmp_path / "x.json", out)
+
+
+def test_failures_are_reported_and_skipped_on_rerun(
+    tmp_path: Path, tiny: LoadedTarget, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "chat.jsonl"
+    records = [
+        {"id": "ok", "messages": [{"role": "user", "content": "hello"}]},
+        {"id": "no-user", "messages": [{"role": "assistant", "content": "hi"}]},
+        {"id": "bad", "messages": [{"role": "robot", "content": "x"}]},
+        {"id": "long", "messages": [{"role": "user", "content": "word " * 300}]},
+        {"id": "empty", "messages": [{"role": "user", "content": "say nothing"}]},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    real = run_module.generate_batch
+
+    def generate_with_one_empty(model: Any, prompts: Any, settings: Any) -> list[GeneratedTokens]:
+        # The target answers "say nothing" with its end-of-turn token at once.
+        results = real(model, prompts, settings)
+        silent = GeneratedTokens(token_ids=(), finish_reason="stop")
+        return [silent if "say nothing" in tiny.tokenizer.decode(p) else r for p, r in zip(prompts, results)]
+
+    monkeypatch.setattr(run_module, "generate_batch", generate_with_one_empty)
+    out = tmp_path / "regen.jsonl"
+    summary = run_regenerate(_config(out, data, max_prompt_tokens=100, batch_size=8))
+    assert (summary.written, summary.failed) == (1, 4)
+    failures = {
+        f["record_id"] or f["source_index"]: f["reason"] for f in _lines(tmp_path / "regen.failures.jsonl")
+    }
+    assert failures == {
+        "no-user": "empty_conversation",
+        2: "unknown_role",
+        "long": "too_long",
+        "empty": "empty_response",
+    }
+    err = capsys.readouterr().err
+    assert "too_long" in err
+    assert "empty_response" in err
+    assert [line["id"] for line in _lines(out)] == ["ok"]
+    again = run_regenerate(_config(out, data, max_prompt_tokens=100))
+    assert (again.written, again.failed, again.skipped) == (0, 0, 5)
+
+
+def test_sampling_is_seeded(tmp_path: Path) -> None:
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 3)
+    texts = []
+    for name, kw in (
+        ("a", {"temperature": 1.0, "seed": 3}),
+        ("b", {"temperature": 1.0, "seed": 3}),
+        ("c", {}),
+    ):
+        run_regenerate(_config(tmp_path / f"{name}.jsonl", data, **kw))
+        texts.append([line["messages"] for line in _lines(tmp_path / f"{name}.jsonl")])
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]
+
+
+def test_cli_and_sigkill_resume(tmp_path: Path) -> None:
+    """A real process killed with SIGKILL mid-run; the rerun completes the file without loss or repeats,
+    equal to an uninterrupted run."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 24, turns=2)
+    args = ["regenerate", "--target", "random:tiny", "--data", str(data), "--max-new-tokens", "24",
+            "--batch-size", "2", "--no-progress"]  # fmt: skip
+    reference = tmp_path / "reference.jsonl"
+    result = CliRunner().invoke(main, [*args, "--out", str(reference)])
+    assert result.exit_code == 0, result.output
+    assert "24 conversations written" in result.output
+
+    out = tmp_path / "killed.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_offline", *args, "--out", str(out)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_text().count("\n") >= 3:
+                break
+            time.sleep(0.02)
+        if proc.poll() is not None:
+            pytest.fail("the run finished before it could be killed; make it longer")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    done_before = out.read_text().count("\n")
+    assert 3 <= done_before < 24
+    result = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    killed = {line["source_sample_id"]: line["messages"] for line in _lines(out)}
+    expected = {line["source_sample_id"]: line["messages"] for line in _lines(reference)}
+    assert len(_lines(out)) == 24
+    assert killed == expected
