@@ -25,7 +25,7 @@ check)
   df -h /tmp | tail -1
   nproc
   python3 -c "import torch, transformers, zarr, numcodecs, duckdb, tensorstore; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__, 'duckdb', duckdb.__version__)"
-  timeout 300 python3 -m pytest -q -m gpu tests/drafter tests/target tests/train tests/cache tests/generate -p no:cacheprovider 2>&1 | tail -40 | tee "$out/gpu_tests.txt"
+  timeout 300 python3 -m pytest -q -m gpu tests/drafter tests/target tests/train tests/cache tests/generate tests/eval -p no:cacheprovider 2>&1 | tail -40 | tee "$out/gpu_tests.txt"
   ;;
 encode)
   python3 bench/encode_scaling.py
@@ -45,7 +45,7 @@ train)
   rm -rf $cache $work/run
   timeout 200 python3 -m dflash_offline generate --cache $cache --target random:qwen3-8b --data $data \
     --limit 200 --max-len 4096 --tokens-per-batch 16384 --gpus 0 --no-progress 2>&1 | tail -8
-  timeout 300 python3 -m dflash_offline train --cache $cache --out $work/run --gpus 0 --max-steps 40 \
+  timeout 300 python3 -m dflash_offline train --cache $cache --out $work/run --gpus 0 --max-steps 40 --grad-accum 1 \
     --tokens-per-microbatch 16384 --loader-threads 8 --prefetch 4 --checkpoint-every 1000 --no-progress 2>&1 | tail -8
   cp $work/run/metrics.jsonl "$out/train_metrics.jsonl"
   python3 - "$work/run/metrics.jsonl" <<'EOF'

@@ -37,6 +37,13 @@ from dflash_offline.cli.options import cache_option, placement_options, progress
     "--gamma", type=float, default=None, help="Loss decay γ (default: 7 for B=16, 5 for 10, 4 for 8)."
 )
 @click.option("--mask-token-id", type=int, default=None)
+@click.option(
+    "--autocast",
+    type=click.Choice(["auto", "bf16", "off"]),
+    default="auto",
+    show_default=True,
+    help="bf16 autocast of the forward: auto = on GPUs only (measure before using it on a CPU).",
+)
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
@@ -82,6 +89,11 @@ from dflash_offline.cli.options import cache_option, placement_options, progress
     help="Resume with another world size / grad accumulation (the epoch is re-planned).",
 )
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True)
+@click.option(
+    "--export-initial",
+    is_flag=True,
+    help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval).",
+)
 @click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True)
 @placement_options
 @progress_option
@@ -94,6 +106,7 @@ def train(
     num_anchors: int,
     gamma: float | None,
     mask_token_id: int | None,
+    autocast: str,
     optimizer: str,
     lr: float,
     weight_decay: float,
@@ -112,6 +125,7 @@ def train(
     resume: str,
     allow_topology_change: bool,
     attention: str,
+    export_initial: bool,
     log_every: int,
     gpus: str | None,
     workers: int,
@@ -132,6 +146,7 @@ def train(
         num_anchors=num_anchors,
         gamma=gamma,
         mask_token_id=mask_token_id,
+        autocast=autocast,  # type: ignore[arg-type]
         optimizer=optimizer,  # type: ignore[arg-type]
         lr=lr,
         weight_decay=weight_decay,
@@ -150,6 +165,7 @@ def train(
         resume=resume,  # type: ignore[arg-type]
         allow_topology_change=allow_topology_change,
         log_every=log_every,
+        export_initial=export_initial,
         attention=attention,  # type: ignore[arg-type]
         progress=progress,
         gpus=parse_gpus(gpus),

@@ -24,8 +24,15 @@ from dflash_offline.cache.records import RunRow, utc_now
 from dflash_offline.generate.channel import StoreJobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.events import JobDone, WorkerFinished
-from dflash_offline.generate.run import FailureLog, GenerateSummary, plan_events, prepare_run, run_generate
-from dflash_offline.generate.worker import WorkerSpec, _work
+from dflash_offline.generate.run import (
+    FailureLog,
+    GenerateSummary,
+    plan_events,
+    prepare_run,
+    run_generate,
+    worker_spec,
+)
+from dflash_offline.generate.worker import run_worker_in_process
 
 
 def under_torchrun() -> bool:
@@ -103,21 +110,7 @@ def run_generate_distributed(config: GenerateConfig) -> GenerateSummary | None:
             ctx = replace(prepare_run(config), session=store.get(f"{prefix}/session").decode())
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-        spec = WorkerSpec(
-            worker=rank,
-            device=device,
-            cpu_threads=config.placement.cpu_threads(),
-            target=config.target,
-            dtype=config.dtype,
-            cache_dir=config.cache_dir,
-            fingerprint=ctx.fingerprint,
-            session=ctx.session,
-            fsync=config.fsync,
-            flush_seconds=config.flush_seconds,
-            tokens_per_batch=config.tokens_per_batch,
-            writer_queue_depth=config.writer_queue_depth,
-            pad_id=ctx.pad_id,
-        )
+        spec = worker_spec(ctx, worker=rank, device=device)
         channel = StoreJobChannel(store, prefix=f"{prefix}/jobs", lookahead=2 * world + 2)
         events = _StoreEvents(store, prefix)
         stop = threading.Event()
@@ -139,7 +132,7 @@ def run_generate_distributed(config: GenerateConfig) -> GenerateSummary | None:
         planner = threading.Thread(target=plan, name="planner", daemon=True)
         if rank == 0:
             planner.start()
-        _work(spec, channel, events, stop)
+        run_worker_in_process(spec, channel, events, stop)
         if rank == 0:
             planner.join()
         finished = [e for e in list(events.local.queue) if isinstance(e, WorkerFinished)]

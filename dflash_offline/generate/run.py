@@ -131,6 +131,26 @@ def prepare_run(config: GenerateConfig) -> RunContext:
     )
 
 
+def worker_spec(ctx: RunContext, *, worker: int, device: str) -> WorkerSpec:
+    """What worker ``worker`` on ``device`` needs to know about this run."""
+    config = ctx.config
+    return WorkerSpec(
+        worker=worker,
+        device=device,
+        cpu_threads=config.placement.cpu_threads(),
+        target=config.target,
+        dtype=config.dtype,
+        cache_dir=config.cache_dir,
+        fingerprint=ctx.fingerprint,
+        session=ctx.session,
+        fsync=config.fsync,
+        flush_seconds=config.flush_seconds,
+        tokens_per_batch=config.tokens_per_batch,
+        writer_queue_depth=config.writer_queue_depth,
+        pad_id=ctx.pad_id,
+    )
+
+
 def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
     """The deterministic job stream of this run (resume only filters it)."""
     from dflash_offline.data.sources import iter_records
@@ -205,6 +225,17 @@ class _Tally:
     def stored_bytes(self) -> int:
         return sum(self.stored_bytes_by_worker.values())
 
+    def apply(self, event: object) -> None:
+        """Count a worker's progress or completion."""
+        if isinstance(event, JobDone):
+            self.samples += event.new_samples
+            self.tokens += event.new_tokens
+            self.failures += event.failures
+            self.stored_bytes_by_worker[event.worker] = event.stored_bytes
+        elif isinstance(event, WorkerFinished):
+            self.finished[event.worker] = event
+            self.stored_bytes_by_worker[event.worker] = event.stats.stored_bytes
+
 
 class _Planner(threading.Thread):
     """Feeds the job channel from the plan; records failures; stops on request. Errors are kept."""
@@ -271,21 +302,7 @@ def run_generate(
     stop_planner = threading.Event()
     processes = []
     for worker in range(num_workers):
-        spec = WorkerSpec(
-            worker=worker,
-            device=placement.device_of(worker),
-            cpu_threads=placement.cpu_threads(),
-            target=config.target,
-            dtype=config.dtype,
-            cache_dir=config.cache_dir,
-            fingerprint=ctx.fingerprint,
-            session=ctx.session,
-            fsync=config.fsync,
-            flush_seconds=config.flush_seconds,
-            tokens_per_batch=config.tokens_per_batch,
-            writer_queue_depth=config.writer_queue_depth,
-            pad_id=ctx.pad_id,
-        )
+        spec = worker_spec(ctx, worker=worker, device=placement.device_of(worker))
         process = mp_context.Process(
             target=run_worker, args=(spec, channel, events, stop_workers), name=f"dflash-worker-{worker}"
         )
@@ -311,15 +328,8 @@ def run_generate(
                 continue
             if on_event is not None:
                 on_event(event)
-            if isinstance(event, JobDone):
-                tally.samples += event.new_samples
-                tally.tokens += event.new_tokens
-                tally.failures += event.failures
-                tally.stored_bytes_by_worker[event.worker] = event.stored_bytes
-            elif isinstance(event, WorkerFinished):
-                tally.finished[event.worker] = event
-                tally.stored_bytes_by_worker[event.worker] = event.stats.stored_bytes
-            elif isinstance(event, WorkerFailed):
+            tally.apply(event)
+            if isinstance(event, WorkerFailed):
                 tally.failed.append(event)
                 raise WorkerError(
                     f"worker {event.worker} ({event.device}) failed; the cache is resumable. "
@@ -411,14 +421,7 @@ def _drain_and_join(processes: list[Any], events: Any, tally: _Tally, channel: Q
             event = events.get(timeout=0.2)
         except queue.Empty:
             continue
-        if isinstance(event, JobDone):
-            tally.samples += event.new_samples
-            tally.tokens += event.new_tokens
-            tally.failures += event.failures
-            tally.stored_bytes_by_worker[event.worker] = event.stored_bytes
-        elif isinstance(event, WorkerFinished):
-            tally.finished[event.worker] = event
-            tally.stored_bytes_by_worker[event.worker] = event.stats.stored_bytes
+        tally.apply(event)
     for process in processes:
         process.join(timeout=5)
         if process.is_alive():

@@ -89,6 +89,11 @@ def run_worker(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) ->
         raise SystemExit(1) from None
 
 
+def run_worker_in_process(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
+    """The worker loop in the calling process (a torchrun rank); exceptions propagate."""
+    _work(spec, channel, events, stop)
+
+
 def _work(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":

@@ -236,6 +236,22 @@ def load_target(
     max_layer: int | None = None,
 ) -> LoadedTarget:
     """Load ``spec`` on ``device`` (see the module docstring for precision, attention and truncation)."""
+    from transformers.utils import logging as hf_logging
+
+    # transformers draws a bar per load (GGUF dequantization, weights); ours is the one to watch,
+    # and several worker processes would interleave theirs.
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return _load_target(spec, device=device, dtype=dtype, max_layer=max_layer)
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
+def _load_target(
+    spec: str, *, device: torch.device | str, dtype: torch.dtype | None, max_layer: int | None
+) -> LoadedTarget:
     from transformers import AutoModel, AutoModelForCausalLM
 
     source = resolve_target(spec)

@@ -216,6 +216,10 @@ def _train(
         set_rng_state(state.rng)
         tokens_seen = state.tokens_seen
     global_step = planner.position[2]
+    if state is None and config.export_initial and info.is_main:
+        from dflash_offline.drafter.export import export_drafter
+
+        export_drafter(model, config.out_dir / "drafter-initial")
     metrics_log = (
         MetricsLog(config.out_dir / "metrics.jsonl", resume_from_step=global_step) if info.is_main else None
     )
@@ -233,10 +237,9 @@ def _train(
         )
 
     progress = _progress_bar(config, info, total_steps, global_step)
+    use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and info.device.type == "cuda")
     autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if info.device.type == "cuda"
-        else contextlib.nullcontext()
+        torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
     )
     last_loss: float | None = None
     try:

@@ -154,3 +154,33 @@ def test_sql_shows_buckets_while_generate_is_writing(tmp_path: Path) -> None:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_cleanly_and_the_rerun_completes(tmp_path: Path) -> None:
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 240, seed=5, max_words=200)
+    cache = tmp_path / "cache"
+    cmd = _generate_cmd(cache, data)
+    cmd[cmd.index("random:tiny")] = "random:smollm2-135m"  # slow enough to be interrupted mid-way
+    cmd[cmd.index("0,2")] = "1,8,14"
+    process = _start([*cmd, "--workers", "2"])
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        parts = list((cache / "manifest" / "samples").glob("*.parquet"))
+        if parts:
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, "the run ended before it could be interrupted"
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the process group
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 130, output.decode()[-3000:]
+    assert b"resume" in output
+    runs = read_table(cache, "runs").to_pylist()
+    assert [r["status"] for r in runs] == ["interrupted"]
+    partial = read_table(cache, "samples").num_rows
+    assert 0 < partial < 240
+    assert verify_cache(cache, progress=False).ok
+    final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stdout + final.stderr
+    samples = read_table(cache, "samples").column("sample_id").to_pylist()
+    assert len(samples) == len(set(samples)) == 240
