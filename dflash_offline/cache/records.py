@@ -7,7 +7,7 @@ Features travel as bfloat16 tensors and are stored as their uint16 bit patterns 
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,16 @@ FAILURE_REASONS = (
     "truncated_source",  # the data file ends inside a record
     "duplicate_record",  # same id and content as an earlier record of the same source
 )
+
+
+def record_to_dict(record: Any) -> dict[str, Any]:
+    """Field name -> value of a frozen record (shallow: values stay as they are)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+def record_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``d`` that are fields of ``cls`` (a missing field raises KeyError naming it)."""
+    return {f.name: d[f.name] for f in fields(cls)}
 
 
 def utc_now() -> dt.datetime:
@@ -102,11 +112,11 @@ class SampleRow:
     created_at: dt.datetime
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return record_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SampleRow:
-        return cls(**{name: d[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+        return cls(**record_fields(cls, d))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,11 +139,11 @@ class FailureRow:
             raise ValueError(f"unknown failure reason {self.reason!r}; known: {FAILURE_REASONS}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return record_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FailureRow:
-        return cls(**{name: d[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+        return cls(**record_fields(cls, d))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,11 +162,11 @@ class ShardInfo:
     created_at: dt.datetime
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return record_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardInfo:
-        return cls(**{name: d[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+        return cls(**record_fields(cls, d))
 
 
 RUN_STATUSES = ("running", "finished", "interrupted", "failed")
@@ -199,11 +209,11 @@ class RunRow:
             raise ValueError(f"run_id {self.run_id!r} must be a non-empty file name (no '/')")
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return record_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunRow:
-        return cls(**{name: d[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+        return cls(**record_fields(cls, d))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

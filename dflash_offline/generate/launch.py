@@ -33,10 +33,7 @@ from dflash_offline.generate.run import (
     worker_spec,
 )
 from dflash_offline.generate.worker import run_worker_in_process
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+from dflash_offline.torchrun import under_torchrun
 
 
 def generate_from_config(config: GenerateConfig) -> GenerateSummary | None:

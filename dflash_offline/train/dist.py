@@ -32,10 +32,6 @@ class DistInfo:
         return self.world_size > 1
 
 
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def free_port() -> int:
     """A free TCP port on localhost for a process group started by us (not torchrun)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

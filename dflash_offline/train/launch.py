@@ -4,9 +4,11 @@ CPU processes over gloo. One process trains in-process (no spawn)."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
+from dflash_offline.torchrun import under_torchrun
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import (
     DistInfo,
@@ -14,7 +16,6 @@ from dflash_offline.train.dist import (
     free_port,
     init_distributed,
     shutdown,
-    under_torchrun,
 )
 from dflash_offline.train.loop import TrainResult, train_rank
 
@@ -63,19 +64,19 @@ def run_training(config: TrainConfig) -> TrainResult | None:
         return train_rank(config, info)
     import torch.multiprocessing as mp
 
+    start = time.perf_counter()
     mp.spawn(_spawned, args=(config, free_port()), nprocs=config.world_size, join=True)
-    from dflash_offline.train.checkpoint import list_checkpoints
+    # The ranks ran in other processes: read what rank 0 logged.
     from dflash_offline.train.metrics import read_metrics
 
-    found = list_checkpoints(config.out_dir)
-    metrics = (
-        read_metrics(config.out_dir / "metrics.jsonl") if (config.out_dir / "metrics.jsonl").exists() else []
-    )
-    last_loss = metrics[-1]["loss"] if metrics else None
+    metrics_path = config.out_dir / "metrics.jsonl"
+    metrics = read_metrics(metrics_path) if metrics_path.exists() else []
+    last = metrics[-1] if metrics else {}
+    step = int(last.get("step", 0))  # type: ignore[call-overload]
     return TrainResult(
-        global_step=found[-1][0] if found else 0,
-        total_steps=found[-1][0] if found else 0,
-        final_loss=float(last_loss) if last_loss is not None else None,  # type: ignore[arg-type]
+        global_step=step,
+        total_steps=step,
+        final_loss=float(last["loss"]) if "loss" in last else None,  # type: ignore[arg-type]
         export_dir=config.out_dir / "drafter" if config.export_at_end else None,
-        seconds=0.0,
+        seconds=time.perf_counter() - start,
     )
