@@ -63,6 +63,7 @@ def eval_cmd(
     target: str,
     drafter_dir: Path,
     data: str | None,
+    data_format: str,
     exclude_cache: Path | None,
     limit: int,
     skip: int,
@@ -84,6 +85,7 @@ def eval_cmd(
         target=target,
         drafter_dir=drafter_dir,
         data=data,
+        data_format=data_format,  # type: ignore[arg-type]
         exclude_cache=exclude_cache,
         limit=limit,
         skip=skip,

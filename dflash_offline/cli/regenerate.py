@@ -59,6 +59,7 @@ from dflash_offline.cli.options import data_option, progress_option, seed_option
 def regenerate(
     target: str,
     data: str | None,
+    data_format: str,
     out: Path,
     skip: int,
     limit: int | None,
@@ -79,6 +80,7 @@ def regenerate(
         out=out,
         target=target,
         data=data,
+        data_format=data_format,  # type: ignore[arg-type]
         skip=skip,
         limit=limit,
         max_new_tokens=max_new_tokens,

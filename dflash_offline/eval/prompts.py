@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_offline.data.records import Conversation
+from dflash_offline.data.schemas import DataFormat
 from dflash_offline.data.sources import iter_records, source_name
 from dflash_offline.errors import ConfigError
 
@@ -181,13 +182,14 @@ def select_prompts(
     limit: int,
     skip: int = 0,
     max_prompt_tokens: int = 2048,
+    data_format: DataFormat = "auto",
 ) -> PromptSelection:
     """The first ``limit`` usable, held-out prompts of ``data`` from record ``skip`` on."""
     if limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
     prompts: list[EvalPrompt] = []
     read = excluded = unusable = 0
-    for item in iter_records(data, skip=skip):
+    for item in iter_records(data, skip=skip, data_format=data_format):
         if len(prompts) >= limit:
             break
         read += 1

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.runtime import DTYPES, compute_dtype, resolve_device, stop_token_ids
 
@@ -26,6 +27,8 @@ class EvalConfig:
     """The target spec (must be the one the drafter was trained on)."""
     data: str | None = None
     """Chat data to take prompts from; None = the embedded ShareGPT file."""
+    data_format: DataFormat = "auto"
+    """Record schema (``data/schemas.py``); ``auto`` picks one per record."""
     exclude_cache: Path | None = None
     """Training cache whose committed samples are excluded; None = inferred from the drafter's run."""
     limit: int = 20
@@ -129,6 +132,7 @@ def run_eval(config: EvalConfig) -> Any:
         limit=config.limit,
         skip=config.skip,
         max_prompt_tokens=config.max_prompt_tokens,
+        data_format=config.data_format,
     )
     if not selection.prompts:
         raise ConfigError(

@@ -82,12 +82,14 @@ class GenerateSummary:
 def prepare_run(config: GenerateConfig) -> RunContext:
     """Resolve target, tokenizer and layers; create or check the cache; load the resume state."""
     from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec
-    from dflash_offline.data.sources import resolve_data_path, source_name
+    from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
     from dflash_offline.target.layers import default_layer_ids
     from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
 
     data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts
+    # A file of which no record parses (binary, wrong schema) fails here too, before the cache exists.
+    first_usable_record(data_path, skip=config.skip, limit=config.limit, data_format=config.data_format)
     info = target_info(resolve_target(config.target))
     tokenizer = load_tokenizer(config.target)
     if config.layer_ids is not None:
@@ -157,7 +159,7 @@ def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
     from dflash_offline.data.template import tokenize_conversation
 
     config = ctx.config
-    records = iter_records(config.data, skip=config.skip, limit=config.limit)
+    records = iter_records(config.data, skip=config.skip, limit=config.limit, data_format=config.data_format)
     return plan_jobs(
         records,
         lambda conv: tokenize_conversation(

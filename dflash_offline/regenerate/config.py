@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
 
 FAILURES_SUFFIX = ".failures.jsonl"
@@ -20,6 +21,8 @@ class RegenerateConfig:
     target: str = "default"
     data: str | None = None
     """Chat data whose user turns the target answers; None = the embedded ShareGPT file."""
+    data_format: DataFormat = "auto"
+    """Record schema (``data/schemas.py``); ``auto`` picks one per record."""
     skip: int = 0
     limit: int | None = None
     """Records to read after ``skip`` (None: all)."""
@@ -51,6 +54,7 @@ class RegenerateConfig:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ConfigError(f"invalid value for {', '.join(bad)} (see dflash regenerate --help)")
+        parse_data_format(self.data_format)
         if self.out.suffix != ".jsonl":
             raise ConfigError(f"--out {self.out}: name a .jsonl file (the chat JSONL that generate reads)")
 

@@ -202,7 +202,9 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary:
     torch.manual_seed(config.seed)
     run = _Run(config, target=target, settings=settings)
     try:
-        records = iter_records(config.data, skip=config.skip, limit=config.limit)
+        records = iter_records(
+            config.data, skip=config.skip, limit=config.limit, data_format=config.data_format
+        )
         pool: list[PendingConversation] = []
         exhausted = False
         while True:
