@@ -158,16 +158,88 @@ def open_bytes(path: Path, compression: Compression) -> Iterator[BinaryIO]:
             import zstandard
         except ImportError as e:  # a declared dependency; only a broken install lacks it
             raise DataError(f"{str(path)!r} is zstd-compressed: pip install zstandard") from e
-        raw = zstandard.ZstdDecompressor().stream_reader(
+        reader = zstandard.ZstdDecompressor().stream_reader(
             open(path, "rb"),  # noqa: SIM115 (closefd=True: the reader closes it)
             read_across_frames=True,
             closefd=True,
         )
-        with io.BufferedReader(raw, buffer_size=1 << 20) as f:  # type: ignore[arg-type]
+        with io.BufferedReader(_CheckedZstd(reader, path), buffer_size=1 << 20) as f:
             yield f  # type: ignore[misc]
     else:
         with open(path, "rb") as f:
             yield f
+
+
+class _CheckedZstd(io.RawIOBase):
+    """zstandard's stream reader, made to raise ``EOFError`` at the end of a cut file.
+
+    The reader itself just stops where the bytes stop (zstandard 0.25), which would silently drop the
+    tail of a cut or half-downloaded file; at its end we walk the frame headers to prove it whole."""
+
+    def __init__(self, reader: Any, path: Path) -> None:
+        self._reader = reader
+        self._path = path
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self._reader.read(len(b))
+        if not data:
+            problem = zstd_frames_problem(self._path)
+            if problem is not None:
+                raise EOFError(problem)
+            return 0
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._reader.close()
+        super().close()
+
+
+def zstd_frames_problem(path: Path) -> str | None:
+    """None when ``path`` is a sequence of complete zstd (or skippable) frames, else what is wrong.
+
+    Reads only frame and block headers (RFC 8878 §3.1), seeking over the block contents."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        pos = 0
+        while pos < size:
+            f.seek(pos)
+            magic = f.read(4)
+            if len(magic) < 4:
+                return f"the zstd data ends inside a frame header at byte {pos} (the file is cut short)"
+            number = int.from_bytes(magic, "little")
+            if 0x184D2A50 <= number <= 0x184D2A5F:  # a skippable frame: 4-byte length, then its bytes
+                length = f.read(4)
+                pos += 8 + int.from_bytes(length, "little")
+                if len(length) < 4 or pos > size:
+                    return f"the zstd data ends inside a skippable frame (the file is cut short at {size})"
+                continue
+            if magic != ZSTD_MAGIC:
+                return f"bytes {magic.hex(' ')} at offset {pos} are not a zstd frame"
+            descriptor = f.read(1)
+            if not descriptor:
+                return "the zstd data ends inside a frame header (the file is cut short)"
+            d = descriptor[0]
+            single_segment = bool(d & 0x20)
+            fcs_size = (1 if single_segment else 0, 2, 4, 8)[d >> 6]
+            header = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[d & 0x3] + fcs_size
+            pos += header
+            last = False
+            while not last:
+                f.seek(pos)
+                block = f.read(3)
+                if len(block) < 3:
+                    return f"the zstd data ends inside a frame at byte {size} (the file is cut short)"
+                value = int.from_bytes(block, "little")
+                last, kind, length = bool(value & 1), (value >> 1) & 3, value >> 3
+                pos += 3 + (1 if kind == 1 else length)
+            pos += 4 if d & 0x4 else 0  # the content checksum
+            if pos > size:
+                return f"the zstd data ends inside a frame at byte {size} (the file is cut short)"
+    return None
 
 
 def iter_container(container: DataContainer) -> Iterator[RawRecord]:

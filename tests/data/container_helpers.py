@@ -46,7 +46,9 @@ def write_container(records: Sequence[dict[str, Any]], kind: str, where: Path, *
         half = (len(records) + 1) // 2
         # Hugging Face hub layout; sorted path order is record order.
         for k, part in enumerate((records[:half], records[half:])):
-            pq.write_table(pa.Table.from_pylist(list(part)), path / "data" / f"train-{k:05d}-of-00002.parquet")
+            pq.write_table(
+                pa.Table.from_pylist(list(part)), path / "data" / f"train-{k:05d}-of-00002.parquet"
+            )
     elif kind == "save_to_disk":
         import datasets
 
