@@ -58,6 +58,13 @@ from dflash_offline.cli.options import data_option, progress_option, target_opti
     default=None,
     help="Write the full report.",
 )
+@click.option(
+    "--tensorboard",
+    "tensorboard_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Also write the τ table as TensorBoard scalars to DIR (pip install 'dflash-offline[tensorboard]').",
+)
 @progress_option
 def eval_cmd(
     target: str,
@@ -73,6 +80,7 @@ def eval_cmd(
     dtype: str | None,
     warmup: bool,
     json_path: Path | None,
+    tensorboard_dir: Path | None,
     progress: bool,
 ) -> None:
     """Speculative decoding with the target and the drafter (greedy, batch 1): τ per prompt and overall,
@@ -80,6 +88,10 @@ def eval_cmd(
     output equals the target's own greedy output."""
     from dflash_offline.eval.report import format_table
     from dflash_offline.eval.run import EvalConfig, run_eval
+    from dflash_offline.tensorboard import require_tensorboard, write_eval_report
+
+    if tensorboard_dir is not None:
+        require_tensorboard()  # before the (long) decoding, not after it
 
     config = EvalConfig(
         target=target,
@@ -101,3 +113,5 @@ def eval_cmd(
     if json_path is not None:
         report.write_json(json_path)
         click.echo(f"report written to {json_path}")
+    if tensorboard_dir is not None:
+        click.echo(f"tensorboard scalars written to {write_eval_report(tensorboard_dir, report)}")

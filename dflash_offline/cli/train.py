@@ -95,6 +95,15 @@ from dflash_offline.cli.options import cache_option, placement_options, progress
     help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval).",
 )
 @click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--tensorboard",
+    "tensorboard_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Write TensorBoard event files to DIR (default: OUT/tb when the tensorboard package is "
+    "installed: pip install 'dflash-offline[tensorboard]').",
+)
+@click.option("--no-tensorboard", is_flag=True, help="Write no TensorBoard event files.")
 @placement_options
 @progress_option
 def train(
@@ -127,6 +136,8 @@ def train(
     attention: str,
     export_initial: bool,
     log_every: int,
+    tensorboard_dir: Path | None,
+    no_tensorboard: bool,
     gpus: str | None,
     workers: int,
     threads: int,
@@ -165,6 +176,8 @@ def train(
         resume=resume,  # type: ignore[arg-type]
         allow_topology_change=allow_topology_change,
         log_every=log_every,
+        tensorboard=not no_tensorboard,
+        tensorboard_dir=tensorboard_dir,
         export_initial=export_initial,
         attention=attention,  # type: ignore[arg-type]
         progress=progress,
@@ -177,5 +190,8 @@ def train(
         loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
         click.echo(f"trained {result.global_step} steps; final loss {loss}")
         click.echo(f"metrics: {out_dir / 'metrics.jsonl'}")
+        tb_dir = config.resolved_tensorboard_dir()
+        if tb_dir is not None:
+            click.echo(f"tensorboard: tensorboard --logdir {tb_dir}")
         if result.export_dir is not None:
             click.echo(f"drafter (z-lab DFlash layout): {result.export_dir}")

@@ -234,8 +234,8 @@ def zstd_frames_problem(path: Path) -> str | None:
                 if len(block) < 3:
                     return f"the zstd data ends inside a frame at byte {size} (the file is cut short)"
                 value = int.from_bytes(block, "little")
-                last, kind, length = bool(value & 1), (value >> 1) & 3, value >> 3
-                pos += 3 + (1 if kind == 1 else length)
+                last, kind, block_size = bool(value & 1), (value >> 1) & 3, value >> 3
+                pos += 3 + (1 if kind == 1 else block_size)
             pos += 4 if d & 0x4 else 0  # the content checksum
             if pos > size:
                 return f"the zstd data ends inside a frame at byte {size} (the file is cut short)"

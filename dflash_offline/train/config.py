@@ -57,6 +57,10 @@ class TrainConfig:
     allow_topology_change: bool = False
     """Resume even though the world size differs from the checkpoint's (the planner re-plans)."""
     log_every: int = 1
+    tensorboard: bool = True
+    """Write TensorBoard event files: to ``tensorboard_dir``, else to RUN/tb when the package is there."""
+    tensorboard_dir: Path | None = None
+    """Explicit event-file directory (``--tensorboard DIR``): then the package is required."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     progress: bool = True
     export_at_end: bool = True
@@ -95,6 +99,22 @@ class TrainConfig:
             raise ConfigError(f"--optimizer {self.optimizer!r}: expected adamw or sgd")
         if self.resume not in ("auto", "never"):
             raise ConfigError(f"--resume {self.resume!r}: expected auto or never")
+        if self.tensorboard_dir is not None:
+            if not self.tensorboard:
+                raise ConfigError("--tensorboard DIR and --no-tensorboard contradict each other: give one")
+            from dflash_offline.tensorboard import require_tensorboard
+
+            require_tensorboard()
+
+    def resolved_tensorboard_dir(self) -> Path | None:
+        """Where event files go: the explicit directory, RUN/tb when tensorboard is installed, or None."""
+        from dflash_offline.tensorboard import tensorboard_available
+
+        if not self.tensorboard:
+            return None
+        if self.tensorboard_dir is not None:
+            return self.tensorboard_dir
+        return self.out_dir / "tb" if tensorboard_available() else None
 
     @property
     def world_size(self) -> int:
@@ -104,6 +124,7 @@ class TrainConfig:
         d = asdict(self)
         d["cache_dir"] = str(self.cache_dir)
         d["out_dir"] = str(self.out_dir)
+        d["tensorboard_dir"] = None if self.tensorboard_dir is None else str(self.tensorboard_dir)
         d["gpus"] = list(self.gpus)
         return d
 
@@ -116,5 +137,7 @@ class TrainConfig:
         values = dict(d)
         values["cache_dir"] = Path(values["cache_dir"])
         values["out_dir"] = Path(values["out_dir"])
+        if values.get("tensorboard_dir") is not None:
+            values["tensorboard_dir"] = Path(values["tensorboard_dir"])
         values["gpus"] = tuple(values.get("gpus", ()))
         return cls(**values)

@@ -221,7 +221,13 @@ def _train(
 
         export_drafter(model, config.out_dir / "drafter-initial")
     metrics_log = (
-        MetricsLog(config.out_dir / "metrics.jsonl", resume_from_step=global_step) if info.is_main else None
+        MetricsLog(
+            config.out_dir / "metrics.jsonl",
+            resume_from_step=global_step,
+            tensorboard_dir=config.resolved_tensorboard_dir(),
+        )
+        if info.is_main
+        else None
     )
     tracker = _StepTracker(planner.iterate(config.epochs), total_steps)
     jobs = schedule_for_rank(tracker, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_offline import tensorboard as tb
 from dflash_offline.drafter.loss import simulated_acceptance_length
 from dflash_offline.drafter.model import DrafterOutput
 from dflash_offline.train.dist import DistInfo, all_reduce_sum
@@ -77,9 +78,10 @@ class StepAccumulator:
 
 class MetricsLog:
     """Appends ``StepMetrics`` lines; on resume, drops lines of steps after the checkpoint so that the
-    file reads as one uninterrupted run."""
+    file reads as one uninterrupted run. With ``tensorboard_dir``, each line also goes to TensorBoard
+    (``dflash_offline.tensorboard``: the same values, one place)."""
 
-    def __init__(self, path: Path, *, resume_from_step: int) -> None:
+    def __init__(self, path: Path, *, resume_from_step: int, tensorboard_dir: Path | None = None) -> None:
         self.path = path
         if path.exists():
             kept = [
@@ -91,13 +93,22 @@ class MetricsLog:
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(path)
         self._file = open(path, "a")  # noqa: SIM115 (held open for the whole run)
+        self._tb = (
+            None
+            if tensorboard_dir is None
+            else tb.open_writer(tensorboard_dir, purge_step=resume_from_step + 1)
+        )
 
     def write(self, metrics: StepMetrics) -> None:
         self._file.write(metrics.to_json() + "\n")
         self._file.flush()
+        if self._tb is not None:
+            tb.write_step(self._tb, metrics)
 
     def close(self) -> None:
         self._file.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, object]]:
