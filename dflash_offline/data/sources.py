@@ -86,6 +86,17 @@ def source_name(path: str | Path | None) -> str:
     return DEFAULT_SOURCE_NAME if resolved.resolve() == default.resolve() else name
 
 
+def source_name_for_cache(path: str | Path | None, recorded: str | None) -> str:
+    """The source name a cache whose fingerprint records ``recorded`` (None: a new cache) must use.
+
+    Caches written before source names dropped their container suffixes recorded the full file name
+    (``d.jsonl``); resuming one keeps that name, so that its sample ids stay what they were."""
+    name = source_name(path)
+    if recorded is not None and recorded != name and recorded == resolve_data_path(path).name:
+        return recorded
+    return name
+
+
 def make_sample_id(source: str, record_id: str, messages: Sequence[Message]) -> str:
     """16 hex characters of sha256 over the source name, the record id and the canonical content."""
     canonical = json.dumps([[m.role, m.content] for m in messages], ensure_ascii=False, separators=(",", ":"))
@@ -94,9 +105,16 @@ def make_sample_id(source: str, record_id: str, messages: Sequence[Message]) -> 
 
 
 def iter_records(
-    path: str | Path | None, *, skip: int = 0, limit: int | None = None, data_format: DataFormat = "auto"
+    path: str | Path | None,
+    *,
+    skip: int = 0,
+    limit: int | None = None,
+    data_format: DataFormat = "auto",
+    source: str | None = None,
 ) -> Iterator[Conversation | SourceFailure]:
     """Yield one item per record whose ``source_index`` lies in ``[skip, skip + limit)``.
+
+    ``source``: the name hashed into sample ids (default ``source_name(path)``).
 
     Records before ``skip`` are still decoded (a stream cannot seek) so that a later copy of a skipped
     record is reported as ``duplicate_record`` exactly as in a run without ``skip``."""
@@ -106,7 +124,7 @@ def iter_records(
         raise DataError(f"--limit must be >= 0, got {limit}")
     parse_data_format(data_format)
     resolved = resolve_data_path(path)
-    source = source_name(resolved)
+    source = source_name(resolved) if source is None else source
     container = open_container(resolved)  # an unknown or damaged file fails here, saying what is accepted
     stop = None if limit is None else skip + limit
     first_seen: dict[str, int] = {}
