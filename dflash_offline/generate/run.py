@@ -89,13 +89,15 @@ def prepare_run(config: GenerateConfig) -> RunContext:
     from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
 
     data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts
-    # A file of which no record parses (binary, wrong schema) fails here too, before the cache exists.
-    first_usable_record(data_path, skip=config.skip, limit=config.limit, data_format=config.data_format)
     recorded = (
         read_fingerprint(config.cache_dir).data_source
         if (config.cache_dir / "cache.json").is_file()
         else None
     )
+    if recorded is None:
+        # A file of which no record parses (binary, another schema) fails here, before the cache exists.
+        # (Not on resume: reaching --skip would cost a pass over the skipped records.)
+        first_usable_record(data_path, skip=config.skip, limit=config.limit, data_format=config.data_format)
     info = target_info(resolve_target(config.target))
     tokenizer = load_tokenizer(config.target)
     if config.layer_ids is not None:
