@@ -14,14 +14,16 @@ record, which ``dflash eval`` uses to keep prompts held out.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_offline.data.records import Conversation, SourceFailure
-from dflash_offline.data.sources import iter_records, source_name
+from dflash_offline.data.sources import iter_records, source_name_for_cache
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.generation import GenerationSettings, generate_batch
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
@@ -48,6 +50,16 @@ class RegenerateSummary:
     """Bytes of a partial last line (from a killed run) cut off the output before resuming."""
 
 
+def _recorded_source(out: Path) -> str | None:
+    """The ``source`` of the first line of an existing output, if any."""
+    try:
+        with open(out, encoding="utf-8") as f:
+            value = json.loads(f.readline()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 class _Run:
     """The mutable state of one run: output files, counters, the progress bar."""
 
@@ -57,7 +69,8 @@ class _Run:
         self.config = config
         self.target = target
         self.settings = settings
-        self.source = source_name(config.data)
+        # An output begun before source names dropped container suffixes keeps the name its keys hash.
+        self.source = source_name_for_cache(config.data, _recorded_source(config.out))
         self.out = ResumableJsonl(config.out, key=KEY)
         self.failures = ResumableJsonl(config.failures_path, key=KEY)
         self.done = self.out.keys | self.failures.keys
@@ -203,7 +216,11 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary:
     run = _Run(config, target=target, settings=settings)
     try:
         records = iter_records(
-            config.data, skip=config.skip, limit=config.limit, data_format=config.data_format
+            config.data,
+            skip=config.skip,
+            limit=config.limit,
+            data_format=config.data_format,
+            source=run.source,
         )
         pool: list[PendingConversation] = []
         exhausted = False
