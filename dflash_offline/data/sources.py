@@ -21,7 +21,7 @@ from pathlib import Path
 from dflash_offline.data.containers import ACCEPTED, iter_container, open_container
 from dflash_offline.data.jsonstream import RawRecord
 from dflash_offline.data.records import Conversation, Message, SourceFailure
-from dflash_offline.data.schemas import DataFormat, map_record, parse_data_format
+from dflash_offline.data.schemas import DataFormat, invalid_text, map_record, parse_data_format
 from dflash_offline.errors import DataError
 
 DEFAULT_SOURCE_NAME = "sharegpt-default"
@@ -172,8 +172,12 @@ def parse_record(
     mapped = map_record(raw.value, data_format)
     if mapped.reason is not None:
         return fail(mapped.reason, mapped.detail)
+    try:
+        sample_id = make_sample_id(source, mapped.record_id, mapped.messages)
+    except UnicodeEncodeError:  # a lone surrogate: it can be neither hashed, tokenized nor stored
+        return fail("malformed_record", invalid_text(mapped) or "the text is not valid Unicode")
     return Conversation(
-        sample_id=make_sample_id(source, mapped.record_id, mapped.messages),
+        sample_id=sample_id,
         source_index=raw.source_index,
         record_id=mapped.record_id,
         messages=mapped.messages,

@@ -134,7 +134,7 @@ def test_bad_lines_are_failures_with_their_line_and_the_rest_is_read(tmp_path: P
     assert all(f.reason == "malformed_record" for f in failures.values())
     at = invalid_utf8.index(b"\xe9")
     assert failures[1].detail.startswith(f"line 2: invalid UTF-8 at byte {at} ")
-    assert failures[3].detail.startswith("line 4: messages[0].content is not valid text")
+    assert failures[3].detail.startswith("line 4: turn 0 (user) content is not valid text")
     assert failures[4].detail.startswith("line 5: invalid JSON: nested too deeply")
     assert failures[6].detail.startswith("line 7: id is not valid text")
     # The same bad line first in a .jsonl file stays one bad line (a '[' does not make it an array).
