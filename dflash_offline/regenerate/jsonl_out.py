@@ -65,6 +65,12 @@ class ResumableJsonl:
         self._file.flush()
         self.keys.add(record[self.key])
 
+    def flush(self) -> None:
+        """Make the appended lines durable (fsync) before a part they came from is deleted."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -75,3 +81,23 @@ class ResumableJsonl:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def merge_parts(target: ResumableJsonl, parts: list[Path]) -> int:
+    """Append the complete lines of ``parts`` whose key ``target`` lacks (a torn last line is cut first), then
+    delete each part; returns the lines added. Streams line by line, so a rerun after a kill in the middle of
+    a merge adds what is missing and nothing twice."""
+    added = 0
+    for part in parts:
+        ResumableJsonl(part, key=target.key).close()  # repairs a torn last line, checks every line parses
+        with open(part, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if record[target.key] not in target.keys:
+                    target.append(record)
+                    added += 1
+        target.flush()
+        part.unlink()
+    return added
