@@ -1,7 +1,7 @@
-"""The two engines of ``dflash regenerate``: transformers' continuous batching gives the same greedy answers as
-sorted static ``generate`` batches (float32 on the CPU; bf16 on a GPU, with the divergence explained), static
-batches take the shortest prompts within the KV budget, and the driver keeps one turn per conversation in
-flight while other conversations fill the batch."""
+"""The two engines of ``dflash regenerate``: transformers' continuous batching gives the same greedy
+answers as sorted static ``generate`` batches (float32 on the CPU; bf16 on a GPU, with the divergence
+explained), static batches take the shortest prompts within the KV budget, and the driver keeps one turn
+per conversation in flight while other conversations fill the batch."""
 
 from __future__ import annotations
 
@@ -164,18 +164,21 @@ def test_driver_keeps_one_turn_per_conversation_and_the_window_full(
             yield c
 
     engine = _OneAtATimeEngine(tiny.tokenizer("fine thanks", add_special_tokens=False)["input_ids"], consumed)
-    with ResumableJsonl(tmp_path / "o.jsonl", key="source_sample_id") as out:
-        with ResumableJsonl(tmp_path / "f.jsonl", key="source_sample_id") as failures:
-            sink = ConversationSink(
-                out=out, failures=failures, source="t", regenerated_by={}, on_tally=lambda t: None,
-                on_failure=lambda s: None,
-            )  # fmt: skip
-            driver = Driver(
-                engine=engine, sink=sink, tokenizer=tiny.tokenizer, max_prompt_tokens=4096, window=3,
-                done=lambda s: False,
-            )  # fmt: skip
-            assert driver.run(records(), should_stop=lambda: False)
-    assert sink.total.written == 7 and sink.total.answers == 21
+    key = "source_sample_id"
+    with (
+        ResumableJsonl(tmp_path / "o.jsonl", key=key) as out,
+        ResumableJsonl(tmp_path / "f.jsonl", key=key) as fails,
+    ):
+        sink = ConversationSink(
+            out=out, failures=fails, source="t", regenerated_by={}, on_tally=lambda t: None,
+            on_failure=lambda s: None,
+        )  # fmt: skip
+        driver = Driver(
+            engine=engine, sink=sink, tokenizer=tiny.tokenizer, max_prompt_tokens=4096, window=3,
+            done=lambda s: False,
+        )  # fmt: skip
+        assert driver.run(records(), should_stop=lambda: False)
+    assert (sink.total.written, sink.total.answers) == (7, 21)
     assert len(engine.polls) == 21  # one answer per poll: the engine was never polled with nothing to do
     for read, in_flight in engine.polls:
         convs = [k.split("#")[0] for k in in_flight]
@@ -221,9 +224,10 @@ def test_regenerate_with_continuous_batching_equals_static_multi_turn(tmp_path: 
     }  # fmt: skip
     cb = run_regenerate(RegenerateConfig(out=tmp_path / "cb.jsonl", engine="cb", **common))
     static = run_regenerate(RegenerateConfig(out=tmp_path / "static.jsonl", engine="static", **common))
-    assert cb is not None and static is not None
+    assert cb is not None
+    assert static is not None
     assert (cb.engine, static.engine) == ("cb", "static")
-    assert cb.written == static.written == 6 and cb.answers == 18
+    assert (cb.written, static.written, cb.answers) == (6, 6, 18)
     assert cb.new_tokens == static.new_tokens == 18 * 8
     assert _lines(tmp_path / "cb.jsonl") == _lines(tmp_path / "static.jsonl")
 
@@ -261,6 +265,7 @@ def test_continuous_batching_bf16_on_cuda_matches_static_up_to_near_ties() -> No
         gap = float(top2[0] - top2[1])
         report.append((i, at, a[at] if at < len(a) else None, b[at] if at < len(b) else None, gap))
     print(
-        f"{len(report)} of {len(prompts)} answers diverge (prompt, token index, cb, static, top-2 gap): {report}"
+        f"{len(report)} of {len(prompts)} answers diverge "
+        f"(prompt, token index, cb token, static token, top-2 logit gap): {report}"
     )
     assert all(gap < 0.5 for *_, gap in report), report
