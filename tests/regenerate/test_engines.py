@@ -16,7 +16,7 @@ import torch
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.runtime import stop_token_ids
 from dflash_offline.regenerate.config import RegenerateConfig
-from dflash_offline.regenerate.driver import ConversationSink, Driver
+from dflash_offline.regenerate.driver import ConversationSink, Driver, render_prompt
 from dflash_offline.regenerate.engines import (
     ContinuousEngine,
     EngineOptions,
@@ -245,12 +245,9 @@ def test_continuous_batching_bf16_on_cuda_matches_static_up_to_near_ties() -> No
     options = EngineOptions(batch_size=16, kv_tokens=65536, max_batch_tokens=1024)
     text = ["Explain photosynthesis.", "Write a haiku about rain.", "What is 17 * 23?", "Name three rivers."]
     prompts = [
-        target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": t * (1 + i % 3)}], add_generation_prompt=True
-        )
+        render_prompt(target.tokenizer, [{"role": "user", "content": t * (1 + i % 3)}])
         for i, t in enumerate(text * 8)
     ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
     cb = _answer_all(make_engine("cb", target.model, settings, options), prompts)
     static = _answer_all(StaticEngine(target.model, settings, options), prompts)
     report = []
