@@ -31,30 +31,40 @@ class ResumableJsonl:
         self._file: IO[str] | None = None
 
     def _load_and_repair(self) -> None:
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1  # 0 when there is no complete line
-        if end < len(data):
-            self.repaired_bytes = len(data) - end
-            with open(self.path, "r+b") as f:
+        # Streamed (line by line, the tail found from the end): memory grows with the keys, not the file.
+        with open(self.path, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            end = size
+            while end > 0:
+                f.seek(max(0, end - 65536))
+                chunk = f.read(end - max(0, end - 65536))
+                at = chunk.rfind(b"\n")
+                if at >= 0:
+                    end = max(0, end - 65536) + at + 1
+                    break
+                end = max(0, end - 65536)
+            if end < size:  # a partial last line (0 when there is no complete line at all)
+                self.repaired_bytes = size - end
                 f.truncate(end)
                 f.flush()
                 os.fsync(f.fileno())
-        for number, raw in enumerate(data[:end].splitlines(), start=1):
-            if not raw.strip():
-                continue
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{self.path}:{number} is not valid JSON ({e}): not a file this command wrote; "
-                    "move it aside or choose another --out"
-                ) from e
-            if not isinstance(value, dict) or not isinstance(value.get(self.key), str):
-                raise DataError(
-                    f"{self.path}:{number} has no string {self.key!r}: not a file this command wrote; "
-                    "move it aside or choose another --out"
-                )
-            self.keys.add(value[self.key])
+            f.seek(0)
+            for number, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    value = json.loads(raw)
+                except json.JSONDecodeError as e:
+                    raise DataError(
+                        f"{self.path}:{number} is not valid JSON ({e}): not a file this command wrote; "
+                        "move it aside or choose another --out"
+                    ) from e
+                if not isinstance(value, dict) or not isinstance(value.get(self.key), str):
+                    raise DataError(
+                        f"{self.path}:{number} has no string {self.key!r}: not a file this command wrote; "
+                        "move it aside or choose another --out"
+                    )
+                self.keys.add(value[self.key])
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one line and flush it (a kill loses at most the line being written)."""
