@@ -256,6 +256,57 @@ class ContinuousEngine:
             self._quiet.__exit__(None, None, None)
 
 
+class FallbackEngine:
+    """Continuous batching that hands over to static batches if it fails (``--engine auto`` on a GPU): the
+    prompts in flight are resubmitted, so no conversation is lost or answered twice. Out-of-memory errors
+    are not handed over (static batches would need the same memory): they stop the run with the fix."""
+
+    def __init__(self, primary: Engine, fallback: Any, note: Any) -> None:
+        self._engine: Engine = primary
+        self._make_fallback = fallback
+        self._note = note
+        self._prompts: dict[str, tuple[int, ...]] = {}
+        self.name: EngineName = primary.name
+
+    def _hand_over(self, error: BaseException) -> None:
+        if self._engine.name == "static" or "out of memory" in str(error):
+            raise error
+        self._note(f"regenerate: continuous batching failed ({type(error).__name__}: {error}); "
+                   f"continuing with static batches ({len(self._prompts)} prompts resubmitted)")  # fmt: skip
+        try:
+            self._engine.close(abort=True)
+        except Exception as e:  # the failed engine may fail to close too; the run goes on without it
+            self._note(f"regenerate: closing continuous batching failed too ({type(e).__name__}: {e})")
+        self._engine = self._make_fallback()
+        self.name = self._engine.name
+        for key, prompt in self._prompts.items():
+            self._engine.submit(key, prompt)
+
+    def submit(self, key: str, prompt: Sequence[int]) -> None:
+        self._prompts[key] = tuple(prompt)
+        try:
+            self._engine.submit(key, prompt)
+        except Exception as e:
+            self._hand_over(e)
+
+    def pending(self) -> int:
+        return len(self._prompts)
+
+    def poll(self, timeout: float) -> list[Finished]:
+        try:
+            done = self._engine.poll(timeout)
+        except Exception as e:
+            self._hand_over(e)
+            return []
+        for f in done:
+            self._prompts.pop(f.key, None)
+        return done
+
+    def close(self, *, abort: bool = False) -> None:
+        self._prompts.clear()
+        self._engine.close(abort=abort)
+
+
 def make_engine(
     name: Literal["auto", "cb", "static"],
     model: Any,
@@ -264,8 +315,8 @@ def make_engine(
     *,
     note: Any = print,
 ) -> Engine:
-    """The engine ``name`` asks for; ``auto`` is CB on CUDA when transformers offers it, else static (with a
-    ``note`` saying why)."""
+    """The engine ``name`` asks for; ``auto`` is CB on CUDA when transformers offers it (handing over to
+    static batches if it fails), else static, with a ``note`` saying why."""
     device = next(model.parameters()).device
     if name == "static" or (name == "auto" and device.type != "cuda"):
         return StaticEngine(model, settings, options)
@@ -275,4 +326,15 @@ def make_engine(
             raise EngineError(f"--engine cb: {reason}; use --engine static")
         note(f"regenerate: continuous batching unavailable ({reason}); using static batches")
         return StaticEngine(model, settings, options)
-    return ContinuousEngine(model, settings, options)
+    if name == "cb":
+        return ContinuousEngine(model, settings, options)
+    try:
+        primary = ContinuousEngine(model, settings, options)
+    except EngineError:
+        raise  # out of memory: static batches would not fit either; the message names the fix
+    except Exception as e:
+        note(
+            f"regenerate: continuous batching could not start ({type(e).__name__}: {e}); using static batches"
+        )
+        return StaticEngine(model, settings, options)
+    return FallbackEngine(primary, lambda: StaticEngine(model, settings, options), note)

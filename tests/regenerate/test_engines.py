@@ -20,6 +20,7 @@ from dflash_offline.regenerate.driver import ConversationSink, Driver, render_pr
 from dflash_offline.regenerate.engines import (
     ContinuousEngine,
     EngineOptions,
+    FallbackEngine,
     Finished,
     StaticEngine,
     continuous_batching_support,
@@ -87,6 +88,31 @@ def test_continuous_batching_greedy_equals_static(tiny: LoadedTarget) -> None:
         assert list(cb[f"p{i}"].token_ids) == ref[0, len(prompts[i]) :].tolist()[: len(cb[f"p{i}"].token_ids)]
     # The model is left as it was loaded (the manager switches attention while it runs).
     assert tiny.model.config._attn_implementation == tiny.attn_implementation
+
+
+def test_a_failing_continuous_batching_hands_over_to_static_batches(tiny: LoadedTarget) -> None:
+    """``--engine auto`` on a GPU: when the CB loop dies mid-run, the prompts in flight go to static batches;
+    every prompt is answered once, with the static path's answer."""
+    settings = _settings(tiny, max_new_tokens=8)
+    options = EngineOptions(batch_size=2, kv_tokens=1024, max_batch_tokens=32)
+    prompts = _prompts(6, seed=3, vocab=tiny.info.vocab_size)
+    primary = ContinuousEngine(tiny.model, settings, options)
+    notes: list[str] = []
+    engine = FallbackEngine(primary, lambda: StaticEngine(tiny.model, settings, options), notes.append)
+    for i, p in enumerate(prompts):
+        engine.submit(f"p{i}", p)
+    got: dict[str, GeneratedTokens] = {}
+    while not got:
+        got.update({f.key: f.tokens for f in engine.poll(timeout=1.0)})
+    primary._manager.stop(block=True, hard_stop=True)  # the loop dies with requests in flight
+    while len(got) < len(prompts):
+        for f in engine.poll(timeout=1.0):
+            assert f.key not in got
+            got[f.key] = f.tokens
+    engine.close()
+    assert engine.name == "static"
+    assert any("continuing with static batches" in n for n in notes)
+    assert got == _answer_all(StaticEngine(tiny.model, settings, options), prompts)
 
 
 def test_static_batches_are_the_shortest_prompts_within_budget(tiny: LoadedTarget) -> None:
