@@ -20,8 +20,9 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,11 @@ class RegenerateProgress:
             self._bar.set_description(self._desc(), refresh=False)
 
     def add(self, delta: Tally) -> None:
-        self.tally = self.tally + delta
+        self.set(self.tally + delta)
+
+    def set(self, tally: Tally) -> None:
+        """The totals across all workers (torchrun: read from the process group's store)."""
+        self.tally = tally
         if self._bar is None:
             return
         now = time.perf_counter()
@@ -346,18 +351,39 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
         out_part, failures_part = _part_paths(config, rank)
         spec = WorkerSpec(
-            config=replace(config, progress=config.progress and rank == 0), worker=rank, num_workers=world,
+            config=config, worker=rank, num_workers=world,
             device=device, cpu_threads=config.placement.threads_per_worker or None,
             out=out_part, failures=failures_part, done=done,
         )  # fmt: skip
-        # Rank 0's bar shows rank 0's share (the ranks share no queue); the summary covers every rank.
-        progress = RegenerateProgress(enabled=config.progress and rank == 0, total=None, num_workers=1)
+        # One bar on rank 0 across all ranks: every rank adds its progress to counters in the store.
+        store = dist.distributed_c10d._get_default_store()
+        progress = RegenerateProgress(
+            enabled=config.progress and rank == 0, total=config.limit, num_workers=world
+        )
+        counters = _StoreCounters(store, flush_seconds=0.5)
+        finished = threading.Event()
+        poller = threading.Thread(target=_poll_store, args=(store, progress, finished), daemon=True)
+        if rank == 0:
+            poller.start()
+
+        def emit(event: Any) -> None:
+            if isinstance(event, WorkerProgress):
+                counters.add(event.delta)
+            elif isinstance(event, WorkerReady):
+                store.add(f"{_STORE}/ready", 1)
+            elif isinstance(event, WorkerNote):
+                print(f"[rank {rank}] {event.text}", file=sys.stderr, flush=True)
+
         try:
-            result = run_worker(spec, lambda e: _apply(progress, e), lambda: False)
+            result = run_worker(spec, emit, lambda: False)
+            counters.flush()
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, result)  # every rank has flushed its counters by now
         finally:
+            finished.set()
+            if rank == 0:
+                poller.join(timeout=5)
             progress.close()
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, result)
         if rank != 0:
             return None
         merge_leftover_parts(config)
@@ -366,3 +392,45 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
         )
     finally:
         dist.destroy_process_group()
+
+
+_STORE = "dflash-regenerate"
+_FIELDS = ("written", "failed", "skipped", "answers", "truncated", "new_tokens")
+
+
+class _StoreCounters:
+    """A rank's progress, added to the store's counters at most every ``flush_seconds``."""
+
+    def __init__(self, store: Any, *, flush_seconds: float) -> None:
+        self._store = store
+        self._flush_seconds = flush_seconds
+        self._pending = Tally()
+        self._last = 0.0
+
+    def add(self, delta: Tally) -> None:
+        self._pending = self._pending + delta
+        if time.monotonic() - self._last >= self._flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        for field in _FIELDS:
+            n = getattr(self._pending, field)
+            if n:
+                self._store.add(f"{_STORE}/{field}", n)
+        self._pending = Tally()
+        self._last = time.monotonic()
+
+
+def _poll_store(store: Any, progress: RegenerateProgress, finished: threading.Event) -> None:
+    """Rank 0: show the store's counters (every rank's progress) on the one bar."""
+    ready = 0
+    while True:
+        last = finished.is_set()  # one more read after the end: every rank's final counts
+        now_ready = store.add(f"{_STORE}/ready", 0)
+        for _ in range(now_ready - ready):
+            progress.ready(WorkerReady(worker=-1, device="", engine="", load_seconds=0.0))
+        ready = now_ready
+        progress.set(Tally(**{field: store.add(f"{_STORE}/{field}", 0) for field in _FIELDS}))
+        if last:
+            return
+        finished.wait(0.5)

@@ -167,3 +167,26 @@ def test_workers_exit_when_the_coordinator_is_killed(tmp_path: Path) -> None:
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_ranks_write_the_same_conversations_as_one_worker(tmp_path: Path) -> None:
+    import socket
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 10, turns=2, seed=6)
+    one = tmp_path / "one.jsonl"
+    subprocess.run(_cmd(data, one, 1), check=True, timeout=300, capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ranks.jsonl"
+    cmd = _cmd(data, out, 1)
+    cmd[1:3] = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), "-m",
+                "dflash_offline"]  # fmt: skip
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 worker(s)" in result.stdout
+    assert _messages(out) == _messages(one)
+    assert not out.with_name(out.name + ".parts").exists()
