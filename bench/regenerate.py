@@ -31,7 +31,7 @@ from dflash_offline.data.records import Conversation  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.eval.runtime import compute_dtype, resolve_device, stop_token_ids  # noqa: E402
 from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
-from dflash_offline.regenerate.engines import EngineError, EngineOptions, make_engine  # noqa: E402
+from dflash_offline.regenerate.engines import EngineOptions, make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
 from dflash_offline.regenerate.turns import user_groups  # noqa: E402
 from dflash_offline.target.loader import load_target  # noqa: E402
@@ -183,8 +183,8 @@ def main() -> None:
     for name, opts in runs:
         try:
             row, ans = run_engine(name, target.model, prompts, settings, opts, args.limit_seconds)
-        except EngineError as e:  # e.g. this transformers lacks continuous batching: measure the rest
-            rows.append({"engine": name, "batch_size": opts.batch_size, "error": str(e)})
+        except Exception as e:  # e.g. no continuous batching in this transformers: measure the rest
+            rows.append({"engine": name, "batch_size": opts.batch_size, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)
             continue
         row["batch_size"] = opts.batch_size
