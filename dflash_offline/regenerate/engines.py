@@ -36,6 +36,9 @@ from dflash_offline.regenerate.generation import (
 
 EngineName = Literal["cb", "static"]
 
+STALL_SECONDS = 600.0
+"""CB: no answer for this long with requests in flight fails the engine (``auto`` then hands over)."""
+
 KV_FIX = "--kv-tokens (KV-cache size), --batch-size, --max-batch-tokens or --max-new-tokens"
 
 
@@ -172,6 +175,7 @@ class ContinuousEngine:
         self._settings = settings
         self._eos = sorted(settings.stop_ids) or [-1]
         self._pending: set[str] = set()
+        self._last_answer = time.monotonic()
         defaults = ContinuousBatchingConfig()  # tokens per block: block_size in 5.17, page_size from 5.18 on
         block_size = int(getattr(defaults, "page_size", None) or getattr(defaults, "block_size", None) or 256)
         graphs = {"auto": None, "on": True, "off": False}[options.cuda_graphs]
@@ -240,8 +244,16 @@ class ContinuousEngine:
             done.append(
                 Finished(key=result.request_id, tokens=split_at_stop(result.generated_tokens, self._settings))
             )
-        if not done and self._pending and not self._manager.is_running():
+        now = time.monotonic()
+        if done or not self._pending:
+            self._last_answer = now
+        elif not self._manager.is_running():
             raise self._dead(f"{len(self._pending)} requests unanswered")
+        elif now - self._last_answer > STALL_SECONDS:
+            # A step takes milliseconds: minutes without any answer is a hung loop, not a slow one.
+            raise self._dead(
+                f"no answer in {STALL_SECONDS:.0f} s with {len(self._pending)} requests in flight"
+            )
         return done
 
     def close(self, *, abort: bool = False) -> None:
