@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_offline.regenerate import run as run_module
+from dflash_offline.data import sources as sources_module
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
 from tests.eval.helpers import one_thread, write_chat_jsonl
@@ -31,7 +31,7 @@ def test_an_old_output_resumes_under_its_source_name(tmp_path: Path, monkeypatch
 
     with one_thread():
         with monkeypatch.context() as m:  # what the older code wrote
-            m.setattr(run_module, "source_name_for_cache", lambda data, recorded: "chat.jsonl")
+            m.setattr(sources_module, "source_name_for_cache", lambda data, recorded: "chat.jsonl")
             assert run_regenerate(config(limit=3)).written == 3
         second = run_regenerate(config())
     assert (second.written, second.skipped) == (3, 3)
