@@ -30,7 +30,7 @@ from dflash_offline.errors import DflashError
 
 DivergenceKind = Literal["identical", "near_tie", "mismatch"]
 DEFAULT_TIE_ULPS = 8.0
-"""Default tolerance in ulps of the top logit (see bench/RESULTS.md, "eval exactness", for the rounding
+"""Default tolerance in ulps of the top logit (bench/RESULTS.md, "Eval near-tie tolerance": the rounding
 spread it was chosen against)."""
 
 
