@@ -95,6 +95,14 @@ from dflash_offline.cli.options import cache_option, placement_options, progress
     help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval).",
 )
 @click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--on-damaged",
+    type=click.Choice(["stop", "skip"]),
+    default="stop",
+    show_default=True,
+    help="A sample failing its checksum when read: stop naming it, or skip it (recorded in "
+    "RUN/damaged_samples.jsonl, reported at the end).",
+)
 @placement_options
 @progress_option
 def train(
@@ -127,6 +135,7 @@ def train(
     attention: str,
     export_initial: bool,
     log_every: int,
+    on_damaged: str,
     gpus: str | None,
     workers: int,
     threads: int,
@@ -165,6 +174,7 @@ def train(
         resume=resume,  # type: ignore[arg-type]
         allow_topology_change=allow_topology_change,
         log_every=log_every,
+        on_damaged=on_damaged,  # type: ignore[arg-type]
         export_initial=export_initial,
         attention=attention,  # type: ignore[arg-type]
         progress=progress,
@@ -172,7 +182,21 @@ def train(
         num_cpu_workers=workers,
         threads_per_worker=threads,
     )
-    result = run_training(config)
+    from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
+    from dflash_offline.train.interrupt import TrainInterrupted
+
+    try:
+        result = run_training(config)
+    except TrainInterrupted as e:
+        click.echo(str(e), err=True)
+        raise SystemExit(130) from None
+    damaged = read_damaged(out_dir) if on_damaged == "skip" else []
+    if damaged:
+        click.echo(
+            f"skipped {len(damaged)} damaged sample(s) (failed their checksum; ids in "
+            f"{out_dir / DAMAGED_FILE}); run `dflash verify {cache_dir}`",
+            err=True,
+        )
     if result is not None:
         loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
         click.echo(f"trained {result.global_step} steps; final loss {loss}")
