@@ -121,22 +121,17 @@ class SampleTable:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DamagedSample:
-    """A sample whose bytes, read back, fail the checksum its manifest row stores."""
+    """A sample whose stored bytes, read back, fail their checksum or do not decode."""
 
     sample_id: str
     shard: str
     """Shard group name."""
     row_start: int
-    stored_checksum: int
-    """uint32 crc32c from the manifest."""
-    read_checksum: int
-    """uint32 crc32c of the bytes just read."""
+    problem: str
+    """``checksum mismatch (stored 0x…, read 0x…)`` or the decode error."""
 
     def describe(self) -> str:
-        return (
-            f"sample {self.sample_id!r} in shard {self.shard} (rows from {self.row_start}; stored "
-            f"{self.stored_checksum:#010x}, read {self.read_checksum:#010x})"
-        )
+        return f"sample {self.sample_id!r} in shard {self.shard} (rows from {self.row_start}): {self.problem}"
 
 
 OnDamaged = Callable[[DamagedSample], None]
@@ -291,14 +286,13 @@ class CacheReader:
                     )
                 r = stop
         tasks = list(work.items())
-        # The calling thread takes the first task itself instead of idling while the pool works.
-        futures = [self._pool.submit(self._read_task, key, pieces) for key, pieces in tasks[1:]]
         try:
-            if tasks:
-                self._read_task(*tasks[0])
-        finally:
-            for future in futures:
-                future.result()  # re-raises CacheDamageError from a worker thread
+            self._run_tasks(tasks)
+        except CacheDamageError:
+            if self.on_damaged is None or len(rows) < 2:
+                raise
+            # A chunk that does not decode: read the samples one by one to find which it hurts.
+            return self._read_alone(table, rows, features_out)
         if self.check_checksums:
             self._check(table, rows, outputs)
         samples = []
@@ -314,6 +308,54 @@ class CacheReader:
             )
         return samples
 
+    def _run_tasks(self, tasks: list[tuple[tuple[str, int], dict[str, list[Piece]]]]) -> None:
+        # The calling thread takes the first task itself instead of idling while the pool works.
+        futures = [self._pool.submit(self._read_task, key, pieces) for key, pieces in tasks[1:]]
+        try:
+            if tasks:
+                self._read_task(*tasks[0])
+        finally:
+            for future in futures:
+                future.result()  # re-raises CacheDamageError from a worker thread
+
+    def _read_alone(
+        self, table: SampleTable, rows: np.ndarray, features_out: np.ndarray | None
+    ) -> list[CachedSample]:
+        """``read_rows`` one sample at a time, each undecodable one zeroed and reported."""
+        samples, packed = [], 0
+        for row in rows.tolist():
+            num = int(table.num_tokens[row])
+            out = None if features_out is None else features_out[packed : packed + num]
+            packed += num
+            try:
+                samples.extend(self.read_rows([row], features_out=out))
+                continue
+            except CacheDamageError as e:
+                problem = str(e)
+            features = (
+                np.zeros((num, self.fingerprint.feature_width), DTYPES["features"]) if out is None else out
+            )
+            features[...] = 0
+            assert self.on_damaged is not None
+            self.on_damaged(
+                DamagedSample(
+                    sample_id=str(table.sample_id[row]),
+                    shard=str(table.shard[row]),
+                    row_start=int(table.row_start[row]),
+                    problem=problem,
+                )
+            )
+            samples.append(
+                CachedSample(
+                    sample_id=str(table.sample_id[row]),
+                    input_ids_T=torch.zeros(num, dtype=torch.int32),
+                    loss_mask_T=torch.zeros(num, dtype=torch.uint8),
+                    features_TF=torch.from_numpy(features).view(torch.bfloat16),
+                    bucket_id=int(table.bucket_id[row]),
+                )
+            )
+        return samples
+
     def _check(self, table: SampleTable, rows: np.ndarray, outputs: list[dict[str, np.ndarray]]) -> None:
         damaged = []
         for row, bufs in zip(rows.tolist(), outputs):
@@ -324,8 +366,8 @@ class CacheReader:
                         sample_id=str(table.sample_id[row]),
                         shard=str(table.shard[row]),
                         row_start=int(table.row_start[row]),
-                        stored_checksum=int(table.checksum[row]),
-                        read_checksum=crc,
+                        problem=f"checksum mismatch (stored {int(table.checksum[row]):#010x}, "
+                        f"read {crc:#010x})",
                     )
                 )
                 if self.on_damaged is not None:

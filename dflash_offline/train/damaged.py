@@ -56,7 +56,6 @@ def read_damaged(run_dir: Path) -> list[DamagedSample]:
                 sample_id=d["sample_id"],
                 shard=d["shard"],
                 row_start=int(d["row_start"]),
-                stored_checksum=int(d["stored_checksum"]),
-                read_checksum=int(d["read_checksum"]),
+                problem=str(d["problem"]),
             )
     return list(found.values())
