@@ -88,6 +88,8 @@ class KillRecord:
     """Newest checkpoint step on disk after the kill (0: none)."""
     survivors: int
     """Processes of the run still alive a few seconds after the kill."""
+    family: int
+    """Processes of the run seen before the kill (the launched one included)."""
     returncode: int | None
     stderr: str
 
@@ -101,6 +103,7 @@ def run_and_kill(
     whole_group: bool = True,
     timeout: float = 300.0,
     grace: float = 10.0,
+    extra_delay: float = 0.0,
 ) -> KillRecord:
     """Start ``cmd``, send ``sig`` once metrics.jsonl passes ``kill_after_step``, wait for the end."""
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
@@ -113,6 +116,9 @@ def run_and_kill(
             if last_step(run) >= kill_after_step:
                 break
             time.sleep(0.02)
+        if extra_delay and process.poll() is None:
+            time.sleep(extra_delay)  # somewhere inside the next step (data wait, forward, checkpoint)
+            family |= descendants(process.pid)
         at = last_step(run)
         if process.poll() is not None:
             stderr.seek(0)
@@ -139,6 +145,7 @@ def run_and_kill(
             at_step=at,
             checkpoint=max((s for s, _ in list_checkpoints(run)), default=0),
             survivors=len(survivors),
+            family=len(family | {process.pid}),
             returncode=process.returncode,
             stderr=stderr.read().decode(errors="replace"),
         )

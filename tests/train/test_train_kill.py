@@ -98,8 +98,10 @@ def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
 @pytest.mark.timeout(900)
 def test_sigkill_of_the_coordinator_alone_leaves_no_orphan(cache: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    cmd = train_cmd(cache, run, steps=STEPS, workers=2)
+    # A long run: its workers must not get away with simply finishing within the grace period.
+    cmd = train_cmd(cache, run, steps=100_000, workers=2)
     record = run_and_kill(cmd, run, kill_after_step=3, whole_group=False, grace=15.0)
+    assert record.family >= 3  # the launcher and its two spawned ranks were seen
     if record.survivors and not _has_parent_death_handling():
         pytest.skip(
             f"{record.survivors} DDP workers outlived their killed parent (killed by the test): the "
