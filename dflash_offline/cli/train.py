@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from dflash_offline.cli.options import cache_option, placement_options, progress_option, seed_option
+
+
+def _ctrl_c_exits_130(f: Callable[..., None]) -> Callable[..., None]:
+    """Ctrl-C before the training loop takes it over (imports, setup) or a second one: exit 130 with
+    one line, as after a clean stop (click would print `Aborted!` and exit 1)."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            f(*args, **kwargs)
+        except KeyboardInterrupt:
+            click.echo(
+                "interrupted before a step boundary: the newest checkpoint (if any) is kept; "
+                "rerun the same command to resume",
+                err=True,
+            )
+            raise SystemExit(130) from None
+
+    return wrapper
 
 
 @click.command()
@@ -105,6 +127,7 @@ from dflash_offline.cli.options import cache_option, placement_options, progress
 )
 @placement_options
 @progress_option
+@_ctrl_c_exits_130
 def train(
     cache_dir: Path,
     out_dir: Path,

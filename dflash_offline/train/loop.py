@@ -175,9 +175,7 @@ def train_rank(
         with stop_on_sigint(second_aborts=not info.distributed):
             snapshot = _prepare_snapshot(config, cache_reader, info)
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
-            return _train(
-                config, info, setup, snapshot, reader or cache_reader, on_step, start_time, bool(resume_notes)
-            )
+            return _train(config, info, setup, snapshot, reader or cache_reader, on_step, start_time)
     finally:
         cache_reader.close()
 
@@ -212,7 +210,6 @@ def _train(
     reader: RowReader,
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
-    options_changed: bool = False,
 ) -> TrainResult:
     model: DFlashDrafter = setup.model
     drafter_config = model.config
@@ -249,8 +246,8 @@ def _train(
         model.load_state_dict(state.model)
         optimizer.load_state_dict(state.optimizer)
         scheduler.load_state_dict(state.scheduler)
-        if options_changed:
-            _apply_optimizer_options(config, optimizer, scheduler, total_steps)
+        # Unconditionally (bit-identical when nothing changed), so that every rank decides alike.
+        _apply_optimizer_options(config, optimizer, scheduler, total_steps)
         planner.load_state_dict(state.planner, allow_topology_change=config.allow_topology_change)
         set_rng_state(state.rng)
         tokens_seen = state.tokens_seen
@@ -355,7 +352,7 @@ def _train(
                 saved = global_step % config.checkpoint_every == 0 or global_step == total_steps
                 if saved:
                     _checkpoint(config, info, model, optimizer, scheduler, planner, global_step, tokens_seen)
-                if _stop_agreed(info):
+                if global_step < total_steps and _stop_agreed(info):
                     if not saved:
                         _checkpoint(
                             config, info, model, optimizer, scheduler, planner, global_step, tokens_seen
@@ -384,8 +381,9 @@ def _train(
 
 
 def _apply_optimizer_options(config: TrainConfig, optimizer: Any, scheduler: Any, total_steps: int) -> None:
-    """A resume with another --lr / --weight-decay / run length: the loaded optimizer and scheduler
-    state would keep the old values (LambdaLR restores its base_lrs), so set the new ones."""
+    """The command line's --lr / --weight-decay / run length over the resumed optimizer and scheduler
+    state (which would keep the old values: LambdaLR restores its base_lrs). The same products the
+    scheduler computes, so an unchanged resume stays bit-identical."""
     factor = cosine_with_warmup(total_steps, config.warmup_ratio)(scheduler.last_epoch)
     scheduler.base_lrs = [config.lr for _ in optimizer.param_groups]
     for group in optimizer.param_groups:
