@@ -8,17 +8,19 @@ Two layers, both DuckDB's own rather than regexes over the text:
    CREATE, ... are refused before anything runs.
 2. DuckDB's sandbox on the connection the statement runs on: ``allowed_directories`` = the cache root,
    then ``enable_external_access = false`` (no file outside it, no network, no extension install or
-   load, no ATTACH) and ``lock_configuration = true`` (nothing in the query can undo that: a
-   ``set_config``-style escape is refused by DuckDB itself). A file function inside a SELECT
+   load, no ATTACH) and ``lock_configuration = true`` (nothing later on the connection can undo
+   that). A file function inside a SELECT
    (``read_text('/etc/shadow')``, ``read_csv('/x')``, ``glob('/*')``) then fails with DuckDB's
    permission error, which we turn into a one-line refusal.
 
-The check is lexical on the path (DuckDB's): a symlink inside the cache that points elsewhere would be
-followed. Nothing in ``dflash`` writes symlinks into a cache.
+DuckDB's check is lexical on the path: a symlink inside the cache that points elsewhere is followed
+(verified with DuckDB 2.0.1). Nothing in ``dflash`` writes symlinks into a cache; whoever can plant
+one there can read the target directly anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import duckdb
@@ -55,14 +57,14 @@ def confine(con: duckdb.DuckDBPyConnection, root: Path) -> None:
 
     Order matters: ``allowed_directories`` cannot be set once external access is off."""
     allowed = str(root.resolve()).rstrip("/") + "/"
-    for setting, value in (
-        ("autoinstall_known_extensions", "false"),
-        ("autoload_known_extensions", "false"),
-        ("allowed_directories", "[" + _literal(allowed) + "]"),
-        ("enable_external_access", "false"),
-        ("lock_configuration", "true"),
-    ):
-        con.execute(f"SET {setting} = {value}")
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    # A DuckDB without allowed_directories (< 1.1) puts every file off limits, the cache's own included
+    # (the manifest is already in memory, index.duckdb already open): stricter, and queries still work.
+    with contextlib.suppress(duckdb.CatalogException):
+        con.execute(f"SET allowed_directories = [{_literal(allowed)}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
 
 
 def refusal_for(error: duckdb.Error, *, root: Path) -> SqlRefusedError | None:
