@@ -13,9 +13,8 @@ Two layers, both DuckDB's own rather than regexes over the text:
    (``read_text('/etc/shadow')``, ``read_csv('/x')``, ``glob('/*')``) then fails with DuckDB's
    permission error, which we turn into a one-line refusal.
 
-DuckDB's check is lexical on the path: a symlink inside the cache that points elsewhere is followed
-(verified with DuckDB 2.0.1). Nothing in ``dflash`` writes symlinks into a cache; whoever can plant
-one there can read the target directly anyway.
+``..`` out of the cache and a symlink inside the cache that points elsewhere are refused as well
+(DuckDB resolves the path before the check; tested with DuckDB 2.0.1).
 """
 
 from __future__ import annotations

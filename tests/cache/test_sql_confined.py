@@ -44,6 +44,7 @@ def test_file_access_outside_the_cache_is_refused(cache, tmp_path, source):
     secret.write_text("TOP-SECRET-CONTENT\n")
     victim = tmp_path / "victim.csv"
     victim.write_text("keep me\n")
+    (cache / "link.txt").symlink_to(secret)  # a link planted inside the cache, pointing out of it
     before = _snapshot(cache)
     attacks = [
         f"COPY (SELECT 1 AS x) TO '{victim}'",  # overwrote a file anywhere
@@ -51,6 +52,7 @@ def test_file_access_outside_the_cache_is_refused(cache, tmp_path, source):
         f"SELECT * FROM read_text('{secret}')",
         f"SELECT * FROM read_csv('{secret}')",
         f"SELECT * FROM read_text('{cache}/../secret.txt')",  # climbing out of the allowed folder
+        f"SELECT * FROM read_text('{cache}/link.txt')",
         f"SELECT * FROM glob('{tmp_path}/*')",
         f"ATTACH '{cache}/index.duckdb' AS ix; DROP TABLE ix.samples",
         f"ATTACH '{cache}/index.duckdb' AS ix",
