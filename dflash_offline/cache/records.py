@@ -245,8 +245,10 @@ class CachedSample:
     loss_mask_T: torch.Tensor
     """uint8 [T]."""
     features_TF: torch.Tensor
-    """bfloat16 [T, F]."""
+    """bfloat16 [T, F]; empty [T, 0] when read with ``stored_out`` from a lossy (fp8) cache."""
     bucket_id: int
+    stored_TW: torch.Tensor | None = None
+    """uint8 [T, W]: the stored fp8 rows, only when read with ``stored_out`` (decoded on the device)."""
 
     @property
     def num_tokens(self) -> int:

@@ -81,7 +81,7 @@ class GenerateSummary:
 
 def prepare_run(config: GenerateConfig) -> RunContext:
     """Resolve target, tokenizer and layers; create or check the cache; load the resume state."""
-    from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec
+    from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec, storage_dtype
     from dflash_offline.data.sources import resolve_data_path, source_name
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
     from dflash_offline.target.layers import default_layer_ids
@@ -107,7 +107,7 @@ def prepare_run(config: GenerateConfig) -> RunContext:
         num_target_layers=info.num_layers,
         layer_ids=layer_ids,
         hidden_size=info.hidden_size,
-        storage_dtype="bfloat16",
+        storage_dtype=storage_dtype(codec),
         codec=codec,
         tokenizer_hash=tokenizer_hash(tokenizer),
         chat_template_hash=chat_template_hash(tokenizer),
