@@ -33,7 +33,32 @@ from dflash_offline.cache.manifest import read_parts, write_part
 from dflash_offline.generate.config import GenerateConfig, Placement
 from dflash_offline.generate.run import run_generate
 
-WORDS = "the a of to and in is it you that he was for on are with as his they be at one have this".split()
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "it",
+    "you",
+    "that",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "his",
+    "they",
+    "be",
+    "at",
+    "one",
+    "have",
+    "this",
+]
 TRAIN_ARGS = [
     "--num-layers", "1", "--block-size", "8", "--num-anchors", "32", "--tokens-per-microbatch", "2048",
     "--grad-accum", "1", "--max-steps", "1", "--checkpoint-every", "1000", "--loader-threads", "2",

@@ -57,8 +57,8 @@ class SampleToWrite:
     loss_mask_T: np.ndarray
     """uint8 [T]: 1 exactly on assistant-turn tokens."""
     features_TF: torch.Tensor
-    """bfloat16 [T, F] on the CPU: residual stream after each captured layer, concatenated in ascending
-    layer order."""
+    """bfloat16 [T, F] on the CPU (any device for the fp8 codecs: encoded there): residual stream after
+    each captured layer, concatenated in ascending layer order."""
     bucket_id: int
     """Index of the first bucket edge >= T."""
 

@@ -291,7 +291,9 @@ class ShardWriter:
         features_TF = self._features_RF[offset : offset + num_tokens]
         if self.storage.fp8 is not None:  # lossy: the stored (and checksummed) bytes are the fp8 rows
             where = f"sample {sample.sample_id!r} (source_index {sample.source_index})"
-            features_TF[:] = encode_rows(sample.features_TF.detach(), self.storage.fp8, where=where).numpy()
+            # Encoded where the features are (a caller may hand over CUDA tensors: the GPU encodes).
+            encoded = encode_rows(sample.features_TF.detach(), self.storage.fp8, where=where)
+            features_TF[:] = encoded.cpu().numpy()
         else:
             features_TF[:] = sample.features_TF.detach().view(torch.uint16).numpy()
         self._ids_R[offset : offset + num_tokens] = ids_T

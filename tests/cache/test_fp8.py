@@ -295,7 +295,8 @@ def test_round_trip_through_writer_and_reader_in_several_sessions(tmp_path, code
     fmt = parse_array_format(
         CacheLayout.at(tmp_path).shard_group(reader.samples.shard[0]) / "features", "features"
     )
-    assert fmt.dtype == np.uint8 and fmt.width == storage.width
+    assert fmt.dtype == np.uint8
+    assert fmt.width == storage.width
 
 
 def test_writer_refuses_non_finite_and_goes_on(tmp_path):

@@ -23,7 +23,7 @@ from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, as_host_dict, device_decode_layout
 from dflash_offline.train.snapshot import take_snapshot
-from tests.cache.test_fp8 import HIDDEN, K, LAYERS, features, ref_decode, ref_encode
+from tests.cache.test_fp8 import HIDDEN, K, features, ref_decode, ref_encode
 from tests.generate.conftest import make_chat_jsonl, tiny_config
 from tests.train.test_train_e2e import _config
 

@@ -38,7 +38,7 @@ def random_snapshot(seed: int, n: int):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_snapshot_sort_and_id_equal_the_python_versions(seed):
-    ids, tokens, buckets, snap = random_snapshot(seed, 3000)
+    ids, tokens, _buckets, snap = random_snapshot(seed, 3000)
     order = np.argsort(np.asarray(ids, dtype=object), kind="stable")
     assert snap.sample_ids == tuple(np.asarray(ids, dtype=object)[order].tolist())
     np.testing.assert_array_equal(snap.num_tokens_N, tokens[order])
