@@ -81,12 +81,10 @@ class _RawMicrobatch:
     """Snapshot positions of the samples, in packing order."""
     sample_tokens: tuple[int, ...]
     """Tokens of each sample."""
+    num_tokens: int
+    """sum(sample_tokens), computed once (it is read many times per microbatch)."""
     rank: int = -1
     is_padding: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.sample_tokens)
 
 
 class LengthMixingPlanner:
@@ -185,7 +183,7 @@ class LengthMixingPlanner:
             if len(order) == 0:
                 continue
             mbs = _pack(order, tokens_N[order], topology.tokens_per_microbatch)
-            mb_tokens = np.asarray([sum(mb.sample_tokens) for mb in mbs], dtype=np.float64)
+            mb_tokens = np.asarray([mb.num_tokens for mb in mbs], dtype=np.float64)
             before = np.cumsum(mb_tokens) - mb_tokens
             due_parts.append((before + phase * mb_tokens) / mb_tokens.sum())
             bucket_parts.append(np.full(len(mbs), bucket_order[b_index]))
@@ -425,25 +423,32 @@ def _topology_dict(t: Topology) -> dict[str, Any]:
 
 def _pack_bounds(tokens_N: np.ndarray, budget: int) -> np.ndarray:
     """int64 [M + 1] bounds of greedy in-order packing: consecutive samples share a microbatch while
-    their sum fits ``budget`` (each sample fits alone). One binary search a microbatch instead of a
-    Python step a sample: microbatch j is [bounds[j], bounds[j+1])."""
+    their sum fits ``budget`` (each sample fits alone); microbatch j is [bounds[j], bounds[j+1]).
+    Vectorised: one binary search gives, for every sample, where a microbatch starting there would
+    end; the microbatches are then the chain of those ends from 0 (a Python step a microbatch, not a
+    sample)."""
+    n = len(tokens_N)
+    if n == 0:
+        return np.zeros(1, dtype=np.int64)
     cum = np.cumsum(tokens_N, dtype=np.int64)
+    ends = np.searchsorted(cum, cum - tokens_N + budget, side="right").tolist()
     bounds = [0]
-    n, start, base = len(cum), 0, 0
+    start = 0
     while start < n:
-        start = int(np.searchsorted(cum, base + budget, side="right"))
+        start = ends[start]
         bounds.append(start)
-        base = int(cum[start - 1])
     return np.asarray(bounds, dtype=np.int64)
 
 
 def _pack(order_N: np.ndarray, tokens_N: np.ndarray, budget: int) -> list[_RawMicrobatch]:
     """Greedy in-order packing (see ``_pack_bounds``) as microbatches of snapshot positions."""
-    bounds = _pack_bounds(tokens_N, budget).tolist()
+    bounds_M1 = _pack_bounds(tokens_N, budget)
+    totals = np.diff(np.concatenate([[0], np.cumsum(tokens_N, dtype=np.int64)])[bounds_M1]).tolist()
+    bounds = bounds_M1.tolist()
     positions, tokens = order_N.tolist(), tokens_N.tolist()
     return [
-        _RawMicrobatch(positions=tuple(positions[a:b]), sample_tokens=tuple(tokens[a:b]))
-        for a, b in itertools.pairwise(bounds)
+        _RawMicrobatch(positions=tuple(positions[a:b]), sample_tokens=tuple(tokens[a:b]), num_tokens=total)
+        for (a, b), total in zip(itertools.pairwise(bounds), totals, strict=True)
     ]
 
 
@@ -465,8 +470,16 @@ def _split_in_two(mb: _RawMicrobatch) -> list[_RawMicrobatch]:
     prefix = np.cumsum(mb.sample_tokens)[:-1]
     cut = int(np.argmin(np.abs(2 * prefix - mb.num_tokens))) + 1
     return [
-        _RawMicrobatch(positions=mb.positions[:cut], sample_tokens=mb.sample_tokens[:cut]),
-        _RawMicrobatch(positions=mb.positions[cut:], sample_tokens=mb.sample_tokens[cut:]),
+        _RawMicrobatch(
+            positions=mb.positions[:cut],
+            sample_tokens=mb.sample_tokens[:cut],
+            num_tokens=sum(mb.sample_tokens[:cut]),
+        ),
+        _RawMicrobatch(
+            positions=mb.positions[cut:],
+            sample_tokens=mb.sample_tokens[cut:],
+            num_tokens=sum(mb.sample_tokens[cut:]),
+        ),
     ]
 
 
@@ -475,13 +488,15 @@ def _padding_like(step: list[_RawMicrobatch]) -> _RawMicrobatch:
     tokens, position = min(
         (t, p) for mb in step for p, t in zip(mb.positions, mb.sample_tokens) if not mb.is_padding
     )
-    return _RawMicrobatch(positions=(position,), sample_tokens=(tokens,), is_padding=True)
+    return _RawMicrobatch(positions=(position,), sample_tokens=(tokens,), num_tokens=tokens, is_padding=True)
 
 
 def _assign_ranks(step: list[_RawMicrobatch], world_size: int) -> list[_RawMicrobatch]:
     """Largest first onto the least-loaded rank with room; each rank gets len(step) / world_size."""
     per_rank = len(step) // world_size
     assert per_rank * world_size == len(step), "a step's microbatch count is a multiple of world_size"
+    if world_size == 1:  # every microbatch on rank 0 (what the loop below gives, without its cost)
+        return [mb if mb.rank == 0 else replace(mb, rank=0) for mb in step]
     loads, counts = [0] * world_size, [0] * world_size
     ranks = [0] * len(step)
     for i in sorted(range(len(step)), key=lambda j: (-step[j].num_tokens, j)):
