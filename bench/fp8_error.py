@@ -1,8 +1,10 @@
 """fp8 e4m3 scaling granularity on real SmolLM2-135M features: relative error per captured layer.
 
+    PYTHONPATH=. .venv/bin/python bench/fp8_error.py --cache C      # C: a bf16 cache of real SmolLM2
     PYTHONPATH=. .venv/bin/python bench/fp8_error.py [--conversations 120] [--max-tokens 512]
 
-Captures the hidden states after layers 1, 8, 14, 20, 27 of SmolLM2-135M-Instruct (float32 on the CPU,
+Reads every sample of a lossless cache written by ``dflash generate --target default`` (``--cache``), or
+captures the hidden states after layers 1, 8, 14, 20, 27 of SmolLM2-135M-Instruct (float32 on the CPU,
 cast to bf16 as generate stores them) for ShareGPT conversations (cached in ``--features`` so that a
 second run skips the capture), then quantises them to float8 e4m3 with one scale per
 
@@ -90,9 +92,15 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=120)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--features", type=Path, default=Path("/tmp/dflash-smollm2-features.pt"))
+    parser.add_argument("--cache", type=Path, default=None, help="read the features of this cache")
     parser.add_argument("--codecs", default="none,blosc-zstd-1-shuffle,fp8,fp8-zstd-1")
     args = parser.parse_args()
-    if args.features.exists():
+    if args.cache is not None:
+        from dflash_offline.cache.reader import CacheReader
+
+        with CacheReader.open(args.cache, check_checksums=True) as reader:
+            features = torch.cat([s.features_TF for s in reader.read_rows(range(len(reader.samples)))])
+    elif args.features.exists():
         features = torch.load(args.features)
     else:
         samples = real_smollm2_samples(args.conversations, args.max_tokens)
@@ -101,7 +109,7 @@ def main() -> None:
     T = features.shape[0]
     x = features.to(torch.float32).reshape(T, NUM_LAYERS, HIDDEN)
     print(
-        f"{T} tokens of real SmolLM2 features ({args.features}); max |x| per layer "
+        f"{T} tokens of real SmolLM2 features ({args.cache or args.features}); max |x| per layer "
         + ", ".join(f"{v:.0f}" for v in x.abs().amax(dim=(0, 2)).tolist())
         + "; RMS per layer "
         + ", ".join(f"{v:.1f}" for v in x.square().mean(dim=(0, 2)).sqrt().tolist())
