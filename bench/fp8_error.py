@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=120)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--features", type=Path, default=Path("/tmp/dflash-smollm2-features.pt"))
+    parser.add_argument("--no-table", action="store_true", help="only the stored/raw measurement")
     parser.add_argument("--cache", type=Path, default=None, help="read the features of this cache")
     parser.add_argument("--codecs", default="none,blosc-zstd-1-shuffle,fp8,fp8-zstd-1")
     args = parser.parse_args()
@@ -119,28 +120,29 @@ def main() -> None:
     keep_LH = torch.ones(NUM_LAYERS, HIDDEN, dtype=torch.bool)
     keep_LH.scatter_(1, outlier_dims, False)
     print("dominant dims per layer: " + "; ".join(str(d[:4].tolist()) for d in outlier_dims))
-    schemes: dict[str, tuple[torch.Tensor, int]] = {"per (token, layer)": decoded(features, HIDDEN, 0)}
-    for g in (32, 64, 192):
-        schemes[f"per (token, layer, {g} dims)"] = decoded(features, g, 0)
-    for k in (1, 2, 4, 8):
-        schemes[f"per (token, layer) + top-{k} bf16"] = decoded(features, HIDDEN, k)
-    schemes["per (token, layer, 64 dims) + top-4"] = decoded(features, 64, 4)
-    header = f"{'scheme':34s} {'stored/raw':>10s} | " + " ".join(f"{'L' + n:>13s}" for n in LAYER_NAMES)
-    print("\nrelative Frobenius error per layer, all dims / non-outlier dims (decoded to bf16)")
-    print(header)
-    for name, (dec, row_bytes) in schemes.items():
-        err = dec.to(torch.float32).reshape(T, NUM_LAYERS, HIDDEN) - x
-        cells = []
-        for layer in range(NUM_LAYERS):
-            e, r = err[:, layer], x[:, layer]
-            keep = keep_LH[layer]
-            all_rel = e.norm() / r.norm()
-            rest_rel = e[:, keep].norm() / r[:, keep].norm()
-            cells.append(f"{all_rel:.4f}/{rest_rel:.4f}")
-        print(
-            f"{name:34s} {row_bytes / (2 * NUM_LAYERS * HIDDEN):10.4f} | "
-            + " ".join(f"{c:>13s}" for c in cells)
-        )
+    if not args.no_table:
+        schemes: dict[str, tuple[torch.Tensor, int]] = {"per (token, layer)": decoded(features, HIDDEN, 0)}
+        for g in (32, 64, 192):
+            schemes[f"per (token, layer, {g} dims)"] = decoded(features, g, 0)
+        for k in (1, 2, 4, 8):
+            schemes[f"per (token, layer) + top-{k} bf16"] = decoded(features, HIDDEN, k)
+        schemes["per (token, layer, 64 dims) + top-4"] = decoded(features, 64, 4)
+        header = f"{'scheme':34s} {'stored/raw':>10s} | " + " ".join(f"{'L' + n:>13s}" for n in LAYER_NAMES)
+        print("\nrelative Frobenius error per layer, all dims / non-outlier dims (decoded to bf16)")
+        print(header)
+        for name, (dec, row_bytes) in schemes.items():
+            err = dec.to(torch.float32).reshape(T, NUM_LAYERS, HIDDEN) - x
+            cells = []
+            for layer in range(NUM_LAYERS):
+                e, r = err[:, layer], x[:, layer]
+                keep = keep_LH[layer]
+                all_rel = e.norm() / r.norm()
+                rest_rel = e[:, keep].norm() / r[:, keep].norm()
+                cells.append(f"{all_rel:.4f}/{rest_rel:.4f}")
+            print(
+                f"{name:34s} {row_bytes / (2 * NUM_LAYERS * HIDDEN):10.4f} | "
+                + " ".join(f"{c:>13s}" for c in cells)
+            )
     workdir = Path(tempfile.mkdtemp(prefix="dflash-fp8-"))
     try:
         ratios = stored_ratios(features, args.codecs.split(","), workdir)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline.cache.codecs import feature_storage
+from dflash_offline.cache.codecs import FP8_SCHEME, feature_storage
 from dflash_offline.cache.fp8 import Fp8Layout, decode_rows, encode_rows
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.reader import CacheReader
@@ -29,6 +29,8 @@ from tests.cache._samples import make_fingerprint
 from tests.cache.conftest import TINY
 
 HIDDEN, LAYERS, K = 16, 2, 4
+CODEC_K = FP8_SCHEME.num_outliers
+"""Outliers of the ``fp8`` codecs (the planted test data has K ≥ CODEC_K of distinct size)."""
 
 
 # ---- the independent reference ------------------------------------------------------------------
@@ -279,11 +281,11 @@ def test_round_trip_through_writer_and_reader_in_several_sessions(tmp_path, code
     offset = 0
     for sid, sample, stored, packed_sample in zip(ids, got, raw, into, strict=True):
         src = written[sid]
-        want_stored = ref_encode(as_f64(src.features_TF), HIDDEN, K)
+        want_stored = ref_encode(as_f64(src.features_TF), HIDDEN, CODEC_K)
         assert stored.stored_TW is not None
         np.testing.assert_array_equal(stored.stored_TW.numpy(), want_stored)
         assert stored.features_TF.shape == (src.num_tokens, 0)
-        want = ref_decode(want_stored, HIDDEN, K)
+        want = ref_decode(want_stored, HIDDEN, CODEC_K)
         assert sample.features_TF.dtype == torch.bfloat16
         np.testing.assert_array_equal(as_f64(sample.features_TF), want)
         np.testing.assert_array_equal(as_f64(packed_sample.features_TF), want)

@@ -23,7 +23,7 @@ from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, as_host_dict, device_decode_layout
 from dflash_offline.train.snapshot import take_snapshot
-from tests.cache.test_fp8 import HIDDEN, K, features, ref_decode, ref_encode
+from tests.cache.test_fp8 import CODEC_K, HIDDEN, features, ref_decode, ref_encode
 from tests.generate.conftest import make_chat_jsonl, tiny_config
 from tests.train.test_train_e2e import _config
 
@@ -73,7 +73,7 @@ def fp8_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
                         bucket_id=bisect.bisect_left(EDGES, T),
                     )
                 )
-                want = ref_decode(ref_encode(x.to(torch.float64).numpy(), HIDDEN, K), HIDDEN, K)
+                want = ref_decode(ref_encode(x.to(torch.float64).numpy(), HIDDEN, CODEC_K), HIDDEN, CODEC_K)
                 expected[f"fp8:{i:04d}"] = torch.from_numpy(want).to(torch.bfloat16)
     return root, expected
 
