@@ -117,6 +117,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _last_step(run: Path) -> int:
+    rows = read_metrics(run / "metrics.jsonl")
+    return int(rows[-1]["step"]) if rows else 0
+
+
 def tail(path: Path, n: int = 25) -> str:
     if not path.is_file():
         return "(no log)"
@@ -411,14 +416,17 @@ def main() -> None:
             continue
         report.data["variants"][name] = {"args": spec}
         trains[name] = train_stage(name, spec, 100000).start()
-    time.sleep(args.calibrate_s)
+    # The step rate in wall time over the last 30 s of the calibration (start-up excluded).
+    time.sleep(max(0.0, args.calibrate_s - 30))
+    first = {name: (time.time(), _last_step(work / f"run-{name}")) for name in trains}
+    time.sleep(min(30.0, args.calibrate_s))
     rates = {}
     for name, st in trains.items():
-        rows = read_metrics(work / f"run-{name}" / "metrics.jsonl")
+        t1, s1 = first[name]
+        s2 = _last_step(work / f"run-{name}")
         st.poll()
-        if len(rows) >= 12 and st.rc is None:
-            recent = rows[len(rows) // 2 :]
-            rates[name] = len(recent) / max(sum(r["step_seconds"] for r in recent), 1e-6)
+        if s1 >= 2 and s2 > s1 and st.rc is None:
+            rates[name] = (s2 - s1) / (time.time() - t1)
     for name, st in list(trains.items()):
         if name not in rates:
             report.note(
@@ -498,7 +506,9 @@ def main() -> None:
         if path.is_file():
             rep = json.loads(path.read_text())
             v["eval"] = {k: rep.get(k) for k in ("sets", "mean", "exactness", "summary")}
-        v["eval_table"] = tail(st.log, 30)
+        v["eval_table"] = "\n".join(
+            line for line in tail(st.log, 60).splitlines() if "%|" not in line and "it/s]" not in line
+        )
         report.stage(st)
 
     # 6. whatever else fits.
