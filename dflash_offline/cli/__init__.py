@@ -3,13 +3,14 @@ one library function. Commands are imported lazily so that ``dflash --help`` doe
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 from typing import Any
 
 import click
 
-from dflash_offline.errors import DflashError
+from dflash_offline.errors import DflashError, NoSpaceError
 
 # command name -> "module:attribute" of its click command, in the order --help lists them.
 COMMANDS: dict[str, str] = {
@@ -57,6 +58,10 @@ class LazyGroup(click.Group):
         except DflashError as e:
             # A user-fixable problem: one clear line, no traceback.
             raise click.ClickException(str(e)) from e
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise click.ClickException(str(NoSpaceError(e.filename or "."))) from e
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

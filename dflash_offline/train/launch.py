@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from dflash_offline.lifeline import die_with_parent
+from dflash_offline.locking import acquire_lock, hold_lock
 from dflash_offline.torchrun import under_torchrun
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import (
@@ -26,6 +28,7 @@ def _set_cpu_threads(config: TrainConfig) -> None:
 
 
 def _spawned(local_rank: int, config: TrainConfig, port: int) -> None:
+    die_with_parent()  # a killed launcher must not leave DDP ranks (and their GPU memory) behind
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     use_cuda = bool(config.gpus)
@@ -47,14 +50,25 @@ def _spawned(local_rank: int, config: TrainConfig, port: int) -> None:
 
 
 def run_training(config: TrainConfig) -> TrainResult | None:
-    """Train; returns the result in the main process (None in a torchrun rank other than 0)."""
+    """Train; returns the result in the main process (None in a torchrun rank other than 0).
+
+    One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
+    second run into the same directory is refused naming the holder (``LockedError``)."""
     if under_torchrun():
         info = dist_info_from_env(use_cuda=torch.cuda.is_available())
+        lock = acquire_lock(config.out_dir, what="training run") if info.is_main else None
         try:
             result = train_rank(config, info)
         finally:
             shutdown(info)
+            if lock is not None:
+                lock.release()
         return result if info.is_main else None
+    with hold_lock(config.out_dir, what="training run"):
+        return _run_training_locked(config)
+
+
+def _run_training_locked(config: TrainConfig) -> TrainResult | None:
     if config.world_size == 1:
         if config.gpus:
             info = init_distributed(rank=0, world_size=1, local_rank=config.gpus[0], use_cuda=True)
