@@ -68,9 +68,11 @@ def test_lock_of_a_live_process_refused_of_a_killed_one_taken_over(tmp_path: Pat
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     stale = read_holder(tmp_path)
-    assert stale is not None and stale.pid == proc.pid  # the dead holder's record stayed behind
+    assert stale is not None
+    assert stale.pid == proc.pid
     lock = acquire_lock(tmp_path, what="cache")
-    assert lock.took_over is not None and lock.took_over.pid == proc.pid
+    assert lock.took_over is not None
+    assert lock.took_over.pid == proc.pid
     assert f"took over the stale lock of cache {tmp_path} from pid {proc.pid}" in capsys.readouterr().err
     assert read_holder(tmp_path).pid == os.getpid()  # type: ignore[union-attr]
     lock.release()
@@ -101,17 +103,22 @@ def test_repair_drops_duplicate_commits_and_orphan_bytes(tmp_path: Path) -> None
     del orphan
     (cache / "shards" / "stale.partial").write_bytes(b"x" * 100)
     report = verify_cache(cache, progress=False)
-    assert not report.ok and len(report.duplicates) == 20 and report.unreferenced_bytes > 0
+    assert not report.ok
+    assert len(report.duplicates) == 20
+    assert report.unreferenced_bytes > 0
 
     result = CliRunner().invoke(main, ["verify", str(cache), "--repair", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "dropped 20 duplicate commits, 0 damaged samples" in result.output
     after = verify_cache(cache, progress=False)
-    assert after.ok and after.unreferenced == () and after.samples_checked == 40, after.render()
+    assert after.ok, after.render()
+    assert after.unreferenced == ()
+    assert after.samples_checked == 40
     freed = int(result.output.split("freed ")[1].split(" bytes")[0].replace(",", ""))
     assert freed >= report.unreferenced_bytes  # the orphans and the dropped copies' shard files
     ids = read_table(cache, "samples", ["sample_id"])["sample_id"].to_pylist()
-    assert sorted(ids) == sorted(set(ids)) and len(ids) == 40
+    assert sorted(ids) == sorted(set(ids))
+    assert len(ids) == 40
     want, got = _features(reference), _features(cache)
     assert set(got) == set(want)
     for sample_id, features in want.items():
@@ -130,9 +137,11 @@ def test_repair_keeps_the_good_copy_when_the_first_is_damaged(tmp_path: Path) ->
             path.write_bytes(bytes(b ^ 0x5A for b in path.read_bytes()))
     assert verify_cache(cache, progress=False).damaged
     report = repair_cache(cache, progress=False)
-    assert report.duplicate_rows_dropped == 20 and report.damaged_ids_dropped == ()
+    assert report.duplicate_rows_dropped == 20
+    assert report.damaged_ids_dropped == ()
     after = verify_cache(cache, progress=False)
-    assert after.ok and after.samples_checked == 20, after.render()
+    assert after.ok, after.render()
+    assert after.samples_checked == 20
     with CacheReader.open(cache) as reader:
         assert first_shard not in set(reader.samples.shard.tolist())  # the damaged copies went
 
@@ -154,7 +163,8 @@ def test_commits_by_bytes_before_the_time_threshold(tmp_path: Path) -> None:
         writer.add(sample)
     # Without closing (a kill would not close either), rows are already committed.
     committed = read_table(tmp_path, "samples", ["num_tokens"])["num_tokens"].to_pylist()
-    assert committed and sum(committed) >= 200
+    assert committed
+    assert sum(committed) >= 200
     assert len(list((tmp_path / "manifest" / "samples").glob("*.parquet"))) >= 2
     writer.close()
 
@@ -172,7 +182,7 @@ def test_older_cache_without_compute_dtype_reads_and_refuses_a_mismatch(tmp_path
         create_or_open_cache(tmp_path, new)
     other = tmp_path / "f32"
     create_or_open_cache(other, new)
-    with pytest.raises(FingerprintMismatchError, match="compute_dtype='float32'.*compute_dtype='bfloat16'"):
+    with pytest.raises(FingerprintMismatchError, match=r"compute_dtype='float32'.*compute_dtype='bfloat16'"):
         create_or_open_cache(other, replace(old, compute_dtype="bfloat16"))
 
 
@@ -183,7 +193,7 @@ def test_a_directory_without_cache_json_is_not_told_to_run_generate_when_generat
     with pytest.raises(CacheFormatError) as caught:
         read_fingerprint(tmp_path)
     assert "dflash generate --cache" not in str(caught.value)
-    with pytest.raises(CacheFormatError, match="not empty and has no cache.json"):
+    with pytest.raises(CacheFormatError, match=r"not empty and has no cache\.json"):
         create_or_open_cache(tmp_path, make_fingerprint())
     empty = tmp_path / "empty"
     empty.mkdir()
