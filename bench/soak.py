@@ -199,7 +199,8 @@ def main() -> None:
         counts[mode] += 1
         if outcome.startswith("orphans"):
             orphans += int(outcome.split(":")[1])
-        committed = read_table(cache, "samples", ["sample_id"]).num_rows if (cache / "cache.json").exists() else 0
+        has_cache = (cache / "cache.json").exists()
+        committed = read_table(cache, "samples", ["sample_id"]).num_rows if has_cache else 0
         print(f"kill {kills:3d} ({mode:11s}): {outcome}, {committed} rows committed", flush=True)
         if committed >= len(want):
             check()  # nothing left to interrupt: check this cache and start a new one
