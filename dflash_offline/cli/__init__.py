@@ -3,14 +3,13 @@ one library function. Commands are imported lazily so that ``dflash --help`` doe
 
 from __future__ import annotations
 
-import errno
 import importlib
 import sys
 from typing import Any
 
 import click
 
-from dflash_offline.errors import DflashError, NoSpaceError
+from dflash_offline.errors import DflashError, NoSpaceError, find_no_space
 
 # command name -> "module:attribute" of its click command, in the order --help lists them.
 COMMANDS: dict[str, str] = {
@@ -59,9 +58,10 @@ class LazyGroup(click.Group):
             # A user-fixable problem: one clear line, no traceback.
             raise click.ClickException(str(e)) from e
         except OSError as e:
-            if e.errno != errno.ENOSPC:
+            found = find_no_space(e)
+            if found is None:
                 raise
-            raise click.ClickException(str(NoSpaceError(e.filename or "."))) from e
+            raise click.ClickException(str(NoSpaceError(found[1] or e.filename or "."))) from e
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

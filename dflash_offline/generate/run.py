@@ -336,6 +336,11 @@ def run_generate(
     assert ctx.lock is not None
     try:
         return _run_locked(ctx, on_event)
+    except OSError as e:  # the coordinator's own writes (run rows, planner failures) hit a full disk
+        converted = as_no_space_error(e, config.cache_dir)
+        if converted is e:
+            raise
+        raise converted from e
     finally:
         ctx.lock.release()
 

@@ -4,6 +4,7 @@ The long version of the kill loop is ``bench/soak.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -228,3 +229,30 @@ def test_an_older_cache_is_resumed_only_with_an_explicit_dtype(tmp_path: Path, c
     assert resumed.exit_code == 0, resumed.output
     assert json.loads(path.read_text())["fingerprint"]["compute_dtype"] == "float32"
     assert read_table(tmp_path / "cache", "samples").num_rows == 5
+
+
+def test_index_write_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
+    import shutil
+
+    golden = Path(__file__).resolve().parents[1] / "assets" / "golden_cache" / "v1"
+    mount = tmp_path / "small"
+    if not _mount_tmpfs(mount, "8m"):
+        pytest.skip("needs root and permission to mount a tmpfs (mount -t tmpfs) for a small disk")
+    try:
+        cache = mount / "cache"
+        shutil.copytree(golden, cache)
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)  # fill the disk up
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        result = CliRunner().invoke(main, ["index", str(cache)])
+        assert result.exit_code == 1, result.output
+        assert result.output.strip() == (
+            f"Error: no space left on device at {cache}; free space and rerun the same command"
+        )
+        (mount / "filler").unlink()
+        again = CliRunner().invoke(main, ["index", str(cache)])
+        assert again.exit_code == 0, again.output
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
