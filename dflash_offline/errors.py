@@ -92,9 +92,9 @@ def find_no_space(exc: BaseException | None) -> tuple[BaseException, str | None]
 
 
 def as_no_space_error(exc: BaseException, path: str | Path) -> BaseException:
-    """``NoSpaceError`` (at the file named by the error, else ``path``) when ``exc`` is, or was
-    caused by, a full disk; else ``exc`` itself."""
+    """``NoSpaceError`` at ``path`` (the directory the user can free space for: the cache, not one
+    temp file in it) when ``exc`` is, or was caused by, a full disk; else ``exc`` itself."""
     found = find_no_space(exc)
     if found is None:
         return exc
-    return found[0] if isinstance(found[0], NoSpaceError) else NoSpaceError(found[1] or path)
+    return found[0] if isinstance(found[0], NoSpaceError) else NoSpaceError(path)

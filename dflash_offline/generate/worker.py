@@ -95,7 +95,7 @@ def run_worker(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) ->
                 worker=spec.worker,
                 device=spec.device,
                 traceback=traceback.format_exc(),
-                no_space_path="" if no_space is None else (no_space[1] or str(spec.cache_dir)),
+                no_space_path="" if no_space is None else str(spec.cache_dir),
             )
         )
         raise SystemExit(1) from None
