@@ -103,6 +103,11 @@ class VerifyReport:
         )
         for u in self.unreferenced[:20]:
             lines.append(f"  {u.path}: {u.num_bytes:,} bytes, {u.reason}")
+        if self.duplicates or self.unreferenced or self.damaged:
+            lines.append(
+                f"to drop duplicate and damaged commits and delete unreferenced bytes: "
+                f"dflash verify --repair {self.root}"
+            )
         return "\n".join(lines)
 
 
