@@ -29,31 +29,37 @@ ORPHAN_EXIT_CODE = 75
 _started = False
 
 
-def _set_pdeathsig() -> bool:
+def _set_pdeathsig(kill_signal: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return int(libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)) == 0
+        return int(libc.prctl(PR_SET_PDEATHSIG, int(kill_signal), 0, 0, 0)) == 0
     return False
 
 
-def _watch(parent: int) -> None:
+def _watch(parent: int, grace_seconds: float) -> None:
     stop = threading.Event()
     while not stop.wait(POLL_SECONDS):
         if os.getppid() != parent:
+            stop.wait(grace_seconds)  # time for a graceful stop (e.g. a checkpoint) first
             os._exit(ORPHAN_EXIT_CODE)  # no cleanup: the coordinator that would receive it is gone
 
 
-def die_with_parent() -> None:
-    """Make this process exit when its parent dies (idempotent)."""
+def die_with_parent(*, kill_signal: int | None = signal.SIGKILL, grace_seconds: float = 0.0) -> None:
+    """Make this process exit when its parent dies (idempotent).
+
+    ``kill_signal``: the parent-death signal to set (None keeps one set before, e.g. torch's spawn
+    sets SIGINT, which train handles as a stop request); the watchdog ends the process
+    ``grace_seconds`` after it finds itself orphaned, whatever the signal did."""
     global _started
     if _started:
         return
     _started = True
     parent = os.getppid()
-    _set_pdeathsig()
+    if kill_signal is not None:
+        _set_pdeathsig(kill_signal)
     # Already orphaned: the coordinator died while we started (before, or while, prctl took effect).
     if parent == 1 or os.getppid() != parent:
         os._exit(ORPHAN_EXIT_CODE)
-    threading.Thread(target=_watch, args=(parent,), name="dflash-lifeline", daemon=True).start()
+    threading.Thread(target=_watch, args=(parent, grace_seconds), name="dflash-lifeline", daemon=True).start()
