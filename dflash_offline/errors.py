@@ -7,6 +7,9 @@ anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
+
 
 class DflashError(ValueError):
     """Base class of every error the user can act on."""
@@ -59,3 +62,39 @@ class WorkerError(DflashError):
 
 class DrafterFormatError(DflashError):
     """An exported drafter directory is missing files, has an unknown layout, or mismatched tensors."""
+
+
+class NoSpaceError(DflashError):
+    """The disk filled up while writing; everything committed before stays valid."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        super().__init__(f"no space left on device at {path}; free space and rerun the same command")
+
+
+_NO_SPACE_TEXT = "No space left on device"
+"""How ENOSPC reads inside messages of libraries that do not raise OSError (DuckDB)."""
+
+
+def find_no_space(exc: BaseException | None) -> tuple[BaseException, str | None] | None:
+    """The ENOSPC error in ``exc``'s cause/context chain (and its file name, when it names one)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, NoSpaceError):
+            return exc, exc.path
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return exc, None if exc.filename is None else str(exc.filename)
+        if _NO_SPACE_TEXT in str(exc):
+            return exc, None
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def as_no_space_error(exc: BaseException, path: str | Path) -> BaseException:
+    """``NoSpaceError`` at ``path`` (the directory the user can free space for: the cache, not one
+    temp file in it) when ``exc`` is, or was caused by, a full disk; else ``exc`` itself."""
+    found = find_no_space(exc)
+    if found is None:
+        return exc
+    return found[0] if isinstance(found[0], NoSpaceError) else NoSpaceError(path)

@@ -18,6 +18,7 @@ import duckdb
 
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, temp_path
 from dflash_offline.cache.sqldb import load_manifest, quote_literal
+from dflash_offline.errors import NoSpaceError, find_no_space
 
 STORAGE_VERSION = "v1.0.0"
 """DuckDB storage format of index.duckdb: header version 64, readable by DuckDB >= 1.0 (and 0.10)."""
@@ -77,6 +78,10 @@ def build_index(root: str | Path) -> IndexStats:
         con.execute("DETACH idx")
         con.close()
         os.replace(tmp, layout.index_path)
+    except (duckdb.Error, OSError) as e:
+        if find_no_space(e) is not None:
+            raise NoSpaceError(layout.root) from e
+        raise
     finally:
         con.close()
         for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):

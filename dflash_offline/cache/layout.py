@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from dflash_offline.cache.codecs import codec_spec, storage_dtype
-from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION, CacheFingerprint
+from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION, OPTIONAL_FIELDS, CacheFingerprint
 from dflash_offline.errors import CacheFormatError
+from dflash_offline.locking import LOCK_NAME
 
 MANIFEST_TABLES = ("samples", "failures", "shards", "runs")
 PARTIAL_SUFFIX = ".partial"
@@ -146,6 +147,12 @@ def read_fingerprint(root: str | Path) -> CacheFingerprint:
     try:
         text = layout.cache_json.read_text()
     except FileNotFoundError:
+        if _has_foreign_files(layout.root):
+            # generate refuses such a directory too: do not advise it (a lost cache.json, or a typo).
+            raise CacheFormatError(
+                f"{layout.root} is not a dflash cache: it has files but no {layout.cache_json.name} "
+                f"(pass the directory `dflash generate` wrote, or restore its {layout.cache_json.name})"
+            ) from None
         raise CacheFormatError(
             f"{layout.root} is not a dflash cache: {layout.cache_json.name} is missing "
             f"(create it with `dflash generate --cache {layout.root}`)"
@@ -157,6 +164,26 @@ def read_fingerprint(root: str | Path) -> CacheFingerprint:
             f"{layout.cache_json} is not valid JSON ({e}); restore it or regenerate the cache"
         ) from e
     return parse_cache_json(doc, layout.cache_json)
+
+
+def _has_foreign_files(root: Path) -> bool:
+    """True for a directory holding anything but our temp files and the writer lock."""
+    return root.is_dir() and any(TEMP_MARKER not in p.name and p.name != LOCK_NAME for p in root.iterdir())
+
+
+def adopt_new_fields(root: str | Path, fingerprint: CacheFingerprint) -> None:
+    """Record in an older cache's cache.json the fields it lacks (``OPTIONAL_FIELDS``, None there),
+    taking them from ``fingerprint``; every other field must already match. Call under the cache's
+    writer lock (``dflash_offline.locking``)."""
+    layout = CacheLayout.at(root)
+    existing = read_fingerprint(root)
+    filled = replace(
+        existing,
+        **{name: getattr(fingerprint, name) for name in OPTIONAL_FIELDS if getattr(existing, name) is None},
+    )
+    filled.check_same(fingerprint)
+    if filled != existing:
+        write_atomic(layout.cache_json, _cache_json_text(filled), fsync=True)
 
 
 def create_or_open_cache(root: str | Path, fingerprint: CacheFingerprint) -> CacheLayout:
@@ -175,7 +202,7 @@ def create_or_open_cache(root: str | Path, fingerprint: CacheFingerprint) -> Cac
             f"use {expected_dtype!r}"
         )
     if not layout.cache_json.exists():
-        if layout.root.is_dir() and any(TEMP_MARKER not in p.name for p in layout.root.iterdir()):
+        if _has_foreign_files(layout.root):
             raise CacheFormatError(
                 f"{layout.root} is not empty and has no cache.json: it is not a dflash cache; "
                 f"pass a new or empty directory"

@@ -18,6 +18,7 @@ from typing import Literal
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION
 from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint
@@ -111,7 +112,31 @@ def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
 
 
 def load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
-    """Create the schema in ``con``'s current database and fill it from the cache's manifest."""
+    """Create the schema in ``con``'s current database and fill it from the cache's manifest.
+
+    A part DuckDB cannot read (truncated by a crash or a full disk) is named in a ``CacheFormatError``
+    with the same advice as everywhere else (``manifest.read_parts``), not DuckDB's bare message."""
+    try:
+        return _load_manifest(con, root)
+    except duckdb.Error:
+        _raise_unreadable_part(root)
+        raise
+
+
+def _raise_unreadable_part(root: str | Path) -> None:
+    """Find the part behind a DuckDB read error (only on failure: a footer read per part)."""
+    from dflash_offline.cache.manifest import read_parts
+
+    layout = CacheLayout.at(root)
+    for table in MANIFEST_TABLES:
+        for path in layout.parts(table):
+            try:
+                pq.read_metadata(path)
+            except (OSError, pa.ArrowInvalid):
+                read_parts(table, [path])  # raises the shared message naming the file
+
+
+def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
     layout = CacheLayout.at(root)
     fingerprint = read_fingerprint(root)
     for statement in split_statements(read_schema()):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -52,6 +53,8 @@ class UnreferencedData:
     """Relative to the cache root."""
     num_bytes: int
     reason: str
+    files: tuple[Path, ...] = ()
+    """The files themselves (what ``dflash verify --repair`` removes)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,6 +104,11 @@ class VerifyReport:
         )
         for u in self.unreferenced[:20]:
             lines.append(f"  {u.path}: {u.num_bytes:,} bytes, {u.reason}")
+        if self.duplicates or self.unreferenced or self.damaged:
+            lines.append(
+                f"to drop duplicate and damaged commits and delete unreferenced bytes: "
+                f"dflash verify --repair {self.root}"
+            )
         return "\n".join(lines)
 
 
@@ -144,6 +152,7 @@ def _unreferenced(layout: CacheLayout, table: SampleTable) -> tuple[list[Unrefer
                         path=str(group.relative_to(layout.root)),
                         num_bytes=total,
                         reason="no committed sample (its writer stopped before its first commit)",
+                        files=(group,),
                     )
                 )
             continue
@@ -168,6 +177,7 @@ def _unreferenced(layout: CacheLayout, table: SampleTable) -> tuple[list[Unrefer
                         path=f"{group.relative_to(layout.root)}/*/c/{k}",
                         num_bytes=size,
                         reason="shard file holds no committed sample (written, not committed before a stop)",
+                        files=tuple(sorted(paths)),
                     )
                 )
                 continue
@@ -182,6 +192,62 @@ def _unreferenced(layout: CacheLayout, table: SampleTable) -> tuple[list[Unrefer
     return found, int(slack)
 
 
+def damaged_rows(reader: CacheReader, bar: Any = None) -> dict[int, str]:
+    """Positions in ``reader.samples`` whose bytes cannot be read or fail their crc32c -> why.
+    Reads in (shard, row) order, ``_BATCH_BYTES`` at a time; ``bar`` (tqdm) counts stored bytes."""
+    table = reader.samples
+    storage = reader.storage
+    row_bytes = storage.row_bytes + 4 + 1
+    lossy = storage.fp8 is not None
+
+    def read(rows: np.ndarray) -> list[CachedSample]:
+        # A lossy cache's checksum covers its stored (encoded) bytes: read those, undecoded.
+        if not lossy:
+            return reader.read_rows(rows)
+        needed = int(table.num_tokens[rows].astype(np.int64).sum())
+        return reader.read_rows(rows, stored_out=np.empty((needed, storage.width), storage.dtype))
+
+    order = np.lexsort((table.row_start, table.shard_code)) if len(table) else np.zeros(0, np.int64)
+    damaged: dict[int, str] = {}
+    for batch in _batches(table, order, row_bytes):
+        try:
+            pairs = list(zip(batch.tolist(), read(batch)))
+        except CacheDamageError:
+            pairs = []
+            for row in batch.tolist():  # find out which samples the damage hurts
+                try:
+                    pairs.append((row, read(np.array([row]))[0]))
+                except CacheDamageError as e:
+                    damaged.setdefault(row, str(e))
+        for row, sample in pairs:
+            stored = sample.features_TF.view(torch.uint16) if sample.stored_TW is None else sample.stored_TW
+            crc = sample_checksum(stored.numpy(), sample.input_ids_T.numpy(), sample.loss_mask_T.numpy())
+            if crc != int(table.checksum[row]):
+                damaged.setdefault(
+                    row, f"checksum mismatch (stored {int(table.checksum[row]):#010x}, read {crc:#010x})"
+                )
+        if bar is not None:
+            bar.update(int(table.num_tokens[batch].astype(np.int64).sum()) * row_bytes)
+    return damaged
+
+
+def unreferenced_data(root: str | Path) -> list[UnreferencedData]:
+    """Shard groups and shard files no committed sample points at, and stale temp files (no bytes
+    are re-read: what ``verify_cache`` reports as waste, computed from the manifest alone)."""
+    layout = CacheLayout.at(root)
+    with CacheReader.open(root) as reader:
+        found, _slack = _unreferenced(layout, reader.samples)
+    return found + [
+        UnreferencedData(
+            path=str(p.relative_to(layout.root)),
+            num_bytes=p.stat().st_size,
+            reason="stale temp file",
+            files=(p,),
+        )
+        for p in partial_files(root)
+    ]
+
+
 def verify_cache(root: str | Path, *, progress: bool = True, num_threads: int = 4) -> VerifyReport:
     """Re-read and re-checksum every committed sample; see the module docstring for what is reported."""
     layout = CacheLayout.at(root)
@@ -189,20 +255,9 @@ def verify_cache(root: str | Path, *, progress: bool = True, num_threads: int = 
     counts = pc.value_counts(raw_ids)
     duplicates = sorted(str(v["values"]) for v in counts.to_pylist() if v["counts"] > 1)
     damaged: dict[int, str] = {}
-    checked = checked_bytes = 0
     with CacheReader.open(root, num_threads=num_threads) as reader:
         table = reader.samples
-        storage = reader.storage
-        row_bytes = storage.row_bytes + 4 + 1
-        lossy = storage.fp8 is not None
-
-        def read(rows: np.ndarray) -> list[CachedSample]:
-            # A lossy cache's checksum covers its stored (encoded) bytes: read those, undecoded.
-            if not lossy:
-                return reader.read_rows(rows)
-            needed = int(table.num_tokens[rows].astype(np.int64).sum())
-            return reader.read_rows(rows, stored_out=np.empty((needed, storage.width), storage.dtype))
-
+        row_bytes = reader.storage.row_bytes + 4 + 1
         order = np.lexsort((table.row_start, table.shard_code)) if len(table) else np.zeros(0, np.int64)
         damaged.update(_overlaps(table, order))
         bar = tqdm(
@@ -212,32 +267,10 @@ def verify_cache(root: str | Path, *, progress: bool = True, num_threads: int = 
             desc="verify",
             disable=not progress,
         )
-        for batch in _batches(table, order, row_bytes):
-            try:
-                pairs = list(zip(batch.tolist(), read(batch)))
-            except CacheDamageError:
-                pairs = []
-                for row in batch.tolist():  # find out which samples the damage hurts
-                    try:
-                        pairs.append((row, read(np.array([row]))[0]))
-                    except CacheDamageError as e:
-                        damaged.setdefault(row, str(e))
-            for row, sample in pairs:
-                stored = (
-                    sample.features_TF.view(torch.uint16) if sample.stored_TW is None else sample.stored_TW
-                )
-                crc = sample_checksum(
-                    stored.numpy(),
-                    sample.input_ids_T.numpy(),
-                    sample.loss_mask_T.numpy(),
-                )
-                if crc != int(table.checksum[row]):
-                    damaged.setdefault(
-                        row, f"checksum mismatch (stored {int(table.checksum[row]):#010x}, read {crc:#010x})"
-                    )
-            checked += len(batch)
-            checked_bytes += int(table.num_tokens[batch].astype(np.int64).sum()) * row_bytes
-            bar.update(int(table.num_tokens[batch].astype(np.int64).sum()) * row_bytes)
+        for row, problem in damaged_rows(reader, bar).items():
+            damaged.setdefault(row, problem)
+        checked = len(table)
+        checked_bytes = int(table.num_tokens.astype(np.int64).sum()) * row_bytes
         bar.close()
         unreferenced, slack = _unreferenced(layout, table)
     for path in partial_files(root):
@@ -246,6 +279,7 @@ def verify_cache(root: str | Path, *, progress: bool = True, num_threads: int = 
                 path=str(path.relative_to(layout.root)),
                 num_bytes=path.stat().st_size,
                 reason="stale temp file",
+                files=(path,),
             )
         )
     return VerifyReport(

@@ -7,7 +7,8 @@ Flush policy (never a read-modify-write of a shard): rows are staged in RAM from
 new shard file of every array (``shard_file.py``; zarr-python only creates the group's metadata); a
 sample that straddles the last written boundary keeps its tail staged, and the next write starts
 exactly at that boundary. ``flush()`` (explicit, once ``flush_seconds`` have
-passed since the last commit, or on ``close()``) writes everything staged, the last shard partial,
+passed since the last commit or ``flush_bytes`` of samples wait uncommitted, or on ``close()``)
+writes everything staged, the last shard partial,
 commits every written sample in one manifest part, and moves the next block to the NEXT shard
 boundary: the rows in between are a gap that is never stored. Every shard file is written once.
 
@@ -37,6 +38,7 @@ import torch
 
 from dflash_offline.cache.checksum import sample_checksum
 from dflash_offline.cache.codecs import feature_storage
+from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.fp8 import encode_rows
 from dflash_offline.cache.layout import CacheLayout, create_or_open_cache, fsync_dir
@@ -121,7 +123,8 @@ class ShardWriter:
         worker: int,
         session: str | None = None,
         fsync: bool = False,
-        flush_seconds: float = 30.0,
+        flush_seconds: float = DEFAULT_FLUSH_SECONDS,
+        flush_bytes: int = DEFAULT_FLUSH_BYTES,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         known_sample_ids: Collection[str] | None = None,
@@ -137,7 +140,12 @@ class ShardWriter:
             )
         self.shard = f"w{self.worker:03d}-{self.session}"
         self.fsync = fsync
+        if flush_seconds < 0 or flush_bytes < 1:
+            raise SampleError(
+                f"flush_seconds {flush_seconds} must be >= 0 and flush_bytes {flush_bytes} >= 1"
+            )
         self.flush_seconds = flush_seconds
+        self.flush_bytes = int(flush_bytes)
         self.feature_width = fingerprint.feature_width
         self.storage = feature_storage(
             fingerprint.codec, num_layers=len(fingerprint.layer_ids), hidden_size=fingerprint.hidden_size
@@ -195,6 +203,7 @@ class ShardWriter:
         self._written_rows = 0  # rows of the arrays as resized so far
         self._part = 0
         self._last_commit = time.monotonic()
+        self._uncommitted_bytes = 0  # raw bytes of samples added since the last commit
         self._closed = False
         self._stats = dict(
             samples=0, tokens=0, loss_tokens=0, raw_bytes=0, stored_bytes=0, failures=0, flushes=0
@@ -314,9 +323,10 @@ class ShardWriter:
         )
         self._known.add(sample.sample_id)
         self._next_row += num_tokens
+        self._uncommitted_bytes += num_tokens * (self.feature_width * 2 + 4 + 1)
         if self._next_row - self._block_start >= self.shard_rows:
             self._write(whole_shards_only=True)
-        self._maybe_flush_on_time()
+        self._maybe_flush()
 
     def add_failure(self, *, sample_id: str, source_index: int, reason: str, detail: str) -> None:
         """Record a sample that could not be cached; committed with the next manifest part."""
@@ -333,10 +343,13 @@ class ShardWriter:
                 created_at=utc_now(),
             )
         )
-        self._maybe_flush_on_time()
+        self._maybe_flush()
 
-    def _maybe_flush_on_time(self) -> None:
-        if time.monotonic() - self._last_commit >= self.flush_seconds:
+    def _maybe_flush(self) -> None:
+        if (
+            self._uncommitted_bytes >= self.flush_bytes
+            or time.monotonic() - self._last_commit >= self.flush_seconds
+        ):
             self.flush()
 
     def flush(self) -> list[SampleRow]:
@@ -506,6 +519,7 @@ class ShardWriter:
         self._written, self._failures = [], []
         self._part += 1
         self._last_commit = time.monotonic()
+        self._uncommitted_bytes = 0
         tokens = sum(r.num_tokens for r in rows)
         stats = self._stats
         stats["samples"] += len(rows)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from dflash_offline.errors import DflashError
+from dflash_offline.errors import DflashError, NoSpaceError, find_no_space
 
 # command name -> "module:attribute" of its click command, in the order --help lists them.
 COMMANDS: dict[str, str] = {
@@ -57,6 +57,11 @@ class LazyGroup(click.Group):
         except DflashError as e:
             # A user-fixable problem: one clear line, no traceback.
             raise click.ClickException(str(e)) from e
+        except OSError as e:
+            found = find_no_space(e)
+            if found is None:
+                raise
+            raise click.ClickException(str(NoSpaceError(found[1] or e.filename or "."))) from e
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

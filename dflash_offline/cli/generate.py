@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
 from dflash_offline.cli.options import (
     cache_option,
     data_option,
@@ -33,9 +34,16 @@ from dflash_offline.cli.options import (
     help="What to do with conversations longer than --max-len tokens.",
 )
 @click.option(
-    "--layer-ids", default=None, help="Captured target layers, e.g. 1,9,17,25,33 (default: DFlash rule)."
+    "--layer-ids",
+    default=None,
+    help="Captured target layers, ascending and unique, e.g. 1,9,17,25,33 (default: DFlash rule).",
 )
-@click.option("--num-features", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option(
+    "--num-features",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Features for the DFlash layer rule (default 5); not with --layer-ids.",
+)
 @click.option("--bucket-edges", default="256,512,1024,2048,3072", show_default=True)
 @click.option(
     "--tokens-per-batch",
@@ -57,6 +65,20 @@ from dflash_offline.cli.options import (
 @click.option("--codec", default=None, help="Feature codec (default: the cache library's measured default).")
 @click.option(
     "--fsync/--no-fsync", default=False, show_default=True, help="fsync shards before committing rows."
+)
+@click.option(
+    "--flush-seconds",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_FLUSH_SECONDS,
+    show_default=True,
+    help="Each worker commits its samples at least this often (what a kill can lose).",
+)
+@click.option(
+    "--flush-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_FLUSH_BYTES,
+    show_default=True,
+    help="...or once this many raw bytes of samples wait uncommitted.",
 )
 @click.option(
     "--dtype",
@@ -84,6 +106,8 @@ def generate(
     seed: int,
     codec: str | None,
     fsync: bool,
+    flush_seconds: float,
+    flush_bytes: int,
     dtype: str | None,
     gpus: str | None,
     workers: int,
@@ -94,6 +118,7 @@ def generate(
     from dflash_offline.generate.config import GenerateConfig, Placement, parse_gpus
     from dflash_offline.generate.launch import generate_from_config
     from dflash_offline.generate.plan import parse_bucket_edges
+    from dflash_offline.target.layers import split_layer_ids
 
     config = GenerateConfig(
         cache_dir=cache_dir,
@@ -104,7 +129,7 @@ def generate(
         limit=limit,
         max_length=max_length,
         too_long=too_long,  # type: ignore[arg-type]
-        layer_ids=None if layer_ids is None else _parse_ids(layer_ids),
+        layer_ids=None if layer_ids is None else split_layer_ids(layer_ids),
         num_features=num_features,
         bucket_edges=parse_bucket_edges(bucket_edges),
         tokens_per_batch=tokens_per_batch,
@@ -113,15 +138,10 @@ def generate(
         seed=seed,
         codec=codec,
         fsync=fsync,
+        flush_seconds=flush_seconds,
+        flush_bytes=flush_bytes,
         dtype=dtype,
         placement=Placement(gpus=parse_gpus(gpus), num_cpu_workers=workers, threads_per_worker=threads),
         progress=progress,
     )
     generate_from_config(config)
-
-
-def _parse_ids(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise click.BadParameter(f"{text!r}: expected comma-separated integers") from e

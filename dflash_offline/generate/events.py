@@ -58,6 +58,8 @@ class WorkerFailed:
     worker: int
     device: str
     traceback: str
+    no_space_path: str = ""
+    """Set when the failure was a full disk: the path it hit (reported in one line, no traceback)."""
 
 
 WorkerEvent = WorkerStarted | JobDone | WorkerFinished | WorkerFailed

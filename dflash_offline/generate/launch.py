@@ -97,9 +97,11 @@ def run_generate_distributed(config: GenerateConfig) -> GenerateSummary | None:
     prefix = "dflash-generate"
     start = time.perf_counter()
     started_at = utc_now()
+    held: list[Any] = []  # the cache's lock: only the coordinator (rank 0) holds it
     try:
         if rank == 0:
-            ctx = prepare_run(config)
+            ctx = prepare_run(config, lock=True)
+            held.append(ctx.lock)
             sweep_partial_files(config.cache_dir)
             store.set(f"{prefix}/session", ctx.session)
         dist.barrier()
@@ -175,4 +177,6 @@ def run_generate_distributed(config: GenerateConfig) -> GenerateSummary | None:
             build_index(config.cache_dir)
         return summary
     finally:
+        for lock in held:
+            lock.release()
         dist.destroy_process_group()

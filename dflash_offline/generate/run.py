@@ -33,13 +33,14 @@ from dflash_offline.cache.manifest import (
 from dflash_offline.cache.records import FailureRow, RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
 from dflash_offline.data.records import SourceFailure
-from dflash_offline.errors import WorkerError
+from dflash_offline.errors import ConfigError, NoSpaceError, WorkerError, as_no_space_error
 from dflash_offline.generate.channel import QueueJobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted
 from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
 from dflash_offline.generate.progress import GenerateProgress
 from dflash_offline.generate.worker import WorkerSpec, run_worker
+from dflash_offline.locking import DirLock, acquire_lock
 
 PLANNER_WORKER_ID = -1
 """``worker`` value of failure rows written by the planner (records that never reached a target)."""
@@ -57,6 +58,8 @@ class RunContext:
     """Committed or failed sample ids already in the cache (resume)."""
     run_id: str
     session: str
+    lock: DirLock | None = None
+    """The cache's writer lock, held by the coordinator for the whole run (None on other ranks)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,13 +82,31 @@ class GenerateSummary:
         return self.tokens_committed / self.seconds if self.seconds > 0 else 0.0
 
 
-def prepare_run(config: GenerateConfig) -> RunContext:
-    """Resolve target, tokenizer and layers; create or check the cache; load the resume state."""
+def resolved_compute_dtype(config: GenerateConfig) -> str:
+    """``--dtype``, else the device's default: bfloat16 on GPUs, float32 on the CPU (exact features)."""
+    if config.dtype is not None:
+        return config.dtype
+    if config.placement.gpus:
+        return "bfloat16"
+    from dflash_offline.torchrun import under_torchrun
+
+    if under_torchrun():
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+    return "float32"
+
+
+def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
+    """Resolve target, tokenizer and layers; create or check the cache; load the resume state.
+
+    ``lock``: take the cache's writer lock first (the coordinator; refused with ``LockedError`` while
+    another run holds it), kept in ``RunContext.lock`` for the caller to release."""
     from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec, storage_dtype
     from dflash_offline.cache.layout import read_fingerprint
     from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name_for_cache
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
-    from dflash_offline.target.layers import default_layer_ids
+    from dflash_offline.target.layers import resolve_layer_ids
     from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
 
     data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts
@@ -100,15 +121,9 @@ def prepare_run(config: GenerateConfig) -> RunContext:
         first_usable_record(data_path, skip=config.skip, limit=config.limit, data_format=config.data_format)
     info = target_info(resolve_target(config.target))
     tokenizer = load_tokenizer(config.target)
-    if config.layer_ids is not None:
-        bad = [i for i in config.layer_ids if not 0 <= i < info.num_layers]
-        if bad:
-            from dflash_offline.errors import ConfigError
-
-            raise ConfigError(f"--layer-ids {list(config.layer_ids)}: {bad} outside 0..{info.num_layers - 1}")
-        layer_ids = tuple(sorted(set(config.layer_ids)))
-    else:
-        layer_ids = default_layer_ids(info.num_layers, config.num_features)
+    layer_ids = resolve_layer_ids(
+        info.num_layers, num_features=config.num_features, layer_ids=config.layer_ids
+    )
     codec = config.codec or DEFAULT_CODEC
     codec_spec(codec)  # unknown names fail here with the list of known ones
     fingerprint = CacheFingerprint(
@@ -125,9 +140,17 @@ def prepare_run(config: GenerateConfig) -> RunContext:
         too_long=config.too_long,
         bucket_edges=config.bucket_edges,
         data_source=source_name_for_cache(data_path, recorded),
+        compute_dtype=resolved_compute_dtype(config),
     )
-    create_or_open_cache(config.cache_dir, fingerprint)
-    done = committed_sample_ids(config.cache_dir) | failed_sample_ids(config.cache_dir)
+    held = acquire_lock(config.cache_dir, what="cache") if lock else None
+    try:
+        _check_older_cache(config, fingerprint, adopt=lock)
+        create_or_open_cache(config.cache_dir, fingerprint)
+        done = committed_sample_ids(config.cache_dir) | failed_sample_ids(config.cache_dir)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     session = new_session_id()
     return RunContext(
@@ -138,7 +161,28 @@ def prepare_run(config: GenerateConfig) -> RunContext:
         done_ids=frozenset(done),
         run_id=f"generate-{session}",
         session=session,
+        lock=held,
     )
+
+
+def _check_older_cache(config: GenerateConfig, fingerprint: CacheFingerprint, *, adopt: bool) -> None:
+    """A cache written before ``compute_dtype`` was fingerprinted is resumed only with an explicit
+    ``--dtype`` (we cannot know what wrote it); the coordinator then records it in cache.json."""
+    from dflash_offline.cache.layout import adopt_new_fields, read_fingerprint
+
+    if not (config.cache_dir / "cache.json").is_file():
+        return
+    existing = read_fingerprint(config.cache_dir)
+    if existing.compute_dtype is not None:
+        return
+    if config.dtype is None:
+        raise ConfigError(
+            f"cache {config.cache_dir} predates compute_dtype in its fingerprint; resume it with "
+            f"an explicit --dtype equal to the one that wrote it (float32 for CPU runs, bfloat16 "
+            f"for GPU runs unless --dtype said otherwise), or write to a new cache directory"
+        )
+    if adopt:
+        adopt_new_fields(config.cache_dir, fingerprint)
 
 
 def worker_spec(ctx: RunContext, *, worker: int, device: str) -> WorkerSpec:
@@ -149,12 +193,13 @@ def worker_spec(ctx: RunContext, *, worker: int, device: str) -> WorkerSpec:
         device=device,
         cpu_threads=config.placement.cpu_threads(),
         target=config.target,
-        dtype=config.dtype,
+        dtype=ctx.fingerprint.compute_dtype,
         cache_dir=config.cache_dir,
         fingerprint=ctx.fingerprint,
         session=ctx.session,
         fsync=config.fsync,
         flush_seconds=config.flush_seconds,
+        flush_bytes=config.flush_bytes,
         tokens_per_batch=config.tokens_per_batch,
         writer_queue_depth=config.writer_queue_depth,
         pad_id=ctx.pad_id,
@@ -300,10 +345,25 @@ def run_generate(
 ) -> GenerateSummary:
     """Run (or resume) a generate job on ``config.placement``; returns the summary.
 
-    Raises ``WorkerError`` (with the worker's traceback) when a worker fails; KeyboardInterrupt
-    stops workers after their current job and leaves the cache resumable (status ``interrupted``)."""
-    ctx = prepare_run(config)
-    sweep_partial_files(config.cache_dir)  # no writer of ours is running yet
+    Raises ``WorkerError`` (with the worker's traceback) when a worker fails, ``NoSpaceError`` when
+    the disk filled up, ``LockedError`` when another run holds the cache; KeyboardInterrupt stops
+    workers after their current job and leaves the cache resumable (status ``interrupted``)."""
+    ctx = prepare_run(config, lock=True)
+    assert ctx.lock is not None
+    try:
+        return _run_locked(ctx, on_event)
+    except OSError as e:  # the coordinator's own writes (run rows, planner failures) hit a full disk
+        converted = as_no_space_error(e, config.cache_dir)
+        if converted is e:
+            raise
+        raise converted from e
+    finally:
+        ctx.lock.release()
+
+
+def _run_locked(ctx: RunContext, on_event: Callable[[object], None] | None) -> GenerateSummary:
+    config = ctx.config
+    sweep_partial_files(config.cache_dir)  # under the lock: no other writer is running
     placement = config.placement
     num_workers = placement.num_workers
     started_at = utc_now()
@@ -347,6 +407,8 @@ def run_generate(
             tally.apply(event)
             if isinstance(event, WorkerFailed):
                 tally.failed.append(event)
+                if event.no_space_path:
+                    raise NoSpaceError(event.no_space_path)
                 raise WorkerError(
                     f"worker {event.worker} ({event.device}) failed; the cache is resumable. "
                     f"Its traceback:\n{event.traceback}"
@@ -380,22 +442,29 @@ def run_generate(
         skipped_already_done=planner.skipped,
         workers=tuple(tally.finished[w] for w in sorted(tally.finished)),
     )
-    record_run(
-        config.cache_dir,
-        _run_row(
-            ctx,
-            started_at=started_at,
-            status=status,
-            tally=tally,
-            num_workers=num_workers,
-            summary=summary,
-            error="" if error is None else f"{type(error).__name__}: {error}",
-        ),
-    )
-    if config.build_index:
-        from dflash_offline.cache.index import build_index
+    error = as_no_space_error(error, config.cache_dir) if error is not None else None
+    try:
+        record_run(
+            config.cache_dir,
+            _run_row(
+                ctx,
+                started_at=started_at,
+                status=status,
+                tally=tally,
+                num_workers=num_workers,
+                summary=summary,
+                error="" if error is None else f"{type(error).__name__}: {error}",
+            ),
+        )
+        if config.build_index and not isinstance(error, NoSpaceError):
+            from dflash_offline.cache.index import build_index
 
-        build_index(config.cache_dir)
+            build_index(config.cache_dir)
+    except OSError as e:
+        if error is None:
+            raise as_no_space_error(e, config.cache_dir) from e
+        # The run already failed (e.g. the disk is full): report that, not this follow-up error.
+        error.add_note(f"and recording the run failed too: {e!r}")
     if error is not None:
         raise error
     return summary

@@ -20,10 +20,12 @@ import torch
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.writer import ShardWriter
+from dflash_offline.errors import find_no_space
 from dflash_offline.generate.capture_step import PinnedBufferPool, capture_job
 from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted, WorkerTimings
 from dflash_offline.generate.writer_thread import BatchWritten, WriterThread
+from dflash_offline.lifeline import die_with_parent
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +45,7 @@ class WorkerSpec:
     session: str
     fsync: bool
     flush_seconds: float
+    flush_bytes: int
     tokens_per_batch: int
     writer_queue_depth: int
     pad_id: int
@@ -80,12 +83,21 @@ def build_capture(spec: WorkerSpec, device: torch.device) -> Any:
 
 def run_worker(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
     """Process entry point. ``events`` is a queue of ``WorkerEvent`` records; ``stop`` an Event."""
+    die_with_parent()  # a killed coordinator must not leave workers polling for jobs forever
     # Ctrl-C goes to the whole process group: the coordinator decides, workers finish their job.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _work(spec, channel, events, stop)
-    except BaseException:
-        events.put(WorkerFailed(worker=spec.worker, device=spec.device, traceback=traceback.format_exc()))
+    except BaseException as e:
+        no_space = find_no_space(e)
+        events.put(
+            WorkerFailed(
+                worker=spec.worker,
+                device=spec.device,
+                traceback=traceback.format_exc(),
+                no_space_path="" if no_space is None else str(spec.cache_dir),
+            )
+        )
         raise SystemExit(1) from None
 
 
@@ -121,6 +133,7 @@ def _work(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None
         session=spec.session,
         fsync=spec.fsync,
         flush_seconds=spec.flush_seconds,
+        flush_bytes=spec.flush_bytes,
         known_sample_ids=(),  # the planner hands out each sample once; skip the manifest scan
     ) as writer:
 

@@ -20,29 +20,60 @@ def default_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[in
         raise ConfigError(f"the target has {num_target_layers} layers; need at least 1")
     if num_features < 1:
         raise ConfigError(f"--num-features must be >= 1, got {num_features}")
-    if num_features == 1:
-        return (num_target_layers // 2,)
-    span = num_target_layers - 4
-    ids = tuple(round(1 + i * span / (num_features - 1)) for i in range(num_features))
-    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= num_target_layers:
+    ids = _rule_ids(num_target_layers, num_features)
+    if not _rule_fits(num_target_layers, num_features):
+        limit = max_default_features(num_target_layers)
         raise ConfigError(
             f"the DFlash default rule gives layer ids {list(ids)} for {num_features} features of a "
-            f"{num_target_layers}-layer target (repeated or out of range); pass --layer-ids explicitly "
-            f"(e.g. {','.join(str(i) for i in range(min(num_features, num_target_layers)))}) or fewer "
-            "--num-features"
+            f"{num_target_layers}-layer target (repeated or out of range); it fits at most {limit} "
+            f"feature{'s' if limit != 1 else ''} there (--num-features {limit}), or pass --layer-ids "
+            f"explicitly (e.g. {','.join(str(i) for i in range(min(num_features, num_target_layers)))})"
         )
     return ids
 
 
-def parse_layer_ids(text: str, num_target_layers: int) -> tuple[int, ...]:
-    """Parse ``"1,9,17"`` into ascending unique ids in [0, L). Raises ``ConfigError`` naming the problem."""
+def _rule_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
+    if num_features == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_features - 1)) for i in range(num_features))
+
+
+def _rule_fits(num_target_layers: int, num_features: int) -> bool:
+    ids = _rule_ids(num_target_layers, num_features)
+    return len(set(ids)) == len(ids) and min(ids) >= 0 and max(ids) < num_target_layers
+
+
+def max_default_features(num_target_layers: int) -> int:
+    """The largest n for which the default rule gives n distinct ids in range (1 always fits)."""
+    return max(n for n in range(1, num_target_layers + 1) if _rule_fits(num_target_layers, n))
+
+
+def split_layer_ids(text: str) -> tuple[int, ...]:
+    """``"1,9,17"`` -> (1, 9, 17), as written (no sorting, no dedup): ``check_layer_ids`` judges them
+    once the target's depth is known. Raises ``ConfigError`` for anything that is not integers."""
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p for p in parts):
         raise ConfigError(f"--layer-ids {text!r}: give comma-separated integers, e.g. 1,9,17")
     try:
-        ids = tuple(int(p) for p in parts)
+        return tuple(int(p) for p in parts)
     except ValueError:
         raise ConfigError(f"--layer-ids {text!r}: {parts} are not all integers") from None
+
+
+def parse_layer_ids(text: str, num_target_layers: int) -> tuple[int, ...]:
+    """Parse ``"1,9,17"`` into ascending unique ids in [0, L). Raises ``ConfigError`` naming the problem."""
+    return check_layer_ids(split_layer_ids(text), num_target_layers, spelled=text)
+
+
+def check_layer_ids(
+    ids: tuple[int, ...], num_target_layers: int, *, spelled: str | None = None
+) -> tuple[int, ...]:
+    """``ids`` if they are ascending, unique and in [0, L); else ``ConfigError`` naming the problem
+    (never sorted or deduplicated silently: that would change which features a cache holds)."""
+    text = ",".join(str(i) for i in ids) if spelled is None else spelled
+    if not ids:
+        raise ConfigError("--layer-ids: give at least one layer id")
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
         raise ConfigError(
@@ -50,7 +81,8 @@ def parse_layer_ids(text: str, num_target_layers: int) -> tuple[int, ...]:
             f"(valid ids 0..{num_target_layers - 1})"
         )
     if len(set(ids)) != len(ids):
-        raise ConfigError(f"--layer-ids {text!r}: ids repeat")
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        raise ConfigError(f"--layer-ids {text!r}: {repeated} repeat; name each layer once")
     if list(ids) != sorted(ids):
         raise ConfigError(
             f"--layer-ids {text!r}: ids must be ascending (features are stored in ascending layer "
@@ -60,12 +92,18 @@ def parse_layer_ids(text: str, num_target_layers: int) -> tuple[int, ...]:
 
 
 def resolve_layer_ids(
-    num_target_layers: int, *, num_features: int | None = None, layer_ids: str | None = None
+    num_target_layers: int,
+    *,
+    num_features: int | None = None,
+    layer_ids: str | tuple[int, ...] | None = None,
 ) -> tuple[int, ...]:
     """``--layer-ids`` when given (and consistent with ``--num-features`` if both are), else the default."""
     if layer_ids is None:
         return default_layer_ids(num_target_layers, 5 if num_features is None else num_features)
-    ids = parse_layer_ids(layer_ids, num_target_layers)
+    if isinstance(layer_ids, str):
+        ids = parse_layer_ids(layer_ids, num_target_layers)
+    else:
+        ids = check_layer_ids(tuple(layer_ids), num_target_layers)
     if num_features is not None and num_features != len(ids):
         raise ConfigError(
             f"--num-features {num_features} but --layer-ids {layer_ids!r} names {len(ids)} layers"

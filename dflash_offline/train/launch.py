@@ -16,6 +16,8 @@ import torch
 
 from dflash_offline import errors as errors_module
 from dflash_offline.errors import DflashError
+from dflash_offline.lifeline import die_with_parent
+from dflash_offline.locking import acquire_lock, hold_lock
 from dflash_offline.torchrun import under_torchrun
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import (
@@ -34,7 +36,14 @@ def _set_cpu_threads(config: TrainConfig) -> None:
     torch.set_num_threads(threads)
 
 
+ORPHAN_GRACE_SECONDS = 120.0
+"""A rank whose launcher died stops at its step boundary (torch's spawn sets a SIGINT parent-death
+signal, a stop request here) and checkpoints; one that has not exited this long after is ended
+(a rank blocked in a collective for a dead peer would otherwise live on, holding its GPU)."""
+
+
 def _spawned(local_rank: int, config: TrainConfig, port: int, errors: Any) -> None:
+    die_with_parent(kill_signal=None, grace_seconds=ORPHAN_GRACE_SECONDS)
     # A terminal's Ctrl-C reaches every worker (and the parent forwards it): stop at the step boundary.
     with stop_on_sigint(second_aborts=False):
         try:
@@ -129,14 +138,25 @@ def _spawn(config: TrainConfig) -> None:
 
 
 def run_training(config: TrainConfig) -> TrainResult | None:
-    """Train; returns the result in the main process (None in a torchrun rank other than 0)."""
+    """Train; returns the result in the main process (None in a torchrun rank other than 0).
+
+    One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
+    second run into the same directory is refused naming the holder (``LockedError``)."""
     if under_torchrun():
         info = dist_info_from_env(use_cuda=torch.cuda.is_available())
+        lock = acquire_lock(config.out_dir, what="training run") if info.is_main else None
         try:
             result = train_rank(config, info)
         finally:
             shutdown(info)
+            if lock is not None:
+                lock.release()
         return result if info.is_main else None
+    with hold_lock(config.out_dir, what="training run"):
+        return _run_training_locked(config)
+
+
+def _run_training_locked(config: TrainConfig) -> TrainResult | None:
     if config.world_size == 1:
         if config.gpus:
             info = init_distributed(rank=0, world_size=1, local_rank=config.gpus[0], use_cuda=True)

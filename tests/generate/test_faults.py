@@ -1,0 +1,262 @@
+"""Faults of ``dflash generate`` (issue 14): two runs into one cache, a killed coordinator, a killed
+worker, a full disk, and the configuration mistakes that used to pass silently or with a traceback.
+The long version of the kill loop is ``bench/soak.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from bench.soak import group_members, workers_of
+from dflash_offline.cache.manifest import read_table
+from dflash_offline.cache.verify import verify_cache
+from dflash_offline.cli import main
+
+from .conftest import make_chat_jsonl
+from .test_generate_kill import _features_by_id, _generate_cmd, _start
+
+NUM_RECORDS = 60
+
+
+def _assert_equal_caches(reference: Path, cache: Path) -> None:
+    ids = read_table(cache, "samples", ["sample_id"])["sample_id"].to_pylist()
+    assert len(ids) == len(set(ids))  # none twice
+    want, got = _features_by_id(reference), _features_by_id(cache)
+    assert set(got) == set(want)  # none lost
+    for sample_id, (features, input_ids, mask) in want.items():
+        assert np.array_equal(input_ids, got[sample_id][1])
+        assert np.array_equal(mask, got[sample_id][2])
+        assert torch.equal(features.view(torch.int16), got[sample_id][0].view(torch.int16)), sample_id
+    report = verify_cache(cache, progress=False)
+    assert report.ok, report.render()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(data, uninterrupted cache) shared by the tests of this module."""
+    folder = tmp_path_factory.mktemp("faults")
+    data = make_chat_jsonl(folder / "chat.jsonl", NUM_RECORDS, seed=7)
+    cache = folder / "reference"
+    done = subprocess.run(_generate_cmd(cache, data), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return data, cache
+
+
+def _wait_for_workers(
+    process: subprocess.Popen[bytes], cache: Path, count: int, *, opened: bool = True
+) -> list[int]:
+    """Pids of ``count`` workers once they exist and (``opened``) each has opened its shard group."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        shards = cache / "manifest" / "shards"
+        if not opened or (shards.is_dir() and len(list(shards.glob("*.parquet"))) >= count):
+            workers = workers_of(process.pid)
+            if len(workers) >= count:
+                return workers
+        time.sleep(0.1)
+    raise AssertionError("the workers did not start (or the run ended first)")
+
+
+def _wait_gone(pgid: int, timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and group_members(pgid):
+        time.sleep(0.1)
+    return group_members(pgid)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_of_the_coordinator_leaves_no_worker_and_the_rerun_completes(
+    tmp_path: Path, reference: tuple[Path, Path]
+) -> None:
+    data, ref = reference
+    cache = tmp_path / "cache"
+    cmd = _generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.2")
+    process = _start(cmd)
+    workers = _wait_for_workers(process, cache, 2)
+    os.kill(process.pid, signal.SIGKILL)  # the coordinator only: its workers must notice
+    process.wait(timeout=30)
+    survivors = _wait_gone(process.pid)
+    if survivors:
+        os.killpg(process.pid, signal.SIGKILL)
+    assert not survivors, f"processes {survivors} survived their coordinator (workers were {workers})"
+    final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stdout + final.stderr
+    _assert_equal_caches(ref, cache)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_of_one_worker_stops_the_run_and_the_rerun_completes(
+    tmp_path: Path, reference: tuple[Path, Path]
+) -> None:
+    data, ref = reference
+    cache = tmp_path / "cache"
+    cmd = _generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.2")
+    process = _start(cmd)
+    # Killed while it starts: 60 records take the workers less time than finding them once they
+    # opened their shard groups (bench/soak.py kills workers mid-run too).
+    workers = _wait_for_workers(process, cache, 2, opened=False)
+    os.kill(workers[0], signal.SIGKILL)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0, output.decode()[-2000:]
+    assert b"rerun the same command" in output, output.decode()[-2000:]
+    assert not _wait_gone(process.pid)
+    final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stdout + final.stderr
+    _assert_equal_caches(ref, cache)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_second_generate_into_the_same_cache_is_refused_and_the_first_is_unharmed(
+    tmp_path: Path, reference: tuple[Path, Path]
+) -> None:
+    data, ref = reference
+    cache = tmp_path / "cache"
+    cmd = _generate_cmd(cache, data, "--workers", "1")
+    first = _start(cmd)
+    try:
+        deadline = time.monotonic() + 300
+        while not (cache / "lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 1, second.stdout + second.stderr
+        message = second.stderr.strip().splitlines()
+        assert len(message) == 1, second.stderr
+        assert f"is in use by pid {first.pid}" in message[0], second.stderr
+        output, _ = first.communicate(timeout=600)
+        assert first.returncode == 0, output.decode()[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    _assert_equal_caches(ref, cache)
+    assert not (cache / "lock").exists()  # released at the end
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    return done.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_disk_full_is_one_line_and_the_cache_resumes_to_the_uninterrupted_result(
+    tmp_path: Path, reference: tuple[Path, Path]
+) -> None:
+    data, ref = reference
+    mount = tmp_path / "small"
+    if not _mount_tmpfs(mount, "600k"):
+        pytest.skip("needs root and permission to mount a tmpfs (mount -t tmpfs) for a small disk")
+    try:
+        cache = mount / "cache"
+        cmd = _generate_cmd(cache, data, "--flush-seconds", "0")
+        full = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert full.returncode == 1, full.stdout + full.stderr
+        lines = full.stderr.strip().splitlines()
+        assert lines == [
+            f"Error: no space left on device at {cache}; free space and rerun the same command"
+        ], full.stderr
+        assert read_table(cache, "samples").num_rows < NUM_RECORDS
+        assert verify_cache(cache, progress=False).ok
+        remount = ["mount", "-o", "remount,size=64m", str(mount)]
+        subprocess.run(remount, check=True, capture_output=True)
+        final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert final.returncode == 0, final.stdout + final.stderr
+        _assert_equal_caches(ref, cache)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--layer-ids", "1,1"), "--layer-ids '1,1': [1] repeat"),
+        (("--layer-ids", "2,0"), "ids must be ascending"),
+        (("--layer-ids", "0,2", "--num-features", "2"), "give one of them"),
+        (("--num-features", "5"), "fits at most 1 feature there (--num-features 1)"),
+    ],
+)
+def test_layer_choice_mistakes_are_refused(
+    tmp_path: Path, extra: tuple[str, ...], message: str, chat_data: Path
+) -> None:
+    cmd = list(_generate_cmd(tmp_path / "cache", chat_data)[3:])
+    at = cmd.index("--layer-ids")
+    del cmd[at : at + 2]
+    result = CliRunner().invoke(main, [*cmd, *extra])
+    assert result.exit_code == 1, result.output
+    assert message in result.output
+    assert not (tmp_path / "cache" / "cache.json").exists()
+
+
+@pytest.mark.timeout(600)
+def test_a_float32_cache_is_not_resumed_in_bfloat16(tmp_path: Path, chat_data: Path) -> None:
+    runner = CliRunner()
+    cmd = [*_generate_cmd(tmp_path / "cache", chat_data)[3:], "--limit", "4"]
+    first = runner.invoke(main, cmd)
+    assert first.exit_code == 0, first.output
+    again = runner.invoke(main, [*cmd, "--dtype", "bfloat16"])
+    assert again.exit_code == 1, again.output
+    assert "compute_dtype='float32'" in again.output
+    assert "compute_dtype='bfloat16'" in again.output
+    assert not (tmp_path / "cache" / "lock").exists()  # a refused run gives the lock back
+
+
+def test_an_older_cache_is_resumed_only_with_an_explicit_dtype(tmp_path: Path, chat_data: Path) -> None:
+    import json
+
+    runner = CliRunner()
+    cmd = [*_generate_cmd(tmp_path / "cache", chat_data)[3:], "--limit", "3"]
+    assert runner.invoke(main, cmd).exit_code == 0
+    path = tmp_path / "cache" / "cache.json"
+    doc = json.loads(path.read_text())
+    del doc["fingerprint"]["compute_dtype"]  # as a cache written before the field existed
+    path.write_text(json.dumps(doc))
+    refused = runner.invoke(main, [*cmd[:-1], "5"])
+    assert refused.exit_code == 1, refused.output
+    assert "predates compute_dtype" in refused.output, refused.output
+    resumed = runner.invoke(main, [*cmd[:-1], "5", "--dtype", "float32"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(path.read_text())["fingerprint"]["compute_dtype"] == "float32"
+    assert read_table(tmp_path / "cache", "samples").num_rows == 5
+
+
+def test_index_write_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
+    import shutil
+
+    golden = Path(__file__).resolve().parents[1] / "assets" / "golden_cache" / "v1"
+    mount = tmp_path / "small"
+    if not _mount_tmpfs(mount, "8m"):
+        pytest.skip("needs root and permission to mount a tmpfs (mount -t tmpfs) for a small disk")
+    try:
+        cache = mount / "cache"
+        shutil.copytree(golden, cache)
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)  # fill the disk up
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        result = CliRunner().invoke(main, ["index", str(cache)])
+        assert result.exit_code == 1, result.output
+        assert result.output.strip() == (
+            f"Error: no space left on device at {cache}; free space and rerun the same command"
+        )
+        (mount / "filler").unlink()
+        again = CliRunner().invoke(main, ["index", str(cache)])
+        assert again.exit_code == 0, again.output
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

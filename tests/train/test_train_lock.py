@@ -1,0 +1,53 @@
+"""``dflash train`` (issue 14, cache half): one run per ``--out``, and DDP
+ranks that die with their launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.soak import group_members, workers_of
+from dflash_offline.locking import LockedError, acquire_lock
+from dflash_offline.train.launch import run_training
+
+from .test_train_e2e import _config, _train_cmd, tiny_cache  # noqa: F401  (a fixture)
+
+
+def test_a_second_train_into_the_same_out_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    refused = pytest.raises(LockedError, match=rf"training run {out} is in use by pid {os.getpid()}")
+    with acquire_lock(out, what="training run", command="dflash train --out run"), refused:
+        run_training(_config(tmp_path / "no-cache-needed", out))
+    assert not (out / "metrics.jsonl").exists()  # refused before anything was written
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_of_the_launcher_takes_its_ddp_ranks_with_it(tiny_cache: Path, tmp_path: Path) -> None:  # noqa: F811
+    cmd = [*_train_cmd(tiny_cache, tmp_path / "run", 100000), "--workers", "2"]
+    process = subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 300
+        ranks: list[int] = []
+        while time.monotonic() < deadline and process.poll() is None and len(ranks) < 2:
+            ranks = workers_of(process.pid)
+            time.sleep(0.2)
+        assert len(ranks) == 2, "the DDP ranks did not start"
+        time.sleep(3.0)  # let them import and reach the process group
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and group_members(process.pid):
+            time.sleep(0.1)
+        survivors = group_members(process.pid)
+        assert not survivors, f"ranks {survivors} survived their launcher"
+    finally:
+        if group_members(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
