@@ -28,7 +28,7 @@ from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
 
 EDGES = (16, 32)
-MIN_LEN, MAX_LEN = 8, 24  # short documents: few context positions for the attention to search
+MIN_LEN, MAX_LEN = 8, 25  # short documents: few context positions for the attention to search
 LAYERS = (0, 2)
 TOKENS = 48  # token ids 0..47 (i.i.d. in the data); the vocabulary has 64 rows, the mask is 63
 VOCAB = 64
@@ -75,7 +75,7 @@ def _write_cache(root: Path, *, zero_features: bool, num_samples: int = 400, see
             local = rng.integers(0, TOKENS, n)  # i.i.d.: without the features nothing is predictable
             feats = _features(local) * (0.0 if zero_features else 1.0)
             mask = np.zeros(n, dtype=np.uint8)
-            mask[2:] = 1  # a short "prompt", then the "answer"
+            mask[1:] = 1  # a short "prompt", then the "answer"
             writer.add(
                 SampleToWrite(
                     sample_id=f"learn:{i:04d}",
@@ -89,7 +89,9 @@ def _write_cache(root: Path, *, zero_features: bool, num_samples: int = 400, see
     return root
 
 
-def _synthetic_setup(config: TrainConfig, fingerprint: CacheFingerprint, *, device: torch.device) -> DrafterSetup:
+def _synthetic_setup(
+    config: TrainConfig, fingerprint: CacheFingerprint, *, device: torch.device
+) -> DrafterSetup:
     embed = _embedding()
     drafter_config = DrafterConfig(
         hidden_size=HIDDEN,
@@ -119,11 +121,13 @@ def _train(cache: Path, out: Path) -> list[float]:
         out_dir=out,
         num_layers=1,
         block_size=4,
-        num_anchors=64,
-        tokens_per_microbatch=1024,
+        num_anchors=512,
+        tokens_per_microbatch=512,
+        # Small: the untrained logits start near uniform (with 1.0 this task plateaus for 300+ steps).
+        final_norm_init=0.1,
         grad_accum=1,
         lr=1e-2,
-        warmup_ratio=0.05,
+        warmup_ratio=0.02,
         epochs=1000,
         max_steps=STEPS,
         checkpoint_every=1000,
@@ -139,7 +143,7 @@ def _train(cache: Path, out: Path) -> list[float]:
     return [float(r["acc_by_position"][0]) for r in rows]  # type: ignore[index]
 
 
-STEPS = 60
+STEPS = 150
 
 
 @pytest.mark.slow
@@ -150,7 +154,7 @@ def test_a_drafter_that_reads_the_features_learns_one_that_cannot_does_not(
     with_ctx = _train(_write_cache(tmp_path / "cache", zero_features=False), tmp_path / "run")
     without = _train(_write_cache(tmp_path / "cache0", zero_features=True), tmp_path / "run0")
     late = slice(STEPS - 10, STEPS)
-    print(f"position-1 accuracy, last 10 steps: features {np.mean(with_ctx[late]):.3f}, zeroed {np.mean(without[late]):.3f}")
-    # Chance is 1/48 ≈ 0.02 (the tokens are i.i.d. over 48 ids); reading the features gives ~1.
-    assert np.mean(with_ctx[late]) > 0.6
+    # Chance is 1/48 ≈ 0.02 (the tokens are i.i.d. over 48 ids); reading the features gives ~1
+    # (measured: 1.00 from step ~90 with the model alone, 0.04 with the features zeroed).
+    assert np.mean(with_ctx[late]) > 0.7
     assert np.mean(without[late]) < 0.15
