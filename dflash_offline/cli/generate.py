@@ -70,6 +70,7 @@ def generate(
     cache_dir: Path,
     target: str,
     data: str | None,
+    data_format: str,
     skip: int,
     limit: int | None,
     max_length: int,
@@ -98,6 +99,7 @@ def generate(
         cache_dir=cache_dir,
         target=target,
         data=None if data is None else Path(data),
+        data_format=data_format,  # type: ignore[arg-type]
         skip=skip,
         limit=limit,
         max_length=max_length,

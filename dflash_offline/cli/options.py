@@ -38,11 +38,22 @@ def target_option(f: F) -> F:
 
 
 def data_option(f: F) -> F:
+    """--data and --data-format: the chat data set, in any accepted container and schema."""
+    from dflash_offline.data.schemas import DATA_FORMATS
+
+    f = click.option(
+        "--data-format",
+        type=click.Choice(DATA_FORMATS),
+        default="auto",
+        show_default=True,
+        help="Record schema: sharegpt (conversations of from/value), messages (role/content), "
+        "prompt-response, alpaca (instruction/input/output); auto picks per record.",
+    )(f)
     return click.option(
         "--data",
         default=None,
-        help="Chat data: ShareGPT JSON/JSONL (conversations of from/value) or JSONL of messages "
-        "(role/content). Default: the embedded ShareGPT V3 file.",
+        help="Chat data: JSON or JSONL, optionally .gz/.zst; a Parquet file or directory; a Hugging Face "
+        "datasets save_to_disk directory. Default: the embedded ShareGPT V3 file.",
     )(f)
 
 

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from dflash_offline.cli.options import cache_option, placement_options, progress_option, seed_option
+
+
+def _ctrl_c_exits_130(f: Callable[..., None]) -> Callable[..., None]:
+    """Ctrl-C before the training loop takes it over (imports, setup) or a second one: exit 130 with
+    one line, as after a clean stop (click would print `Aborted!` and exit 1)."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            f(*args, **kwargs)
+        except KeyboardInterrupt:
+            click.echo(
+                "interrupted before a step boundary: the newest checkpoint (if any) is kept; "
+                "rerun the same command to resume",
+                err=True,
+            )
+            raise SystemExit(130) from None
+
+    return wrapper
 
 
 @click.command()
@@ -111,8 +133,26 @@ from dflash_offline.cli.options import cache_option, placement_options, progress
     help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval).",
 )
 @click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--tensorboard",
+    "tensorboard_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Write TensorBoard event files to DIR (default: OUT/tb when the tensorboard package is "
+    "installed: pip install 'dflash-offline[tensorboard]').",
+)
+@click.option("--no-tensorboard", is_flag=True, help="Write no TensorBoard event files.")
+@click.option(
+    "--on-damaged",
+    type=click.Choice(["stop", "skip"]),
+    default="stop",
+    show_default=True,
+    help="A sample failing its checksum when read: stop naming it, or skip it (recorded in "
+    "RUN/damaged_samples.jsonl, reported at the end).",
+)
 @placement_options
 @progress_option
+@_ctrl_c_exits_130
 def train(
     cache_dir: Path,
     out_dir: Path,
@@ -145,6 +185,9 @@ def train(
     attention: str,
     export_initial: bool,
     log_every: int,
+    tensorboard_dir: Path | None,
+    no_tensorboard: bool,
+    on_damaged: str,
     gpus: str | None,
     workers: int,
     threads: int,
@@ -185,6 +228,9 @@ def train(
         resume=resume,  # type: ignore[arg-type]
         allow_topology_change=allow_topology_change,
         log_every=log_every,
+        tensorboard=not no_tensorboard,
+        tensorboard_dir=tensorboard_dir,
+        on_damaged=on_damaged,  # type: ignore[arg-type]
         export_initial=export_initial,
         attention=attention,  # type: ignore[arg-type]
         progress=progress,
@@ -192,10 +238,27 @@ def train(
         num_cpu_workers=workers,
         threads_per_worker=threads,
     )
-    result = run_training(config)
+    from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
+    from dflash_offline.train.interrupt import TrainInterrupted
+
+    try:
+        result = run_training(config)
+    except TrainInterrupted as e:
+        click.echo(str(e), err=True)
+        raise SystemExit(130) from None
+    damaged = read_damaged(out_dir) if on_damaged == "skip" else []
+    if damaged:
+        click.echo(
+            f"skipped {len(damaged)} damaged sample(s) (failed their checksum; ids in "
+            f"{out_dir / DAMAGED_FILE}); run `dflash verify {cache_dir}`",
+            err=True,
+        )
     if result is not None:
         loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
         click.echo(f"trained {result.global_step} steps; final loss {loss}")
         click.echo(f"metrics: {out_dir / 'metrics.jsonl'}")
+        tb_dir = config.resolved_tensorboard_dir()
+        if tb_dir is not None:
+            click.echo(f"tensorboard: tensorboard --logdir {tb_dir}")
         if result.export_dir is not None:
             click.echo(f"drafter (z-lab DFlash layout): {result.export_dir}")

@@ -1,4 +1,4 @@
-"""Stream the raw records of a JSON-array or JSONL file with bounded memory.
+"""Stream the raw records of a JSON-array or JSONL byte stream (plain or decompressed) with bounded memory.
 
 A JSON array is decoded one element at a time with ``json.JSONDecoder.raw_decode`` over a sliding text
 buffer, so a 125 MB file never becomes 125 MB of Python objects. A file that ends inside an element
@@ -10,17 +10,18 @@ error record and the following lines are read normally.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 from dflash_offline.errors import DataError
 
 _CHUNK_CHARS = 1 << 20
 """Characters read at a time; an element larger than the buffer grows it geometrically."""
 _WHITESPACE = " \t\r\n"
+_WHITESPACE_BYTES = b" \t\r\n"
 _NEAR_END = 16
 """A decode error this close to the end of the buffered text may just mean 'not read yet'."""
 
@@ -41,49 +42,83 @@ class RawRecord:
     """The file ends inside this record (its tail is missing)."""
 
 
-def detect_format(path: Path) -> str:
-    """``"json"`` when the first non-blank character is ``[``, else ``"jsonl"``."""
-    with open(path, encoding="utf-8-sig") as f:
-        while True:
-            chunk = f.read(4096)
-            if not chunk:
-                raise DataError(f"data file {str(path)!r} is empty; give a JSON array or a JSONL file")
-            stripped = chunk.lstrip(_WHITESPACE)
-            if stripped:
-                return "json" if stripped[0] == "[" else "jsonl"
+_DAMAGED_STREAM = (OSError, EOFError)
+"""What gzip raises on a damaged or cut stream (zstandard raises its own ZstdError: caught by name)."""
 
 
-def iter_raw_records(path: Path) -> Iterator[RawRecord]:
-    """Yield every record of ``path`` in file order (format detected from the first character)."""
-    if detect_format(path) == "json":
-        yield from _iter_json_array(path)
-    else:
-        yield from _iter_jsonl(path)
+def _stream_error(e: BaseException) -> bool:
+    return isinstance(e, _DAMAGED_STREAM) or type(e).__name__ == "ZstdError"
 
 
-def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
+def iter_jsonl(f: BinaryIO, *, name: str) -> Iterator[RawRecord]:
+    """One record per non-blank line of a binary stream; a bad line is one error record.
+
+    Lines are decoded one at a time, so invalid UTF-8 bytes, JSON nested too deeply for Python's
+    parser, or a syntax error spoil only their own line. A damaged compressed stream ends the file with
+    a ``truncated`` record after the lines read so far."""
     index = 0
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip(_WHITESPACE):
-                continue
-            if index == 0 and line.strip(_WHITESPACE) == "{":
-                raise DataError(
-                    f"{str(path)!r} starts with a pretty-printed JSON object; expected a JSON array of "
-                    "records or one JSON object per line (JSONL)"
-                )
-            where = f"line {lineno}"
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                # Only the last line can be cut short; it is the one without a newline.
-                truncated = not line.endswith("\n")
-                yield RawRecord(
-                    source_index=index, where=where, value=None, error=str(e), truncated=truncated
-                )
-            else:
-                yield RawRecord(source_index=index, where=where, value=value, error=None, truncated=False)
+    lineno = 0
+    lines = iter(f)
+    while True:
+        try:
+            line_bytes = next(lines)
+        except StopIteration:
+            return
+        except Exception as e:
+            if not _stream_error(e):
+                raise
+            yield RawRecord(
+                source_index=index,
+                where=f"line {lineno + 1}",
+                value=None,
+                error=f"the data stream is damaged or cut short here ({type(e).__name__}: {e})",
+                truncated=True,
+            )
+            return
+        lineno += 1
+        if lineno == 1:
+            line_bytes = line_bytes.removeprefix(b"\xef\xbb\xbf")
+        stripped = line_bytes.strip(_WHITESPACE_BYTES)
+        if not stripped:
+            continue
+        if index == 0 and stripped == b"{":
+            raise DataError(
+                f"{name!r} starts with a pretty-printed JSON object; expected a JSON array of "
+                "records or one JSON object per line (JSONL)"
+            )
+        where = f"line {lineno}"
+        # Only the last line can be cut short; it is the one without a newline.
+        cut = not line_bytes.endswith(b"\n")
+        try:
+            text = line_bytes.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield RawRecord(
+                source_index=index,
+                where=where,
+                value=None,
+                error=f"invalid UTF-8 at byte {e.start} of the line "
+                f"({e.reason}: {e.object[e.start : e.end]!r})",
+                truncated=False,
+            )
             index += 1
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            yield RawRecord(
+                source_index=index, where=where, value=None, error=f"invalid JSON: {e}", truncated=cut
+            )
+        except RecursionError:
+            yield RawRecord(
+                source_index=index,
+                where=where,
+                value=None,
+                error="invalid JSON: nested too deeply for the JSON parser",
+                truncated=False,
+            )
+        else:
+            yield RawRecord(source_index=index, where=where, value=value, error=None, truncated=False)
+        index += 1
 
 
 class _Buffer:
@@ -93,6 +128,8 @@ class _Buffer:
         self.f = f
         self.text = ""
         self.eof = False
+        self.stream_error: str | None = None
+        """Why the (decompressed) stream ended early, when it did."""
         self._counted_pos = 0  # line count is known up to this position of ``text``
         self._counted_line = 1
 
@@ -100,7 +137,13 @@ class _Buffer:
         """Append at least one chunk (or as much as is pending, so big elements cost O(n)); False at EOF."""
         if self.eof:
             return False
-        more = self.f.read(max(_CHUNK_CHARS, pending))
+        try:
+            more = self.f.read(max(_CHUNK_CHARS, pending))
+        except Exception as e:
+            if not _stream_error(e):
+                raise
+            self.stream_error = f"the data stream is damaged or cut short ({type(e).__name__}: {e})"
+            more = ""
         if not more:
             self.eof = True
             return False
@@ -137,18 +180,24 @@ def _maybe_incomplete(err: json.JSONDecodeError, text_len: int) -> bool:
     return err.pos >= text_len - _NEAR_END or err.msg.startswith("Unterminated string")
 
 
-def _iter_json_array(path: Path) -> Iterator[RawRecord]:
+def iter_json_array(f: BinaryIO) -> Iterator[RawRecord]:
+    """One record per element of the JSON array in the binary stream ``f``.
+
+    Decoded with ``surrogateescape``: an invalid UTF-8 byte inside a string becomes a lone surrogate
+    that the record's parser reports (that element fails, the array goes on); one outside a string is
+    a syntax error like any other."""
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8-sig") as f:
-        buf = _Buffer(f)
+    with io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape") as text_f:
+        buf = _Buffer(text_f)
         pos = buf.skip_ws(0)
-        assert buf.text[pos] == "["  # detect_format checked it
+        assert buf.text[pos] == "["  # open_container checked it
         pos += 1
         index = 0
         while True:
             pos = buf.skip_ws(pos)
-            if pos >= len(buf.text):
-                return  # EOF right after '[' or ',': no partial element is lost
+            if pos >= len(buf.text):  # EOF right after '[' or ',': no partial element is lost
+                yield from _damaged_tail(buf, index)
+                return
             if buf.text[pos] == "]":
                 return
             if index > 0:
@@ -158,26 +207,39 @@ def _iter_json_array(path: Path) -> Iterator[RawRecord]:
                         source_index=index,
                         where=f"element {index} (line {line})",
                         value=None,
-                        error=f"expected ',' or ']' between array elements, found {buf.text[pos]!r}; "
-                        "the rest of the array cannot be read",
+                        error="invalid JSON: expected ',' or ']' between array elements, found "
+                        f"{buf.text[pos]!r}; the rest of the array cannot be read",
                         truncated=False,
                     )
                     return
                 pos = buf.skip_ws(pos + 1)
                 if pos >= len(buf.text):
+                    yield from _damaged_tail(buf, index)
                     return
             where = f"element {index} (line {buf.line_at(pos)})"
             while True:
                 try:
                     value, end = decoder.raw_decode(buf.text, pos)
+                except RecursionError:
+                    yield RawRecord(
+                        source_index=index,
+                        where=where,
+                        value=None,
+                        error="invalid JSON: nested too deeply for the JSON parser; the rest of the array "
+                        "cannot be read",
+                        truncated=False,
+                    )
+                    return
                 except json.JSONDecodeError as e:
                     incomplete = _maybe_incomplete(e, len(buf.text))
                     if incomplete and buf.read_more(len(buf.text) - pos):
                         continue
                     # e.lineno/e.colno count from the buffer start, not the file's: use our line count.
-                    detail = f"{e.msg} (line {buf.line_at(max(e.pos, pos))})"
+                    detail = f"invalid JSON: {e.msg} (line {buf.line_at(max(e.pos, pos))})"
                     if not incomplete:
                         detail += "; the rest of the array cannot be read"
+                    elif buf.stream_error:
+                        detail += f"; {buf.stream_error}"
                     yield RawRecord(
                         source_index=index, where=where, value=None, error=detail, truncated=incomplete
                     )
@@ -186,3 +248,15 @@ def _iter_json_array(path: Path) -> Iterator[RawRecord]:
             yield RawRecord(source_index=index, where=where, value=value, error=None, truncated=False)
             index += 1
             pos = buf.compact(end)
+
+
+def _damaged_tail(buf: _Buffer, index: int) -> Iterator[RawRecord]:
+    """A truncated record when the array ended because its compressed stream broke, else nothing."""
+    if buf.stream_error is not None:
+        yield RawRecord(
+            source_index=index,
+            where=f"element {index} (line {buf.line_at(len(buf.text))})",
+            value=None,
+            error=buf.stream_error,
+            truncated=True,
+        )

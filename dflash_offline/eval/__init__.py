@@ -3,7 +3,10 @@
 Public API:
   speculative.speculative_decode / target_only_decode -> DecodeResult   the two loops (greedy, batch 1)
   speculative.BlockDrafter (protocol), DFlashBlockDrafter, TargetCaller
-  prompts.resolve_held_out / select_prompts                             held-out prompts
+  benches.load_mt_bench / load_humaneval -> BenchQuestion               standard question sets (PyPI wheels)
+  prompts.resolve_held_out / select_prompts                             held-out chat prompts
+  turns.decode_question                                                 one question, turn by turn, both loops
+  exactness.classify -> Divergence                                      identical / near-tie / mismatch
   run.EvalConfig / run_eval(config) -> report.EvalReport (format_table, write_json)
   runtime.resolve_device / compute_dtype / stop_token_ids              shared with regenerate
 """

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_offline.data.records import Conversation
-from dflash_offline.data.sources import iter_records, source_name
+from dflash_offline.data.schemas import DataFormat
+from dflash_offline.data.sources import iter_records, source_name_for_cache
 from dflash_offline.errors import ConfigError
 
 
@@ -30,6 +31,9 @@ class HeldOut:
     """Sample ids committed in that cache."""
     note: str
     """One line for the report: where the exclusion comes from, or why held-out is not guaranteed."""
+    source: str | None = None
+    """The source name the prompts' sample ids hash (None: ``source_name(data)``): an older training
+    cache recorded the full file name, and its ids must be comparable."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,7 +109,7 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
         raise ConfigError(f"--exclude-cache {cache_dir}: not a dflash cache (no cache.json)")
     fingerprint = read_fingerprint(cache_dir)
     ids = set(committed_sample_ids(cache_dir))
-    source = source_name(data)
+    source = source_name_for_cache(data, fingerprint.data_source)
     how = "inferred from the drafter's training run" if inferred else "--exclude-cache"
     note = f"excluding {len(ids)} samples of training cache {cache_dir} ({how})"
     originals = regenerated_source_ids(cache_dir)
@@ -117,7 +121,7 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
             f"; that cache was generated from {fingerprint.data_source!r}, these prompts come from "
             f"{source!r}, so no id can match: held out by source"
         )
-    return HeldOut(cache_dir=cache_dir, excluded_ids=frozenset(ids), note=note)
+    return HeldOut(cache_dir=cache_dir, excluded_ids=frozenset(ids), note=note, source=source)
 
 
 def regenerated_source_ids(cache_dir: Path) -> set[str]:
@@ -181,13 +185,14 @@ def select_prompts(
     limit: int,
     skip: int = 0,
     max_prompt_tokens: int = 2048,
+    data_format: DataFormat = "auto",
 ) -> PromptSelection:
     """The first ``limit`` usable, held-out prompts of ``data`` from record ``skip`` on."""
     if limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
     prompts: list[EvalPrompt] = []
     read = excluded = unusable = 0
-    for item in iter_records(data, skip=skip):
+    for item in iter_records(data, skip=skip, data_format=data_format, source=held_out.source):
         if len(prompts) >= limit:
             break
         read += 1

@@ -1,20 +1,26 @@
 """Eval results as records, a table for people and JSON for programs.
 
-τ overall = Σ over all cycles of (accepted + 1) ÷ number of cycles (a mean over cycles, not over
-prompts); speedup overall = Σ target-only decode seconds ÷ Σ speculative decode seconds (DESIGN §5).
+Per set (and pooled over all sets): τ = Σ over its cycles of (accepted + 1) ÷ number of cycles (a mean
+over cycles, not over prompts); decode tok/s of a loop = Σ new tokens ÷ Σ its decode seconds (prefill
+excluded); speedup = Σ target-only decode seconds ÷ Σ speculative decode seconds (DESIGN §5). The mean
+row is the unweighted mean of the per-set values (each set counts once, as in DFlash's tables).
+A "prompt" is one decoded turn: an MT-Bench question gives two.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_offline.eval.exactness import Divergence, first_divergence
 from dflash_offline.eval.speculative import DecodeResult
 
-EVAL_REPORT_VERSION = 1
+EVAL_REPORT_VERSION = 2
+"""2: per-set summaries (``sets``), the ``mean`` row, per-prompt ``bench``/``turn``/``question_id`` and the
+tie-aware ``divergence``; ``summary`` (pooled) and the per-prompt fields of version 1 are unchanged."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +51,14 @@ class PromptResult:
     stop_reason: str
     text: str
     """The speculative output decoded (special tokens kept)."""
+    bench: str = "data"
+    """The question set: ``mt-bench``, ``humaneval``, ``sharegpt``, or ``data`` (``--data``, no --bench)."""
+    turn: int = 1
+    """1-based user turn of the question (MT-Bench has two)."""
+    question_id: str = ""
+    """MT-Bench question_id / HumanEval task_id (empty for chat data: see sample_id)."""
+    divergence: Divergence | None = None
+    """Tie-aware comparison with target-only greedy (exactness.py); None when not classified."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,7 +80,26 @@ class EvalSummary:
     spec_tokens_per_s: float | None
     target_tokens_per_s: float | None
     identical_prompts: int
-    """Prompts whose speculative output equals the target-only output (lossless check)."""
+    """Prompts whose speculative output equals the target-only output token for token."""
+    name: str = "all"
+    """The set, or ``all`` for every prompt pooled."""
+    num_questions: int = 0
+    """Distinct questions (num_prompts counts decoded turns)."""
+    near_ties: int = 0
+    """Prompts that diverge first at a rounding near-tie (exactness.py)."""
+    mismatches: int = 0
+    """Prompts that diverge where rounding cannot explain it (the run fails)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeanRow:
+    """The unweighted mean over sets (a set without a value is left out of that column's mean)."""
+
+    num_sets: int
+    tau: float | None
+    target_tokens_per_s: float | None
+    spec_tokens_per_s: float | None
+    speedup: float | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +119,13 @@ class EvalReport:
     """Inconsistencies worth a look (target or layers differ from the training cache's, few prompts)."""
     prompts: list[PromptResult]
     summary: EvalSummary
+    """Every prompt of every set pooled."""
+    sets: list[EvalSummary] = field(default_factory=list)
+    """One summary per question set, in table order."""
+    mean: MeanRow | None = None
+    """Unweighted mean of the per-set values."""
+    exactness: dict[str, Any] = field(default_factory=dict)
+    """How the identity check ran: dtype, tie_ulps, rule."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,12 +143,7 @@ def histogram(accepted: Sequence[int], block_size: int) -> list[int]:
     return counts
 
 
-def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first difference of two token sequences (the shorter length if one is a prefix)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+first_mismatch = first_divergence
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -124,6 +159,10 @@ def prompt_result(
     target_only: DecodeResult,
     block_size: int,
     text: str,
+    bench: str = "data",
+    turn: int = 1,
+    question_id: str = "",
+    divergence: Divergence | None = None,
 ) -> PromptResult:
     mismatch = first_mismatch(spec.tokens, target_only.tokens)
     return PromptResult(
@@ -141,10 +180,14 @@ def prompt_result(
         first_mismatch=mismatch,
         stop_reason=spec.stop_reason,
         text=text,
+        bench=bench,
+        turn=turn,
+        question_id=question_id,
+        divergence=divergence,
     )
 
 
-def summarize(results: Sequence[PromptResult], *, block_size: int) -> EvalSummary:
+def summarize(results: Sequence[PromptResult], *, block_size: int, name: str = "all") -> EvalSummary:
     hist = [sum(r.accepted_histogram[a] for r in results) for a in range(block_size)]
     cycles = sum(hist)
     spec_s = sum(r.spec_seconds for r in results)
@@ -163,49 +206,117 @@ def summarize(results: Sequence[PromptResult], *, block_size: int) -> EvalSummar
         spec_tokens_per_s=_ratio(new_tokens, spec_s),
         target_tokens_per_s=_ratio(new_tokens, target_s),
         identical_prompts=sum(r.identical for r in results),
+        name=name,
+        num_questions=len({(r.bench, r.question_id or r.sample_id) for r in results}),
+        near_ties=sum(r.divergence is not None and r.divergence.kind == "near_tie" for r in results),
+        mismatches=sum(r.divergence is not None and r.divergence.kind == "mismatch" for r in results),
     )
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+def summarize_sets(
+    results: Sequence[PromptResult], *, block_size: int
+) -> tuple[list[EvalSummary], MeanRow, EvalSummary]:
+    """Per-set summaries (in order of first appearance), their mean row, and the pooled summary."""
+    names = list(dict.fromkeys(r.bench for r in results))
+    sets = [summarize([r for r in results if r.bench == n], block_size=block_size, name=n) for n in names]
+
+    def mean(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return sum(present) / len(present) if present else None
+
+    row = MeanRow(
+        num_sets=len(sets),
+        tau=mean([s.tau for s in sets]),
+        target_tokens_per_s=mean([s.target_tokens_per_s for s in sets]),
+        spec_tokens_per_s=mean([s.spec_tokens_per_s for s in sets]),
+        speedup=mean([s.speedup for s in sets]),
+    )
+    return sets, row, summarize(results, block_size=block_size)
 
 
-def format_table(report: EvalReport) -> str:
-    """The human-readable report: one row per prompt, then the totals and the histogram."""
-    rows = [("id", "prompt", "new", "cycles", "tau", "speedup", "lossless")]
-    for r in report.prompts:
-        rows.append(
-            (
-                (r.record_id or r.sample_id)[:24],
-                str(r.prompt_tokens),
-                str(r.new_tokens),
-                str(r.cycles),
-                _fmt(r.tau, ".2f"),
-                _fmt(r.speedup, ".2f") + "x" if r.speedup is not None else "-",
-                "yes" if r.identical else f"NO @{r.first_mismatch}",
-            )
-        )
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if x is None else format(x, spec) + suffix
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def format_table(report: EvalReport) -> str:
+    """The human-readable report: one row per set, the mean row and the pooled row, the accepted-length
+    histogram of each set, and every divergence from target-only greedy."""
+    sets = report.sets or [report.summary]
+    head = ("set", "questions", "turns", "new tok", "cycles", "tau", "target tok/s", "spec tok/s",
+            "speedup", "identical", "near-tie", "mismatch")  # fmt: skip
+    rows: list[tuple[str, ...]] = [head]
+    for s in [*sets, report.summary] if len(sets) > 1 else sets:
+        rows.append(
+            (
+                s.name if s is not report.summary or len(sets) == 1 else "all (pooled)",
+                str(s.num_questions),
+                str(s.num_prompts),
+                str(s.new_tokens),
+                str(s.cycles),
+                _fmt(s.tau, ".3f"),
+                _fmt(s.target_tokens_per_s, ".1f"),
+                _fmt(s.spec_tokens_per_s, ".1f"),
+                _fmt(s.speedup, ".2f", "x"),
+                str(s.identical_prompts),
+                str(s.near_ties),
+                str(s.mismatches),
+            )
+        )
+    if report.mean is not None and len(sets) > 1:
+        m = report.mean
+        rows.insert(
+            len(sets) + 1,
+            (f"mean of {m.num_sets} sets", "", "", "", "", _fmt(m.tau, ".3f"),
+             _fmt(m.target_tokens_per_s, ".1f"), _fmt(m.spec_tokens_per_s, ".1f"),
+             _fmt(m.speedup, ".2f", "x"), "", "", ""),
+        )  # fmt: skip
     s = report.summary
-    lines += [
-        "",
-        f"target {report.target['target_id']} ({report.target['device']}, {report.target['dtype']}), "
-        f"drafter {report.drafter['directory']} (B={s.block_size})",
+    check = report.exactness
+    lines = [
+        f"target {report.target.get('target_id')} ({report.target.get('device')}, "
+        f"{report.target.get('dtype')}), drafter {report.drafter.get('directory')} (B={s.block_size})",
         report.held_out,
         *(f"warning: {w}" for w in report.warnings),
-        f"prompts {s.num_prompts}, new tokens {s.new_tokens}, cycles {s.cycles}",
-        f"tau (mean accepted+1 over cycles): {_fmt(s.tau, '.3f')}",
-        f"speedup (target-only / speculative decode time, prefill excluded): {_fmt(s.speedup, '.2f')}x  "
-        f"({_fmt(s.target_tokens_per_s, '.1f')} -> {_fmt(s.spec_tokens_per_s, '.1f')} tok/s)",
-        f"lossless: {s.identical_prompts}/{s.num_prompts} prompts identical to target-only greedy",
-        "accepted draft tokens per cycle (count):",
+        "",
+        *_aligned(rows),
+        "",
+        "tau = mean accepted+1 over cycles; tok/s = decode only (prefill excluded), same loop and clock for "
+        "both; speedup = target-only / speculative decode time",
     ]
-    peak = max(s.accepted_histogram, default=0) or 1
-    for a, n in enumerate(s.accepted_histogram):
-        lines.append(f"  {a:>3}  {n:>7}  {'#' * round(40 * n / peak)}")
+    if check:
+        lines.append(
+            f"exactness: speculative vs target-only greedy in {check.get('dtype')}; a first divergence is a "
+            f"near-tie when both tokens are within {check.get('tie_ulps')} ulp of the top logit of a "
+            "full forward over the prefix, else a mismatch"
+        )
+    lines += ["", f"accepted draft tokens per cycle, % of the set's cycles (a = 0..{s.block_size - 1}):"]
+    hist_rows: list[tuple[str, ...]] = [("set", *(str(a) for a in range(s.block_size)))]
+    for summary in sets:
+        total = sum(summary.accepted_histogram) or 1
+        hist_rows.append((summary.name, *(f"{100 * n / total:.0f}" for n in summary.accepted_histogram)))
+    lines += _aligned(hist_rows)
+    diverged = [r for r in report.prompts if not r.identical]
+    if diverged:
+        from dflash_offline.eval.exactness import describe
+
+        lines += ["", "divergences from target-only greedy:"]
+        for r in diverged:
+            what = (
+                describe(r.divergence)
+                if r.divergence is not None
+                else f"differs at new token {r.first_mismatch}"
+            )
+            lines.append(f"  {r.bench} {r.question_id or r.record_id or r.sample_id} turn {r.turn}: {what}")
     return "\n".join(lines)

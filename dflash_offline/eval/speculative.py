@@ -176,11 +176,15 @@ def target_only_decode(
     clock = _Clock(target.device)
     cache = target.new_cache()
     t0 = clock.now()
-    tokens = [int(target(prompt_ids, cache, last_only=True)[-1].argmax())]
+    # The next token stays on the device as the next call's input: one host sync per token (the
+    # stop check), no host-to-device copy.
+    next_1 = target(prompt_ids, cache, last_only=True)[-1:].argmax(dim=-1)
+    tokens = [int(next_1)]
     t1 = clock.now()
     forwards = 0
     while not _done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=len(tokens) - 1):
-        tokens.append(int(target([tokens[-1]], cache)[-1].argmax()))
+        next_1 = target(next_1, cache, last_only=True)[-1:].argmax(dim=-1)
+        tokens.append(int(next_1))
         forwards += 1
     t2 = clock.now()
     out, stopped = _finish(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
@@ -225,23 +229,30 @@ def speculative_decode(
     forwards = 0
     with capture_layer_outputs(target.model, layer_ids) as captured:
         t0 = clock.now()
-        tokens = [int(target(prompt_ids, cache, last_only=True)[-1].argmax())]
+        anchor_1 = target(prompt_ids, cache, last_only=True)[-1:].argmax(dim=-1)
+        tokens = [int(anchor_1)]
         new_features_CF = captured.features()[0]  # positions 0..P−1
         t1 = clock.now()
         n = len(prompt_ids)  # position of tokens[-1], the anchor: known, not yet run through the target
         checked = 0
         while not _done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=checked):
             checked = len(tokens)
-            anchor = tokens[-1]
-            draft_K = drafter.propose(new_features_CF=new_features_CF, anchor_token=anchor, anchor_position=n)
+            draft_K = drafter.propose(
+                new_features_CF=new_features_CF, anchor_token=tokens[-1], anchor_position=n
+            )
             assert draft_K.shape == (K,), f"the drafter proposed {tuple(draft_K.shape)} tokens, expected {K}"
-            block_B = torch.cat([torch.tensor([anchor]), draft_K.to("cpu", torch.int64)])
-            predictions_B = target(block_B, cache).argmax(dim=-1).tolist()
+            draft_K = draft_K.to(device=target.device, dtype=torch.int64)
+            block_B = torch.cat([anchor_1, draft_K])
+            predictions_B = target(block_B, cache).argmax(dim=-1)
             forwards += 1
-            a = accepted_length(block_B[1:].tolist(), predictions_B)
+            # Accepted a and the predictions come to the host together: one sync per cycle. The
+            # accepted drafts equal predictions 0..a−1, so the new tokens are predictions 0..a (the
+            # last one the bonus).
+            accepted_1 = (draft_K == predictions_B[:-1]).to(torch.int64).cumprod(dim=0).sum().reshape(1)
+            a, *predictions = torch.cat([accepted_1, predictions_B]).tolist()
             accepted.append(a)
-            tokens.extend(block_B[1 : a + 1].tolist())
-            tokens.append(int(predictions_B[a]))
+            tokens.extend(predictions[: a + 1])
+            anchor_1 = predictions_B[a : a + 1]
             # Positions n+a+1..n+K hold rejected drafts: drop them from the target's cache. A negative
             # crop removes that many tokens in every transformers version (5.24 refuses a positive
             # target length; 4.x reads crop(0) as "keep nothing"), hence the guard.

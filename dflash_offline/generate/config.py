@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
 
 
@@ -72,7 +73,9 @@ class GenerateConfig:
     target: str
     """``default``, an HF directory, a ``.gguf`` file or ``random:<preset>``."""
     data: Path | None
-    """Chat data set (ShareGPT JSON/JSONL or messages JSONL); None = the embedded ShareGPT file."""
+    """Chat data set (any container of ``data/containers.py``); None = the embedded ShareGPT file."""
+    data_format: DataFormat = "auto"
+    """Record schema (``data/schemas.py``); ``auto`` picks one per record."""
     skip: int = 0
     limit: int | None = None
     max_length: int = 3072
@@ -111,6 +114,7 @@ class GenerateConfig:
             raise ConfigError("--tokens-per-batch, --max-batch-size and --window must be positive")
         if self.writer_queue_depth < 1:
             raise ConfigError("writer_queue_depth must be positive")
+        parse_data_format(self.data_format)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -82,12 +82,22 @@ class GenerateSummary:
 def prepare_run(config: GenerateConfig) -> RunContext:
     """Resolve target, tokenizer and layers; create or check the cache; load the resume state."""
     from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec
-    from dflash_offline.data.sources import resolve_data_path, source_name
+    from dflash_offline.cache.layout import read_fingerprint
+    from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name_for_cache
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
     from dflash_offline.target.layers import default_layer_ids
     from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
 
     data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts
+    recorded = (
+        read_fingerprint(config.cache_dir).data_source
+        if (config.cache_dir / "cache.json").is_file()
+        else None
+    )
+    if recorded is None:
+        # A file of which no record parses (binary, another schema) fails here, before the cache exists.
+        # (Not on resume: reaching --skip would cost a pass over the skipped records.)
+        first_usable_record(data_path, skip=config.skip, limit=config.limit, data_format=config.data_format)
     info = target_info(resolve_target(config.target))
     tokenizer = load_tokenizer(config.target)
     if config.layer_ids is not None:
@@ -114,7 +124,7 @@ def prepare_run(config: GenerateConfig) -> RunContext:
         max_length=config.max_length,
         too_long=config.too_long,
         bucket_edges=config.bucket_edges,
-        data_source=source_name(data_path),
+        data_source=source_name_for_cache(data_path, recorded),
     )
     create_or_open_cache(config.cache_dir, fingerprint)
     done = committed_sample_ids(config.cache_dir) | failed_sample_ids(config.cache_dir)
@@ -157,7 +167,13 @@ def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
     from dflash_offline.data.template import tokenize_conversation
 
     config = ctx.config
-    records = iter_records(config.data, skip=config.skip, limit=config.limit)
+    records = iter_records(
+        config.data,
+        skip=config.skip,
+        limit=config.limit,
+        data_format=config.data_format,
+        source=ctx.fingerprint.data_source,  # an older cache keeps the source name its ids hash
+    )
     return plan_jobs(
         records,
         lambda conv: tokenize_conversation(

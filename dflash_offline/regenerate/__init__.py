@@ -4,6 +4,9 @@ should come from the target itself).
 Public API:
   config.RegenerateConfig / run.run_regenerate(config) -> RegenerateSummary
   turns.user_groups, turns.PendingConversation   which turns are answered, and the chat built
+  engines.ContinuousEngine / StaticEngine        transformers' continuous batching / sorted generate batches
+  driver.Driver                                  a window of conversations, each turn submitted when ready
+  worker.run_worker                              one worker (its device, its share of the records)
   generation.generate_batch                      left-padded HF generate, greedy or sampled
-  jsonl_out.ResumableJsonl                       append-only JSONL that a killed run resumes
+  jsonl_out.ResumableJsonl, merge_parts          append-only JSONL that a killed run resumes; part merging
 """

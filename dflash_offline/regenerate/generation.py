@@ -46,7 +46,7 @@ class GeneratedTokens:
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     # generate() warns about knobs inherited from the model's config that our explicit settings
     # override (e.g. top_k under greedy); they are intended.
     from transformers.utils import logging as hf_logging
@@ -59,7 +59,7 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(previous)
 
 
-def _generation_config(settings: GenerationSettings) -> Any:
+def generation_config(settings: GenerationSettings) -> Any:
     from transformers import GenerationConfig
 
     sampling = settings.temperature > 0
@@ -96,16 +96,17 @@ def generate_batch(
     assert all(len(p) > 0 for p in prompts)
     device = next(model.parameters()).device
     ids_NL, mask_NL = left_pad(prompts, settings.pad_id, device)
-    with _quiet_transformers():
+    with quiet_transformers():
         out_NS = model.generate(
-            input_ids=ids_NL, attention_mask=mask_NL, generation_config=_generation_config(settings)
+            input_ids=ids_NL, attention_mask=mask_NL, generation_config=generation_config(settings)
         )
     new_NG = out_NS[:, ids_NL.shape[1] :].tolist()
-    results = []
-    for row in new_NG:
-        stop_at = next((i for i, t in enumerate(row) if t in settings.stop_ids), None)
-        if stop_at is None:
-            results.append(GeneratedTokens(token_ids=tuple(row), finish_reason="length"))
-        else:
-            results.append(GeneratedTokens(token_ids=tuple(row[:stop_at]), finish_reason="stop"))
-    return results
+    return [split_at_stop(row, settings) for row in new_NG]
+
+
+def split_at_stop(row: Sequence[int], settings: GenerationSettings) -> GeneratedTokens:
+    """Generated ids up to the first stop id (a padded ``generate`` row, or a CB answer that ends with it)."""
+    stop_at = next((i for i, t in enumerate(row) if t in settings.stop_ids), None)
+    if stop_at is None:
+        return GeneratedTokens(token_ids=tuple(row), finish_reason="length")
+    return GeneratedTokens(token_ids=tuple(row[:stop_at]), finish_reason="stop")

@@ -1,10 +1,12 @@
 """``dflash regenerate``: the target answers each conversation's user turns; the result is chat JSONL that
 ``dflash generate`` reads (DESIGN §5: training responses should come from the target itself).
 
-A pool of up to ``batch_size`` conversations is answered one turn per ``generate`` call; a finished
-conversation is written at once (one flushed line) and its place taken by the next record, so a kill
-loses only the conversations in flight. Rerunning skips every record whose ``source_sample_id`` is in
-the output or in ``<out>.failures.jsonl`` (delete a failure line to retry that record).
+One worker per GPU (``--gpus``), ``--workers N`` CPU processes, or one per ``torchrun`` rank; a single
+worker runs in this process and writes the output directly. Each worker answers a disjoint share of the
+records (``worker.belongs_to``) into its own part ``<out>.parts/w<k>.jsonl``; the parts are merged into
+the one output JSONL at the end (and by the next run if this one was killed), so the output is one data
+set for ``dflash generate --data``. Rerunning skips every record whose ``source_sample_id`` is in the
+output or in ``<out>.failures.jsonl`` (delete a failure line to retry that record).
 
 Output line: ``{"id", "messages": [{"role", "content"}...], "source", "source_sample_id",
 "source_index", "regenerated_by": {...}, "finish_reasons": [...], "dropped_turns"}``; ``id`` is the
@@ -14,20 +16,33 @@ record, which ``dflash eval`` uses to keep prompts held out.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import queue
 import sys
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import torch
-
-from dflash_offline.data.records import Conversation, SourceFailure
-from dflash_offline.data.sources import iter_records, source_name
+from dflash_offline.errors import WorkerError
 from dflash_offline.regenerate.config import RegenerateConfig
-from dflash_offline.regenerate.generation import GenerationSettings, generate_batch
-from dflash_offline.regenerate.jsonl_out import ResumableJsonl
-from dflash_offline.regenerate.turns import Answer, PendingConversation
+from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
+from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
+from dflash_offline.regenerate.worker import (
+    WorkerDone,
+    WorkerFailed,
+    WorkerNote,
+    WorkerProgress,
+    WorkerReady,
+    WorkerSpec,
+    run_worker,
+    worker_process,
+)
+from dflash_offline.torchrun import under_torchrun
 
-KEY = "source_sample_id"
+__all__ = ["RegenerateSummary", "render_prompt", "run_regenerate"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,197 +61,376 @@ class RegenerateSummary:
     """Of those, answers cut at --max-new-tokens."""
     repaired_bytes: int
     """Bytes of a partial last line (from a killed run) cut off the output before resuming."""
+    new_tokens: int = 0
+    """Tokens the target generated in this run."""
+    seconds: float = 0.0
+    """Wall time of the run, loading included."""
+    generation_seconds: float = 0.0
+    """From the first worker being ready to the end."""
+    engine: str = ""
+    """``cb`` or ``static`` (the workers' engine)."""
+    workers: int = 1
+
+    @property
+    def new_tokens_per_second(self) -> float:
+        return self.new_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
 
 
-class _Run:
-    """The mutable state of one run: output files, counters, the progress bar."""
+class RegenerateProgress:
+    """One bar across all workers: records done (written, failed or skipped), answers, new tok/s, ETA."""
 
-    def __init__(self, config: RegenerateConfig, *, target: Any, settings: GenerationSettings) -> None:
-        from tqdm import tqdm
+    def __init__(self, *, enabled: bool, total: int | None, num_workers: int) -> None:
+        self.tally = Tally()
+        self.first_ready: float | None = None
+        self._num_workers = num_workers
+        self._ready = 0
+        self._last = 0.0
+        self._bar: Any = None
+        if enabled:
+            from tqdm import tqdm
 
-        self.config = config
-        self.target = target
-        self.settings = settings
-        self.source = source_name(config.data)
-        self.out = ResumableJsonl(config.out, key=KEY)
-        self.failures = ResumableJsonl(config.failures_path, key=KEY)
-        self.done = self.out.keys | self.failures.keys
-        self.written = self.failed = self.skipped = self.answers = self.truncated = 0
-        self.bar = tqdm(
-            total=config.limit, desc="regenerate", unit="conv", file=sys.stderr, disable=not config.progress
+            self._bar = tqdm(
+                total=total,
+                desc=self._desc(),
+                unit="conv",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                smoothing=0.1,
+            )
+
+    def _desc(self) -> str:
+        return f"regenerate ({self._ready}/{self._num_workers} workers ready)"
+
+    def ready(self, event: WorkerReady) -> None:
+        self._ready += 1
+        if self.first_ready is None:
+            self.first_ready = time.perf_counter()
+        if self._bar is not None:
+            self._bar.set_description(self._desc(), refresh=False)
+
+    def add(self, delta: Tally) -> None:
+        self.set(self.tally + delta)
+
+    def set(self, tally: Tally) -> None:
+        """The totals across all workers (torchrun: read from the process group's store)."""
+        self.tally = tally
+        if self._bar is None:
+            return
+        now = time.perf_counter()
+        if now - self._last < 0.25:
+            return
+        self._last = now
+        t = self.tally
+        elapsed = now - self.first_ready if self.first_ready is not None else 0.0
+        self._bar.n = t.records
+        self._bar.set_postfix(
+            answers=t.answers,
+            tok_s=f"{t.new_tokens / elapsed:,.0f}" if elapsed > 0 else "-",
+            failed=t.failed,
+            skipped=t.skipped,
+            refresh=False,
         )
+        self._bar.refresh()
+
+    def note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        self.bar.close()
-        self.out.close()
-        self.failures.close()
-
-    def _tick(self) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix(written=self.written, failed=self.failed, skipped=self.skipped, refresh=False)
-
-    def fail(self, *, sample_id: str, source_index: int, record_id: str, reason: str, detail: str) -> None:
-        self.failures.append(
-            {
-                KEY: sample_id,
-                "source_index": source_index,
-                "record_id": record_id,
-                "reason": reason,
-                "detail": detail,
-            }
-        )
-        self.failed += 1
-        self.bar.write(
-            f"regenerate: record {source_index} ({record_id or sample_id}) failed: {reason}: {detail}",
-            file=sys.stderr,
-        )
-        self._tick()
-
-    def skip(self) -> None:
-        self.skipped += 1
-        self._tick()
-
-    def write(self, p: PendingConversation) -> None:
-        conv = p.conv
-        info = self.target.info
-        self.out.append(
-            {
-                "id": conv.record_id or conv.sample_id,
-                "messages": p.chat(),
-                "source": self.source,
-                KEY: conv.sample_id,
-                "source_index": conv.source_index,
-                "regenerated_by": {
-                    "target": info.target_id,
-                    "weights_hash": info.weights_hash,
-                    "temperature": self.config.temperature,
-                    "max_new_tokens": self.config.max_new_tokens,
-                    "seed": self.config.seed,
-                },
-                "finish_reasons": [a.finish_reason for a in p.answers],
-                "dropped_turns": p.dropped_turns,
-            }
-        )
-        self.written += 1
-        self.answers += len(p.answers)
-        self.truncated += sum(a.finish_reason == "length" for a in p.answers)
-        self._tick()
-
-    def fail_conv(self, p: PendingConversation, reason: str, detail: str) -> None:
-        c = p.conv
-        self.fail(
-            sample_id=c.sample_id,
-            source_index=c.source_index,
-            record_id=c.record_id,
-            reason=reason,
-            detail=detail,
-        )
+        if self._bar is not None:
+            self._last = 0.0
+            self.add(Tally())
+            self._bar.close()
 
 
-def render_prompt(tokenizer: Any, chat: list[dict[str, str]]) -> list[int]:
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+def _part_paths(config: RegenerateConfig, worker: int) -> tuple[Path, Path]:
+    return config.parts_dir / f"w{worker}.jsonl", config.parts_dir / f"w{worker}.failures.jsonl"
 
 
-def _answer_round(run: _Run, pool: list[PendingConversation]) -> list[PendingConversation]:
-    """Generate the next answer of every conversation in ``pool``; returns those still in progress."""
-    tokenizer = run.target.tokenizer
-    active: list[PendingConversation] = []
-    prompts: list[list[int]] = []
-    for p in pool:
-        try:
-            ids = render_prompt(tokenizer, p.next_prompt())
-        except Exception as e:  # a chat template may raise anything (jinja's raise_exception, ...)
-            run.fail_conv(p, "template_error", f"turn {len(p.answers)}: {type(e).__name__}: {e}")
-            continue
-        if len(ids) > run.config.max_prompt_tokens:
-            if not p.answers:
-                run.fail_conv(
-                    p,
-                    "too_long",
-                    f"prompt of {len(ids)} tokens > --max-prompt-tokens {run.config.max_prompt_tokens}",
-                )
-                continue
-            p.stop_early()  # keep the turns answered so far
-            run.write(p)
-            continue
-        active.append(p)
-        prompts.append(ids)
-    if not active:
-        return []
-    remaining: list[PendingConversation] = []
-    for p, gen in zip(active, generate_batch(run.target.model, prompts, run.settings)):
-        text = tokenizer.decode(list(gen.token_ids), skip_special_tokens=False)
-        if not text.strip():
-            run.fail_conv(
-                p,
-                "empty_response",
-                f"turn {len(p.answers)}: the target answered nothing ({gen.finish_reason})",
+def merge_leftover_parts(config: RegenerateConfig) -> tuple[frozenset[str], int]:
+    """Merge every worker part into the output and failures files; returns the done ids and repaired bytes."""
+    with (
+        ResumableJsonl(config.out, key=KEY) as out,
+        ResumableJsonl(config.failures_path, key=KEY) as failures,
+    ):
+        if config.parts_dir.is_dir():
+            merge_parts(
+                out, sorted(p for p in config.parts_dir.glob("w*.jsonl") if ".failures." not in p.name)
             )
-            continue
-        p.add_answer(Answer(text=text, finish_reason=gen.finish_reason, num_tokens=len(gen.token_ids)))
-        if p.done:
-            run.write(p)
-        else:
-            remaining.append(p)
-    return remaining
+            merge_parts(failures, sorted(config.parts_dir.glob("w*.failures.jsonl")))
+            config.parts_dir.rmdir()
+        return frozenset(out.keys | failures.keys), out.repaired_bytes
 
 
-def run_regenerate(config: RegenerateConfig) -> RegenerateSummary:
-    """Answer every record of ``config.data`` (from --skip, up to --limit) not already done."""
-    from dflash_offline.eval.runtime import compute_dtype, resolve_device, stop_token_ids
-    from dflash_offline.target.loader import load_target
-
-    device = resolve_device(config.device)
-    dtype = compute_dtype(config.dtype, device)
-    target = load_target(config.target, device=device, dtype=dtype)
-    tokenizer = target.tokenizer
-    stop_ids = stop_token_ids(tokenizer, target.model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
-    settings = GenerationSettings(
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        stop_ids=stop_ids,
-        pad_id=int(pad_id),
-    )
-    torch.manual_seed(config.seed)
-    run = _Run(config, target=target, settings=settings)
-    try:
-        records = iter_records(config.data, skip=config.skip, limit=config.limit)
-        pool: list[PendingConversation] = []
-        exhausted = False
-        while True:
-            while len(pool) < config.batch_size and not exhausted:
-                item = next(records, None)
-                if item is None:
-                    exhausted = True
-                elif item.sample_id in run.done:
-                    run.skip()
-                elif isinstance(item, SourceFailure):
-                    run.fail(
-                        sample_id=item.sample_id,
-                        source_index=item.source_index,
-                        record_id="",
-                        reason=item.reason,
-                        detail=item.detail,
-                    )
-                else:
-                    assert isinstance(item, Conversation)
-                    p = PendingConversation(item)
-                    if not p.groups:
-                        run.fail_conv(p, "empty_conversation", "no user turn to answer")
-                    else:
-                        pool.append(p)
-            if not pool:
-                break
-            pool = _answer_round(run, pool)
-    finally:
-        run.close()
+def _summary(
+    dones: list[WorkerDone], *, repaired: int, start: float, first_ready: float | None, workers: int
+) -> RegenerateSummary:
+    total = sum((d.total for d in dones), Tally())
+    end = time.perf_counter()
     return RegenerateSummary(
-        written=run.written,
-        failed=run.failed,
-        skipped=run.skipped,
-        answers=run.answers,
-        truncated_answers=run.truncated,
-        repaired_bytes=run.out.repaired_bytes,
+        written=total.written,
+        failed=total.failed,
+        skipped=total.skipped,
+        answers=total.answers,
+        truncated_answers=total.truncated,
+        repaired_bytes=repaired,
+        new_tokens=total.new_tokens,
+        seconds=end - start,
+        generation_seconds=end - first_ready if first_ready is not None else 0.0,
+        engine=",".join(sorted({d.engine for d in dones})),
+        workers=workers,
     )
+
+
+def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
+    """Answer every record of ``config.data`` (from --skip, up to --limit) not already done. Returns None on
+    torchrun ranks other than 0. KeyboardInterrupt stops the workers; the output stays resumable."""
+    from dflash_offline.data.sources import resolve_data_path
+
+    resolve_data_path(config.data)  # a missing file fails here, before any worker starts
+    if under_torchrun():
+        return _run_torchrun(config)
+    start = time.perf_counter()
+    done, repaired = merge_leftover_parts(config)
+    placement = config.placement
+    if placement.num_workers == 1:
+        return _run_in_process(config, done=done, repaired=repaired, start=start)
+    return _run_spawned(config, done=done, repaired=repaired, start=start)
+
+
+def _run_in_process(
+    config: RegenerateConfig, *, done: frozenset[str], repaired: int, start: float
+) -> RegenerateSummary:
+    placement = config.placement
+    device = placement.device_of(0) if placement.gpus else _default_device(config)
+    threads = placement.threads_per_worker or None
+    spec = WorkerSpec(
+        config=config, worker=0, num_workers=1, device=device, cpu_threads=threads,
+        out=config.out, failures=config.failures_path, done=done,
+    )  # fmt: skip
+    progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=1)
+    try:
+        result = run_worker(spec, lambda e: _apply(progress, e), lambda: False)
+    finally:
+        progress.close()
+    return _summary([result], repaired=repaired, start=start, first_ready=progress.first_ready, workers=1)
+
+
+def _default_device(config: RegenerateConfig) -> str:
+    from dflash_offline.eval.runtime import resolve_device
+
+    return str(resolve_device(config.device))
+
+
+def _apply(progress: RegenerateProgress, event: Any) -> None:
+    if isinstance(event, WorkerProgress):
+        progress.add(event.delta)
+    elif isinstance(event, WorkerReady):
+        progress.ready(event)
+    elif isinstance(event, WorkerNote):
+        progress.note(f"[worker {event.worker}] {event.text}" if progress._num_workers > 1 else event.text)
+
+
+def _run_spawned(
+    config: RegenerateConfig, *, done: frozenset[str], repaired: int, start: float
+) -> RegenerateSummary:
+    placement = config.placement
+    num_workers = placement.num_workers
+    config.parts_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
+    events: Any = ctx.Queue()
+    stop = ctx.Event()
+    processes = []
+    for worker in range(num_workers):
+        out, failures = _part_paths(config, worker)
+        spec = WorkerSpec(
+            config=config, worker=worker, num_workers=num_workers, device=placement.device_of(worker),
+            cpu_threads=None if placement.gpus else placement.cpu_threads(),
+            out=out, failures=failures, done=done,
+        )  # fmt: skip
+        process = ctx.Process(
+            target=worker_process, args=(spec, events, stop, os.getpid()), name=f"dflash-regenerate-{worker}"
+        )
+        process.start()
+        processes.append(process)
+    progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=num_workers)
+    dones: dict[int, WorkerDone] = {}
+    dead_since: dict[int, float] = {}
+    try:
+        while len(dones) < num_workers:
+            try:
+                event = events.get(timeout=0.2)
+            except queue.Empty:
+                _check_dead(processes, dones, dead_since)
+                continue
+            if isinstance(event, WorkerFailed):
+                raise WorkerError(
+                    f"regenerate worker {event.worker} ({event.device}) failed; the output is resumable. "
+                    f"Its traceback:\n{event.traceback}"
+                )
+            if isinstance(event, WorkerDone):
+                dones[event.worker] = event
+            else:
+                _apply(progress, event)
+    except BaseException:
+        stop.set()
+        _drain_and_join(processes, events, dones, progress)
+        progress.close()
+        merge_leftover_parts(config)  # what the workers wrote is kept: the rerun resumes after it
+        raise
+    for process in processes:
+        process.join(timeout=30)
+    progress.close()
+    merge_leftover_parts(config)
+    return _summary(
+        list(dones.values()),
+        repaired=repaired,
+        start=start,
+        first_ready=progress.first_ready,
+        workers=num_workers,
+    )
+
+
+def _check_dead(processes: list[Any], dones: dict[int, WorkerDone], dead_since: dict[int, float]) -> None:
+    """A worker that exited without reporting (killed, out of memory) fails the run (after one quiet second,
+    so that its last events are read first)."""
+    now = time.monotonic()
+    for worker, process in enumerate(processes):
+        if process.exitcode is None or worker in dones:
+            continue
+        if now - dead_since.setdefault(worker, now) > 1.0:
+            raise WorkerError(
+                f"regenerate worker {worker} exited with code {process.exitcode} without finishing "
+                "(killed, or out of memory?); the output is resumable: rerun the same command"
+            )
+
+
+def _drain_and_join(
+    processes: list[Any], events: Any, dones: dict[int, WorkerDone], progress: RegenerateProgress
+) -> None:
+    """Let the workers finish their current step and close their files, then join them."""
+    deadline = time.monotonic() + 120
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        try:
+            event = events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if isinstance(event, WorkerDone):
+            dones[event.worker] = event
+        elif not isinstance(event, WorkerFailed):
+            _apply(progress, event)
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=5)
+
+
+def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
+    """One rank of a ``torchrun`` regenerate: every rank is a worker; rank 0 merges the parts at the end."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")  # for barriers and the summary only: no tensors move
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        start = time.perf_counter()
+        repaired = 0
+        if rank == 0:
+            _, repaired = merge_leftover_parts(config)
+        dist.barrier()
+        with (
+            ResumableJsonl(config.out, key=KEY) as out,
+            ResumableJsonl(config.failures_path, key=KEY) as failures,
+        ):
+            done = frozenset(out.keys | failures.keys)
+        config.parts_dir.mkdir(parents=True, exist_ok=True)
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+        out_part, failures_part = _part_paths(config, rank)
+        spec = WorkerSpec(
+            config=config, worker=rank, num_workers=world,
+            device=device, cpu_threads=config.placement.threads_per_worker or None,
+            out=out_part, failures=failures_part, done=done,
+        )  # fmt: skip
+        # One bar on rank 0 across all ranks: every rank adds its progress to counters in the store.
+        store = dist.distributed_c10d._get_default_store()
+        progress = RegenerateProgress(
+            enabled=config.progress and rank == 0, total=config.limit, num_workers=world
+        )
+        counters = _StoreCounters(store, flush_seconds=0.5)
+        finished = threading.Event()
+        poller = threading.Thread(target=_poll_store, args=(store, progress, finished), daemon=True)
+        if rank == 0:
+            poller.start()
+
+        def emit(event: Any) -> None:
+            if isinstance(event, WorkerProgress):
+                counters.add(event.delta)
+            elif isinstance(event, WorkerReady):
+                store.add(f"{_STORE}/ready", 1)
+            elif isinstance(event, WorkerNote):
+                print(f"[rank {rank}] {event.text}", file=sys.stderr, flush=True)
+
+        try:
+            result = run_worker(spec, emit, lambda: False)
+            counters.flush()
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, result)  # every rank has flushed its counters by now
+        finally:
+            finished.set()
+            if rank == 0:
+                poller.join(timeout=5)
+            progress.close()
+        if rank != 0:
+            return None
+        merge_leftover_parts(config)
+        return _summary(
+            gathered, repaired=repaired, start=start, first_ready=progress.first_ready, workers=world
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+_STORE = "dflash-regenerate"
+_FIELDS = ("written", "failed", "skipped", "answers", "truncated", "new_tokens")
+
+
+class _StoreCounters:
+    """A rank's progress, added to the store's counters at most every ``flush_seconds``."""
+
+    def __init__(self, store: Any, *, flush_seconds: float) -> None:
+        self._store = store
+        self._flush_seconds = flush_seconds
+        self._pending = Tally()
+        self._last = 0.0
+
+    def add(self, delta: Tally) -> None:
+        self._pending = self._pending + delta
+        if time.monotonic() - self._last >= self._flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        for field in _FIELDS:
+            n = getattr(self._pending, field)
+            if n:
+                self._store.add(f"{_STORE}/{field}", n)
+        self._pending = Tally()
+        self._last = time.monotonic()
+
+
+def _poll_store(store: Any, progress: RegenerateProgress, finished: threading.Event) -> None:
+    """Rank 0: show the store's counters (every rank's progress) on the one bar."""
+    ready = 0
+    while True:
+        last = finished.is_set()  # one more read after the end: every rank's final counts
+        now_ready = store.add(f"{_STORE}/ready", 0)
+        for _ in range(now_ready - ready):
+            progress.ready(WorkerReady(worker=-1, device="", engine="", load_seconds=0.0))
+        ready = now_ready
+        progress.set(Tally(**{field: store.add(f"{_STORE}/{field}", 0) for field in _FIELDS}))
+        if last:
+            return
+        finished.wait(0.5)

@@ -3,16 +3,24 @@
 ``RUN/checkpoints/step-<N>/`` holds ``state.pt`` (trainable weights, optimizer, scheduler, planner
 state, RNG states, step counters) and ``meta.json``. A checkpoint is written to a temporary folder and
 renamed into place, so a kill -9 mid-write leaves the previous one intact; the newest complete
-``step-*`` folder is the one ``--resume auto`` picks up.
+``step-*`` folder is the one ``--resume auto`` picks up. A newest checkpoint that does not load (a
+truncated ``state.pt``: a disk that lost data the rename had promised, a hand copy cut short) is renamed
+``step-<N>.unreadable`` with a printed note, and the next older one is used.
+
+A full disk while saving raises ``CheckpointNoSpaceError`` (one line naming the folder) instead of
+PyTorch's ``inline_container.cc … unexpected pos``; the partial folder is removed, older checkpoints
+stay.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +28,39 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_offline.errors import ResumeError
+from dflash_offline.errors import DflashError, ResumeError
 
 CHECKPOINT_FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_LOW_SPACE_BYTES = 64 << 20
+"""Free space below which a failed write is put down to a full disk (torch.save's writer reports a
+short write as ``unexpected pos``, without the errno)."""
+
+
+class CheckpointNoSpaceError(DflashError):
+    """The disk filled up while writing a checkpoint or the metrics log."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        super().__init__(f"no space left on device at {path}; free space and rerun the same command")
+
+
+def is_no_space(error: BaseException, path: Path) -> bool:
+    """True when ``error`` (an OSError, or torch's RuntimeError from its zip writer) came from a full
+    disk under ``path``."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(error, OSError | RuntimeError):
+        try:
+            return shutil.disk_usage(path).free < _LOW_SPACE_BYTES
+        except OSError:
+            return False
+    return False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,6 +122,41 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, keep: int) -> Path:
     tmp = folder / f".tmp-{final.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
+    try:
+        _write(tmp, state)
+    except (OSError, RuntimeError) as e:
+        full = is_no_space(e, folder)  # decided before the partial folder frees its space
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise CheckpointNoSpaceError(folder) from None
+        raise
+    if final.exists():  # a re-save of the same step after a resume
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(folder)
+    for _step, old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in folder.glob(".tmp-*"):  # left by a kill mid-write
+        if stale != tmp:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename durable (without it a crash can keep the name and lose the data)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - a file system without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write(tmp: Path, state: TrainState) -> None:
     tmp.mkdir()
     torch.save(
         {
@@ -105,35 +177,52 @@ def save_checkpoint(run_dir: Path, state: TrainState, *, keep: int) -> Path:
     for path in (tmp / "state.pt", tmp / "meta.json"):
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-    if final.exists():  # a re-save of the same step after a resume
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for _step, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in folder.glob(".tmp-*"):  # left by a kill mid-write
-        if stale != tmp:
-            shutil.rmtree(stale, ignore_errors=True)
-    return final
 
 
-def load_latest_checkpoint(run_dir: Path) -> TrainState | None:
+def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState | None:
+    """The newest checkpoint that loads; unreadable newer ones are set aside (by the main rank) with a
+    note. None when there is no checkpoint; ``ResumeError`` when none of them loads."""
     found = list_checkpoints(run_dir)
     if not found:
         return None
-    _step, path = found[-1]
-    raw = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    if raw.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-        raise ResumeError(
-            f"checkpoint {path} has format version {raw.get('format_version')!r}, this dflash-offline "
-            f"reads {CHECKPOINT_FORMAT_VERSION}; train into a new --out directory"
+    problems = []
+    for _step, path in reversed(found):
+        try:
+            raw = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        except Exception as e:  # truncated zip, bad pickle, vanished file: all mean "not usable"
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            problems.append(f"{path.name}: {reason}")
+            if is_main:
+                aside = path.with_name(path.name + ".unreadable")
+                with_note = f"dflash train: checkpoint {path} does not load ({reason})"
+                try:
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.replace(path, aside)
+                    with_note += f"; moved to {aside.name}"
+                except OSError:
+                    pass
+                print(with_note + "; trying the previous one", file=sys.stderr, flush=True)
+            continue
+        if raw.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+            raise ResumeError(
+                f"checkpoint {path} has format version {raw.get('format_version')!r}, this dflash-offline "
+                f"reads {CHECKPOINT_FORMAT_VERSION}; train into a new --out directory"
+            )
+        if problems and is_main:
+            print(
+                f"dflash train: resuming from {path.name} (step {int(raw['global_step'])})", file=sys.stderr
+            )
+        return TrainState(
+            global_step=int(raw["global_step"]),
+            model=raw["model"],
+            optimizer=raw["optimizer"],
+            scheduler=raw["scheduler"],
+            planner=raw["planner"],
+            rng=raw["rng"],
+            tokens_seen=int(raw["tokens_seen"]),
+            world_size=int(raw["world_size"]),
         )
-    return TrainState(
-        global_step=int(raw["global_step"]),
-        model=raw["model"],
-        optimizer=raw["optimizer"],
-        scheduler=raw["scheduler"],
-        planner=raw["planner"],
-        rng=raw["rng"],
-        tokens_seen=int(raw["tokens_seen"]),
-        world_size=int(raw["world_size"]),
+    raise ResumeError(
+        f"no checkpoint in {checkpoints_dir(run_dir)} loads ({'; '.join(problems)}); "
+        "pass --resume never to start over, or train into a new --out"
     )

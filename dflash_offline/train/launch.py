@@ -3,11 +3,19 @@ CPU processes over gloo. One process trains in-process (no spawn)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 import torch
 
+from dflash_offline import errors as errors_module
+from dflash_offline.errors import DflashError
 from dflash_offline.torchrun import under_torchrun
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import (
@@ -17,6 +25,7 @@ from dflash_offline.train.dist import (
     init_distributed,
     shutdown,
 )
+from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint
 from dflash_offline.train.loop import TrainResult, train_rank
 
 
@@ -25,7 +34,21 @@ def _set_cpu_threads(config: TrainConfig) -> None:
     torch.set_num_threads(threads)
 
 
-def _spawned(local_rank: int, config: TrainConfig, port: int) -> None:
+def _spawned(local_rank: int, config: TrainConfig, port: int, errors: Any) -> None:
+    # A terminal's Ctrl-C reaches every worker (and the parent forwards it): stop at the step boundary.
+    with stop_on_sigint(second_aborts=False):
+        try:
+            _run_spawned_rank(local_rank, config, port)
+        except TrainInterrupted as e:
+            errors.put(_RankOutcome(rank=local_rank, kind="interrupted", message=str(e), step=e.step))
+            raise SystemExit(130) from None
+        except DflashError as e:
+            # Carried to the parent as its one-line message (mp.spawn would print the traceback).
+            errors.put(_RankOutcome(rank=local_rank, kind=type(e).__name__, message=str(e), step=0))
+            raise SystemExit(2) from None
+
+
+def _run_spawned_rank(local_rank: int, config: TrainConfig, port: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     use_cuda = bool(config.gpus)
@@ -46,6 +69,65 @@ def _spawned(local_rank: int, config: TrainConfig, port: int) -> None:
         shutdown(info)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _RankOutcome:
+    """Why a spawned rank stopped early, sent to the parent over a queue."""
+
+    rank: int
+    kind: str
+    """``interrupted`` or the name of the ``DflashError`` subclass raised."""
+    message: str
+    step: int
+    """The step checkpointed before an interrupt (0 otherwise)."""
+
+
+def _spawn(config: TrainConfig) -> None:
+    """mp.spawn, but a rank's DflashError or Ctrl-C reaches the caller as itself, not as a traceback."""
+    import torch.multiprocessing as mp
+
+    errors = mp.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(
+        _spawned,
+        args=(config, free_port(), errors),
+        nprocs=config.world_size,
+        join=False,
+        start_method="spawn",
+    )
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        # The parent only waits: pass the request on (a kill -INT of the parent alone must stop the
+        # ranks at a step boundary too; they ignore the repeat a terminal's Ctrl-C also sends them).
+        for process in context.processes:
+            if process.is_alive() and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGINT)
+
+    previous = (
+        signal.signal(signal.SIGINT, forward)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
+    try:
+        while not context.join():
+            pass
+    except (mp.ProcessExitedException, mp.ProcessRaisedException):
+        outcomes = []
+        while not errors.empty():
+            outcomes.append(errors.get())
+        for outcome in outcomes:
+            if outcome.kind == "interrupted":
+                raise TrainInterrupted(outcome.step) from None
+        for outcome in outcomes:
+            cls = getattr(errors_module, outcome.kind, DflashError)
+            error = cls.__new__(cls)
+            DflashError.__init__(error, outcome.message)
+            raise error from None
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 def run_training(config: TrainConfig) -> TrainResult | None:
     """Train; returns the result in the main process (None in a torchrun rank other than 0)."""
     if under_torchrun():
@@ -62,10 +144,8 @@ def run_training(config: TrainConfig) -> TrainResult | None:
             _set_cpu_threads(config)
             info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
         return train_rank(config, info)
-    import torch.multiprocessing as mp
-
     start = time.perf_counter()
-    mp.spawn(_spawned, args=(config, free_port()), nprocs=config.world_size, join=True)
+    _spawn(config)
     # The ranks ran in other processes: read what rank 0 logged.
     from dflash_offline.train.metrics import read_metrics
 

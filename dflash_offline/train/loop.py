@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,13 +31,16 @@ from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, StepPlan, schedule_for_rank
 from dflash_offline.train.checkpoint import (
     TrainState,
+    list_checkpoints,
     load_latest_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import TrainConfig, check_resume
+from dflash_offline.train.damaged import DamagedLog
 from dflash_offline.train.dist import DistInfo, all_reduce_sum, barrier
+from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
 from dflash_offline.train.metrics import MetricsLog, StepAccumulator, StepMetrics
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
 from dflash_offline.train.planner import LengthMixingPlanner
@@ -180,18 +184,48 @@ def train_rank(
     ``reader`` replaces the cache reader for the features (a test feeds live target features)."""
     start_time = time.perf_counter()
     seed_everything(config.seed, deterministic=config.deterministic)
+    resume_notes = _check_resume(config)
     if info.is_main:
+        for note in resume_notes:
+            print(f"dflash train: {note}", file=sys.stderr, flush=True)
         config.out_dir.mkdir(parents=True, exist_ok=True)
         (config.out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    cache_reader = CacheReader.open(config.cache_dir, num_threads=config.loader_threads)
+    on_damaged = DamagedLog(config.out_dir, rank=info.rank) if config.on_damaged == "skip" else None
+    # Every sample is re-checksummed as it is read (≈ 12 GB/s a core; bench/RESULTS.md has the cost).
+    cache_reader = CacheReader.open(
+        config.cache_dir, num_threads=config.loader_threads, check_checksums=True, on_damaged=on_damaged
+    )
     try:
-        snapshot = _prepare_snapshot(config, cache_reader, info)
-        setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
-        if config.feature_scale != "none":
-            setup.model.set_feature_scale(_feature_scale(config, cache_reader, snapshot, info))
-        return _train(config, info, setup, snapshot, reader or cache_reader, on_step, start_time)
+        with stop_on_sigint(second_aborts=not info.distributed):
+            snapshot = _prepare_snapshot(config, cache_reader, info)
+            setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
+            if config.feature_scale != "none":
+                setup.model.set_feature_scale(_feature_scale(config, cache_reader, snapshot, info))
+            return _train(config, info, setup, snapshot, reader or cache_reader, on_step, start_time)
     finally:
         cache_reader.close()
+
+
+def _check_resume(config: TrainConfig) -> list[str]:
+    """Against the previous run's config.json (when there is a checkpoint to resume): refuse a changed
+    shape option, announce applied ones."""
+    previous_path = config.out_dir / "config.json"
+    if config.resume != "auto" or not list_checkpoints(config.out_dir) or not previous_path.is_file():
+        return []
+    try:
+        previous = json.loads(previous_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return []  # written by rank 0 right now, or damaged: the checkpoint's own checks still apply
+    return check_resume(previous, config)
+
+
+def _stop_agreed(info: DistInfo) -> bool:
+    """True on every rank when any rank was asked to stop (one scalar all-reduce a step)."""
+    flag = stop_requested()
+    if not info.distributed:
+        return flag
+    total = all_reduce_sum(torch.tensor([1.0 if flag else 0.0], device=info.device), info)
+    return bool(total.item() > 0)
 
 
 def _train(
@@ -232,12 +266,14 @@ def _train(
         optimizer, cosine_with_warmup(total_steps, config.warmup_ratio)
     )
 
-    state = load_latest_checkpoint(config.out_dir) if config.resume == "auto" else None
+    state = load_latest_checkpoint(config.out_dir, is_main=info.is_main) if config.resume == "auto" else None
     tokens_seen = 0
     if state is not None:
         model.load_state_dict(state.model)
         optimizer.load_state_dict(state.optimizer)
         scheduler.load_state_dict(state.scheduler)
+        # Unconditionally (bit-identical when nothing changed), so that every rank decides alike.
+        _apply_optimizer_options(config, optimizer, scheduler, total_steps)
         planner.load_state_dict(state.planner, allow_topology_change=config.allow_topology_change)
         set_rng_state(state.rng)
         tokens_seen = state.tokens_seen
@@ -247,7 +283,13 @@ def _train(
 
         export_drafter(model, config.out_dir / "drafter-initial")
     metrics_log = (
-        MetricsLog(config.out_dir / "metrics.jsonl", resume_from_step=global_step) if info.is_main else None
+        MetricsLog(
+            config.out_dir / "metrics.jsonl",
+            resume_from_step=global_step,
+            tensorboard_dir=config.resolved_tensorboard_dir(),
+        )
+        if info.is_main
+        else None
     )
     tracker = _StepTracker(planner.iterate(config.epochs), total_steps)
     jobs = schedule_for_rank(tracker, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)
@@ -339,8 +381,15 @@ def _train(
                         )
                 if on_step is not None:
                     on_step(metrics)
-                if global_step % config.checkpoint_every == 0 or global_step == total_steps:
+                saved = global_step % config.checkpoint_every == 0 or global_step == total_steps
+                if saved:
                     _checkpoint(config, info, model, optimizer, scheduler, planner, global_step, tokens_seen)
+                if global_step < total_steps and _stop_agreed(info):
+                    if not saved:
+                        _checkpoint(
+                            config, info, model, optimizer, scheduler, planner, global_step, tokens_seen
+                        )
+                    raise TrainInterrupted(global_step)
                 step_start = time.perf_counter()
     finally:
         if progress is not None:
@@ -361,6 +410,19 @@ def _train(
         export_dir=export_dir,
         seconds=time.perf_counter() - start_time,
     )
+
+
+def _apply_optimizer_options(config: TrainConfig, optimizer: Any, scheduler: Any, total_steps: int) -> None:
+    """The command line's --lr / --weight-decay / run length over the resumed optimizer and scheduler
+    state (which would keep the old values: LambdaLR restores its base_lrs). The same products the
+    scheduler computes, so an unchanged resume stays bit-identical."""
+    factor = cosine_with_warmup(total_steps, config.warmup_ratio)(scheduler.last_epoch)
+    scheduler.base_lrs = [config.lr for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = config.lr
+        group["lr"] = config.lr * factor
+        group["weight_decay"] = config.weight_decay
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _checkpoint(

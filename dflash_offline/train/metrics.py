@@ -5,14 +5,18 @@ Shape legend: K = B − 1 block positions that carry loss.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from dflash_offline import tensorboard as tb
 from dflash_offline.drafter.loss import simulated_acceptance_length
 from dflash_offline.drafter.model import DrafterOutput
+from dflash_offline.errors import DataError
 from dflash_offline.train.dist import DistInfo, all_reduce_sum
 
 
@@ -77,28 +81,66 @@ class StepAccumulator:
 
 class MetricsLog:
     """Appends ``StepMetrics`` lines; on resume, drops lines of steps after the checkpoint so that the
-    file reads as one uninterrupted run."""
+    file reads as one uninterrupted run. With ``tensorboard_dir``, each line also goes to TensorBoard
+    (``dflash_offline.tensorboard``: the same values, one place)."""
 
-    def __init__(self, path: Path, *, resume_from_step: int) -> None:
+    def __init__(self, path: Path, *, resume_from_step: int, tensorboard_dir: Path | None = None) -> None:
         self.path = path
         if path.exists():
             kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_from_step
+                line for line, record in _parse_lines(path) if int(record.get("step", 0)) <= resume_from_step
             ]
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(path)
         self._file = open(path, "a")  # noqa: SIM115 (held open for the whole run)
+        self._tb = (
+            None
+            if tensorboard_dir is None
+            else tb.open_writer(tensorboard_dir, purge_step=resume_from_step + 1)
+        )
 
     def write(self, metrics: StepMetrics) -> None:
-        self._file.write(metrics.to_json() + "\n")
-        self._file.flush()
+        try:
+            self._file.write(metrics.to_json() + "\n")
+            self._file.flush()
+        except OSError as e:
+            from dflash_offline.train.checkpoint import CheckpointNoSpaceError, is_no_space
+
+            if is_no_space(e, self.path.parent):
+                raise CheckpointNoSpaceError(self.path) from None
+            raise
+        if self._tb is not None:
+            tb.write_step(self._tb, metrics)
 
     def close(self) -> None:
-        self._file.close()
+        # A flush a full disk refused was already reported by write().
+        with contextlib.suppress(OSError):
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of every complete line. A last line that does not parse (cut by a kill or a
+    full disk mid-write) is dropped, as regenerate's JSONL repair does; a bad line before the last
+    means the file is not one this command wrote."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    out = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                break
+            raise DataError(
+                f"{path}:{number} is not valid JSON ({e}): not a metrics file dflash train wrote; "
+                "move it aside or train into another --out"
+            ) from e
+        if isinstance(record, dict):
+            out.append((line, record))
+    return out
 
 
 def read_metrics(path: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _line, record in _parse_lines(path)]

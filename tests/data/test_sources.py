@@ -65,7 +65,7 @@ def test_both_formats_in_jsonl_map_roles_and_ids(tmp_path: Path) -> None:
     # Blank lines are not records: the next record has index 1; an int id becomes its string.
     assert (second.source_index, second.record_id) == (1, "7")
     assert second.messages[1] == Message(role="assistant", content="4.")
-    assert first.sample_id == make_sample_id("d.jsonl", "a1", first.messages)
+    assert first.sample_id == make_sample_id("d", "a1", first.messages)  # the name without its suffixes
 
 
 def test_json_array_gives_the_same_conversations_as_jsonl(tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ def test_malformed_jsonl_lines_are_reported_and_the_rest_is_read(tmp_path: Path)
     failures = [x for x in found if isinstance(x, SourceFailure)]
     for failure in failures:  # each detail names the file line (1-based) of its record
         assert failure.detail.startswith(f"line {failure.source_index + 1}:"), failure.detail
-        assert failure.sample_id == f"bad.jsonl#{failure.source_index}"
+        assert failure.sample_id == f"bad#{failure.source_index}"
     assert "'bing'" in failures[5].detail
     assert "conversations[1].from" in failures[5].detail
 

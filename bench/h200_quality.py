@@ -1,0 +1,402 @@
+"""The whole recipe on one H200 inside one lease, with hard per-stage deadlines:
+regenerate bench → regenerate (the target's own answers) → generate caches → train variants concurrently
+→ export → eval on MT-Bench, HumanEval and held-out ShareGPT → optional benches. Run detached (setsid:
+``../shared/device/follow.sh``); everything it learns goes to ``--report`` as few files (the lease brings
+back at most 8): ``summary.md``, ``summary.json`` and ``logs.txt`` (the tail of every stage's log).
+
+A stage that overruns its deadline gets SIGINT (our commands stop cleanly on it: regenerate merges its
+parts, train checkpoints), then SIGKILL; the pipeline goes on with what exists. Train variants share the
+GPU (a SmolLM2-width drafter does not fill an H200); their step count is calibrated: each starts with a
+large ``--max-steps``, after ``--calibrate-s`` the measured step rate sets the ``--max-steps`` that fills
+the training budget, and each is stopped and resumed with it (a resume applies a new ``--max-steps``;
+the cosine schedule is recomputed from it).
+
+  python3 bench/h200_quality.py --data /tmp/stage/sharegpt-first-turns.jsonl.gz --work /tmp/q \\
+      --report /tmp/q/report --budget-s 1320 --variants '{"A": "--lr 6e-4", "D": ""}'
+CPU smoke (a few minutes): add ``--smoke`` (random-free: SmolLM2 on the CPU with tiny sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+@dataclass(kw_only=True)
+class Stage:
+    """One command of the pipeline, run as its own process group with a deadline."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    ended: float = 0.0
+    rc: int | None = None
+    stopped: bool = False
+    """Sent SIGINT at its deadline."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def start(self) -> Stage:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as f:
+            f.write(("\n$ " + shlex.join(self.argv) + "\n").encode())
+            f.flush()
+            self.proc = subprocess.Popen(
+                self.argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+            )
+        self.started = time.time()
+        print(f"[{stamp()}] start {self.name}: {shlex.join(self.argv)}", flush=True)
+        return self
+
+    def poll(self) -> bool:
+        assert self.proc is not None
+        if self.rc is None and self.proc.poll() is not None:
+            self.rc = self.proc.returncode
+            self.ended = time.time()
+            print(f"[{stamp()}] {self.name} ended rc {self.rc} after {self.seconds:.0f} s", flush=True)
+        return self.rc is not None
+
+    def interrupt(self) -> None:
+        assert self.proc is not None
+        if self.rc is None:
+            self.stopped = True
+            print(f"[{stamp()}] {self.name}: deadline, SIGINT", flush=True)
+            os.killpg(self.proc.pid, signal.SIGINT)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        if self.rc is None:
+            print(f"[{stamp()}] {self.name}: SIGKILL", flush=True)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    @property
+    def seconds(self) -> float:
+        return (self.ended or time.time()) - self.started
+
+
+T0 = time.time()
+
+
+def stamp() -> str:
+    return f"{time.time() - T0:7.1f}s"
+
+
+def run_all(stages: list[Stage], deadline: float, grace: float = 45.0) -> None:
+    """Start nothing; wait for every stage, SIGINT at ``deadline``, SIGKILL ``grace`` s later."""
+    while not all(s.poll() for s in stages):
+        now = time.time()
+        if now > deadline:
+            for s in stages:
+                s.interrupt()
+        if now > deadline + grace:
+            for s in stages:
+                s.kill()
+        time.sleep(2)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    return rows
+
+
+def tail(path: Path, n: int = 25) -> str:
+    if not path.is_file():
+        return "(no log)"
+    lines = path.read_text(errors="replace").replace("\r", "\n").splitlines()
+    return "\n".join(line[:300] for line in lines[-n:])
+
+
+class Report:
+    def __init__(self, root: Path, work: Path) -> None:
+        self.root = root
+        self.work = work
+        self.data: dict[str, Any] = {"stages": {}, "notes": []}
+        root.mkdir(parents=True, exist_ok=True)
+
+    def stage(self, s: Stage, **extra: Any) -> None:
+        self.data["stages"][s.name] = {
+            "seconds": round(s.seconds, 1),
+            "rc": s.rc,
+            "stopped_at_deadline": s.stopped,
+            **s.extra,
+            **extra,
+        }
+        self.write()
+
+    def note(self, text: str) -> None:
+        print(f"[{stamp()}] note: {text}", flush=True)
+        self.data["notes"].append(text)
+        self.write()
+
+    def write(self) -> None:
+        self.data["elapsed_s"] = round(time.time() - T0, 1)
+        (self.root / "summary.json").write_text(json.dumps(self.data, indent=1) + "\n")
+        logs = sorted((self.work / "logs").glob("*.log"))
+        (self.root / "logs.txt").write_text(
+            "\n\n".join(f"===== {p.name}\n{tail(p, 40)}" for p in logs) + "\n"
+        )
+        (self.root / "summary.md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        out = ["# H200 quality run", "", "| stage | seconds | rc | note |", "|---|---|---|---|"]
+        for name, s in self.data["stages"].items():
+            note = "stopped at deadline" if s.get("stopped_at_deadline") else ""
+            out.append(f"| {name} | {s['seconds']} | {s['rc']} | {note} |")
+        for name, v in self.data.get("variants", {}).items():
+            out += ["", f"## variant {name}: `{v.get('args', '')}`"]
+            for row in v.get("curve", []):
+                acc = " ".join(f"{a:.2f}" for a in row["acc"][:6])
+                out.append(
+                    f"- step {row['step']}: loss {row['loss']:.3f}, simulated τ {row['tau']:.2f}, acc[1..6] {acc}"
+                )
+            if "eval_table" in v:
+                out += ["", "```", v["eval_table"], "```"]
+        out += ["", "## notes"] + [f"- {n}" for n in self.data["notes"]]
+        return "\n".join(out) + "\n"
+
+
+def curve(rows: list[dict[str, Any]], points: list[int]) -> list[dict[str, Any]]:
+    """Mean over a window of 20 steps ending at each point (and at the last step)."""
+    out = []
+    last = rows[-1]["step"] if rows else 0
+    for p in [*points, last]:
+        window = [r for r in rows if p - 20 < r["step"] <= p]
+        if not window or (out and out[-1]["step"] >= p):
+            continue
+        k = len(window[0]["acc_by_position"])
+        out.append(
+            {
+                "step": p,
+                "loss": sum(r["loss"] for r in window) / len(window),
+                "tau": sum(r["simulated_tau"] for r in window) / len(window),
+                "acc": [sum(r["acc_by_position"][i] for r in window) / len(window) for i in range(k)],
+                "tokens_per_s": sum(r["tokens_per_s"] for r in window) / len(window),
+                "data_wait_fraction": sum(r["data_wait_fraction"] for r in window) / len(window),
+            }
+        )
+    return out
+
+
+def dflash(*args: str) -> list[str]:
+    return [PY, "-m", "dflash_offline", *args]
+
+
+def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="ShareGPT JSONL(.gz) of first turns")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--report", type=Path, required=True)
+    ap.add_argument("--budget-s", type=float, default=1320.0, help="whole pipeline, start to summary")
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--device-args", default="--gpus 0", help="placement flags of our commands")
+    ap.add_argument("--regen-bench", default="--limit 512 --max-new-tokens 256 --batch-size 256 "
+                    "--cb-batch-sizes 256 --max-prompt-tokens 1024 --limit-seconds 45")
+    ap.add_argument("--regen-bench-s", type=float, default=170)
+    ap.add_argument("--regen-args", default="--max-new-tokens 512 --max-prompt-tokens 1024")
+    ap.add_argument("--regen-limit", type=int, default=11000)
+    ap.add_argument("--regen-s", type=float, default=300)
+    ap.add_argument("--gen-args", default="--max-len 2048 --too-long truncate")
+    ap.add_argument("--gen-s", type=float, default=150)
+    ap.add_argument("--codecs", default="default,fp8", help="caches of the regenerated answers")
+    ap.add_argument("--original-cache", action="store_true", help="also a cache of the data set's answers")
+    ap.add_argument("--variants", required=True,
+                    help='JSON {name: "train flags [@cache]"}; cache: default (regenerated, default codec), '
+                    "fp8, original")
+    ap.add_argument("--train-s", type=float, default=480)
+    ap.add_argument("--calibrate-s", type=float, default=90)
+    ap.add_argument("--curve-points", default="250,500,1000,1500,2000,3000,4000,6000,8000")
+    ap.add_argument("--eval-args", default="--bench all --limit 8 --max-new-tokens 128")
+    ap.add_argument("--eval-s", type=float, default=260)
+    ap.add_argument("--after", default="", help="shell commands run at the end if time is left")
+    ap.add_argument("--smoke", action="store_true", help="CPU: the same pipeline, tiny sizes")
+    args = ap.parse_args()
+
+    work, logs = args.work, args.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    report = Report(args.report, work)
+    end = T0 + args.budget_s
+    dev = shlex.split(args.device_args)
+    answers = work / "answers.jsonl"
+
+    # 1. regenerate bench: continuous batching vs static on the same prompts.
+    bench_json = work / "regen_bench.json"
+    s = Stage(
+        name="regenerate_bench",
+        argv=[PY, "bench/regenerate.py", "--target", args.target, "--data", args.data,
+              *shlex.split(args.regen_bench), "--json", str(bench_json)],
+        log=logs / "1_regen_bench.log",
+    ).start()
+    run_all([s], time.time() + args.regen_bench_s, grace=15)
+    engine_args: list[str] = []
+    if bench_json.is_file():
+        result = json.loads(bench_json.read_text())
+        report.data["regenerate_bench"] = result
+        ok = [r for r in result.get("engines", []) if "error" not in r]
+        if ok:
+            best = max(ok, key=lambda r: r["new_tokens_per_second"])
+            engine_args = ["--engine", best["engine"], "--batch-size", str(best["batch_size"])]
+            report.note(f"regenerate uses the bench's fastest: {' '.join(engine_args)}")
+    report.stage(s)
+
+    # 2. regenerate: the target's own answers, until its deadline (SIGINT keeps what is done).
+    s = Stage(
+        name="regenerate",
+        argv=dflash("regenerate", "--target", args.target, "--data", args.data, "--limit", str(args.regen_limit),
+                    *shlex.split(args.regen_args), *engine_args, *dev, "--no-progress", "--out", str(answers)),
+        log=logs / "2_regenerate.log",
+    ).start()
+    run_all([s], time.time() + args.regen_s, grace=40)
+    if not answers.is_file():
+        # A killed run leaves parts: a rerun merges them (and answers nothing more with --limit 0).
+        subprocess.run(dflash("regenerate", "--target", args.target, "--data", args.data, "--limit", "0",
+                              "--out", str(answers), "--no-progress", *dev), cwd=ROOT, check=False)
+    n_answers = sum(1 for _ in open(answers)) if answers.is_file() else 0
+    report.stage(s, conversations=n_answers, throughput=tail(s.log, 3))
+    if n_answers == 0:
+        report.note("no regenerated answers: stopping")
+        return
+
+    # 3. caches, concurrently.
+    caches: dict[str, Path] = {}
+    gens = []
+    for codec in [c for c in args.codecs.split(",") if c]:
+        cache = work / f"cache-{codec}"
+        caches[codec] = cache
+        codec_args = [] if codec == "default" else ["--codec", codec]
+        gens.append(Stage(name=f"generate_{codec}",
+                          argv=dflash("generate", "--cache", str(cache), "--target", args.target, "--data",
+                                      str(answers), *shlex.split(args.gen_args), *codec_args, *dev,
+                                      "--no-progress"),
+                          log=logs / f"3_generate_{codec}.log").start())
+    if args.original_cache:
+        cache = work / "cache-original"
+        caches["original"] = cache
+        gens.append(Stage(name="generate_original",
+                          argv=dflash("generate", "--cache", str(cache), "--target", args.target, "--data",
+                                      args.data, "--limit", str(n_answers), *shlex.split(args.gen_args), *dev,
+                                      "--no-progress"),
+                          log=logs / "3_generate_original.log").start())
+    run_all(gens, time.time() + args.gen_s, grace=30)
+    for g in gens:
+        report.stage(g, log_tail=tail(g.log, 4))
+
+    # 4. train the variants concurrently, calibrated to the budget.
+    variants: dict[str, str] = json.loads(args.variants)
+    report.data["variants"] = {}
+    trains: dict[str, Stage] = {}
+    train_end = time.time() + args.train_s
+
+    def train_stage(name: str, spec: str, max_steps: int) -> Stage:
+        flags, _, cache_name = spec.partition("@")
+        cache = caches.get(cache_name.strip() or "default")
+        run = work / f"run-{name}"
+        return Stage(name=f"train_{name}",
+                     argv=dflash("train", "--cache", str(cache), "--out", str(run), "--target", args.target,
+                                 *shlex.split(flags), "--max-steps", str(max_steps), "--epochs", "1000",
+                                 "--checkpoint-every", "100000", *dev, "--no-progress"),
+                     log=logs / f"4_train_{name}.log")
+
+    for name, spec in variants.items():
+        cache_name = spec.partition("@")[2].strip() or "default"
+        if cache_name not in caches or not (caches[cache_name] / "cache.json").is_file():
+            report.note(f"variant {name}: cache {cache_name!r} missing, skipped")
+            continue
+        report.data["variants"][name] = {"args": spec}
+        trains[name] = train_stage(name, spec, 100000).start()
+    time.sleep(args.calibrate_s)
+    rates = {}
+    for name, st in trains.items():
+        rows = read_metrics(work / f"run-{name}" / "metrics.jsonl")
+        st.poll()
+        if len(rows) >= 12 and st.rc is None:
+            recent = rows[len(rows) // 2:]
+            rates[name] = len(recent) / max(sum(r["step_seconds"] for r in recent), 1e-6)
+    for name, st in list(trains.items()):
+        if name not in rates:
+            report.note(f"variant {name}: no step rate after {args.calibrate_s:.0f} s; left to run to the deadline")
+            continue
+        st.interrupt()
+    run_all([trains[n] for n in rates], time.time() + 60, grace=20)
+    for name, rate in rates.items():
+        done = read_metrics(work / f"run-{name}" / "metrics.jsonl")
+        steps_done = done[-1]["step"] if done else 0
+        # The restart costs start-up again (≈ 20–40 s); the step rate was measured with all variants running.
+        remaining = max(0.0, train_end - time.time() - 45)
+        total = max(steps_done + 10, int(steps_done + rate * remaining))
+        report.data["variants"][name].update(steps_per_s_calibrated=round(rate, 3), max_steps=total)
+        report.note(f"variant {name}: {rate:.2f} steps/s measured, resumed at step {steps_done} → --max-steps {total}")
+        old = trains[name]
+        trains[name] = train_stage(name, variants[name], total)
+        trains[name].started = old.started
+        trains[name].start()
+        trains[name].started = old.started
+    run_all(list(trains.values()), train_end, grace=60)
+    points = [int(p) for p in args.curve_points.split(",")]
+    for name, st in trains.items():
+        rows = read_metrics(work / f"run-{name}" / "metrics.jsonl")
+        v = report.data["variants"][name]
+        v["curve"] = curve(rows, points)
+        v["steps"] = rows[-1]["step"] if rows else 0
+        report.stage(st)
+        drafter = work / f"run-{name}" / "drafter"
+        if not (drafter / "config.json").is_file():
+            subprocess.run(dflash("export", str(work / f"run-{name}"), "--out", str(drafter)), cwd=ROOT,
+                           stdout=open(logs / f"4_train_{name}.log", "ab"), stderr=subprocess.STDOUT, check=False)
+
+    # 5. eval every variant concurrently (batch 1 is latency-bound; the speeds are measured side by side).
+    evals = []
+    held_out = ["--data", args.data, "--skip", str(n_answers)]
+    for name in trains:
+        drafter = work / f"run-{name}" / "drafter"
+        if not (drafter / "config.json").is_file():
+            report.note(f"variant {name}: no exported drafter")
+            continue
+        st = Stage(name=f"eval_{name}",
+                   argv=dflash("eval", "--target", args.target, "--drafter", str(drafter),
+                               *shlex.split(args.eval_args), *held_out,
+                               "--exclude-cache", str(caches["default"] if "default" in caches else caches[next(iter(caches))]),
+                               "--json", str(work / f"eval-{name}.json"), "--no-progress",
+                               *(["--device", "cuda"] if not args.smoke else [])),
+                   log=logs / f"5_eval_{name}.log")
+        st.extra["variant"] = name
+        evals.append(st.start())
+    run_all(evals, min(end - 60, time.time() + args.eval_s), grace=20)
+    for st in evals:
+        name = st.extra["variant"]
+        path = work / f"eval-{name}.json"
+        v = report.data["variants"][name]
+        if path.is_file():
+            rep = json.loads(path.read_text())
+            v["eval"] = {k: rep.get(k) for k in ("sets", "mean", "exactness", "summary")}
+        v["eval_table"] = tail(st.log, 30)
+        report.stage(st)
+
+    # 6. whatever else fits.
+    if args.after and time.time() < end - 30:
+        st = Stage(name="after", argv=["bash", "-c", args.after], log=logs / "6_after.log").start()
+        run_all([st], end - 10, grace=5)
+        report.stage(st, log_tail=tail(st.log, 40))
+    report.note(f"done in {time.time() - T0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""New tokens/s of ``dflash regenerate``'s two engines, side by side in one run on the same prompts:
+transformers' continuous batching (``cb``) and sorted static ``generate`` batches (``static``).
+
+The prompts are the first user turns of the first ``--limit`` records, rendered with the chat template;
+every engine gets all of them at once and is timed from the first submit to the last answer (model load
+and engine set-up, e.g. the paged cache and CUDA graphs, are reported apart). Greedy answers are compared
+across engines (equal on the CPU in float32; in bf16 they may part at near-ties).
+
+  python bench/regenerate.py --target random:tiny --limit 16 --max-new-tokens 16 --batch-size 8  # CPU smoke
+  python bench/regenerate.py --target default --data sharegpt.jsonl --limit 512 --max-new-tokens 256 \\
+      --batch-size 256 --json out.json                                                           # one H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_offline.data.records import Conversation  # noqa: E402
+from dflash_offline.data.sources import iter_records  # noqa: E402
+from dflash_offline.eval.runtime import compute_dtype, resolve_device, stop_token_ids  # noqa: E402
+from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
+from dflash_offline.regenerate.engines import EngineOptions, make_engine  # noqa: E402
+from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
+from dflash_offline.regenerate.turns import user_groups  # noqa: E402
+from dflash_offline.target.loader import load_target  # noqa: E402
+
+
+def first_turn_prompts(
+    tokenizer: Any, data: str | None, limit: int, max_prompt_tokens: int
+) -> list[list[int]]:
+    prompts = []
+    for item in iter_records(data, limit=limit):
+        if not isinstance(item, Conversation):
+            continue
+        groups = user_groups(item.messages)
+        if not groups:
+            continue
+        try:
+            ids = render_prompt(tokenizer, [{"role": m.role, "content": m.content} for m in groups[0]])
+        except Exception:  # a record the template refuses is not part of the benchmark
+            continue
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+    return prompts
+
+
+def run_engine(
+    name: str,
+    model: Any,
+    prompts: list[list[int]],
+    settings: GenerationSettings,
+    options: EngineOptions,
+    limit_s: float,
+) -> tuple[dict[str, Any], dict[int, GeneratedTokens]]:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine = make_engine(name, model, settings, options)  # type: ignore[arg-type]
+    setup = time.perf_counter() - t0
+    answers: dict[int, GeneratedTokens] = {}
+    start = time.perf_counter()
+    timed_out = False
+    try:
+        for i, p in enumerate(prompts):
+            engine.submit(str(i), p)
+        while len(answers) < len(prompts):
+            if time.perf_counter() - start > limit_s:
+                timed_out = True
+                break
+            for f in engine.poll(timeout=0.5):
+                answers[int(f.key)] = f.tokens
+        seconds = time.perf_counter() - start
+    finally:
+        engine.close(abort=timed_out)
+    new_tokens = sum(len(a.token_ids) for a in answers.values())
+    row = {
+        "engine": engine.name,
+        "prompts": len(prompts),
+        "answered": len(answers),
+        "timed_out": timed_out,
+        "new_tokens": new_tokens,
+        "seconds": round(seconds, 3),
+        "setup_seconds": round(setup, 3),
+        "new_tokens_per_second": round(new_tokens / seconds, 1) if seconds > 0 else 0.0,
+        "stopped": sum(a.finish_reason == "stop" for a in answers.values()),
+    }
+    if device.type == "cuda":
+        row["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return row, answers
+
+
+def compare(a: dict[int, GeneratedTokens], b: dict[int, GeneratedTokens]) -> dict[str, Any]:
+    common = sorted(set(a) & set(b))
+    firsts = []
+    for i in common:
+        x, y = a[i].token_ids, b[i].token_ids
+        if x != y:
+            firsts.append(next((j for j, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y))))
+    return {
+        "compared": len(common),
+        "identical": len(common) - len(firsts),
+        "median_first_divergence": statistics.median(firsts) if firsts else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="random:tiny")
+    ap.add_argument("--data", default=None, help="chat data (default: the embedded ShareGPT file)")
+    ap.add_argument(
+        "--limit", type=int, default=64, help="records read (their first user turns are the prompts)"
+    )
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-prompt-tokens", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, default=None, help="default: 256 on CUDA, 16 on the CPU")
+    ap.add_argument("--kv-tokens", type=int, default=262144)
+    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--engines", default="cb,static", help="comma-separated, measured in this order")
+    ap.add_argument(
+        "--cb-batch-sizes",
+        default=None,
+        help="comma-separated batch sizes to measure cb at (each its own run; default: --batch-size)",
+    )
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--limit-seconds", type=float, default=240.0, help="per engine; partial figures after it")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    device = resolve_device(args.device)
+    dtype = compute_dtype(args.dtype, device)
+    t0 = time.perf_counter()
+    target = load_target(args.target, device=device, dtype=dtype)
+    load_seconds = time.perf_counter() - t0
+    tokenizer = target.tokenizer
+    prompts = first_turn_prompts(tokenizer, args.data, args.limit, args.max_prompt_tokens)
+    stop = stop_token_ids(tokenizer, target.model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop, pad_id=int(pad)
+    )
+    batch_size = args.batch_size or (256 if device.type == "cuda" else 16)
+    options = EngineOptions(
+        batch_size=batch_size,
+        kv_tokens=max(args.kv_tokens, args.max_prompt_tokens + args.max_new_tokens),
+        max_batch_tokens=args.max_batch_tokens,
+        cuda_graphs=args.cuda_graphs,
+    )
+    import transformers
+
+    print(
+        f"target {args.target} on {device} ({dtype}), transformers {transformers.__version__}, "
+        f"torch {torch.__version__}; {len(prompts)} prompts "
+        f"(mean {statistics.mean(map(len, prompts)):.0f} tokens), {args.max_new_tokens} new tokens, "
+        f"batch {batch_size}, kv {options.kv_tokens}, max batch tokens {args.max_batch_tokens}, "
+        f"CUDA graphs {args.cuda_graphs}; loaded in {load_seconds:.1f} s",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    answers: dict[str, dict[int, GeneratedTokens]] = {}
+    runs = []
+    for name in args.engines.split(","):
+        sizes = (
+            [int(b) for b in args.cb_batch_sizes.split(",")] if name == "cb" and args.cb_batch_sizes else []
+        )
+        runs += [(name, replace(options, batch_size=b)) for b in sizes] or [(name, options)]
+    for name, opts in runs:
+        try:
+            row, ans = run_engine(name, target.model, prompts, settings, opts, args.limit_seconds)
+        except Exception as e:  # e.g. no continuous batching in this transformers: measure the rest
+            rows.append({"engine": name, "batch_size": opts.batch_size, "error": f"{type(e).__name__}: {e}"})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        row["batch_size"] = opts.batch_size
+        rows.append(row)
+        best = answers.get(row["engine"]) is None or row["new_tokens_per_second"] > max(
+            r["new_tokens_per_second"]
+            for r in rows[:-1]
+            if r.get("engine") == row["engine"] and "error" not in r
+        )
+        if best:
+            answers[row["engine"]] = ans
+        print(json.dumps(row), flush=True)
+    result: dict[str, Any] = {
+        "target": args.target,
+        "device": str(device),
+        "dtype": str(dtype),
+        "transformers": transformers.__version__,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "engines": rows,
+    }
+    by: dict[str, dict[str, Any]] = {}
+    for r in rows:  # the fastest run of each engine
+        if "error" not in r and r["new_tokens_per_second"] > by.get(r["engine"], {}).get(
+            "new_tokens_per_second", -1
+        ):
+            by[r["engine"]] = r
+    if "cb" in by and "static" in by:
+        ratio = by["cb"]["new_tokens_per_second"] / max(by["static"]["new_tokens_per_second"], 1e-9)
+        result["cb_over_static"] = round(ratio, 3)
+        result["greedy_agreement"] = compare(answers["cb"], answers["static"])
+        print(
+            f"cb {by['cb']['new_tokens_per_second']:,.0f} new tok/s, static "
+            f"{by['static']['new_tokens_per_second']:,.0f} new tok/s: ratio cb/static {ratio:.2f}; "
+            f"greedy answers identical: {result['greedy_agreement']['identical']}/"
+            f"{result['greedy_agreement']['compared']}",
+            flush=True,
+        )
+        best = max(by.values(), key=lambda r: r["new_tokens_per_second"])
+        print(
+            f"fastest here: --engine {best['engine']} --batch-size {best['batch_size']} "
+            f"({best['new_tokens_per_second']:,.0f} new tok/s)",
+            flush=True,
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Confinement of ``dflash sql``: one read-only SELECT that reads the cache and nothing else.
+
+Two layers, both DuckDB's own rather than regexes over the text:
+
+1. DuckDB's parser (``duckdb.extract_statements``) splits the text into statements and types each;
+   exactly one statement of type SELECT passes (``DESCRIBE``, ``SHOW``, ``SUMMARIZE``, ``VALUES`` and
+   ``FROM``-first queries parse as SELECT). COPY, ATTACH, INSTALL/LOAD, SET, PRAGMA, CALL, EXPORT,
+   CREATE, ... are refused before anything runs.
+2. DuckDB's sandbox on the connection the statement runs on: ``allowed_directories`` = the cache root,
+   then ``enable_external_access = false`` (no file outside it, no network, no extension install or
+   load, no ATTACH) and ``lock_configuration = true`` (nothing later on the connection can undo
+   that). A file function inside a SELECT
+   (``read_text('/etc/shadow')``, ``read_csv('/x')``, ``glob('/*')``) then fails with DuckDB's
+   permission error, which we turn into a one-line refusal.
+
+``..`` out of the cache and a symlink inside the cache that points elsewhere are refused as well
+(DuckDB resolves the path before the check; tested with DuckDB 2.0.1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import duckdb
+
+from dflash_offline.errors import DflashError
+
+FULL_SHELL_HINT = (
+    "for a full SQL shell use the duckdb CLI: `duckdb {root}/index.duckdb` (after `dflash index {root}`)"
+)
+
+
+class SqlRefusedError(DflashError):
+    """A ``dflash sql`` statement that would do more than read the cache."""
+
+
+def check_statement(sql: str, *, root: Path) -> None:
+    """Refuse anything but exactly one SELECT (DuckDB's parser decides what the text is)."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as e:
+        raise DflashError(f"the query failed: {e}") from e
+    hint = FULL_SHELL_HINT.format(root=root)
+    if len(statements) != 1:
+        raise SqlRefusedError(f"dflash sql runs exactly one statement, got {len(statements)}; {hint}")
+    kind = statements[0].type
+    if kind != duckdb.StatementType.SELECT:
+        raise SqlRefusedError(
+            f"dflash sql is read-only and runs only a SELECT, refused: a {kind.name} statement; {hint}"
+        )
+
+
+def confine(con: duckdb.DuckDBPyConnection, root: Path) -> None:
+    """Restrict ``con`` to reading files under ``root``; the settings cannot be changed afterwards.
+
+    Order matters: ``allowed_directories`` cannot be set once external access is off."""
+    allowed = str(root.resolve()).rstrip("/") + "/"
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    # A DuckDB without allowed_directories (< 1.1) puts every file off limits, the cache's own included
+    # (the manifest is already in memory, index.duckdb already open): stricter, and queries still work.
+    with contextlib.suppress(duckdb.CatalogException):
+        con.execute(f"SET allowed_directories = [{_literal(allowed)}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+def refusal_for(error: duckdb.Error, *, root: Path) -> SqlRefusedError | None:
+    """The one-line refusal for DuckDB's sandbox error (None for an ordinary query error)."""
+    if not isinstance(error, duckdb.PermissionException):
+        return None
+    first = str(error).strip().splitlines()[0]
+    return SqlRefusedError(
+        f"dflash sql reads only the cache's own files (under {root.resolve()}), refused: {first}; "
+        + FULL_SHELL_HINT.format(root=root)
+    )
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

@@ -1,0 +1,167 @@
+"""The questions of the eval sets, and decoding one question turn by turn with both loops.
+
+A question is one chat-data prompt (rendered already, one turn) or a standard set's list of user turns.
+Turn t's prompt is the chat template over the user turns 1..t with the target-only (greedy) answers to
+turns 1..t−1 in between, and the generation prompt: the target's own conversation, the same for both
+loops. Each turn is decoded target-only and speculatively, and the two outputs are compared tie-aware.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_offline.eval.benches import BenchQuestion
+from dflash_offline.eval.exactness import Divergence, classify
+from dflash_offline.eval.prompts import EvalPrompt, render_prompt_ids
+from dflash_offline.eval.speculative import (
+    BlockDrafter,
+    DecodeResult,
+    TargetCaller,
+    speculative_decode,
+    target_only_decode,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalQuestion:
+    """One question of one set."""
+
+    bench: str
+    question_id: str
+    """MT-Bench question_id / HumanEval task_id; empty for chat data."""
+    sample_id: str
+    """Chat data: the conversation's sample id; standard sets: ``bench:question_id``."""
+    record_id: str
+    turns: tuple[str, ...] = ()
+    """User turns to render, in order (empty when ``prompt_ids`` is given)."""
+    prompt_ids: tuple[int, ...] | None = None
+    """A chat-data prompt rendered already (the held-out selection rendered it to check its length)."""
+
+    @property
+    def num_turns(self) -> int:
+        return 1 if self.prompt_ids is not None else len(self.turns)
+
+
+def from_chat_prompt(prompt: EvalPrompt, *, bench: str) -> EvalQuestion:
+    return EvalQuestion(
+        bench=bench,
+        question_id="",
+        sample_id=prompt.sample_id,
+        record_id=prompt.record_id,
+        prompt_ids=prompt.prompt_ids,
+    )
+
+
+def from_bench(question: BenchQuestion) -> EvalQuestion:
+    return EvalQuestion(
+        bench=question.bench,
+        question_id=question.question_id,
+        sample_id=f"{question.bench}:{question.question_id}",
+        record_id=question.question_id,
+        turns=question.turns,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecodedTurn:
+    """One turn of one question, decoded by both loops."""
+
+    question: EvalQuestion
+    turn: int
+    """1-based."""
+    prompt_ids: tuple[int, ...]
+    target_only: DecodeResult
+    speculative: DecodeResult
+    divergence: Divergence
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decoders:
+    """What decoding a turn needs: the target behind both loops, the drafter, and how to stop."""
+
+    caller: TargetCaller
+    drafter: BlockDrafter
+    tokenizer: Any
+    layer_ids: tuple[int, ...]
+    stop_ids: frozenset[int]
+    max_new_tokens: int
+    max_prompt_tokens: int
+    tie_ulps: float
+
+    def target_only(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> DecodeResult:
+        return target_only_decode(
+            self.caller,
+            prompt_ids,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            stop_ids=self.stop_ids,
+        )
+
+    def speculative(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> DecodeResult:
+        return speculative_decode(
+            self.caller,
+            self.drafter,
+            prompt_ids,
+            layer_ids=self.layer_ids,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            stop_ids=self.stop_ids,
+        )
+
+
+def turn_messages(user_turns: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
+    """[user 1, assistant 1, …, user t]: the conversation whose next answer is turn t's."""
+    assert len(answers) == len(user_turns) - 1, (len(user_turns), len(answers))
+    messages: list[dict[str, str]] = []
+    for i, user in enumerate(user_turns):
+        messages.append({"role": "user", "content": user})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    return messages
+
+
+def first_turn_ids(question: EvalQuestion, tokenizer: Any) -> tuple[int, ...]:
+    """The prompt of the question's first turn."""
+    if question.prompt_ids is not None:
+        return question.prompt_ids
+    return tuple(render_prompt_ids(tokenizer, turn_messages(question.turns[:1], [])))
+
+
+def decode_question(
+    question: EvalQuestion, dec: Decoders, *, on_skip: Callable[[str], None] | None = None
+) -> Iterator[DecodedTurn]:
+    """Decode every turn of ``question`` with both loops (a turn whose prompt is too long ends it)."""
+    answers: list[str] = []
+    for t in range(question.num_turns):
+        if question.prompt_ids is not None:
+            prompt_ids = question.prompt_ids
+        else:
+            prompt_ids = tuple(
+                render_prompt_ids(dec.tokenizer, turn_messages(question.turns[: t + 1], answers))
+            )
+            if len(prompt_ids) > dec.max_prompt_tokens:
+                if on_skip is not None:
+                    on_skip(
+                        f"{question.bench} {question.question_id} turn {t + 1}: prompt of {len(prompt_ids)} "
+                        f"tokens > --max-prompt-tokens {dec.max_prompt_tokens}, not decoded"
+                    )
+                return
+        base = dec.target_only(prompt_ids)
+        fast = dec.speculative(prompt_ids)
+        divergence = classify(
+            model=dec.caller.model,
+            prompt_ids=prompt_ids,
+            target_tokens=base.tokens,
+            spec_tokens=fast.tokens,
+            tie_ulps=dec.tie_ulps,
+        )
+        yield DecodedTurn(
+            question=question,
+            turn=t + 1,
+            prompt_ids=prompt_ids,
+            target_only=base,
+            speculative=fast,
+            divergence=divergence,
+        )
+        # The target's own greedy answer, as text (its stop token is a special token and goes).
+        answers.append(dec.tokenizer.decode(list(base.tokens), skip_special_tokens=True))

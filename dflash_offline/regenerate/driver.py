@@ -1,0 +1,237 @@
+"""The conversation driver of one worker: feeds an engine the ready turns of a bounded window of
+conversations.
+
+A conversation has at most one turn in the engine: turn k is submitted when the answer to turn k − 1
+arrives (its prompt holds the target's own earlier answers), so a conversation waits for its previous
+turn while the other conversations' turns keep the batch full. A finished conversation is written at
+once (one flushed line) and a new record takes its place in the window, so memory stays bounded by the
+window whatever the data set size, and a kill loses only the conversations in flight.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_offline.data.records import Conversation, SourceFailure
+from dflash_offline.regenerate.engines import Engine
+from dflash_offline.regenerate.jsonl_out import ResumableJsonl
+from dflash_offline.regenerate.turns import Answer, PendingConversation
+
+KEY = "source_sample_id"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tally:
+    """Counts of one worker's progress since its last report (or in total, for the summary)."""
+
+    written: int = 0
+    """Conversations written."""
+    failed: int = 0
+    skipped: int = 0
+    """Records already done by an earlier run."""
+    answers: int = 0
+    """Assistant turns in written conversations."""
+    truncated: int = 0
+    """Of those, answers cut at --max-new-tokens."""
+    new_tokens: int = 0
+    """Tokens the target generated (every answer, stop tokens excluded)."""
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(
+            written=self.written + other.written,
+            failed=self.failed + other.failed,
+            skipped=self.skipped + other.skipped,
+            answers=self.answers + other.answers,
+            truncated=self.truncated + other.truncated,
+            new_tokens=self.new_tokens + other.new_tokens,
+        )
+
+    @property
+    def records(self) -> int:
+        return self.written + self.failed + self.skipped
+
+
+def render_prompt(tokenizer: Any, chat: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+class ConversationSink:
+    """Writes finished conversations and failures; reports progress through ``on_tally`` / ``on_failure``."""
+
+    def __init__(
+        self,
+        *,
+        out: ResumableJsonl,
+        failures: ResumableJsonl,
+        source: str,
+        regenerated_by: dict[str, Any],
+        on_tally: Callable[[Tally], None],
+        on_failure: Callable[[str], None],
+    ) -> None:
+        self.out = out
+        self.failures = failures
+        self.source = source
+        self.regenerated_by = regenerated_by
+        self._on_tally = on_tally
+        self._on_failure = on_failure
+        self.total = Tally()
+
+    def _count(self, t: Tally) -> None:
+        self.total = self.total + t
+        self._on_tally(t)
+
+    def fail(self, *, sample_id: str, source_index: int, record_id: str, reason: str, detail: str) -> None:
+        self.failures.append(
+            {
+                KEY: sample_id,
+                "source_index": source_index,
+                "record_id": record_id,
+                "reason": reason,
+                "detail": detail,
+            }
+        )
+        self._on_failure(
+            f"regenerate: record {source_index} ({record_id or sample_id}) failed: {reason}: {detail}"
+        )
+        self._count(Tally(failed=1))
+
+    def fail_conv(self, p: PendingConversation, reason: str, detail: str) -> None:
+        c = p.conv
+        self.fail(
+            sample_id=c.sample_id,
+            source_index=c.source_index,
+            record_id=c.record_id,
+            reason=reason,
+            detail=detail,
+        )
+
+    def skip(self) -> None:
+        self._count(Tally(skipped=1))
+
+    def tokens(self, n: int) -> None:
+        self._count(Tally(new_tokens=n))
+
+    def write(self, p: PendingConversation) -> None:
+        conv = p.conv
+        self.out.append(
+            {
+                "id": conv.record_id or conv.sample_id,
+                "messages": p.chat(),
+                "source": self.source,
+                KEY: conv.sample_id,
+                "source_index": conv.source_index,
+                "regenerated_by": self.regenerated_by,
+                "finish_reasons": [a.finish_reason for a in p.answers],
+                "dropped_turns": p.dropped_turns,
+            }
+        )
+        truncated = sum(a.finish_reason == "length" for a in p.answers)
+        self._count(Tally(written=1, answers=len(p.answers), truncated=truncated))
+
+
+def print_failure(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Driver:
+    """Moves conversations from the record stream through ``engine`` into ``sink``."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        sink: ConversationSink,
+        tokenizer: Any,
+        max_prompt_tokens: int,
+        window: int,
+        done: Callable[[str], bool],
+        mine: Callable[[str], bool] = lambda _sid: True,
+    ) -> None:
+        self.engine = engine
+        self.sink = sink
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.window = window
+        self.done = done
+        """Whether a sample id was already written or failed (resume)."""
+        self.mine = mine
+        """Whether a sample id belongs to this worker's partition."""
+        self.live: dict[str, PendingConversation] = {}
+
+    def _submit_next(self, p: PendingConversation) -> None:
+        """Submit the conversation's next turn, or finish it here (a failure, or its prompt is too long)."""
+        turn = len(p.answers)
+        try:
+            ids = render_prompt(self.tokenizer, p.next_prompt())
+        except Exception as e:  # a chat template may raise anything (jinja's raise_exception, ...)
+            self.sink.fail_conv(p, "template_error", f"turn {turn}: {type(e).__name__}: {e}")
+            return
+        if len(ids) > self.max_prompt_tokens:
+            if not p.answers:
+                detail = f"prompt of {len(ids)} tokens > --max-prompt-tokens {self.max_prompt_tokens}"
+                self.sink.fail_conv(p, "too_long", detail)
+                return
+            p.stop_early()  # keep the turns answered so far
+            self.sink.write(p)
+            return
+        key = f"{p.conv.sample_id}#{turn}"
+        self.live[key] = p
+        self.engine.submit(key, ids)
+
+    def _admit(self, item: Conversation | SourceFailure) -> None:
+        if not self.mine(item.sample_id):
+            return
+        if self.done(item.sample_id):
+            self.sink.skip()
+        elif isinstance(item, SourceFailure):
+            self.sink.fail(
+                sample_id=item.sample_id,
+                source_index=item.source_index,
+                record_id="",
+                reason=item.reason,
+                detail=item.detail,
+            )
+        else:
+            p = PendingConversation(item)
+            if not p.groups:
+                self.sink.fail_conv(p, "empty_conversation", "no user turn to answer")
+            else:
+                self._submit_next(p)
+
+    def _answered(self, key: str, token_ids: tuple[int, ...], finish_reason: Any) -> None:
+        p = self.live.pop(key)
+        self.sink.tokens(len(token_ids))
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        if not text.strip():
+            self.sink.fail_conv(
+                p, "empty_response", f"turn {len(p.answers)}: the target answered nothing ({finish_reason})"
+            )
+            return
+        p.add_answer(Answer(text=text, finish_reason=finish_reason, num_tokens=len(token_ids)))
+        if p.done:
+            self.sink.write(p)
+        else:
+            self._submit_next(p)
+
+    def run(
+        self, records: Iterator[Conversation | SourceFailure], *, should_stop: Callable[[], bool]
+    ) -> bool:
+        """Answer every record; False when ``should_stop`` ended it early (in-flight ones are dropped)."""
+        exhausted = False
+        while True:
+            if should_stop():
+                return False
+            while not exhausted and len(self.live) < self.window:
+                item = next(records, None)
+                if item is None:
+                    exhausted = True
+                else:
+                    self._admit(item)
+            if not self.live:
+                return True
+            for finished in self.engine.poll(timeout=0.2):
+                self._answered(finished.key, finished.tokens.token_ids, finished.tokens.finish_reason)

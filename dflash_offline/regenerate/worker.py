@@ -1,0 +1,256 @@
+"""One regenerate worker: load the target on its device, build the engine, drive its share of the records.
+
+A worker answers the records whose sample id hashes to it (``crc32(sample_id) % num_workers``: disjoint,
+stable across reruns with the same worker count) and writes them to its own JSONL (the output itself
+for a single worker, ``<out>.parts/w<k>.jsonl`` otherwise). Spawned workers (``--gpus`` / ``--workers``)
+report through an event queue, ignore SIGINT (the coordinator decides), and exit when their parent dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_offline.regenerate.config import RegenerateConfig
+from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tally
+
+FAULT_ENV = "DFLASH_TEST_REGENERATE_FAULT"
+"""Testing hook: ``raise-after:<N>`` makes a worker raise after N written conversations."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerSpec:
+    """Everything a worker needs (pickled to a spawned process)."""
+
+    config: RegenerateConfig
+    worker: int
+    num_workers: int
+    device: str
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    cpu_threads: int | None
+    """torch intra-op threads (CPU workers share the cores); None: torch's default."""
+    out: Path
+    failures: Path
+    done: frozenset[str]
+    """Sample ids written or failed by earlier runs (in the merged output)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerReady:
+    worker: int
+    device: str
+    engine: str
+    load_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerProgress:
+    worker: int
+    delta: Tally
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerNote:
+    """A line for stderr (a failed record, the engine fallback note)."""
+
+    worker: int
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerDone:
+    worker: int
+    device: str
+    engine: str
+    total: Tally
+    generation_seconds: float
+    """From the engine being ready to the last answer."""
+    completed: bool
+    """False when a stop request ended it early."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerFailed:
+    worker: int
+    device: str
+    traceback: str
+
+
+def belongs_to(sample_id: str, worker: int, num_workers: int) -> bool:
+    return num_workers == 1 or zlib.crc32(sample_id.encode()) % num_workers == worker
+
+
+def run_worker(spec: WorkerSpec, emit: Callable[[Any], None], should_stop: Callable[[], bool]) -> WorkerDone:
+    """The worker's whole life in this process; ``emit`` receives the Worker* events above."""
+    from dflash_offline.data.sources import iter_records, recorded_source, source_name_for_cache
+    from dflash_offline.eval.runtime import compute_dtype, stop_token_ids
+    from dflash_offline.regenerate.engines import EngineOptions, make_engine
+    from dflash_offline.regenerate.generation import GenerationSettings
+    from dflash_offline.regenerate.jsonl_out import ResumableJsonl
+    from dflash_offline.target.loader import load_target
+
+    config = spec.config
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if spec.cpu_threads is not None:
+        torch.set_num_threads(spec.cpu_threads)
+    start = time.perf_counter()
+    target = load_target(config.target, device=device, dtype=compute_dtype(config.dtype, device))
+    tokenizer = target.tokenizer
+    stop_ids = stop_token_ids(tokenizer, target.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+    settings = GenerationSettings(
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        stop_ids=stop_ids,
+        pad_id=int(pad_id),
+    )
+    batch_size = config.batch_size_for(device.type)
+    options = EngineOptions(
+        batch_size=batch_size,
+        kv_tokens=config.kv_tokens,
+        max_batch_tokens=config.max_batch_tokens,
+        cuda_graphs=config.cuda_graphs,
+        seed=config.seed + spec.worker,
+    )
+    torch.manual_seed(config.seed + spec.worker)
+
+    def note(text: str) -> None:
+        emit(WorkerNote(worker=spec.worker, text=text))
+
+    engine = make_engine(config.engine, target.model, settings, options, note=note)
+    emit(
+        WorkerReady(
+            worker=spec.worker,
+            device=spec.device,
+            engine=engine.name,
+            load_seconds=time.perf_counter() - start,
+        )
+    )
+    window = config.window or batch_size * (2 if engine.name == "cb" else 4)
+    info = target.info
+    fault_after = _fault_after()
+    completed = False
+    gen_start = time.perf_counter()
+    # An output begun before source names dropped container suffixes keeps the name its keys hash.
+    source = source_name_for_cache(config.data, recorded_source(config.out))
+    with ResumableJsonl(spec.out, key=KEY) as out, ResumableJsonl(spec.failures, key=KEY) as failures:
+        own = out.keys | failures.keys
+
+        def on_tally(delta: Tally) -> None:
+            emit(WorkerProgress(worker=spec.worker, delta=delta))
+            if fault_after is not None and sink.total.written >= fault_after:
+                raise RuntimeError(f"injected fault after {sink.total.written} conversations ({FAULT_ENV})")
+
+        sink = ConversationSink(
+            out=out,
+            failures=failures,
+            source=source,
+            regenerated_by={
+                "target": info.target_id,
+                "weights_hash": info.weights_hash,
+                "temperature": config.temperature,
+                "max_new_tokens": config.max_new_tokens,
+                "seed": config.seed,
+            },
+            on_tally=on_tally,
+            on_failure=note,
+        )
+        driver = Driver(
+            engine=engine,
+            sink=sink,
+            tokenizer=tokenizer,
+            max_prompt_tokens=config.max_prompt_tokens,
+            window=window,
+            done=lambda sid: sid in spec.done or sid in own,
+            mine=lambda sid: belongs_to(sid, spec.worker, spec.num_workers),
+        )
+        try:
+            completed = driver.run(
+                iter_records(
+                    config.data,
+                    skip=config.skip,
+                    limit=config.limit,
+                    data_format=config.data_format,
+                    source=source,
+                ),
+                should_stop=should_stop,
+            )
+        finally:
+            engine.close(abort=not completed)
+    return WorkerDone(
+        worker=spec.worker,
+        device=spec.device,
+        engine=engine.name,
+        total=sink.total,
+        generation_seconds=time.perf_counter() - gen_start,
+        completed=completed,
+    )
+
+
+def _fault_after() -> int | None:
+    fault = os.environ.get(FAULT_ENV, "")
+    return int(fault.split(":", 1)[1]) if fault.startswith("raise-after:") else None
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker whose coordinator died (SIGKILL, OOM killer) exits too, instead of holding its GPU."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class _BatchedEmitter:
+    """Sends progress to the coordinator at most every 0.25 s (one event per answer would flood the queue)."""
+
+    def __init__(self, events: Any, worker: int) -> None:
+        self._events = events
+        self._worker = worker
+        self._pending = Tally()
+        self._last = 0.0
+
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, WorkerProgress):
+            self._pending = self._pending + event.delta
+            if time.monotonic() - self._last >= 0.25:
+                self.flush()
+            return
+        self.flush()
+        self._events.put(event)
+
+    def flush(self) -> None:
+        if self._pending != Tally():
+            self._events.put(WorkerProgress(worker=self._worker, delta=self._pending))
+            self._pending = Tally()
+        self._last = time.monotonic()
+
+
+def worker_process(spec: WorkerSpec, events: Any, stop: Any, parent_pid: int) -> None:
+    """Entry point of a spawned worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the coordinator decides
+    _exit_with_parent(parent_pid)
+    emit = _BatchedEmitter(events, spec.worker)
+    try:
+        done = run_worker(spec, emit, stop.is_set)
+        emit.flush()
+        events.put(done)
+    except BaseException:
+        emit.flush()
+        events.put(WorkerFailed(worker=spec.worker, device=spec.device, traceback=traceback.format_exc()))
+        raise SystemExit(1) from None

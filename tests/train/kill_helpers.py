@@ -1,0 +1,162 @@
+"""Drive `dflash train` as a real subprocess, kill it at chosen steps, rerun the same command.
+
+Used by tests/train/test_train_kill.py (a few kill points) and bench/soak_train.py (many).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_offline.train.checkpoint import list_checkpoints
+from dflash_offline.train.metrics import read_metrics
+
+
+def train_cmd(
+    cache: Path, run: Path, *, steps: int, workers: int = 1, checkpoint_every: int = 3
+) -> list[str]:
+    return [
+        sys.executable, "-m", "dflash_offline", "train",
+        "--cache", str(cache), "--out", str(run),
+        "--num-layers", "1", "--block-size", "8", "--num-anchors", "32",
+        "--tokens-per-microbatch", "600", "--lr", "3e-3", "--epochs", "100",
+        "--max-steps", str(steps), "--grad-accum", "1", "--checkpoint-every", str(checkpoint_every),
+        "--loader-threads", "2", "--prefetch", "2", "--deterministic", "--threads", "1", "--no-progress",
+        "--workers", str(workers),
+    ]  # fmt: skip
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc: ppid links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that still run (zombies count as gone)."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def last_step(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    metrics = read_metrics(path)
+    return int(metrics[-1]["step"]) if metrics else 0  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KillRecord:
+    """One kill of a training run."""
+
+    at_step: int
+    """Last step in metrics.jsonl when the signal was sent."""
+    checkpoint: int
+    """Newest checkpoint step on disk after the kill (0: none)."""
+    survivors: int
+    """Processes of the run still alive a few seconds after the kill."""
+    family: int
+    """Processes of the run seen before the kill (the launched one included)."""
+    returncode: int | None
+    stderr: str
+
+
+def run_and_kill(
+    cmd: list[str],
+    run: Path,
+    *,
+    kill_after_step: int,
+    sig: int = signal.SIGKILL,
+    whole_group: bool = True,
+    timeout: float = 300.0,
+    grace: float = 10.0,
+    extra_delay: float = 0.0,
+) -> KillRecord:
+    """Start ``cmd``, send ``sig`` once metrics.jsonl passes ``kill_after_step``, wait for the end."""
+    stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
+    process = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + timeout
+    family: set[int] = set()
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            family |= descendants(process.pid)
+            if last_step(run) >= kill_after_step:
+                break
+            time.sleep(0.02)
+        if extra_delay and process.poll() is None:
+            time.sleep(extra_delay)  # somewhere inside the next step (data wait, forward, checkpoint)
+            family |= descendants(process.pid)
+        at = last_step(run)
+        if process.poll() is not None:
+            stderr.seek(0)
+            raise AssertionError(
+                f"training ended (rc {process.returncode}) before step {kill_after_step}: "
+                + stderr.read().decode(errors="replace")[-2000:]
+            )
+        family |= descendants(process.pid)
+        if whole_group:
+            os.killpg(process.pid, sig)
+        else:
+            os.kill(process.pid, sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        end = time.monotonic() + grace
+        while alive(family) and time.monotonic() < end:
+            time.sleep(0.1)
+        survivors = alive(family)
+        stderr.seek(0)
+        return KillRecord(
+            at_step=at,
+            checkpoint=max((s for s, _ in list_checkpoints(run)), default=0),
+            survivors=len(survivors),
+            family=len(family | {process.pid}),
+            returncode=process.returncode,
+            stderr=stderr.read().decode(errors="replace"),
+        )
+    finally:
+        for pid in alive(family | {process.pid}):  # never leave a process behind, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stderr.close()
+
+
+def run_to_end(cmd: list[str], *, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

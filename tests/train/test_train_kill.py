@@ -1,0 +1,110 @@
+"""The training half of issue 14's fault suite: SIGKILL at random steps (one process, and two spawned
+CPU DDP workers), Ctrl-C, then the same command: the loss sequence and the final weights equal an
+uninterrupted run's, and no process of the run survives. `bench/soak_train.py` is the long version."""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import dflash_offline
+from dflash_offline.generate.run import run_generate
+from dflash_offline.train.checkpoint import list_checkpoints
+from dflash_offline.train.metrics import read_metrics
+from tests.generate.conftest import make_chat_jsonl, tiny_config
+from tests.train.kill_helpers import run_and_kill, run_to_end, train_cmd
+
+STEPS = 15
+
+
+def _has_parent_death_handling() -> bool:
+    """Whether the training workers on this branch exit when their parent dies (issue 14 item 4)."""
+    root = Path(dflash_offline.__file__).parent
+    text = "".join(p.read_text() for p in root.rglob("*.py")).lower()
+    return "pdeathsig" in text or "parent_death" in text or "parent death" in text
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("kill")
+    data = make_chat_jsonl(root / "chat.jsonl", 60, seed=3)
+    run_generate(tiny_config(root / "cache", data))
+    return root / "cache"
+
+
+@pytest.fixture(scope="module")
+def references(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Uninterrupted runs, one per world size, through the same CLI."""
+    out = {}
+    for workers in (1, 2):
+        run = tmp_path_factory.mktemp("reference") / f"w{workers}"
+        run_to_end(train_cmd(cache, run, steps=STEPS, workers=workers))
+        out[workers] = run
+    return out
+
+
+def _losses(run: Path) -> list[float]:
+    return [float(m["loss"]) for m in read_metrics(run / "metrics.jsonl")]  # type: ignore[arg-type]
+
+
+def _assert_same_run(run: Path, reference: Path) -> None:
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    assert _losses(run) == _losses(reference)
+    (_, a_path), (_, b_path) = list_checkpoints(reference)[-1], list_checkpoints(run)[-1]
+    a = torch.load(a_path / "state.pt", map_location="cpu", weights_only=False)["model"]
+    b = torch.load(b_path / "state.pt", map_location="cpu", weights_only=False)["model"]
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
+    cache: Path, references: dict[int, Path], tmp_path: Path, workers: int
+) -> None:
+    """One run killed at random steps (SIGKILL of the whole group), then Ctrl-C'd once, each time
+    rerun with the same command: it ends as the uninterrupted run did."""
+    rng = random.Random(1400 + workers)
+    kill_points = sorted(rng.sample(range(1, STEPS - 4), 2 if workers == 1 else 1))
+    run = tmp_path / "run"
+    cmd = train_cmd(cache, run, steps=STEPS, workers=workers, checkpoint_every=4)
+    for point in kill_points:
+        record = run_and_kill(cmd, run, kill_after_step=point)
+        assert record.returncode == -signal.SIGKILL
+        assert record.survivors == 0, f"{record.survivors} processes survived a SIGKILL of the group"
+        assert record.checkpoint <= record.at_step + 1  # SIGKILL writes nothing more
+    ctrl_c_at = kill_points[-1] + 2
+    record = run_and_kill(cmd, run, kill_after_step=ctrl_c_at, sig=signal.SIGINT)
+    assert record.returncode == 130, record.stderr[-3000:]
+    match = re.search(r"interrupted after step (\d+): checkpoint written", record.stderr)
+    assert match, record.stderr[-3000:]
+    step = int(match.group(1))
+    assert ctrl_c_at <= step < STEPS
+    assert record.checkpoint == step  # written because of the Ctrl-C, whatever --checkpoint-every says
+    assert "Traceback" not in record.stderr
+    assert "Aborted" not in record.stderr
+    assert record.survivors == 0
+    run_to_end(cmd)
+    _assert_same_run(run, references[workers])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_of_the_coordinator_alone_leaves_no_orphan(cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    # A long run: its workers must not get away with simply finishing within the grace period.
+    cmd = train_cmd(cache, run, steps=100_000, workers=2)
+    record = run_and_kill(cmd, run, kill_after_step=3, whole_group=False, grace=15.0)
+    assert record.family >= 3  # the launcher and its two spawned ranks were seen
+    if record.survivors and not _has_parent_death_handling():
+        pytest.skip(
+            f"{record.survivors} DDP workers outlived their killed parent (killed by the test): the "
+            "parent-death handling of issue 14 item 4 (helper i14a) is not on this branch"
+        )
+    assert record.survivors == 0
