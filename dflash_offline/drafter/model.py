@@ -112,7 +112,8 @@ class DFlashDrafter(nn.Module):
             return
         if tuple(scale_F.shape) != (self.config.feature_width,) or not bool(torch.isfinite(scale_F).all()):
             raise ConfigError(
-                f"feature scale of shape {tuple(scale_F.shape)} must be finite and [{self.config.feature_width}]"
+                f"feature scale of shape {tuple(scale_F.shape)}: must be finite, "
+                f"[{self.config.feature_width}]"
             )
         self.feature_scale_F = scale_F.detach().to(self.fc.weight.device, torch.float32)
 

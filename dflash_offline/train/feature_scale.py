@@ -69,7 +69,7 @@ def compute_feature_scale(
     seed: int,
     sample_tokens: int = SAMPLE_TOKENS,
 ) -> torch.Tensor:
-    """Read a seeded random sample of the snapshot's rows (≈ ``sample_tokens`` tokens) and return the scale."""
+    """The scale from a seeded random sample of the snapshot's rows (≈ ``sample_tokens`` tokens)."""
     order = np.random.default_rng(seed).permutation(np.asarray(rows_N, dtype=np.int64))
 
     def sampled() -> Iterator[torch.Tensor]:
