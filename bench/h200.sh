@@ -5,10 +5,12 @@
 #   bench/h200.sh train      dflash generate a cache, dflash train --gpus 0 on it (data-wait fraction),
 #                            bench/train_loader.py at Qwen3-8B feature width
 #   bench/h200.sh regenerate bench/regenerate.py: continuous batching vs static, SmolLM2 and random:qwen3-8b
+#   bench/h200.sh fp8        GPU fp8 decode test; bench/train_loader.py fp8 vs bf16 (blosc, none) at
+#                            Qwen3-8B width under a simulated 300 ms step: throughput + data wait (≈ 2 min)
 # Needs, carried beside the tree: .whl (../shared/device/wheels.sh) and .device/ (a ShareGPT slice as
 # chat JSONL and the SmolLM2 tokenizer saved with save_pretrained: the GGUF does not travel).
 set -uo pipefail
-stage=${1:?stage: check, generate or train}
+stage=${1:?stage: check, generate, train or fp8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -68,5 +70,12 @@ regenerate)
   timeout 250 python3 bench/regenerate.py --target random:qwen3-8b --device cuda --data $data --limit 256 \
     --max-new-tokens 128 --batch-size 128 --max-prompt-tokens 2048 --limit-seconds 60 \
     --json "$out/regenerate_qwen3.json" 2>&1 | tail -8
+fp8)
+  timeout 120 python3 -m pytest -q -m gpu tests/train/test_fp8_train.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/fp8_gpu_test.txt"
+  for codec in fp8 blosc-zstd-1-shuffle none; do
+    echo "== codec $codec"
+    timeout 150 python3 bench/train_loader.py --device cuda --feature-width 20480 --threads 8 --reader-threads 8 \
+      --codec $codec --num-samples 100 --repeats 2 --simulated-step-ms 300 --epochs 2 2>&1 | tail -12
+  done 2>&1 | tee "$out/fp8_loader.txt"
   ;;
 esac

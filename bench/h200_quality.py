@@ -19,6 +19,7 @@ CPU smoke (a few minutes): add ``--smoke`` (random-free: SmolLM2 on the CPU with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -111,10 +112,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     rows = []
     if path.is_file():
         for line in path.read_text(errors="replace").splitlines():
-            try:
+            with contextlib.suppress(ValueError):
                 rows.append(json.loads(line))
-            except ValueError:
-                pass
     return rows
 
 
@@ -166,7 +165,8 @@ class Report:
             for row in v.get("curve", []):
                 acc = " ".join(f"{a:.2f}" for a in row["acc"][:6])
                 out.append(
-                    f"- step {row['step']}: loss {row['loss']:.3f}, simulated τ {row['tau']:.2f}, acc[1..6] {acc}"
+                    f"- step {row['step']}: loss {row['loss']:.3f}, simulated τ {row['tau']:.2f}, "
+                    f"acc[1..6] {acc}"
                 )
             if "eval_table" in v:
                 out += ["", "```", v["eval_table"], "```"]
@@ -200,7 +200,7 @@ def dflash(*args: str) -> list[str]:
     return [PY, "-m", "dflash_offline", *args]
 
 
-def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="ShareGPT JSONL(.gz) of first turns")
     ap.add_argument("--work", type=Path, required=True)
@@ -208,8 +208,11 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
     ap.add_argument("--budget-s", type=float, default=1320.0, help="whole pipeline, start to summary")
     ap.add_argument("--target", default="default")
     ap.add_argument("--device-args", default="--gpus 0", help="placement flags of our commands")
-    ap.add_argument("--regen-bench", default="--limit 512 --max-new-tokens 256 --batch-size 256 "
-                    "--cb-batch-sizes 256 --max-prompt-tokens 1024 --limit-seconds 45")
+    ap.add_argument(
+        "--regen-bench",
+        default="--limit 512 --max-new-tokens 256 --batch-size 256 "
+        "--cb-batch-sizes 256 --max-prompt-tokens 1024 --limit-seconds 45",
+    )
     ap.add_argument("--regen-bench-s", type=float, default=170)
     ap.add_argument("--regen-args", default="--max-new-tokens 512 --max-prompt-tokens 1024")
     ap.add_argument("--regen-limit", type=int, default=11000)
@@ -218,9 +221,12 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
     ap.add_argument("--gen-s", type=float, default=150)
     ap.add_argument("--codecs", default="default,fp8", help="caches of the regenerated answers")
     ap.add_argument("--original-cache", action="store_true", help="also a cache of the data set's answers")
-    ap.add_argument("--variants", required=True,
-                    help='JSON {name: "train flags [@cache]"}; cache: default (regenerated, default codec), '
-                    "fp8, original")
+    ap.add_argument(
+        "--variants",
+        required=True,
+        help='JSON {name: "train flags [@cache]"}; cache: default (regenerated, default codec), '
+        "fp8, original",
+    )
     ap.add_argument("--train-s", type=float, default=480)
     ap.add_argument("--calibrate-s", type=float, default=90)
     ap.add_argument("--curve-points", default="250,500,1000,1500,2000,3000,4000,6000,8000")
@@ -241,8 +247,17 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
     bench_json = work / "regen_bench.json"
     s = Stage(
         name="regenerate_bench",
-        argv=[PY, "bench/regenerate.py", "--target", args.target, "--data", args.data,
-              *shlex.split(args.regen_bench), "--json", str(bench_json)],
+        argv=[
+            PY,
+            "bench/regenerate.py",
+            "--target",
+            args.target,
+            "--data",
+            args.data,
+            *shlex.split(args.regen_bench),
+            "--json",
+            str(bench_json),
+        ],
         log=logs / "1_regen_bench.log",
     ).start()
     run_all([s], time.time() + args.regen_bench_s, grace=15)
@@ -260,16 +275,44 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
     # 2. regenerate: the target's own answers, until its deadline (SIGINT keeps what is done).
     s = Stage(
         name="regenerate",
-        argv=dflash("regenerate", "--target", args.target, "--data", args.data, "--limit", str(args.regen_limit),
-                    *shlex.split(args.regen_args), *engine_args, *dev, "--no-progress", "--out", str(answers)),
+        argv=dflash(
+            "regenerate",
+            "--target",
+            args.target,
+            "--data",
+            args.data,
+            "--limit",
+            str(args.regen_limit),
+            *shlex.split(args.regen_args),
+            *engine_args,
+            *dev,
+            "--no-progress",
+            "--out",
+            str(answers),
+        ),
         log=logs / "2_regenerate.log",
     ).start()
     run_all([s], time.time() + args.regen_s, grace=40)
     if not answers.is_file():
         # A killed run leaves parts: a rerun merges them (and answers nothing more with --limit 0).
-        subprocess.run(dflash("regenerate", "--target", args.target, "--data", args.data, "--limit", "0",
-                              "--out", str(answers), "--no-progress", *dev), cwd=ROOT, check=False)
-    n_answers = sum(1 for _ in open(answers)) if answers.is_file() else 0
+        subprocess.run(
+            dflash(
+                "regenerate",
+                "--target",
+                args.target,
+                "--data",
+                args.data,
+                "--limit",
+                "0",
+                "--out",
+                str(answers),
+                "--no-progress",
+                *dev,
+            ),
+            cwd=ROOT,
+            check=False,
+        )
+    n_answers = len(answers.read_text().splitlines()) if answers.is_file() else 0
     report.stage(s, conversations=n_answers, throughput=tail(s.log, 3))
     if n_answers == 0:
         report.note("no regenerated answers: stopping")
@@ -282,19 +325,48 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
         cache = work / f"cache-{codec}"
         caches[codec] = cache
         codec_args = [] if codec == "default" else ["--codec", codec]
-        gens.append(Stage(name=f"generate_{codec}",
-                          argv=dflash("generate", "--cache", str(cache), "--target", args.target, "--data",
-                                      str(answers), *shlex.split(args.gen_args), *codec_args, *dev,
-                                      "--no-progress"),
-                          log=logs / f"3_generate_{codec}.log").start())
+        gens.append(
+            Stage(
+                name=f"generate_{codec}",
+                argv=dflash(
+                    "generate",
+                    "--cache",
+                    str(cache),
+                    "--target",
+                    args.target,
+                    "--data",
+                    str(answers),
+                    *shlex.split(args.gen_args),
+                    *codec_args,
+                    *dev,
+                    "--no-progress",
+                ),
+                log=logs / f"3_generate_{codec}.log",
+            ).start()
+        )
     if args.original_cache:
         cache = work / "cache-original"
         caches["original"] = cache
-        gens.append(Stage(name="generate_original",
-                          argv=dflash("generate", "--cache", str(cache), "--target", args.target, "--data",
-                                      args.data, "--limit", str(n_answers), *shlex.split(args.gen_args), *dev,
-                                      "--no-progress"),
-                          log=logs / "3_generate_original.log").start())
+        gens.append(
+            Stage(
+                name="generate_original",
+                argv=dflash(
+                    "generate",
+                    "--cache",
+                    str(cache),
+                    "--target",
+                    args.target,
+                    "--data",
+                    args.data,
+                    "--limit",
+                    str(n_answers),
+                    *shlex.split(args.gen_args),
+                    *dev,
+                    "--no-progress",
+                ),
+                log=logs / "3_generate_original.log",
+            ).start()
+        )
     run_all(gens, time.time() + args.gen_s, grace=30)
     for g in gens:
         report.stage(g, log_tail=tail(g.log, 4))
@@ -309,11 +381,28 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
         flags, _, cache_name = spec.partition("@")
         cache = caches.get(cache_name.strip() or "default")
         run = work / f"run-{name}"
-        return Stage(name=f"train_{name}",
-                     argv=dflash("train", "--cache", str(cache), "--out", str(run), "--target", args.target,
-                                 *shlex.split(flags), "--max-steps", str(max_steps), "--epochs", "1000",
-                                 "--checkpoint-every", "100000", *dev, "--no-progress"),
-                     log=logs / f"4_train_{name}.log")
+        return Stage(
+            name=f"train_{name}",
+            argv=dflash(
+                "train",
+                "--cache",
+                str(cache),
+                "--out",
+                str(run),
+                "--target",
+                args.target,
+                *shlex.split(flags),
+                "--max-steps",
+                str(max_steps),
+                "--epochs",
+                "1000",
+                "--checkpoint-every",
+                "100000",
+                *dev,
+                "--no-progress",
+            ),
+            log=logs / f"4_train_{name}.log",
+        )
 
     for name, spec in variants.items():
         cache_name = spec.partition("@")[2].strip() or "default"
@@ -328,11 +417,13 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
         rows = read_metrics(work / f"run-{name}" / "metrics.jsonl")
         st.poll()
         if len(rows) >= 12 and st.rc is None:
-            recent = rows[len(rows) // 2:]
+            recent = rows[len(rows) // 2 :]
             rates[name] = len(recent) / max(sum(r["step_seconds"] for r in recent), 1e-6)
     for name, st in list(trains.items()):
         if name not in rates:
-            report.note(f"variant {name}: no step rate after {args.calibrate_s:.0f} s; left to run to the deadline")
+            report.note(
+                f"variant {name}: no step rate after {args.calibrate_s:.0f} s; left to run to the deadline"
+            )
             continue
         st.interrupt()
     run_all([trains[n] for n in rates], time.time() + 60, grace=20)
@@ -343,7 +434,9 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
         remaining = max(0.0, train_end - time.time() - 45)
         total = max(steps_done + 10, int(steps_done + rate * remaining))
         report.data["variants"][name].update(steps_per_s_calibrated=round(rate, 3), max_steps=total)
-        report.note(f"variant {name}: {rate:.2f} steps/s measured, resumed at step {steps_done} → --max-steps {total}")
+        report.note(
+            f"variant {name}: {rate:.2f} steps/s measured, resumed at step {steps_done} → --max-steps {total}"
+        )
         old = trains[name]
         trains[name] = train_stage(name, variants[name], total)
         trains[name].started = old.started
@@ -359,8 +452,14 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
         report.stage(st)
         drafter = work / f"run-{name}" / "drafter"
         if not (drafter / "config.json").is_file():
-            subprocess.run(dflash("export", str(work / f"run-{name}"), "--out", str(drafter)), cwd=ROOT,
-                           stdout=open(logs / f"4_train_{name}.log", "ab"), stderr=subprocess.STDOUT, check=False)
+            with open(logs / f"4_train_{name}.log", "ab") as log:
+                subprocess.run(
+                    dflash("export", str(work / f"run-{name}"), "--out", str(drafter)),
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    check=False,
+                )
 
     # 5. eval every variant concurrently (batch 1 is latency-bound; the speeds are measured side by side).
     evals = []
@@ -370,13 +469,25 @@ def main() -> None:  # noqa: PLR0915 (a script: one pipeline top to bottom)
         if not (drafter / "config.json").is_file():
             report.note(f"variant {name}: no exported drafter")
             continue
-        st = Stage(name=f"eval_{name}",
-                   argv=dflash("eval", "--target", args.target, "--drafter", str(drafter),
-                               *shlex.split(args.eval_args), *held_out,
-                               "--exclude-cache", str(caches["default"] if "default" in caches else caches[next(iter(caches))]),
-                               "--json", str(work / f"eval-{name}.json"), "--no-progress",
-                               *(["--device", "cuda"] if not args.smoke else [])),
-                   log=logs / f"5_eval_{name}.log")
+        st = Stage(
+            name=f"eval_{name}",
+            argv=dflash(
+                "eval",
+                "--target",
+                args.target,
+                "--drafter",
+                str(drafter),
+                *shlex.split(args.eval_args),
+                *held_out,
+                "--exclude-cache",
+                str(caches["default"] if "default" in caches else caches[next(iter(caches))]),
+                "--json",
+                str(work / f"eval-{name}.json"),
+                "--no-progress",
+                *(["--device", "cuda"] if not args.smoke else []),
+            ),
+            log=logs / f"5_eval_{name}.log",
+        )
         st.extra["variant"] = name
         evals.append(st.start())
     run_all(evals, min(end - 60, time.time() + args.eval_s), grace=20)

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_offline.cache.codecs import codec_spec, storage_dtype
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.records import SampleToWrite
@@ -105,8 +106,11 @@ class WaitReport:
 # ---- building the data --------------------------------------------------------------------------
 
 
-def build(out: Path, *, num_samples: int, feature_width: int, codec: str, seed: int) -> int:
-    """Write the cache under ``out/cache`` and one torch.save file per sample under ``out/torch``."""
+def build(
+    out: Path, *, num_samples: int, feature_width: int, codec: str, seed: int, encode_device: str = "cpu"
+) -> int:
+    """Write the cache under ``out/cache`` and one torch.save file per sample under ``out/torch``.
+    ``encode_device``: where an fp8 codec's writer encodes (the features are handed over there)."""
     layers = 5 if feature_width % 5 == 0 else 1
     fingerprint = CacheFingerprint(
         target_id="bench:synthetic",
@@ -114,7 +118,7 @@ def build(out: Path, *, num_samples: int, feature_width: int, codec: str, seed: 
         num_target_layers=36,
         layer_ids=tuple(range(1, 1 + layers)),
         hidden_size=feature_width // layers,
-        storage_dtype="bfloat16",
+        storage_dtype=storage_dtype(codec),
         codec=codec,
         tokenizer_hash="bench",
         chat_template_hash="bench",
@@ -140,7 +144,7 @@ def build(out: Path, *, num_samples: int, feature_width: int, codec: str, seed: 
                     source_index=i,
                     input_ids_T=ids_T,
                     loss_mask_T=mask_T,
-                    features_TF=features_TF,
+                    features_TF=features_TF.to(encode_device) if codec_spec(codec).fp8 else features_TF,
                     bucket_id=bisect.bisect_left(EDGES, num_tokens),
                 )
             )
@@ -302,7 +306,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="work directory (default: a temporary one, removed after)")
     parser.add_argument("--num-samples", type=int, default=200)
     parser.add_argument("--feature-width", type=int, default=5 * 576)
-    parser.add_argument("--codec", default="blosc-zstd-1-shuffle")
+    parser.add_argument(
+        "--codec",
+        default="blosc-zstd-1-shuffle",
+        help="feature codec, e.g. none, fp8 (decoded on a CUDA device)",
+    )
     parser.add_argument("--tokens-per-microbatch", type=int, default=8192)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--prefetch", type=int, default=4)
@@ -334,6 +342,7 @@ def main() -> None:
                 feature_width=args.feature_width,
                 codec=args.codec,
                 seed=args.seed,
+                encode_device=args.device,
             )
             print(
                 f"built {args.num_samples} samples, {tokens} tokens, width {args.feature_width} "
@@ -353,6 +362,13 @@ def main() -> None:
         steps = planner.epoch_plan(0)
         in_place = in_place_feature_width(reader) is not None
         print(f"reader decodes into the packed buffer (features_out): {'yes' if in_place else 'no'}")
+        if reader.storage.fp8 is not None:
+            on_device = torch.device(args.device).type == "cuda"
+            print(
+                f"codec {args.codec}: {reader.storage.row_bytes} stored bytes a token for "
+                f"{2 * args.feature_width} of bf16; decoded "
+                + ("on the GPU after the copy" if on_device else "by the reader (CPU)")
+            )
         order = [sid for s in steps for mb in s.microbatches for sid in mb.sample_ids]
         paths = [out / "torch" / f"{sid.replace(':', '_')}.pt" for sid in order]
         raw_bytes = sum(p.stat().st_size for p in paths)

@@ -8,7 +8,8 @@ differently packaged google-crc32c), we fall back to ``google_crc32c.extend`` on
 values.
 
 The sample checksum (``SampleRow.checksum``) is crc32c over the raw, uncompressed bytes of the sample's
-features (uint16 bits, row-major), then its input_ids (int32, little-endian), then its loss_mask (uint8).
+features as stored (uint16 bits, or the uint8 rows of the fp8 codecs; row-major), then its input_ids
+(int32, little-endian), then its loss_mask (uint8).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def crc32c_extend(crc: int, array: np.ndarray) -> int:
 
 
 def sample_checksum(features_TF: np.ndarray, input_ids_T: np.ndarray, loss_mask_T: np.ndarray) -> int:
-    """The stored checksum of one sample: features (uint16 bits), input_ids (int32), loss_mask (uint8)."""
-    assert features_TF.dtype == np.uint16
+    """The stored checksum of one sample: features as stored (uint16 bf16 bits, or uint8 fp8 rows),
+    input_ids (int32), loss_mask (uint8)."""
+    assert features_TF.dtype in (np.uint16, np.uint8)
     assert input_ids_T.dtype == np.int32
     assert loss_mask_T.dtype == np.uint8
     crc = crc32c_extend(0, features_TF)

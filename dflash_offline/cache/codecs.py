@@ -21,9 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from dflash_offline.errors import CacheFormatError
+
+if TYPE_CHECKING:
+    from dflash_offline.cache.fp8 import Fp8Layout
 
 MIB = 1 << 20
 
@@ -38,6 +43,18 @@ class CodecSpec:
     """One line for ``--help`` and reports."""
     make_compressors: Callable[[], tuple[Any, ...]]
     """Builds the zarr-python ``BytesBytesCodec`` chain applied after the ``bytes`` serializer."""
+    fp8: Fp8Scheme | None = None
+    """For the lossy fp8 codecs: how features are quantised before the lossless chain (``fp8.py``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fp8Scheme:
+    """The scaling granularity of an fp8 codec (resolved against the hidden size by ``feature_storage``)."""
+
+    group_dims: int | None
+    """Dims per scale; None = one scale per (token, layer)."""
+    num_outliers: int
+    """Largest-|x| dims of each (token, layer) stored exactly as bf16."""
 
 
 def _none() -> tuple[Any, ...]:
@@ -82,6 +99,26 @@ CODECS: dict[str, CodecSpec] = {
     )
 }
 
+FP8_SCHEME = Fp8Scheme(group_dims=None, num_outliers=2)
+"""Chosen by ``bench/fp8_error.py`` on real SmolLM2 features (bench/RESULTS.md, "fp8 features"): the
+non-outlier dims lose the same ≈ 2.6 % (e4m3's 3 mantissa bits) whatever the scale granularity, since
+e4m3 spans 2^17.8 and a scale set by |x| ≈ 24,800 keeps |x| ≥ 1 normal; what the outliers buy is the
+massive activations themselves, exact: layer-14..27 error 1.1–1.3 % → 0.35–0.9 % with 2 of them
+(0.43–0.97 % with 1, 0.30–0.84 % with 4), at 0.0034 of raw each. Two cover dims 507 and 247."""
+
+CODECS["fp8"] = CodecSpec(
+    name="fp8",
+    description="lossy: float8 e4m3, a power-of-two scale per (token, layer), 2 outliers kept as bf16",
+    make_compressors=_none,
+    fp8=FP8_SCHEME,
+)
+CODECS["fp8-zstd-1"] = CodecSpec(
+    name="fp8-zstd-1",
+    description="fp8, then zstd level 1 over each 1 MiB chunk",
+    make_compressors=_zstd1,
+    fp8=FP8_SCHEME,
+)
+
 DEFAULT_CODEC = "blosc-zstd-1-shuffle"
 """The only candidate within the ≤ 0.72 × raw goal on real features (0.70). It buys 30 % less disk and
 1.4× the effective bandwidth where generate and cold reads are disk-bound (DESIGN §3), for decode CPU
@@ -98,6 +135,61 @@ def codec_spec(name: str) -> CodecSpec:
     if spec is None:
         raise CacheFormatError(f"unknown feature codec {name!r}; known codecs: {', '.join(CODECS)}")
     return spec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FeatureStorage:
+    """How one token's features are stored under a fingerprint's codec."""
+
+    codec: str
+    dtype: np.dtype
+    """uint16 (bf16 bits) or uint8 (fp8 rows)."""
+    width: int
+    """Stored elements per token: F for bf16, the fp8 row bytes W otherwise."""
+    attributes: dict[str, Any]
+    """Attributes of the feature array (what the bytes mean)."""
+    fp8: Fp8Layout | None
+    """The fp8 row layout, None for the lossless codecs."""
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * self.dtype.itemsize
+
+
+def storage_dtype(codec: str) -> str:
+    """``CacheFingerprint.storage_dtype`` for a codec name."""
+    return "float8_e4m3fn" if codec_spec(codec).fp8 is not None else "bfloat16"
+
+
+def feature_storage(codec: str, *, num_layers: int, hidden_size: int) -> FeatureStorage:
+    """The stored row format of a codec for features of ``num_layers`` × ``hidden_size``."""
+    scheme = codec_spec(codec).fp8
+    if scheme is None:
+        width = num_layers * hidden_size
+        return FeatureStorage(
+            codec=codec,
+            dtype=np.dtype("<u2"),
+            width=width,
+            attributes={"dtype": "bfloat16", "codec": codec},
+            fp8=None,
+        )
+    from dflash_offline.cache.fp8 import Fp8Layout
+
+    group = scheme.group_dims or hidden_size
+    if hidden_size % group:
+        raise CacheFormatError(
+            f"codec {codec!r}: scale groups of {group} dims do not divide the hidden size {hidden_size}"
+        )
+    layout = Fp8Layout(
+        num_layers=num_layers, hidden_size=hidden_size, group_dims=group, num_outliers=scheme.num_outliers
+    )
+    return FeatureStorage(
+        codec=codec,
+        dtype=np.dtype("u1"),
+        width=layout.row_bytes,
+        attributes={"dtype": "float8_e4m3fn", "codec": codec, "fp8": layout.to_attributes()},
+        fp8=layout,
+    )
 
 
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}

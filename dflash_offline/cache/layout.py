@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.cache.codecs import codec_spec
+from dflash_offline.cache.codecs import codec_spec, storage_dtype
 from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION, CacheFingerprint
 from dflash_offline.errors import CacheFormatError
 
@@ -168,9 +168,11 @@ def create_or_open_cache(root: str | Path, fingerprint: CacheFingerprint) -> Cac
     layout = CacheLayout.at(root)
     _check_root(layout.root)
     codec_spec(fingerprint.codec)  # refuse unknown codecs before anything is created
-    if fingerprint.storage_dtype != "bfloat16":
+    expected_dtype = storage_dtype(fingerprint.codec)
+    if fingerprint.storage_dtype != expected_dtype:
         raise CacheFormatError(
-            f"storage_dtype {fingerprint.storage_dtype!r} is not supported; use 'bfloat16'"
+            f"storage_dtype {fingerprint.storage_dtype!r} does not go with codec {fingerprint.codec!r}; "
+            f"use {expected_dtype!r}"
         )
     if not layout.cache_json.exists():
         if layout.root.is_dir() and any(TEMP_MARKER not in p.name for p in layout.root.iterdir()):

@@ -30,7 +30,9 @@ import pyarrow.compute as pc
 import torch
 
 from dflash_offline.cache.checksum import sample_checksum
+from dflash_offline.cache.codecs import FeatureStorage, feature_storage
 from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.fp8 import decode_rows
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint
 from dflash_offline.cache.manifest import read_parts
 from dflash_offline.cache.records import CachedSample
@@ -151,6 +153,11 @@ class CacheReader:
     ) -> None:
         self.layout = CacheLayout.at(root)
         self.fingerprint: CacheFingerprint = read_fingerprint(root)
+        self.storage: FeatureStorage = feature_storage(
+            self.fingerprint.codec,
+            num_layers=len(self.fingerprint.layer_ids),
+            hidden_size=self.fingerprint.hidden_size,
+        )
         self.num_threads = max(1, int(num_threads))
         self.check_checksums = check_checksums
         self.on_damaged = on_damaged
@@ -227,31 +234,55 @@ class CacheReader:
         return self.read_rows(self.positions(sample_ids))
 
     def read_rows(
-        self, rows: Sequence[int] | np.ndarray, *, features_out: np.ndarray | None = None
+        self,
+        rows: Sequence[int] | np.ndarray,
+        *,
+        features_out: np.ndarray | None = None,
+        stored_out: np.ndarray | None = None,
     ) -> list[CachedSample]:
         """Read samples by position in ``self.samples`` (the trainer's fast path). Thread-safe.
 
         ``features_out``: optional C-contiguous uint16 [sum of T, F] array; sample i's features are then
         written to rows [T_0 + ... + T_(i-1), + T_i) of it, in request order, and its ``features_TF``
-        is a bf16 view of those rows (saves the packing copy)."""
+        is a bf16 view of those rows (saves the packing copy). Lossy (fp8) caches are decoded to bf16
+        on the CPU, into it or into fresh arrays.
+        ``stored_out``: instead, an array of ``self.storage`` dtype [sum of T, W] that receives the
+        stored (still encoded) rows the same way, for a decode on the training device: each sample's
+        ``stored_TW`` is a view of its rows and its ``features_TF`` is empty [T, 0]."""
         table = self.samples  # one snapshot even if refresh() runs meanwhile
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= len(table)):
             raise SampleError(f"row {int(rows.max())} out of range: the cache has {len(table)} samples")
         width = self.fingerprint.feature_width
-        if features_out is not None:
-            needed = int(table.num_tokens[rows].astype(np.int64).sum())
-            if (
-                features_out.dtype != np.uint16
-                or features_out.ndim != 2
-                or features_out.shape[1] != width
-                or features_out.shape[0] < needed
-                or not features_out.flags.c_contiguous
+        storage = self.storage
+        needed = int(table.num_tokens[rows].astype(np.int64).sum())
+        for name, out, dtype, w in (
+            ("features_out", features_out, np.dtype(np.uint16), width),
+            ("stored_out", stored_out, storage.dtype, storage.width),
+        ):
+            if out is not None and (
+                out.dtype != dtype
+                or out.ndim != 2
+                or out.shape[1] != w
+                or out.shape[0] < needed
+                or not out.flags.c_contiguous
             ):
                 raise SampleError(
-                    f"features_out must be C-contiguous uint16 [>= {needed}, {width}], "
-                    f"got {features_out.dtype} {tuple(features_out.shape)}"
+                    f"{name} must be C-contiguous {dtype} [>= {needed}, {w}], "
+                    f"got {out.dtype} {tuple(out.shape)}"
                 )
+        if features_out is not None and stored_out is not None:
+            raise SampleError("pass features_out or stored_out, not both")
+        fp8 = storage.fp8
+        decode_into = None
+        if fp8 is None:
+            dest = features_out if features_out is not None else stored_out
+        elif stored_out is not None:
+            dest = stored_out  # the caller decodes (on its device)
+        else:  # the stored rows land in one scratch block, decoded below
+            dest = np.empty((needed, storage.width), dtype=storage.dtype)
+            decode_into = features_out
+        device_decode = fp8 is not None and stored_out is not None
         outputs = []
         packed = 0
         # (shard, shard index) -> array name -> pieces: one task reads one shard index of all arrays
@@ -259,8 +290,8 @@ class CacheReader:
         for row in rows.tolist():
             shard = table.shard_names[table.shard_code[row]]
             start, num = int(table.row_start[row]), int(table.num_tokens[row])
-            if features_out is not None:
-                features = features_out[packed : packed + num]
+            if dest is not None:
+                features = dest[packed : packed + num]
                 packed += num
             else:
                 features = np.empty((num, width), dtype=DTYPES["features"])
@@ -296,14 +327,32 @@ class CacheReader:
         if self.check_checksums:
             self._check(table, rows, outputs)
         samples = []
+        packed = 0
         for row, bufs in zip(rows.tolist(), outputs):
+            stored_TW = None
+            num = int(bufs["input_ids"].shape[0])
+            if fp8 is None:
+                features_TF = torch.from_numpy(bufs["features"]).view(torch.bfloat16)
+            elif device_decode:
+                stored_TW = torch.from_numpy(bufs["features"])
+                features_TF = torch.empty((num, 0), dtype=torch.bfloat16)
+            else:  # decode the fp8 rows to bf16 on the CPU (after the checksum of the stored bytes)
+                out_TF = (
+                    decode_into[packed : packed + num]
+                    if decode_into is not None
+                    else np.empty((num, width), dtype=np.uint16)
+                )
+                features_TF = torch.from_numpy(out_TF).view(torch.bfloat16)
+                decode_rows(torch.from_numpy(bufs["features"]), fp8, features_TF)
+            packed += num
             samples.append(
                 CachedSample(
                     sample_id=str(table.sample_id[row]),
                     input_ids_T=torch.from_numpy(bufs["input_ids"]),
                     loss_mask_T=torch.from_numpy(bufs["loss_mask"]),
-                    features_TF=torch.from_numpy(bufs["features"]).view(torch.bfloat16),
+                    features_TF=features_TF,
                     bucket_id=int(table.bucket_id[row]),
+                    stored_TW=stored_TW,
                 )
             )
         return samples
@@ -391,10 +440,11 @@ class CacheReader:
         if formats is None:
             group = self.layout.shard_group(shard)
             formats = {array: parse_array_format(group / array, array) for array in ARRAYS}
-            width = formats["features"].width
-            if width != self.fingerprint.feature_width:
+            fmt = formats["features"]
+            if fmt.width != self.storage.width or fmt.dtype != self.storage.dtype:
                 raise CacheFormatError(
-                    f"{group}: features are {width} wide, cache.json says {self.fingerprint.feature_width}"
+                    f"{group}: features are {fmt.dtype} [{fmt.width}] a token, cache.json's codec "
+                    f"{self.storage.codec!r} stores {self.storage.dtype} [{self.storage.width}]"
                 )
             self._formats[shard] = formats
         return formats[name]

@@ -57,8 +57,8 @@ class SampleToWrite:
     loss_mask_T: np.ndarray
     """uint8 [T]: 1 exactly on assistant-turn tokens."""
     features_TF: torch.Tensor
-    """bfloat16 [T, F] on the CPU: residual stream after each captured layer, concatenated in ascending
-    layer order."""
+    """bfloat16 [T, F] on the CPU (any device for the fp8 codecs: encoded there): residual stream after
+    each captured layer, concatenated in ascending layer order."""
     bucket_id: int
     """Index of the first bucket edge >= T."""
 
@@ -245,8 +245,10 @@ class CachedSample:
     loss_mask_T: torch.Tensor
     """uint8 [T]."""
     features_TF: torch.Tensor
-    """bfloat16 [T, F]."""
+    """bfloat16 [T, F]; empty [T, 0] when read with ``stored_out`` from a lossy (fp8) cache."""
     bucket_id: int
+    stored_TW: torch.Tensor | None = None
+    """uint8 [T, W]: the stored fp8 rows, only when read with ``stored_out`` (decoded on the device)."""
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,7 @@ from dflash_offline.cache.checksum import sample_checksum
 from dflash_offline.cache.layout import CacheLayout, partial_files
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.reader import CacheReader, SampleTable
+from dflash_offline.cache.records import CachedSample
 from dflash_offline.cache.shard_file import ShardFile
 from dflash_offline.cache.zarr_format import ARRAYS, parse_array_format
 from dflash_offline.errors import CacheDamageError
@@ -191,7 +192,17 @@ def verify_cache(root: str | Path, *, progress: bool = True, num_threads: int = 
     checked = checked_bytes = 0
     with CacheReader.open(root, num_threads=num_threads) as reader:
         table = reader.samples
-        row_bytes = reader.fingerprint.feature_width * 2 + 4 + 1
+        storage = reader.storage
+        row_bytes = storage.row_bytes + 4 + 1
+        lossy = storage.fp8 is not None
+
+        def read(rows: np.ndarray) -> list[CachedSample]:
+            # A lossy cache's checksum covers its stored (encoded) bytes: read those, undecoded.
+            if not lossy:
+                return reader.read_rows(rows)
+            needed = int(table.num_tokens[rows].astype(np.int64).sum())
+            return reader.read_rows(rows, stored_out=np.empty((needed, storage.width), storage.dtype))
+
         order = np.lexsort((table.row_start, table.shard_code)) if len(table) else np.zeros(0, np.int64)
         damaged.update(_overlaps(table, order))
         bar = tqdm(
@@ -203,17 +214,20 @@ def verify_cache(root: str | Path, *, progress: bool = True, num_threads: int = 
         )
         for batch in _batches(table, order, row_bytes):
             try:
-                pairs = list(zip(batch.tolist(), reader.read_rows(batch)))
+                pairs = list(zip(batch.tolist(), read(batch)))
             except CacheDamageError:
                 pairs = []
                 for row in batch.tolist():  # find out which samples the damage hurts
                     try:
-                        pairs.append((row, reader.read_rows([row])[0]))
+                        pairs.append((row, read(np.array([row]))[0]))
                     except CacheDamageError as e:
                         damaged.setdefault(row, str(e))
             for row, sample in pairs:
+                stored = (
+                    sample.features_TF.view(torch.uint16) if sample.stored_TW is None else sample.stored_TW
+                )
                 crc = sample_checksum(
-                    sample.features_TF.view(torch.uint16).numpy(),
+                    stored.numpy(),
                     sample.input_ids_T.numpy(),
                     sample.loss_mask_T.numpy(),
                 )

@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.checksum import sample_checksum
+from dflash_offline.cache.codecs import feature_storage
 from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.fp8 import encode_rows
 from dflash_offline.cache.layout import CacheLayout, create_or_open_cache, fsync_dir
 from dflash_offline.cache.manifest import (
     committed_sample_ids,
@@ -65,10 +67,13 @@ def new_session_id() -> str:
     return f"{utc_now():%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
 
 
-def shard_geometry(feature_width: int, *, chunk_bytes: int, shard_bytes: int) -> tuple[int, int]:
+def shard_geometry(
+    feature_width: int, *, chunk_bytes: int, shard_bytes: int, row_bytes: int | None = None
+) -> tuple[int, int]:
     """(chunk_rows, shard_rows): an inner chunk of at least ``chunk_bytes`` and a shard of about
-    ``shard_bytes`` (a whole number of chunks)."""
-    row_bytes = feature_width * 2
+    ``shard_bytes`` (a whole number of chunks). ``row_bytes``: stored feature bytes a token (default
+    bf16's 2 × feature_width)."""
+    row_bytes = feature_width * 2 if row_bytes is None else row_bytes
     chunk_rows = max(1, math.ceil(chunk_bytes / row_bytes))
     chunks_per_shard = max(1, round(shard_bytes / (chunk_rows * row_bytes)))
     return chunk_rows, chunk_rows * chunks_per_shard
@@ -134,8 +139,14 @@ class ShardWriter:
         self.fsync = fsync
         self.flush_seconds = flush_seconds
         self.feature_width = fingerprint.feature_width
+        self.storage = feature_storage(
+            fingerprint.codec, num_layers=len(fingerprint.layer_ids), hidden_size=fingerprint.hidden_size
+        )
         self.chunk_rows, self.shard_rows = shard_geometry(
-            self.feature_width, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes
+            self.feature_width,
+            chunk_bytes=chunk_bytes,
+            shard_bytes=shard_bytes,
+            row_bytes=self.storage.row_bytes,
         )
         # Read before anything of this session is created: a manifest that cannot be read stops us early.
         self._known = set(committed_sample_ids(root) if known_sample_ids is None else known_sample_ids)
@@ -147,10 +158,9 @@ class ShardWriter:
         self._group = group
         self._formats = create_shard_group(
             group,
-            feature_width=self.feature_width,
+            storage=self.storage,
             chunk_rows=self.chunk_rows,
             shard_rows=self.shard_rows,
-            codec=fingerprint.codec,
             attributes={"shard": self.shard, "worker": self.worker, "session": self.session},
         )
         created_at = utc_now()
@@ -175,7 +185,7 @@ class ShardWriter:
         self._block_start = 0
         self._next_row = 0
         capacity = self.shard_rows * 2
-        self._features_RF = np.empty((capacity, self.feature_width), dtype=np.uint16)
+        self._features_RF = np.empty((capacity, self.storage.width), dtype=self.storage.dtype)
         self._ids_R = np.empty(capacity, dtype=np.int32)
         self._mask_R = np.empty(capacity, dtype=np.uint8)
         self._staged: list[_Staged] = []  # rows staged in RAM (the first may be partly written)
@@ -279,7 +289,13 @@ class ShardWriter:
         self._reserve(offset + num_tokens)
         # Copy now: the caller may reuse its (pinned) buffer as soon as add() returns.
         features_TF = self._features_RF[offset : offset + num_tokens]
-        features_TF[:] = sample.features_TF.detach().view(torch.uint16).numpy()
+        if self.storage.fp8 is not None:  # lossy: the stored (and checksummed) bytes are the fp8 rows
+            where = f"sample {sample.sample_id!r} (source_index {sample.source_index})"
+            # Encoded where the features are (a caller may hand over CUDA tensors: the GPU encodes).
+            encoded = encode_rows(sample.features_TF.detach(), self.storage.fp8, where=where)
+            features_TF[:] = encoded.cpu().numpy()
+        else:
+            features_TF[:] = sample.features_TF.detach().view(torch.uint16).numpy()
         self._ids_R[offset : offset + num_tokens] = ids_T
         self._mask_R[offset : offset + num_tokens] = mask_T
         checksum = sample_checksum(
@@ -421,7 +437,7 @@ class ShardWriter:
             if buffers.features_RF.shape[0] >= capacity:
                 return buffers
         return _Buffers(
-            features_RF=np.empty((capacity, self.feature_width), dtype=np.uint16),
+            features_RF=np.empty((capacity, self.storage.width), dtype=self.storage.dtype),
             ids_R=np.empty(capacity, dtype=np.int32),
             mask_R=np.empty(capacity, dtype=np.uint8),
         )

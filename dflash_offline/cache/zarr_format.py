@@ -3,7 +3,8 @@
 Shape legend: R = token rows of an array, F = features per token (num_layers * hidden_size).
 
 A group ``shards/<shard>.zarr`` holds three arrays along the token axis:
-    features  uint16 [R, F]  bf16 bits ("bfloat16" in the attributes), codec from the fingerprint
+    features  uint16 [R, F]  bf16 bits ("bfloat16" in the attributes), codec from the fingerprint;
+              or uint8 [R, W] fp8 rows ("float8_e4m3fn" and the row layout in the attributes, fp8.py)
     input_ids int32  [R]     uncompressed
     loss_mask uint8  [R]     uncompressed
 Each array uses the ``sharding_indexed`` codec: a shard (one file, ``c/<i>/0`` or ``c/<i>``) holds
@@ -24,7 +25,7 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from dflash_offline.cache.codecs import IDS_CODEC, codec_spec, make_numcodec
+from dflash_offline.cache.codecs import IDS_CODEC, FeatureStorage, codec_spec, make_numcodec
 from dflash_offline.cache.layout import write_atomic
 from dflash_offline.errors import CacheDamageError, CacheFormatError
 
@@ -39,13 +40,13 @@ DTYPES: dict[str, np.dtype] = {
 def create_shard_group(
     group_path: Path,
     *,
-    feature_width: int,
+    storage: FeatureStorage,
     chunk_rows: int,
     shard_rows: int,
-    codec: str,
     attributes: dict[str, Any],
 ) -> dict[str, ArrayFormat]:
     """Create a new, empty shard group (refuses an existing one); returns its arrays' formats."""
+    feature_width, codec = storage.width, storage.codec
     assert shard_rows % chunk_rows == 0, (shard_rows, chunk_rows)
     group = zarr.open_group(store=LocalStore(group_path), mode="w-", zarr_format=3, attributes=attributes)
     key_encoding: dict[str, Any] = {"name": "default", "separator": "/"}
@@ -53,13 +54,13 @@ def create_shard_group(
     group.create_array(
         "features",
         shape=(0, feature_width),
-        dtype="uint16",
+        dtype=storage.dtype.name,
         chunks=(chunk_rows, feature_width),
         shards=(shard_rows, feature_width),
         compressors=codec_spec(codec).make_compressors(),
         fill_value=0,
         chunk_key_encoding=key_encoding,
-        attributes={"dtype": "bfloat16", "codec": codec},
+        attributes=storage.attributes,
     )
     for name, dtype in (("input_ids", "int32"), ("loss_mask", "uint8")):
         group.create_array(
@@ -129,6 +130,8 @@ def parse_array_format(array_dir: Path, name: str) -> ArrayFormat:
     if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         raise _bad(array_dir, "not a Zarr v3 array")
     dtype = DTYPES[name]
+    if name == "features" and meta.get("attributes", {}).get("dtype") == "float8_e4m3fn":
+        dtype = np.dtype("u1")  # fp8 rows (fp8.py); readers check the layout against the fingerprint
     if meta.get("data_type") != dtype.name:
         raise _bad(array_dir, f"data_type {meta.get('data_type')!r}, expected {dtype.name!r}")
     shape = meta["shape"]

@@ -81,7 +81,7 @@ class GenerateSummary:
 
 def prepare_run(config: GenerateConfig) -> RunContext:
     """Resolve target, tokenizer and layers; create or check the cache; load the resume state."""
-    from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec
+    from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec, storage_dtype
     from dflash_offline.cache.layout import read_fingerprint
     from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name_for_cache
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
@@ -117,7 +117,7 @@ def prepare_run(config: GenerateConfig) -> RunContext:
         num_target_layers=info.num_layers,
         layer_ids=layer_ids,
         hidden_size=info.hidden_size,
-        storage_dtype="bfloat16",
+        storage_dtype=storage_dtype(codec),
         codec=codec,
         tokenizer_hash=tokenizer_hash(tokenizer),
         chat_template_hash=chat_template_hash(tokenizer),

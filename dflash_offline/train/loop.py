@@ -142,10 +142,14 @@ def _steps_of(prefetcher: Prefetcher) -> Iterator[list[PackedMicrobatch]]:
 def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> Any:
     """The run's sample set: taken at the first start by rank 0 and saved; reloaded on resume."""
     path = config.out_dir / "snapshot.parquet"
+    taken = None
     if info.is_main and not path.exists():
-        save_snapshot(take_snapshot(reader), path)
+        taken = take_snapshot(reader)
+        save_snapshot(taken, path)
     barrier(info)
-    return load_snapshot(path, reader)
+    # The rank that just took it keeps it (bound to this reader already): re-reading, re-sorting and
+    # re-binding a million ids cost seconds before the first step. Everyone else loads the saved one.
+    return taken if taken is not None else load_snapshot(path, reader)
 
 
 def _feature_scale(config: TrainConfig, reader: CacheReader, snapshot: Any, info: DistInfo) -> torch.Tensor:

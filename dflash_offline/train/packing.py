@@ -58,9 +58,18 @@ class PackLayout:
         }
 
 
-def pack_layout(num_tokens: int, num_documents: int, width: int) -> PackLayout:
+def pack_layout(
+    num_tokens: int, num_documents: int, width: int, *, stored_width: int | None = None
+) -> PackLayout:
+    """``stored_width``: carry the features as W stored bytes a token (``stored_TW``, uint8 [T, W], an
+    fp8 cache's rows, decoded on the device after the copy) instead of ``features_TF``."""
+    features: tuple[str, torch.dtype, tuple[int, ...]] = (
+        ("features_TF", torch.bfloat16, (num_tokens, width))
+        if stored_width is None
+        else ("stored_TW", torch.uint8, (num_tokens, stored_width))
+    )
     specs: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...] = (
-        ("features_TF", torch.bfloat16, (num_tokens, width)),
+        features,
         ("input_ids_T", torch.int64, (num_tokens,)),
         ("loss_mask_T", torch.bool, (num_tokens,)),
         ("doc_ids_T", torch.int32, (num_tokens,)),
@@ -91,17 +100,26 @@ def pack_into(
     num_tokens = int(lengths_D.sum())
     # numpy, not torch.cat/copy_: on the 2-core machine torch's copies of the reader's buffers ran at
     # 0.3–1 GB/s against 3–12 GB/s for numpy's memcpy (which releases the GIL too). bf16 moves as int16.
-    features_TF = out["features_TF"]
-    in_place = all(
-        s.features_TF.data_ptr() == features_TF[start].data_ptr()
-        for s, start in zip(samples, starts_D.tolist())
-    )
-    if not in_place:  # else the reader decoded straight into the buffer (``features_out``)
-        np.concatenate(
-            [s.features_TF.view(torch.int16).numpy() for s in samples],
-            axis=0,
-            out=features_TF.view(torch.int16).numpy(),
+    if "stored_TW" in out:  # encoded rows (fp8), decoded on the device
+        stored_TW = out["stored_TW"]
+        parts = []
+        for s in samples:
+            assert s.stored_TW is not None, "a stored-bytes layout needs samples read with stored_out"
+            parts.append(s.stored_TW)
+        if not all(p.data_ptr() == stored_TW[st].data_ptr() for p, st in zip(parts, starts_D.tolist())):
+            np.concatenate([p.numpy() for p in parts], axis=0, out=stored_TW.numpy())
+    else:
+        features_TF = out["features_TF"]
+        in_place = all(
+            s.features_TF.data_ptr() == features_TF[start].data_ptr()
+            for s, start in zip(samples, starts_D.tolist())
         )
+        if not in_place:  # else the reader decoded straight into the buffer (``features_out``)
+            np.concatenate(
+                [s.features_TF.view(torch.int16).numpy() for s in samples],
+                axis=0,
+                out=features_TF.view(torch.int16).numpy(),
+            )
     np.concatenate([s.input_ids_T.numpy() for s in samples], out=out["input_ids_T"].numpy(), casting="safe")
     mask_T = out["loss_mask_T"].view(torch.uint8).numpy()
     np.concatenate([s.loss_mask_T.numpy() for s in samples], out=mask_T, casting="safe")

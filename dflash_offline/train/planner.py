@@ -34,6 +34,7 @@ the samples the old topology had not reached yet (replayed from its own plan), s
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -80,12 +81,10 @@ class _RawMicrobatch:
     """Snapshot positions of the samples, in packing order."""
     sample_tokens: tuple[int, ...]
     """Tokens of each sample."""
+    num_tokens: int
+    """sum(sample_tokens), computed once (it is read many times per microbatch)."""
     rank: int = -1
     is_padding: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.sample_tokens)
 
 
 class LengthMixingPlanner:
@@ -204,20 +203,44 @@ class LengthMixingPlanner:
         return [_assign_ranks(step, topology.world_size) for step in steps]
 
     def _num_raw_steps(self, epoch: int) -> int:
-        """Steps of ``epoch`` planned from scratch under the current topology."""
+        """Steps of ``epoch`` planned from scratch under the current topology: counted from the
+        packing alone (merging, the last step's fill and rank assignment never change the count),
+        so that the LR schedule's total does not plan every epoch in full at start-up."""
         count = self._count_cache.get(epoch)
         if count is None:
-            count = len(self._raw_steps(epoch, self.topology))
+            cached = self._steps_cache.get((epoch, self.topology, ()))
+            if cached is not None:
+                count = len(cached)
+            else:
+                tokens_N = self.snapshot.num_tokens_N
+                budget = self.topology.tokens_per_microbatch
+                num_mbs = 0
+                for bucket, positions in sorted(self._positions_by_bucket.items()):
+                    rng = np.random.default_rng(
+                        np.random.SeedSequence([self.seed, epoch, bucket, _TAG_SHUFFLE])
+                    )
+                    order = positions[rng.permutation(len(positions))]
+                    num_mbs += len(_pack_bounds(tokens_N[order], budget)) - 1
+                per_step = self.topology.microbatches_per_step
+                count = num_mbs // per_step if self.topology.drop_last else -(-num_mbs // per_step)
             self._count_cache[epoch] = count
         return count
 
     def _to_step_plans(
-        self, raw: list[list[_RawMicrobatch]], *, epoch: int, first_step: int, first_global: int
-    ) -> list[StepPlan]:
+        self,
+        raw: list[list[_RawMicrobatch]],
+        *,
+        epoch: int,
+        first_step: int,
+        first_global: int,
+        skip: int = 0,
+    ) -> Iterator[StepPlan]:
+        """The step plans of ``raw[skip:]``, built one at a time (an epoch of a large index holds
+        millions of sample ids: a run's first step must not wait for all of them)."""
         ids, buckets = self.snapshot.sample_ids, self.snapshot.bucket_ids_N
         num_steps = first_step + len(raw)
-        plans = []
-        for i, step in enumerate(raw):
+        for i in range(skip, len(raw)):
+            step = raw[i]
             ordered = sorted(step, key=lambda mb: mb.rank)  # stable: keeps each rank's due order
             microbatches = tuple(
                 MicrobatchPlan(
@@ -231,24 +254,23 @@ class LengthMixingPlanner:
                 )
                 for j, mb in enumerate(ordered)
             )
-            plans.append(
-                StepPlan(
-                    epoch=epoch,
-                    step_in_epoch=first_step + i,
-                    global_step=first_global + i,
-                    num_steps_in_epoch=num_steps,
-                    num_microbatches_per_rank=len(step) // self.topology.world_size,
-                    microbatches=microbatches,
-                )
+            yield StepPlan(
+                epoch=epoch,
+                step_in_epoch=first_step + i,
+                global_step=first_global + i,
+                num_steps_in_epoch=num_steps,
+                num_microbatches_per_rank=len(step) // self.topology.world_size,
+                microbatches=microbatches,
             )
-        return plans
 
     def epoch_plan(self, epoch: int) -> list[StepPlan]:
         """Every step of ``epoch`` as planned from scratch under this planner's topology (no resume
         history); global steps count the from-scratch steps of the epochs before it."""
         first_global = sum(self._num_raw_steps(e) for e in range(epoch))
-        return self._to_step_plans(
-            self._raw_steps(epoch, self.topology), epoch=epoch, first_step=0, first_global=first_global
+        return list(
+            self._to_step_plans(
+                self._raw_steps(epoch, self.topology), epoch=epoch, first_step=0, first_global=first_global
+            )
         )
 
     def steps_per_epoch(self, epoch: int | None = None) -> int:
@@ -281,11 +303,14 @@ class LengthMixingPlanner:
         while num_epochs is None or epoch < num_epochs:
             done = sum(s.num_steps for s in segments)
             raw = self._raw_steps(epoch, self.topology, segments)
-            plans = self._to_step_plans(
-                raw, epoch=epoch, first_step=done, first_global=global_step - (step_in_epoch - done)
+            yield from self._to_step_plans(
+                raw,
+                epoch=epoch,
+                first_step=done,
+                first_global=global_step - (step_in_epoch - done),
+                skip=step_in_epoch - done,
             )
-            yield from plans[step_in_epoch - done :]
-            global_step += len(plans) - (step_in_epoch - done)
+            global_step += len(raw) - (step_in_epoch - done)
             epoch, step_in_epoch, segments = epoch + 1, 0, ()
 
     def __iter__(self) -> Iterator[StepPlan]:
@@ -396,22 +421,35 @@ def _topology_dict(t: Topology) -> dict[str, Any]:
     }
 
 
+def _pack_bounds(tokens_N: np.ndarray, budget: int) -> np.ndarray:
+    """int64 [M + 1] bounds of greedy in-order packing: consecutive samples share a microbatch while
+    their sum fits ``budget`` (each sample fits alone); microbatch j is [bounds[j], bounds[j+1]).
+    Vectorised: one binary search gives, for every sample, where a microbatch starting there would
+    end; the microbatches are then the chain of those ends from 0 (a Python step a microbatch, not a
+    sample)."""
+    n = len(tokens_N)
+    if n == 0:
+        return np.zeros(1, dtype=np.int64)
+    cum = np.cumsum(tokens_N, dtype=np.int64)
+    ends = np.searchsorted(cum, cum - tokens_N + budget, side="right").tolist()
+    bounds = [0]
+    start = 0
+    while start < n:
+        start = ends[start]
+        bounds.append(start)
+    return np.asarray(bounds, dtype=np.int64)
+
+
 def _pack(order_N: np.ndarray, tokens_N: np.ndarray, budget: int) -> list[_RawMicrobatch]:
-    """Greedy in-order packing: consecutive samples share a microbatch while their sum fits ``budget``."""
-    packed: list[_RawMicrobatch] = []
-    current: list[int] = []
-    current_tokens: list[int] = []
-    total = 0
-    for position, tokens in zip(order_N.tolist(), tokens_N.tolist()):
-        if current and total + tokens > budget:
-            packed.append(_RawMicrobatch(positions=tuple(current), sample_tokens=tuple(current_tokens)))
-            current, current_tokens, total = [], [], 0
-        current.append(position)
-        current_tokens.append(tokens)
-        total += tokens
-    if current:
-        packed.append(_RawMicrobatch(positions=tuple(current), sample_tokens=tuple(current_tokens)))
-    return packed
+    """Greedy in-order packing (see ``_pack_bounds``) as microbatches of snapshot positions."""
+    bounds_M1 = _pack_bounds(tokens_N, budget)
+    totals = np.diff(np.concatenate([[0], np.cumsum(tokens_N, dtype=np.int64)])[bounds_M1]).tolist()
+    bounds = bounds_M1.tolist()
+    positions, tokens = order_N.tolist(), tokens_N.tolist()
+    return [
+        _RawMicrobatch(positions=tuple(positions[a:b]), sample_tokens=tuple(tokens[a:b]), num_tokens=total)
+        for (a, b), total in zip(itertools.pairwise(bounds), totals, strict=True)
+    ]
 
 
 def _fill_last_step(step: list[_RawMicrobatch], world_size: int) -> list[_RawMicrobatch]:
@@ -432,8 +470,16 @@ def _split_in_two(mb: _RawMicrobatch) -> list[_RawMicrobatch]:
     prefix = np.cumsum(mb.sample_tokens)[:-1]
     cut = int(np.argmin(np.abs(2 * prefix - mb.num_tokens))) + 1
     return [
-        _RawMicrobatch(positions=mb.positions[:cut], sample_tokens=mb.sample_tokens[:cut]),
-        _RawMicrobatch(positions=mb.positions[cut:], sample_tokens=mb.sample_tokens[cut:]),
+        _RawMicrobatch(
+            positions=mb.positions[:cut],
+            sample_tokens=mb.sample_tokens[:cut],
+            num_tokens=sum(mb.sample_tokens[:cut]),
+        ),
+        _RawMicrobatch(
+            positions=mb.positions[cut:],
+            sample_tokens=mb.sample_tokens[cut:],
+            num_tokens=sum(mb.sample_tokens[cut:]),
+        ),
     ]
 
 
@@ -442,13 +488,15 @@ def _padding_like(step: list[_RawMicrobatch]) -> _RawMicrobatch:
     tokens, position = min(
         (t, p) for mb in step for p, t in zip(mb.positions, mb.sample_tokens) if not mb.is_padding
     )
-    return _RawMicrobatch(positions=(position,), sample_tokens=(tokens,), is_padding=True)
+    return _RawMicrobatch(positions=(position,), sample_tokens=(tokens,), num_tokens=tokens, is_padding=True)
 
 
 def _assign_ranks(step: list[_RawMicrobatch], world_size: int) -> list[_RawMicrobatch]:
     """Largest first onto the least-loaded rank with room; each rank gets len(step) / world_size."""
     per_rank = len(step) // world_size
     assert per_rank * world_size == len(step), "a step's microbatch count is a multiple of world_size"
+    if world_size == 1:  # every microbatch on rank 0 (what the loop below gives, without its cost)
+        return [mb if mb.rank == 0 else replace(mb, rank=0) for mb in step]
     loads, counts = [0] * world_size, [0] * world_size
     ranks = [0] * len(step)
     for i in sorted(range(len(step)), key=lambda j: (-step[j].num_tokens, j)):

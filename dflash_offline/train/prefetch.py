@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from dflash_offline.cache.fp8 import Fp8Layout, decode_rows
 from dflash_offline.cache.records import CachedSample
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, WorkerError
 from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
@@ -59,6 +60,17 @@ class RowReader(Protocol):
     faster read-and-pack on the 2-core machine, warm page cache, uncompressed cache)."""
 
     def read_rows(self, rows: Sequence[int]) -> list[CachedSample]: ...
+
+
+def device_decode_layout(reader: object) -> Fp8Layout | None:
+    """The fp8 row layout when ``reader`` is a lossy (fp8) cache that can hand over its stored rows
+    (``read_rows(..., stored_out=...)``), else None."""
+    try:
+        accepts = "stored_out" in inspect.signature(reader.read_rows).parameters  # type: ignore[attr-defined]
+        layout = reader.storage.fp8  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return layout if accepts and isinstance(layout, Fp8Layout) else None
 
 
 def in_place_feature_width(reader: object) -> int | None:
@@ -118,6 +130,9 @@ class Prefetcher:
     ``AnchorRequest`` whose generator is seeded by the microbatch's ``anchor_seed``.
     ``pin_memory``: override (default: pin when the device is CUDA). ``host_pool``: share a pool of
     CPU buffers between prefetchers (one per epoch, say) so buffers are not faulted in again.
+    ``decode_on_device``: for an fp8 cache, copy the stored fp8 rows (about half of bf16's bytes) to the
+    device and decode them there, on the side stream (default: on CUDA); otherwise the reader decodes
+    on the CPU. Both give the same bf16 bits (``cache/fp8.py``: the decode is exact arithmetic).
     """
 
     def __init__(
@@ -131,6 +146,7 @@ class Prefetcher:
         anchor_fn: AnchorFn | None = None,
         pin_memory: bool | None = None,
         host_pool: HostBufferPool | None = None,
+        decode_on_device: bool | None = None,
     ) -> None:
         if prefetch < 1 or num_threads < 1:
             raise ConfigError(
@@ -148,6 +164,13 @@ class Prefetcher:
         # (≤ prefetch) plus those the loop holds (a whole step's microbatches, say); capped.
         self._pool = host_pool or HostBufferPool(max_buffers=2 * prefetch + 8)
         self._feature_width = in_place_feature_width(reader)
+        self._fp8 = (
+            device_decode_layout(reader)
+            if (is_cuda if decode_on_device is None else decode_on_device)
+            else None
+        )
+        if self._fp8 is not None and self._feature_width is None:
+            self._fp8 = None  # a reader without the features_out fast path: let it decode
         self._cond = threading.Condition()
         self._jobs_lock = threading.Lock()  # the job iterator is not thread-safe; kept apart from _cond
         # State under _cond:
@@ -300,7 +323,17 @@ class Prefetcher:
 
     def _prepare(self, job: ScheduledMicrobatch) -> _Ready:
         t0 = time.perf_counter()
-        if self._feature_width is not None:
+        if self._fp8 is not None:
+            # fp8 cache, device decode: the stored rows go into the (pinned) buffer as they are.
+            num_tokens = job.plan.num_tokens
+            layout = pack_layout(
+                num_tokens, len(job.reader_rows), self._fp8.num_features, stored_width=self._fp8.row_bytes
+            )
+            buffer_B = self._host_buffer(layout.nbytes)
+            stored_out = layout.carve(buffer_B)["stored_TW"].numpy()
+            samples = self._reader.read_rows(job.reader_rows, stored_out=stored_out)  # type: ignore[call-arg]
+            del stored_out
+        elif self._feature_width is not None:
             # The reader decodes features straight into the packed buffer (one copy fewer).
             num_tokens = job.plan.num_tokens
             layout = pack_layout(num_tokens, len(job.reader_rows), self._feature_width)
@@ -345,15 +378,19 @@ class Prefetcher:
             with torch.cuda.stream(self._stream):
                 # One copy for every per-token tensor (they share the buffer), one for the anchors.
                 tensors = layout.carve(buffer_B.to(self._device, non_blocking=True))
+                self._decode_stored(tensors)
                 tensors["anchors_A"] = anchors_A.pin_memory().to(self._device, non_blocking=True)
                 copy_done = torch.cuda.Event()
                 copy_done.record(self._stream)
         elif self._device.type != "cpu":
             tensors = layout.carve(buffer_B.to(self._device))
+            self._decode_stored(tensors)
             tensors["anchors_A"] = anchors_A.to(self._device)
         else:
             tensors = {**host, "anchors_A": anchors_A}
-        num_bytes = sum(s.features_TF.nbytes + s.input_ids_T.nbytes + s.loss_mask_T.nbytes for s in samples)
+            self._decode_stored(tensors)
+        width = int(tensors["features_TF"].shape[1])
+        num_bytes = num_tokens * width * 2 + sum(s.input_ids_T.nbytes + s.loss_mask_T.nbytes for s in samples)
         batch = PackedMicrobatch(
             plan=job.plan,
             step=job.step,
@@ -377,6 +414,18 @@ class Prefetcher:
             c["read_s"] += t1 - t0
             c["pack_s"] += t2 - t1
         return _Ready(batch=batch, copy_done=copy_done)
+
+    def _decode_stored(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace ``stored_TW`` (fp8 rows on the device) by the decoded bf16 ``features_TF``, issued on
+        the current stream (the side stream on CUDA, after the copy that filled it)."""
+        stored_TW = tensors.pop("stored_TW", None)
+        if stored_TW is None:
+            return
+        assert self._fp8 is not None
+        features_TF = torch.empty(
+            (stored_TW.shape[0], self._fp8.num_features), dtype=torch.bfloat16, device=stored_TW.device
+        )
+        tensors["features_TF"] = decode_rows(stored_TW, self._fp8, features_TF)
 
 
 _DEVICE_TENSORS = (

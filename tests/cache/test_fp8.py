@@ -1,0 +1,365 @@
+"""The fp8 feature codec against an independent numpy reference, and through writer, reader and verify.
+
+Shape legend: T = tokens, L = layers, H = hidden size, K = outliers, W = stored bytes per token.
+The reference below re-derives e4m3 from its definition (sign, 4 exponent bits with bias 7, 3 mantissa
+bits, subnormals at exponent 0, 0x7F/0xFF NaN), rounds to nearest-even by searching the value grid,
+and lays out the row as cache/fp8.py documents it; it shares no code with the production functions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_offline.cache.codecs import FP8_SCHEME, feature_storage
+from dflash_offline.cache.fp8 import Fp8Layout, decode_rows, encode_rows
+from dflash_offline.cache.layout import CacheLayout
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.shard_file import ShardFile
+from dflash_offline.cache.verify import verify_cache
+from dflash_offline.cache.writer import ShardWriter
+from dflash_offline.cache.zarr_format import parse_array_format
+from dflash_offline.errors import FingerprintMismatchError, SampleError
+from tests.cache._samples import make_fingerprint
+from tests.cache.conftest import TINY
+
+HIDDEN, LAYERS, K = 16, 2, 4
+CODEC_K = FP8_SCHEME.num_outliers
+"""Outliers of the ``fp8`` codecs (the planted test data has K ≥ CODEC_K of distinct size)."""
+
+
+# ---- the independent reference ------------------------------------------------------------------
+def e4m3_value(code: int) -> float:
+    sign = -1.0 if code & 0x80 else 1.0
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return math.nan
+    if exponent == 0:
+        return sign * mantissa / 8 * 2.0**-6
+    return sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+
+
+POSITIVE_CODES = np.arange(0x7F)  # 0x00 .. 0x7E: every finite non-negative value, ascending
+GRID = np.array([e4m3_value(int(c)) for c in POSITIVE_CODES])
+
+
+def round_e4m3(v: np.ndarray) -> np.ndarray:
+    """uint8 e4m3 codes of float64 values within ±448, rounded to nearest, ties to the even code."""
+    mag = np.abs(v)
+    hi = np.clip(np.searchsorted(GRID, mag), 1, len(GRID) - 1)
+    lo = hi - 1
+    d_lo, d_hi = mag - GRID[lo], GRID[hi] - mag
+    pick = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
+    pick = np.where(mag == GRID[hi], hi, pick)
+    return (pick | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
+
+
+def bf16_to_f64(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def ref_encode(x_TF: np.ndarray, group: int, k: int) -> np.ndarray:
+    """uint8 [T, W] rows of float64 (bf16-valued) features, as cache/fp8.py documents them."""
+    T = x_TF.shape[0]
+    x = x_TF.reshape(T, LAYERS, HIDDEN).copy()
+    G = HIDDEN // group
+    codes = np.zeros((T, LAYERS, HIDDEN), np.uint8)
+    exps = np.zeros((T, LAYERS, G), np.int8)
+    idx = np.zeros((T, LAYERS, k), np.uint16)
+    vals = np.zeros((T, LAYERS, k), np.float64)
+    for t in range(T):
+        for layer in range(LAYERS):
+            row = x[t, layer]
+            top = np.sort(np.argsort(-np.abs(row), kind="stable")[:k])
+            idx[t, layer], vals[t, layer] = top, row[top]
+            rest = row.copy()
+            rest[top] = 0.0
+            for g in range(G):
+                part = rest[g * group : (g + 1) * group]
+                amax = float(np.abs(part).max())
+                e = 0
+                if amax > 0:
+                    e = math.ceil(math.log2(amax / 448))
+                    while amax > 448 * 2.0**e:
+                        e += 1
+                    while amax <= 448 * 2.0 ** (e - 1):
+                        e -= 1
+                exps[t, layer, g] = e
+                codes[t, layer, g * group : (g + 1) * group] = round_e4m3(part / 2.0**e)
+    vals_bits = (vals.astype(np.float32).view(np.uint32) >> 16).astype("<u2")  # exact: bf16 values
+    return np.concatenate(
+        [
+            codes.reshape(T, -1),
+            exps.reshape(T, -1).view(np.uint8),
+            idx.astype("<u2").reshape(T, -1).view(np.uint8),
+            vals_bits.reshape(T, -1).view(np.uint8),
+        ],
+        axis=1,
+    )
+
+
+def ref_decode(stored_TW: np.ndarray, group: int, k: int) -> np.ndarray:
+    """float64 [T, F] of stored rows."""
+    T = stored_TW.shape[0]
+    F, G = LAYERS * HIDDEN, HIDDEN // group
+    codes = stored_TW[:, :F]
+    value = np.vectorize(e4m3_value)(codes.astype(np.int64)).reshape(T, LAYERS, G, group)
+    exps = stored_TW[:, F : F + LAYERS * G].copy().view(np.int8).reshape(T, LAYERS, G, 1)
+    out = (value * np.exp2(exps.astype(np.float64))).reshape(T, LAYERS, HIDDEN)
+    if k:
+        a = F + LAYERS * G
+        idx = stored_TW[:, a : a + 2 * LAYERS * k].copy().view("<u2").reshape(T, LAYERS, k)
+        vals = bf16_to_f64(stored_TW[:, a + 2 * LAYERS * k :].copy().view("<u2")).reshape(T, LAYERS, k)
+        np.put_along_axis(out, idx.astype(np.int64), vals, axis=-1)
+    return out.reshape(T, F)
+
+
+def features(T: int, seed: int, *, outliers: bool) -> torch.Tensor:
+    """bf16 [T, F]: Gaussian dims of mixed scale, and (``outliers``) K massive activations of distinct
+    size per (token, layer), so that the K largest |x| are unambiguous."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(T, LAYERS, HIDDEN)) * np.exp2(rng.integers(-12, 6, size=(1, LAYERS, HIDDEN)))
+    x[:, :, 3] = 0.0  # exact zeros
+    if outliers:
+        for j, dim in enumerate((5, 11, 0, 14)[:K]):
+            x[:, :, dim] = rng.choice([-1, 1], size=(T, LAYERS)) * 1000.0 * (j + 2)
+    return torch.from_numpy(x.reshape(T, -1).astype(np.float32)).to(torch.bfloat16)
+
+
+def as_f64(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.float64).numpy()
+
+
+LAYOUTS = [(HIDDEN, K), (HIDDEN, 0), (4, 0), (8, 2)]
+
+
+# ---- encode / decode ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("group", "k"), LAYOUTS)
+def test_encode_matches_reference_bytes(group, k):
+    layout = Fp8Layout(num_layers=LAYERS, hidden_size=HIDDEN, group_dims=group, num_outliers=k)
+    x = features(64, seed=group + k, outliers=k == K)
+    got = encode_rows(x, layout).numpy()
+    assert got.shape == (64, layout.row_bytes)
+    want = ref_encode(as_f64(x), group, k)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(("group", "k"), LAYOUTS)
+def test_decode_is_the_reference_dequantisation_exactly(group, k):
+    """Any valid stored bytes, not only what encode makes: random codes, exponents (up to 110: encode
+    never makes a code × 2^e beyond bf16's range), outliers."""
+    layout = Fp8Layout(num_layers=LAYERS, hidden_size=HIDDEN, group_dims=group, num_outliers=k)
+    rng = np.random.default_rng(7)
+    T, F = 50, LAYERS * HIDDEN
+    codes = rng.integers(0, 256, size=(T, F), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x80  # no NaN codes (encode never writes them); -0 instead
+    exps = rng.integers(-100, 111, size=(T, LAYERS * (HIDDEN // group))).astype(np.int8).view(np.uint8)
+    parts = [codes, exps]
+    if k:
+        idx = np.stack([rng.permutation(HIDDEN)[:k] for _ in range(T * LAYERS)]).astype("<u2")
+        vals = rng.normal(size=(T * LAYERS, k)).astype(np.float32).view(np.uint32) >> 16
+        parts += [idx.reshape(T, -1).view(np.uint8), vals.astype("<u2").reshape(T, -1).view(np.uint8)]
+    stored = np.ascontiguousarray(np.concatenate(parts, axis=1))
+    out = torch.empty((T, F), dtype=torch.bfloat16)
+    decode_rows(torch.from_numpy(stored), layout, out)
+    want = ref_decode(stored, group, k)
+    got = as_f64(out)
+    np.testing.assert_array_equal(got, want)  # exact: code × 2^e is a bf16 value
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # ±0 kept
+
+
+@pytest.mark.parametrize(("group", "k"), LAYOUTS)
+def test_error_bound_per_element(group, k):
+    layout = Fp8Layout(num_layers=LAYERS, hidden_size=HIDDEN, group_dims=group, num_outliers=k)
+    x = features(200, seed=3, outliers=True)
+    stored = encode_rows(x, layout)
+    out = torch.empty_like(x)
+    decode_rows(stored, layout, out)
+    x64, d64 = as_f64(x), as_f64(out)
+    G = HIDDEN // group
+    exps = stored[:, LAYERS * HIDDEN : LAYERS * HIDDEN + LAYERS * G].numpy().view(np.int8).astype(np.float64)
+    scale = np.repeat(np.exp2(exps), group, axis=1)  # [T, F]: 2^e of each element's group
+    scaled = np.abs(x64) / scale
+    err = np.abs(d64 - x64)
+    normal = scaled >= 2.0**-6
+    assert normal.mean() > 0.5  # the bound below is not vacuous
+    assert np.all(err[normal] <= 2.0**-4 * np.abs(x64[normal]))  # half an ulp of 3 mantissa bits
+    assert np.all(err[~normal] <= 2.0**-10 * scale[~normal])  # half the subnormal step 2^-9
+    assert np.all(scaled[err > 0] <= 448)  # the scale makes every value representable
+    if k:  # the massive activations are stored exactly
+        largest = [d + layer * HIDDEN for layer in range(LAYERS) for d in (14, 0, 11, 5)[:k]]
+        np.testing.assert_array_equal(d64[:, largest], x64[:, largest])
+    if k == K:  # every massive activation apart: only the rounding of ordinary values remains
+        assert np.linalg.norm(d64 - x64) / np.linalg.norm(x64) < 1e-3
+
+
+def test_outliers_rescue_the_other_dims():
+    """The reason for the outliers: one scale per (token, layer) set by a massive activation pushes
+    the ordinary dims into e4m3's subnormals; storing the K largest apart keeps them at 2^-4."""
+    rng = np.random.default_rng(5)
+    x_TLH = 0.1 * rng.normal(size=(200, LAYERS, HIDDEN))  # ordinary dims small, massive ones 24,000
+    x_TLH[:, :, [5, 11, 0, 14]] = 24_000.0 * rng.choice([-1, 1], size=(200, LAYERS, 4))
+    x = torch.from_numpy(x_TLH.reshape(200, -1)).to(torch.bfloat16)
+    keep = np.ones(LAYERS * HIDDEN, bool)
+    keep[[d + layer * HIDDEN for layer in range(LAYERS) for d in (5, 11, 0, 14)]] = False
+    errors = {}
+    for k in (0, K):
+        layout = Fp8Layout(num_layers=LAYERS, hidden_size=HIDDEN, group_dims=HIDDEN, num_outliers=k)
+        out = torch.empty_like(x)
+        decode_rows(encode_rows(x, layout), layout, out)
+        diff = (as_f64(out) - as_f64(x))[:, keep]
+        errors[k] = np.linalg.norm(diff) / np.linalg.norm(as_f64(x)[:, keep])
+    assert errors[K] < 0.05 < errors[0], errors
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_features_are_refused(bad):
+    layout = Fp8Layout(num_layers=LAYERS, hidden_size=HIDDEN, group_dims=HIDDEN, num_outliers=K)
+    x = features(4, seed=0, outliers=True)
+    x[2, 7] = bad
+    with pytest.raises(SampleError, match="NaN or Inf"):
+        encode_rows(x, layout, where="sample 'q'")
+
+
+def test_all_zero_rows_round_trip():
+    layout = Fp8Layout(num_layers=LAYERS, hidden_size=HIDDEN, group_dims=4, num_outliers=K)
+    x = torch.zeros((3, LAYERS * HIDDEN), dtype=torch.bfloat16)
+    out = torch.full_like(x, 5.0)
+    decode_rows(encode_rows(x, layout), layout, out)
+    assert torch.equal(out, x)
+
+
+# ---- through the cache ----------------------------------------------------------------------------
+def fp8_fingerprint(codec: str = "fp8"):
+    return make_fingerprint(codec=codec, hidden_size=HIDDEN, layer_ids=(1, 2), storage_dtype="float8_e4m3fn")
+
+
+def fp8_samples(fingerprint, indices, seed: int = 0) -> list[SampleToWrite]:
+    out = []
+    for i in indices:
+        rng = np.random.default_rng([seed, i])
+        T = int(rng.integers(1, 30))
+        out.append(
+            SampleToWrite(
+                sample_id=f"f{seed}-{i:04d}",
+                source_index=i,
+                input_ids_T=rng.integers(0, 50_000, size=T, dtype=np.int32),
+                loss_mask_T=rng.integers(0, 2, size=T).astype(np.uint8),
+                features_TF=features(T, seed=1000 * seed + i, outliers=True),  # no top-K ties
+                bucket_id=bisect.bisect_left(fingerprint.bucket_edges, T),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("codec", ["fp8", "fp8-zstd-1"])
+def test_round_trip_through_writer_and_reader_in_several_sessions(tmp_path, codec):
+    fingerprint = fp8_fingerprint(codec)
+    storage = feature_storage(codec, num_layers=LAYERS, hidden_size=HIDDEN)
+    assert storage.fp8 is not None
+    written = {}
+    for session, indices in enumerate((range(0, 25), range(25, 40), range(40, 60))):
+        samples = fp8_samples(fingerprint, indices)
+        with ShardWriter(tmp_path, fingerprint, worker=session % 2, flush_seconds=1e9, **TINY) as writer:
+            for sample in samples:
+                writer.add(sample)
+        written.update({s.sample_id: s for s in samples})
+    ids = sorted(written)
+    with CacheReader.open(tmp_path, check_checksums=True) as reader:
+        got = reader.read(ids)
+        rows = reader.positions(ids)
+        needed = int(reader.samples.num_tokens[rows].sum())
+        stored_out = np.empty((needed, storage.width), np.uint8)
+        raw = reader.read_rows(rows, stored_out=stored_out)
+        packed = np.full((needed + 3, LAYERS * HIDDEN), 0xABCD, dtype=np.uint16)
+        into = reader.read_rows(rows, features_out=packed)
+    offset = 0
+    for sid, sample, stored, packed_sample in zip(ids, got, raw, into, strict=True):
+        src = written[sid]
+        want_stored = ref_encode(as_f64(src.features_TF), HIDDEN, CODEC_K)
+        assert stored.stored_TW is not None
+        np.testing.assert_array_equal(stored.stored_TW.numpy(), want_stored)
+        assert stored.features_TF.shape == (src.num_tokens, 0)
+        want = ref_decode(want_stored, HIDDEN, CODEC_K)
+        assert sample.features_TF.dtype == torch.bfloat16
+        np.testing.assert_array_equal(as_f64(sample.features_TF), want)
+        np.testing.assert_array_equal(as_f64(packed_sample.features_TF), want)
+        assert packed_sample.features_TF.data_ptr() == torch.from_numpy(packed[offset]).data_ptr()
+        offset += src.num_tokens
+        np.testing.assert_array_equal(sample.input_ids_T.numpy(), src.input_ids_T)
+        np.testing.assert_array_equal(sample.loss_mask_T.numpy(), src.loss_mask_T)
+    assert (packed[offset:] == 0xABCD).all()
+    fmt = parse_array_format(
+        CacheLayout.at(tmp_path).shard_group(reader.samples.shard[0]) / "features", "features"
+    )
+    assert fmt.dtype == np.uint8
+    assert fmt.width == storage.width
+
+
+def test_writer_refuses_non_finite_and_goes_on(tmp_path):
+    fingerprint = fp8_fingerprint()
+    good, bad, after = fp8_samples(fingerprint, range(3))
+    broken = bad.features_TF.clone()
+    broken[0, 0] = math.nan
+    with ShardWriter(tmp_path, fingerprint, worker=0, **TINY) as writer:
+        writer.add(good)
+        with pytest.raises(SampleError, match=r"'f0-0001'.*NaN or Inf"):
+            writer.add(
+                SampleToWrite(
+                    **{**{f: getattr(bad, f) for f in bad.__dataclass_fields__}, "features_TF": broken}
+                )
+            )
+        writer.add(after)
+    with CacheReader.open(tmp_path, check_checksums=True) as reader:
+        assert sorted(reader.samples.sample_id.tolist()) == [good.sample_id, after.sample_id]
+        reader.read([good.sample_id, after.sample_id])
+
+
+def test_verify_detects_a_flipped_byte(tmp_path):
+    fingerprint = fp8_fingerprint()
+    with ShardWriter(tmp_path, fingerprint, worker=0, flush_seconds=1e9, **TINY) as writer:
+        for sample in fp8_samples(fingerprint, range(30)):
+            writer.add(sample)
+    assert verify_cache(tmp_path, progress=False).ok
+    group = CacheLayout.at(tmp_path).shard_group(writer.shard)
+    fmt = parse_array_format(group / "features", "features")
+    shard_file = ShardFile(fmt, 0)
+    row = 3
+    offset = int(shard_file.offsets[0]) + row * fmt.row_bytes + fmt.row_bytes - 1  # an outlier value byte
+    data = bytearray(shard_file.path.read_bytes())
+    data[offset] ^= 0x01
+    shard_file.path.write_bytes(bytes(data))
+    with CacheReader.open(tmp_path) as reader:
+        t = reader.samples
+        hit = (t.shard == writer.shard) & (t.row_start <= row) & (t.row_start + t.num_tokens > row)
+        hurt = sorted(t.sample_id[hit].tolist())
+    assert len(hurt) == 1
+    report = verify_cache(tmp_path, progress=False)
+    assert not report.ok
+    assert [d.sample_id for d in report.damaged] == hurt
+    assert "checksum mismatch" in report.damaged[0].problem
+
+
+def test_resuming_an_fp8_cache_with_bf16_is_refused_naming_the_field(tmp_path):
+    with ShardWriter(tmp_path, fp8_fingerprint(), worker=0, **TINY) as writer:
+        writer.add(fp8_samples(fp8_fingerprint(), [0])[0])
+    bf16 = make_fingerprint(codec="blosc-zstd-1-shuffle", hidden_size=HIDDEN, layer_ids=(1, 2))
+    with pytest.raises(FingerprintMismatchError, match="storage_dtype"):
+        ShardWriter(tmp_path, bf16, worker=1, **TINY)
+    same_dtype_other_codec = fp8_fingerprint("fp8-zstd-1")
+    with pytest.raises(FingerprintMismatchError, match="codec"):
+        ShardWriter(tmp_path, same_dtype_other_codec, worker=1, **TINY)
+
+
+def test_storage_dtype_must_go_with_the_codec(tmp_path):
+    from dflash_offline.cache.layout import create_or_open_cache
+    from dflash_offline.errors import CacheFormatError
+
+    wrong = make_fingerprint(codec="fp8", hidden_size=HIDDEN, layer_ids=(1, 2))  # says bfloat16
+    with pytest.raises(CacheFormatError, match="float8_e4m3fn"):
+        create_or_open_cache(tmp_path, wrong)

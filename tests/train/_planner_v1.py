@@ -1,0 +1,463 @@
+"""FROZEN COPY of dflash_offline/train/planner.py before its vectorised rewrite (issue 12): the reference
+that tests/train/test_planner_equivalence.py compares the current planner with. Do not edit.
+
+Original docstring follows.
+Length mixing: which samples form which microbatch of which optimizer step, on which rank.
+
+The plan of an epoch is a pure function of (seed, epoch, index snapshot, topology), so resume state is
+a few integers and every rank computes the same plan without talking to the others.
+
+1. Packing. Within each bucket the samples are shuffled (seeded by seed, epoch, bucket) and packed
+   greedily in that order: consecutive samples join a microbatch while their token sum stays within
+   ``tokens_per_microbatch``. A microbatch therefore holds one bucket (documents of similar length).
+2. Mixing. Every microbatch of every bucket gets a due point on its bucket's token progress: with
+   ``before`` the bucket's tokens packed ahead of it and ``t`` its own, due = (before + φ_b·t) / T_b,
+   T_b the bucket's tokens, φ_b ∈ [0.25, 0.75) a seeded phase. All microbatches are merged in due
+   order and cut into steps of ``grad_accum × world_size``. This is the stratified (low-variance) form
+   of drawing microbatches with probability ∝ remaining token mass: every bucket is consumed at the
+   same rate, so each step takes from every bucket a token share equal to that bucket's share of the
+   epoch, and after any number of steps bucket b's consumed tokens differ from its proportional share
+   by at most ``tokens_per_microbatch × (1 + share_b × num_buckets)`` (proved in
+   tests/train/test_planner.py). A multinomial draw would only match in expectation, and would now and
+   then fill a whole step from one bucket.
+3. Ranks. Inside a step, microbatches go largest first onto the least-loaded rank that still has room;
+   every rank gets the same count (DDP needs every rank to run the same number of backward passes).
+4. The epoch's last step, when fewer than ``grad_accum × world_size`` microbatches are left:
+   ``drop_last`` drops them (their samples are skipped this epoch; the shuffle changes which ones each
+   epoch). Otherwise the step is kept with k = ceil(left / world_size) microbatches per rank; to make
+   the count a multiple of the world size, the largest multi-sample microbatches are split in two, and
+   only if that is not enough, filler microbatches repeating the shortest sample are added with
+   ``is_padding=True`` (the loop gives them zero loss weight). Every sample is then in exactly one
+   real microbatch per epoch.
+
+Resume: ``state_dict()`` records the position after the last step the loop reported done
+(``step_done``). ``load_state_dict`` refuses a different seed, snapshot or topology, naming the field;
+with ``allow_topology_change`` the rest of the interrupted epoch is planned, with the new topology, over
+the samples the old topology had not reached yet (replayed from its own plan), so still exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from dflash_offline.errors import ConfigError, ResumeError
+from dflash_offline.train.batch import MicrobatchPlan, StepPlan
+from dflash_offline.train.snapshot import IndexSnapshot
+
+PLANNER_STATE_VERSION = 1
+_TAG_SHUFFLE = 0x5348  # separates the random streams of one (seed, epoch): shuffle vs. phases
+_TAG_PHASE = 0x5048
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """The settings that shape a plan besides seed, epoch and snapshot."""
+
+    world_size: int
+    grad_accum: int
+    tokens_per_microbatch: int
+    drop_last: bool
+
+    @property
+    def microbatches_per_step(self) -> int:
+        return self.world_size * self.grad_accum
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpochSegment:
+    """Steps of the current epoch that were run under an earlier topology before a resume."""
+
+    topology: Topology
+    num_steps: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _RawMicrobatch:
+    """A planned microbatch before numbering: snapshot positions, tokens, rank."""
+
+    positions: tuple[int, ...]
+    """Snapshot positions of the samples, in packing order."""
+    sample_tokens: tuple[int, ...]
+    """Tokens of each sample."""
+    rank: int = -1
+    is_padding: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.sample_tokens)
+
+
+class LengthMixingPlanner:
+    """Plans length-mixed optimizer steps over an ``IndexSnapshot``; see the module docstring."""
+
+    def __init__(
+        self,
+        snapshot: IndexSnapshot,
+        *,
+        seed: int,
+        tokens_per_microbatch: int,
+        grad_accum: int,
+        world_size: int,
+        drop_last: bool = False,
+    ) -> None:
+        for name, value in (
+            ("tokens_per_microbatch", tokens_per_microbatch),
+            ("grad_accum", grad_accum),
+            ("world_size", world_size),
+        ):
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if seed < 0:
+            raise ConfigError(f"seed must be non-negative, got {seed}")
+        if len(snapshot) == 0:
+            raise ConfigError(
+                "the cache has no committed samples yet: run `dflash generate` (or wait for its first commit)"
+            )
+        longest = int(np.argmax(snapshot.num_tokens_N))
+        if int(snapshot.num_tokens_N[longest]) > tokens_per_microbatch:
+            raise ConfigError(
+                f"sample {snapshot.sample_ids[longest]!r} has {int(snapshot.num_tokens_N[longest])} tokens, "
+                f"more than --tokens-per-microbatch {tokens_per_microbatch}: raise the budget to at least "
+                f"{int(snapshot.num_tokens_N[longest])} or generate with a lower --max-len"
+            )
+        self.snapshot = snapshot
+        self.seed = seed
+        self.topology = Topology(
+            world_size=world_size,
+            grad_accum=grad_accum,
+            tokens_per_microbatch=tokens_per_microbatch,
+            drop_last=drop_last,
+        )
+        self._positions_by_bucket = {
+            int(b): np.flatnonzero(snapshot.bucket_ids_N == b) for b in np.unique(snapshot.bucket_ids_N)
+        }
+        # Where the next step starts: the position after the last step reported done.
+        self._epoch = 0
+        self._step_in_epoch = 0
+        self._global_step = 0
+        self._segments: tuple[EpochSegment, ...] = ()
+        self._steps_cache: dict[tuple[Any, ...], list[list[_RawMicrobatch]]] = {}
+        self._count_cache: dict[int, int] = {}
+        if self._num_raw_steps(0) == 0:
+            raise ConfigError(
+                f"with --drop-last, one step needs {self.topology.microbatches_per_step} microbatches "
+                f"(grad_accum {grad_accum} × world size {world_size}) but the cache fills fewer: lower "
+                "grad_accum or the token budget, or do not drop the last step"
+            )
+
+    # ---- the pure plan ---------------------------------------------------------------------------
+
+    def _raw_steps(
+        self, epoch: int, topology: Topology, segments: tuple[EpochSegment, ...] = ()
+    ) -> list[list[_RawMicrobatch]]:
+        """The steps of ``epoch`` under ``topology`` after ``segments`` ran under theirs."""
+        key = (epoch, topology, segments)
+        cached = self._steps_cache.get(key)
+        if cached is not None:
+            return cached
+        available = np.ones(len(self.snapshot), dtype=bool)
+        for segment in segments:
+            earlier = self._raw_steps_over(epoch, segment.topology, available)
+            for step in earlier[: segment.num_steps]:
+                for mb in step:
+                    if not mb.is_padding:
+                        available[list(mb.positions)] = False
+        steps = self._raw_steps_over(epoch, topology, available)
+        if len(self._steps_cache) >= 2:  # the current and next epoch are all a run needs
+            self._steps_cache.pop(next(iter(self._steps_cache)))
+        self._steps_cache[key] = steps
+        return steps
+
+    def _raw_steps_over(
+        self, epoch: int, topology: Topology, available: np.ndarray
+    ) -> list[list[_RawMicrobatch]]:
+        tokens_N = self.snapshot.num_tokens_N
+        due_parts, bucket_parts, packed = [], [], []
+        phase_rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, _TAG_PHASE]))
+        bucket_order = phase_rng.permutation(len(self._positions_by_bucket))
+        for b_index, (bucket, positions) in enumerate(sorted(self._positions_by_bucket.items())):
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, bucket, _TAG_SHUFFLE]))
+            order = positions[rng.permutation(len(positions))]
+            order = order[available[order]]
+            phase = float(phase_rng.uniform(0.25, 0.75))
+            if len(order) == 0:
+                continue
+            mbs = _pack(order, tokens_N[order], topology.tokens_per_microbatch)
+            mb_tokens = np.asarray([mb.num_tokens for mb in mbs], dtype=np.float64)
+            before = np.cumsum(mb_tokens) - mb_tokens
+            due_parts.append((before + phase * mb_tokens) / mb_tokens.sum())
+            bucket_parts.append(np.full(len(mbs), bucket_order[b_index]))
+            packed.extend(mbs)
+        if not packed:  # every sample was consumed before a topology change
+            return []
+        due = np.concatenate(due_parts)
+        tie = np.concatenate(bucket_parts)
+        sequence = [packed[i] for i in np.lexsort((tie, due))]
+        per_step = topology.microbatches_per_step
+        steps = [sequence[i : i + per_step] for i in range(0, len(sequence), per_step)]
+        if steps and len(steps[-1]) < per_step:
+            if topology.drop_last:
+                steps.pop()
+            else:
+                steps[-1] = _fill_last_step(steps[-1], topology.world_size)
+        return [_assign_ranks(step, topology.world_size) for step in steps]
+
+    def _num_raw_steps(self, epoch: int) -> int:
+        """Steps of ``epoch`` planned from scratch under the current topology."""
+        count = self._count_cache.get(epoch)
+        if count is None:
+            count = len(self._raw_steps(epoch, self.topology))
+            self._count_cache[epoch] = count
+        return count
+
+    def _to_step_plans(
+        self, raw: list[list[_RawMicrobatch]], *, epoch: int, first_step: int, first_global: int
+    ) -> list[StepPlan]:
+        ids, buckets = self.snapshot.sample_ids, self.snapshot.bucket_ids_N
+        num_steps = first_step + len(raw)
+        plans = []
+        for i, step in enumerate(raw):
+            ordered = sorted(step, key=lambda mb: mb.rank)  # stable: keeps each rank's due order
+            microbatches = tuple(
+                MicrobatchPlan(
+                    index_in_step=j,
+                    rank=mb.rank,
+                    rows=mb.positions,
+                    sample_ids=tuple(ids[p] for p in mb.positions),
+                    bucket_ids=tuple(int(buckets[p]) for p in mb.positions),
+                    num_tokens=mb.num_tokens,
+                    is_padding=mb.is_padding,
+                )
+                for j, mb in enumerate(ordered)
+            )
+            plans.append(
+                StepPlan(
+                    epoch=epoch,
+                    step_in_epoch=first_step + i,
+                    global_step=first_global + i,
+                    num_steps_in_epoch=num_steps,
+                    num_microbatches_per_rank=len(step) // self.topology.world_size,
+                    microbatches=microbatches,
+                )
+            )
+        return plans
+
+    def epoch_plan(self, epoch: int) -> list[StepPlan]:
+        """Every step of ``epoch`` as planned from scratch under this planner's topology (no resume
+        history); global steps count the from-scratch steps of the epochs before it."""
+        first_global = sum(self._num_raw_steps(e) for e in range(epoch))
+        return self._to_step_plans(
+            self._raw_steps(epoch, self.topology), epoch=epoch, first_step=0, first_global=first_global
+        )
+
+    def steps_per_epoch(self, epoch: int | None = None) -> int:
+        """Steps of ``epoch`` (default: the current one), including steps run before a topology change.
+        Packing depends on the shuffle, so the count can differ by a step or so between epochs."""
+        epoch = self._epoch if epoch is None else epoch
+        if epoch == self._epoch and self._segments:
+            done = sum(s.num_steps for s in self._segments)
+            return done + len(self._raw_steps(epoch, self.topology, self._segments))
+        return self._num_raw_steps(epoch)
+
+    def total_steps(self, num_epochs: int) -> int:
+        """The global step count at the end of epoch ``num_epochs - 1`` (for the LR schedule)."""
+        if num_epochs <= self._epoch:
+            return self._global_step
+        total = self._global_step - self._step_in_epoch + self.steps_per_epoch(self._epoch)
+        return total + sum(self._num_raw_steps(e) for e in range(self._epoch + 1, num_epochs))
+
+    # ---- resumable iteration ---------------------------------------------------------------------
+
+    def iterate(self, num_epochs: int | None = None) -> Iterator[StepPlan]:
+        """Steps from the current position (see ``step_done``) to the end of epoch ``num_epochs - 1``
+        (forever when None). Iterating does not move the position: a prefetcher runs ahead of training."""
+        epoch, step_in_epoch, global_step, segments = (
+            self._epoch,
+            self._step_in_epoch,
+            self._global_step,
+            self._segments,
+        )
+        while num_epochs is None or epoch < num_epochs:
+            done = sum(s.num_steps for s in segments)
+            raw = self._raw_steps(epoch, self.topology, segments)
+            plans = self._to_step_plans(
+                raw, epoch=epoch, first_step=done, first_global=global_step - (step_in_epoch - done)
+            )
+            yield from plans[step_in_epoch - done :]
+            global_step += len(plans) - (step_in_epoch - done)
+            epoch, step_in_epoch, segments = epoch + 1, 0, ()
+
+    def __iter__(self) -> Iterator[StepPlan]:
+        return self.iterate()
+
+    def step_done(self, step: StepPlan) -> None:
+        """Record that the optimizer step ``step`` finished: ``state_dict`` now resumes after it."""
+        if step.step_in_epoch + 1 >= step.num_steps_in_epoch:
+            self._epoch, self._step_in_epoch, self._segments = step.epoch + 1, 0, ()
+        else:
+            self._epoch, self._step_in_epoch = step.epoch, step.step_in_epoch + 1
+        self._global_step = step.global_step + 1
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """(epoch, step_in_epoch, global_step) of the next step to run."""
+        return self._epoch, self._step_in_epoch, self._global_step
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": PLANNER_STATE_VERSION,
+            "seed": self.seed,
+            "snapshot_id": self.snapshot.snapshot_id,
+            "num_samples": len(self.snapshot),
+            **_topology_dict(self.topology),
+            "epoch": self._epoch,
+            "step_in_epoch": self._step_in_epoch,
+            "global_step": self._global_step,
+            "epoch_segments": [
+                {**_topology_dict(s.topology), "num_steps": s.num_steps} for s in self._segments
+            ],
+        }
+
+    def load_state_dict(
+        self, d: dict[str, Any], *, allow_topology_change: bool = False, allow_snapshot_change: bool = False
+    ) -> None:
+        """Resume at ``d``'s position. Raises ``ResumeError`` naming the field that differs.
+
+        ``allow_topology_change``: continue the interrupted epoch over its remaining samples under the
+        new world size / grad_accum / budget. ``allow_snapshot_change``: train on this planner's snapshot
+        from the start of the next epoch (an interrupted epoch cannot be finished exactly once over a
+        different sample set)."""
+        version = d.get("version")
+        if version != PLANNER_STATE_VERSION:
+            raise ResumeError(
+                f"planner state has version {version!r}; this dflash reads version {PLANNER_STATE_VERSION}: "
+                "resume with the dflash version that wrote the checkpoint"
+            )
+        if d["seed"] != self.seed:
+            raise ResumeError(
+                f"the run was started with seed={d['seed']}, this resume has seed={self.seed}: "
+                "pass the original --seed"
+            )
+        epoch, step_in_epoch, global_step = int(d["epoch"]), int(d["step_in_epoch"]), int(d["global_step"])
+        old = Topology(
+            world_size=int(d["world_size"]),
+            grad_accum=int(d["grad_accum"]),
+            tokens_per_microbatch=int(d["tokens_per_microbatch"]),
+            drop_last=bool(d["drop_last"]),
+        )
+        segments = tuple(
+            EpochSegment(
+                topology=Topology(
+                    world_size=int(s["world_size"]),
+                    grad_accum=int(s["grad_accum"]),
+                    tokens_per_microbatch=int(s["tokens_per_microbatch"]),
+                    drop_last=bool(s["drop_last"]),
+                ),
+                num_steps=int(s["num_steps"]),
+            )
+            for s in d.get("epoch_segments", [])
+        )
+        if d["snapshot_id"] != self.snapshot.snapshot_id:
+            if not allow_snapshot_change:
+                raise ResumeError(
+                    f"the run trained on index snapshot {d['snapshot_id'][:12]}… ({d['num_samples']} "
+                    f"samples), this resume has snapshot {self.snapshot.snapshot_id[:12]}… "
+                    f"({len(self.snapshot)} samples): resume with the run directory's saved snapshot, "
+                    "or allow a snapshot change to continue from the next epoch on the new sample set"
+                )
+            if step_in_epoch > 0:
+                epoch, step_in_epoch = epoch + 1, 0
+            segments = ()
+        elif old != self.topology:
+            changed = next(f for f in ("world_size", "grad_accum", "tokens_per_microbatch", "drop_last")
+                           if getattr(old, f) != getattr(self.topology, f))  # fmt: skip
+            if not allow_topology_change:
+                raise ResumeError(
+                    f"the run was planned with {changed}={getattr(old, changed)!r}, this resume has "
+                    f"{changed}={getattr(self.topology, changed)!r}: use the original value, or allow a "
+                    "topology change to plan the rest of the epoch over its remaining samples"
+                )
+            if step_in_epoch > 0:
+                done_before = sum(s.num_steps for s in segments)
+                segments = (*segments, EpochSegment(topology=old, num_steps=step_in_epoch - done_before))
+        self._epoch, self._step_in_epoch, self._global_step = epoch, step_in_epoch, global_step
+        self._segments = segments
+
+
+def _topology_dict(t: Topology) -> dict[str, Any]:
+    return {
+        "world_size": t.world_size,
+        "grad_accum": t.grad_accum,
+        "tokens_per_microbatch": t.tokens_per_microbatch,
+        "drop_last": t.drop_last,
+    }
+
+
+def _pack(order_N: np.ndarray, tokens_N: np.ndarray, budget: int) -> list[_RawMicrobatch]:
+    """Greedy in-order packing: consecutive samples share a microbatch while their sum fits ``budget``."""
+    packed: list[_RawMicrobatch] = []
+    current: list[int] = []
+    current_tokens: list[int] = []
+    total = 0
+    for position, tokens in zip(order_N.tolist(), tokens_N.tolist()):
+        if current and total + tokens > budget:
+            packed.append(_RawMicrobatch(positions=tuple(current), sample_tokens=tuple(current_tokens)))
+            current, current_tokens, total = [], [], 0
+        current.append(position)
+        current_tokens.append(tokens)
+        total += tokens
+    if current:
+        packed.append(_RawMicrobatch(positions=tuple(current), sample_tokens=tuple(current_tokens)))
+    return packed
+
+
+def _fill_last_step(step: list[_RawMicrobatch], world_size: int) -> list[_RawMicrobatch]:
+    """Make the count a multiple of ``world_size``: split multi-sample microbatches, then pad."""
+    target = math.ceil(len(step) / world_size) * world_size
+    step = list(step)
+    while len(step) < target:
+        splittable = [i for i, mb in enumerate(step) if len(mb.positions) > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda j: (step[j].num_tokens, -j))
+        step[i : i + 1] = _split_in_two(step[i])
+    return step + [_padding_like(step)] * (target - len(step))
+
+
+def _split_in_two(mb: _RawMicrobatch) -> list[_RawMicrobatch]:
+    """Two microbatches from one (≥ 2 samples), cut where the token halves are closest to equal."""
+    prefix = np.cumsum(mb.sample_tokens)[:-1]
+    cut = int(np.argmin(np.abs(2 * prefix - mb.num_tokens))) + 1
+    return [
+        _RawMicrobatch(positions=mb.positions[:cut], sample_tokens=mb.sample_tokens[:cut]),
+        _RawMicrobatch(positions=mb.positions[cut:], sample_tokens=mb.sample_tokens[cut:]),
+    ]
+
+
+def _padding_like(step: list[_RawMicrobatch]) -> _RawMicrobatch:
+    """A filler microbatch repeating the step's shortest sample (cheapest backward pass)."""
+    tokens, position = min(
+        (t, p) for mb in step for p, t in zip(mb.positions, mb.sample_tokens) if not mb.is_padding
+    )
+    return _RawMicrobatch(positions=(position,), sample_tokens=(tokens,), is_padding=True)
+
+
+def _assign_ranks(step: list[_RawMicrobatch], world_size: int) -> list[_RawMicrobatch]:
+    """Largest first onto the least-loaded rank with room; each rank gets len(step) / world_size."""
+    per_rank = len(step) // world_size
+    assert per_rank * world_size == len(step), "a step's microbatch count is a multiple of world_size"
+    loads, counts = [0] * world_size, [0] * world_size
+    ranks = [0] * len(step)
+    for i in sorted(range(len(step)), key=lambda j: (-step[j].num_tokens, j)):
+        rank = min((r for r in range(world_size) if counts[r] < per_rank), key=lambda r: (loads[r], r))
+        ranks[i] = rank
+        loads[rank] += step[i].num_tokens
+        counts[rank] += 1
+    return [replace(mb, rank=rank) for mb, rank in zip(step, ranks)]
