@@ -23,6 +23,7 @@ SHAPE_FIELDS = (
     "optimizer",
     "seed",
     "tokens_per_microbatch",
+    "feature_scale",
 )
 """Options a resume must not change: they define the drafter's tensors, its loss or the sample plan."""
 
