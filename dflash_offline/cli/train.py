@@ -60,6 +60,22 @@ def _ctrl_c_exits_130(f: Callable[..., None]) -> Callable[..., None]:
 )
 @click.option("--mask-token-id", type=int, default=None)
 @click.option(
+    "--feature-scale",
+    type=click.Choice(["none", "layer", "dim"]),
+    default="none",
+    show_default=True,
+    help="Fixed multiplier on the features before fc from cache statistics: 1/RMS per dimension or "
+    "per captured layer (against massive activations); folded into fc.weight at export.",
+)
+@click.option(
+    "--final-norm-init",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Initial weight of the drafter's final RMSNorm (small: the untrained drafter's logits start "
+    "near uniform instead of confidently wrong; first loss ≈ ln V instead of ≈ 72 on SmolLM2).",
+)
+@click.option(
     "--autocast",
     type=click.Choice(["auto", "bf16", "off"]),
     default="auto",
@@ -146,6 +162,8 @@ def train(
     num_anchors: int,
     gamma: float | None,
     mask_token_id: int | None,
+    feature_scale: str,
+    final_norm_init: float,
     autocast: str,
     optimizer: str,
     lr: float,
@@ -189,6 +207,8 @@ def train(
         num_anchors=num_anchors,
         gamma=gamma,
         mask_token_id=mask_token_id,
+        feature_scale=feature_scale,  # type: ignore[arg-type]
+        final_norm_init=final_norm_init,
         autocast=autocast,  # type: ignore[arg-type]
         optimizer=optimizer,  # type: ignore[arg-type]
         lr=lr,

@@ -145,6 +145,10 @@ def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
+    if "feature_scale_F" in state:
+        # z-lab's layout has no feature scale: fold it into fc (fc(x·s) = (W·diag(s)) x).
+        del state["feature_scale_F"]
+        state["fc.weight"] = model.folded_fc_weight()
     bad = [k for k in state if not k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))]
     assert not bad, f"unexpected state dict entries {bad}"
     first = next(iter(state.values()))

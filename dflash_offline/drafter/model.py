@@ -76,6 +76,7 @@ class DFlashDrafter(nn.Module):
 
     embed_VH: Tensor
     _lm_head_VH: Tensor | None
+    feature_scale_F: Tensor | None
 
     def __init__(self, config: DrafterConfig, *, embed_VH: Tensor, lm_head_VH: Tensor) -> None:
         super().__init__()
@@ -87,7 +88,10 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.register_buffer("embed_VH", torch.empty(0), persistent=False)
         self.register_buffer("_lm_head_VH", None, persistent=False)
-        self._ddp_params_and_buffers_to_ignore = ["embed_VH", "_lm_head_VH"]
+        # Optional fixed per-feature multiplier applied before fc (training only: the export folds it
+        # into fc.weight). Persistent, so that checkpoints carry it; absent from state_dict while None.
+        self.register_buffer("feature_scale_F", None)
+        self._ddp_params_and_buffers_to_ignore = ["embed_VH", "_lm_head_VH", "feature_scale_F"]
         self.load_frozen_head(embed_VH, lm_head_VH)
         self.reset_parameters()
 
@@ -100,6 +104,25 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+
+    def set_feature_scale(self, scale_F: Tensor | None) -> None:
+        """Install (or with None remove) the fixed float32 feature multiplier [F] applied before fc."""
+        if scale_F is None:
+            self.feature_scale_F = None
+            return
+        if tuple(scale_F.shape) != (self.config.feature_width,) or not bool(torch.isfinite(scale_F).all()):
+            raise ConfigError(
+                f"feature scale of shape {tuple(scale_F.shape)}: must be finite, "
+                f"[{self.config.feature_width}]"
+            )
+        self.feature_scale_F = scale_F.detach().to(self.fc.weight.device, torch.float32)
+
+    def folded_fc_weight(self) -> Tensor:
+        """fc.weight with the feature scale folded in (fc(x·s) = (W·diag(s)) x), in fc's dtype."""
+        w = self.fc.weight.detach()
+        if self.feature_scale_F is None:
+            return w
+        return (w.float() * self.feature_scale_F[None, :]).to(w.dtype)
 
     def load_frozen_head(self, embed_VH: Tensor, lm_head_VH: Tensor) -> None:
         """Install the target's embedding and LM head [V, H] (frozen; a tied head is stored once)."""
@@ -147,6 +170,9 @@ class DFlashDrafter(nn.Module):
                 f"features are {features_CF.shape[-1]} wide; this drafter expects "
                 f"{self.config.feature_width} = {self.config.num_features} layers × {self.config.hidden_size}"
             )
+        if self.feature_scale_F is not None:
+            # In float32 (the product rounds once, in fc's input cast).
+            features_CF = features_CF.float() * self.feature_scale_F
         if not torch.is_autocast_enabled(features_CF.device.type):
             features_CF = features_CF.to(self._param_dtype())
         return self.hidden_norm(self.fc(features_CF))

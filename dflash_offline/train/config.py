@@ -23,6 +23,7 @@ SHAPE_FIELDS = (
     "optimizer",
     "seed",
     "tokens_per_microbatch",
+    "feature_scale",
 )
 """Options a resume must not change: they define the drafter's tensors, its loss or the sample plan."""
 
@@ -49,6 +50,13 @@ class TrainConfig:
     gamma: float | None = None
     """Loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8."""
     mask_token_id: int | None = None
+    feature_scale: Literal["none", "layer", "dim"] = "none"
+    """A fixed multiplier on the features before fc, from cache statistics (train/feature_scale.py):
+    1/RMS per feature dimension (dim) or per captured layer (layer); folded into fc.weight at export."""
+    final_norm_init: float = 1.0
+    """Initial value of every weight of the drafter's final RMSNorm. With a tied head of row norm ~3
+    (SmolLM2), a unit-RMS hidden of width 576 gives logits spread over tens of units, so the untrained
+    drafter is confidently wrong (first loss ≈ 72 ≫ ln V); a small value starts it near ln V."""
     # Optimisation.
     autocast: Literal["auto", "bf16", "off"] = "auto"
     """bf16 autocast of the forward (weights stay fp32): auto = on CUDA only. On the 2-core
@@ -116,6 +124,11 @@ class TrainConfig:
                 "a token id ≥ 0",
             ),
             "--lr": (self.lr, finite(self.lr) and self.lr > 0, "a finite number > 0"),
+            "--final-norm-init": (
+                self.final_norm_init,
+                finite(self.final_norm_init) and self.final_norm_init > 0,
+                "a finite number > 0",
+            ),
             "--weight-decay": (
                 self.weight_decay,
                 finite(self.weight_decay) and self.weight_decay >= 0,
@@ -158,6 +171,8 @@ class TrainConfig:
             raise ConfigError(f"--on-damaged {self.on_damaged!r}: expected stop or skip")
         if self.autocast not in ("auto", "bf16", "off"):
             raise ConfigError(f"--autocast {self.autocast!r}: expected auto, bf16 or off")
+        if self.feature_scale not in ("none", "layer", "dim"):
+            raise ConfigError(f"--feature-scale {self.feature_scale!r}: expected none, layer or dim")
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"--optimizer {self.optimizer!r}: expected adamw or sgd")
         if self.resume not in ("auto", "never"):

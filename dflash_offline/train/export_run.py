@@ -30,6 +30,8 @@ def export_run(run_dir: Path, out_dir: Path, *, dtype: str = "bfloat16", step: i
         raise ResumeError(f"{run_dir} has no checkpoint of step {step}; it has {sorted(found)}")
     setup = build_drafter_setup(config, read_fingerprint(config.cache_dir), device=torch.device("cpu"))
     state = torch.load(found[chosen] / "state.pt", map_location="cpu", weights_only=False)
+    if "feature_scale_F" in state["model"]:  # a --feature-scale run: the export folds it into fc
+        setup.model.set_feature_scale(state["model"]["feature_scale_F"])
     setup.model.load_state_dict(state["model"])
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     return export_drafter(setup.model, out_dir, dtype=torch_dtype)

@@ -152,6 +152,30 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
     return taken if taken is not None else load_snapshot(path, reader)
 
 
+def _feature_scale(config: TrainConfig, reader: CacheReader, snapshot: Any, info: DistInfo) -> torch.Tensor:
+    """The run's feature scale: computed by rank 0 at the first start and saved; reloaded on resume."""
+    from dflash_offline.train.feature_scale import (
+        FEATURE_SCALE_FILE,
+        compute_feature_scale,
+        load_feature_scale,
+        save_feature_scale,
+    )
+
+    if info.is_main and not (config.out_dir / FEATURE_SCALE_FILE).exists():
+        fp = reader.fingerprint
+        scale = compute_feature_scale(
+            reader,
+            snapshot.reader_rows_N,
+            num_layers=len(fp.layer_ids),
+            feature_width=fp.feature_width,
+            mode=config.feature_scale,
+            seed=config.seed,
+        )
+        save_feature_scale(scale, config.out_dir, mode=config.feature_scale)
+    barrier(info)
+    return load_feature_scale(config.out_dir)
+
+
 def train_rank(
     config: TrainConfig,
     info: DistInfo,
@@ -179,6 +203,8 @@ def train_rank(
         with stop_on_sigint(second_aborts=not info.distributed):
             snapshot = _prepare_snapshot(config, cache_reader, info)
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
+            if config.feature_scale != "none":
+                setup.model.set_feature_scale(_feature_scale(config, cache_reader, snapshot, info))
             return _train(config, info, setup, snapshot, reader or cache_reader, on_step, start_time)
     finally:
         cache_reader.close()

@@ -66,4 +66,7 @@ def build_drafter_setup(
     )
     torch.manual_seed(config.seed)  # the initial weights are a function of the seed
     model = DFlashDrafter(drafter_config, embed_VH=head.embed_VH, lm_head_VH=head.lm_head_VH).to(device)
+    if config.final_norm_init != 1.0:
+        with torch.no_grad():
+            model.norm.weight.fill_(config.final_norm_init)
     return DrafterSetup(model=model, target_spec=spec)

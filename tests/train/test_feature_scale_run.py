@@ -1,0 +1,43 @@
+"""--feature-scale through a run: computed once and saved, carried by checkpoints across a resume,
+folded into fc.weight by `dflash export`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.generate.run import run_generate
+from dflash_offline.train.checkpoint import list_checkpoints
+from dflash_offline.train.export_run import export_run
+from dflash_offline.train.feature_scale import FEATURE_SCALE_FILE, feature_rms, load_feature_scale
+from dflash_offline.train.launch import run_training
+from tests.generate.conftest import make_chat_jsonl, tiny_config
+from tests.train.test_train_e2e import _config
+
+
+def test_feature_scale_survives_resume_and_is_folded_at_export(tmp_path: Path) -> None:
+    run_generate(tiny_config(tmp_path / "cache", make_chat_jsonl(tmp_path / "chat.jsonl", 20, seed=2)))
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    config = _config(cache, run, feature_scale="dim", final_norm_init=0.1, max_steps=2, checkpoint_every=2)
+    run_training(config)
+    scale = load_feature_scale(run)
+    # Independent reference: 1/RMS over every token of the (small) cache, which the sample covers.
+    with CacheReader.open(cache) as reader:
+        feats = [s.features_TF for s in reader.read_rows(list(range(len(reader.samples))))]
+    ref = 1.0 / torch.from_numpy(feature_rms(feats, feats[0].shape[1])).float()
+    torch.testing.assert_close(scale, ref, rtol=1e-4, atol=0)
+    before = (run / FEATURE_SCALE_FILE).stat().st_mtime_ns
+    run_training(replace(config, max_steps=3))  # resumes from step 2
+    assert (run / FEATURE_SCALE_FILE).stat().st_mtime_ns == before  # reused, not recomputed
+    step, path = list_checkpoints(run)[-1]
+    assert step == 3
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)["model"]
+    torch.testing.assert_close(state["feature_scale_F"], scale)
+    out = export_run(run, tmp_path / "export", dtype="float32")
+    exported = load_file(str(out / "model.safetensors"))
+    assert "feature_scale_F" not in exported
+    torch.testing.assert_close(exported["fc.weight"], state["fc.weight"] * scale[None, :])
