@@ -237,6 +237,7 @@ def main() -> None:
     ap.add_argument("--curve-points", default="250,500,1000,1500,2000,3000,4000,6000,8000")
     ap.add_argument("--eval-args", default="--bench all --limit 8 --max-new-tokens 128")
     ap.add_argument("--eval-s", type=float, default=260)
+    ap.add_argument("--side", default="", help="shell command run beside the generate stage (GPU tests)")
     ap.add_argument("--after", default="", help="shell commands run at the end if time is left")
     ap.add_argument("--smoke", action="store_true", help="CPU: the same pipeline, tiny sizes")
     args = ap.parse_args()
@@ -372,6 +373,8 @@ def main() -> None:
                 log=logs / "3_generate_original.log",
             ).start()
         )
+    if args.side:
+        gens.append(Stage(name="side", argv=["bash", "-c", args.side], log=logs / "3_side.log").start())
     run_all(gens, time.time() + args.gen_s, grace=30)
     for g in gens:
         report.stage(g, log_tail=tail(g.log, 4))
