@@ -72,7 +72,7 @@ class Stage:
 
     def interrupt(self) -> None:
         assert self.proc is not None
-        if self.rc is None:
+        if self.rc is None and not self.stopped:  # once: a second Ctrl-C means 'stop now' to some tools
             self.stopped = True
             print(f"[{stamp()}] {self.name}: deadline, SIGINT", flush=True)
             os.killpg(self.proc.pid, signal.SIGINT)

@@ -109,6 +109,8 @@ def run_worker_in_process(spec: WorkerSpec, channel: JobChannel, events: Any, st
 def _work(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":
+        if device.index is None:  # `--device cuda`: the current device (set_device needs an index)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(spec.cpu_threads)

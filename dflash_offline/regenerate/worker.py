@@ -102,6 +102,8 @@ def run_worker(spec: WorkerSpec, emit: Callable[[Any], None], should_stop: Calla
     config = spec.config
     device = torch.device(spec.device)
     if device.type == "cuda":
+        if device.index is None:  # `--device cuda`: the current device (set_device needs an index)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     if spec.cpu_threads is not None:
         torch.set_num_threads(spec.cpu_threads)
