@@ -127,9 +127,19 @@ def test_a_second_generate_into_the_same_cache_is_refused_and_the_first_is_unhar
     first = _start(cmd)
     try:
         deadline = time.monotonic() + 300
-        while not (cache / "lock").exists() and time.monotonic() < deadline:
+        lock = cache / "lock"
+        # The holder's JSON is written after the flock is taken: wait for it, not just for the file.
+        while not (lock.exists() and lock.stat().st_size > 0) and time.monotonic() < deadline:
             time.sleep(0.05)
-        second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        # Freeze the first run while it holds the lock: on an idle machine it would otherwise finish
+        # (60 records) before the second has even imported torch, and the race would test nothing.
+        os.killpg(first.pid, signal.SIGSTOP)
+        assert first.poll() is None, "the first run ended before the check"
+        assert lock.exists()
+        try:
+            second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        finally:
+            os.killpg(first.pid, signal.SIGCONT)
         assert second.returncode == 1, second.stdout + second.stderr
         message = second.stderr.strip().splitlines()
         assert len(message) == 1, second.stderr
