@@ -73,17 +73,23 @@ def _features_by_id(root: Path) -> dict[str, tuple[torch.Tensor, np.ndarray, np.
 
 @pytest.mark.timeout(900)
 def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 150, seed=7)
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 600, seed=7)
     reference = tmp_path / "reference"
+    started = time.monotonic()
     done = subprocess.run(_generate_cmd(reference, data), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
+    whole_run = time.monotonic() - started
 
+    # Kill points scale with this machine's speed (the uninterrupted run's time): early enough that three
+    # kills happen before the run can finish, with rows committed every 0.3 s so that every rerun resumes
+    # a cache that holds a part of the work (the time-based commits of a default run are 10 s apart).
     cache = tmp_path / "killed"
     rng = np.random.default_rng(11)
-    kills = 0
-    for _attempt in range(6):
-        process = _start(_generate_cmd(cache, data, "--workers", "2"))
-        delay = float(rng.uniform(3.0, 12.0))
+    kills = attempts = 0
+    while kills < 3 and attempts < 8:
+        attempts += 1
+        process = _start(_generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.3"))
+        delay = float(rng.uniform(0.15, 0.3)) * whole_run
         try:
             process.wait(timeout=delay)
         except subprocess.TimeoutExpired:
