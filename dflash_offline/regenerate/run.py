@@ -384,9 +384,13 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
             if rank == 0:
                 poller.join(timeout=5)
             progress.close()
+        if rank == 0:
+            merge_leftover_parts(config)
+        # Leave together: a rank that tears gloo down while a peer still talks to it can abort
+        # ("terminate called without an active exception", seen once in the torchrun test).
+        dist.barrier()
         if rank != 0:
             return None
-        merge_leftover_parts(config)
         return _summary(
             gathered, repaired=repaired, start=start, first_ready=progress.first_ready, workers=world
         )
