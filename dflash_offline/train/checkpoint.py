@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_offline.errors import DflashError, ResumeError
+from dflash_offline.errors import NoSpaceError, ResumeError
 
 CHECKPOINT_FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -37,12 +37,8 @@ _LOW_SPACE_BYTES = 64 << 20
 short write as ``unexpected pos``, without the errno)."""
 
 
-class CheckpointNoSpaceError(DflashError):
-    """The disk filled up while writing a checkpoint or the metrics log."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        super().__init__(f"no space left on device at {path}; free space and rerun the same command")
+CheckpointNoSpaceError = NoSpaceError
+"""A full disk while writing a checkpoint or the metrics log: the package's one no-space error."""
 
 
 def is_no_space(error: BaseException, path: Path) -> bool:
