@@ -55,6 +55,32 @@ class ForkServer:
         self.proc.wait(timeout=30)
 
 
+def _sessions(cache: Path) -> set[Path]:
+    shards = cache / "shards"
+    return set(shards.iterdir()) if shards.is_dir() else set()
+
+
+def _committed(cache: Path) -> int:
+    return len(read_table(cache, "samples", ["sample_id"])) if (cache / "cache.json").exists() else 0
+
+
+def _has_data(session: Path) -> bool:
+    return any((session / "features").rglob("c/*/0"))
+
+
+def _wait_for_session_data(cache: Path, sessions_before: set[Path], pid: int) -> None:
+    """Until a session this writer started has a shard file, or the writer has exited (a zombie: it is
+    reaped only after the kill), e.g. because nothing was left to write."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if any(_has_data(g) for g in _sessions(cache) - sessions_before):
+            return
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return
+        time.sleep(0.002)
+    raise AssertionError("the writer wrote no shard within 60 s")
+
+
 @pytest.mark.timeout(300)
 def test_sigkill_at_random_points_then_resume(tmp_path):
     server = ForkServer()
@@ -77,20 +103,25 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
         while True:
             rounds += 1
             sweep_partial_files(crashed)  # as generate's main process does before starting workers
-            remaining = NUM_SAMPLES - (committed_after_kill[-1] if committed_after_kill else 0)
+            remaining = NUM_SAMPLES - _committed(crashed)
+            sessions_before = _sessions(crashed)
             pid = server.start(crashed)
             if kills < MIN_KILLS:
-                # Random lives: part of the start-up, then on average an equal share of the remaining
-                # work per remaining kill, so kills land in start-up, writes, commits and close alike.
+                # Half the kills at a random time around the start-up; the other half once this
+                # session has written shard data, then after up to an equal share of the remaining work
+                # per remaining kill: kills land in start-up, writes, commits and close alike, whatever
+                # this machine's speed (a time scale alone missed every write on a fast machine).
                 share = remaining * per_sample / (MIN_KILLS - kills + 2)
-                time.sleep(idle_run * rng.uniform(0.3, 1.0) + rng.uniform(0.0, 1.5 * share))
+                if kills % 2 == 0 or remaining == 0:  # a complete cache writes no shard: start-up only
+                    time.sleep(idle_run * rng.uniform(0.3, 1.0) + rng.uniform(0.0, share))
+                else:
+                    _wait_for_session_data(crashed, sessions_before, pid)
+                    time.sleep(rng.uniform(0.0, 1.5 * share))
                 os.kill(pid, signal.SIGKILL)  # the child is not reaped yet: its pid is still ours
             code = server.wait(pid)
             if code == -signal.SIGKILL:
                 kills += 1
-                committed_after_kill.append(
-                    len(read_table(crashed, "samples", ["sample_id"])) if crashed.exists() else 0
-                )
+                committed_after_kill.append(_committed(crashed))
             else:
                 assert code == 0, f"writer failed in round {rounds} (see its traceback above)"
                 if kills >= MIN_KILLS:
@@ -102,7 +133,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
     print(f"{kills} kills in {rounds} rounds; committed after each kill: {committed_after_kill}")
     # The kills hit writers in the middle of their data, not only in start-up or after the end: most
     # killed sessions had written shard files, and work was left for the final run.
-    sessions_with_data = [g for g in (crashed / "shards").iterdir() if any((g / "features").rglob("c/*/0"))]
+    sessions_with_data = [g for g in _sessions(crashed) if _has_data(g)]
     assert len(sessions_with_data) >= MIN_KILLS // 2
     assert sum(n < NUM_SAMPLES for n in committed_after_kill) >= MIN_KILLS // 2
 
