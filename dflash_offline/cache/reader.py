@@ -140,6 +140,19 @@ OnDamaged = Callable[[DamagedSample], None]
 """Called (from a reader thread) for each damaged sample when the caller chose to skip them."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ReadTarget:
+    """Where one ``read_rows`` call puts the stored feature rows, and whether it decodes them."""
+
+    stored: np.ndarray | None = None
+    """[sum of T, W] block the samples' stored rows are packed into, in request order; None: a fresh
+    array per sample."""
+    decode_into: np.ndarray | None = None
+    """uint16 [sum of T, F]: where fp8 rows are decoded to bf16 (None: fresh arrays)."""
+    device_decode: bool = False
+    """fp8 rows stay encoded (``stored_TW``), for a decode on the training device."""
+
+
 class CacheReader:
     """Reads committed samples of one cache, bit-exactly, many at a time."""
 
@@ -253,12 +266,28 @@ class CacheReader:
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= len(table)):
             raise SampleError(f"row {int(rows.max())} out of range: the cache has {len(table)} samples")
-        width = self.fingerprint.feature_width
-        storage = self.storage
         needed = int(table.num_tokens[rows].astype(np.int64).sum())
+        self._check_out_arrays(needed, features_out, stored_out)
+        target = self._read_target(needed, features_out, stored_out)
+        outputs, tasks = self._plan_reads(table, rows, target.stored)
+        try:
+            self._run_tasks(tasks)
+        except CacheDamageError:
+            if self.on_damaged is None or len(rows) < 2:
+                raise
+            # A chunk that does not decode: read the samples one by one to find which it hurts.
+            return self._read_alone(table, rows, features_out)
+        if self.check_checksums:
+            self._check(table, rows, outputs)
+        return self._to_samples(table, rows, outputs, target)
+
+    def _check_out_arrays(
+        self, needed: int, features_out: np.ndarray | None, stored_out: np.ndarray | None
+    ) -> None:
+        """Refuse caller arrays of the wrong dtype, shape or layout for ``needed`` token rows."""
         for name, out, dtype, w in (
-            ("features_out", features_out, np.dtype(np.uint16), width),
-            ("stored_out", stored_out, storage.dtype, storage.width),
+            ("features_out", features_out, np.dtype(np.uint16), self.fingerprint.feature_width),
+            ("stored_out", stored_out, self.storage.dtype, self.storage.width),
         ):
             if out is not None and (
                 out.dtype != dtype
@@ -273,16 +302,26 @@ class CacheReader:
                 )
         if features_out is not None and stored_out is not None:
             raise SampleError("pass features_out or stored_out, not both")
-        fp8 = storage.fp8
-        decode_into = None
+
+    def _read_target(
+        self, needed: int, features_out: np.ndarray | None, stored_out: np.ndarray | None
+    ) -> _ReadTarget:
+        fp8 = self.storage.fp8
         if fp8 is None:
-            dest = features_out if features_out is not None else stored_out
-        elif stored_out is not None:
-            dest = stored_out  # the caller decodes (on its device)
-        else:  # the stored rows land in one scratch block, decoded below
-            dest = np.empty((needed, storage.width), dtype=storage.dtype)
-            decode_into = features_out
-        device_decode = fp8 is not None and stored_out is not None
+            return _ReadTarget(stored=features_out if features_out is not None else stored_out)
+        if stored_out is not None:
+            return _ReadTarget(stored=stored_out, device_decode=True)  # the caller decodes (on its device)
+        # The stored rows land in one scratch block, decoded by _to_samples.
+        return _ReadTarget(
+            stored=np.empty((needed, self.storage.width), dtype=self.storage.dtype), decode_into=features_out
+        )
+
+    def _plan_reads(
+        self, table: SampleTable, rows: np.ndarray, dest: np.ndarray | None
+    ) -> tuple[list[dict[str, np.ndarray]], list[tuple[tuple[str, int], dict[str, list[Piece]]]]]:
+        """Each sample's output arrays (features packed into ``dest`` when given), and the read tasks:
+        its rows split at shard-file boundaries, grouped by (shard, shard file index)."""
+        width = self.fingerprint.feature_width
         outputs = []
         packed = 0
         # (shard, shard index) -> array name -> pieces: one task reads one shard index of all arrays
@@ -316,16 +355,13 @@ class CacheReader:
                         )
                     )
                 r = stop
-        tasks = list(work.items())
-        try:
-            self._run_tasks(tasks)
-        except CacheDamageError:
-            if self.on_damaged is None or len(rows) < 2:
-                raise
-            # A chunk that does not decode: read the samples one by one to find which it hurts.
-            return self._read_alone(table, rows, features_out)
-        if self.check_checksums:
-            self._check(table, rows, outputs)
+        return outputs, list(work.items())
+
+    def _to_samples(
+        self, table: SampleTable, rows: np.ndarray, outputs: list[dict[str, np.ndarray]], target: _ReadTarget
+    ) -> list[CachedSample]:
+        """The read arrays as ``CachedSample``s; fp8 rows decoded to bf16 here unless the caller decodes."""
+        fp8 = self.storage.fp8
         samples = []
         packed = 0
         for row, bufs in zip(rows.tolist(), outputs):
@@ -333,14 +369,14 @@ class CacheReader:
             num = int(bufs["input_ids"].shape[0])
             if fp8 is None:
                 features_TF = torch.from_numpy(bufs["features"]).view(torch.bfloat16)
-            elif device_decode:
+            elif target.device_decode:
                 stored_TW = torch.from_numpy(bufs["features"])
                 features_TF = torch.empty((num, 0), dtype=torch.bfloat16)
             else:  # decode the fp8 rows to bf16 on the CPU (after the checksum of the stored bytes)
                 out_TF = (
-                    decode_into[packed : packed + num]
-                    if decode_into is not None
-                    else np.empty((num, width), dtype=np.uint16)
+                    target.decode_into[packed : packed + num]
+                    if target.decode_into is not None
+                    else np.empty((num, self.fingerprint.feature_width), dtype=np.uint16)
                 )
                 features_TF = torch.from_numpy(out_TF).view(torch.bfloat16)
                 decode_rows(torch.from_numpy(bufs["features"]), fp8, features_TF)

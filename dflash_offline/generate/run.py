@@ -38,7 +38,7 @@ from dflash_offline.generate.channel import QueueJobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted
 from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
-from dflash_offline.generate.progress import GenerateProgress
+from dflash_offline.generate.progress import GenerateProgress, ProgressView
 from dflash_offline.generate.worker import WorkerSpec, run_worker
 from dflash_offline.locking import DirLock, acquire_lock
 
@@ -470,15 +470,15 @@ def _run_locked(ctx: RunContext, on_event: Callable[[object], None] | None) -> G
     return summary
 
 
-def _progress_view(tally: _Tally, planner: _Planner) -> dict[str, Any]:
-    return {
-        "samples": tally.samples,
-        "tokens": tally.tokens,
-        "stored_bytes": tally.stored_bytes,
-        "failures": tally.failures + planner.failure_log.count,
-        "total": planner.planned_samples if planner.done else None,
-        "planned": planner.planned_samples,
-    }
+def _progress_view(tally: _Tally, planner: _Planner) -> ProgressView:
+    return ProgressView(
+        samples=tally.samples,
+        tokens=tally.tokens,
+        stored_bytes=tally.stored_bytes,
+        failures=tally.failures + planner.failure_log.count,
+        total=planner.planned_samples if planner.done else None,
+        planned=planner.planned_samples,
+    )
 
 
 def _check_dead_workers(processes: list[Any], tally: _Tally, dead_since: dict[int, float]) -> None:

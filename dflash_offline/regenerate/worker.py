@@ -17,12 +17,17 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tally
+
+if TYPE_CHECKING:
+    from dflash_offline.regenerate.engines import Engine
+    from dflash_offline.regenerate.jsonl_out import ResumableJsonl
+    from dflash_offline.target.loader import LoadedTarget
 
 FAULT_ENV = "DFLASH_TEST_REGENERATE_FAULT"
 """Testing hook: ``raise-after:<N>`` makes a worker raise after N written conversations."""
@@ -92,14 +97,22 @@ def belongs_to(sample_id: str, worker: int, num_workers: int) -> bool:
 
 def run_worker(spec: WorkerSpec, emit: Callable[[Any], None], should_stop: Callable[[], bool]) -> WorkerDone:
     """The worker's whole life in this process; ``emit`` receives the Worker* events above."""
-    from dflash_offline.data.sources import iter_records, recorded_source, source_name_for_cache
-    from dflash_offline.eval.runtime import compute_dtype, stop_token_ids
-    from dflash_offline.regenerate.engines import EngineOptions, make_engine
-    from dflash_offline.regenerate.generation import GenerationSettings
-    from dflash_offline.regenerate.jsonl_out import ResumableJsonl
-    from dflash_offline.target.loader import load_target
+    device = _bind_device(spec)
+    start = time.perf_counter()
+    loaded = _load_engine(spec, device, emit)
+    emit(
+        WorkerReady(
+            worker=spec.worker,
+            device=spec.device,
+            engine=loaded.engine.name,
+            load_seconds=time.perf_counter() - start,
+        )
+    )
+    return _answer_records(spec, loaded, emit, should_stop)
 
-    config = spec.config
+
+def _bind_device(spec: WorkerSpec) -> torch.device:
+    """This worker's device, made current, and its torch thread count."""
     device = torch.device(spec.device)
     if device.type == "cuda":
         if device.index is None:  # `--device cuda`: the current device (set_device needs an index)
@@ -107,7 +120,26 @@ def run_worker(spec: WorkerSpec, emit: Callable[[Any], None], should_stop: Calla
         torch.cuda.set_device(device)
     if spec.cpu_threads is not None:
         torch.set_num_threads(spec.cpu_threads)
-    start = time.perf_counter()
+    return device
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LoadedEngine:
+    """The target and the generation engine built on it (``_load_engine``)."""
+
+    target: LoadedTarget
+    engine: Engine
+    batch_size: int
+    """Conversations the engine answers at once on this device type."""
+
+
+def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], None]) -> _LoadedEngine:
+    from dflash_offline.eval.runtime import compute_dtype, stop_token_ids
+    from dflash_offline.regenerate.engines import EngineOptions, make_engine
+    from dflash_offline.regenerate.generation import GenerationSettings
+    from dflash_offline.target.loader import load_target
+
+    config = spec.config
     target = load_target(config.target, device=device, dtype=compute_dtype(config.dtype, device))
     tokenizer = target.tokenizer
     stop_ids = stop_token_ids(tokenizer, target.model)
@@ -127,68 +159,50 @@ def run_worker(spec: WorkerSpec, emit: Callable[[Any], None], should_stop: Calla
         seed=config.seed + spec.worker,
     )
     torch.manual_seed(config.seed + spec.worker)
-
-    def note(text: str) -> None:
-        emit(WorkerNote(worker=spec.worker, text=text))
-
-    engine = make_engine(config.engine, target.model, settings, options, note=note)
-    emit(
-        WorkerReady(
-            worker=spec.worker,
-            device=spec.device,
-            engine=engine.name,
-            load_seconds=time.perf_counter() - start,
-        )
+    engine = make_engine(
+        config.engine, target.model, settings, options, note=lambda text: emit(_note(spec, text))
     )
-    window = config.window or batch_size * (2 if engine.name == "cb" else 4)
-    info = target.info
-    fault_after = _fault_after()
+    return _LoadedEngine(target=target, engine=engine, batch_size=batch_size)
+
+
+def _note(spec: WorkerSpec, text: str) -> WorkerNote:
+    return WorkerNote(worker=spec.worker, text=text)
+
+
+def _answer_records(
+    spec: WorkerSpec, loaded: _LoadedEngine, emit: Callable[[Any], None], should_stop: Callable[[], bool]
+) -> WorkerDone:
+    """Drive this worker's share of the records through the engine into its own JSONL files."""
+    from dflash_offline.data.sources import iter_records, recorded_source, source_name_for_cache
+    from dflash_offline.regenerate.jsonl_out import ResumableJsonl
+
+    config, engine = spec.config, loaded.engine
+    window = config.window or loaded.batch_size * (2 if engine.name == "cb" else 4)
     completed = False
     gen_start = time.perf_counter()
     # An output begun before source names dropped container suffixes keeps the name its keys hash.
     source = source_name_for_cache(config.data, recorded_source(config.out))
     with ResumableJsonl(spec.out, key=KEY) as out, ResumableJsonl(spec.failures, key=KEY) as failures:
         own = out.keys | failures.keys
-
-        def on_tally(delta: Tally) -> None:
-            emit(WorkerProgress(worker=spec.worker, delta=delta))
-            if fault_after is not None and sink.total.written >= fault_after:
-                raise RuntimeError(f"injected fault after {sink.total.written} conversations ({FAULT_ENV})")
-
-        sink = ConversationSink(
-            out=out,
-            failures=failures,
-            source=source,
-            regenerated_by={
-                "target": info.target_id,
-                "weights_hash": info.weights_hash,
-                "temperature": config.temperature,
-                "max_new_tokens": config.max_new_tokens,
-                "seed": config.seed,
-            },
-            on_tally=on_tally,
-            on_failure=note,
-        )
+        sink = _sink(spec, loaded, emit, out=out, failures=failures, source=source)
         driver = Driver(
             engine=engine,
             sink=sink,
-            tokenizer=tokenizer,
+            tokenizer=loaded.target.tokenizer,
             max_prompt_tokens=config.max_prompt_tokens,
             window=window,
             done=lambda sid: sid in spec.done or sid in own,
             mine=lambda sid: belongs_to(sid, spec.worker, spec.num_workers),
         )
         try:
-            completed = driver.run(
-                iter_records(
-                    config.data,
-                    skip=config.skip,
-                    limit=config.limit,
-                    data_format=config.data_format,
-                    source=source,
-                ),
-                should_stop=should_stop,
+            records = iter_records(
+                config.data,
+                skip=config.skip,
+                limit=config.limit,
+                data_format=config.data_format,
+                source=source,
             )
+            completed = driver.run(records, should_stop=should_stop)
         finally:
             engine.close(abort=not completed)
     return WorkerDone(
@@ -199,6 +213,42 @@ def run_worker(spec: WorkerSpec, emit: Callable[[Any], None], should_stop: Calla
         generation_seconds=time.perf_counter() - gen_start,
         completed=completed,
     )
+
+
+def _sink(
+    spec: WorkerSpec,
+    loaded: _LoadedEngine,
+    emit: Callable[[Any], None],
+    *,
+    out: ResumableJsonl,
+    failures: ResumableJsonl,
+    source: str,
+) -> ConversationSink:
+    """Where answers go: the output JSONL (with their provenance) and the failures JSONL; every tally
+    goes to the coordinator as a ``WorkerProgress``."""
+    config, info = spec.config, loaded.target.info
+    fault_after = _fault_after()
+
+    def on_tally(delta: Tally) -> None:
+        emit(WorkerProgress(worker=spec.worker, delta=delta))
+        if fault_after is not None and sink.total.written >= fault_after:
+            raise RuntimeError(f"injected fault after {sink.total.written} conversations ({FAULT_ENV})")
+
+    sink = ConversationSink(
+        out=out,
+        failures=failures,
+        source=source,
+        regenerated_by={
+            "target": info.target_id,
+            "weights_hash": info.weights_hash,
+            "temperature": config.temperature,
+            "max_new_tokens": config.max_new_tokens,
+            "seed": config.seed,
+        },
+        on_tally=on_tally,
+        on_failure=lambda text: emit(_note(spec, text)),
+    )
+    return sink
 
 
 def _fault_after() -> int | None:

@@ -70,6 +70,17 @@ class StepPlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerPosition:
+    """Where the planner's next step starts (``LengthMixingPlanner.position``): the step after the
+    last one reported done."""
+
+    epoch: int
+    step_in_epoch: int
+    global_step: int
+    """Optimizer steps completed since training started (counts across resumes and epochs)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StepContext:
     """Where a microbatch sits in training; travels with it through the prefetcher."""
 

@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.drafter.anchors import sample_anchors
@@ -41,11 +42,14 @@ from dflash_offline.train.config import TrainConfig, check_resume
 from dflash_offline.train.damaged import DamagedLog
 from dflash_offline.train.dist import DistInfo, all_reduce_sum, barrier
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
-from dflash_offline.train.metrics import MetricsLog, StepAccumulator, StepMetrics
+from dflash_offline.train.metrics import MetricsLog, StepAccumulator, StepMetrics, StepTotals
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, RowReader
-from dflash_offline.train.snapshot import load_snapshot, save_snapshot, take_snapshot
+from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,7 +143,7 @@ def _steps_of(prefetcher: Prefetcher) -> Iterator[list[PackedMicrobatch]]:
     assert not current, "the prefetcher ended inside a step"
 
 
-def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> Any:
+def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> IndexSnapshot:
     """The run's sample set: taken at the first start by rank 0 and saved; reloaded on resume."""
     path = config.out_dir / "snapshot.parquet"
     taken = None
@@ -152,7 +156,9 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
     return taken if taken is not None else load_snapshot(path, reader)
 
 
-def _feature_scale(config: TrainConfig, reader: CacheReader, snapshot: Any, info: DistInfo) -> torch.Tensor:
+def _feature_scale(
+    config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
+) -> torch.Tensor:
     """The run's feature scale: computed by rank 0 at the first start and saved; reloaded on resume."""
     from dflash_offline.train.feature_scale import (
         FEATURE_SCALE_FILE,
@@ -232,17 +238,70 @@ def _stop_agreed(info: DistInfo) -> bool:
     return bool(total.item() > 0)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Optimization:
+    """The stateful objects an optimizer step touches, built once a run by ``_setup_optimization``."""
+
+    model: DFlashDrafter
+    ddp_model: nn.Module
+    """``model`` itself, or its DistributedDataParallel wrapper when the run has several ranks."""
+    params: list[nn.Parameter]
+    """The parameters the optimizer updates (and whose gradient norm is clipped)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    planner: LengthMixingPlanner
+    total_steps: int
+    """Steps of the whole run: the planner's over ``epochs``, capped by ``max_steps``."""
+
+
 def _train(
     config: TrainConfig,
     info: DistInfo,
     setup: DrafterSetup,
-    snapshot: Any,
+    snapshot: IndexSnapshot,
     reader: RowReader,
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
 ) -> TrainResult:
-    model: DFlashDrafter = setup.model
-    drafter_config = model.config
+    opt = _setup_optimization(config, info, setup.model, snapshot)
+    state = _resume(config, info, opt)
+    if state is None and config.export_initial and info.is_main:
+        from dflash_offline.drafter.export import export_drafter
+
+        export_drafter(opt.model, config.out_dir / "drafter-initial")
+    reporter = _StepReporter(config, info, opt.total_steps, opt.planner.position.global_step, on_step)
+    try:
+        last_loss = _run_steps(
+            config,
+            info,
+            opt,
+            snapshot,
+            reader,
+            reporter,
+            tokens_seen=0 if state is None else state.tokens_seen,
+        )
+    finally:
+        reporter.close()
+
+    export_dir = None
+    if config.export_at_end and info.is_main:
+        from dflash_offline.drafter.export import export_drafter
+
+        export_dir = export_drafter(opt.model, config.out_dir / "drafter")
+    barrier(info)
+    return TrainResult(
+        global_step=opt.planner.position.global_step,
+        total_steps=opt.total_steps,
+        final_loss=last_loss,
+        export_dir=export_dir,
+        seconds=time.perf_counter() - start_time,
+    )
+
+
+def _setup_optimization(
+    config: TrainConfig, info: DistInfo, model: DFlashDrafter, snapshot: IndexSnapshot
+) -> _Optimization:
+    """DDP wrapper, optimizer, planner and LR schedule of a fresh run (``_resume`` loads a checkpoint)."""
     ddp_model: nn.Module = model
     if info.distributed:
         ddp_model = nn.parallel.DistributedDataParallel(
@@ -266,38 +325,75 @@ def _train(
     total_steps = planner.total_steps(config.epochs)
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, cosine_with_warmup(total_steps, config.warmup_ratio)
+    scheduler = LambdaLR(optimizer, cosine_with_warmup(total_steps, config.warmup_ratio))
+    return _Optimization(
+        model=model,
+        ddp_model=ddp_model,
+        params=params,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        planner=planner,
+        total_steps=total_steps,
     )
 
+
+def _resume(config: TrainConfig, info: DistInfo, opt: _Optimization) -> TrainState | None:
+    """Load the latest checkpoint into ``opt`` (with ``--resume auto``); None when starting fresh."""
     state = load_latest_checkpoint(config.out_dir, is_main=info.is_main) if config.resume == "auto" else None
-    tokens_seen = 0
-    if state is not None:
-        model.load_state_dict(state.model)
-        optimizer.load_state_dict(state.optimizer)
-        scheduler.load_state_dict(state.scheduler)
-        # Unconditionally (bit-identical when nothing changed), so that every rank decides alike.
-        _apply_optimizer_options(config, optimizer, scheduler, total_steps)
-        planner.load_state_dict(state.planner, allow_topology_change=config.allow_topology_change)
-        set_rng_state(state.rng)
-        tokens_seen = state.tokens_seen
-    global_step = planner.position[2]
-    if state is None and config.export_initial and info.is_main:
-        from dflash_offline.drafter.export import export_drafter
+    if state is None:
+        return None
+    opt.model.load_state_dict(state.model)
+    opt.optimizer.load_state_dict(state.optimizer)
+    opt.scheduler.load_state_dict(state.scheduler)
+    # Unconditionally (bit-identical when nothing changed), so that every rank decides alike.
+    _apply_optimizer_options(config, opt.optimizer, opt.scheduler, opt.total_steps)
+    opt.planner.load_state_dict(state.planner, allow_topology_change=config.allow_topology_change)
+    set_rng_state(state.rng)
+    return state
 
-        export_drafter(model, config.out_dir / "drafter-initial")
-    metrics_log = (
-        MetricsLog(
-            config.out_dir / "metrics.jsonl",
-            resume_from_step=global_step,
-            tensorboard_dir=config.resolved_tensorboard_dir(),
-        )
-        if info.is_main
-        else None
-    )
-    tracker = _StepTracker(planner.iterate(config.epochs), total_steps)
+
+def _run_steps(
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    snapshot: IndexSnapshot,
+    reader: RowReader,
+    reporter: _StepReporter,
+    *,
+    tokens_seen: int,
+) -> float | None:
+    """Run steps from the planner's position to ``total_steps``; the last step's loss (None if none ran).
+
+    Raises ``TrainInterrupted`` (after a checkpoint) when any rank was asked to stop."""
+    tracker = _StepTracker(opt.planner.iterate(config.epochs), opt.total_steps)
     jobs = schedule_for_rank(tracker, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)
-    num_anchors = drafter_config.num_anchors
+    autocast = _autocast(config, info)
+    last_loss: float | None = None
+    with Prefetcher(
+        reader,
+        jobs,
+        device=info.device,
+        prefetch=max(config.prefetch, config.grad_accum),
+        num_threads=config.loader_threads,
+        anchor_fn=_anchor_fn(opt.model.config.num_anchors),
+    ) as prefetcher:
+        step_start = time.perf_counter()
+        for batches in _steps_of(prefetcher):
+            step_plan = tracker.by_global_step.pop(batches[0].step.global_step)
+            totals, grad_norm = _optimizer_step(config, info, opt, step_plan, batches, autocast)
+            tokens_seen += step_plan.num_tokens
+            last_loss = totals.loss
+            lr = float(opt.scheduler.get_last_lr()[0])
+            reporter.report(
+                _step_metrics(step_plan, batches, totals, lr, grad_norm, time.perf_counter() - step_start)
+            )
+            _checkpoint_or_stop(config, info, opt, step_plan.global_step + 1, tokens_seen)
+            step_start = time.perf_counter()
+    return last_loss
+
+
+def _anchor_fn(num_anchors: int) -> Callable[[AnchorRequest], torch.Tensor]:
+    """The prefetcher's anchor sampler: ``num_anchors`` block starts per microbatch."""
 
     def anchor_fn(request: AnchorRequest) -> torch.Tensor:
         return sample_anchors(
@@ -308,115 +404,155 @@ def _train(
             max_total=num_anchors,
         )
 
-    progress = _progress_bar(config, info, total_steps, global_step)
+    return anchor_fn
+
+
+def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast with ``--autocast bf16``, or ``auto`` on CUDA; otherwise none (float32)."""
     use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and info.device.type == "cuda")
-    autocast = (
-        torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    )
-    last_loss: float | None = None
-    try:
-        with Prefetcher(
-            reader,
-            jobs,
-            device=info.device,
-            prefetch=max(config.prefetch, config.grad_accum),
-            num_threads=config.loader_threads,
-            anchor_fn=anchor_fn,
-        ) as prefetcher:
-            step_start = time.perf_counter()
-            for batches in _steps_of(prefetcher):
-                step_plan = tracker.by_global_step.pop(batches[0].step.global_step)
-                inputs = [to_drafter_inputs(b) for b in batches]
-                weights = [
-                    loss_weight(x, drafter_config) * (0.0 if b.plan.is_padding else 1.0)
-                    for x, b in zip(inputs, batches, strict=True)
-                ]
-                total_weight = all_reduce_sum(torch.stack(weights).sum(), info)
-                scale = torch.where(total_weight > 0, info.world_size / total_weight.clamp_min(1e-30), 0.0)
-                accumulator = StepAccumulator(drafter_config.block_size, info.device)
-                for i, (x, batch) in enumerate(zip(inputs, batches, strict=True)):
-                    sync = i == len(inputs) - 1 or not info.distributed
-                    no_sync = contextlib.nullcontext() if sync else ddp_model.no_sync()  # type: ignore[operator]
-                    with no_sync, autocast:
-                        out = ddp_model(x, attention=config.attention)
-                    factor = scale.float() * (0.0 if batch.plan.is_padding else 1.0)
-                    (out.weighted_ce_sum * factor).backward()
-                    if not batch.plan.is_padding:
-                        accumulator.add(out)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                planner.step_done(step_plan)
-                global_step = step_plan.global_step + 1
-                tokens_seen += step_plan.num_tokens
-                loss, acc_K, tau, blocks = accumulator.reduce(info)
-                last_loss = loss
-                step_seconds = time.perf_counter() - step_start
-                wait = sum(b.data_wait_s for b in batches)
-                metrics = StepMetrics(
-                    step=global_step,
-                    epoch=step_plan.epoch,
-                    loss=loss,
-                    lr=float(scheduler.get_last_lr()[0]),
-                    grad_norm=float(grad_norm),
-                    acc_by_position=acc_K,
-                    simulated_tau=tau,
-                    tokens=step_plan.num_tokens,
-                    tokens_per_s=step_plan.num_tokens / step_seconds,
-                    step_seconds=step_seconds,
-                    data_wait_fraction=wait / step_seconds,
-                    buckets=sorted({b for mb in step_plan.microbatches for b in mb.bucket_ids}),
-                    num_blocks=blocks,
-                )
-                if info.is_main:
-                    assert metrics_log is not None
-                    if global_step % config.log_every == 0 or global_step == total_steps:
-                        metrics_log.write(metrics)
-                    if progress is not None:
-                        progress.update(1)
-                        progress.set_postfix(
-                            loss=f"{loss:.3f}",
-                            acc1=f"{acc_K[0]:.2f}",
-                            tau=f"{tau:.2f}",
-                            tok_s=f"{metrics.tokens_per_s:,.0f}",
-                            wait=f"{metrics.data_wait_fraction:.1%}",
-                            refresh=False,
-                        )
-                if on_step is not None:
-                    on_step(metrics)
-                saved = global_step % config.checkpoint_every == 0 or global_step == total_steps
-                if saved:
-                    _checkpoint(config, info, model, optimizer, scheduler, planner, global_step, tokens_seen)
-                if global_step < total_steps and _stop_agreed(info):
-                    if not saved:
-                        _checkpoint(
-                            config, info, model, optimizer, scheduler, planner, global_step, tokens_seen
-                        )
-                    raise TrainInterrupted(global_step)
-                step_start = time.perf_counter()
-    finally:
-        if progress is not None:
-            progress.close()
-        if metrics_log is not None:
-            metrics_log.close()
+    return torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
-    export_dir = None
-    if config.export_at_end and info.is_main:
-        from dflash_offline.drafter.export import export_drafter
 
-        export_dir = export_drafter(model, config.out_dir / "drafter")
-    barrier(info)
-    return TrainResult(
-        global_step=global_step,
-        total_steps=total_steps,
-        final_loss=last_loss,
-        export_dir=export_dir,
-        seconds=time.perf_counter() - start_time,
+def _optimizer_step(
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    step_plan: StepPlan,
+    batches: list[PackedMicrobatch],
+    autocast: contextlib.AbstractContextManager[Any],
+) -> tuple[StepTotals, float]:
+    """Forward and backward every microbatch of this rank's step, then clip, step and report the step
+    done to the planner. Returns the step's totals over all ranks and the gradient norm before clipping."""
+    accumulator = _accumulate_gradients(config, info, opt, batches, autocast)
+    grad_norm = torch.nn.utils.clip_grad_norm_(opt.params, config.grad_clip)
+    opt.optimizer.step()
+    opt.scheduler.step()
+    opt.optimizer.zero_grad(set_to_none=True)
+    opt.planner.step_done(step_plan)
+    return accumulator.reduce(info), float(grad_norm)
+
+
+def _accumulate_gradients(
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    batches: list[PackedMicrobatch],
+    autocast: contextlib.AbstractContextManager[Any],
+) -> StepAccumulator:
+    """Backpropagate each microbatch's Σ w·CE scaled by the step's all-rank weight (module docstring);
+    DDP all-reduces the gradients once, on the last microbatch."""
+    drafter_config = opt.model.config
+    inputs = [to_drafter_inputs(b) for b in batches]
+    real = [0.0 if b.plan.is_padding else 1.0 for b in batches]  # padding microbatches weigh nothing
+    weights = [loss_weight(x, drafter_config) * r for x, r in zip(inputs, real, strict=True)]
+    total_weight = all_reduce_sum(torch.stack(weights).sum(), info)
+    scale = torch.where(total_weight > 0, info.world_size / total_weight.clamp_min(1e-30), 0.0)
+    accumulator = StepAccumulator(drafter_config.block_size, info.device)
+    for i, (x, batch) in enumerate(zip(inputs, batches, strict=True)):
+        sync = i == len(inputs) - 1 or not info.distributed
+        no_sync = contextlib.nullcontext() if sync else opt.ddp_model.no_sync()  # type: ignore[operator]
+        with no_sync, autocast:
+            out = opt.ddp_model(x, attention=config.attention)
+        (out.weighted_ce_sum * (scale.float() * real[i])).backward()
+        if not batch.plan.is_padding:
+            accumulator.add(out)
+    return accumulator
+
+
+def _step_metrics(
+    step_plan: StepPlan,
+    batches: list[PackedMicrobatch],
+    totals: StepTotals,
+    lr: float,
+    grad_norm: float,
+    step_seconds: float,
+) -> StepMetrics:
+    wait = sum(b.data_wait_s for b in batches)
+    return StepMetrics(
+        step=step_plan.global_step + 1,
+        epoch=step_plan.epoch,
+        loss=totals.loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        acc_by_position=totals.acc_by_position,
+        simulated_tau=totals.simulated_tau,
+        tokens=step_plan.num_tokens,
+        tokens_per_s=step_plan.num_tokens / step_seconds,
+        step_seconds=step_seconds,
+        data_wait_fraction=wait / step_seconds,
+        buckets=sorted({b for mb in step_plan.microbatches for b in mb.bucket_ids}),
+        num_blocks=totals.num_blocks,
     )
 
 
-def _apply_optimizer_options(config: TrainConfig, optimizer: Any, scheduler: Any, total_steps: int) -> None:
+class _StepReporter:
+    """Where each step's metrics go: ``metrics.jsonl`` (every ``log_every`` steps and the last) and
+    the progress bar on rank 0, and ``on_step`` on every rank."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        info: DistInfo,
+        total_steps: int,
+        global_step: int,
+        on_step: Callable[[StepMetrics], None] | None,
+    ) -> None:
+        self._log_every = config.log_every
+        self._total_steps = total_steps
+        self._on_step = on_step
+        self._log = (
+            MetricsLog(
+                config.out_dir / "metrics.jsonl",
+                resume_from_step=global_step,
+                tensorboard_dir=config.resolved_tensorboard_dir(),
+            )
+            if info.is_main
+            else None
+        )
+        self._progress = _progress_bar(config, info, total_steps, global_step)
+
+    def report(self, metrics: StepMetrics) -> None:
+        if self._log is not None and (
+            metrics.step % self._log_every == 0 or metrics.step == self._total_steps
+        ):
+            self._log.write(metrics)
+        if self._progress is not None:
+            self._progress.update(1)
+            self._progress.set_postfix(
+                loss=f"{metrics.loss:.3f}",
+                acc1=f"{metrics.acc_by_position[0]:.2f}",
+                tau=f"{metrics.simulated_tau:.2f}",
+                tok_s=f"{metrics.tokens_per_s:,.0f}",
+                wait=f"{metrics.data_wait_fraction:.1%}",
+                refresh=False,
+            )
+        if self._on_step is not None:
+            self._on_step(metrics)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+        if self._log is not None:
+            self._log.close()
+
+
+def _checkpoint_or_stop(
+    config: TrainConfig, info: DistInfo, opt: _Optimization, global_step: int, tokens_seen: int
+) -> None:
+    """Checkpoint every ``checkpoint_every`` steps and at the end; when any rank was asked to stop,
+    checkpoint (if this step did not) and raise ``TrainInterrupted``."""
+    saved = global_step % config.checkpoint_every == 0 or global_step == opt.total_steps
+    if saved:
+        _checkpoint(config, info, opt, global_step, tokens_seen)
+    if global_step < opt.total_steps and _stop_agreed(info):
+        if not saved:
+            _checkpoint(config, info, opt, global_step, tokens_seen)
+        raise TrainInterrupted(global_step)
+
+
+def _apply_optimizer_options(
+    config: TrainConfig, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, total_steps: int
+) -> None:
     """The command line's --lr / --weight-decay / run length over the resumed optimizer and scheduler
     state (which would keep the old values: LambdaLR restores its base_lrs). The same products the
     scheduler computes, so an unchanged resume stays bit-identical."""
@@ -430,24 +566,17 @@ def _apply_optimizer_options(config: TrainConfig, optimizer: Any, scheduler: Any
 
 
 def _checkpoint(
-    config: TrainConfig,
-    info: DistInfo,
-    model: DFlashDrafter,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    planner: LengthMixingPlanner,
-    global_step: int,
-    tokens_seen: int,
+    config: TrainConfig, info: DistInfo, opt: _Optimization, global_step: int, tokens_seen: int
 ) -> None:
     if info.is_main:
         save_checkpoint(
             config.out_dir,
             TrainState(
                 global_step=global_step,
-                model=model.state_dict(),
-                optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(),
-                planner=planner.state_dict(),
+                model=opt.model.state_dict(),
+                optimizer=opt.optimizer.state_dict(),
+                scheduler=opt.scheduler.state_dict(),
+                planner=opt.planner.state_dict(),
                 rng=rng_state(),
                 tokens_seen=tokens_seen,
                 world_size=info.world_size,
@@ -457,11 +586,9 @@ def _checkpoint(
     barrier(info)
 
 
-def _progress_bar(config: TrainConfig, info: DistInfo, total: int, initial: int) -> Any:
+def _progress_bar(config: TrainConfig, info: DistInfo, total: int, initial: int) -> tqdm[Any] | None:
     if not (config.progress and info.is_main):
         return None
-    import sys
-
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, unit="step", desc="train", file=sys.stderr, dynamic_ncols=True)

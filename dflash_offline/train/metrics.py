@@ -51,6 +51,20 @@ class StepMetrics:
         return json.dumps(asdict(self))
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTotals:
+    """A step's loss and accuracies over every microbatch of every rank (``StepAccumulator.reduce``)."""
+
+    loss: float
+    """Σ w·CE / Σ w (0.0 when the step had no weight)."""
+    acc_by_position: list[float]
+    """[K] greedy accuracy at block positions 1..B−1."""
+    simulated_tau: float
+    """The acceptance length the accuracies imply."""
+    num_blocks: int
+    """Anchors (blocks) trained on."""
+
+
 class StepAccumulator:
     """Sums a step's microbatch outputs on the device (no host sync until ``finish``)."""
 
@@ -66,8 +80,8 @@ class StepAccumulator:
         self._correct_K += out.correct_K.double()
         self._total_K += out.total_K.double()
 
-    def reduce(self, info: DistInfo) -> tuple[float, list[float], float, int]:
-        """(loss, accuracy per position, simulated τ, blocks) over all ranks."""
+    def reduce(self, info: DistInfo) -> StepTotals:
+        """The step's totals over all ranks (one all-reduce)."""
         packed = torch.cat([self._sums, self._correct_K, self._total_K])
         all_reduce_sum(packed, info)
         k = self._correct_K.numel()
@@ -76,7 +90,12 @@ class StepAccumulator:
         acc_K = torch.where(total_K > 0, correct_K / total_K.clamp_min(1), torch.zeros_like(total_K))
         loss = ce / weight if weight > 0 else 0.0
         tau = float(simulated_acceptance_length(acc_K.float()))
-        return loss, [float(a) for a in acc_K.tolist()], tau, int(blocks)
+        return StepTotals(
+            loss=loss,
+            acc_by_position=[float(a) for a in acc_K.tolist()],
+            simulated_tau=tau,
+            num_blocks=int(blocks),
+        )
 
 
 class MetricsLog:

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from dflash_offline.errors import ConfigError, ResumeError
-from dflash_offline.train.batch import MicrobatchPlan, StepPlan
+from dflash_offline.train.batch import MicrobatchPlan, PlannerPosition, StepPlan
 from dflash_offline.train.snapshot import IndexSnapshot
 
 PLANNER_STATE_VERSION = 1
@@ -325,9 +325,11 @@ class LengthMixingPlanner:
         self._global_step = step.global_step + 1
 
     @property
-    def position(self) -> tuple[int, int, int]:
-        """(epoch, step_in_epoch, global_step) of the next step to run."""
-        return self._epoch, self._step_in_epoch, self._global_step
+    def position(self) -> PlannerPosition:
+        """Where the next step to run sits."""
+        return PlannerPosition(
+            epoch=self._epoch, step_in_epoch=self._step_in_epoch, global_step=self._global_step
+        )
 
     # ---- state ------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_offline.errors import ConfigError, ResumeError
-from dflash_offline.train.batch import StepPlan, anchor_seed, schedule_for_rank
+from dflash_offline.train.batch import PlannerPosition, StepPlan, anchor_seed, schedule_for_rank
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import IndexSnapshot, snapshot_from_columns
 
@@ -248,7 +248,9 @@ def test_resume_refuses_a_different_snapshot_and_unknown_versions() -> None:
     with pytest.raises(ResumeError, match="version"):
         planner(make_snapshot()).load_state_dict({**first.state_dict(), "version": 99})
     other.load_state_dict(first.state_dict(), allow_snapshot_change=True)
-    assert other.position == (1, 0, 3), "a new sample set starts at the next epoch, global step kept"
+    assert other.position == PlannerPosition(epoch=1, step_in_epoch=0, global_step=3), (
+        "a new sample set starts at the next epoch, global step kept"
+    )
 
 
 def test_topology_change_mid_epoch_finishes_the_epoch_exactly_once() -> None:
@@ -276,7 +278,7 @@ def test_topology_change_mid_epoch_finishes_the_epoch_exactly_once() -> None:
     assert sorted(real_rows(epoch1)) == list(range(len(snap)))
     fresh = planner(snap, world_size=2, grad_accum=3, tokens_per_microbatch=5000).epoch_plan(1)
     assert [s.microbatches for s in epoch1] == [s.microbatches for s in fresh], "later epochs plan afresh"
-    assert third.position[0] == 2
+    assert third.position.epoch == 2
 
 
 def test_schedule_for_rank_maps_rows_and_derives_anchor_seeds() -> None:
