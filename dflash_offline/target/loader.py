@@ -188,8 +188,19 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(gguf_assets_dir(source.path, weights_hash(source))))
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The compute dtypes ``--dtype`` accepts (generate, regenerate, eval)."""
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
+    """The one home of the default compute dtype: float32 on the CPU (exact features and outputs, the
+    reference the tests compare against), bfloat16 on CUDA."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The named dtype (a key of ``DTYPES``), else ``default_dtype(device)``."""
+    return default_dtype(device) if name is None else DTYPES[name]
 
 
 def attn_implementation_for(device: torch.device, dtype: torch.dtype) -> str:

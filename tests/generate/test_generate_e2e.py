@@ -18,9 +18,9 @@ from dflash_offline.data.template import tokenize_conversation
 from dflash_offline.errors import FingerprintMismatchError, WorkerError
 from dflash_offline.generate.config import Placement
 from dflash_offline.generate.run import run_generate
-from dflash_offline.generate.worker import FAULT_ENV
 from dflash_offline.target.loader import load_target
 
+from . import faulty_worker
 from .conftest import tiny_config
 
 
@@ -153,7 +153,8 @@ def test_different_fingerprint_is_refused_naming_the_field(tiny_cache: Path, cha
 def test_failing_worker_stops_the_run_with_its_traceback(
     tmp_path: Path, chat_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(FAULT_ENV, "raise-after:2")
+    # Spawned workers run the production worker through a test entry point whose capture step fails.
+    monkeypatch.setattr("dflash_offline.generate.run.run_worker", faulty_worker.run_faulty_worker)
     config = tiny_config(
         tmp_path / "cache", chat_data, placement=Placement(num_cpu_workers=2, threads_per_worker=1)
     )
@@ -162,7 +163,7 @@ def test_failing_worker_stops_the_run_with_its_traceback(
     runs = read_table(tmp_path / "cache", "runs").to_pylist()
     assert [r["status"] for r in runs] == ["failed"]
     # What was committed before the failure is intact and the run resumes to completion.
-    monkeypatch.delenv(FAULT_ENV)
+    monkeypatch.undo()
     summary = run_generate(replace(config, placement=Placement(num_cpu_workers=1, threads_per_worker=1)))
     assert summary.status == "finished"
     assert read_table(tmp_path / "cache", "samples").num_rows == 60
