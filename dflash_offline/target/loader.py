@@ -221,7 +221,9 @@ def truncated_config(config: Any, num_layers: int) -> Any:
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings off for the block: the ones it prints on load and on ``generate`` are
+    about settings we override on purpose (e.g. top_k under greedy)."""
     from transformers.utils import logging as hf_logging
 
     previous = hf_logging.get_verbosity()
@@ -297,7 +299,7 @@ def _load_target(
                 kwargs["device_map"] = str(device)
         # The load report lists the tensors a truncated load skips (by design): silence it, and check
         # the one thing that matters ourselves: no built parameter was left without a stored value.
-        with _quiet_transformers():
+        with quiet_transformers():
             loaded: Any = auto_cls.from_pretrained(
                 location, config=build_config, output_loading_info=True, **kwargs
             )
