@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,15 +12,10 @@ from dflash_offline.train.determinism import CUBLAS_ENV, DeterminismError, seed_
 
 
 @pytest.fixture
-def restore_determinism(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def clean_determinism(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CUBLAS_ENV, "")  # records the original value, restored afterwards
     monkeypatch.delenv(CUBLAS_ENV)
-    enabled, warn_only = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    yield
-    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.use_deterministic_algorithms(False)  # tests/conftest.py restores the previous mode
 
 
 def _put() -> torch.Tensor:
@@ -29,7 +23,7 @@ def _put() -> torch.Tensor:
     return torch.zeros(4).put_(torch.tensor([1, 1]), torch.tensor([1.0, 2.0]))
 
 
-@pytest.mark.usefixtures("restore_determinism")
+@pytest.mark.usefixtures("clean_determinism")
 def test_deterministic_raises_on_a_nondeterministic_kernel() -> None:
     seed_everything(0, deterministic=False)
     _put()  # allowed without --deterministic
@@ -40,7 +34,7 @@ def test_deterministic_raises_on_a_nondeterministic_kernel() -> None:
     assert os.environ[CUBLAS_ENV] == ":4096:8"
 
 
-@pytest.mark.usefixtures("restore_determinism")
+@pytest.mark.usefixtures("clean_determinism")
 def test_deterministic_refuses_a_nondeterministic_cublas_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CUBLAS_ENV, ":0:0")
     with pytest.raises(DeterminismError, match=r"CUBLAS_WORKSPACE_CONFIG=':0:0'.*:4096:8"):
@@ -56,3 +50,30 @@ def test_seeds_make_draws_repeat() -> None:
     assert torch.equal(torch.rand(4), first)
     seed_everything(4, deterministic=False)
     assert not torch.equal(torch.rand(4), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("clean_determinism")
+def test_drafter_training_steps_run_and_repeat_on_cuda_under_deterministic() -> None:
+    """Every kernel of a training step (flex attention, bf16 autocast, the chunked LM-head loss,
+    AdamW) has a deterministic implementation: none raises, and two runs give the same losses."""
+    from tests.drafter.helpers import random_row, tiny_config, tiny_drafter
+
+    def losses() -> list[float]:
+        seed_everything(0, deterministic=True)
+        model = tiny_drafter(tiny_config(block_size=16, head_dim=16), seed=0).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        row = random_row([60, 130, 40], seed=1, pad=20, num_anchors=6).to("cuda")
+        out = []
+        for _step in range(3):
+            optimizer.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model.forward_train(row, attention="auto").loss
+            loss.backward()
+            optimizer.step()
+            out.append(float(loss))
+        assert not model.flex_fallback.failed  # flex itself ran, not the SDPA fallback
+        return out
+
+    first = losses()
+    assert losses() == first
