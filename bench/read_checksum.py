@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.checksum import crc32c_extend
+from dflash_offline.cache.codecs import raw_token_bytes
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.records import SampleToWrite
@@ -70,7 +71,7 @@ def time_reads(
         width = reader.fingerprint.feature_width
         tokens = int(reader.samples.num_tokens[:batch].sum())
         out = np.empty((tokens, width), dtype=np.uint16)
-        nbytes = int(reader.samples.num_tokens.astype(np.int64).sum()) * (width * 2 + 5)
+        nbytes = int(reader.samples.num_tokens.astype(np.int64).sum()) * raw_token_bytes(width)
         for _ in range(repeats):
             start, cpu = time.perf_counter(), time.process_time()
             for lo in range(0, n - batch + 1, batch):

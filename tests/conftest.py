@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,3 +21,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _restore_deterministic_algorithms() -> Iterator[None]:
+    """An in-process ``train --deterministic`` turns torch's deterministic mode on for the process
+    (it raises on kernels without a deterministic implementation): keep it from reaching other tests."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

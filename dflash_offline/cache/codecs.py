@@ -155,6 +155,21 @@ class FeatureStorage:
     def row_bytes(self) -> int:
         return self.width * self.dtype.itemsize
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token occupies in the shards before compression: features, id and loss mask."""
+        return self.row_bytes + ID_AND_MASK_BYTES
+
+
+ID_AND_MASK_BYTES = 4 + 1
+"""Per-token bytes of the 1-D shard arrays: int32 ``input_ids`` and uint8 ``loss_mask``."""
+
+
+def raw_token_bytes(feature_width: int) -> int:
+    """Uncompressed bytes one token stands for: its bf16 features plus its id and loss mask (the
+    ``raw_bytes`` of writer stats and ``dflash status``, whatever the codec)."""
+    return feature_width * 2 + ID_AND_MASK_BYTES
+
 
 def storage_dtype(codec: str) -> str:
     """``CacheFingerprint.storage_dtype`` for a codec name."""

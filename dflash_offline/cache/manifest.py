@@ -7,7 +7,6 @@ This is what lets ``dflash sql`` and ``CacheReader`` read a cache while writers 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -169,8 +168,3 @@ def read_runs(root: str | Path) -> list[RunRow]:
     """Every run recorded in the cache, oldest first."""
     runs: list[RunRow] = table_to_records("runs", read_table(root, "runs"))
     return sorted(runs, key=lambda r: (r.started_at, r.run_id))
-
-
-def fingerprint_json(fingerprint_dict: dict[str, Any]) -> str:
-    """Canonical JSON of a fingerprint for ``RunRow.fingerprint_json``."""
-    return json.dumps(fingerprint_dict, sort_keys=True)

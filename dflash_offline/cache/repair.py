@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tqdm import tqdm
 
+from dflash_offline.cache.codecs import raw_token_bytes
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint
 from dflash_offline.cache.manifest import read_parts, write_part
 from dflash_offline.cache.reader import CacheReader, SampleTable
@@ -96,7 +97,7 @@ def _good_rows(root: Path, rows: pa.Table, ranks: np.ndarray, progress: bool) ->
     rounds (first commits, then second commits, ...) since a reader's table holds one row per id."""
     good = np.ones(rows.num_rows, dtype=bool)
     with CacheReader.open(root) as reader:
-        row_bytes = reader.fingerprint.feature_width * 2 + 4 + 1
+        row_bytes = raw_token_bytes(reader.fingerprint.feature_width)
         total = int(pc.sum(rows["num_tokens"]).as_py() or 0) * row_bytes
         with tqdm(total=total, unit="B", unit_scale=True, desc="repair", disable=not progress) as bar:
             for rank in range(int(ranks.max()) + 1 if len(ranks) else 0):

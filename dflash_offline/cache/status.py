@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_offline.cache.codecs import raw_token_bytes
 from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION, CacheFingerprint
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint
 from dflash_offline.cache.sqldb import index_is_current, open_query_database
@@ -149,7 +150,7 @@ def cache_status(root: str | Path) -> CacheStatus:
         samples=int(samples),
         tokens=int(tokens),
         loss_tokens=int(loss_tokens),
-        raw_bytes=int(tokens) * (fingerprint.feature_width * 2 + 4 + 1),
+        raw_bytes=int(tokens) * raw_token_bytes(fingerprint.feature_width),
         stored_bytes=_tree_bytes(layout.shards_dir),
         manifest_bytes=_tree_bytes(layout.manifest_dir),
         shards=int(shards),

@@ -197,7 +197,7 @@ def damaged_rows(reader: CacheReader, bar: Any = None) -> dict[int, str]:
     Reads in (shard, row) order, ``_BATCH_BYTES`` at a time; ``bar`` (tqdm) counts stored bytes."""
     table = reader.samples
     storage = reader.storage
-    row_bytes = storage.row_bytes + 4 + 1
+    row_bytes = storage.token_bytes
     lossy = storage.fp8 is not None
 
     def read(rows: np.ndarray) -> list[CachedSample]:
@@ -257,7 +257,7 @@ def verify_cache(root: str | Path, *, progress: bool = True, num_threads: int = 
     damaged: dict[int, str] = {}
     with CacheReader.open(root, num_threads=num_threads) as reader:
         table = reader.samples
-        row_bytes = reader.storage.row_bytes + 4 + 1
+        row_bytes = reader.storage.token_bytes
         order = np.lexsort((table.row_start, table.shard_code)) if len(table) else np.zeros(0, np.int64)
         damaged.update(_overlaps(table, order))
         bar = tqdm(

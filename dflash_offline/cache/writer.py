@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.checksum import sample_checksum
-from dflash_offline.cache.codecs import feature_storage
+from dflash_offline.cache.codecs import feature_storage, raw_token_bytes
 from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.fp8 import encode_rows
@@ -323,7 +323,7 @@ class ShardWriter:
         )
         self._known.add(sample.sample_id)
         self._next_row += num_tokens
-        self._uncommitted_bytes += num_tokens * (self.feature_width * 2 + 4 + 1)
+        self._uncommitted_bytes += num_tokens * raw_token_bytes(self.feature_width)
         if self._next_row - self._block_start >= self.shard_rows:
             self._write(whole_shards_only=True)
         self._maybe_flush()
@@ -525,7 +525,7 @@ class ShardWriter:
         stats["samples"] += len(rows)
         stats["tokens"] += tokens
         stats["loss_tokens"] += sum(r.num_loss_tokens for r in rows)
-        stats["raw_bytes"] += tokens * (self.feature_width * 2 + 4 + 1)
+        stats["raw_bytes"] += tokens * raw_token_bytes(self.feature_width)
         stats["failures"] += len(failures)
         stats["flushes"] += 1
         return rows

@@ -19,7 +19,6 @@ forward or backward).
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,8 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_offline.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 AttentionBackend = Literal["auto", "flex", "sdpa"]
 
@@ -164,7 +161,41 @@ def sdpa_attend(q: Tensor, k: Tensor, v: Tensor, mask_QS: Tensor) -> Tensor:
 
 
 _compiled_flex: Any = None
-_flex_compile_failed = False
+"""The compiled kernel, a cache only: whether a model still uses flex is its ``FlexFallback``'s say."""
+
+
+class FlexFallbackWarning(RuntimeWarning):
+    """A model's compiled flex_attention failed: it runs dense SDPA from then on."""
+
+
+class FlexFallback:
+    """One model's record of a compiled flex_attention failure. The failing forward and every later
+    forward of that model run dense SDPA (the same mask, more memory), and a ``FlexFallbackWarning``
+    says so once, naming the error. Per model, not per process: another model tries flex afresh."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        """The error that made the model leave flex, None while it has not."""
+
+    @property
+    def failed(self) -> bool:
+        return self.reason is not None
+
+    @staticmethod
+    def covers(device: torch.device) -> bool:
+        """Only CUDA's compiled kernel may fail over: off CUDA flex is eager, and a failure is a bug."""
+        return device.type == "cuda"
+
+    def record(self, exc: Exception) -> None:
+        if self.reason is None:
+            warnings.warn(
+                FlexFallbackWarning(
+                    f"compiled flex_attention failed ({type(exc).__name__}: {exc}); this model trains "
+                    "with dense SDPA attention from now on (pass --attention sdpa to skip flex)"
+                ),
+                stacklevel=3,
+            )
+        self.reason = f"{type(exc).__name__}: {exc}"
 
 
 def _flex_kernel(device: torch.device) -> Callable[..., Tensor]:
@@ -172,7 +203,7 @@ def _flex_kernel(device: torch.device) -> Callable[..., Tensor]:
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda" or _flex_compile_failed:
+    if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
@@ -192,9 +223,13 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
 class TrainingAttention:
     """The attend function of one training forward: pads q/k/v, applies the mask, un-pads."""
 
-    def __init__(self, index: AttentionIndex, backend: Literal["flex", "sdpa"]) -> None:
+    def __init__(
+        self, index: AttentionIndex, backend: Literal["flex", "sdpa"], fallback: FlexFallback | None = None
+    ) -> None:
+        """``fallback``: the model's record; without one a flex failure propagates."""
         self.index = index
         self.backend = backend
+        self.fallback = fallback
         self._block_mask: Any = flex_block_mask(index) if backend == "flex" else None
         self._dense: Tensor | None = dense_mask(index) if backend == "sdpa" else None
 
@@ -205,7 +240,6 @@ class TrainingAttention:
         return self._dense
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        global _flex_compile_failed
         Q, S = self.index.num_queries, self.index.num_keys
         assert q.shape[2] == Q, (q.shape, Q)
         assert k.shape[2] == S, (k.shape, S)
@@ -217,19 +251,23 @@ class TrainingAttention:
             try:
                 return flex_attend(q, k, v, self._block_mask)[:, :, :Q]
             except Exception as exc:  # a torch.compile/Triton failure must not kill the run
-                if q.device.type != "cuda" or _flex_compile_failed:
+                if self.fallback is None or not self.fallback.covers(q.device):
                     raise
-                _flex_compile_failed = True
-                log.warning("compiled flex_attention failed (%s); falling back to dense SDPA", exc)
+                self.fallback.record(exc)
                 self.backend = "sdpa"
         return sdpa_attend(q, k, v, self.dense())[:, :, :Q]
 
 
-def resolve_backend(backend: AttentionBackend, device: torch.device, *, requires_grad: bool) -> str:
+def resolve_backend(
+    backend: AttentionBackend, device: torch.device, *, requires_grad: bool, flex_failed: bool = False
+) -> str:
     """'auto' → flex on CUDA, sdpa elsewhere; flex off CUDA is allowed only without gradients
-    (torch has no CPU flex backward)."""
+    (torch has no CPU flex backward). ``flex_failed`` (the model's ``FlexFallback``, which warned
+    when it happened): sdpa, whether flex was asked for or chosen."""
     if backend == "auto":
-        return "flex" if device.type == "cuda" and not _flex_compile_failed else "sdpa"
+        return "flex" if device.type == "cuda" and not flex_failed else "sdpa"
     if backend == "flex" and device.type != "cuda" and requires_grad:
         raise ConfigError("flex_attention has no backward off CUDA; use attention='sdpa' for training")
+    if backend == "flex" and flex_failed:
+        return "sdpa"
     return backend

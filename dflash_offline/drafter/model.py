@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_offline.drafter.attention import (
     FLEX_BLOCK,
     AttentionBackend,
+    FlexFallback,
     TrainingAttention,
     build_attention_index,
     resolve_backend,
@@ -92,6 +93,8 @@ class DFlashDrafter(nn.Module):
         # into fc.weight). Persistent, so that checkpoints carry it; absent from state_dict while None.
         self.register_buffer("feature_scale_F", None)
         self._ddp_params_and_buffers_to_ignore = ["embed_VH", "_lm_head_VH", "feature_scale_F"]
+        self.flex_fallback = FlexFallback()
+        """Whether this model's compiled flex_attention failed (it then uses SDPA, having warned)."""
         self.load_frozen_head(embed_VH, lm_head_VH)
         self.reset_parameters()
 
@@ -213,7 +216,9 @@ class DFlashDrafter(nn.Module):
             or any(p.requires_grad for p in self.parameters())
         )
         device = block_embeds_QH.device
-        backend = resolve_backend(attention, device, requires_grad=requires_grad)
+        backend = resolve_backend(
+            attention, device, requires_grad=requires_grad, flex_failed=self.flex_fallback.failed
+        )
         index = build_attention_index(
             inputs.doc_ids_T,
             inputs.positions_T,
@@ -221,7 +226,7 @@ class DFlashDrafter(nn.Module):
             block_size=B,
             pad_to=FLEX_BLOCK if backend == "flex" else 1,
         )
-        attend = TrainingAttention(index, "flex" if backend == "flex" else "sdpa")
+        attend = TrainingAttention(index, "flex" if backend == "flex" else "sdpa", self.flex_fallback)
         ctx_TH = self.context(inputs.features_TF)
         ctx_cos, ctx_sin = rope_cos_sin(inputs.positions_T, D, cfg.rope_theta)
         block_pos_Q = (

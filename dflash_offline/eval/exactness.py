@@ -26,8 +26,6 @@ from typing import Literal
 import torch
 from torch import nn
 
-from dflash_offline.errors import DflashError
-
 DivergenceKind = Literal["identical", "near_tie", "mismatch"]
 DEFAULT_TIE_ULPS = 8.0
 """Default tolerance in ulps of the top logit (bench/RESULTS.md, "Eval near-tie tolerance": the rounding
@@ -39,10 +37,6 @@ EXACTNESS_RULE = (
     "over prompt + r[:j] in the eval dtype gives logits l; near-tie iff max(l) - l[r_j] <= tol and "
     "max(l) - l[s_j] <= tol with tol = tie_ulps * eps(dtype) * 2^floor(log2 |max(l)|); else mismatch"
 )
-
-
-class ExactnessError(DflashError):
-    """The speculative output differs from target-only greedy where rounding cannot explain it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

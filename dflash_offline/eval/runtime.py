@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from dflash_offline.errors import ConfigError
+from dflash_offline.target.loader import DTYPES, compute_dtype
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+__all__ = ["DTYPES", "compute_dtype", "resolve_device", "stop_token_ids"]
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -34,10 +35,3 @@ def stop_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
     elif isinstance(gen_eos, list | tuple):
         ids |= {int(i) for i in gen_eos}
     return frozenset(ids)
-
-
-def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The named dtype, else float32 on CPU (exact) and bfloat16 on CUDA."""
-    if name is not None:
-        return DTYPES[name]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -198,17 +198,6 @@ def target_only_decode(
     )
 
 
-def accepted_length(draft_K: Sequence[int], predictions_B: Sequence[int]) -> int:
-    """The longest a with draft[i] == predictions[i] for i < a (predictions[i] is the target's choice
-    for the position of draft[i])."""
-    a = 0
-    for d, p in zip(draft_K, predictions_B):
-        if d != p:
-            break
-        a += 1
-    return a
-
-
 @torch.inference_mode()
 def speculative_decode(
     target: TargetCaller,

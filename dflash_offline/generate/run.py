@@ -86,15 +86,13 @@ def resolved_compute_dtype(config: GenerateConfig) -> str:
     """``--dtype``, else the device's default: bfloat16 on GPUs, float32 on the CPU (exact features)."""
     if config.dtype is not None:
         return config.dtype
-    if config.placement.gpus:
-        return "bfloat16"
+    import torch
+
+    from dflash_offline.target.loader import default_dtype
     from dflash_offline.torchrun import under_torchrun
 
-    if under_torchrun():
-        import torch
-
-        return "bfloat16" if torch.cuda.is_available() else "float32"
-    return "float32"
+    on_gpu = bool(config.placement.gpus) or (under_torchrun() and torch.cuda.is_available())
+    return str(default_dtype(torch.device("cuda" if on_gpu else "cpu"))).removeprefix("torch.")
 
 
 def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:

@@ -8,7 +8,6 @@ queue; an exception is reported with its traceback and the process exits non-zer
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 import traceback
@@ -40,6 +39,7 @@ class WorkerSpec:
     """torch intra-op threads (CPU workers share the machine's cores)."""
     target: str
     dtype: str | None
+    """A key of ``target.loader.DTYPES``, or None for the device's default."""
     cache_dir: Path
     fingerprint: CacheFingerprint
     session: str
@@ -51,32 +51,14 @@ class WorkerSpec:
     pad_id: int
 
 
-FAULT_ENV = "DFLASH_TEST_WORKER_FAULT"
-"""Testing hook: ``raise-after:<N>`` makes every worker raise after N jobs, to prove that a failing
-worker stops the run with its traceback instead of hanging it."""
-
-
-def _maybe_inject_fault(jobs_done: int) -> None:
-    fault = os.environ.get(FAULT_ENV, "")
-    if fault.startswith("raise-after:") and jobs_done >= int(fault.split(":", 1)[1]):
-        raise RuntimeError(f"injected fault after {jobs_done} jobs ({FAULT_ENV}={fault})")
-
-
-def _dtype(name: str | None, device: torch.device) -> torch.dtype:
-    if name is None:
-        # float32 on CPU: bf16 matmuls measured 3x slower there (DESIGN); bf16 on GPUs.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def build_capture(spec: WorkerSpec, device: torch.device) -> Any:
     """The truncated target as a callable (input_ids_BS, attention_mask_BS) -> features_BSF."""
     from dflash_offline.target.capture import FeatureCapture
-    from dflash_offline.target.loader import load_target
+    from dflash_offline.target.loader import compute_dtype, load_target
 
     layer_ids = spec.fingerprint.layer_ids
     target = load_target(
-        spec.target, device=device, dtype=_dtype(spec.dtype, device), max_layer=max(layer_ids)
+        spec.target, device=device, dtype=compute_dtype(spec.dtype, device), max_layer=max(layer_ids)
     )
     return FeatureCapture(target, layer_ids)
 
@@ -167,7 +149,6 @@ def _work(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None
                 if job is None:
                     break
                 assert not isinstance(job, bool)
-                _maybe_inject_fault(jobs)
                 forward_start = time.perf_counter()
                 batch = capture_job(capture, job, device=device, pool=pool, pad_id=spec.pad_id)
                 forward_seconds += time.perf_counter() - forward_start

@@ -10,7 +10,6 @@ window whatever the data set size, and a kill loses only the conversations in fl
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -131,10 +130,6 @@ class ConversationSink:
         )
         truncated = sum(a.finish_reason == "length" for a in p.answers)
         self._count(Tally(written=1, answers=len(p.answers), truncated=truncated))
-
-
-def print_failure(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 class Driver:

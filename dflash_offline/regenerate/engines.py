@@ -30,9 +30,9 @@ from dflash_offline.regenerate.generation import (
     GenerationSettings,
     generate_batch,
     generation_config,
-    quiet_transformers,
     split_at_stop,
 )
+from dflash_offline.target.loader import quiet_transformers
 
 EngineName = Literal["cb", "static"]
 

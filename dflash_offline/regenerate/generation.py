@@ -12,14 +12,14 @@ Shape legend: N prompts in the batch, L longest prompt, G generated tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dflash_offline.regenerate.turns import FinishReason
+from dflash_offline.target.loader import quiet_transformers
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,20 +43,6 @@ class GeneratedTokens:
     """Generated ids before the first stop token (which is not included)."""
     finish_reason: FinishReason
     """``stop`` when a stop token ended it, ``length`` when max_new_tokens did."""
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    # generate() warns about knobs inherited from the model's config that our explicit settings
-    # override (e.g. top_k under greedy); they are intended.
-    from transformers.utils import logging as hf_logging
-
-    previous = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(previous)
 
 
 def generation_config(settings: GenerationSettings) -> Any:

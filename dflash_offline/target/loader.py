@@ -188,8 +188,19 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(gguf_assets_dir(source.path, weights_hash(source))))
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The compute dtypes ``--dtype`` accepts (generate, regenerate, eval)."""
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
+    """The one home of the default compute dtype: float32 on the CPU (exact features and outputs, the
+    reference the tests compare against), bfloat16 on CUDA."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The named dtype (a key of ``DTYPES``), else ``default_dtype(device)``."""
+    return default_dtype(device) if name is None else DTYPES[name]
 
 
 def attn_implementation_for(device: torch.device, dtype: torch.dtype) -> str:
@@ -210,7 +221,9 @@ def truncated_config(config: Any, num_layers: int) -> Any:
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings off for the block: the ones it prints on load and on ``generate`` are
+    about settings we override on purpose (e.g. top_k under greedy)."""
     from transformers.utils import logging as hf_logging
 
     previous = hf_logging.get_verbosity()
@@ -286,7 +299,7 @@ def _load_target(
                 kwargs["device_map"] = str(device)
         # The load report lists the tensors a truncated load skips (by design): silence it, and check
         # the one thing that matters ourselves: no built parameter was left without a stored value.
-        with _quiet_transformers():
+        with quiet_transformers():
             loaded: Any = auto_cls.from_pretrained(
                 location, config=build_config, output_loading_info=True, **kwargs
             )

@@ -123,10 +123,9 @@ class AnchorRequest:
     """int32 [T]: document index 0..D-1 of each token."""
     positions_T: torch.Tensor
     """int32 [T]: position of each token within its document."""
-    seed: int
-    """The microbatch's anchor seed (``StepContext.anchor_seed``)."""
     generator: torch.Generator
-    """A CPU generator seeded with ``seed``: draws made with it do not depend on thread timing."""
+    """A CPU generator seeded with the microbatch's anchor seed (``StepContext.anchor_seed``): draws
+    made with it do not depend on thread timing."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -40,6 +40,7 @@ from dflash_offline.train.checkpoint import (
 )
 from dflash_offline.train.config import TrainConfig, check_resume
 from dflash_offline.train.damaged import DamagedLog
+from dflash_offline.train.determinism import seed_everything
 from dflash_offline.train.dist import DistInfo, all_reduce_sum, barrier
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
 from dflash_offline.train.metrics import MetricsLog, StepAccumulator, StepMetrics, StepTotals
@@ -61,23 +62,6 @@ class TrainResult:
     final_loss: float | None
     export_dir: Path | None
     seconds: float
-
-
-def seed_everything(seed: int, *, deterministic: bool) -> None:
-    """The one determinism switch: seeds and deterministic kernels (a refactor must not change the
-    loss curve under it)."""
-    import os
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:

@@ -132,14 +132,6 @@ def pack_into(
     return out
 
 
-def pack_samples(samples: Sequence[CachedSample]) -> dict[str, torch.Tensor]:
-    """``pack_into`` a fresh buffer (tests, one-off use)."""
-    layout = pack_layout(
-        sum(s.num_tokens for s in samples), len(samples), int(samples[0].features_TF.shape[1])
-    )
-    return pack_into(samples, torch.empty(layout.nbytes, dtype=torch.uint8), layout)
-
-
 class HostBufferPool:
     """A few reusable CPU uint8 buffers; ``take`` hands out one that nothing else uses any more.
 

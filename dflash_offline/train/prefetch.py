@@ -367,7 +367,6 @@ class Prefetcher:
                 loss_mask_T=host["loss_mask_T"],
                 doc_ids_T=host["doc_ids_T"],
                 positions_T=host["positions_T"],
-                seed=job.step.anchor_seed,
                 generator=generator,
             )
             anchors_A = self._anchor_fn(request).to(torch.int64)

@@ -14,7 +14,6 @@ from dflash_offline.eval.report import histogram, prompt_result, summarize
 from dflash_offline.eval.speculative import (
     DFlashBlockDrafter,
     TargetCaller,
-    accepted_length,
     speculative_decode,
     target_only_decode,
 )
@@ -221,10 +220,3 @@ def test_stop_token_ends_both_loops_identically(target: LoadedTarget) -> None:
             )
             assert got.tokens == base.tokens
             assert got.stop_reason == "stop_token"
-
-
-def test_accepted_length() -> None:
-    assert accepted_length([5, 6, 7], [5, 6, 7, 8]) == 3
-    assert accepted_length([5, 6, 7], [5, 9, 7, 8]) == 1
-    assert accepted_length([5, 6, 7], [1, 6, 7, 8]) == 0
-    assert accepted_length([], [4]) == 0

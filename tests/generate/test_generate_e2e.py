@@ -18,9 +18,9 @@ from dflash_offline.data.template import tokenize_conversation
 from dflash_offline.errors import FingerprintMismatchError, WorkerError
 from dflash_offline.generate.config import Placement
 from dflash_offline.generate.run import run_generate
-from dflash_offline.generate.worker import FAULT_ENV
 from dflash_offline.target.loader import load_target
 
+from . import worker_entry
 from .conftest import tiny_config
 
 
@@ -94,14 +94,24 @@ def test_rerun_is_a_no_op_and_index_is_built(tiny_cache: Path, chat_data: Path) 
     assert samples.num_rows == len(before)  # nothing twice
 
 
-def test_two_workers_write_the_same_samples_as_one(tiny_cache: Path, chat_data: Path, tmp_path: Path) -> None:
+def test_two_workers_write_the_same_samples_as_one(
+    tiny_cache: Path, chat_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "two"
+    # Jobs are handed out dynamically: each worker holds its first job until the other holds one, so
+    # that both write samples however fast each starts.
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    (barrier / "expected").write_text("2")
+    monkeypatch.setenv(worker_entry.BARRIER_ENV, str(barrier))
+    monkeypatch.setattr("dflash_offline.generate.run.run_worker", worker_entry.run_worker_after_all_ready)
     config = tiny_config(root, chat_data, placement=Placement(num_cpu_workers=2, threads_per_worker=1))
     summary = run_generate(config)
-    assert len(summary.workers) == 2
-    # Which worker took which job depends on timing (jobs are handed out dynamically); the content
-    # must not: each sample is computed in the batch it was planned in.
-    assert sum(w.jobs for w in summary.workers) > 0
+    assert sorted(w.worker for w in summary.workers) == [0, 1]
+    assert all(w.jobs > 0 for w in summary.workers), summary.workers
+    assert set(read_table(root, "samples").column("worker").to_pylist()) == {0, 1}
+    # Which worker took which job depends on timing; the content must not: each sample is computed
+    # in the batch it was planned in.
     one, two = _all_samples(tiny_cache), _all_samples(root)
     assert set(one) == set(two)
     for sample_id, (ids, mask, features, bucket) in one.items():
@@ -153,7 +163,8 @@ def test_different_fingerprint_is_refused_naming_the_field(tiny_cache: Path, cha
 def test_failing_worker_stops_the_run_with_its_traceback(
     tmp_path: Path, chat_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(FAULT_ENV, "raise-after:2")
+    # Spawned workers run the production worker through a test entry point whose capture step fails.
+    monkeypatch.setattr("dflash_offline.generate.run.run_worker", worker_entry.run_faulty_worker)
     config = tiny_config(
         tmp_path / "cache", chat_data, placement=Placement(num_cpu_workers=2, threads_per_worker=1)
     )
@@ -162,7 +173,7 @@ def test_failing_worker_stops_the_run_with_its_traceback(
     runs = read_table(tmp_path / "cache", "runs").to_pylist()
     assert [r["status"] for r in runs] == ["failed"]
     # What was committed before the failure is intact and the run resumes to completion.
-    monkeypatch.delenv(FAULT_ENV)
+    monkeypatch.undo()
     summary = run_generate(replace(config, placement=Placement(num_cpu_workers=1, threads_per_worker=1)))
     assert summary.status == "finished"
     assert read_table(tmp_path / "cache", "samples").num_rows == 60

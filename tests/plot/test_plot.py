@@ -77,7 +77,12 @@ def test_plot_run(tmp_path: Path) -> None:
 def test_plot_run_with_one_step(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _write_run(run, 1)
-    for path in plot_path(run, tmp_path / "out").files:
+    result = plot_path(run, tmp_path / "out")
+    assert sorted(p.name for p in result.files) == [
+        "accuracy_by_position.png", "loss.png", "simulated_tau.png", "throughput.png",
+    ]  # fmt: skip
+    for path in result.files:
+        assert path.parent == tmp_path / "out"
         _assert_png(path)
 
 

@@ -1,0 +1,61 @@
+"""Test-only worker entry points: the production worker with its capture step wrapped. Spawned workers
+import this module by name (the wrappers must live in a module, not in a test function), so a test
+reaches into the worker process without any hook in production code."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_offline.generate import worker
+from dflash_offline.generate.channel import JobChannel
+
+FAULT_AFTER_JOBS = 2
+BARRIER_ENV = "DFLASH_TEST_BARRIER_DIR"
+"""Read by ``run_worker_after_all_ready`` only (set by the test, inherited by spawned workers)."""
+
+
+def _wrap_capture(wrapper: Any) -> None:
+    real = worker.capture_job
+    worker.capture_job = lambda *args, **kwargs: wrapper(real, *args, **kwargs)  # this process only
+
+
+def run_faulty_worker(spec: worker.WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
+    """``worker.run_worker`` whose ``capture_job`` raises once this process has captured 2 jobs."""
+    jobs_done = 0
+
+    def capture_job(real: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal jobs_done
+        if jobs_done >= FAULT_AFTER_JOBS:
+            raise RuntimeError(f"injected fault after {jobs_done} jobs (tests/generate/worker_entry.py)")
+        jobs_done += 1
+        return real(*args, **kwargs)
+
+    _wrap_capture(capture_job)
+    worker.run_worker(spec, channel, events, stop)
+
+
+def run_worker_after_all_ready(spec: worker.WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
+    """``worker.run_worker`` that holds its first job until every worker holds one (a file per worker
+    in ``$DFLASH_TEST_BARRIER_DIR``, whose ``expected`` file says how many), so that each takes a job
+    however fast the others start."""
+    barrier = Path(os.environ[BARRIER_ENV])
+    expected = int((barrier / "expected").read_text())
+    waited = False
+
+    def capture_job(real: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal waited
+        if not waited:
+            (barrier / f"w{spec.worker}").touch()
+            deadline = time.monotonic() + 120
+            while len(list(barrier.glob("w*"))) < expected:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the other workers never took a job ({barrier})")
+                time.sleep(0.05)
+            waited = True
+        return real(*args, **kwargs)
+
+    _wrap_capture(capture_job)
+    worker.run_worker(spec, channel, events, stop)
