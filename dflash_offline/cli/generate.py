@@ -115,9 +115,10 @@ def generate(
     progress: bool,
 ) -> None:
     """Run the target over a chat data set and store the hidden states of a few layers."""
-    from dflash_offline.generate.config import GenerateConfig, Placement, parse_gpus
+    from dflash_offline.generate.config import GenerateConfig
     from dflash_offline.generate.launch import generate_from_config
     from dflash_offline.generate.plan import parse_bucket_edges
+    from dflash_offline.placement import Placement, parse_gpus
     from dflash_offline.target.layers import split_layer_ids
 
     config = GenerateConfig(

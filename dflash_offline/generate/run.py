@@ -88,7 +88,7 @@ def resolved_compute_dtype(config: GenerateConfig) -> str:
         return config.dtype
     if config.placement.gpus:
         return "bfloat16"
-    from dflash_offline.torchrun import under_torchrun
+    from dflash_offline.placement import under_torchrun
 
     if under_torchrun():
         import torch

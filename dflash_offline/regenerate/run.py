@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_offline.errors import WorkerError
+from dflash_offline.placement import under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
@@ -40,7 +41,6 @@ from dflash_offline.regenerate.worker import (
     run_worker,
     worker_process,
 )
-from dflash_offline.torchrun import under_torchrun
 
 __all__ = ["RegenerateSummary", "render_prompt", "run_regenerate"]
 

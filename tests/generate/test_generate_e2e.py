@@ -16,9 +16,9 @@ from dflash_offline.cache.reader import CacheReader
 from dflash_offline.data.sources import iter_records
 from dflash_offline.data.template import tokenize_conversation
 from dflash_offline.errors import FingerprintMismatchError, WorkerError
-from dflash_offline.generate.config import Placement
 from dflash_offline.generate.run import run_generate
 from dflash_offline.generate.worker import FAULT_ENV
+from dflash_offline.placement import Placement
 from dflash_offline.target.loader import load_target
 
 from .conftest import tiny_config
