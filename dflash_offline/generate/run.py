@@ -1,8 +1,9 @@
-"""The coordinator of ``dflash generate``: fingerprint, resume, plan, spawn workers, watch, summarise.
+"""The coordinator of ``dflash generate``: fingerprint, resume, plan, start workers, watch, summarise.
 
-One process plans (tokenizes and packs jobs, in a thread) and feeds a bounded job queue; one worker
+One process plans (tokenizes and packs jobs, in a thread) and feeds a bounded job channel; one worker
 process per GPU (or ``--workers N`` CPU processes) captures and writes. Under ``torchrun`` every rank
-is a worker and rank 0 also plans and merges the index (``run_generate_distributed``).
+is a worker and rank 0 also coordinates (``launch.py``): both paths go through ``coordinate``, which
+writes the ``running`` run row, the final status and the summary.
 
 Rerunning the same command resumes: committed and failed samples are skipped, a different
 fingerprint is refused naming the field. Ctrl-C stops cleanly (workers finish their job and commit);
@@ -12,8 +13,6 @@ an exception in a worker stops the run with the worker's traceback.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import queue
 import socket
 import threading
 import time
@@ -34,12 +33,13 @@ from dflash_offline.cache.records import FailureRow, RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
 from dflash_offline.data.records import SourceFailure
 from dflash_offline.errors import ConfigError, NoSpaceError, WorkerError, as_no_space_error
-from dflash_offline.generate.channel import QueueJobChannel
+from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted
+from dflash_offline.generate.group import SpawnedWorkers, WorkerGroup
 from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
 from dflash_offline.generate.progress import GenerateProgress
-from dflash_offline.generate.worker import WorkerSpec, run_worker
+from dflash_offline.generate.worker import WorkerSpec
 from dflash_offline.locking import DirLock, acquire_lock
 
 PLANNER_WORKER_ID = -1
@@ -301,13 +301,11 @@ class _Tally:
 class _Planner(threading.Thread):
     """Feeds the job channel from the plan; records failures; stops on request. Errors are kept."""
 
-    def __init__(
-        self, ctx: RunContext, channel: QueueJobChannel, stop: threading.Event, num_workers: int
-    ) -> None:
+    def __init__(self, ctx: RunContext, channel: JobChannel, stop: threading.Event, num_workers: int) -> None:
         super().__init__(name="planner", daemon=True)
         self._ctx = ctx
         self._channel = channel
-        self._stop_requested = stop
+        self.stop_requested = stop
         self._num_workers = num_workers
         self.failure_log = FailureLog(ctx)
         self.error: BaseException | None = None
@@ -319,7 +317,7 @@ class _Planner(threading.Thread):
     def run(self) -> None:
         try:
             for event in plan_events(self._ctx):
-                if self._stop_requested.is_set():
+                if self.stop_requested.is_set():
                     return
                 self.failure_log.write(event.failures)
                 self.skipped += event.samples_already_done
@@ -332,7 +330,7 @@ class _Planner(threading.Thread):
                     s.num_tokens for s, done in zip(job.samples, job.already_done) if not done
                 )
                 while not self._channel.try_put(job, timeout=0.5):
-                    if self._stop_requested.is_set():
+                    if self.stop_requested.is_set():
                         return
             self.done = True
             self._channel.finish(self._num_workers)
@@ -348,12 +346,30 @@ def run_generate(
     Raises ``WorkerError`` (with the worker's traceback) when a worker fails, ``NoSpaceError`` when
     the disk filled up, ``LockedError`` when another run holds the cache; KeyboardInterrupt stops
     workers after their current job and leaves the cache resumable (status ``interrupted``)."""
-    ctx = prepare_run(config, lock=True)
+    placement = config.placement
+    return coordinate(
+        prepare_run(config, lock=True),
+        lambda ctx: SpawnedWorkers(
+            [worker_spec(ctx, worker=w, device=placement.device_of(w)) for w in range(placement.num_workers)]
+        ),
+        on_event=on_event,
+    )
+
+
+def coordinate(
+    ctx: RunContext,
+    workers: Callable[[RunContext], WorkerGroup],
+    *,
+    on_event: Callable[[object], None] | None = None,
+) -> GenerateSummary:
+    """The one coordinator of every launch path: run row, plan, watch ``workers(ctx)``, summarise.
+
+    ``ctx`` holds the cache's lock (``prepare_run(lock=True)``); it is released here."""
     assert ctx.lock is not None
     try:
-        return _run_locked(ctx, on_event)
+        return _run_locked(ctx, workers(ctx), on_event)
     except OSError as e:  # the coordinator's own writes (run rows, planner failures) hit a full disk
-        converted = as_no_space_error(e, config.cache_dir)
+        converted = as_no_space_error(e, ctx.config.cache_dir)
         if converted is e:
             raise
         raise converted from e
@@ -361,45 +377,59 @@ def run_generate(
         ctx.lock.release()
 
 
-def _run_locked(ctx: RunContext, on_event: Callable[[object], None] | None) -> GenerateSummary:
+def _run_locked(
+    ctx: RunContext, group: WorkerGroup, on_event: Callable[[object], None] | None
+) -> GenerateSummary:
     config = ctx.config
     sweep_partial_files(config.cache_dir)  # under the lock: no other writer is running
-    placement = config.placement
-    num_workers = placement.num_workers
     started_at = utc_now()
     start = time.perf_counter()
-    run_row = _run_row(ctx, started_at=started_at, status="running", tally=_Tally(), num_workers=num_workers)
-    record_run(config.cache_dir, run_row)
-
-    mp_context = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
-    channel = QueueJobChannel(mp_context, depth=2 * num_workers + 2)
-    events: Any = mp_context.Queue()
-    stop_workers = mp_context.Event()
+    running = _run_row(ctx, started_at=started_at, status="running", num_workers=group.num_workers)
+    record_run(config.cache_dir, running)
+    group.start()
     stop_planner = threading.Event()
-    processes = []
-    for worker in range(num_workers):
-        spec = worker_spec(ctx, worker=worker, device=placement.device_of(worker))
-        process = mp_context.Process(
-            target=run_worker, args=(spec, channel, events, stop_workers), name=f"dflash-worker-{worker}"
-        )
-        process.start()
-        processes.append(process)
-
-    planner = _Planner(ctx, channel, stop_planner, num_workers)
+    planner = _Planner(ctx, group.channel, stop_planner, group.num_workers)
     planner.start()
     tally = _Tally()
-    dead_since: dict[int, float] = {}
-    progress = GenerateProgress(enabled=config.progress, num_workers=num_workers)
+    status, error = _watch(ctx, group, planner, tally, on_event)
+    summary = GenerateSummary(
+        run_id=ctx.run_id,
+        status=status,
+        samples_committed=sum(f.stats.samples for f in tally.finished.values()) or tally.samples,
+        tokens_committed=sum(f.stats.tokens for f in tally.finished.values()) or tally.tokens,
+        failures=tally.failures + planner.failure_log.count,
+        stored_bytes=tally.stored_bytes,
+        seconds=time.perf_counter() - start,
+        skipped_already_done=planner.skipped,
+        workers=tuple(tally.finished[w] for w in sorted(tally.finished)),
+    )
+    error = as_no_space_error(error, config.cache_dir) if error is not None else None
+    _record_end(ctx, started_at=started_at, summary=summary, num_workers=group.num_workers, error=error)
+    if error is not None:
+        raise error
+    return summary
+
+
+def _watch(
+    ctx: RunContext,
+    group: WorkerGroup,
+    planner: _Planner,
+    tally: _Tally,
+    on_event: Callable[[object], None] | None,
+) -> tuple[str, BaseException | None]:
+    """Count the workers' events until every worker finished; stop them all on the first failure.
+
+    Returns the run's status and the error that ended it (None when ``finished``)."""
+    progress = GenerateProgress(enabled=ctx.config.progress, num_workers=group.num_workers)
     status = "finished"
     error: BaseException | None = None
     try:
-        while len(tally.finished) + len(tally.failed) < num_workers:
+        while len(tally.finished) + len(tally.failed) < group.num_workers:
             if planner.error is not None:
                 raise planner.error
-            try:
-                event = events.get(timeout=0.2)
-            except queue.Empty:
-                _check_dead_workers(processes, tally, dead_since)
+            event = group.get_event(0.2)
+            if event is None:
+                group.check_alive(tally.finished)
                 progress.update(tally=_progress_view(tally, planner))
                 continue
             if on_event is not None:
@@ -423,34 +453,32 @@ def _run_locked(ctx: RunContext, on_event: Callable[[object], None] | None) -> G
     except BaseException as e:
         status, error = "failed", e
     finally:
-        stop_planner.set()
+        planner.stop_requested.set()
         if status != "finished":
-            stop_workers.set()
-        _drain_and_join(processes, events, tally, channel)
+            group.stop()
+        group.drain_and_join(tally.apply)
         progress.close()
         planner.join(timeout=5)
+    return status, error
 
-    failures = tally.failures + planner.failure_log.count
-    summary = GenerateSummary(
-        run_id=ctx.run_id,
-        status=status,
-        samples_committed=sum(f.stats.samples for f in tally.finished.values()) or tally.samples,
-        tokens_committed=sum(f.stats.tokens for f in tally.finished.values()) or tally.tokens,
-        failures=failures,
-        stored_bytes=tally.stored_bytes,
-        seconds=time.perf_counter() - start,
-        skipped_already_done=planner.skipped,
-        workers=tuple(tally.finished[w] for w in sorted(tally.finished)),
-    )
-    error = as_no_space_error(error, config.cache_dir) if error is not None else None
+
+def _record_end(
+    ctx: RunContext,
+    *,
+    started_at: Any,
+    summary: GenerateSummary,
+    num_workers: int,
+    error: BaseException | None,
+) -> None:
+    """The run row's final status, then the index merge (not when the disk is full)."""
+    config = ctx.config
     try:
         record_run(
             config.cache_dir,
             _run_row(
                 ctx,
                 started_at=started_at,
-                status=status,
-                tally=tally,
+                status=summary.status,
                 num_workers=num_workers,
                 summary=summary,
                 error="" if error is None else f"{type(error).__name__}: {error}",
@@ -465,9 +493,6 @@ def _run_locked(ctx: RunContext, on_event: Callable[[object], None] | None) -> G
             raise as_no_space_error(e, config.cache_dir) from e
         # The run already failed (e.g. the disk is full): report that, not this follow-up error.
         error.add_note(f"and recording the run failed too: {e!r}")
-    if error is not None:
-        raise error
-    return summary
 
 
 def _progress_view(tally: _Tally, planner: _Planner) -> dict[str, Any]:
@@ -481,50 +506,16 @@ def _progress_view(tally: _Tally, planner: _Planner) -> dict[str, Any]:
     }
 
 
-def _check_dead_workers(processes: list[Any], tally: _Tally, dead_since: dict[int, float]) -> None:
-    """A worker that exited without reporting (killed, out of memory) fails the run.
-
-    Called when the event queue has been quiet; a worker's last events are flushed into the queue
-    before its process ends, so one more quiet second after its exit means it died."""
-    now = time.monotonic()
-    for worker, process in enumerate(processes):
-        if process.exitcode is None or worker in tally.finished:
-            continue
-        first_seen = dead_since.setdefault(worker, now)
-        if now - first_seen > 1.0:
-            raise WorkerError(
-                f"worker {worker} exited with code {process.exitcode} without finishing "
-                f"(killed, or out of memory?); the cache is resumable: rerun the same command"
-            )
-
-
-def _drain_and_join(processes: list[Any], events: Any, tally: _Tally, channel: QueueJobChannel) -> None:
-    """Collect the workers' final events while they finish their current job, then join them."""
-    deadline = time.monotonic() + 600
-    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-        try:
-            event = events.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        tally.apply(event)
-    for process in processes:
-        process.join(timeout=5)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=5)
-    channel.cancel_join()
-
-
 def _run_row(
     ctx: RunContext,
     *,
     started_at: Any,
     status: str,
-    tally: _Tally,
     num_workers: int,
     summary: GenerateSummary | None = None,
     error: str = "",
 ) -> RunRow:
+    """The ``runs`` row: zero counts while ``running``, the summary's once the run ended."""
     return RunRow(
         run_id=ctx.run_id,
         command="generate",
@@ -532,10 +523,10 @@ def _run_row(
         finished_at=None if status == "running" else utc_now(),
         status=status,
         num_workers=num_workers,
-        samples_committed=summary.samples_committed if summary else tally.samples,
-        tokens_committed=summary.tokens_committed if summary else tally.tokens,
-        bytes_written=summary.stored_bytes if summary else tally.stored_bytes,
-        failures=summary.failures if summary else tally.failures,
+        samples_committed=summary.samples_committed if summary else 0,
+        tokens_committed=summary.tokens_committed if summary else 0,
+        bytes_written=summary.stored_bytes if summary else 0,
+        failures=summary.failures if summary else 0,
         fingerprint_json=json.dumps(ctx.fingerprint.to_dict()),
         host=socket.gethostname(),
         config_json=json.dumps(ctx.config.to_dict(), default=str),
