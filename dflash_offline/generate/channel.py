@@ -74,6 +74,7 @@ class StoreJobChannel:
         self._prefix = prefix
         self._lookahead = lookahead
         self._published = 0
+        self._claimed: int | None = None
         self._lock = threading.Lock()
 
     def _key(self, name: str) -> str:
@@ -99,13 +100,50 @@ class StoreJobChannel:
             self._published += 1
 
     def get(self, timeout: float) -> CaptureJob | bool | None:
-        slot = int(self._store.add(self._key("claimed"), 1)) - 1
-        key = self._key(f"job/{slot}")
-        self._store.wait([key])  # the store's own timeout bounds a producer that died
+        # A claimed slot is kept across calls: polling (not ``store.wait``) lets the worker check for
+        # a stop request between polls, and keeps a store client that other threads share unblocked.
+        if self._claimed is None:
+            self._claimed = int(self._store.add(self._key("claimed"), 1)) - 1
+        key = self._key(f"job/{self._claimed}")
+        deadline = time.monotonic() + timeout
+        while not self._store.check([key]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
         payload = self._store.get(key)
         self._store.delete_key(key)
+        self._claimed = None
         if payload == self._END:
             return None
         job = pickle.loads(payload)
         assert isinstance(job, CaptureJob)
         return job
+
+
+class LockedStore:
+    """A ``torch.distributed`` store whose calls are serialised: rank 0's planner, worker and
+    coordinator threads share one client connection."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        with self._lock:
+            self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return bytes(self._store.get(key))
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            return int(self._store.add(key, amount))
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return bool(self._store.check(keys))
+
+    def delete_key(self, key: str) -> bool:
+        with self._lock:
+            return bool(self._store.delete_key(key))

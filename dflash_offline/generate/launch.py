@@ -23,7 +23,7 @@ from types import FrameType
 from typing import Any
 
 from dflash_offline.errors import WorkerError, find_no_space
-from dflash_offline.generate.channel import JobChannel, StoreJobChannel
+from dflash_offline.generate.channel import JobChannel, LockedStore, StoreJobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.events import WorkerFailed
 from dflash_offline.generate.run import (
@@ -210,19 +210,21 @@ def run_generate_distributed(config: GenerateConfig) -> GenerateSummary | None:
 
     dist.init_process_group(backend="gloo")  # only for the store and barriers: no tensors move
     rank, world = dist.get_rank(), dist.get_world_size()
-    store = dist.distributed_c10d._get_default_store()
+    store = LockedStore(dist.distributed_c10d._get_default_store())
     try:
         if rank == 0:
             previous = signal.signal(signal.SIGTERM, _raise_terminated)
             try:
-                summary: GenerateSummary | None = coordinate(
-                    prepare_run(config, lock=True), lambda ctx: RankWorkers(ctx, store, world)
-                )
+                ctx = prepare_run(config, lock=True)
+                store.set(f"{PREFIX}/ready", b"1")
+                summary: GenerateSummary | None = coordinate(ctx, lambda ctx: RankWorkers(ctx, store, world))
             finally:
                 signal.signal(signal.SIGTERM, previous)
         else:
-            dist.barrier()  # rank 0 has checked the cache, swept it and written the running row
-            ctx = replace(prepare_run(config), session=store.get(f"{PREFIX}/session").decode())
+            store.get(f"{PREFIX}/ready")  # blocks until rank 0 has created or checked the cache
+            ctx = prepare_run(config)  # reads only; meanwhile rank 0 sweeps and writes the run row
+            dist.barrier()  # rank 0 has swept the cache: workers may write
+            ctx = replace(ctx, session=store.get(f"{PREFIX}/session").decode())
             spec = worker_spec(ctx, worker=rank, device=_rank_device())
             channel = StoreJobChannel(store, prefix=f"{PREFIX}/jobs", lookahead=2 * world + 2)
             _work_reporting(spec, channel, _StoreEvents(store, rank), _StoreStop(store))
