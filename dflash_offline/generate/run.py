@@ -16,7 +16,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,24 +26,17 @@ from dflash_offline.cache.manifest import (
     committed_sample_ids,
     failed_sample_ids,
     record_run,
-    records_to_table,
-    write_part,
 )
-from dflash_offline.cache.records import FailureRow, RunRow, utc_now
+from dflash_offline.cache.records import RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
-from dflash_offline.data.records import SourceFailure
 from dflash_offline.errors import ConfigError, NoSpaceError, WorkerError, as_no_space_error
-from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted
+from dflash_offline.generate.feed import Planner
 from dflash_offline.generate.group import SpawnedWorkers, WorkerGroup
-from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
 from dflash_offline.generate.progress import GenerateProgress
 from dflash_offline.generate.worker import WorkerSpec
 from dflash_offline.locking import DirLock, acquire_lock
-
-PLANNER_WORKER_ID = -1
-"""``worker`` value of failure rows written by the planner (records that never reached a target)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,71 +199,6 @@ def worker_spec(ctx: RunContext, *, worker: int, device: str) -> WorkerSpec:
     )
 
 
-def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
-    """The deterministic job stream of this run (resume only filters it)."""
-    from dflash_offline.data.sources import iter_records
-    from dflash_offline.data.template import tokenize_conversation
-
-    config = ctx.config
-    records = iter_records(
-        config.data,
-        skip=config.skip,
-        limit=config.limit,
-        data_format=config.data_format,
-        source=ctx.fingerprint.data_source,  # an older cache keeps the source name its ids hash
-    )
-    return plan_jobs(
-        records,
-        lambda conv: tokenize_conversation(
-            ctx.tokenizer, conv, max_length=config.max_length, too_long=config.too_long
-        ),
-        PlanConfig(
-            bucket_edges=config.bucket_edges,
-            tokens_per_batch=config.tokens_per_batch,
-            max_batch_size=config.max_batch_size,
-            window_records=config.window_records,
-            seed=config.seed,
-        ),
-        is_done=ctx.done_ids.__contains__,
-    )
-
-
-class FailureLog:
-    """Writes the planner's failures as manifest parts of its own (temp file + rename)."""
-
-    def __init__(self, ctx: RunContext) -> None:
-        self._layout = create_or_open_cache(ctx.config.cache_dir, ctx.fingerprint)
-        self._name = f"plan-{ctx.session}"
-        self._session = ctx.session
-        self._fsync = ctx.config.fsync
-        self._part = 0
-        self.count = 0
-
-    def write(self, failures: tuple[SourceFailure, ...]) -> None:
-        if not failures:
-            return
-        now = utc_now()
-        rows = [
-            FailureRow(
-                sample_id=f.sample_id,
-                source_index=f.source_index,
-                reason=f.reason,
-                detail=f.detail,
-                worker=PLANNER_WORKER_ID,
-                session=self._session,
-                created_at=now,
-            )
-            for f in failures
-        ]
-        write_part(
-            self._layout.part_path("failures", self._name, self._part),
-            records_to_table("failures", rows),
-            fsync=self._fsync,
-        )
-        self._part += 1
-        self.count += len(rows)
-
-
 @dataclass(kw_only=True, slots=True)
 class _Tally:
     """Mutable counters of the coordinator's event loop (never crosses a thread boundary)."""
@@ -296,46 +224,6 @@ class _Tally:
         elif isinstance(event, WorkerFinished):
             self.finished[event.worker] = event
             self.stored_bytes_by_worker[event.worker] = event.stats.stored_bytes
-
-
-class _Planner(threading.Thread):
-    """Feeds the job channel from the plan; records failures; stops on request. Errors are kept."""
-
-    def __init__(self, ctx: RunContext, channel: JobChannel, stop: threading.Event, num_workers: int) -> None:
-        super().__init__(name="planner", daemon=True)
-        self._ctx = ctx
-        self._channel = channel
-        self.stop_requested = stop
-        self._num_workers = num_workers
-        self.failure_log = FailureLog(ctx)
-        self.error: BaseException | None = None
-        self.planned_samples = 0
-        self.planned_tokens = 0
-        self.skipped = 0
-        self.done = False
-
-    def run(self) -> None:
-        try:
-            for event in plan_events(self._ctx):
-                if self.stop_requested.is_set():
-                    return
-                self.failure_log.write(event.failures)
-                self.skipped += event.samples_already_done
-                job = event.job
-                if job is None:
-                    continue
-                self.skipped += len(job.samples) - job.num_new_samples
-                self.planned_samples += job.num_new_samples
-                self.planned_tokens += sum(
-                    s.num_tokens for s, done in zip(job.samples, job.already_done) if not done
-                )
-                while not self._channel.try_put(job, timeout=0.5):
-                    if self.stop_requested.is_set():
-                        return
-            self.done = True
-            self._channel.finish(self._num_workers)
-        except BaseException as e:
-            self.error = e
 
 
 def run_generate(
@@ -388,7 +276,7 @@ def _run_locked(
     record_run(config.cache_dir, running)
     group.start()
     stop_planner = threading.Event()
-    planner = _Planner(ctx, group.channel, stop_planner, group.num_workers)
+    planner = Planner(ctx, group.channel, stop_planner, group.num_workers)
     planner.start()
     tally = _Tally()
     status, error = _watch(ctx, group, planner, tally, on_event)
@@ -413,7 +301,7 @@ def _run_locked(
 def _watch(
     ctx: RunContext,
     group: WorkerGroup,
-    planner: _Planner,
+    planner: Planner,
     tally: _Tally,
     on_event: Callable[[object], None] | None,
 ) -> tuple[str, BaseException | None]:
@@ -495,7 +383,7 @@ def _record_end(
         error.add_note(f"and recording the run failed too: {e!r}")
 
 
-def _progress_view(tally: _Tally, planner: _Planner) -> dict[str, Any]:
+def _progress_view(tally: _Tally, planner: Planner) -> dict[str, Any]:
     return {
         "samples": tally.samples,
         "tokens": tally.tokens,

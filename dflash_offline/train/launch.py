@@ -138,6 +138,8 @@ def run_training(config: TrainConfig) -> TrainResult | None:
     second run into the same directory is refused naming the holder (``LockedError``)."""
     if under_torchrun():
         info = dist_info_from_env(use_cuda=torch.cuda.is_available())
+        if info.device.type == "cpu" and config.threads_per_worker > 0:
+            torch.set_num_threads(config.threads_per_worker)  # --threads, as for spawned workers
         lock = acquire_lock(config.out_dir, what="training run") if info.is_main else None
         try:
             result = train_rank(config, info)
