@@ -20,6 +20,13 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def torchrun_device() -> str:
+    """A torchrun rank's device: the ``LOCAL_RANK``-th GPU, or the CPU when none is visible."""
+    import torch
+
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
     """Where the target workers run: one process per listed GPU, or ``num_cpu_workers`` CPU processes."""

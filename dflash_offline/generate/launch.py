@@ -10,7 +10,6 @@ rank 0 then records the run as ``failed`` and the rerun of the same command resu
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import queue
 import signal
@@ -35,7 +34,7 @@ from dflash_offline.generate.run import (
     worker_spec,
 )
 from dflash_offline.generate.worker import WorkerSpec, run_worker_in_process
-from dflash_offline.placement import under_torchrun
+from dflash_offline.placement import torchrun_device, under_torchrun
 
 PREFIX = "dflash-generate"
 """Key prefix of this run's entries in the torchrun store."""
@@ -101,12 +100,6 @@ class _StoreStop:
         return self._local.is_set() or bool(self._store.check([self._key]))
 
 
-def _rank_device() -> str:
-    import torch
-
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
-
-
 def _work_reporting(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
     """The worker loop of a rank; a failure is reported as a ``WorkerFailed`` record, then raised."""
     try:
@@ -145,7 +138,7 @@ class RankWorkers:
 
         self._store.set(f"{PREFIX}/session", self._ctx.session)
         dist.barrier()  # the other ranks start once the cache is swept and the run row written
-        spec = worker_spec(self._ctx, worker=0, device=_rank_device())
+        spec = worker_spec(self._ctx, worker=0, device=torchrun_device())
         self._thread = threading.Thread(
             target=self._own_worker, args=(spec,), name="dflash-worker-0", daemon=True
         )
@@ -225,7 +218,7 @@ def run_generate_distributed(config: GenerateConfig) -> GenerateSummary | None:
             ctx = prepare_run(config)  # reads only; meanwhile rank 0 sweeps and writes the run row
             dist.barrier()  # rank 0 has swept the cache: workers may write
             ctx = replace(ctx, session=store.get(f"{PREFIX}/session").decode())
-            spec = worker_spec(ctx, worker=rank, device=_rank_device())
+            spec = worker_spec(ctx, worker=rank, device=torchrun_device())
             channel = StoreJobChannel(store, prefix=f"{PREFIX}/jobs", lookahead=2 * world + 2)
             _work_reporting(spec, channel, _StoreEvents(store, rank), _StoreStop(store))
             summary = None

@@ -94,15 +94,20 @@ def test_torchrun_ranks_write_the_samples_of_one_worker_and_resume(tmp_path: Pat
 @pytest.mark.slow
 def test_sigkill_of_one_rank_then_rerun_leaves_every_sample_once(tmp_path: Path) -> None:
     data = make_chat_jsonl(tmp_path / "chat.jsonl", 400, seed=8)
+    # Small jobs committed every 0.1 s: rank 1 has committed work of its own when it is killed.
+    # (The reference packs the same jobs: features are bit-equal only for the same batches.)
+    small_jobs = ("--tokens-per-batch", "256", "--flush-seconds", "0.1")
     reference = tmp_path / "reference"
     one = subprocess.run(
-        _generate_cmd(reference, data, "--workers", "1"), capture_output=True, text=True, timeout=240
+        _generate_cmd(reference, data, "--workers", "1", *small_jobs),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert one.returncode == 0, one.stdout + one.stderr
 
     cache = tmp_path / "killed"
-    # Small jobs committed every 0.1 s: rank 1 has committed work of its own when it is killed.
-    cmd = _torchrun_generate(cache, data, "--tokens-per-batch", "256", "--flush-seconds", "0.1")
+    cmd = _torchrun_generate(cache, data, *small_jobs)
     process = subprocess.Popen(
         cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=torchrun_env()
     )
