@@ -274,10 +274,7 @@ def _run_locked(
     start = time.perf_counter()
     running = _run_row(ctx, started_at=started_at, status="running", num_workers=group.num_workers)
     record_run(config.cache_dir, running)
-    group.start()
-    stop_planner = threading.Event()
-    planner = Planner(ctx, group.channel, stop_planner, group.num_workers)
-    planner.start()
+    planner = Planner(ctx, group.channel, threading.Event(), group.num_workers)
     tally = _Tally()
     status, error = _watch(ctx, group, planner, tally, on_event)
     summary = GenerateSummary(
@@ -305,13 +302,16 @@ def _watch(
     tally: _Tally,
     on_event: Callable[[object], None] | None,
 ) -> tuple[str, BaseException | None]:
-    """Count the workers' events until every worker finished; stop them all on the first failure.
+    """Start the workers and the planner, count the workers' events until every worker finished;
+    stop them all on the first failure (a failure to start included: the run row then says so).
 
     Returns the run's status and the error that ended it (None when ``finished``)."""
     progress = GenerateProgress(enabled=ctx.config.progress, num_workers=group.num_workers)
     status = "finished"
     error: BaseException | None = None
     try:
+        group.start()
+        planner.start()
         while len(tally.finished) + len(tally.failed) < group.num_workers:
             if planner.error is not None:
                 raise planner.error
@@ -346,7 +346,8 @@ def _watch(
             group.stop()
         group.drain_and_join(tally.apply)
         progress.close()
-        planner.join(timeout=5)
+        if planner.ident is not None:  # started
+            planner.join(timeout=5)
     return status, error
 
 

@@ -1,6 +1,7 @@
 """``dflash train`` under ``torchrun`` with two CPU ranks (gloo): the same loss curve and weights as two
-spawned workers (``--workers 2``) under ``--deterministic``, a rerun that continues from the
-checkpoint, and a SIGKILL of one rank followed by a rerun that ends as the uninterrupted run did."""
+spawned workers (``--workers 2``) under ``--deterministic``; the same command again resumes from the
+final checkpoint and trains nothing twice; a SIGKILL of one rank, then a rerun that continues from
+the last checkpoint and ends as the uninterrupted run did."""
 
 from __future__ import annotations
 
@@ -14,14 +15,12 @@ import pytest
 
 from dflash_offline.generate.run import run_generate
 from dflash_offline.train.checkpoint import list_checkpoints
-from dflash_offline.train.metrics import read_metrics
 from tests.generate.conftest import make_chat_jsonl, tiny_config
 from tests.torchrun_helpers import rank_pid, torchrun_cmd, torchrun_env
 from tests.train.kill_helpers import last_step, run_to_end, train_cmd
 from tests.train.test_train_kill import _assert_same_run
 
 STEPS = 15  # _assert_same_run checks steps 1..15
-HALF = 8
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -55,12 +54,14 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
 
 def test_torchrun_ranks_train_as_two_workers_and_resume(cache: Path, reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    _run(_torchrun_train(cache, run, steps=HALF))
-    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, HALF + 1))
-    assert max(step for step, _ in list_checkpoints(run)) == HALF  # the end of a run is checkpointed
-    # The same command with more steps continues from that checkpoint: the whole run equals the
-    # uninterrupted spawned one (losses and weights), each step logged once.
-    _run(_torchrun_train(cache, run, steps=STEPS))
+    cmd = _torchrun_train(cache, run, steps=STEPS)
+    _run(cmd)
+    _assert_same_run(run, reference)  # losses and final weights of two spawned workers
+    checkpoints = list_checkpoints(run)
+    assert max(step for step, _ in checkpoints) == STEPS  # the end of a run is checkpointed
+    # The same command again resumes from that checkpoint: no step is trained or logged twice.
+    _run(cmd)
+    assert list_checkpoints(run) == checkpoints
     _assert_same_run(run, reference)
 
 
