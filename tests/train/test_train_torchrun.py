@@ -22,7 +22,7 @@ from tests.train.test_train_kill import _assert_same_run
 
 STEPS = 15  # _assert_same_run checks steps 1..15
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # each torchrun start costs seconds
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,6 @@ def test_torchrun_ranks_train_as_two_workers_and_resume(cache: Path, reference: 
     _assert_same_run(run, reference)
 
 
-@pytest.mark.slow
 def test_sigkill_of_one_rank_then_rerun_ends_as_uninterrupted(
     cache: Path, reference: Path, tmp_path: Path
 ) -> None:
