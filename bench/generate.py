@@ -34,10 +34,11 @@ sys.path.insert(0, str(ROOT))
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.template import tokenize_conversation  # noqa: E402
 from dflash_offline.generate.capture_step import pad_job  # noqa: E402
-from dflash_offline.generate.config import GenerateConfig, Placement  # noqa: E402
+from dflash_offline.generate.config import GenerateConfig  # noqa: E402
 from dflash_offline.generate.events import WorkerStarted  # noqa: E402
 from dflash_offline.generate.plan import PlanConfig, plan_jobs  # noqa: E402
 from dflash_offline.generate.run import run_generate  # noqa: E402
+from dflash_offline.placement import Placement  # noqa: E402
 from dflash_offline.target.capture import FeatureCapture  # noqa: E402
 from dflash_offline.target.layers import default_layer_ids  # noqa: E402
 from dflash_offline.target.loader import load_target, load_tokenizer, resolve_target, target_info  # noqa: E402

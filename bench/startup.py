@@ -30,8 +30,9 @@ import pyarrow as pa
 
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.manifest import read_parts, write_part
-from dflash_offline.generate.config import GenerateConfig, Placement
+from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.run import run_generate
+from dflash_offline.placement import Placement
 
 WORDS = [
     "the",

@@ -115,9 +115,10 @@ def generate(
     progress: bool,
 ) -> None:
     """Run the target over a chat data set and store the hidden states of a few layers."""
-    from dflash_offline.generate.config import GenerateConfig, Placement, parse_gpus
-    from dflash_offline.generate.launch import generate_from_config
+    from dflash_offline.generate.config import GenerateConfig
+    from dflash_offline.generate.launch import format_summary, generate_from_config
     from dflash_offline.generate.plan import parse_bucket_edges
+    from dflash_offline.placement import Placement, parse_gpus
     from dflash_offline.target.layers import split_layer_ids
 
     config = GenerateConfig(
@@ -144,4 +145,10 @@ def generate(
         placement=Placement(gpus=parse_gpus(gpus), num_cpu_workers=workers, threads_per_worker=threads),
         progress=progress,
     )
-    generate_from_config(config)
+    try:
+        summary = generate_from_config(config)
+    except KeyboardInterrupt:
+        click.echo("interrupted: committed samples are kept; rerun the same command to resume", err=True)
+        raise SystemExit(130) from None
+    if summary is not None:
+        click.echo(format_summary(summary, cache_dir=str(config.cache_dir)))

@@ -124,7 +124,7 @@ def regenerate(
     progress: bool,
 ) -> None:
     """Replace the assistant turns of chat data with the target's own answers (greedy by default)."""
-    from dflash_offline.generate.config import Placement, parse_gpus
+    from dflash_offline.placement import Placement, parse_gpus
     from dflash_offline.regenerate.config import RegenerateConfig
     from dflash_offline.regenerate.run import run_regenerate
 

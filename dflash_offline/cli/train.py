@@ -194,7 +194,7 @@ def train(
     progress: bool,
 ) -> None:
     """Train the DFlash drafter on the samples the cache has committed."""
-    from dflash_offline.generate.config import parse_gpus
+    from dflash_offline.placement import parse_gpus
     from dflash_offline.train.config import TrainConfig
     from dflash_offline.train.launch import run_training
 

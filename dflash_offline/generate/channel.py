@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import queue
+import threading
 import time
 from typing import Any, Protocol
 
@@ -19,7 +20,10 @@ from dflash_offline.generate.plan import CaptureJob
 
 
 class JobChannel(Protocol):
-    def put(self, job: CaptureJob) -> None: ...
+    def try_put(self, job: CaptureJob, timeout: float) -> bool:
+        """Publish ``job``; False when the consumers are still too far behind after ``timeout``."""
+        ...
+
     def finish(self, num_consumers: int) -> None: ...
     def get(self, timeout: float) -> CaptureJob | bool | None:
         """A job; None when the producer has finished; False on timeout (poll again)."""
@@ -31,9 +35,6 @@ class QueueJobChannel:
 
     def __init__(self, mp_context: Any, depth: int) -> None:
         self._queue = mp_context.Queue(maxsize=depth)
-
-    def put(self, job: CaptureJob, timeout: float | None = None) -> None:
-        self._queue.put(job, timeout=timeout)
 
     def try_put(self, job: CaptureJob, timeout: float) -> bool:
         try:
@@ -63,7 +64,8 @@ class StoreJobChannel:
     """Jobs published under ``job/<slot>`` keys of a distributed store, claimed with ``store.add``.
 
     The producer publishes at most ``lookahead`` slots beyond the claims, so the store (held in
-    rank 0's memory) stays bounded. ``finish`` publishes one end marker per consumer."""
+    rank 0's memory) stays bounded. ``finish`` publishes one end marker per consumer; the coordinator
+    also calls it from its own thread to release the ranks on a stop, hence the lock."""
 
     _END = b"end"
 
@@ -72,29 +74,76 @@ class StoreJobChannel:
         self._prefix = prefix
         self._lookahead = lookahead
         self._published = 0
+        self._claimed: int | None = None
+        self._lock = threading.Lock()
 
     def _key(self, name: str) -> str:
         return f"{self._prefix}/{name}"
 
-    def put(self, job: CaptureJob) -> None:
+    def try_put(self, job: CaptureJob, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        payload = pickle.dumps(job)
         while self._published - int(self._store.add(self._key("claimed"), 0)) >= self._lookahead:
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.01)
-        self._store.set(self._key(f"job/{self._published}"), pickle.dumps(job))
-        self._published += 1
+        self._publish(payload)
+        return True
 
     def finish(self, num_consumers: int) -> None:
         for _ in range(num_consumers):
-            self._store.set(self._key(f"job/{self._published}"), self._END)
+            self._publish(self._END)
+
+    def _publish(self, payload: bytes) -> None:
+        with self._lock:
+            self._store.set(self._key(f"job/{self._published}"), payload)
             self._published += 1
 
     def get(self, timeout: float) -> CaptureJob | bool | None:
-        slot = int(self._store.add(self._key("claimed"), 1)) - 1
-        key = self._key(f"job/{slot}")
-        self._store.wait([key])  # the store's own timeout bounds a producer that died
+        # A claimed slot is kept across calls: polling (not ``store.wait``) lets the worker check for
+        # a stop request between polls, and keeps a store client that other threads share unblocked.
+        if self._claimed is None:
+            self._claimed = int(self._store.add(self._key("claimed"), 1)) - 1
+        key = self._key(f"job/{self._claimed}")
+        deadline = time.monotonic() + timeout
+        while not self._store.check([key]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
         payload = self._store.get(key)
         self._store.delete_key(key)
+        self._claimed = None
         if payload == self._END:
             return None
         job = pickle.loads(payload)
         assert isinstance(job, CaptureJob)
         return job
+
+
+class LockedStore:
+    """A ``torch.distributed`` store whose calls are serialised: rank 0's planner, worker and
+    coordinator threads share one client connection."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        with self._lock:
+            self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return bytes(self._store.get(key))
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            return int(self._store.add(key, amount))
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return bool(self._store.check(keys))
+
+    def delete_key(self, key: str) -> bool:
+        with self._lock:
+            return bool(self._store.delete_key(key))

@@ -1,8 +1,7 @@
-"""The typed configuration of one ``dflash generate`` run, and where its workers run."""
+"""The typed configuration of one ``dflash generate`` run (where its workers run: ``placement.py``)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -10,60 +9,7 @@ from typing import Any, Literal
 from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
 from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Placement:
-    """Where the target workers run: one process per listed GPU, or ``num_cpu_workers`` CPU processes."""
-
-    gpus: tuple[int, ...] = ()
-    """CUDA device indices, one worker each; empty on CPU."""
-    num_cpu_workers: int = 1
-    """Worker processes when ``gpus`` is empty."""
-    threads_per_worker: int = 0
-    """torch intra-op threads per CPU worker; 0 = the machine's cores divided among the workers."""
-
-    @property
-    def num_workers(self) -> int:
-        return len(self.gpus) if self.gpus else self.num_cpu_workers
-
-    def device_of(self, worker: int) -> str:
-        return f"cuda:{self.gpus[worker]}" if self.gpus else "cpu"
-
-    def cpu_threads(self) -> int:
-        if self.threads_per_worker > 0:
-            return self.threads_per_worker
-        return max(1, (os.cpu_count() or 1) // self.num_workers)
-
-
-def parse_gpus(text: str | None) -> tuple[int, ...]:
-    """``all`` -> every visible CUDA device; ``0,1`` or ``0-3`` -> those; None or ``none`` -> ()."""
-    if text is None or text.strip().lower() in ("", "none", "cpu"):
-        return ()
-    import torch
-
-    available = torch.cuda.device_count()
-    if text.strip().lower() == "all":
-        if available == 0:
-            raise ConfigError("--gpus all: no CUDA device is visible; use --workers N to run on the CPU")
-        return tuple(range(available))
-    ids: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                ids.extend(range(lo, hi + 1))
-            else:
-                ids.append(int(part))
-        except ValueError as e:
-            raise ConfigError(f"--gpus {text!r}: expected 'all', '0,1,2' or '0-7'") from e
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"--gpus {text!r} names a device twice")
-    bad = [i for i in ids if i < 0 or i >= available]
-    if bad:
-        raise ConfigError(f"--gpus {text!r}: device(s) {bad} do not exist ({available} visible)")
-    return tuple(ids)
+from dflash_offline.placement import Placement
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,7 +44,7 @@ class GenerateConfig:
     """Each worker commits its written samples at least this often..."""
     flush_bytes: int = DEFAULT_FLUSH_BYTES
     """...or once this many raw bytes of samples wait uncommitted (what a kill can lose)."""
-    placement: Placement = Placement()
+    placement: Placement = Placement()  # noqa: RUF009 (frozen: a shared default is safe)
     dtype: str | None = None
     """``float32`` / ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
     progress: bool = True

@@ -1,8 +1,9 @@
-"""The coordinator of ``dflash generate``: fingerprint, resume, plan, spawn workers, watch, summarise.
+"""The coordinator of ``dflash generate``: fingerprint, resume, plan, start workers, watch, summarise.
 
-One process plans (tokenizes and packs jobs, in a thread) and feeds a bounded job queue; one worker
+One process plans (tokenizes and packs jobs, in a thread) and feeds a bounded job channel; one worker
 process per GPU (or ``--workers N`` CPU processes) captures and writes. Under ``torchrun`` every rank
-is a worker and rank 0 also plans and merges the index (``run_generate_distributed``).
+is a worker and rank 0 also coordinates (``launch.py``): both paths go through ``coordinate``, which
+writes the ``running`` run row, the final status and the summary.
 
 Rerunning the same command resumes: committed and failed samples are skipped, a different
 fingerprint is refused naming the field. Ctrl-C stops cleanly (workers finish their job and commit);
@@ -12,12 +13,10 @@ an exception in a worker stops the run with the worker's traceback.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,23 +26,17 @@ from dflash_offline.cache.manifest import (
     committed_sample_ids,
     failed_sample_ids,
     record_run,
-    records_to_table,
-    write_part,
 )
-from dflash_offline.cache.records import FailureRow, RunRow, utc_now
+from dflash_offline.cache.records import RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
-from dflash_offline.data.records import SourceFailure
 from dflash_offline.errors import ConfigError, NoSpaceError, WorkerError, as_no_space_error
-from dflash_offline.generate.channel import QueueJobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted
-from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
+from dflash_offline.generate.feed import Planner
+from dflash_offline.generate.group import SpawnedWorkers, WorkerGroup
 from dflash_offline.generate.progress import GenerateProgress, ProgressView
-from dflash_offline.generate.worker import WorkerSpec, run_worker
+from dflash_offline.generate.worker import WorkerSpec
 from dflash_offline.locking import DirLock, acquire_lock
-
-PLANNER_WORKER_ID = -1
-"""``worker`` value of failure rows written by the planner (records that never reached a target)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,8 +81,8 @@ def resolved_compute_dtype(config: GenerateConfig) -> str:
         return config.dtype
     import torch
 
+    from dflash_offline.placement import under_torchrun
     from dflash_offline.target.loader import default_dtype
-    from dflash_offline.torchrun import under_torchrun
 
     on_gpu = bool(config.placement.gpus) or (under_torchrun() and torch.cuda.is_available())
     return str(default_dtype(torch.device("cuda" if on_gpu else "cpu"))).removeprefix("torch.")
@@ -204,71 +197,6 @@ def worker_spec(ctx: RunContext, *, worker: int, device: str) -> WorkerSpec:
     )
 
 
-def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
-    """The deterministic job stream of this run (resume only filters it)."""
-    from dflash_offline.data.sources import iter_records
-    from dflash_offline.data.template import tokenize_conversation
-
-    config = ctx.config
-    records = iter_records(
-        config.data,
-        skip=config.skip,
-        limit=config.limit,
-        data_format=config.data_format,
-        source=ctx.fingerprint.data_source,  # an older cache keeps the source name its ids hash
-    )
-    return plan_jobs(
-        records,
-        lambda conv: tokenize_conversation(
-            ctx.tokenizer, conv, max_length=config.max_length, too_long=config.too_long
-        ),
-        PlanConfig(
-            bucket_edges=config.bucket_edges,
-            tokens_per_batch=config.tokens_per_batch,
-            max_batch_size=config.max_batch_size,
-            window_records=config.window_records,
-            seed=config.seed,
-        ),
-        is_done=ctx.done_ids.__contains__,
-    )
-
-
-class FailureLog:
-    """Writes the planner's failures as manifest parts of its own (temp file + rename)."""
-
-    def __init__(self, ctx: RunContext) -> None:
-        self._layout = create_or_open_cache(ctx.config.cache_dir, ctx.fingerprint)
-        self._name = f"plan-{ctx.session}"
-        self._session = ctx.session
-        self._fsync = ctx.config.fsync
-        self._part = 0
-        self.count = 0
-
-    def write(self, failures: tuple[SourceFailure, ...]) -> None:
-        if not failures:
-            return
-        now = utc_now()
-        rows = [
-            FailureRow(
-                sample_id=f.sample_id,
-                source_index=f.source_index,
-                reason=f.reason,
-                detail=f.detail,
-                worker=PLANNER_WORKER_ID,
-                session=self._session,
-                created_at=now,
-            )
-            for f in failures
-        ]
-        write_part(
-            self._layout.part_path("failures", self._name, self._part),
-            records_to_table("failures", rows),
-            fsync=self._fsync,
-        )
-        self._part += 1
-        self.count += len(rows)
-
-
 @dataclass(kw_only=True, slots=True)
 class _Tally:
     """Mutable counters of the coordinator's event loop (never crosses a thread boundary)."""
@@ -296,48 +224,6 @@ class _Tally:
             self.stored_bytes_by_worker[event.worker] = event.stats.stored_bytes
 
 
-class _Planner(threading.Thread):
-    """Feeds the job channel from the plan; records failures; stops on request. Errors are kept."""
-
-    def __init__(
-        self, ctx: RunContext, channel: QueueJobChannel, stop: threading.Event, num_workers: int
-    ) -> None:
-        super().__init__(name="planner", daemon=True)
-        self._ctx = ctx
-        self._channel = channel
-        self._stop_requested = stop
-        self._num_workers = num_workers
-        self.failure_log = FailureLog(ctx)
-        self.error: BaseException | None = None
-        self.planned_samples = 0
-        self.planned_tokens = 0
-        self.skipped = 0
-        self.done = False
-
-    def run(self) -> None:
-        try:
-            for event in plan_events(self._ctx):
-                if self._stop_requested.is_set():
-                    return
-                self.failure_log.write(event.failures)
-                self.skipped += event.samples_already_done
-                job = event.job
-                if job is None:
-                    continue
-                self.skipped += len(job.samples) - job.num_new_samples
-                self.planned_samples += job.num_new_samples
-                self.planned_tokens += sum(
-                    s.num_tokens for s, done in zip(job.samples, job.already_done) if not done
-                )
-                while not self._channel.try_put(job, timeout=0.5):
-                    if self._stop_requested.is_set():
-                        return
-            self.done = True
-            self._channel.finish(self._num_workers)
-        except BaseException as e:
-            self.error = e
-
-
 def run_generate(
     config: GenerateConfig, *, on_event: Callable[[object], None] | None = None
 ) -> GenerateSummary:
@@ -346,12 +232,30 @@ def run_generate(
     Raises ``WorkerError`` (with the worker's traceback) when a worker fails, ``NoSpaceError`` when
     the disk filled up, ``LockedError`` when another run holds the cache; KeyboardInterrupt stops
     workers after their current job and leaves the cache resumable (status ``interrupted``)."""
-    ctx = prepare_run(config, lock=True)
+    placement = config.placement
+    return coordinate(
+        prepare_run(config, lock=True),
+        lambda ctx: SpawnedWorkers(
+            [worker_spec(ctx, worker=w, device=placement.device_of(w)) for w in range(placement.num_workers)]
+        ),
+        on_event=on_event,
+    )
+
+
+def coordinate(
+    ctx: RunContext,
+    workers: Callable[[RunContext], WorkerGroup],
+    *,
+    on_event: Callable[[object], None] | None = None,
+) -> GenerateSummary:
+    """The one coordinator of every launch path: run row, plan, watch ``workers(ctx)``, summarise.
+
+    ``ctx`` holds the cache's lock (``prepare_run(lock=True)``); it is released here."""
     assert ctx.lock is not None
     try:
-        return _run_locked(ctx, on_event)
+        return _run_locked(ctx, workers(ctx), on_event)
     except OSError as e:  # the coordinator's own writes (run rows, planner failures) hit a full disk
-        converted = as_no_space_error(e, config.cache_dir)
+        converted = as_no_space_error(e, ctx.config.cache_dir)
         if converted is e:
             raise
         raise converted from e
@@ -359,45 +263,59 @@ def run_generate(
         ctx.lock.release()
 
 
-def _run_locked(ctx: RunContext, on_event: Callable[[object], None] | None) -> GenerateSummary:
+def _run_locked(
+    ctx: RunContext, group: WorkerGroup, on_event: Callable[[object], None] | None
+) -> GenerateSummary:
     config = ctx.config
     sweep_partial_files(config.cache_dir)  # under the lock: no other writer is running
-    placement = config.placement
-    num_workers = placement.num_workers
     started_at = utc_now()
     start = time.perf_counter()
-    run_row = _run_row(ctx, started_at=started_at, status="running", tally=_Tally(), num_workers=num_workers)
-    record_run(config.cache_dir, run_row)
-
-    mp_context = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
-    channel = QueueJobChannel(mp_context, depth=2 * num_workers + 2)
-    events: Any = mp_context.Queue()
-    stop_workers = mp_context.Event()
-    stop_planner = threading.Event()
-    processes = []
-    for worker in range(num_workers):
-        spec = worker_spec(ctx, worker=worker, device=placement.device_of(worker))
-        process = mp_context.Process(
-            target=run_worker, args=(spec, channel, events, stop_workers), name=f"dflash-worker-{worker}"
-        )
-        process.start()
-        processes.append(process)
-
-    planner = _Planner(ctx, channel, stop_planner, num_workers)
-    planner.start()
+    running = _run_row(ctx, started_at=started_at, status="running", num_workers=group.num_workers)
+    record_run(config.cache_dir, running)
+    planner = Planner(ctx, group.channel, threading.Event(), group.num_workers)
     tally = _Tally()
-    dead_since: dict[int, float] = {}
-    progress = GenerateProgress(enabled=config.progress, num_workers=num_workers)
+    status, error = _watch(ctx, group, planner, tally, on_event)
+    summary = GenerateSummary(
+        run_id=ctx.run_id,
+        status=status,
+        samples_committed=sum(f.stats.samples for f in tally.finished.values()) or tally.samples,
+        tokens_committed=sum(f.stats.tokens for f in tally.finished.values()) or tally.tokens,
+        failures=tally.failures + planner.failure_log.count,
+        stored_bytes=tally.stored_bytes,
+        seconds=time.perf_counter() - start,
+        skipped_already_done=planner.skipped,
+        workers=tuple(tally.finished[w] for w in sorted(tally.finished)),
+    )
+    error = as_no_space_error(error, config.cache_dir) if error is not None else None
+    _record_end(ctx, started_at=started_at, summary=summary, num_workers=group.num_workers, error=error)
+    if error is not None:
+        raise error
+    return summary
+
+
+def _watch(
+    ctx: RunContext,
+    group: WorkerGroup,
+    planner: Planner,
+    tally: _Tally,
+    on_event: Callable[[object], None] | None,
+) -> tuple[str, BaseException | None]:
+    """Start the workers and the planner, count the workers' events until every worker finished;
+    stop them all on the first failure (a failure to start included: the run row then says so).
+
+    Returns the run's status and the error that ended it (None when ``finished``)."""
+    progress = GenerateProgress(enabled=ctx.config.progress, num_workers=group.num_workers)
     status = "finished"
     error: BaseException | None = None
     try:
-        while len(tally.finished) + len(tally.failed) < num_workers:
+        group.start()
+        planner.start()
+        while len(tally.finished) + len(tally.failed) < group.num_workers:
             if planner.error is not None:
                 raise planner.error
-            try:
-                event = events.get(timeout=0.2)
-            except queue.Empty:
-                _check_dead_workers(processes, tally, dead_since)
+            event = group.get_event(0.2)
+            if event is None:
+                group.check_alive(tally.finished)
                 progress.update(tally=_progress_view(tally, planner))
                 continue
             if on_event is not None:
@@ -421,34 +339,33 @@ def _run_locked(ctx: RunContext, on_event: Callable[[object], None] | None) -> G
     except BaseException as e:
         status, error = "failed", e
     finally:
-        stop_planner.set()
+        planner.stop_requested.set()
         if status != "finished":
-            stop_workers.set()
-        _drain_and_join(processes, events, tally, channel)
+            group.stop()
+        group.drain_and_join(tally.apply)
         progress.close()
-        planner.join(timeout=5)
+        if planner.ident is not None:  # started
+            planner.join(timeout=5)
+    return status, error
 
-    failures = tally.failures + planner.failure_log.count
-    summary = GenerateSummary(
-        run_id=ctx.run_id,
-        status=status,
-        samples_committed=sum(f.stats.samples for f in tally.finished.values()) or tally.samples,
-        tokens_committed=sum(f.stats.tokens for f in tally.finished.values()) or tally.tokens,
-        failures=failures,
-        stored_bytes=tally.stored_bytes,
-        seconds=time.perf_counter() - start,
-        skipped_already_done=planner.skipped,
-        workers=tuple(tally.finished[w] for w in sorted(tally.finished)),
-    )
-    error = as_no_space_error(error, config.cache_dir) if error is not None else None
+
+def _record_end(
+    ctx: RunContext,
+    *,
+    started_at: Any,
+    summary: GenerateSummary,
+    num_workers: int,
+    error: BaseException | None,
+) -> None:
+    """The run row's final status, then the index merge (not when the disk is full)."""
+    config = ctx.config
     try:
         record_run(
             config.cache_dir,
             _run_row(
                 ctx,
                 started_at=started_at,
-                status=status,
-                tally=tally,
+                status=summary.status,
                 num_workers=num_workers,
                 summary=summary,
                 error="" if error is None else f"{type(error).__name__}: {error}",
@@ -463,12 +380,9 @@ def _run_locked(ctx: RunContext, on_event: Callable[[object], None] | None) -> G
             raise as_no_space_error(e, config.cache_dir) from e
         # The run already failed (e.g. the disk is full): report that, not this follow-up error.
         error.add_note(f"and recording the run failed too: {e!r}")
-    if error is not None:
-        raise error
-    return summary
 
 
-def _progress_view(tally: _Tally, planner: _Planner) -> ProgressView:
+def _progress_view(tally: _Tally, planner: Planner) -> ProgressView:
     return ProgressView(
         samples=tally.samples,
         tokens=tally.tokens,
@@ -479,50 +393,16 @@ def _progress_view(tally: _Tally, planner: _Planner) -> ProgressView:
     )
 
 
-def _check_dead_workers(processes: list[Any], tally: _Tally, dead_since: dict[int, float]) -> None:
-    """A worker that exited without reporting (killed, out of memory) fails the run.
-
-    Called when the event queue has been quiet; a worker's last events are flushed into the queue
-    before its process ends, so one more quiet second after its exit means it died."""
-    now = time.monotonic()
-    for worker, process in enumerate(processes):
-        if process.exitcode is None or worker in tally.finished:
-            continue
-        first_seen = dead_since.setdefault(worker, now)
-        if now - first_seen > 1.0:
-            raise WorkerError(
-                f"worker {worker} exited with code {process.exitcode} without finishing "
-                f"(killed, or out of memory?); the cache is resumable: rerun the same command"
-            )
-
-
-def _drain_and_join(processes: list[Any], events: Any, tally: _Tally, channel: QueueJobChannel) -> None:
-    """Collect the workers' final events while they finish their current job, then join them."""
-    deadline = time.monotonic() + 600
-    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-        try:
-            event = events.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        tally.apply(event)
-    for process in processes:
-        process.join(timeout=5)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=5)
-    channel.cancel_join()
-
-
 def _run_row(
     ctx: RunContext,
     *,
     started_at: Any,
     status: str,
-    tally: _Tally,
     num_workers: int,
     summary: GenerateSummary | None = None,
     error: str = "",
 ) -> RunRow:
+    """The ``runs`` row: zero counts while ``running``, the summary's once the run ended."""
     return RunRow(
         run_id=ctx.run_id,
         command="generate",
@@ -530,10 +410,10 @@ def _run_row(
         finished_at=None if status == "running" else utc_now(),
         status=status,
         num_workers=num_workers,
-        samples_committed=summary.samples_committed if summary else tally.samples,
-        tokens_committed=summary.tokens_committed if summary else tally.tokens,
-        bytes_written=summary.stored_bytes if summary else tally.stored_bytes,
-        failures=summary.failures if summary else tally.failures,
+        samples_committed=summary.samples_committed if summary else 0,
+        tokens_committed=summary.tokens_committed if summary else 0,
+        bytes_written=summary.stored_bytes if summary else 0,
+        failures=summary.failures if summary else 0,
         fingerprint_json=json.dumps(ctx.fingerprint.to_dict()),
         host=socket.gethostname(),
         config_json=json.dumps(ctx.config.to_dict(), default=str),

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
-from dflash_offline.generate.config import Placement
+from dflash_offline.placement import Placement
 
 FAILURES_SUFFIX = ".failures.jsonl"
 

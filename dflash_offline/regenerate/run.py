@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_offline.errors import WorkerError
+from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
@@ -40,7 +41,6 @@ from dflash_offline.regenerate.worker import (
     run_worker,
     worker_process,
 )
-from dflash_offline.torchrun import under_torchrun
 
 __all__ = ["RegenerateSummary", "render_prompt", "run_regenerate"]
 
@@ -330,7 +330,6 @@ def _drain_and_join(
 
 def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
     """One rank of a ``torchrun`` regenerate: every rank is a worker; rank 0 merges the parts at the end."""
-    import torch
     import torch.distributed as dist
 
     dist.init_process_group(backend="gloo")  # for barriers and the summary only: no tensors move
@@ -347,8 +346,7 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
         ):
             done = frozenset(out.keys | failures.keys)
         config.parts_dir.mkdir(parents=True, exist_ok=True)
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+        device = torchrun_device()
         out_part, failures_part = _part_paths(config, rank)
         spec = WorkerSpec(
             config=config, worker=rank, num_workers=world,

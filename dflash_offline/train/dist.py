@@ -1,42 +1,15 @@
-"""Distributed setup read once into a typed record: the same code runs single-process, as spawned
-processes (``--gpus`` / ``--workers``) and under ``torchrun``."""
+"""Joining the process group into a ``DistInfo`` (the record lives in ``placement.py``): the same
+code runs single-process, as spawned processes (``--gpus`` / ``--workers``) and under ``torchrun``."""
 
 from __future__ import annotations
 
 import os
-import socket
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DistInfo:
-    """Where this process sits in the data-parallel group."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-    """``nccl`` on CUDA, ``gloo`` on the CPU, ``none`` when single-process."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def free_port() -> int:
-    """A free TCP port on localhost for a process group started by us (not torchrun)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from dflash_offline.placement import DistInfo
 
 
 def init_distributed(

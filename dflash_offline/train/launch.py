@@ -18,15 +18,9 @@ from dflash_offline import errors as errors_module
 from dflash_offline.errors import DflashError
 from dflash_offline.lifeline import die_with_parent
 from dflash_offline.locking import acquire_lock, hold_lock
-from dflash_offline.torchrun import under_torchrun
+from dflash_offline.placement import DistInfo, free_port, under_torchrun
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.dist import (
-    DistInfo,
-    dist_info_from_env,
-    free_port,
-    init_distributed,
-    shutdown,
-)
+from dflash_offline.train.dist import dist_info_from_env, init_distributed, shutdown
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint
 from dflash_offline.train.loop import TrainResult, train_rank
 
@@ -144,6 +138,8 @@ def run_training(config: TrainConfig) -> TrainResult | None:
     second run into the same directory is refused naming the holder (``LockedError``)."""
     if under_torchrun():
         info = dist_info_from_env(use_cuda=torch.cuda.is_available())
+        if info.device.type == "cpu" and config.threads_per_worker > 0:
+            torch.set_num_threads(config.threads_per_worker)  # --threads, as for spawned workers
         lock = acquire_lock(config.out_dir, what="training run") if info.is_main else None
         try:
             result = train_rank(config, info)

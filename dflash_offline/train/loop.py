@@ -29,6 +29,7 @@ from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.loss import block_labels, decay_weights
 from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.placement import DistInfo
 from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, StepPlan, schedule_for_rank
 from dflash_offline.train.checkpoint import (
     TrainState,
@@ -41,7 +42,7 @@ from dflash_offline.train.checkpoint import (
 from dflash_offline.train.config import TrainConfig, check_resume
 from dflash_offline.train.damaged import DamagedLog
 from dflash_offline.train.determinism import seed_everything
-from dflash_offline.train.dist import DistInfo, all_reduce_sum, barrier
+from dflash_offline.train.dist import all_reduce_sum, barrier
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
 from dflash_offline.train.metrics import MetricsLog, StepAccumulator, StepMetrics, StepTotals
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup

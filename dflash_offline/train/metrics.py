@@ -17,7 +17,8 @@ from dflash_offline import tensorboard as tb
 from dflash_offline.drafter.loss import simulated_acceptance_length
 from dflash_offline.drafter.model import DrafterOutput
 from dflash_offline.errors import DataError
-from dflash_offline.train.dist import DistInfo, all_reduce_sum
+from dflash_offline.placement import DistInfo
+from dflash_offline.train.dist import all_reduce_sum
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dflash_offline.generate.config import GenerateConfig, Placement
+from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.placement import Placement
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bad jokes".split()  # noqa: SIM905
 

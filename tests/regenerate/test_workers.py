@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
-from dflash_offline.generate.config import Placement
+from dflash_offline.placement import Placement
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.regenerate.worker import belongs_to

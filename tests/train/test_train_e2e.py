@@ -19,11 +19,11 @@ import torch
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.records import CachedSample
 from dflash_offline.generate.run import run_generate
+from dflash_offline.placement import DistInfo
 from dflash_offline.target.capture import FeatureCapture
 from dflash_offline.target.loader import load_target
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.dist import DistInfo
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loop import train_rank
 from dflash_offline.train.metrics import read_metrics

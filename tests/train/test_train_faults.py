@@ -25,10 +25,10 @@ from dflash_offline.cache.zarr_format import parse_array_format
 from dflash_offline.cli import main
 from dflash_offline.errors import CacheDamageError, ConfigError, ResumeError
 from dflash_offline.generate.run import run_generate
+from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import CheckpointNoSpaceError, list_checkpoints
 from dflash_offline.train.config import MAX_BLOCK_SIZE, TrainConfig
 from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
-from dflash_offline.train.dist import DistInfo
 from dflash_offline.train.interrupt import TrainInterrupted, request_stop
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loop import cosine_with_warmup, train_rank

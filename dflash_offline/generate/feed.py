@@ -1,0 +1,128 @@
+"""The planner thread of the coordinator: the run's deterministic job stream into the job channel.
+
+Its failures (records that never reached a target) become manifest parts of its own; it counts what
+the cache already held (the resume's ``skipped_already_done``) and stops on request."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from dflash_offline.cache.layout import create_or_open_cache
+from dflash_offline.cache.manifest import records_to_table, write_part
+from dflash_offline.cache.records import FailureRow, utc_now
+from dflash_offline.data.records import SourceFailure
+from dflash_offline.generate.channel import JobChannel
+from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
+
+if TYPE_CHECKING:
+    from dflash_offline.generate.run import RunContext
+
+PLANNER_WORKER_ID = -1
+"""``worker`` value of failure rows written by the planner (records that never reached a target)."""
+
+
+def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
+    """The deterministic job stream of this run (resume only filters it)."""
+    from dflash_offline.data.sources import iter_records
+    from dflash_offline.data.template import tokenize_conversation
+
+    config = ctx.config
+    records = iter_records(
+        config.data,
+        skip=config.skip,
+        limit=config.limit,
+        data_format=config.data_format,
+        source=ctx.fingerprint.data_source,  # an older cache keeps the source name its ids hash
+    )
+    return plan_jobs(
+        records,
+        lambda conv: tokenize_conversation(
+            ctx.tokenizer, conv, max_length=config.max_length, too_long=config.too_long
+        ),
+        PlanConfig(
+            bucket_edges=config.bucket_edges,
+            tokens_per_batch=config.tokens_per_batch,
+            max_batch_size=config.max_batch_size,
+            window_records=config.window_records,
+            seed=config.seed,
+        ),
+        is_done=ctx.done_ids.__contains__,
+    )
+
+
+class FailureLog:
+    """Writes the planner's failures as manifest parts of its own (temp file + rename)."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self._layout = create_or_open_cache(ctx.config.cache_dir, ctx.fingerprint)
+        self._name = f"plan-{ctx.session}"
+        self._session = ctx.session
+        self._fsync = ctx.config.fsync
+        self._part = 0
+        self.count = 0
+
+    def write(self, failures: tuple[SourceFailure, ...]) -> None:
+        if not failures:
+            return
+        now = utc_now()
+        rows = [
+            FailureRow(
+                sample_id=f.sample_id,
+                source_index=f.source_index,
+                reason=f.reason,
+                detail=f.detail,
+                worker=PLANNER_WORKER_ID,
+                session=self._session,
+                created_at=now,
+            )
+            for f in failures
+        ]
+        write_part(
+            self._layout.part_path("failures", self._name, self._part),
+            records_to_table("failures", rows),
+            fsync=self._fsync,
+        )
+        self._part += 1
+        self.count += len(rows)
+
+
+class Planner(threading.Thread):
+    """Feeds the job channel from the plan; records failures; stops on request. Errors are kept."""
+
+    def __init__(self, ctx: RunContext, channel: JobChannel, stop: threading.Event, num_workers: int) -> None:
+        super().__init__(name="planner", daemon=True)
+        self._ctx = ctx
+        self._channel = channel
+        self.stop_requested = stop
+        self._num_workers = num_workers
+        self.failure_log = FailureLog(ctx)
+        self.error: BaseException | None = None
+        self.planned_samples = 0
+        self.planned_tokens = 0
+        self.skipped = 0
+        self.done = False
+
+    def run(self) -> None:
+        try:
+            for event in plan_events(self._ctx):
+                if self.stop_requested.is_set():
+                    return
+                self.failure_log.write(event.failures)
+                self.skipped += event.samples_already_done
+                job = event.job
+                if job is None:
+                    continue
+                self.skipped += len(job.samples) - job.num_new_samples
+                self.planned_samples += job.num_new_samples
+                self.planned_tokens += sum(
+                    s.num_tokens for s, done in zip(job.samples, job.already_done) if not done
+                )
+                while not self._channel.try_put(job, timeout=0.5):
+                    if self.stop_requested.is_set():
+                        return
+            self.done = True
+            self._channel.finish(self._num_workers)
+        except BaseException as e:
+            self.error = e
