@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
+from dflash_offline.config_fields import GPUS, PROGRESS, SEED, THREADS, WORKERS, Cli, cli_spec, flag_of
+
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
 
 
 def cache_option(*, required: bool = True, help: str = "The cache directory.") -> Callable[[F], F]:
@@ -22,9 +29,7 @@ def cache_option(*, required: bool = True, help: str = "The cache directory.") -
 
 
 def seed_option(f: F) -> F:
-    return click.option(
-        "--seed", type=int, default=0, show_default=True, help="Seed of every random choice."
-    )(f)
+    return _click_option("seed", int, SEED, 0)(f)
 
 
 def target_option(f: F) -> F:
@@ -59,29 +64,156 @@ def data_option(f: F) -> F:
 
 def placement_options(f: F) -> F:
     """--gpus / --workers / --threads: where the worker processes run."""
-    f = click.option(
-        "--threads",
-        type=int,
-        default=0,
-        show_default=True,
-        help="torch threads per CPU worker (0: the machine's cores divided among the workers).",
-    )(f)
-    f = click.option(
-        "--workers",
-        type=click.IntRange(min=1),
-        default=1,
-        show_default=True,
-        help="Worker processes on the CPU (used when --gpus is not given).",
-    )(f)
-    f = click.option(
-        "--gpus",
-        default=None,
-        help="GPUs to use, one worker process each: all, 0,1,2 or 0-7. Default: the CPU.",
-    )(f)
-    return f
+    f = _click_option("threads", int, THREADS, 0)(f)
+    f = _click_option("workers", int, WORKERS, 1)(f)
+    return _click_option("gpus", str | None, GPUS, None)(f)
 
 
 def progress_option(f: F) -> F:
-    return click.option(
-        "--progress/--no-progress", default=True, show_default=True, help="Show a progress bar."
-    )(f)
+    return _click_option("progress", bool, PROGRESS, True)(f)
+
+
+def _click_option(name: str, hint: Any, spec: Cli, default: Any) -> Callable[[F], F]:
+    """The click option of one config field, its type derived from the field's annotation."""
+    flag = flag_of(name, spec)
+    kwargs: dict[str, Any] = {"help": spec.help}
+    plain_flag = False
+    if spec.parse is not None:
+        kwargs["default"] = None
+    elif spec.negate:
+        plain_flag = True
+        kwargs["is_flag"] = True
+    else:
+        base = _strip_none(hint)
+        if base is bool:
+            if spec.secondary is None:
+                plain_flag = True
+                kwargs["is_flag"] = True
+                if default:
+                    raise TypeError(f"{name}: a plain flag defaults to False (use negate or secondary)")
+            else:
+                flag = f"{flag}/{spec.secondary}"
+                kwargs["default"] = default
+        else:
+            kwargs["default"] = default
+            kwargs["type"] = _click_type(base, spec)
+    if spec.required:
+        kwargs["required"] = True
+        del kwargs["default"]
+    show = spec.show_default
+    if show is None and not plain_flag and kwargs.get("default") is not None:
+        show = True
+    if show is not None:
+        kwargs["show_default"] = show
+    return click.option(flag, name, **kwargs)
+
+
+def _strip_none(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (types.UnionType, typing.Union) and len(args) == 1:
+        return args[0]
+    return hint
+
+
+def _click_type(base: Any, spec: Cli) -> Any:
+    if typing.get_origin(base) is typing.Literal:
+        return click.Choice(list(typing.get_args(base)))
+    if spec.choices is not None:
+        return click.Choice(list(spec.choices))
+    if base is Path:
+        return click.Path(
+            path_type=Path,
+            file_okay=spec.path != "dir",
+            dir_okay=spec.path != "file",
+            exists=spec.exists,
+        )
+    if base is int:
+        return int if spec.min is None else click.IntRange(min=int(spec.min))
+    if base is float:
+        return float if spec.min is None else click.FloatRange(min=spec.min)
+    if base is str:
+        return None
+    raise TypeError(f"no click type for a config field of type {base!r}")
+
+
+def config_options(cls: type[Any], **fixed: Any) -> Callable[[Callable[..., R]], Callable[..., None]]:
+    """Click options for every field of the config dataclass ``cls`` that has a ``Cli`` (in field order);
+    the command then receives ``config=cls(**options, **fixed)`` and its own other options. A ``--cache``
+    field is also accepted as the positional CACHE (``cache_input``)."""
+    hints = typing.get_type_hints(cls)
+    specs = [(f, spec) for f in dataclasses.fields(cls) if (spec := cli_spec(f)) is not None]
+
+    def decorate(command: Callable[..., R]) -> Callable[..., None]:
+        @functools.wraps(command)
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            values: dict[str, Any] = {}
+            for f, spec in specs:
+                if spec.kind == "placement":
+                    values[f.name] = _placement(kwargs)
+                    continue
+                value = kwargs.pop(f.name)
+                if spec.parse is not None:
+                    value = spec.parse(value)
+                elif spec.negate:
+                    value = not value
+                values[f.name] = value
+            command(*args, config=cls(**values, **fixed), **kwargs)
+
+        decorators: list[Callable[[Any], Any]] = []
+        for f, spec in specs:
+            if spec.kind == "placement":
+                decorators.append(placement_options)
+            elif spec.flag == "--cache":
+                decorators.append(cache_input(f.name, help=spec.help, file_okay=spec.path != "dir"))
+            else:
+                decorators.append(_click_option(f.name, hints[f.name], spec, f.default))
+        for decorator in reversed(decorators):
+            wrapper = decorator(wrapper)
+        return wrapper
+
+    return decorate
+
+
+def _placement(kwargs: dict[str, Any]) -> Any:
+    from dflash_offline.generate.config import Placement, parse_gpus
+
+    return Placement(
+        gpus=parse_gpus(kwargs.pop("gpus")),
+        num_cpu_workers=kwargs.pop("workers"),
+        threads_per_worker=kwargs.pop("threads"),
+    )
+
+
+def cache_input(
+    name: str = "cache_dir", *, help: str | None, file_okay: bool = True, shift: str | None = None
+) -> Callable[[F], F]:
+    """The cache directory as the positional CACHE or as ``--cache`` (either spelling; both only when
+    they agree): ``dflash status C`` and ``dflash status --cache C`` are the same command. ``shift``:
+    the next positional argument, which a lone positional fills when ``--cache`` names the cache
+    (``dflash sql --cache C "SELECT 1"``)."""
+    path_type = click.Path(path_type=Path, file_okay=file_okay)
+
+    def decorate(f: F) -> F:
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            positional, option = kwargs.pop("cache_arg"), kwargs.pop("cache_opt")
+            if shift is not None and option is not None and positional is not None and kwargs[shift] is None:
+                kwargs[shift], positional = positional, None
+            kwargs[name] = resolve_cache(positional, option)
+            return f(*args, **kwargs)
+
+        wrapper = click.option("--cache", "cache_opt", type=path_type, default=None, help=help)(wrapper)
+        return click.argument("cache_arg", metavar="[CACHE]", required=False, type=path_type)(wrapper)  # type: ignore[no-any-return]
+
+    return decorate
+
+
+def resolve_cache(positional: Path | None, option: Path | None) -> Path:
+    """The one cache a command was given, as CACHE or ``--cache``; a usage error for neither or two."""
+    if positional is None and option is None:
+        raise click.UsageError("give the cache directory: CACHE or --cache CACHE")
+    if positional is not None and option is not None and Path(positional) != Path(option):
+        raise click.UsageError(
+            f"CACHE {positional} and --cache {option} name different caches: give the cache once"
+        )
+    return option if option is not None else positional  # type: ignore[return-value]
