@@ -36,6 +36,9 @@ class Cli:
     parse: Callable[[Any], Any] | None = None
     """Turns the option's text into the field's value (``--gpus 0-3`` -> (0, 1, 2, 3)); the option is
     then a string defaulting to None."""
+    format: Callable[[Any], str] | None = None
+    """With ``parse``: spells the field's default for --help (``(256, 512)`` -> ``256,512``); None =
+    no default shown (the option defaults to None and the field keeps its own default)."""
     choices: tuple[str, ...] | None = None
     """Choices of a ``str`` field whose values are not a ``Literal`` (a list built elsewhere)."""
     show_default: bool | None = None
@@ -70,6 +73,19 @@ PROGRESS = Cli(flag="--progress", secondary="--no-progress", help="Show a progre
 GPUS = Cli(help="GPUs to use, one worker process each: all, 0,1,2 or 0-7. Default: the CPU.")
 WORKERS = Cli(flag="--workers", min=1, help="Worker processes on the CPU (used when --gpus is not given).")
 PLACEMENT = Cli(kind="placement")
+TARGET = Cli(
+    help="default (embedded SmolLM2-135M-Instruct), a Hugging Face model directory, a .gguf file, "
+    "or random:<preset> (random:tiny, random:smollm2-135m, random:qwen3-8b)."
+)
+DATA = Cli(
+    help="Chat data: JSON or JSONL, optionally .gz/.zst; a Parquet file or directory; a Hugging Face "
+    "datasets save_to_disk directory. Default: the embedded ShareGPT V3 file."
+)
+DATA_FORMAT = Cli(
+    help="Record schema: sharegpt (conversations of from/value), messages (role/content), "
+    "prompt-response, alpaca (instruction/input/output); auto picks per record."
+)
+DTYPE = Cli(choices=("float32", "bfloat16"), help="Compute dtype (default: float32 on CPU, bfloat16 on GPU).")
 THREADS = Cli(
     flag="--threads", help="torch threads per CPU worker (0: the machine's cores divided among the workers)."
 )

@@ -12,7 +12,19 @@ from typing import Any, TypeVar
 
 import click
 
-from dflash_offline.config_fields import GPUS, PROGRESS, SEED, THREADS, WORKERS, Cli, cli_spec, flag_of
+from dflash_offline.config_fields import (
+    DATA,
+    DATA_FORMAT,
+    GPUS,
+    PROGRESS,
+    SEED,
+    TARGET,
+    THREADS,
+    WORKERS,
+    Cli,
+    cli_spec,
+    flag_of,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 R = TypeVar("R")
@@ -33,33 +45,15 @@ def seed_option(f: F) -> F:
 
 
 def target_option(f: F) -> F:
-    return click.option(
-        "--target",
-        default="default",
-        show_default=True,
-        help="default (embedded SmolLM2-135M-Instruct), a Hugging Face model directory, a .gguf file, "
-        "or random:<preset> (random:tiny, random:smollm2-135m, random:qwen3-8b).",
-    )(f)
+    return _click_option("target", str, TARGET, "default")(f)
 
 
 def data_option(f: F) -> F:
     """--data and --data-format: the chat data set, in any accepted container and schema."""
-    from dflash_offline.data.schemas import DATA_FORMATS
+    from dflash_offline.data.schemas import DataFormat
 
-    f = click.option(
-        "--data-format",
-        type=click.Choice(DATA_FORMATS),
-        default="auto",
-        show_default=True,
-        help="Record schema: sharegpt (conversations of from/value), messages (role/content), "
-        "prompt-response, alpaca (instruction/input/output); auto picks per record.",
-    )(f)
-    return click.option(
-        "--data",
-        default=None,
-        help="Chat data: JSON or JSONL, optionally .gz/.zst; a Parquet file or directory; a Hugging Face "
-        "datasets save_to_disk directory. Default: the embedded ShareGPT V3 file.",
-    )(f)
+    f = _click_option("data_format", DataFormat, DATA_FORMAT, "auto")(f)
+    return _click_option("data", str | None, DATA, None)(f)
 
 
 def placement_options(f: F) -> F:
@@ -79,7 +73,7 @@ def _click_option(name: str, hint: Any, spec: Cli, default: Any) -> Callable[[F]
     kwargs: dict[str, Any] = {"help": spec.help}
     plain_flag = False
     if spec.parse is not None:
-        kwargs["default"] = None
+        kwargs["default"] = None if spec.format is None else spec.format(default)
     elif spec.negate:
         plain_flag = True
         kwargs["is_flag"] = True
@@ -153,6 +147,8 @@ def config_options(cls: type[Any], **fixed: Any) -> Callable[[Callable[..., R]],
                     continue
                 value = kwargs.pop(f.name)
                 if spec.parse is not None:
+                    if value is None:  # not given: the field's own default
+                        continue
                     value = spec.parse(value)
                 elif spec.negate:
                     value = not value
