@@ -74,6 +74,8 @@ def _click_option(name: str, hint: Any, spec: Cli, default: Any) -> Callable[[F]
     plain_flag = False
     if spec.parse is not None:
         kwargs["default"] = None if spec.format is None else spec.format(default)
+        if spec.choices is not None:
+            kwargs["type"] = click.Choice(list(spec.choices))
     elif spec.negate:
         plain_flag = True
         kwargs["is_flag"] = True
@@ -136,6 +138,7 @@ def config_options(cls: type[Any], **fixed: Any) -> Callable[[Callable[..., R]],
     field is also accepted as the positional CACHE (``cache_input``)."""
     hints = typing.get_type_hints(cls)
     specs = [(f, spec) for f in dataclasses.fields(cls) if (spec := cli_spec(f)) is not None]
+    field_names = {f.name for f in dataclasses.fields(cls)}
 
     def decorate(command: Callable[..., R]) -> Callable[..., None]:
         @functools.wraps(command)
@@ -153,6 +156,8 @@ def config_options(cls: type[Any], **fixed: Any) -> Callable[[Callable[..., R]],
                 elif spec.negate:
                     value = not value
                 values[f.name] = value
+            # The command's own options named like a field (one placed among its other options).
+            values.update({name: kwargs.pop(name) for name in list(kwargs) if name in field_names})
             command(*args, config=cls(**values, **fixed), **kwargs)
 
         decorators: list[Callable[[Any], Any]] = []

@@ -135,7 +135,7 @@ class GenerateConfig:
     """...or once this many raw bytes of samples wait uncommitted (what a kill can lose)."""
     dtype: str | None = cli_field(None, cli=DTYPE)
     """``float32`` / ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
-    placement: Placement = cli_field(Placement(), cli=PLACEMENT)  # noqa: RUF009 (frozen: a shared default is safe)
+    placement: Placement = cli_field(Placement(), cli=PLACEMENT)
     progress: bool = cli_field(True, cli=PROGRESS)
     build_index: bool = True
     """Merge the manifest into index.duckdb at the end."""

@@ -86,7 +86,7 @@ class RegenerateConfig:
     device: str | None = cli_field(None, help="cpu, cuda or cuda:N (default: cuda when available).")
     dtype: str | None = cli_field(None, cli=DTYPE)
     """``float32`` or ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
-    placement: Placement = cli_field(Placement(), cli=PLACEMENT)  # noqa: RUF009 (frozen: a shared default is safe)
+    placement: Placement = cli_field(Placement(), cli=PLACEMENT)
     """Where workers run (--gpus / --workers / --threads); one worker in this process by default."""
     progress: bool = cli_field(True, cli=PROGRESS)
 

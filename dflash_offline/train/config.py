@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_offline.config_fields import CACHE, GPUS, PROGRESS, SEED, THREADS, WORKERS, cli_field
-from dflash_offline.drafter.config import DEFAULT_NUM_ANCHORS
 from dflash_offline.errors import ConfigError, ResumeError
-from dflash_offline.generate.config import parse_gpus
 
 MAX_BLOCK_SIZE = 128
 """A block is drafted in one forward and its attention holds num_anchors × block_size queries per row
@@ -33,6 +31,14 @@ SHAPE_FIELDS = (
 APPLIED_ON_RESUME = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "epochs", "max_steps")
 """Options a resume takes over from the command line (optimizer hyper-parameters and the run length;
 the LR schedule is recomputed from them), each announced when it differs from the previous run."""
+
+
+def _parse_gpus(text: str) -> tuple[int, ...]:
+    # Imported when used: generate.config imports torch (through data.records), and loading this
+    # module (``dflash train --help``) should not.
+    from dflash_offline.generate.config import parse_gpus
+
+    return parse_gpus(text)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,8 +68,10 @@ class TrainConfig:
     # The drafter (DESIGN §4 defaults).
     num_layers: int = cli_field(5, min=1)
     block_size: int = cli_field(16, min=2)
-    num_anchors: int = cli_field(DEFAULT_NUM_ANCHORS, min=1, help="Blocks per microbatch row.")
-    """Anchors per microbatch row (the packed row is one 'sequence')."""
+    num_anchors: int = cli_field(512, min=1, help="Blocks per microbatch row.")
+    """Anchors per microbatch row (the packed row is one 'sequence'). The drafter's own default is
+    ``drafter.config.DEFAULT_NUM_ANCHORS`` (not imported: the drafter package imports torch, and
+    ``dflash train --help`` should not); a test checks the two agree."""
     gamma: float | None = cli_field(None, help="Loss decay γ (default: 7 for B=16, 5 for 10, 4 for 8).")
     """Loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8."""
     mask_token_id: int | None = cli_field(None)
@@ -152,7 +160,7 @@ class TrainConfig:
     RUN/damaged_samples.jsonl, announced at the end)."""
     export_at_end: bool = True
     # Placement.
-    gpus: tuple[int, ...] = cli_field((), cli=GPUS, parse=parse_gpus)
+    gpus: tuple[int, ...] = cli_field((), cli=GPUS, parse=_parse_gpus)
     num_cpu_workers: int = cli_field(1, cli=WORKERS)
     threads_per_worker: int = cli_field(0, cli=THREADS)
     progress: bool = cli_field(True, cli=PROGRESS)

@@ -26,9 +26,7 @@ def describe_command(command: click.Command) -> list[dict[str, Any]]:
             "nargs": p.nargs,
         }
         if isinstance(p, click.Option):
-            row.update(
-                help=p.help, show_default=p.show_default, is_flag=p.is_flag, metavar=p.metavar
-            )
+            row.update(help=p.help, show_default=p.show_default, is_flag=p.is_flag, metavar=p.metavar)
         rows.append(row)
     return rows
 
