@@ -30,7 +30,7 @@ class LazyGroup(click.Group):
     """A click group whose subcommands are imported only when they are run (or listed in --help)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return [name for name in COMMANDS if self._load(name) is not None]
+        return list(COMMANDS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         return self._load(cmd_name)
@@ -41,13 +41,8 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module_name, attr = target.split(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name == module_name:  # the command is not written yet
-                return None
-            raise
-        command = getattr(module, attr)
+        # Every command's module ships with the package: a missing one is a broken install, so it raises.
+        command = getattr(importlib.import_module(module_name), attr)
         assert isinstance(command, click.Command)
         return command
 

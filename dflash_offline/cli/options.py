@@ -204,7 +204,10 @@ def cache_input(
             return f(*args, **kwargs)
 
         wrapper = click.option("--cache", "cache_opt", type=path_type, default=None, help=help)(wrapper)
-        return click.argument("cache_arg", metavar="[CACHE]", required=False, type=path_type)(wrapper)  # type: ignore[no-any-return]
+        # With shift, the positional may be the statement: taken as text, unchanged (a Path would
+        # normalise "a//b"); the cache is made a Path in resolve_cache.
+        arg_type = click.STRING if shift is not None else path_type
+        return click.argument("cache_arg", metavar="[CACHE]", required=False, type=arg_type)(wrapper)  # type: ignore[no-any-return]
 
     return decorate
 
@@ -217,4 +220,4 @@ def resolve_cache(positional: Path | None, option: Path | None) -> Path:
         raise click.UsageError(
             f"CACHE {positional} and --cache {option} name different caches: give the cache once"
         )
-    return option if option is not None else positional  # type: ignore[return-value]
+    return option if option is not None else Path(positional)  # type: ignore[arg-type]
