@@ -207,7 +207,8 @@ def cache_input(
         # With shift, the positional may be the statement: taken as text, unchanged (a Path would
         # normalise "a//b"); the cache is made a Path in resolve_cache.
         arg_type = click.STRING if shift is not None else path_type
-        return click.argument("cache_arg", metavar="[CACHE]", required=False, type=arg_type)(wrapper)  # type: ignore[no-any-return]
+        decorated = click.argument("cache_arg", metavar="[CACHE]", required=False, type=arg_type)(wrapper)
+        return decorated  # type: ignore[return-value]
 
     return decorate
 
