@@ -1,4 +1,6 @@
-"""Options shared by several commands, as reusable decorators (one spelling, one help text)."""
+"""A command's click options, derived from its config dataclass (``config_options``: each field's
+``Cli`` in ``config_fields.py`` gives flag and help, the field gives default and type), and CACHE as a
+positional argument or ``--cache`` (``cache_input``)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,8 @@ from typing import Any, TypeVar
 import click
 
 from dflash_offline.config_fields import (
-    DATA,
-    DATA_FORMAT,
     GPUS,
     PROGRESS,
-    SEED,
-    TARGET,
     THREADS,
     WORKERS,
     Cli,
@@ -30,36 +28,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 R = TypeVar("R")
 
 
-def cache_option(*, required: bool = True, help: str = "The cache directory.") -> Callable[[F], F]:
-    return click.option(
-        "--cache",
-        "cache_dir",
-        type=click.Path(path_type=Path, file_okay=False),
-        required=required,
-        help=help,
-    )
-
-
-def seed_option(f: F) -> F:
-    return _click_option("seed", int, SEED, 0)(f)
-
-
-def target_option(f: F) -> F:
-    return _click_option("target", str, TARGET, "default")(f)
-
-
-def data_option(f: F) -> F:
-    """--data and --data-format: the chat data set, in any accepted container and schema."""
-    from dflash_offline.data.schemas import DataFormat
-
-    f = _click_option("data_format", DataFormat, DATA_FORMAT, "auto")(f)
-    return _click_option("data", str | None, DATA, None)(f)
-
-
 def placement_options(f: F) -> F:
-    """--gpus / --workers / --threads: where the worker processes run."""
-    f = _click_option("threads", int, THREADS, 0)(f)
-    f = _click_option("workers", int, WORKERS, 1)(f)
+    """--gpus / --workers / --threads: where the worker processes run (a ``Placement``)."""
+    from dflash_offline.generate.config import Placement
+
+    default = Placement()
+    f = _click_option("threads", int, THREADS, default.threads_per_worker)(f)
+    f = _click_option("workers", int, WORKERS, default.num_cpu_workers)(f)
     return _click_option("gpus", str | None, GPUS, None)(f)
 
 

@@ -127,6 +127,16 @@ def test_train_num_anchors_default_is_the_drafter_default() -> None:
     assert fields["num_anchors"].default == DEFAULT_NUM_ANCHORS
 
 
+def test_train_placement_defaults_are_the_placement_record_defaults() -> None:
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    default = Placement()
+    assert (fields["gpus"], fields["num_cpu_workers"], fields["threads_per_worker"]) == (
+        default.gpus,
+        default.num_cpu_workers,
+        default.threads_per_worker,
+    )
+
+
 def test_eval_dtypes_are_the_runtime_dtypes() -> None:
     from dflash_offline.eval.runtime import DTYPES
 
