@@ -41,6 +41,7 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module_name, attr = target.split(":")
+        # Every command's module ships with the package: a missing one is a broken install, so it raises.
         command = getattr(importlib.import_module(module_name), attr)
         assert isinstance(command, click.Command)
         return command

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import click
 
+from dflash_offline.cli.options import cache_input
+
 
 @click.command()
-@click.argument("cache", type=click.Path(path_type=Path, file_okay=True, dir_okay=True))
+@cache_input("cache", help="The cache directory (or give it as CACHE).")
 def index(cache: Path) -> None:
     """Merge the manifest parts of CACHE into CACHE/index.duckdb (tables samples, shards, failures,
     runs; views bucket_stats, shard_stats, failure_stats, progress). Safe while writers run: the

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from dflash_offline.cli.options import cache_input
 from dflash_offline.sql_files import named_queries
 
 
@@ -20,7 +21,7 @@ def _query_names() -> str:
     epilog="Tables: samples, failures, shards, runs, buckets, duplicates, parts, meta. "
     "Views: bucket_stats, shard_stats, failure_stats, progress."
 )
-@click.argument("cache", type=click.Path(path_type=Path))
+@cache_input("cache", help="The cache directory (or give it as CACHE).", shift="statement")
 @click.argument("statement", required=False)
 @click.option("--query", "-q", "query_name", metavar="NAME", help=f"Run a named query: {_query_names()}.")
 @click.option(

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import click
 
+from dflash_offline.cli.options import cache_input
+
 
 @click.command()
-@click.argument("cache", type=click.Path(path_type=Path))
+@cache_input("cache", help="The cache directory (or give it as CACHE).")
 def status(cache: Path) -> None:
     """Summarise CACHE from its live manifest (accurate while writers run)."""
     from dflash_offline.cache.status import cache_status

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import click
 
+from dflash_offline.cli.options import cache_input
+
 
 @click.command()
-@click.argument("cache", type=click.Path(path_type=Path))
+@cache_input("cache", help="The cache directory (or give it as CACHE).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 @click.option("--threads", type=click.IntRange(1, 256), default=4, show_default=True, help="Reader threads.")
 @click.option(

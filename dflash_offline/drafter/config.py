@@ -17,6 +17,9 @@ from typing import Any
 
 from dflash_offline.errors import ConfigError
 
+DEFAULT_NUM_ANCHORS = 512
+"""Anchors per document / microbatch row (the DFlash default); the one home of this number."""
+
 # γ of the decayed loss by block size, from the DFlash paper (DESIGN §4). Other block sizes use
 # DEFAULT_LOSS_GAMMA: a plain choice, not a published one.
 LOSS_GAMMA_BY_BLOCK_SIZE: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -62,7 +65,7 @@ class DrafterConfig:
     """Largest position the drafter is meant to see (copied from the target; exported)."""
     loss_gamma: float | None = None
     """γ of the decayed cross-entropy; None = ``default_loss_gamma(block_size)``."""
-    num_anchors: int = 512
+    num_anchors: int = DEFAULT_NUM_ANCHORS
     """N_a: anchors drawn per document (fewer when a document has fewer eligible positions)."""
     initializer_range: float = field(default=0.02)
     """Standard deviation of the normal initialisation of linear weights (Qwen3's default)."""
@@ -138,7 +141,7 @@ class DrafterConfig:
         num_layers: int = 5,
         block_size: int = 16,
         loss_gamma: float | None = None,
-        num_anchors: int = 512,
+        num_anchors: int = DEFAULT_NUM_ANCHORS,
     ) -> DrafterConfig:
         """Copy the drafter's shape from a Llama/Qwen-style HF ``config.json`` dict.
 

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from dflash_offline.drafter.config import DrafterConfig
+from dflash_offline.drafter.config import DEFAULT_NUM_ANCHORS, DrafterConfig
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError, DrafterFormatError
 
@@ -127,7 +127,7 @@ def config_from_zlab(data: dict[str, Any]) -> DrafterConfig:
             mask_token_id=int(pick("mask_token_id")),
             max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
             loss_gamma=ours.get("loss_gamma"),
-            num_anchors=int(ours.get("num_anchors", 512)),
+            num_anchors=int(ours.get("num_anchors", DEFAULT_NUM_ANCHORS)),
             initializer_range=float(data.get("initializer_range", 0.02)),
         )
     except KeyError as exc:

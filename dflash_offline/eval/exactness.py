@@ -26,10 +26,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from dflash_offline.eval.config import DEFAULT_TIE_ULPS
+
 DivergenceKind = Literal["identical", "near_tie", "mismatch"]
-DEFAULT_TIE_ULPS = 8.0
-"""Default tolerance in ulps of the top logit (bench/RESULTS.md, "Eval near-tie tolerance": the rounding
-spread it was chosen against)."""
 
 
 EXACTNESS_RULE = (

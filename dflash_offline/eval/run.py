@@ -9,81 +9,16 @@ target-only (greedy) answer to turn 1, so that every turn's prompt is the same f
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import ConfigError
-from dflash_offline.eval.benches import BENCHES, BenchName
-from dflash_offline.eval.exactness import DEFAULT_TIE_ULPS
-from dflash_offline.eval.runtime import DTYPES, compute_dtype, resolve_device, stop_token_ids
+from dflash_offline.eval.config import EvalConfig
+from dflash_offline.eval.runtime import compute_dtype, resolve_device, stop_token_ids
 
 WARMUP_TOKENS = 8
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EvalConfig:
-    """Everything one ``dflash eval`` run needs."""
-
-    drafter_dir: Path
-    """An export directory (config.json + model.safetensors), e.g. RUN/drafter."""
-    target: str = "default"
-    """The target spec (must be the one the drafter was trained on)."""
-    data: str | None = None
-    """Chat data for the ``sharegpt`` set (and for a run without ``bench``); None = the embedded ShareGPT
-    file."""
-    bench: tuple[BenchName, ...] | None = None
-    """Question sets in table order; None = the held-out prompts of ``data`` alone (one set)."""
-    data_format: DataFormat = "auto"
-    """Record schema (``data/schemas.py``); ``auto`` picks one per record."""
-    exclude_cache: Path | None = None
-    """Training cache whose committed samples are excluded; None = inferred from the drafter's run."""
-    limit: int = 20
-    """Questions per set (an MT-Bench question decodes two turns)."""
-    skip: int = 0
-    """Records of the data to pass over first."""
-    max_new_tokens: int = 128
-    max_prompt_tokens: int = 2048
-    """Longer prompts are passed over."""
-    device: str | None = None
-    """``cpu``, ``cuda`` or ``cuda:N``; None = cuda when available."""
-    dtype: str | None = None
-    """``float32`` or ``bfloat16`` for the target and the drafter; None = float32 on CPU, bfloat16 on CUDA."""
-    tie_ulps: float = DEFAULT_TIE_ULPS
-    """Near-tie tolerance in ulps of the top logit (exactness.py)."""
-    warmup: bool = True
-    """Decode a few tokens of the first prompt with both loops before timing (kernel selection, caches)."""
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.limit < 1 or self.max_new_tokens < 1 or self.skip < 0 or self.max_prompt_tokens < 1:
-            raise ConfigError(
-                f"--limit {self.limit}, --max-new-tokens {self.max_new_tokens}, --max-prompt-tokens "
-                f"{self.max_prompt_tokens} must be >= 1 and --skip {self.skip} >= 0"
-            )
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
-        if self.bench is not None:
-            unknown = [b for b in self.bench if b not in BENCHES]
-            if unknown or not self.bench:
-                raise ConfigError(f"--bench {list(self.bench)}: expected sets among {list(BENCHES)}")
-            if self.data is not None and "sharegpt" not in self.bench:
-                raise ConfigError(
-                    f"--data {self.data} is only read by the sharegpt set; add it (--bench sharegpt or "
-                    "all) or leave --data out"
-                )
-        if not self.tie_ulps >= 0:
-            raise ConfigError(f"--tie-ulps must be >= 0, got {self.tie_ulps}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for key in ("drafter_dir", "exclude_cache"):
-            d[key] = None if d[key] is None else str(d[key])
-        d["bench"] = None if self.bench is None else list(self.bench)
-        return d
 
 
 def load_drafter_for(target: Any, drafter_dir: Path, *, dtype: torch.dtype) -> Any:

@@ -7,47 +7,82 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
+from dflash_offline.config_fields import (
+    CACHE,
+    DATA,
+    DATA_FORMAT,
+    DTYPE,
+    PLACEMENT,
+    PROGRESS,
+    SEED,
+    TARGET,
+    cli_field,
+)
 from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
+from dflash_offline.generate.plan import DEFAULT_BUCKET_EDGES, parse_bucket_edges
 from dflash_offline.placement import Placement
+from dflash_offline.target.layers import split_layer_ids
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GenerateConfig:
     """Everything ``dflash generate`` needs; the CLI builds it, ``run_generate`` consumes it."""
 
-    cache_dir: Path
-    target: str
+    # Each field with a ``cli_field`` is a ``dflash generate`` option (default, type and help live here
+    # only; ``cli/options.py:config_options`` derives the click option, in field order).
+    cache_dir: Path = cli_field(
+        cli=CACHE, help="Cache directory to create or resume (rerunning the same command resumes)."
+    )
+    target: str = cli_field("default", cli=TARGET)
     """``default``, an HF directory, a ``.gguf`` file or ``random:<preset>``."""
-    data: Path | None
+    data: Path | None = cli_field(None, cli=DATA, parse=Path)
     """Chat data set (any container of ``data/containers.py``); None = the embedded ShareGPT file."""
-    data_format: DataFormat = "auto"
+    data_format: DataFormat = cli_field("auto", cli=DATA_FORMAT)
     """Record schema (``data/schemas.py``); ``auto`` picks one per record."""
-    skip: int = 0
-    limit: int | None = None
-    max_length: int = 3072
-    too_long: Literal["truncate", "skip"] = "skip"
-    layer_ids: tuple[int, ...] | None = None
+    skip: int = cli_field(0, min=0, help="Records to skip first.")
+    limit: int | None = cli_field(None, min=0, help="Records to read after --skip.")
+    max_length: int = cli_field(3072, flag="--max-len", min=2)
+    too_long: Literal["truncate", "skip"] = cli_field(
+        "skip", help="What to do with conversations longer than --max-len tokens."
+    )
+    layer_ids: tuple[int, ...] | None = cli_field(
+        None,
+        parse=split_layer_ids,
+        help="Captured target layers, ascending and unique, e.g. 1,9,17,25,33 (default: DFlash rule).",
+    )
     """Explicit captured layers, ascending and unique (checked against the target's depth); None =
     the DFlash default for ``num_features``."""
-    num_features: int | None = None
+    num_features: int | None = cli_field(
+        None, min=1, help="Features for the DFlash layer rule (default 5); not with --layer-ids."
+    )
     """Features for the default rule (None = 5); not together with ``layer_ids``."""
-    bucket_edges: tuple[int, ...] = (256, 512, 1024, 2048, 3072)
-    tokens_per_batch: int = 16384
-    max_batch_size: int = 256
-    window_records: int = 8192
-    seed: int = 0
-    codec: str | None = None
+    bucket_edges: tuple[int, ...] = cli_field(
+        DEFAULT_BUCKET_EDGES, parse=parse_bucket_edges, format=lambda edges: ",".join(map(str, edges))
+    )
+    tokens_per_batch: int = cli_field(16384, min=1, help="Padded tokens per forward (rows × longest row).")
+    max_batch_size: int = cli_field(256, min=1)
+    window_records: int = cli_field(
+        8192, flag="--window", min=1, help="Records planned (bucketed, packed, shuffled) together."
+    )
+    seed: int = cli_field(0, cli=SEED)
+    codec: str | None = cli_field(None, help="Feature codec (default: the cache library's measured default).")
     """Shard codec name; None = the cache library's default."""
-    fsync: bool = False
-    flush_seconds: float = DEFAULT_FLUSH_SECONDS
+    fsync: bool = cli_field(False, secondary="--no-fsync", help="fsync shards before committing rows.")
+    flush_seconds: float = cli_field(
+        DEFAULT_FLUSH_SECONDS,
+        min=0,
+        help="Each worker commits its samples at least this often (what a kill can lose).",
+    )
     """Each worker commits its written samples at least this often..."""
-    flush_bytes: int = DEFAULT_FLUSH_BYTES
+    flush_bytes: int = cli_field(
+        DEFAULT_FLUSH_BYTES, min=1, help="...or once this many raw bytes of samples wait uncommitted."
+    )
     """...or once this many raw bytes of samples wait uncommitted (what a kill can lose)."""
-    placement: Placement = Placement()  # noqa: RUF009 (frozen: a shared default is safe)
-    dtype: str | None = None
+    dtype: str | None = cli_field(None, cli=DTYPE)
     """``float32`` / ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
-    progress: bool = True
+    placement: Placement = cli_field(Placement(), cli=PLACEMENT)
+    progress: bool = cli_field(True, cli=PROGRESS)
     build_index: bool = True
     """Merge the manifest into index.duckdb at the end."""
     writer_queue_depth: int = 3

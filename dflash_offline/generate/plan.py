@@ -24,6 +24,9 @@ import numpy as np
 from dflash_offline.data.records import Conversation, SourceFailure, TokenizedSample
 from dflash_offline.errors import ConfigError
 
+DEFAULT_BUCKET_EDGES = (256, 512, 1024, 2048, 3072)
+"""``--bucket-edges``'s default."""
+
 
 def bucket_of(num_tokens: int, edges: Sequence[int]) -> int:
     """Index of the first bucket edge >= num_tokens; ``len(edges)`` past the last edge."""

@@ -6,6 +6,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_offline.config_fields import (
+    DATA,
+    DATA_FORMAT,
+    DTYPE,
+    PLACEMENT,
+    PROGRESS,
+    SEED,
+    TARGET,
+    cli_field,
+)
 from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
 from dflash_offline.placement import Placement
@@ -17,41 +27,68 @@ FAILURES_SUFFIX = ".failures.jsonl"
 class RegenerateConfig:
     """Everything one ``dflash regenerate`` run needs."""
 
-    out: Path
-    """Chat JSONL to write (appended to; rerunning the same command resumes)."""
-    target: str = "default"
-    data: str | None = None
+    # Each field with a ``cli_field`` is a ``dflash regenerate`` option (default, type and help live
+    # here only; ``cli/options.py:config_options`` derives the click option, in field order).
+    target: str = cli_field("default", cli=TARGET)
+    data: str | None = cli_field(None, cli=DATA)
     """Chat data whose user turns the target answers; None = the embedded ShareGPT file."""
-    data_format: DataFormat = "auto"
+    data_format: DataFormat = cli_field("auto", cli=DATA_FORMAT)
     """Record schema (``data/schemas.py``); ``auto`` picks one per record."""
-    skip: int = 0
-    limit: int | None = None
+    out: Path = cli_field(
+        path="file",
+        required=True,
+        help="Chat JSONL to write; rerunning the same command resumes it. Failures go to "
+        "<out>.failures.jsonl (records listed there are skipped on rerun: delete their lines to retry them).",
+    )
+    """Chat JSONL to write (appended to; rerunning the same command resumes)."""
+    skip: int = cli_field(0, min=0, help="Records to skip first.")
+    limit: int | None = cli_field(None, min=0, help="Records to read after --skip.")
     """Records to read after ``skip`` (None: all)."""
-    max_new_tokens: int = 1024
-    """Per answer."""
-    max_prompt_tokens: int = 4096
+    max_new_tokens: int = cli_field(1024, min=1, help="Per answer.")
+    max_prompt_tokens: int = cli_field(
+        4096, min=1, help="A longer prompt ends its conversation there (fails it when it is the first turn)."
+    )
     """A prompt longer than this ends its conversation there (fails it when it is the first)."""
-    temperature: float = 0.0
-    """0: greedy; > 0: sampling at this temperature."""
-    seed: int = 0
-    batch_size: int | None = None
+    temperature: float = cli_field(
+        0.0, min=0, help="0: greedy; > 0: sampling at this temperature (with --seed)."
+    )
+    seed: int = cli_field(0, cli=SEED)
+    batch_size: int | None = cli_field(
+        None,
+        min=1,
+        help="Continuous batching: requests per forward step; static: rows per generate call. "
+        "Default: 256 on a GPU, 16 on the CPU.",
+    )
     """CB: requests per forward step; static: rows per generate call. None: 256 on CUDA, 16 on CPU."""
-    engine: Literal["auto", "cb", "static"] = "auto"
-    """``cb``: transformers' continuous batching; ``static``: generate batches; ``auto``: cb on CUDA."""
-    kv_tokens: int = 262144
+    engine: Literal["auto", "cb", "static"] = cli_field(
+        "auto",
+        help="cb: transformers' continuous batching (paged attention); static: generate batches sorted by "
+        "prompt length; auto: cb on a GPU when the installed transformers has it, else static.",
+    )
+    kv_tokens: int = cli_field(
+        262144,
+        min=1,
+        help="KV-cache budget in tokens per worker (cb: the paged cache; static: rows x (longest prompt + "
+        "new tokens) per batch). Lower it when the KV cache does not fit in memory.",
+    )
     """KV-cache budget in tokens (CB: the paged cache; static: rows × (longest prompt + new tokens))."""
-    max_batch_tokens: int = 2048
-    """CB: query tokens per forward step (decode tokens plus prefill chunks)."""
-    cuda_graphs: Literal["auto", "on", "off"] = "auto"
-    window: int | None = None
-    """Conversations in flight per worker; None: 2 × batch size (CB), 4 × (static, to sort by length)."""
-    placement: Placement = Placement()  # noqa: RUF009 (frozen: a shared default is safe)
-    """Where workers run (--gpus / --workers / --threads); one worker in this process by default."""
-    device: str | None = None
-    """``cpu``, ``cuda`` or ``cuda:N``; None = cuda when available."""
-    dtype: str | None = None
+    max_batch_tokens: int = cli_field(
+        2048, min=1, help="cb: query tokens per forward step (decode tokens plus prefill chunks)."
+    )
+    cuda_graphs: Literal["auto", "on", "off"] = cli_field(
+        "auto", help="cb: CUDA graphs (auto: transformers decides; on with flash attention)."
+    )
+    window: int | None = cli_field(
+        None,
+        min=1,
+        help="Conversations in flight per worker (default: 2 x --batch-size for cb, 4 x for static).",
+    )
+    device: str | None = cli_field(None, help="cpu, cuda or cuda:N (default: cuda when available).")
+    dtype: str | None = cli_field(None, cli=DTYPE)
     """``float32`` or ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
-    progress: bool = True
+    placement: Placement = cli_field(Placement(), cli=PLACEMENT)
+    """Where workers run (--gpus / --workers / --threads); one worker in this process by default."""
+    progress: bool = cli_field(True, cli=PROGRESS)
 
     def __post_init__(self) -> None:
         checks = {

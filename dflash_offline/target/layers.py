@@ -50,15 +50,29 @@ def max_default_features(num_target_layers: int) -> int:
 
 
 def split_layer_ids(text: str) -> tuple[int, ...]:
-    """``"1,9,17"`` -> (1, 9, 17), as written (no sorting, no dedup): ``check_layer_ids`` judges them
-    once the target's depth is known. Raises ``ConfigError`` for anything that is not integers."""
+    """``"1,9,17"`` -> (1, 9, 17): the one parser of ``--layer-ids``. Refuses (``ConfigError``) anything
+    that is not integers, ascending and unique, never sorting or deduplicating (that would change which
+    features a cache holds); ``check_layer_ids`` adds the range once the target's depth is known."""
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p for p in parts):
         raise ConfigError(f"--layer-ids {text!r}: give comma-separated integers, e.g. 1,9,17")
     try:
-        return tuple(int(p) for p in parts)
+        ids = tuple(int(p) for p in parts)
     except ValueError:
         raise ConfigError(f"--layer-ids {text!r}: {parts} are not all integers") from None
+    return _check_order(ids, text)
+
+
+def _check_order(ids: tuple[int, ...], text: str) -> tuple[int, ...]:
+    if len(set(ids)) != len(ids):
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        raise ConfigError(f"--layer-ids {text!r}: {repeated} repeat; name each layer once")
+    if list(ids) != sorted(ids):
+        raise ConfigError(
+            f"--layer-ids {text!r}: ids must be ascending (features are stored in ascending layer "
+            f"order), e.g. {','.join(str(i) for i in sorted(ids))}"
+        )
+    return ids
 
 
 def parse_layer_ids(text: str, num_target_layers: int) -> tuple[int, ...]:
@@ -80,15 +94,7 @@ def check_layer_ids(
             f"--layer-ids {text!r}: {bad} out of range; the target has {num_target_layers} layers "
             f"(valid ids 0..{num_target_layers - 1})"
         )
-    if len(set(ids)) != len(ids):
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
-        raise ConfigError(f"--layer-ids {text!r}: {repeated} repeat; name each layer once")
-    if list(ids) != sorted(ids):
-        raise ConfigError(
-            f"--layer-ids {text!r}: ids must be ascending (features are stored in ascending layer "
-            f"order), e.g. {','.join(str(i) for i in sorted(ids))}"
-        )
-    return ids
+    return _check_order(ids, text)
 
 
 def resolve_layer_ids(

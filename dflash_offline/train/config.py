@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_offline.config_fields import CACHE, GPUS, PROGRESS, SEED, THREADS, WORKERS, cli_field
 from dflash_offline.errors import ConfigError, ResumeError
 
 MAX_BLOCK_SIZE = 128
@@ -32,77 +33,137 @@ APPLIED_ON_RESUME = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "epochs"
 the LR schedule is recomputed from them), each announced when it differs from the previous run."""
 
 
+def _parse_gpus(text: str) -> tuple[int, ...]:
+    # Imported when used: generate.config imports torch (through data.records), and loading this
+    # module (``dflash train --help``) should not.
+    from dflash_offline.placement import parse_gpus
+
+    return parse_gpus(text)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """Everything one training run needs; saved as ``RUN/config.json``."""
 
-    cache_dir: Path
-    out_dir: Path
-    target: str | None = None
+    # Each field with a ``cli_field`` is a ``dflash train`` option: its default, type and help live here
+    # and nowhere else (``cli/options.py:config_options`` derives the click option, in field order).
+    cache_dir: Path = cli_field(
+        cli=CACHE,
+        help="Cache written by `dflash generate` (a run still writing is fine: its committed samples).",
+    )
+    out_dir: Path = cli_field(
+        flag="--out",
+        path="dir",
+        required=True,
+        help="Run directory: config, snapshot, metrics.jsonl, checkpoints/, drafter/ (the export).",
+    )
+    target: str | None = cli_field(
+        None,
+        help="Target for the frozen embedding and LM head (default: the cache's, when it is "
+        "`default` or random:<preset>).",
+    )
     """Where the frozen embedding and LM head come from; None = the cache's target when it is
     ``default`` or ``random:<preset>`` (a model directory must be named again: the cache stores
     only its name)."""
     # The drafter (DESIGN §4 defaults).
-    num_layers: int = 5
-    block_size: int = 16
-    num_anchors: int = 512
-    """Anchors per microbatch row (the packed row is one 'sequence')."""
-    gamma: float | None = None
+    num_layers: int = cli_field(5, min=1)
+    block_size: int = cli_field(16, min=2)
+    num_anchors: int = cli_field(512, min=1, help="Blocks per microbatch row.")
+    """Anchors per microbatch row (the packed row is one 'sequence'). The drafter's own default is
+    ``drafter.config.DEFAULT_NUM_ANCHORS`` (not imported: the drafter package imports torch, and
+    ``dflash train --help`` should not); a test checks the two agree."""
+    gamma: float | None = cli_field(None, help="Loss decay γ (default: 7 for B=16, 5 for 10, 4 for 8).")
     """Loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8."""
-    mask_token_id: int | None = None
-    feature_scale: Literal["none", "layer", "dim"] = "none"
+    mask_token_id: int | None = cli_field(None)
+    feature_scale: Literal["none", "layer", "dim"] = cli_field(
+        "none",
+        help="Fixed multiplier on the features before fc from cache statistics: 1/RMS per dimension or "
+        "per captured layer (against massive activations); folded into fc.weight at export.",
+    )
     """A fixed multiplier on the features before fc, from cache statistics (train/feature_scale.py):
     1/RMS per feature dimension (dim) or per captured layer (layer); folded into fc.weight at export."""
-    final_norm_init: float = 1.0
+    final_norm_init: float = cli_field(
+        1.0,
+        help="Initial weight of the drafter's final RMSNorm (small: the untrained drafter's logits start "
+        "near uniform instead of confidently wrong; first loss ≈ ln V instead of ≈ 72 on SmolLM2).",
+    )
     """Initial value of every weight of the drafter's final RMSNorm. With a tied head of row norm ~3
     (SmolLM2), a unit-RMS hidden of width 576 gives logits spread over tens of units, so the untrained
     drafter is confidently wrong (first loss ≈ 72 ≫ ln V); a small value starts it near ln V."""
     # Optimisation.
-    autocast: Literal["auto", "bf16", "off"] = "auto"
+    autocast: Literal["auto", "bf16", "off"] = cli_field(
+        "auto", help="bf16 autocast of the forward: auto = on GPUs only (measure before using it on a CPU)."
+    )
     """bf16 autocast of the forward (weights stay fp32): auto = on CUDA only. On the 2-core
     development CPU a SmolLM2-width step took 6.0 s with bf16 against 2.2 s in float32."""
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "sgd"] = cli_field("adamw")
     """AdamW (fp32 master weights) by default; plain SGD makes gradients comparable across topologies
     (Adam's per-element normalisation amplifies float summation noise on near-zero gradients)."""
-    lr: float = 6e-4
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.04
-    grad_clip: float = 1.0
-    epochs: int = 6
-    max_steps: int | None = None
+    lr: float = cli_field(6e-4)
+    weight_decay: float = cli_field(0.0)
+    warmup_ratio: float = cli_field(0.04)
+    grad_clip: float = cli_field(1.0)
+    epochs: int = cli_field(6, min=1)
+    max_steps: int | None = cli_field(
+        None,
+        min=1,
+        help="Stop after this many optimizer steps (or at the end of --epochs, whichever is first).",
+    )
     """Stop after this many optimizer steps, or at the end of ``epochs``: whichever comes first."""
-    grad_accum: int = 4
+    grad_accum: int = cli_field(
+        4,
+        min=1,
+        help="Microbatches per GPU and step (a step mixes grad-accum × GPUs microbatches of all lengths).",
+    )
     """Microbatches per rank and step: a step draws grad_accum × world_size microbatches across
     buckets, so with one GPU and grad_accum 1 every step would hold a single length bucket."""
-    tokens_per_microbatch: int = 8192
+    tokens_per_microbatch: int = cli_field(8192, min=2)
     # Data path.
-    prefetch: int = 4
-    loader_threads: int = 4
+    prefetch: int = cli_field(4, min=1, help="Microbatches prepared ahead.")
+    loader_threads: int = cli_field(4, min=1)
     # Run management.
-    seed: int = 0
-    deterministic: bool = False
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    resume: Literal["auto", "never"] = "auto"
-    allow_topology_change: bool = False
+    seed: int = cli_field(0, cli=SEED)
+    deterministic: bool = cli_field(False, help="Deterministic kernels (same loss curve across runs).")
+    checkpoint_every: int = cli_field(500, min=1)
+    keep_checkpoints: int = cli_field(2, min=1)
+    resume: Literal["auto", "never"] = cli_field(
+        "auto", help="auto: continue from the newest checkpoint in --out, if any."
+    )
+    allow_topology_change: bool = cli_field(
+        False, help="Resume with another world size / grad accumulation (the epoch is re-planned)."
+    )
     """Resume even though the world size differs from the checkpoint's (the planner re-plans)."""
-    log_every: int = 1
-    tensorboard: bool = True
-    """Write TensorBoard event files: to ``tensorboard_dir``, else to RUN/tb when the package is there."""
-    tensorboard_dir: Path | None = None
+    attention: Literal["auto", "flex", "sdpa"] = cli_field("auto")
+    export_initial: bool = cli_field(
+        False, help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval)."
+    )
+    """Also export the untrained drafter to RUN/drafter-initial (the baseline for eval)."""
+    log_every: int = cli_field(1, min=1)
+    tensorboard_dir: Path | None = cli_field(
+        None,
+        flag="--tensorboard",
+        path="dir",
+        help="Write TensorBoard event files to DIR (default: OUT/tb when the tensorboard package is "
+        "installed: pip install 'dflash-offline[tensorboard]').",
+    )
     """Explicit event-file directory (``--tensorboard DIR``): then the package is required."""
-    on_damaged: Literal["stop", "skip"] = "stop"
+    tensorboard: bool = cli_field(
+        True, flag="--no-tensorboard", negate=True, help="Write no TensorBoard event files."
+    )
+    """Write TensorBoard event files: to ``tensorboard_dir``, else to RUN/tb when the package is there."""
+    on_damaged: Literal["stop", "skip"] = cli_field(
+        "stop",
+        help="A sample failing its checksum when read: stop naming it, or skip it (recorded in "
+        "RUN/damaged_samples.jsonl, reported at the end).",
+    )
     """A sample failing its crc32c when read: ``stop`` the run naming it, or ``skip`` it (recorded in
     RUN/damaged_samples.jsonl, announced at the end)."""
-    attention: Literal["auto", "flex", "sdpa"] = "auto"
-    progress: bool = True
     export_at_end: bool = True
-    export_initial: bool = False
-    """Also export the untrained drafter to RUN/drafter-initial (the baseline for eval)."""
     # Placement.
-    gpus: tuple[int, ...] = ()
-    num_cpu_workers: int = 1
-    threads_per_worker: int = 0
+    gpus: tuple[int, ...] = cli_field((), cli=GPUS, parse=_parse_gpus)
+    num_cpu_workers: int = cli_field(1, cli=WORKERS)
+    threads_per_worker: int = cli_field(0, cli=THREADS)
+    progress: bool = cli_field(True, cli=PROGRESS)
 
     def __post_init__(self) -> None:
         def finite(x: float) -> bool:

