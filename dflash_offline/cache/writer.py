@@ -51,7 +51,7 @@ from dflash_offline.cache.manifest import (
 )
 from dflash_offline.cache.records import FailureRow, SampleRow, SampleToWrite, ShardInfo, WriterStats, utc_now
 from dflash_offline.cache.shard_file import write_shard_file
-from dflash_offline.cache.zarr_format import ARRAYS, create_shard_group, set_num_rows
+from dflash_offline.cache.zarr_format import ARRAYS, ArrayFormat, create_shard_group, set_num_rows
 from dflash_offline.errors import CacheFormatError, SampleError
 
 __all__ = ["ShardWriter", "committed_sample_ids", "failed_sample_ids", "new_session_id", "record_run"]
@@ -239,6 +239,7 @@ class ShardWriter:
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             self._threads, thread_name_prefix="dflash-shard"
         )
+        self._meta_pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="dflash-shape")
         # Each write hands the staging buffers themselves to its tasks (no copy, no fresh pages: new
         # memory faults in at only 1-5 GB/s on these VMs) and staging continues in spare buffers;
         # a generation's buffers become spare again once its shard files are written.
@@ -391,6 +392,9 @@ class ShardWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+            if self._meta_pool is not None:
+                self._meta_pool.shutdown(wait=True)
+                self._meta_pool = None
         return self.stats
 
     # ----------------------------------------------------------------------------------------------
@@ -460,8 +464,12 @@ class ShardWriter:
                 futures.append(self._pool.submit(write_shard_file, fmt, index, rows, pool=None, fsync=False))
                 self._unsynced.add(fmt.shard_path(index))
         if stop > self._written_rows:  # the shape other readers bound their reads by; never trusted here
-            for name in ARRAYS:
-                set_num_rows(self._formats[name], stop)
+            # On a thread of its own, in order (a smaller shape never lands after a larger one): three
+            # zarr.json rewrites took longer than staging the shard they describe.
+            assert self._meta_pool is not None
+            futures.append(
+                self._meta_pool.submit(_set_num_rows, tuple(self._formats[n] for n in ARRAYS), stop)
+            )
             self._written_rows = stop
         return tuple(futures)
 
@@ -603,6 +611,12 @@ class ShardWriter:
                 _fsync_file(Path(dirpath) / name)
             fsync_dir(Path(dirpath))
         fsync_dir(folder.parent)
+
+
+def _set_num_rows(formats: tuple[ArrayFormat, ...], num_rows: int) -> int:
+    for fmt in formats:
+        set_num_rows(fmt, num_rows)
+    return 0  # stored bytes, as a shard file's task returns
 
 
 def _new_buffers(capacity: int, width: int, dtype: np.dtype, *, touch: bool) -> _Buffers:
