@@ -426,16 +426,17 @@ def _pack_bounds(tokens_N: np.ndarray, budget: int) -> np.ndarray:
     their sum fits ``budget`` (each sample fits alone); microbatch j is [bounds[j], bounds[j+1]).
     Vectorised: one binary search gives, for every sample, where a microbatch starting there would
     end; the microbatches are then the chain of those ends from 0 (a Python step a microbatch, not a
-    sample)."""
+    sample: ``ndarray.item`` per step, not ``tolist()`` of every sample's end, which took as long
+    as the search)."""
     n = len(tokens_N)
     if n == 0:
         return np.zeros(1, dtype=np.int64)
     cum = np.cumsum(tokens_N, dtype=np.int64)
-    ends = np.searchsorted(cum, cum - tokens_N + budget, side="right").tolist()
+    end_of = np.searchsorted(cum, cum - tokens_N + budget, side="right").item
     bounds = [0]
     start = 0
     while start < n:
-        start = ends[start]
+        start = end_of(start)
         bounds.append(start)
     return np.asarray(bounds, dtype=np.int64)
 
