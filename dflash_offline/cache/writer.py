@@ -27,16 +27,14 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 import torch
 
-from dflash_offline.cache.checksum import sample_checksum
 from dflash_offline.cache.codecs import feature_storage
 from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
 from dflash_offline.cache.fingerprint import CacheFingerprint
@@ -51,7 +49,16 @@ from dflash_offline.cache.manifest import (
 )
 from dflash_offline.cache.records import FailureRow, SampleRow, SampleToWrite, ShardInfo, WriterStats, utc_now
 from dflash_offline.cache.shard_file import write_shard_file
-from dflash_offline.cache.zarr_format import ARRAYS, ArrayFormat, create_shard_group, set_num_rows
+from dflash_offline.cache.staging import (
+    ChecksumTask,
+    Generation,
+    StagedSample,
+    StagingBuffers,
+    checksum_samples,
+    new_buffers,
+    set_num_rows_all,
+)
+from dflash_offline.cache.zarr_format import ARRAYS, create_shard_group
 from dflash_offline.errors import CacheFormatError, SampleError
 
 __all__ = ["ShardWriter", "committed_sample_ids", "failed_sample_ids", "new_session_id", "record_run"]
@@ -79,49 +86,6 @@ def shard_geometry(
     chunk_rows = max(1, math.ceil(chunk_bytes / row_bytes))
     chunks_per_shard = max(1, round(shard_bytes / (chunk_rows * row_bytes)))
     return chunk_rows, chunk_rows * chunks_per_shard
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Buffers:
-    """One set of staging buffers (rows of the three arrays)."""
-
-    features_RF: np.ndarray
-    ids_R: np.ndarray
-    mask_R: np.ndarray
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Generation:
-    """Shard-file writes and checksums in flight, and the staging buffers they read from."""
-
-    futures: tuple[Future[int], ...]
-    buffers: _Buffers
-    checksums: tuple[_ChecksumTask, ...]
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures) and all(c.future.done() for c in self.checksums)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _ChecksumTask:
-    """The checksums of consecutive staged samples, computed on the pool from a generation's buffers."""
-
-    row_starts: tuple[int, ...]
-    """Absolute first row of each sample (its key until commit)."""
-    future: Future[list[int]]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Staged:
-    """A sample whose rows are staged (possibly partly written) but not yet committed."""
-
-    sample_id: str
-    source_index: int
-    row_start: int
-    """Absolute first row in the shard group's arrays."""
-    num_tokens: int
-    num_loss_tokens: int
-    bucket_id: int
 
 
 class ShardWriter:
@@ -216,8 +180,8 @@ class ShardWriter:
         self._features_RF = np.empty((capacity, self.storage.width), dtype=self.storage.dtype)
         self._ids_R = np.empty(capacity, dtype=np.int32)
         self._mask_R = np.empty(capacity, dtype=np.uint8)
-        self._staged: list[_Staged] = []  # rows staged in RAM (the first may be partly written)
-        self._written: list[_Staged] = []  # every row written, not yet committed
+        self._staged: list[StagedSample] = []  # rows staged in RAM (the first may be partly written)
+        self._written: list[StagedSample] = []  # every row written, not yet committed
         self._checksummed_upto = 0  # absolute row: every sample staged below it has a checksum (task)
         self._checksums: dict[int, int] = {}  # row_start -> checksum, of samples not yet committed
         self._unsynced: set[Path] = set()  # shard files written since the last commit
@@ -243,9 +207,9 @@ class ShardWriter:
         # Each write hands the staging buffers themselves to its tasks (no copy, no fresh pages: new
         # memory faults in at only 1-5 GB/s on these VMs) and staging continues in spare buffers;
         # a generation's buffers become spare again once its shard files are written.
-        self._generations: collections.deque[_Generation] = collections.deque()
-        self._spare: list[_Buffers] = []
-        self._prefaulted: Future[_Buffers] | None = None
+        self._generations: collections.deque[Generation] = collections.deque()
+        self._spare: list[StagingBuffers] = []
+        self._prefaulted: Future[StagingBuffers] | None = None
         self._buffer_sets = 1  # staging buffer sets allocated so far
         self._prefault_next(capacity)  # the set the first write swaps in
 
@@ -334,7 +298,7 @@ class ShardWriter:
         self._ids_R[offset : offset + num_tokens] = ids_T
         self._mask_R[offset : offset + num_tokens] = mask_T
         self._staged.append(
-            _Staged(
+            StagedSample(
                 sample_id=sample.sample_id,
                 source_index=int(sample.source_index),
                 row_start=self._next_row,
@@ -425,8 +389,8 @@ class ShardWriter:
         self._staged = self._staged[done:]
         tail, used = end - stop, stop - start
         if futures:
-            old = _Buffers(features_RF=self._features_RF, ids_R=self._ids_R, mask_R=self._mask_R)
-            self._generations.append(_Generation(futures=futures, buffers=old, checksums=checksums))
+            old = StagingBuffers(features_RF=self._features_RF, ids_R=self._ids_R, mask_R=self._mask_R)
+            self._generations.append(Generation(futures=futures, buffers=old, checksums=checksums))
             new = self._spare_buffers(old.features_RF.shape[0])
             for src, dst in zip(
                 (old.features_RF, old.ids_R, old.mask_R),
@@ -468,12 +432,12 @@ class ShardWriter:
             # zarr.json rewrites took longer than staging the shard they describe.
             assert self._meta_pool is not None
             futures.append(
-                self._meta_pool.submit(_set_num_rows, tuple(self._formats[n] for n in ARRAYS), stop)
+                self._meta_pool.submit(set_num_rows_all, tuple(self._formats[n] for n in ARRAYS), stop)
             )
             self._written_rows = stop
         return tuple(futures)
 
-    def _checksum_staged(self, start: int, *, on_pool: bool) -> tuple[_ChecksumTask, ...]:
+    def _checksum_staged(self, start: int, *, on_pool: bool) -> tuple[ChecksumTask, ...]:
         """Checksum the staged samples not yet checksummed (rows from absolute row ``start`` in the
         current buffers): on the pool, in up to one task per thread, when the buffers are about to be
         handed to a generation (which keeps them until its tasks are done); else here and now.
@@ -482,9 +446,9 @@ class ShardWriter:
         if not pending:
             return ()
         self._checksummed_upto = pending[-1].row_start + pending[-1].num_tokens
-        buffers = _Buffers(features_RF=self._features_RF, ids_R=self._ids_R, mask_R=self._mask_R)
+        buffers = StagingBuffers(features_RF=self._features_RF, ids_R=self._ids_R, mask_R=self._mask_R)
         if not on_pool:
-            for s, crc in zip(pending, _checksum_samples(buffers, start, pending), strict=True):
+            for s, crc in zip(pending, checksum_samples(buffers, start, pending), strict=True):
                 self._checksums[s.row_start] = crc
             return ()
         assert self._pool is not None
@@ -494,13 +458,13 @@ class ShardWriter:
             rows += s.num_tokens
             if rows >= per_task or i == len(pending) - 1:
                 samples = tuple(pending[first : i + 1])
-                future = self._pool.submit(_checksum_samples, buffers, start, samples)
+                future = self._pool.submit(checksum_samples, buffers, start, samples)
                 row_starts = tuple(p.row_start for p in samples)
-                tasks.append(_ChecksumTask(row_starts=row_starts, future=future))
+                tasks.append(ChecksumTask(row_starts=row_starts, future=future))
                 first, rows = i + 1, 0
         return tuple(tasks)
 
-    def _spare_buffers(self, capacity: int) -> _Buffers:
+    def _spare_buffers(self, capacity: int) -> StagingBuffers:
         """Staging buffers of at least ``capacity`` rows: a finished generation's, else new ones."""
         while self._generations and self._generations[0].done():
             self._finish_generation()
@@ -513,7 +477,7 @@ class ShardWriter:
             if buffers.features_RF.shape[0] >= capacity:
                 return buffers
         self._buffer_sets += 1
-        return _new_buffers(capacity, self.storage.width, self.storage.dtype, touch=False)
+        return new_buffers(capacity, self.storage.width, self.storage.dtype, touch=False)
 
     def _prefault_next(self, capacity: int) -> None:
         """Have the pool allocate and touch the next staging buffers while none is spare: fresh pages
@@ -525,7 +489,7 @@ class ShardWriter:
         assert self._pool is not None
         self._buffer_sets += 1
         self._prefaulted = self._pool.submit(
-            _new_buffers, capacity, self.storage.width, self.storage.dtype, touch=True
+            new_buffers, capacity, self.storage.width, self.storage.dtype, touch=True
         )
 
     def _finish_generation(self) -> None:
@@ -611,33 +575,6 @@ class ShardWriter:
                 _fsync_file(Path(dirpath) / name)
             fsync_dir(Path(dirpath))
         fsync_dir(folder.parent)
-
-
-def _set_num_rows(formats: tuple[ArrayFormat, ...], num_rows: int) -> int:
-    for fmt in formats:
-        set_num_rows(fmt, num_rows)
-    return 0  # stored bytes, as a shard file's task returns
-
-
-def _new_buffers(capacity: int, width: int, dtype: np.dtype, *, touch: bool) -> _Buffers:
-    buffers = _Buffers(
-        features_RF=np.empty((capacity, width), dtype=dtype),
-        ids_R=np.empty(capacity, dtype=np.int32),
-        mask_R=np.empty(capacity, dtype=np.uint8),
-    )
-    if touch:  # fault every page in now (numpy releases the GIL for the fill)
-        for array in (buffers.features_RF, buffers.ids_R, buffers.mask_R):
-            array.fill(0)
-    return buffers
-
-
-def _checksum_samples(buffers: _Buffers, start: int, samples: Sequence[_Staged]) -> list[int]:
-    """``sample_checksum`` of each staged sample; row 0 of the buffers is absolute row ``start``."""
-    crcs = []
-    for s in samples:
-        lo, hi = s.row_start - start, s.row_start - start + s.num_tokens
-        crcs.append(sample_checksum(buffers.features_RF[lo:hi], buffers.ids_R[lo:hi], buffers.mask_R[lo:hi]))
-    return crcs
 
 
 def _fsync_file(path: Path) -> None:
