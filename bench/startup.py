@@ -248,6 +248,9 @@ def main() -> None:
             for n in args.sizes:
                 ratio = pick(times[this][n]) / pick(times[base][n])
                 print(f"{n:10d} samples: this tree / baseline = {ratio:.2f}")
+            for name in codes:
+                for n in args.sizes:
+                    print(f"  {name}, {n}: runs (s) {' '.join(f'{t:.2f}' for t in times[name][n])}")
         if args.profile:
             profile(caches[args.profile], workdir / "run-profile")
     finally:
