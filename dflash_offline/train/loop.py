@@ -46,7 +46,6 @@ from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, RowReader
 from dflash_offline.train.snapshot import load_snapshot, save_snapshot, take_snapshot
-from dflash_offline.train.warmup import start_import_warmup
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -188,7 +187,6 @@ def train_rank(
 
     ``reader`` replaces the cache reader for the features (a test feeds live target features)."""
     start_time = time.perf_counter()
-    warmup = start_import_warmup()  # beside the index read; joined before the drafter is built
     seed_everything(config.seed, deterministic=config.deterministic)
     resume_notes = _check_resume(config)
     if info.is_main:
@@ -204,7 +202,6 @@ def train_rank(
     try:
         with stop_on_sigint(second_aborts=not info.distributed):
             snapshot = _prepare_snapshot(config, cache_reader, info)
-            warmup.join()
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
             if config.feature_scale != "none":
                 setup.model.set_feature_scale(_feature_scale(config, cache_reader, snapshot, info))
