@@ -64,15 +64,15 @@ def set_num_rows_all(formats: tuple[ArrayFormat, ...], num_rows: int) -> int:
     return 0  # stored bytes, as a shard file's task returns
 
 
-def new_buffers(capacity: int, width: int, dtype: np.dtype, *, touch: bool) -> StagingBuffers:
+def new_buffers(capacity: int, width: int, dtype: np.dtype, *, touch_rows: int) -> StagingBuffers:
+    """Staging buffers of ``capacity`` rows, the first ``touch_rows`` of them faulted in."""
     buffers = StagingBuffers(
         features_RF=np.empty((capacity, width), dtype=dtype),
         ids_R=np.empty(capacity, dtype=np.int32),
         mask_R=np.empty(capacity, dtype=np.uint8),
     )
-    if touch:  # fault every page in now (numpy releases the GIL for the fill)
-        for array in (buffers.features_RF, buffers.ids_R, buffers.mask_R):
-            array.fill(0)
+    for array in (buffers.features_RF, buffers.ids_R, buffers.mask_R):
+        array[:touch_rows].fill(0)  # faults those pages in now (numpy releases the GIL for the fill)
     return buffers
 
 

@@ -211,7 +211,6 @@ class ShardWriter:
         self._spare: list[StagingBuffers] = []
         self._prefaulted: Future[StagingBuffers] | None = None
         self._buffer_sets = 1  # staging buffer sets allocated so far
-        self._prefault_next(capacity)  # the set the first write swaps in
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -310,7 +309,10 @@ class ShardWriter:
         self._known.add(sample.sample_id)
         self._next_row += num_tokens
         self._uncommitted_bytes += num_tokens * (self.feature_width * 2 + 4 + 1)
-        if self._next_row - self._block_start >= self.shard_rows:
+        staged_rows = self._next_row - self._block_start
+        if staged_rows >= self.shard_rows // 2:  # a session that fills half a shard will swap buffers
+            self._prefault_next(self._features_RF.shape[0])
+        if staged_rows >= self.shard_rows:
             self._write(whole_shards_only=True)
         self._maybe_flush()
 
@@ -477,19 +479,20 @@ class ShardWriter:
             if buffers.features_RF.shape[0] >= capacity:
                 return buffers
         self._buffer_sets += 1
-        return new_buffers(capacity, self.storage.width, self.storage.dtype, touch=False)
+        return new_buffers(capacity, self.storage.width, self.storage.dtype, touch_rows=0)
 
     def _prefault_next(self, capacity: int) -> None:
         """Have the pool allocate and touch the next staging buffers while none is spare: fresh pages
         fault in at 0.4 GB/s on the development machine (1-5 GB/s on the H200 VMs), against ≈ 10 GB/s
         for the copy into a touched buffer, and the first ``threads + 2`` sets are all fresh. Never
-        more sets than the writer can hold at once (``threads`` generations, the current, one spare)."""
+        more sets than the writer can hold at once (``threads`` generations, the current, one spare), and
+        only the first shard's rows touched (staging fills one shard plus a straddling tail)."""
         if self._spare or self._prefaulted is not None or self._buffer_sets >= self._threads + 2:
             return
         assert self._pool is not None
         self._buffer_sets += 1
         self._prefaulted = self._pool.submit(
-            new_buffers, capacity, self.storage.width, self.storage.dtype, touch=True
+            new_buffers, capacity, self.storage.width, self.storage.dtype, touch_rows=self.shard_rows
         )
 
     def _finish_generation(self) -> None:
