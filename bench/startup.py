@@ -2,6 +2,7 @@
 optimizer step, on 100k and 1M samples, side by side in one run.
 
     PYTHONPATH=. .venv/bin/python bench/startup.py [--sizes 100000,1000000] [--profile 1000000]
+        [--baseline main --repeats 5]
 
 A small real cache is written once by ``dflash generate`` (random:tiny target, a few hundred short
 conversations); each index is then a copy of it whose manifest holds N rows, written through the cache
@@ -10,7 +11,10 @@ sample ids (the reader accepts overlapping rows; only ``dflash verify`` would ob
 runs as a subprocess with a 1-layer drafter; the first optimizer step is the moment its first
 ``metrics.jsonl`` line appears (polled every 5 ms). Also timed: the same start-up of an interpreter
 that only imports the CLI (the floor no index size changes). ``--profile N`` prints a cProfile of
-an in-process run on the N-sample index (the top entries by cumulative time).
+an in-process run on the N-sample index (the top entries by cumulative time). ``--baseline REF``
+also times the package as of git commit REF (``git archive`` into the work folder) on the same
+indexes, the two alternated run by run (a shared machine's load hits both alike); figures are then
+medians of ``--repeats`` (best of them without a baseline).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -118,8 +123,8 @@ def expanded_cache(base: Path, num_samples: int, workdir: Path) -> Path:
     return root
 
 
-def time_to_first_step(cache: Path, out: Path) -> float:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
+def time_to_first_step(cache: Path, out: Path, code: Path) -> float:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])}
     metrics = out / "metrics.jsonl"
     start = time.perf_counter()
     proc = subprocess.Popen(
@@ -152,14 +157,40 @@ def time_to_first_step(cache: Path, out: Path) -> float:
         proc.wait(timeout=600)
 
 
-def import_floor() -> float:
+def import_floor(code: Path) -> float:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     subprocess.run(
         [sys.executable, "-c", "import dflash_offline.cli, dflash_offline.train.loop"],
         check=True,
         timeout=300,
+        env=env,
     )
     return time.perf_counter() - start
+
+
+def baseline_tree(ref: str, workdir: Path) -> Path:
+    """The package as of commit ``ref``, unpacked under ``workdir``."""
+    folder = workdir / "baseline-code"
+    folder.mkdir()
+    archive = subprocess.run(
+        ["git", "archive", ref, "dflash_offline"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def report(name: str, results: dict[int, float], floor: float) -> None:
+    print(f"{name}: interpreter + imports alone {floor:.2f} s")
+    print(f"{'samples':>10s} {'first step (s)':>15s} {'minus imports':>14s} {'per 1M over the first':>24s}")
+    first = min(results)
+    for n, t in results.items():
+        ratio = (
+            ""
+            if n == first
+            else f"{(t - floor) / (results[first] - floor):.2f}× for {n / first:.0f}× samples"
+        )
+        print(f"{n:10d} {t:15.2f} {t - floor:14.2f} {ratio:>24s}")
 
 
 def profile(cache: Path, out: Path) -> None:
@@ -189,6 +220,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--profile", type=int, default=None, help="cProfile an in-process run on this size")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--baseline", default=None, help="also time this git commit's package, alternated")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="dflash-startup-", dir=args.workdir))
     try:
@@ -196,23 +228,30 @@ def main() -> None:
         caches = {
             n: expanded_cache(base, n, workdir) for n in sorted(set(args.sizes) | ({args.profile} - {None}))
         }
-        floor = min(import_floor() for _ in range(args.repeats))
-        print(f"dflash train start-up, {os.cpu_count()} CPUs; interpreter + imports alone: {floor:.2f} s")
-        results = {}
-        for n in args.sizes:
-            times = [time_to_first_step(caches[n], workdir / f"run-{n}-{r}") for r in range(args.repeats)]
-            results[n] = min(times)
-        print(
-            f"{'samples':>10s} {'first step (s)':>15s} {'minus imports':>14s} {'per 1M over the first':>24s}"
-        )
-        first = min(results)
-        for n, t in results.items():
-            ratio = (
-                ""
-                if n == first
-                else f"{(t - floor) / (results[first] - floor):.2f}× for {n / first:.0f}× samples"
-            )
-            print(f"{n:10d} {t:15.2f} {t - floor:14.2f} {ratio:>24s}")
+        codes = {"this tree": Path.cwd()}
+        if args.baseline:
+            codes = {f"baseline ({args.baseline})": baseline_tree(args.baseline, workdir), **codes}
+        pick = statistics.median if args.baseline else min
+        floors: dict[str, list[float]] = {name: [] for name in codes}
+        times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.sizes} for name in codes}
+        for r in range(args.repeats):
+            for name, code in codes.items():  # alternated: the machine's load hits every variant alike
+                floors[name].append(import_floor(code))
+                for n in args.sizes:
+                    out = workdir / f"run-{n}-{r}"
+                    times[name][n].append(time_to_first_step(caches[n], out, code))
+                    shutil.rmtree(out, ignore_errors=True)
+        print(f"dflash train start-up, {os.cpu_count()} CPUs, {pick.__name__} of {args.repeats} runs each")
+        for name in codes:
+            report(name, {n: pick(ts) for n, ts in times[name].items()}, pick(floors[name]))
+        if args.baseline:
+            (base, *_), this = codes, "this tree"
+            for n in args.sizes:
+                ratio = pick(times[this][n]) / pick(times[base][n])
+                print(f"{n:10d} samples: this tree / baseline = {ratio:.2f}")
+            for name in codes:
+                for n in args.sizes:
+                    print(f"  {name}, {n}: runs (s) {' '.join(f'{t:.2f}' for t in times[name][n])}")
         if args.profile:
             profile(caches[args.profile], workdir / "run-profile")
     finally:

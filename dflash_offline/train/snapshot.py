@@ -101,9 +101,16 @@ def compute_snapshot_id(
 
 
 def snapshot_from_columns(
-    sample_ids: Any, num_tokens: Any, bucket_ids: Any, reader_rows: Any | None = None
+    sample_ids: Any,
+    num_tokens: Any,
+    bucket_ids: Any,
+    reader_rows: Any | None = None,
+    *,
+    ids_are_str_objects: bool = False,
 ) -> IndexSnapshot:
-    """Build a snapshot from parallel columns in any order (sorted here); ``reader_rows`` binds it."""
+    """Build a snapshot from parallel columns in any order (sorted here); ``reader_rows`` binds it.
+    ``ids_are_str_objects``: ``sample_ids`` is a 1-D object ndarray of ``str`` (a reader's
+    SampleTable), whose objects the snapshot then shares."""
     ids_arrow = _string_array(sample_ids)
     tokens = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
     buckets = np.asarray(bucket_ids, dtype=np.int64).reshape(-1)
@@ -128,7 +135,11 @@ def snapshot_from_columns(
             raise CacheFormatError(
                 f"sample id {dup!r} appears more than once in the index; run `dflash verify`"
             )
-    ids_sorted = tuple(sorted_arrow.to_numpy(zero_copy_only=False).tolist())
+    if ids_are_str_objects:
+        # Share the caller's str objects: making a million new ones from Arrow took as long as the sort.
+        ids_sorted = tuple(sample_ids[order].tolist())
+    else:
+        ids_sorted = tuple(sorted_arrow.to_numpy(zero_copy_only=False).tolist())
     tokens, buckets, rows = tokens[order], buckets[order], rows[order]
     return IndexSnapshot(
         sample_ids=ids_sorted,
@@ -155,7 +166,13 @@ def take_snapshot(reader: _ReaderLike) -> IndexSnapshot:
     """The samples the reader's index has committed now, bound to that reader's rows."""
     table: _SampleTableLike = reader.samples
     num_rows = len(np.asarray(table.num_tokens))
-    return snapshot_from_columns(table.sample_id, table.num_tokens, table.bucket_id, np.arange(num_rows))
+    return snapshot_from_columns(
+        table.sample_id,
+        table.num_tokens,
+        table.bucket_id,
+        np.arange(num_rows),
+        ids_are_str_objects=isinstance(table.sample_id, np.ndarray) and table.sample_id.dtype == object,
+    )
 
 
 def save_snapshot(snapshot: IndexSnapshot, path: str | os.PathLike[str]) -> None:

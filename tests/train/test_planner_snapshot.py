@@ -149,3 +149,16 @@ def test_length_mixing_on_a_real_cache_with_four_buckets(tmp_path: Path) -> None
         total = sum(consumed.values())
         for b, share in shares.items():
             assert abs(consumed[b] - share * total) <= budget * (1 + share * len(shares))
+
+
+def test_snapshot_sharing_the_callers_str_objects_equals_the_arrow_path() -> None:
+    rng = np.random.default_rng(5)
+    ids = [f"s{int(i):05d}" for i in rng.permutation(300)] + ["é-1", "z", "Z", "ß"]
+    tokens, buckets = rng.integers(1, 500, len(ids)), rng.integers(0, 4, len(ids))
+    as_objects = np.array(ids, dtype=object)
+    shared = snapshot_from_columns(as_objects, tokens, buckets, np.arange(len(ids)), ids_are_str_objects=True)
+    built = snapshot_from_columns(pa.array(ids), tokens, buckets, np.arange(len(ids)))
+    assert shared.sample_ids == built.sample_ids == tuple(sorted(ids))  # Python's own str order
+    assert shared.snapshot_id == built.snapshot_id
+    np.testing.assert_array_equal(shared.reader_rows_N, built.reader_rows_N)
+    np.testing.assert_array_equal(shared.num_tokens_N, tokens[np.argsort(as_objects, kind="stable")])
