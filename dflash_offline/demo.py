@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shlex
 import subprocess
 import sys
@@ -35,22 +36,29 @@ class DemoSizes:
 class StageTime:
     name: str
     seconds: float
+    cpu_seconds: float
+    """User + system CPU time of the stage's process tree (the budget on a shared machine)."""
     command: str
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _run(name: str, args: list[str], times: list[StageTime]) -> None:
     command = [sys.executable, "-m", "dflash_offline", *args]
     shown = "dflash " + shlex.join(args)
     print(f"\n=== {name}: {shown}", flush=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _children_cpu_seconds()
     result = subprocess.run(command)
-    seconds = time.perf_counter() - start
-    times.append(StageTime(name=name, seconds=seconds, command=shown))
+    seconds, cpu_seconds = time.perf_counter() - start, _children_cpu_seconds() - cpu_start
+    times.append(StageTime(name=name, seconds=seconds, cpu_seconds=cpu_seconds, command=shown))
     if result.returncode != 0:
         raise SystemExit(
             f"demo stage {name!r} failed (exit {result.returncode}); rerun `make demo` to resume"
         )
-    print(f"=== {name}: {seconds:.0f} s", flush=True)
+    print(f"=== {name}: {seconds:.0f} s, {cpu_seconds:.0f} CPU-s", flush=True)
 
 
 def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
@@ -100,6 +108,7 @@ def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
         "tau_trained": _overall_tau(reports["trained"]),
         "stages": [asdict(t) for t in times],
         "total_seconds": sum(t.seconds for t in times),
+        "total_cpu_seconds": sum(t.cpu_seconds for t in times),
         "artifacts": {
             "training data (target's own answers)": str(data),
             "cache": str(cache),
@@ -132,8 +141,11 @@ def main() -> None:
     summary = run_demo(args.out, DemoSizes(records=args.records, train_steps=args.train_steps))
     print("\n=== dflash-offline demo: done")
     for stage in summary["stages"]:  # type: ignore[attr-defined]
-        print(f"  {stage['name']:<16} {stage['seconds']:6.0f} s   {stage['command']}")
-    print(f"  {'total':<16} {summary['total_seconds']:6.0f} s")
+        print(
+            f"  {stage['name']:<16} {stage['seconds']:6.0f} s {stage['cpu_seconds']:6.0f} CPU-s   "
+            f"{stage['command']}"
+        )
+    print(f"  {'total':<16} {summary['total_seconds']:6.0f} s {summary['total_cpu_seconds']:6.0f} CPU-s")
     print(
         f"\n  acceptance length τ on held-out prompts: untrained drafter {summary['tau_untrained']:.3f}, "
         f"trained drafter {summary['tau_trained']:.3f}"
