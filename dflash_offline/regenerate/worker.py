@@ -29,9 +29,6 @@ if TYPE_CHECKING:
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
     from dflash_offline.target.loader import LoadedTarget
 
-FAULT_ENV = "DFLASH_TEST_REGENERATE_FAULT"
-"""Testing hook: ``raise-after:<N>`` makes a worker raise after N written conversations."""
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerSpec:
@@ -227,12 +224,9 @@ def _sink(
     """Where answers go: the output JSONL (with their provenance) and the failures JSONL; every tally
     goes to the coordinator as a ``WorkerProgress``."""
     config, info = spec.config, loaded.target.info
-    fault_after = _fault_after()
 
     def on_tally(delta: Tally) -> None:
         emit(WorkerProgress(worker=spec.worker, delta=delta))
-        if fault_after is not None and sink.total.written >= fault_after:
-            raise RuntimeError(f"injected fault after {sink.total.written} conversations ({FAULT_ENV})")
 
     sink = ConversationSink(
         out=out,
@@ -249,11 +243,6 @@ def _sink(
         on_failure=lambda text: emit(_note(spec, text)),
     )
     return sink
-
-
-def _fault_after() -> int | None:
-    fault = os.environ.get(FAULT_ENV, "")
-    return int(fault.split(":", 1)[1]) if fault.startswith("raise-after:") else None
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
+from dflash_offline.errors import WorkerError
 from dflash_offline.placement import Placement
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
@@ -193,3 +194,18 @@ def test_torchrun_ranks_write_the_same_conversations_as_one_worker(tmp_path: Pat
     assert "2 worker(s)" in result.stdout
     assert _messages(out) == _messages(one)
     assert not out.with_name(out.name + ".parts").exists()
+
+
+@pytest.mark.timeout(600)
+def test_a_failing_worker_stops_the_run_with_its_traceback(tmp_path: Path, monkeypatch: Any) -> None:
+    from tests.regenerate import worker_entry
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 6, turns=1, seed=3)
+    # Spawned workers import their entry point by name: the test's own, which raises in the record loop.
+    monkeypatch.setattr("dflash_offline.regenerate.run.worker_process", worker_entry.faulty_worker_process)
+    with pytest.raises(WorkerError) as failed:
+        run_regenerate(_config(tmp_path / "out.jsonl", data, 2))
+    text = str(failed.value)
+    assert "failed; the output is resumable" in text
+    assert worker_entry.FAULT_TEXT in text
+    assert "Traceback" in text
