@@ -15,16 +15,14 @@ import queue
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable, Container
 from dataclasses import replace
 from types import FrameType
 from typing import Any
 
-from dflash_offline.errors import WorkerError, find_no_space
+from dflash_offline.errors import WorkerError
 from dflash_offline.generate.channel import JobChannel, LockedStore, StoreJobChannel
 from dflash_offline.generate.config import GenerateConfig
-from dflash_offline.generate.events import WorkerFailed
 from dflash_offline.generate.run import (
     GenerateSummary,
     RunContext,
@@ -33,7 +31,7 @@ from dflash_offline.generate.run import (
     run_generate,
     worker_spec,
 )
-from dflash_offline.generate.worker import WorkerSpec, run_worker_in_process
+from dflash_offline.generate.worker import WorkerSpec, failure_event, run_worker_in_process
 from dflash_offline.placement import torchrun_device, under_torchrun
 
 PREFIX = "dflash-generate"
@@ -105,15 +103,7 @@ def _work_reporting(spec: WorkerSpec, channel: JobChannel, events: Any, stop: An
     try:
         run_worker_in_process(spec, channel, events, stop)
     except BaseException as e:
-        no_space = find_no_space(e)
-        events.put(
-            WorkerFailed(
-                worker=spec.worker,
-                device=spec.device,
-                traceback=traceback.format_exc(),
-                no_space_path="" if no_space is None else str(spec.cache_dir),
-            )
-        )
+        events.put(failure_event(spec, e))
         raise
 
 

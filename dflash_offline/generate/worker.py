@@ -71,16 +71,20 @@ def run_worker(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) ->
     try:
         _work(spec, channel, events, stop)
     except BaseException as e:
-        no_space = find_no_space(e)
-        events.put(
-            WorkerFailed(
-                worker=spec.worker,
-                device=spec.device,
-                traceback=traceback.format_exc(),
-                no_space_path="" if no_space is None else str(spec.cache_dir),
-            )
-        )
+        events.put(failure_event(spec, e))
         raise SystemExit(1) from None
+
+
+def failure_event(spec: WorkerSpec, error: BaseException) -> WorkerFailed:
+    """The ``WorkerFailed`` record of ``error``; call it in the ``except`` block that caught it (the record
+    carries the traceback being handled)."""
+    no_space = find_no_space(error)
+    return WorkerFailed(
+        worker=spec.worker,
+        device=spec.device,
+        traceback=traceback.format_exc(),
+        no_space_path="" if no_space is None else str(spec.cache_dir),
+    )
 
 
 def run_worker_in_process(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
