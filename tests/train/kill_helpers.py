@@ -1,6 +1,7 @@
 """Drive `dflash train` as a real subprocess, kill it at chosen steps, rerun the same command.
 
-Used by tests/train/test_train_kill.py (a few kill points) and bench/soak_train.py (many).
+Used by tests/train/test_train_kill.py (a few kill points), test_train_faults.py, test_train_torchrun.py and
+bench/soak_train.py (many).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.metrics import read_metrics
@@ -160,3 +163,22 @@ def run_to_end(cmd: list[str], *, timeout: float = 600.0) -> subprocess.Complete
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def losses(run: Path) -> list[float]:
+    return [float(m["loss"]) for m in read_metrics(run / "metrics.jsonl")]  # type: ignore[arg-type]
+
+
+def final_state(run: Path) -> dict[str, torch.Tensor]:
+    _step, path = list_checkpoints(run)[-1]
+    return torch.load(path / "state.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def assert_same_run(run: Path, reference: Path, *, steps: int) -> None:
+    """``run`` logged steps 1..``steps`` with the reference's losses and ended with its weights, bit for
+    bit."""
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, steps + 1))
+    assert losses(run) == losses(reference)
+    a, b = final_state(reference), final_state(run)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

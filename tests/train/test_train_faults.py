@@ -34,6 +34,7 @@ from dflash_offline.train.launch import run_training
 from dflash_offline.train.loop import cosine_with_warmup, train_rank
 from dflash_offline.train.metrics import StepMetrics, read_metrics
 from tests.generate.conftest import make_chat_jsonl, tiny_config
+from tests.train.kill_helpers import assert_same_run, losses
 
 STEPS = 12
 
@@ -75,23 +76,6 @@ def reference(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_training(_config(cache, run))
     assert [s for s, _ in list_checkpoints(run)] == [8, 12]
     return run
-
-
-def _losses(run: Path) -> list[float]:
-    return [float(m["loss"]) for m in read_metrics(run / "metrics.jsonl")]  # type: ignore[arg-type]
-
-
-def _final_state(run: Path) -> dict[str, torch.Tensor]:
-    _step, path = list_checkpoints(run)[-1]
-    return torch.load(path / "state.pt", map_location="cpu", weights_only=False)["model"]
-
-
-def _assert_same_run(run: Path, reference: Path) -> None:
-    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
-    assert _losses(run) == _losses(reference)
-    a, b = _final_state(reference), _final_state(run)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def _copy_run(reference: Path, dest: Path) -> Path:
@@ -150,12 +134,12 @@ def test_skip_damaged_trains_on_the_rest_and_records_them(cache: Path, tmp_path:
     assert {d.sample_id for d in read_damaged(run)} == damaged
     (line,) = (run / DAMAGED_FILE).read_text().splitlines()
     assert json.loads(line)["sample_id"] in damaged
-    assert all(math.isfinite(loss) for loss in _losses(run))
+    assert all(math.isfinite(loss) for loss in losses(run))
     clean = tmp_path / "clean"
     run_training(_config(cache, clean, epochs=1, max_steps=None))
     # Same plan, one sample fewer contributing: the losses differ (the damage is not trained on).
-    assert len(_losses(clean)) == len(_losses(run))
-    assert _losses(clean) != _losses(run)
+    assert len(losses(clean)) == len(losses(run))
+    assert losses(clean) != losses(run)
 
 
 # ---- crash leftovers ------------------------------------------------------------------------------
@@ -167,7 +151,7 @@ def test_torn_last_metrics_line_does_not_block_resume(cache: Path, reference: Pa
     lines = (run / "metrics.jsonl").read_text().splitlines()[:10]
     (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 11, "epoch": 0, "lo')  # ... mid-write
     run_training(_config(cache, run))
-    _assert_same_run(run, reference)
+    assert_same_run(run, reference, steps=STEPS)
 
 
 def test_truncated_newest_checkpoint_falls_back_to_the_older_one(
@@ -182,7 +166,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_older_one(
     assert "does not load" in err
     assert "resuming from step-00000008" in err
     assert (run / "checkpoints" / "step-00000012.unreadable").is_dir()
-    _assert_same_run(run, reference)
+    assert_same_run(run, reference, steps=STEPS)
 
 
 def test_every_checkpoint_unreadable_is_a_clear_refusal(cache: Path, reference: Path, tmp_path: Path) -> None:
@@ -209,7 +193,7 @@ def test_stop_request_checkpoints_at_the_step_boundary_and_resume_is_exact(
     assert [s for s, _ in list_checkpoints(run)] == [4, 5]  # 5 is not a --checkpoint-every step
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     run_training(_config(cache, run))
-    _assert_same_run(run, reference)
+    assert_same_run(run, reference, steps=STEPS)
 
 
 # ---- bad options ----------------------------------------------------------------------------------
@@ -270,8 +254,8 @@ def test_resume_with_another_lr_applies_it_and_says_so(
     reference_lrs = [float(m["lr"]) for m in read_metrics(reference / "metrics.jsonl")]  # type: ignore[arg-type]
     assert lrs[:8] == reference_lrs[:8]
     assert lrs[8:] == pytest.approx([1e-3 * factor(step) for step in range(9, STEPS + 1)], rel=1e-12)
-    assert _losses(run)[:9] == _losses(reference)[:9]  # step 9 ran with the lr set after step 8
-    assert _losses(run)[9:] != _losses(reference)[9:]
+    assert losses(run)[:9] == losses(reference)[:9]  # step 9 ran with the lr set after step 8
+    assert losses(run)[9:] != losses(reference)[9:]
 
 
 # ---- a full disk --------------------------------------------------------------------------------------
@@ -303,4 +287,4 @@ def test_disk_full_while_checkpointing_is_one_line_and_the_run_resumes(
     assert not list((run / "checkpoints").glob(".tmp-*"))  # the partial checkpoint freed its space
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True, timeout=30)
     run_training(_config(cache, run))
-    _assert_same_run(run, reference)
+    assert_same_run(run, reference, steps=STEPS)

@@ -10,14 +10,11 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 import dflash_offline
 from dflash_offline.generate.run import run_generate
-from dflash_offline.train.checkpoint import list_checkpoints
-from dflash_offline.train.metrics import read_metrics
 from tests.generate.conftest import make_chat_jsonl, tiny_config
-from tests.train.kill_helpers import run_and_kill, run_to_end, train_cmd
+from tests.train.kill_helpers import assert_same_run, run_and_kill, run_to_end, train_cmd
 
 STEPS = 15
 
@@ -46,20 +43,6 @@ def references(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[in
         run_to_end(train_cmd(cache, run, steps=STEPS, workers=workers))
         out[workers] = run
     return out
-
-
-def _losses(run: Path) -> list[float]:
-    return [float(m["loss"]) for m in read_metrics(run / "metrics.jsonl")]  # type: ignore[arg-type]
-
-
-def _assert_same_run(run: Path, reference: Path) -> None:
-    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
-    assert _losses(run) == _losses(reference)
-    (_, a_path), (_, b_path) = list_checkpoints(reference)[-1], list_checkpoints(run)[-1]
-    a = torch.load(a_path / "state.pt", map_location="cpu", weights_only=False)["model"]
-    b = torch.load(b_path / "state.pt", map_location="cpu", weights_only=False)["model"]
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 @pytest.mark.slow
@@ -91,7 +74,7 @@ def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
     assert "Aborted" not in record.stderr
     assert record.survivors == 0
     run_to_end(cmd)
-    _assert_same_run(run, references[workers])
+    assert_same_run(run, references[workers], steps=STEPS)
 
 
 @pytest.mark.slow

@@ -17,10 +17,9 @@ from dflash_offline.generate.run import run_generate
 from dflash_offline.train.checkpoint import list_checkpoints
 from tests.generate.conftest import make_chat_jsonl, tiny_config
 from tests.torchrun_helpers import rank_pid, torchrun_cmd, torchrun_env
-from tests.train.kill_helpers import last_step, run_to_end, train_cmd
-from tests.train.test_train_kill import _assert_same_run
+from tests.train.kill_helpers import assert_same_run, last_step, run_to_end, train_cmd
 
-STEPS = 15  # _assert_same_run checks steps 1..15
+STEPS = 15
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # each torchrun start costs seconds
 
@@ -56,13 +55,13 @@ def test_torchrun_ranks_train_as_two_workers_and_resume(cache: Path, reference: 
     run = tmp_path / "run"
     cmd = _torchrun_train(cache, run, steps=STEPS)
     _run(cmd)
-    _assert_same_run(run, reference)  # losses and final weights of two spawned workers
+    assert_same_run(run, reference, steps=STEPS)  # losses and final weights of two spawned workers
     checkpoints = list_checkpoints(run)
     assert max(step for step, _ in checkpoints) == STEPS  # the end of a run is checkpointed
     # The same command again resumes from that checkpoint: no step is trained or logged twice.
     _run(cmd)
     assert list_checkpoints(run) == checkpoints
-    _assert_same_run(run, reference)
+    assert_same_run(run, reference, steps=STEPS)
 
 
 def test_sigkill_of_one_rank_then_rerun_ends_as_uninterrupted(
@@ -88,4 +87,4 @@ def test_sigkill_of_one_rank_then_rerun_ends_as_uninterrupted(
     assert process.returncode != 0, stderr.decode(errors="replace")[-3000:]
     assert last_step(run) < STEPS
     _run(cmd)
-    _assert_same_run(run, reference)
+    assert_same_run(run, reference, steps=STEPS)
