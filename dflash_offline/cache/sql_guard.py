@@ -15,6 +15,11 @@ Two layers, both DuckDB's own rather than regexes over the text:
 
 ``..`` out of the cache and a symlink inside the cache that points elsewhere are refused as well
 (DuckDB resolves the path before the check; tested with DuckDB 2.0.1).
+
+DuckDB also allows its temp directory whatever ``allowed_directories`` says: ``<db>.tmp/`` beside a
+database file, ``.tmp/`` in the working directory for an in-memory one. A symlink of that name (or a
+file a user left there) was readable through ``read_text``/``glob``, so ``confine`` turns the temp
+directory off first: a query that would spill to disk fails instead of opening a door.
 """
 
 from __future__ import annotations
@@ -54,8 +59,10 @@ def check_statement(sql: str, *, root: Path) -> None:
 def confine(con: duckdb.DuckDBPyConnection, root: Path) -> None:
     """Restrict ``con`` to reading files under ``root``; the settings cannot be changed afterwards.
 
-    Order matters: ``allowed_directories`` cannot be set once external access is off."""
+    Order matters: ``allowed_directories`` cannot be set once external access is off, and the temp
+    directory (always allowed by DuckDB) must be gone before the lock."""
     allowed = str(root.resolve()).rstrip("/") + "/"
+    con.execute("SET temp_directory = ''")
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
     # A DuckDB without allowed_directories (< 1.1) puts every file off limits, the cache's own included

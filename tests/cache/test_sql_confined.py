@@ -116,3 +116,35 @@ def test_cli_refusal_is_one_line_and_a_subprocess_exits_non_zero(cache, tmp_path
     assert len(lines) == 1, done.stderr
     assert "reads only the cache's own files" in lines[0]
     assert "root:" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("source", ["manifest", "index"])
+def test_duckdb_temp_directories_are_not_a_way_out(cache, tmp_path, monkeypatch, source):
+    """DuckDB allows its temp directory beside any ``allowed_directories``: ``CACHE/index.duckdb.tmp/``
+    for the index file, ``$PWD/.tmp/`` for the in-memory manifest database. A symlink of either name to
+    ``/``, or a file a user left in ``$PWD/.tmp``, was readable through read_text/glob/read_csv."""
+    build_index(cache)
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("TOP-SECRET-CONTENT\n")
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    (workdir / ".tmp").symlink_to(secret.parent)
+    (cache / "index.duckdb.tmp").symlink_to(secret.parent)
+    doors = [workdir / ".tmp", cache / "index.duckdb.tmp", ".tmp"]
+    for door in doors:
+        for attack in [
+            f"SELECT * FROM read_text('{door}/secret.txt')",
+            f"SELECT * FROM read_csv('{door}/secret.txt')",
+            f"SELECT * FROM glob('{door}/*')",
+        ]:
+            with pytest.raises(SqlRefusedError) as caught:
+                sql(cache, attack, source=source)
+            assert "TOP-SECRET" not in str(caught.value)
+    (workdir / ".tmp").unlink()
+    (workdir / ".tmp").mkdir()  # a real folder with a user's file in it
+    (workdir / ".tmp" / "notes.txt").write_text("TOP-SECRET-CONTENT\n")
+    with pytest.raises(SqlRefusedError):
+        sql(cache, f"SELECT * FROM read_text('{workdir}/.tmp/notes.txt')", source=source)
+    assert sql(cache, "SELECT count(*) FROM samples", source=source).rows == [(12,)]
