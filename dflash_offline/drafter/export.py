@@ -1,4 +1,4 @@
-"""Export a drafter in z-lab's DFlash layout, and load that layout back (DESIGN §4).
+"""Export a drafter in z-lab's DFlash layout, and load that layout back (docs/drafter.md#export-layout).
 
 A directory with
   config.json        Qwen3 fields (model_type "qwen3", width, heads, head_dim, MLP, eps, RoPE, vocab,

@@ -1,5 +1,5 @@
-"""``dflash regenerate``: the target answers the user turns of chat data (DESIGN §5: training responses
-should come from the target itself).
+"""``dflash regenerate``: the target answers the user turns of chat data (training responses should come
+from the target itself: docs/data-flow.md#regenerate).
 
 Public API:
   config.RegenerateConfig / run.run_regenerate(config) -> RegenerateSummary

@@ -1,5 +1,6 @@
 """``dflash regenerate``: the target answers each conversation's user turns; the result is chat JSONL that
-``dflash generate`` reads (DESIGN §5: training responses should come from the target itself).
+``dflash generate`` reads (training responses should come from the target itself:
+docs/data-flow.md#regenerate).
 
 One worker per GPU (``--gpus``), ``--workers N`` CPU processes, or one per ``torchrun`` rank; a single
 worker runs in this process and writes the output directly. Each worker answers a disjoint share of the
