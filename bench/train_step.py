@@ -197,8 +197,8 @@ def main() -> None:
     ap.add_argument(
         "--sync-every-step", action="store_true", help="also the eager+sync and eager+old-syncs rows"
     )
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch")
     ap.add_argument("--grad-accum", type=int, default=4)
     ap.add_argument("--anchors", type=int, default=512)
