@@ -41,19 +41,52 @@ def sdpa_backends(device: torch.device, dtype: torch.dtype) -> list[SDPBackend]:
     return [SDPBackend.MATH]
 
 
+def causal_backends(device: torch.device, dtype: torch.dtype) -> list[SDPBackend]:
+    """Kernels for a causal block over its own keys (no mask): flash first on CUDA in half precision (it
+    takes GQA, and needs no per-shape plan, which prefill shapes would otherwise pay per call)."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    return [SDPBackend.MATH]
+
+
 def attend(
-    q_NHSD: Tensor, k_NHLD: Tensor, v_NHLD: Tensor, mask: Tensor, *, scale: float | None = None
+    q_NHSD: Tensor, k_NHLD: Tensor, v_NHLD: Tensor, mask: Tensor | None, *, scale: float | None = None
 ) -> Tensor:
-    """[N, Hq, S, D]: each query over the keys its boolean ``mask`` ([N or 1, 1, S, Lb]) allows."""
-    with sdpa_kernel(sdpa_backends(q_NHSD.device, q_NHSD.dtype), set_priority=True):
+    """[N, Hq, S, D]: each query over the keys its boolean ``mask`` ([N or 1, 1, S, Lb]) allows; without a
+    mask, causal over the block's own S keys (query i sees keys 0..i)."""
+    device, dtype = q_NHSD.device, q_NHSD.dtype
+    backends = sdpa_backends(device, dtype) if mask is not None else causal_backends(device, dtype)
+    with sdpa_kernel(backends, set_priority=True):
         return F.scaled_dot_product_attention(
             q_NHSD,
             k_NHLD,
             v_NHLD,
             attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=q_NHSD.shape[1] != k_NHLD.shape[1],
         )
+
+
+def cudnn_reads_slices(
+    device: torch.device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether the preferred kernel takes K/V sliced along positions (a strided view of the cache); when
+    cuDNN refuses one, the caller attends over the whole capacity instead of falling back to the math
+    kernel (which would expand K/V again)."""
+    if sdpa_backends(device, dtype)[0] != SDPBackend.CUDNN_ATTENTION:
+        return True
+    q = torch.zeros((1, num_heads, 1, head_dim), dtype=dtype, device=device)
+    kv = torch.zeros((1, num_kv_heads, 128, head_dim), dtype=dtype, device=device)
+    mask = torch.ones((1, 1, 1, 64), dtype=torch.bool, device=device)
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(
+                q, kv[:, :, :64], kv[:, :, :64], attn_mask=mask, enable_gqa=num_heads != num_kv_heads
+            )
+    except RuntimeError:
+        return False
+    return True
 
 
 def slot_attention(
@@ -66,10 +99,10 @@ def slot_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """The ``AttentionInterface`` entry: ``attention_mask`` is the slot forward's boolean mask, ``key`` and
-    ``value`` what ``SlotCache.update`` returned. Output [N, S, Hq, D], as transformers' own functions."""
-    assert attention_mask is not None, "slot attention runs only inside a slot-cache forward"
-    assert attention_mask.dtype == torch.bool, attention_mask.dtype
+    """The ``AttentionInterface`` entry: ``attention_mask`` is the slot forward's boolean mask (None: a
+    prefill of fresh prompts, causal over their own keys), ``key`` and ``value`` what ``SlotCache.update``
+    returned. Output [N, S, Hq, D], as transformers' own functions."""
+    assert attention_mask is None or attention_mask.dtype == torch.bool, attention_mask.dtype
     out = attend(query, key, value, attention_mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

@@ -126,6 +126,8 @@ class DecodeEngine:
         self._closed = False
         self.num_steps = 0
         self.num_prefills = 0
+        self.num_moves = 0
+        """Rows moved to a lower slot by compaction."""
 
     # ----- the Engine surface ---------------------------------------------------------------------
 
@@ -180,7 +182,10 @@ class DecodeEngine:
         first_M, completed = self._prefill_chunk() if self._prefilling else (None, [])
         num_rows = 0
         if self._decoding:
-            num_rows = row_bucket(max(self._decoding) + 1, self.settings.num_slots)
+            # While prompts wait, the batch is about to fill: decode at full width at once rather than
+            # capturing a graph for every bucket on the way up.
+            top = self.settings.num_slots if self._waiting or self._prefilling else max(self._decoding) + 1
+            num_rows = row_bucket(top, self.settings.num_slots)
             attend_len = self.cache.attend_len(max(r.length for r in self._decoding.values()) + 1)
             n = num_rows
             self.graphs.run(
@@ -239,7 +244,11 @@ class DecodeEngine:
         chunks: list[PrefillChunk] = []
         reqs: list[_Request] = []
         width = 0
+        # Fresh prompts and continuations go in separate forwards: fresh ones attend only to themselves.
+        fresh = self._prefilling[0].prefilled == 0
         for req in self._prefilling:
+            if (req.prefilled == 0) != fresh:
+                continue
             take = min(len(req.prompt) - req.prefilled, budget)
             if chunks and (len(chunks) + 1) * max(width, take) > budget:
                 take = min(take, width)  # pad no wider than the rows already in
@@ -289,3 +298,4 @@ class DecodeEngine:
             req.slot = dst
             self._decoding[dst] = req
             heapq.heappush(self._free, src)
+            self.num_moves += 1

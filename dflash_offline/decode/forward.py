@@ -57,14 +57,15 @@ class SlotForward:
         self,
         ids_NS: Tensor,
         positions_NS: Tensor,
-        mask_N1SL: Tensor,
+        mask_N1SL: Tensor | None,
         rows: ForwardRows,
         *,
         capture: Sequence[int] = (),
     ) -> tuple[Tensor, Tensor | None]:
         """Pre-norm hidden states [N, S, H] of the last layer, and the residual stream after each layer in
         ``capture`` concatenated [N, S, F] (None without ``capture``). Writes the tokens' K/V at
-        ``rows.write_NS`` of their slots."""
+        ``rows.write_NS`` of their slots. ``mask_N1SL`` None: causal over the rows' own tokens
+        (``rows.own_keys_only``)."""
         assert list(capture) == sorted(set(capture)), capture
         wanted = set(capture)
         captured: list[Tensor] = []

@@ -5,7 +5,7 @@ Legend: P prompt tokens, B block size, K = B − 1 drafted tokens, F feature wid
 Target-only: one prefill forward over the prompt gives the first token; then one decode step per token
 (a CUDA graph per attended-length bucket), one host read per token for the stop check.
 
-Speculative (DESIGN of the loop in ``eval/speculative.py``), with n the position of the anchor (the newest
+Speculative (the cycle ``eval/speculative.py`` describes), with n the position of the anchor (the newest
 token, not yet run through the target): the drafter writes the previous block's features into its
 static context and proposes d_1..d_K from [anchor, MASK × K]; the target runs ONE forward over
 [anchor, d_1..d_K] at positions n..n+K on the slot cache, its captured layer features going to a static

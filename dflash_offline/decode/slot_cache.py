@@ -12,7 +12,8 @@ shorter length, never a copy.
 The cache is what the model's attention modules call ``update(key, value, layer_idx, ...)`` on: before
 each forward the caller sets ``rows`` (which slots the forward's rows are, and at which positions each
 new token's key and value go); ``update`` writes them there and returns the K/V the rows attend over.
-Decode rows are slots 0..N−1 (a view, no copy); prefill rows are any slots (gathered, positions < Lb).
+Decode rows are slots 0..N−1 (a view, no copy); prefill rows are any slots (gathered, positions < Lb),
+and a prefill of fresh prompts attends over its own new keys alone.
 Rows that must not write anything real (a batch's idle slots, padding tokens) write at the scratch
 position L − 1, which no mask ever shows.
 """
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from dflash_offline.decode.attention import cudnn_reads_slices
 
 DEFAULT_ATTEND_GRANULE = 256
 """Smallest attended length; buckets double from it up to the capacity (each one a CUDA graph)."""
@@ -41,6 +44,9 @@ class ForwardRows:
     """int64 [N, S]: the cache position of each new token (the scratch position for tokens to discard)."""
     attend_len: int
     """Lb: the rows attend over positions 0..Lb−1 (every live key of every row is below it)."""
+    own_keys_only: bool = False
+    """Every row starts at position 0 (a prefill of fresh prompts): the rows attend causally over their own
+    new keys, handed back as they are (no gather of the cache)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +55,8 @@ class CacheShape:
 
     num_layers: int
     num_slots: int
+    num_heads: int
+    """Query heads (the attention kernel's capabilities depend on the group size)."""
     num_kv_heads: int
     head_dim: int
     capacity: int
@@ -92,6 +100,7 @@ def shape_for(
     return CacheShape(
         num_layers=int(model_config.num_hidden_layers),
         num_slots=num_slots,
+        num_heads=int(model_config.num_attention_heads),
         num_kv_heads=heads,
         head_dim=head_dim,
         capacity=max_len + 1,
@@ -110,7 +119,11 @@ class SlotCache:
         # Zeros, not empty: an idle row reads position 0 of its slot, which must be finite.
         self.keys = [torch.zeros(dims, dtype=s.dtype, device=s.device) for _ in range(s.num_layers)]
         self.values = [torch.zeros(dims, dtype=s.dtype, device=s.device) for _ in range(s.num_layers)]
-        self.attend_granule = attend_granule
+        self.reads_slices = cudnn_reads_slices(
+            s.device, s.dtype, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim
+        )
+        # A kernel that refuses a strided slice of the cache reads all of it (still a view, no copy).
+        self.attend_granule = attend_granule if self.reads_slices else s.capacity
         self.rows: ForwardRows | None = None
         """Set by the caller before each forward (``SlotForward``)."""
 
@@ -153,6 +166,8 @@ class SlotCache:
         # [slots, L, Hk, D] views: advanced indices (slot, position) pick one [Hk, D] row per new token.
         keys.transpose(1, 2).index_put_((slot_NS, rows.write_NS), key_states.transpose(1, 2))
         values.transpose(1, 2).index_put_((slot_NS, rows.write_NS), value_states.transpose(1, 2))
+        if rows.own_keys_only:
+            return key_states, value_states
         lb = rows.attend_len
         if rows.slots_N is None:
             return keys[:n, :, :lb], values[:n, :, :lb]

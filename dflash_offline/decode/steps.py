@@ -98,7 +98,8 @@ def prefill(
     *,
     capture: Sequence[int] = (),
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Run the chunks (right-padded into one forward). The prompts they complete become live: their first
+    """Run the chunks (right-padded into one forward; padding comes after each row's tokens, so a causal
+    query never sees it). The prompts they complete become live: their first
     token is sampled into ``state.tokens`` and returned (int64 [M], in chunk order; None when none
     completes). With ``capture``, also the features [N, S, F] of every chunk token (padding rows too)."""
     device = state.tokens.device
@@ -114,10 +115,12 @@ def prefill(
     positions_NS = start_N[:, None] + q_S[None, :]
     write_NS = torch.where(q_S[None, :] < length_N[:, None], positions_NS, cache.scratch)
     attend_len = cache.attend_len(max(c.start + len(c.token_ids) for c in chunks))
-    rows = ForwardRows(num_rows=len(chunks), slots_N=slots_N, write_NS=write_NS, attend_len=attend_len)
-    hidden, features = fwd.hidden(
-        ids.to(device), positions_NS, block_mask(start_N, width, attend_len), rows, capture=capture
+    fresh = all(c.start == 0 for c in chunks)  # causal over the chunk itself: no mask, no gather
+    rows = ForwardRows(
+        num_rows=len(chunks), slots_N=slots_N, write_NS=write_NS, attend_len=attend_len, own_keys_only=fresh
     )
+    mask = None if fresh else block_mask(start_N, width, attend_len)
+    hidden, features = fwd.hidden(ids.to(device), positions_NS, mask, rows, capture=capture)
     done = [r for r, c in enumerate(chunks) if c.completes]
     if not done:
         return None, features

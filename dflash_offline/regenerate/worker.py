@@ -146,6 +146,7 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
         temperature=config.temperature,
         stop_ids=stop_ids,
         pad_id=int(pad_id),
+        top_p=config.top_p,
     )
     batch_size = config.batch_size_for(device.type)
     options = EngineOptions(
@@ -153,7 +154,8 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
         kv_tokens=config.kv_tokens,
         max_batch_tokens=config.max_batch_tokens,
         cuda_graphs=config.cuda_graphs,
-        seed=config.seed + spec.worker,
+        seed=config.seed,
+        max_prompt_tokens=config.max_prompt_tokens,
     )
     torch.manual_seed(config.seed + spec.worker)
     engine = make_engine(
@@ -174,7 +176,7 @@ def _answer_records(
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 
     config, engine = spec.config, loaded.engine
-    window = config.window or loaded.batch_size * (2 if engine.name == "cb" else 4)
+    window = config.window or loaded.batch_size * (4 if engine.name == "static" else 2)
     completed = False
     gen_start = time.perf_counter()
     # An output begun before source names dropped container suffixes keeps the name its keys hash.
