@@ -280,9 +280,13 @@ def run_engine(
 
 
 def throughput(
-    report: Report, budget: Budget, target_spec: str, prompts: list[list[int]], plan: list[tuple[str, int, int]],
+    report: Report,
+    budget: Budget,
+    target_spec: str,
+    prompts: list[list[int]],
+    plan: list[tuple[str, int, int]],
     limit_s: float,
-) -> None:  # fmt: skip
+) -> None:
     t0 = time.perf_counter()
     target = load_target(target_spec, device="cuda" if torch.cuda.is_available() else "cpu")
     report.note(f"{target_spec}: loaded in {time.perf_counter() - t0:.1f} s ({target.dtype})")
@@ -417,7 +421,12 @@ def profile(report: Report, target_spec: str, batch: int, context: int) -> None:
     # The same step replayed as a CUDA graph: wall time per step (what the engine runs).
     graph_ms = None
     if device.type == "cuda":
-        key, step = ("p", batch, lb), lambda: decode_step(engine.fwd, engine.state, sampler, batch, lb)
+        fwd, state = engine.fwd, engine.state
+
+        def step() -> None:
+            decode_step(fwd, state, sampler, batch, lb)
+
+        key = ("p", batch, lb)
         engine.graphs.run(key, step, engine.state.mutated())
         sync()
         t0 = time.perf_counter()
@@ -431,13 +440,11 @@ def profile(report: Report, target_spec: str, batch: int, context: int) -> None:
         "engine_graph_ms_per_step": graph_ms,
     }  # fmt: skip
     report.save()
-    for name, t in (("transformers (DynamicCache, sdpa), eager", old), ("engine decode step, eager", new)):
-        print(
-            f"== profile: {name}, batch {batch}, context {context}: {t['kernel_ms_per_step']} ms of kernels a step"
-        )
+    for name, t in (("transformers (DynamicCache, sdpa)", old), ("engine decode step", new)):
+        ms = t["kernel_ms_per_step"]
+        print(f"== profile: {name}, eager, batch {batch}, context {context}: {ms} ms of kernels a step")
         print(t["table"])
     print(f"engine decode step as a CUDA graph: {graph_ms} ms a step", flush=True)
-    del engine, model, target
     free_memory()
 
 
@@ -466,9 +473,10 @@ def summary(report: Report) -> None:
         )
     p = report.data["profile"]
     if p:
+        old_ms, new_ms = p["hf_eager"]["kernel_ms_per_step"], p["engine_eager"]["kernel_ms_per_step"]
         print(
-            f"decode step batch {p['batch']}: kernels {p['hf_eager']['kernel_ms_per_step']} ms (transformers) "
-            f"vs {p['engine_eager']['kernel_ms_per_step']} ms (engine); engine graph {p['engine_graph_ms_per_step']} ms"
+            f"decode step batch {p['batch']}: kernels {old_ms} ms (transformers) vs {new_ms} ms (engine); "
+            f"engine step as a graph {p['engine_graph_ms_per_step']} ms"
         )
     c = report.data["check"]
     if c:
@@ -498,9 +506,8 @@ def main() -> None:
 
     tokenizer = load_tokenizer("random:tiny")
     prompts = first_turn_prompts(tokenizer, args.data, 16 if args.quick else 1100, 1024)
-    report.note(
-        f"{len(prompts)} prompts, mean {statistics.mean(map(len, prompts)):.0f} tokens, max {max(map(len, prompts))}"
-    )
+    lengths = [len(p) for p in prompts]
+    report.note(f"{len(prompts)} prompts, mean {statistics.mean(lengths):.0f} tokens, max {max(lengths)}")
     sections = args.sections.split(",")
     small, big = ("random:tiny", "random:tiny") if args.quick else ("random:smollm2-135m", "random:qwen3-8b")
     device = torch.device("cuda" if cuda else "cpu")

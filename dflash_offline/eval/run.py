@@ -102,10 +102,10 @@ def run_eval(config: EvalConfig) -> Any:
     """Evaluate and return the ``EvalReport`` (the CLI prints and writes it)."""
     from tqdm import tqdm
 
+    from dflash_offline.decode.single import SingleSequence
     from dflash_offline.eval.exactness import EXACTNESS_RULE
     from dflash_offline.eval.prompts import resolve_held_out
     from dflash_offline.eval.report import EVAL_REPORT_VERSION, EvalReport, prompt_result, summarize_sets
-    from dflash_offline.decode.single import SingleSequence
     from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller
     from dflash_offline.eval.turns import Decoders, decode_question, first_turn_ids
     from dflash_offline.target.loader import load_target

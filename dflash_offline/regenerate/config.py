@@ -63,7 +63,8 @@ class RegenerateConfig:
         help="slots and cb: requests decoded at once; static: rows per generate call. "
         "Default: 256 on a GPU, 16 on the CPU.",
     )
-    """Requests decoded at once (slots, CB) or rows per generate call (static). None: 256 on CUDA, 16 on CPU."""
+    """Requests decoded at once (slots, CB) or rows per generate call (static); None: 256 on CUDA, 16 on
+    the CPU."""
     engine: Literal["auto", "slots", "cb", "static"] = cli_field(
         "auto",
         help="slots: the project's decode engine (slot KV cache, CUDA graphs); cb: transformers' continuous "
@@ -80,8 +81,8 @@ class RegenerateConfig:
     max_batch_tokens: int = cli_field(
         2048,
         min=1,
-        help="slots: prompt tokens per prefill forward; cb: query tokens per forward step (decode tokens plus "
-        "prefill chunks).",
+        help="slots: prompt tokens per prefill forward; cb: query tokens per forward step (decode tokens "
+        "plus prefill chunks).",
     )
     cuda_graphs: Literal["auto", "on", "off"] = cli_field(
         "auto", help="slots: decode steps as CUDA graphs (auto: on); cb: auto lets transformers decide."

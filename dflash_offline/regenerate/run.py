@@ -68,7 +68,7 @@ class RegenerateSummary:
     generation_seconds: float = 0.0
     """From the first worker being ready to the end."""
     engine: str = ""
-    """``cb`` or ``static`` (the workers' engine)."""
+    """``slots``, ``cb`` or ``static`` (the workers' engine)."""
     workers: int = 1
 
     @property

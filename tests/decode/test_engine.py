@@ -88,7 +88,8 @@ def test_a_lone_row_is_moved_down_and_still_exact(target: LoadedTarget) -> None:
     prompts = random_prompts(4, seed=2, vocab=target.info.vocab_size)
     max_new = [2, 2, 2, 14]
     engine = DecodeEngine(
-        model, EngineSettings(num_slots=4, max_len=80, max_new_tokens=4, stop_ids=frozenset(), attend_granule=8)
+        model,
+        EngineSettings(num_slots=4, max_len=80, max_new_tokens=4, stop_ids=frozenset(), attend_granule=8),
     )
     got = run_all(engine, prompts, max_new)
     assert engine.num_moves == 1
@@ -109,7 +110,8 @@ def test_the_real_smollm2_target_equals_generate() -> None:
     stop = stop_token_ids(smol.tokenizer, smol.model)
     max_new = [24, 6, 24]
     engine = DecodeEngine(
-        smol.model, EngineSettings(num_slots=2, max_len=96, max_new_tokens=24, stop_ids=stop, prefill_tokens=32)
+        smol.model,
+        EngineSettings(num_slots=2, max_len=96, max_new_tokens=24, stop_ids=stop, prefill_tokens=32),
     )
     got = run_all(engine, prompts, max_new)
     assert sum(d.stopped for d in got.values()) >= 1  # the instruct model ends some answers itself
@@ -118,7 +120,9 @@ def test_the_real_smollm2_target_equals_generate() -> None:
 
 
 def test_requests_that_do_not_fit_and_a_closed_engine_are_refused(target: LoadedTarget) -> None:
-    engine = DecodeEngine(target.model, EngineSettings(num_slots=2, max_len=32, max_new_tokens=8, stop_ids=frozenset()))
+    engine = DecodeEngine(
+        target.model, EngineSettings(num_slots=2, max_len=32, max_new_tokens=8, stop_ids=frozenset())
+    )
     with pytest.raises(DecodeError, match="exceed the 32 positions"):
         engine.submit("long", list(range(10, 40)))
     for i in range(6):
