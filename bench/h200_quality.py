@@ -1,8 +1,8 @@
-"""The whole recipe on one H200 inside one lease, with hard per-stage deadlines:
+"""The whole recipe on one H200 within one fixed time budget, with hard per-stage deadlines:
 regenerate bench → regenerate (the target's own answers) → generate caches → train variants concurrently
-→ export → eval on MT-Bench, HumanEval and held-out ShareGPT → optional benches. Run detached (setsid:
-``../shared/device/follow.sh``); everything it learns goes to ``--report`` as few files (the lease brings
-back at most 8): ``summary.md``, ``summary.json`` and ``logs.txt`` (the tail of every stage's log).
+→ export → eval on MT-Bench, HumanEval and held-out ShareGPT → optional benches. Run detached (setsid)
+and follow its log; everything it learns goes to ``--report`` as few files (a GPU machine may hand back
+only a few): ``summary.md``, ``summary.json`` and ``logs.txt`` (the tail of every stage's log).
 
 A stage that overruns its deadline gets SIGINT (our commands stop cleanly on it: regenerate merges its
 parts, train checkpoints), then SIGKILL; the pipeline goes on with what exists. Train variants share the

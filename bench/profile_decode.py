@@ -1,4 +1,4 @@
-"""Where a decode step of a small target goes on the GPU: the diagnosis the regenerate issue asks for.
+"""Where a decode step of a small target goes on the GPU: why regenerate and eval decode slowly.
 
 ``dflash regenerate`` measured ≈ 130 ms a decode step for SmolLM2-135M at batch 256 on one H200
 (2.1k new tok/s), and ``dflash eval`` ≈ 50 ms a target-only token at batch 1, while the same model's

@@ -12,10 +12,10 @@ One run does it all:
    and reports the data-wait fraction of step time (goal: < 2 %).
 
 Features are random normals in bf16: the mantissa is as incompressible as real features, the exponent
-a little more compressible (real SmolLM2 features store at ≈ 0.67–0.69 of raw, DESIGN §2). The page
-cache is warm (the files were just written) for every contender alike; ``--cold`` evicts each
-contender's files (``posix_fadvise(DONTNEED)``, only these files) before its pass, for the regime of a
-cache larger than RAM.
+a little more compressible (real SmolLM2 features store at ≈ 0.67–0.69 of raw:
+docs/facts.md#compression). The page cache is warm (the files were just written) for every contender alike;
+``--cold`` evicts each contender's files (``posix_fadvise(DONTNEED)``, only these files) before its pass, for
+the regime of a cache larger than RAM.
 
 GPU (the lead's run): ``--device cuda --feature-width 20480 --simulated-step-ms 400`` simulates a
 drafter step at Qwen3-8B width: per microbatch the consumer touches the features on its stream, keeps

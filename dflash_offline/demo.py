@@ -84,7 +84,7 @@ def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
         times,
     )  # fmt: skip
     # A small drafter (1 layer, blocks of 8) so that a few CPU minutes of training show; the default
-    # is 5 layers and blocks of 16 (DESIGN §4).
+    # is 5 layers and blocks of 16 (docs/drafter.md#defaults).
     _run(
         "train",
         ["train", "--cache", str(cache), "--out", str(run), "--num-layers", "1", "--block-size", "8",

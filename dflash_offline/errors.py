@@ -1,7 +1,7 @@
 """The error hierarchy: everything a user, a file or the data can cause is a ``DflashError``.
 
 Each message names the offending value and, where there is one, the fix. ``assert`` is kept for
-programmer invariants only. The CLI turns a ``DflashError`` into a one-line message and exit code 2;
+programmer invariants only. The CLI turns a ``DflashError`` into a one-line message and exit code 1;
 anything else is a bug and keeps its traceback.
 """
 

@@ -71,7 +71,7 @@ def _blosc_zstd1_shuffle() -> tuple[Any, ...]:
     from zarr.codecs import BloscCodec
 
     # 1 MiB blocks: blosc's default block size splits a chunk into small blocks that compress to
-    # ≈ 1.29× instead of ≈ 1.45× on real features (DESIGN §2).
+    # ≈ 1.29× instead of ≈ 1.45× on real features (docs/facts.md#compression).
     return (BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2, blocksize=MIB),)
 
 
@@ -121,9 +121,9 @@ CODECS["fp8-zstd-1"] = CodecSpec(
 
 DEFAULT_CODEC = "blosc-zstd-1-shuffle"
 """The only candidate within the ≤ 0.72 × raw goal on real features (0.70). It buys 30 % less disk and
-1.4× the effective bandwidth where generate and cold reads are disk-bound (DESIGN §3), for decode CPU
-(≈ 1 GB/s a core). Choose ``none`` for a cache that fits in the page cache on a machine short of cores:
-its warm random reads are 4–5× faster there."""
+1.4× the effective bandwidth where generate and cold reads are disk-bound (docs/facts.md#generate), for
+decode CPU (≈ 1 GB/s a core). Choose ``none`` for a cache that fits in the page cache on a machine short of
+cores: its warm random reads are 4–5× faster there."""
 
 IDS_CODEC = "none"
 """Codec of the ``input_ids`` and ``loss_mask`` arrays."""

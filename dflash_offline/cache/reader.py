@@ -4,7 +4,7 @@ Shape legend: N = committed samples, T = tokens of one sample, F = features per 
 
 The Parquet manifest is the truth (``index.duckdb`` may be stale or absent), so a cache that is still
 being written is readable and ``refresh()`` sees newly committed samples. The sample table is loaded
-once into numpy columns (no per-sample SQL: a DuckDB point lookup costs ≈ 1 ms, DESIGN §2).
+once into numpy columns (no per-sample SQL: a DuckDB point lookup costs ≈ 1 ms: docs/facts.md#duckdb).
 
 A batch read splits every sample's rows at shard-file boundaries, groups the pieces by shard (adjacent
 samples share their boundary chunks: each chunk is read and decoded once), and runs one task per shard

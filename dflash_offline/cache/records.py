@@ -1,7 +1,7 @@
 """Typed, frozen records for everything that crosses the cache boundary.
 
 Shape legend: T = tokens of one sample, F = features per token (num_layers * hidden_size).
-Features travel as bfloat16 tensors and are stored as their uint16 bit patterns (DESIGN §2).
+Features travel as bfloat16 tensors and are stored as their uint16 bit patterns (docs/facts.md#bf16-storage).
 """
 
 from __future__ import annotations

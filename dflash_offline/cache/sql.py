@@ -82,7 +82,7 @@ def run_sql(config: SqlConfig) -> SqlResult:
     database = open_query_database(config.root, config.source)
     try:
         confine(database.con, config.root)
-        cursor = database.con.cursor()  # one cursor per result (DuckDB 2.0 trap, DESIGN §2)
+        cursor = database.con.cursor()  # one cursor per result (a DuckDB 2.0 trap: docs/facts.md#duckdb)
         try:
             cursor.execute(statement)
         except duckdb.Error as e:

@@ -4,8 +4,8 @@
 the in-memory database behind ``dflash sql`` / ``dflash status`` are built by ``load_manifest``, so a
 query means the same thing against a finished index and against a cache still being written.
 
-DuckDB traps honoured here (DESIGN §2): rows go in through ``read_parquet`` and registered Arrow tables,
-never ``executemany``; every result is fetched completely before the next statement runs on its
+DuckDB traps honoured here (docs/facts.md#duckdb): rows go in through ``read_parquet`` and registered
+Arrow tables, never ``executemany``; every result is fetched completely before the next statement runs on its
 connection; index.duckdb is opened read-only (a read-write connection locks out every other process).
 """
 

@@ -65,7 +65,7 @@ __all__ = ["ShardWriter", "committed_sample_ids", "failed_sample_ids", "new_sess
 
 MIB = 1 << 20
 DEFAULT_CHUNK_BYTES = MIB
-"""Inner chunk ≈ 1 MiB: compression needs ≥ 1 MB to reach its ratio (DESIGN §2)."""
+"""Inner chunk ≈ 1 MiB: compression needs ≥ 1 MB to reach its ratio (docs/facts.md#compression)."""
 DEFAULT_SHARD_BYTES = 32 * MIB
 """One shard file ≈ 32 MiB: few files, and a whole-shard write amortises zarr's per-call overhead."""
 _SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

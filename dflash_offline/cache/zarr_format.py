@@ -93,7 +93,8 @@ class ArrayFormat:
     name: str
     """``features``, ``input_ids`` or ``loss_mask``."""
     num_rows: int
-    """``shape[0]`` in zarr.json: rows the writer had resized to. Not a commit marker (DESIGN §2)."""
+    """``shape[0]`` in zarr.json: rows the writer had resized to. Not a commit marker
+    (docs/cache.md#layout)."""
     width: int
     """F for features, 1 for the 1-D arrays."""
     dtype: np.dtype

@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN §4): model, training attention mask, anchors, loss, export.
+"""The DFlash drafter (docs/drafter.md): model, training attention mask, anchors, loss, export.
 
 Public API:
   config.DrafterConfig            shape copied from the target + DFlash fields

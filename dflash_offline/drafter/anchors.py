@@ -1,4 +1,4 @@
-"""Anchor sampling: where the training blocks start (DESIGN §4).
+"""Anchor sampling: where the training blocks start (docs/drafter.md#anchors).
 
 Legend: T tokens of the packed row, E eligible positions, A chosen anchors.
 

@@ -4,7 +4,7 @@ Legend: T tokens of the packed row, A anchors, B block size, Q = A·B queries (p
 S = T + Q key slots (padded to Sp), D head dim.
 
 Queries are the block tokens, block j (anchor a_j) occupying rows j·B .. j·B+B−1. Keys are
-[context rows 0..T−1 ; block rows T .. T+Q−1]. A query of block j sees (DESIGN §4):
+[context rows 0..T−1 ; block rows T .. T+Q−1]. A query of block j sees (docs/drafter.md#attention-mask):
   - context row c iff doc(c) == doc(a_j) and pos(c) < pos(a_j)   (strictly before the anchor),
   - block row T + i·B + m iff i == j                            (its whole block, bidirectional),
   - nothing else: no other document, no other block, no padding.

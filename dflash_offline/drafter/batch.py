@@ -3,8 +3,9 @@
 Legend: T tokens of the packed row (documents back to back, optionally padding at the end),
 F = n·H feature width, A anchors (block starts) over all documents of the row.
 
-A feature row p is the target's residual stream after token x[p] (unshifted, DESIGN §3), so the
-block anchored at a sees the features of its own document at positions < a only.
+A feature row p is the target's residual stream after token x[p] (unshifted:
+docs/drafter.md#captured-layers), so the block anchored at a sees the features of its own document at
+positions < a only.
 """
 
 from __future__ import annotations

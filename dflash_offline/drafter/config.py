@@ -1,8 +1,8 @@
 """The DFlash drafter's configuration: shape copied from the target, plus the DFlash-specific fields.
 
-DESIGN §4: L_d Qwen3-style layers at the target's width (hidden, heads, KV heads, head dim, MLP size,
-RMSNorm eps and RoPE base copied from the target's HF config), block size B, the target layer ids whose
-residual streams make the context features, the mask token id, and the training knobs of the loss
+docs/drafter.md#architecture: L_d Qwen3-style layers at the target's width (hidden, heads, KV heads, head
+dim, MLP size, RMSNorm eps and RoPE base copied from the target's HF config), block size B, the target layer
+ids whose residual streams make the context features, the mask token id, and the training knobs of the loss
 (γ of the decayed cross-entropy, number of anchors per document).
 
 RoPE: the drafter always uses default (unscaled) RoPE with the target's base ``rope_theta``; a target's
@@ -20,8 +20,8 @@ from dflash_offline.errors import ConfigError
 DEFAULT_NUM_ANCHORS = 512
 """Anchors per document / microbatch row (the DFlash default); the one home of this number."""
 
-# γ of the decayed loss by block size, from the DFlash paper (DESIGN §4). Other block sizes use
-# DEFAULT_LOSS_GAMMA: a plain choice, not a published one.
+# γ of the decayed loss by block size, from the DFlash paper (docs/drafter.md#labels-and-loss). Other
+# block sizes use DEFAULT_LOSS_GAMMA: a plain choice, not a published one.
 LOSS_GAMMA_BY_BLOCK_SIZE: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
 DEFAULT_LOSS_GAMMA = 7.0
 

@@ -1,4 +1,4 @@
-"""Export a drafter in z-lab's DFlash layout, and load that layout back (DESIGN §4).
+"""Export a drafter in z-lab's DFlash layout, and load that layout back (docs/drafter.md#export-layout).
 
 A directory with
   config.json        Qwen3 fields (model_type "qwen3", width, heads, head_dim, MLP, eps, RoPE, vocab,
@@ -10,6 +10,16 @@ A directory with
                      ``layers.N.self_attn.{q,k}_norm.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
                      ``layers.N.{input,post_attention}_layernorm.weight``, ``fc.weight``,
                      ``hidden_norm.weight``, ``norm.weight``: no embedding, no LM head (the target's).
+  README.md          the model card (``model_card.py``), when the caller gives one (``dflash export``).
+
+What the serving engines read of it (their loaders' contracts are pinned, with the upstream files, in
+tests/drafter/test_export_consumers.py): vLLM maps ``DFlashDraftModel`` to its Qwen3 DFlash drafter,
+sizes ``fc`` from ``dflash_config.target_layer_ids`` (which it shifts by one to its own capture points;
+an ``eagle_aux_hidden_state_layer_ids`` key would override them, so the export has none) and takes the
+mask id from ``dflash_config.mask_token_id``; full-attention ``layer_types`` make its drafter
+non-causal. SGLang reads the same fields plus ``num_target_layers`` and ``block_size``. llama.cpp's GGUF
+converter needs ``block_size`` at the top level. All three load ``layers.*``, ``fc``, ``hidden_norm`` and
+``norm`` under exactly these names and share the target's embedding and LM head when the file has none.
 
 z-lab's published configs also carry ``auto_map`` pointing at their own ``dflash.py``; we ship no
 modelling code, so the export has none (SGLang/vLLM dispatch on ``architectures``). The loader reads
@@ -35,6 +45,7 @@ from dflash_offline.errors import ConfigError, DrafterFormatError
 EXPORT_FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+README_FILE = "README.md"
 ARCHITECTURE = "DFlashDraftModel"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -136,8 +147,11 @@ def config_from_zlab(data: dict[str, Any]) -> DrafterConfig:
         raise DrafterFormatError(f"config.json is inconsistent: {exc}") from exc
 
 
-def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` into ``out_dir`` (created; files replaced).
+def export_drafter(
+    model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None, readme: str | None = None
+) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (and ``readme`` as ``README.md``) into ``out_dir``
+    (created; files replaced).
 
     ``dtype`` converts the weights (e.g. torch.bfloat16 for serving); None keeps the model's dtype.
     Each file is written under a temporary name and renamed, so a crash leaves no half file.
@@ -159,6 +173,8 @@ def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
     _atomic_write(out / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     text = json.dumps(zlab_config(model.config, dtype=out_dtype), indent=2, sort_keys=True) + "\n"
     _atomic_write(out / CONFIG_FILE, lambda p: p.write_text(text))
+    if readme is not None:
+        _atomic_write(out / README_FILE, lambda p: p.write_text(readme))
     return out
 
 

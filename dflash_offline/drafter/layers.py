@@ -7,8 +7,8 @@ Module and parameter names follow z-lab's DFlash checkpoints (``layers.N.self_at
 ``...k_norm.weight``, ``...mlp.gate_proj.weight``, ``...input_layernorm.weight``) so that a state dict
 is the exported layout without renaming.
 
-DFlash attention (DESIGN §4): queries come from the block tokens only; keys/values come from
-[context ; block] through the same k_proj / v_proj, with k_norm on both parts and q_norm on the
+DFlash attention (docs/drafter.md#architecture): queries come from the block tokens only; keys/values
+come from [context ; block] through the same k_proj / v_proj, with k_norm on both parts and q_norm on the
 queries. The context is ``hidden_norm(fc(features))``, computed once and shared by every layer; it does
 not go through the layer's input_layernorm (as in the reference implementation).
 """

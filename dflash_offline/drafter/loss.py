@@ -1,4 +1,4 @@
-"""Labels, the decayed cross-entropy of DESIGN §4, and a memory-safe chunked LM-head loss.
+"""Labels, the decayed cross-entropy and a memory-safe chunked LM-head loss (docs/drafter.md#labels-and-loss).
 
 Legend: T tokens of the packed row, A anchors, B block size, K = B−1 draft positions (k = 1..B−1),
 N loss rows, H hidden, V vocabulary.
@@ -8,9 +8,9 @@ Labels are not shifted: block position k predicts x[a+k], the token at the same 
 positions with loss_mask 0. Loss = Σ w_k·m·CE / Σ w_k·m with w_k = exp(−(k−1)/γ).
 
 Metrics: ``acc_k`` = accuracy of block position k over the rows that carry loss there. The simulated
-acceptance length here follows the eval convention of DESIGN §5 (τ = accepted drafts + 1):
-``simulated_acceptance_length(acc) = 1 + Σ_k Π_{i≤k} acc_i``; DESIGN §4's Σ_k Π_{i≤k} acc_i (accepted
-drafts only) is ``simulated_acceptance_length(acc, include_bonus=False)``.
+acceptance length here follows eval's convention, τ = accepted drafts + 1 (docs/drafter.md#metrics):
+``simulated_acceptance_length(acc) = 1 + Σ_k Π_{i≤k} acc_i``; the accepted drafts alone, Σ_k Π_{i≤k} acc_i,
+are ``simulated_acceptance_length(acc, include_bonus=False)``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Choosing the mask token id: the embedding row fed to the B−1 masked slots of every block.
 
-DESIGN §4 rule, in order: an explicit option; else the tokenizer's mask token; else the first
-embedding row past the tokenizer's vocabulary (Qwen3: 151,669 tokenizer tokens, 151,936 rows → 151669,
-the id z-lab's published drafters use); else an unused special token: one the chat template does not
+The rule (docs/drafter.md#mask-token), in order: an explicit option; else the tokenizer's mask token;
+else the first embedding row past the tokenizer's vocabulary (Qwen3: 151,669 tokenizer tokens, 151,936 rows →
+151669, the id z-lab's published drafters use); else an unused special token: one the chat template does not
 emit and that is not BOS/EOS/PAD/UNK (SmolLM2: 49,152 tokens == 49,152 rows, no mask token → the
 highest such special, ``<empty_output>`` = 16). Whatever is chosen must be a row of the embedding: a
 mask id outside it is one of the bugs other trainers shipped.
@@ -25,7 +25,7 @@ _PROBE_CONVERSATION = [
 
 
 def resolve_mask_token_id(tokenizer: Any, vocab_rows: int, explicit: int | None = None) -> int:
-    """The mask token id for a target whose embedding has ``vocab_rows`` rows (DESIGN §4 rule).
+    """The mask token id for a target whose embedding has ``vocab_rows`` rows (the rule above).
 
     ``tokenizer`` is a transformers tokenizer (duck-typed: ``mask_token_id``, ``len()``,
     ``added_tokens_decoder``, ``apply_chat_template``, the special-token ids).

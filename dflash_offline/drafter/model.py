@@ -3,9 +3,9 @@
 Legend: T tokens of the packed row, F = n·H feature width, A anchors, B block size, Q = A·B block
 rows, C context tokens, H hidden, D head dim, Hk key/value heads, V vocabulary, K = B−1 draft positions.
 
-Architecture (DESIGN §4): ``ctx = hidden_norm(fc(features))`` once; L_d Qwen3-style layers whose
-queries are the block rows and whose keys/values are [ctx ; block] (see layers.py); RoPE at absolute
-positions (context p at its position in the document, block rows at a..a+B−1); final RMSNorm; the
+Architecture (docs/drafter.md#architecture): ``ctx = hidden_norm(fc(features))`` once; L_d Qwen3-style
+layers whose queries are the block rows and whose keys/values are [ctx ; block] (see layers.py); RoPE at
+absolute positions (context p at its position in the document, block rows at a..a+B−1); final RMSNorm; the
 target's frozen LM head. The block input is [x[a], MASK × (B−1)] through the target's frozen embedding.
 
 The frozen embedding and LM head are non-persistent buffers: they move with ``.to()`` but are not in
@@ -256,7 +256,7 @@ class DFlashDrafter(nn.Module):
         loss_chunk_rows: int = 1024,
         checkpoint_layers: bool = False,
     ) -> DrafterOutput:
-        """Decayed cross-entropy and accuracy counts of one packed row (DESIGN §4).
+        """Decayed cross-entropy and accuracy counts of one packed row (docs/drafter.md#labels-and-loss).
 
         The LM head runs only over the rows that carry loss, ``loss_chunk_rows`` at a time, so the
         [A·B, V] logits never exist at once (see loss.linear_cross_entropy).

@@ -1,4 +1,4 @@
-"""``dflash eval``: speculative decoding with the target and an exported drafter (DESIGN §5).
+"""``dflash eval``: speculative decoding with the target and an exported drafter (docs/data-flow.md#eval).
 
 Public API:
   speculative.speculative_decode / target_only_decode -> DecodeResult   the two loops (greedy, batch 1)

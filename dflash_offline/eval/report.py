@@ -2,9 +2,9 @@
 
 Per set (and pooled over all sets): τ = Σ over its cycles of (accepted + 1) ÷ number of cycles (a mean
 over cycles, not over prompts); decode tok/s of a loop = Σ new tokens ÷ Σ its decode seconds (prefill
-excluded); speedup = Σ target-only decode seconds ÷ Σ speculative decode seconds (DESIGN §5). The mean
-row is the unweighted mean of the per-set values (each set counts once, as in DFlash's tables).
-A "prompt" is one decoded turn: an MT-Bench question gives two.
+excluded); speedup = Σ target-only decode seconds ÷ Σ speculative decode seconds
+(docs/drafter.md#metrics). The mean row is the unweighted mean of the per-set values (each set counts once, as
+in DFlash's tables). A "prompt" is one decoded turn: an MT-Bench question gives two.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ cycle), and the tests hold both to the same outputs.
 Legend: P prompt tokens, S tokens of one target call, B block size, K = B − 1 drafted tokens,
 C context positions handed to the drafter, F = n·H feature width, V vocabulary.
 
-The speculative loop (DESIGN §5). Prefill: one target forward over the prompt with forward hooks on the
-drafter's target layers gives the features of positions 0..P−1 and, from the last logits, the first
-new token x[P]. Then, with n the position of the newest token x[n] (not yet seen by the target):
+The speculative loop (docs/data-flow.md#eval). Prefill: one target forward over the prompt with forward
+hooks on the drafter's target layers gives the features of positions 0..P−1 and, from the last logits, the
+first new token x[P]. Then, with n the position of the newest token x[n] (not yet seen by the target):
   1. the drafter proposes d_1..d_K from [x[n], MASK × K] at positions n..n+K, its context being the
      features of positions 0..n−1 (handed over incrementally: only the positions it has not seen);
   2. the target runs ONE forward over [x[n], d_1..d_K] (positions n..n+K) on its KV cache; p_i is its

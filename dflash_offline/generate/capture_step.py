@@ -22,7 +22,7 @@ from dflash_offline.generate.plan import CaptureJob
 
 class PinnedBufferPool:
     """A fixed set of reusable host buffers (page-locked on CUDA: 55 GB/s D2H vs 1.3 GB/s pageable,
-    DESIGN §3). The pool size bounds host memory whatever the data set size."""
+    docs/facts.md#generate). The pool size bounds host memory whatever the data set size."""
 
     def __init__(self, *, num_buffers: int, elements: int, pin: bool) -> None:
         self._free: queue.Queue[torch.Tensor] = queue.Queue()

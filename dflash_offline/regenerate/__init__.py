@@ -1,10 +1,12 @@
-"""``dflash regenerate``: the target answers the user turns of chat data (DESIGN §5: training responses
-should come from the target itself).
+"""``dflash regenerate``: the target answers the user turns of chat data (training responses should come
+from the target itself: docs/data-flow.md#regenerate).
 
 Public API:
   config.RegenerateConfig / run.run_regenerate(config) -> RegenerateSummary
   turns.user_groups, turns.PendingConversation   which turns are answered, and the chat built
   engines.ContinuousEngine / StaticEngine        transformers' continuous batching / sorted generate batches
+  openai_engine.OpenAIEngine, probe_server       an OpenAI-compatible server's completions (--engine openai)
+  http_client.JsonClient                         JSON over HTTP with per-request timeout and retries
   driver.Driver                                  a window of conversations, each turn submitted when ready
   worker.run_worker                              one worker (its device, its share of the records)
   generation.generate_batch                      left-padded HF generate, greedy or sampled

@@ -65,10 +65,42 @@ class RegenerateConfig:
     )
     """Requests decoded at once (slots, CB) or rows per generate call (static); None: 256 on CUDA, 16 on
     the CPU."""
-    engine: Literal["auto", "slots", "cb", "static"] = cli_field(
+    engine: Literal["auto", "slots", "cb", "static", "openai"] = cli_field(
         "auto",
         help="slots: the project's decode engine (slot KV cache, CUDA graphs); cb: transformers' continuous "
-        "batching; static: generate batches sorted by prompt length; auto: slots.",
+        "batching; static: generate batches sorted by prompt length; auto: slots; openai: an "
+        "OpenAI-compatible server at --base-url answers (--target then gives only the tokenizer and chat "
+        "template).",
+    )
+    base_url: str | None = cli_field(
+        None,
+        help="--engine openai: the server, e.g. http://localhost:8000 (its /v1/models and "
+        "/v1/completions are used).",
+    )
+    model: str | None = cli_field(
+        None, help="--engine openai: the served model name (default: the only model the server lists)."
+    )
+    api_key_env: str | None = cli_field(
+        None,
+        help="--engine openai: the environment variable that holds the server's API key (sent as a "
+        "Bearer token).",
+    )
+    concurrency: int = cli_field(
+        256, min=1, help="--engine openai: requests in flight per worker (one turn per conversation)."
+    )
+    request_timeout: float = cli_field(
+        600.0, min=0, help="--engine openai: seconds to wait for one answer before retrying the request."
+    )
+    max_retries: int = cli_field(
+        5,
+        min=0,
+        help="--engine openai: retries of a request after a 429/5xx answer, a timeout or a dropped "
+        "connection.",
+    )
+    retry_backoff: float = cli_field(
+        1.0,
+        min=0,
+        help="--engine openai: seconds before the first retry, doubled for each later one (at most 60).",
     )
     kv_tokens: int | None = cli_field(
         None,
@@ -110,7 +142,11 @@ class RegenerateConfig:
             "--batch-size": self.batch_size is None or self.batch_size >= 1,
             "--kv-tokens": self.kv_tokens is None or self.kv_tokens >= 1,
             "--max-batch-tokens": self.max_batch_tokens >= 1,
-            "--engine": self.engine in ("auto", "slots", "cb", "static"),
+            "--engine": self.engine in ("auto", "slots", "cb", "static", "openai"),
+            "--concurrency": self.concurrency >= 1,
+            "--request-timeout": self.request_timeout > 0,
+            "--max-retries": self.max_retries >= 0,
+            "--retry-backoff": self.retry_backoff >= 0,
             "--cuda-graphs": self.cuda_graphs in ("auto", "on", "off"),
             "--window": self.window is None or self.window >= 1,
             "--dtype": self.dtype in (None, "float32", "bfloat16"),
@@ -119,6 +155,7 @@ class RegenerateConfig:
         if bad:
             raise ConfigError(f"invalid value for {', '.join(bad)} (see dflash regenerate --help)")
         parse_data_format(self.data_format)
+        self._check_server_options()
         if self.kv_tokens is not None and self.max_prompt_tokens + self.max_new_tokens > self.kv_tokens:
             raise ConfigError(
                 f"--max-prompt-tokens {self.max_prompt_tokens} + --max-new-tokens {self.max_new_tokens} "
@@ -127,6 +164,24 @@ class RegenerateConfig:
             )
         if self.out.suffix != ".jsonl":
             raise ConfigError(f"--out {self.out}: name a .jsonl file (the chat JSONL that generate reads)")
+
+    def _check_server_options(self) -> None:
+        server_only = {"--base-url": self.base_url, "--model": self.model, "--api-key-env": self.api_key_env}
+        if self.engine != "openai":
+            given = [flag for flag, value in server_only.items() if value is not None]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} only apply to --engine openai (got --engine {self.engine})"
+                )
+            return
+        if self.base_url is None:
+            raise ConfigError("--engine openai needs --base-url (the server, e.g. http://localhost:8000)")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--base-url {self.base_url!r}: give an http:// or https:// URL")
+        if self.placement.gpus:
+            raise ConfigError(
+                "--engine openai runs no model here: leave out --gpus (the server has the GPUs)"
+            )
 
     @property
     def failures_path(self) -> Path:

@@ -229,4 +229,9 @@ class Driver:
             if not self.live:
                 return True
             for finished in self.engine.poll(timeout=0.2):
+                if finished.failure is not None:
+                    p = self.live.pop(finished.key)
+                    turn = f"turn {len(p.answers)}: "
+                    self.sink.fail_conv(p, finished.failure.reason, turn + finished.failure.detail)
+                    continue
                 self._answered(finished.key, finished.tokens.token_ids, finished.tokens.finish_reason)

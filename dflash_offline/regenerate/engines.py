@@ -39,7 +39,7 @@ from dflash_offline.regenerate.generation import (
 )
 from dflash_offline.target.loader import quiet_transformers
 
-EngineName = Literal["slots", "cb", "static"]
+EngineName = Literal["slots", "cb", "static", "openai"]
 
 DEFAULT_KV_TOKENS = 262144
 """cb and static: the KV budget in tokens when --kv-tokens is not given."""
@@ -84,11 +84,23 @@ class EngineOptions:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RequestFailure:
+    """Why an engine could not answer one request (the run goes on without that conversation)."""
+
+    reason: str
+    """A short failure-row reason: ``server_error``, ``timeout``, ``prompt_mismatch``, ..."""
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Finished:
-    """One answered request."""
+    """One answered request (or one the engine gave up on: ``failure`` set, ``tokens`` empty)."""
 
     key: str
     tokens: GeneratedTokens
+    failure: RequestFailure | None = None
+    """Set when this request failed on its own (a server engine after its retries); the driver writes
+    the conversation as a failure row."""
 
 
 class Engine(Protocol):

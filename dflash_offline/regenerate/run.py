@@ -1,5 +1,6 @@
 """``dflash regenerate``: the target answers each conversation's user turns; the result is chat JSONL that
-``dflash generate`` reads (DESIGN §5: training responses should come from the target itself).
+``dflash generate`` reads (training responses should come from the target itself:
+docs/data-flow.md#regenerate).
 
 One worker per GPU (``--gpus``), ``--workers N`` CPU processes, or one per ``torchrun`` rank; a single
 worker runs in this process and writes the output directly. Each worker answers a disjoint share of the
@@ -68,7 +69,7 @@ class RegenerateSummary:
     generation_seconds: float = 0.0
     """From the first worker being ready to the end."""
     engine: str = ""
-    """``slots``, ``cb`` or ``static`` (the workers' engine)."""
+    """``slots``, ``cb``, ``static`` or ``openai`` (the workers' engine)."""
     workers: int = 1
 
     @property
@@ -190,6 +191,10 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
     from dflash_offline.data.sources import resolve_data_path
 
     resolve_data_path(config.data)  # a missing file fails here, before any worker starts
+    if config.engine == "openai":
+        from dflash_offline.regenerate.openai_engine import probe_for_config
+
+        probe_for_config(config)  # a wrong URL, model or key fails here, before anything is written
     if under_torchrun():
         return _run_torchrun(config)
     start = time.perf_counter()

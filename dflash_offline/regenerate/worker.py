@@ -27,7 +27,7 @@ from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tall
 if TYPE_CHECKING:
     from dflash_offline.regenerate.engines import Engine
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
-    from dflash_offline.target.loader import LoadedTarget
+    from dflash_offline.target.loader import TargetInfo
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,12 +122,15 @@ def _bind_device(spec: WorkerSpec) -> torch.device:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _LoadedEngine:
-    """The target and the generation engine built on it (``_load_engine``)."""
+    """The generation engine and what the driver and the output need of the target (``_load_engine``)."""
 
-    target: LoadedTarget
+    tokenizer: Any
+    info: TargetInfo
     engine: Engine
     batch_size: int
-    """Conversations the engine answers at once on this device type."""
+    """Conversations the engine answers at once (per forward step, or requests in flight)."""
+    provenance: dict[str, Any]
+    """Extra ``regenerated_by`` entries (the served model of ``--engine openai``)."""
 
 
 def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], None]) -> _LoadedEngine:
@@ -137,6 +140,8 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
     from dflash_offline.target.loader import load_target
 
     config = spec.config
+    if config.engine == "openai":
+        return _load_server_engine(spec)
     target = load_target(config.target, device=device, dtype=compute_dtype(config.dtype, device))
     tokenizer = target.tokenizer
     stop_ids = stop_token_ids(tokenizer, target.model)
@@ -161,7 +166,42 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
     engine = make_engine(
         config.engine, target.model, settings, options, note=lambda text: emit(_note(spec, text))
     )
-    return _LoadedEngine(target=target, engine=engine, batch_size=batch_size)
+    return _LoadedEngine(
+        tokenizer=tokenizer, info=target.info, engine=engine, batch_size=batch_size, provenance={}
+    )
+
+
+def _load_server_engine(spec: WorkerSpec) -> _LoadedEngine:
+    """``--engine openai``: the tokenizer and facts of --target (no weights) and the server's engine."""
+    from dflash_offline.regenerate.generation import GenerationSettings
+    from dflash_offline.regenerate.openai_engine import (
+        OpenAIEngine,
+        probe_server,
+        server_options,
+        server_target,
+    )
+
+    config = spec.config
+    target = server_target(config.target)
+    options = server_options(config)
+    served = probe_server(options, target.tokenizer)
+    settings = GenerationSettings(
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        stop_ids=target.stop_ids,
+        pad_id=min(target.stop_ids, default=0),
+    )
+    engine = OpenAIEngine(
+        options=options, served=served, settings=settings, tokenizer=target.tokenizer,
+        seed=config.seed + spec.worker,
+    )  # fmt: skip
+    return _LoadedEngine(
+        tokenizer=target.tokenizer,
+        info=target.info,
+        engine=engine,
+        batch_size=config.concurrency,
+        provenance={"served_model": served.model, "prompt_form": served.prompt_form},
+    )
 
 
 def _note(spec: WorkerSpec, text: str) -> WorkerNote:
@@ -187,7 +227,7 @@ def _answer_records(
         driver = Driver(
             engine=engine,
             sink=sink,
-            tokenizer=loaded.target.tokenizer,
+            tokenizer=loaded.tokenizer,
             max_prompt_tokens=config.max_prompt_tokens,
             window=window,
             done=lambda sid: sid in spec.done or sid in own,
@@ -225,7 +265,7 @@ def _sink(
 ) -> ConversationSink:
     """Where answers go: the output JSONL (with their provenance) and the failures JSONL; every tally
     goes to the coordinator as a ``WorkerProgress``."""
-    config, info = spec.config, loaded.target.info
+    config, info = spec.config, loaded.info
 
     def on_tally(delta: Tally) -> None:
         emit(WorkerProgress(worker=spec.worker, delta=delta))
@@ -240,6 +280,7 @@ def _sink(
             "temperature": config.temperature,
             "max_new_tokens": config.max_new_tokens,
             "seed": config.seed,
+            **loaded.provenance,
         },
         on_tally=on_tally,
         on_failure=lambda text: emit(_note(spec, text)),

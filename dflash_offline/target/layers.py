@@ -1,4 +1,4 @@
-"""Which target decoder layers are captured (DESIGN §3).
+"""Which target decoder layers are captured (docs/drafter.md#captured-layers).
 
 A feature is the residual stream *after* decoder layer i (HF ``output_hidden_states[i + 1]``), before
 any final norm. Because our capture runs the layers directly and never applies the final norm, layer

@@ -65,7 +65,7 @@ class TrainConfig:
     """Where the frozen embedding and LM head come from; None = the cache's target when it is
     ``default`` or ``random:<preset>`` (a model directory must be named again: the cache stores
     only its name)."""
-    # The drafter (DESIGN §4 defaults).
+    # The drafter (docs/drafter.md#defaults).
     num_layers: int = cli_field(5, min=1)
     block_size: int = cli_field(16, min=2)
     num_anchors: int = cli_field(512, min=1, help="Blocks per microbatch row.")

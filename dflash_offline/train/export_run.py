@@ -1,22 +1,39 @@
-"""Export a training run's drafter (from a checkpoint) in z-lab's DFlash layout."""
+"""Export a training run's drafter (from a checkpoint) in z-lab's DFlash layout, with its model card."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import read_fingerprint
 from dflash_offline.errors import ResumeError
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.model_setup import build_drafter_setup
+from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
+
+if TYPE_CHECKING:
+    from dflash_offline.drafter.model_card import EvalFacts
+
+EVAL_REPORT_NAME = "eval.json"
+"""A ``dflash eval --json`` report at ``RUN/eval.json`` goes into the model card without being named."""
 
 
-def export_run(run_dir: Path, out_dir: Path, *, dtype: str = "bfloat16", step: int | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` for the checkpoint at ``step`` (default newest)."""
+def export_run(
+    run_dir: Path,
+    out_dir: Path,
+    *,
+    dtype: str = "bfloat16",
+    step: int | None = None,
+    eval_report: Path | None = None,
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` + ``README.md`` for the checkpoint at ``step`` (default
+    newest); the card's τ table comes from ``eval_report``, else from ``RUN/eval.json`` when it exists."""
     from dflash_offline.drafter.export import export_drafter
+    from dflash_offline.drafter.model_card import read_eval_report
 
     config_path = run_dir / "config.json"
     if not config_path.is_file():
@@ -28,10 +45,44 @@ def export_run(run_dir: Path, out_dir: Path, *, dtype: str = "bfloat16", step: i
     chosen = max(found) if step is None else step
     if chosen not in found:
         raise ResumeError(f"{run_dir} has no checkpoint of step {step}; it has {sorted(found)}")
-    setup = build_drafter_setup(config, read_fingerprint(config.cache_dir), device=torch.device("cpu"))
+    if eval_report is None and (run_dir / EVAL_REPORT_NAME).is_file():
+        eval_report = run_dir / EVAL_REPORT_NAME
+    evaluated = read_eval_report(eval_report) if eval_report is not None else None  # fails before writing
+    fingerprint = read_fingerprint(config.cache_dir)
+    setup = build_drafter_setup(config, fingerprint, device=torch.device("cpu"))
     state = torch.load(found[chosen] / "state.pt", map_location="cpu", weights_only=False)
     if "feature_scale_F" in state["model"]:  # a --feature-scale run: the export folds it into fc
         setup.model.set_feature_scale(state["model"]["feature_scale_F"])
     setup.model.load_state_dict(state["model"])
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    return export_drafter(setup.model, out_dir, dtype=torch_dtype)
+    readme = _model_card(
+        config, fingerprint, setup, step=chosen, dtype=dtype, evaluated=evaluated, out_dir=out_dir
+    )
+    return export_drafter(setup.model, out_dir, dtype=torch_dtype, readme=readme)
+
+
+def _model_card(
+    config: TrainConfig,
+    fingerprint: CacheFingerprint,
+    setup: DrafterSetup,
+    *,
+    step: int,
+    dtype: str,
+    evaluated: EvalFacts | None,
+    out_dir: Path,
+) -> str:
+    from dflash_offline.drafter.model_card import CardFacts, render_model_card, serve_target_for
+
+    length = f"--max-steps {config.max_steps}" if config.max_steps else f"--epochs {config.epochs}"
+    facts = CardFacts(
+        target_id=fingerprint.target_id,
+        weights_hash=fingerprint.weights_hash,
+        serve_target=serve_target_for(fingerprint.target_id, setup.target_spec),
+        data_source=fingerprint.data_source,
+        cache_dir=str(config.cache_dir),
+        step=step,
+        run_length=f"a run of {length}, seed {config.seed}",
+        dtype=dtype,
+        eval=evaluated,
+    )
+    return render_model_card(facts, setup.model.config, out_dir)

@@ -1,10 +1,10 @@
 """A fixed feature scale computed once from cache statistics, against massive activations.
 
 SmolLM2-135M's captured residual streams have max |x| ≈ 24,800 in a few dimensions (507, 247, 17) at
-every position, per-layer RMS 3–47 (DESIGN §4 facts): through a randomly initialised ``fc`` those few
-dimensions set the direction of every context vector, so the context starts out nearly the same at
-every position. Dividing each feature by its RMS over a sample of the cache (``dim``) or each
-captured layer by its own RMS (``layer``) puts every input of ``fc`` on the same footing. The scale is
+every position, per-layer RMS 3–47 (docs/facts.md#features-of-a-real-target): through a randomly
+initialised ``fc`` those few dimensions set the direction of every context vector, so the context starts out
+nearly the same at every position. Dividing each feature by its RMS over a sample of the cache (``dim``) or
+each captured layer by its own RMS (``layer``) puts every input of ``fc`` on the same footing. The scale is
 saved in ``RUN/feature_scale.safetensors`` (a resumed run reuses it) and folded into ``fc.weight`` at
 export, so the exported drafter keeps z-lab's layout and needs no scale at serving time.
 """

@@ -1,5 +1,5 @@
-"""`dflash sql` reads the cache and nothing else: every attack of issue 14 is refused with one line,
-and leaves the files it aimed at as they were (each failed on main before the confinement)."""
+"""`dflash sql` reads the cache and nothing else: every attack below is refused with one line, and leaves
+the files it aimed at as they were (each of them worked before the confinement)."""
 
 from __future__ import annotations
 

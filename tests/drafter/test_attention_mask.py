@@ -1,5 +1,6 @@
 """The training mask (dense SDPA and flex_attention) against a brute-force reference built position by
-position from the DESIGN §4 rule, on random packed rows; and the fully-masked-row guard."""
+position from the rule of docs/drafter.md#attention-mask, on random packed rows; and the fully-masked-row
+guard."""
 
 from __future__ import annotations
 

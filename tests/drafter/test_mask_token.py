@@ -1,4 +1,4 @@
-"""Mask token id resolution (DESIGN §4 rule), with stand-in tokenizers and the real SmolLM2 one."""
+"""Mask token id resolution (docs/drafter.md#mask-token) with stand-in tokenizers and the real SmolLM2 one."""
 
 from __future__ import annotations
 

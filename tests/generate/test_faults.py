@@ -1,4 +1,4 @@
-"""Faults of ``dflash generate`` (issue 14): two runs into one cache, a killed coordinator, a killed
+"""Faults of ``dflash generate``: two runs into one cache, a killed coordinator, a killed
 worker, a full disk, and the configuration mistakes that used to pass silently or with a traceback.
 The long version of the kill loop is ``bench/soak.py``."""
 

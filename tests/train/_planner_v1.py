@@ -1,4 +1,4 @@
-"""FROZEN COPY of dflash_offline/train/planner.py before its vectorised rewrite (issue 12): the reference
+"""FROZEN COPY of dflash_offline/train/planner.py before its vectorised rewrite: the reference
 that tests/train/test_planner_equivalence.py compares the current planner with. Do not edit.
 
 Original docstring follows.

@@ -1,4 +1,4 @@
-"""The vectorised planner and snapshot (issue 12) give exactly the plans, step counts and snapshot ids of
+"""The vectorised planner and snapshot give exactly the plans, step counts and snapshot ids of
 the per-sample Python versions they replaced (``_planner_v1.py`` is a frozen copy of the old planner;
 the old snapshot id and sort are re-implemented below), so a run's loss curve does not change."""
 

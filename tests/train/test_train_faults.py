@@ -1,4 +1,4 @@
-"""Training faults of issue 14: damaged samples, crash leftovers, Ctrl-C, bad options, a full disk.
+"""Training faults: damaged samples, crash leftovers, Ctrl-C, bad options, a full disk.
 
 Each case compares with an uninterrupted reference run on the same cache (same losses, bit for bit,
 under --deterministic) or with `dflash verify`'s independent account of the damage.

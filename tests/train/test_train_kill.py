@@ -1,4 +1,4 @@
-"""The training half of issue 14's fault suite: SIGKILL at random steps (one process, and two spawned
+"""Training under kills: SIGKILL at random steps (one process, and two spawned
 CPU DDP workers), Ctrl-C, then the same command: the loss sequence and the final weights equal an
 uninterrupted run's, and no process of the run survives. `bench/soak_train.py` is the long version."""
 
@@ -20,7 +20,7 @@ STEPS = 15
 
 
 def _has_parent_death_handling() -> bool:
-    """Whether the training workers on this branch exit when their parent dies (issue 14 item 4)."""
+    """Whether the training workers on this branch exit when their parent dies."""
     root = Path(dflash_offline.__file__).parent
     text = "".join(p.read_text() for p in root.rglob("*.py")).lower()
     return "pdeathsig" in text or "parent_death" in text or "parent death" in text
@@ -88,6 +88,6 @@ def test_sigkill_of_the_coordinator_alone_leaves_no_orphan(cache: Path, tmp_path
     if record.survivors and not _has_parent_death_handling():
         pytest.skip(
             f"{record.survivors} DDP workers outlived their killed parent (killed by the test): the "
-            "parent-death handling of issue 14 item 4 (helper i14a) is not on this branch"
+            "parent-death handling (dflash_offline/lifeline.py) is not on this branch"
         )
     assert record.survivors == 0

@@ -1,5 +1,4 @@
-"""``dflash train`` (issue 14, cache half): one run per ``--out``, and DDP
-ranks that die with their launcher."""
+"""``dflash train``: one run per ``--out``, and DDP ranks that die with their launcher."""
 
 from __future__ import annotations
 

@@ -1,0 +1,240 @@
+"""``dflash regenerate --engine openai`` against a real HTTP server process (``openai_server.py``, the tiny
+random target behind the OpenAI protocol): the greedy answers equal the built-in static engine's while
+429s, 500s and timeouts are injected, a request that keeps failing is a failure row and the run goes on,
+a server killed mid-run stops the run and a rerun against a live server finishes it with every
+conversation once, a server that takes only text gets the templated text, and a wrong URL, model, key
+or tokenizer is a one-line error before anything is written."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_offline.cli import main
+from dflash_offline.eval.runtime import stop_token_ids
+from dflash_offline.regenerate.config import RegenerateConfig
+from dflash_offline.regenerate.openai_engine import ServerError, server_target
+from dflash_offline.regenerate.run import run_regenerate
+from dflash_offline.target.loader import load_target
+from tests.eval.helpers import one_thread, write_chat_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+COMMON: dict[str, Any] = {
+    "target": "random:tiny",
+    "max_new_tokens": 8,
+    "progress": False,
+    "max_prompt_tokens": 512,
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Server:
+    url: str
+    process: subprocess.Popen[str]
+
+    def faults(self, **plan: Any) -> None:
+        request = urllib.request.Request(
+            self.url + "/admin/faults", data=json.dumps(plan).encode(), method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+
+
+def _start_server() -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.regenerate.openai_server", "--port", "0"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _ready(process: subprocess.Popen[str]) -> Server:
+    assert process.stdout is not None
+    line = process.stdout.readline()  # blocks until the model is loaded and the socket listens
+    assert line.startswith("LISTENING "), line
+    return Server(url=f"http://127.0.0.1:{int(line.split()[1])}", process=process)
+
+
+@pytest.fixture(scope="module")
+def starting() -> Iterator[list[subprocess.Popen[str]]]:
+    """A healthy server and one that the kill test kills, loading while the reference is computed."""
+    processes = [_start_server(), _start_server()]
+    try:
+        yield processes
+    finally:
+        for p in processes:
+            p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def servers(starting: list[subprocess.Popen[str]], reference: dict[str, Any]) -> tuple[Server, Server]:
+    healthy, victim = (_ready(p) for p in starting)
+    return healthy, victim
+
+
+@pytest.fixture
+def server(servers: tuple[Server, Server]) -> Iterator[Server]:
+    healthy = servers[0]
+    healthy.faults()
+    yield healthy
+    healthy.faults()
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_chat_jsonl(tmp_path_factory.mktemp("chat") / "chat.jsonl", 8, turns=2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(
+    data: Path, tmp_path_factory: pytest.TempPathFactory, starting: list[subprocess.Popen[str]]
+) -> dict[str, Any]:
+    """The built-in static engine's conversations (greedy answers are the same across engines)."""
+    out = tmp_path_factory.mktemp("static") / "static.jsonl"
+    with one_thread():
+        summary = run_regenerate(
+            RegenerateConfig(out=out, data=str(data), engine="static", batch_size=4, **COMMON)
+        )
+    assert summary is not None
+    assert summary.written == 8
+    return _conversations(out)
+
+
+def _conversations(path: Path) -> dict[str, Any]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    ids = [line["source_sample_id"] for line in lines]
+    assert len(ids) == len(set(ids)), "a conversation written twice"
+    return {line["source_sample_id"]: line["messages"] for line in lines}
+
+
+def _config(out: Path, data: Path, url: str, **kw: Any) -> RegenerateConfig:
+    values: dict[str, Any] = {
+        "engine": "openai", "base_url": url, "concurrency": 4, "request_timeout": 2.0,
+        "max_retries": 3, "retry_backoff": 0.01, **COMMON,
+    }  # fmt: skip
+    values.update(kw)
+    return RegenerateConfig(out=out, data=str(data), **values)
+
+
+def test_answers_equal_the_static_engine_through_injected_faults(
+    tmp_path: Path, data: Path, reference: dict[str, Any], server: Server
+) -> None:
+    """Transient 429/500/timeouts are retried; a prompt the server always fails on is one failure row with
+    its reason, and every other conversation is written once with the static engine's greedy answers."""
+    doomed = next(sid for sid, messages in reference.items() if "fox" in messages[-2]["content"])
+    server.faults(status_at={"2": 429, "5": 500, "9": 503}, timeout_at=[7], sleep=3.0, reject_marker="fox")
+    out = tmp_path / "served.jsonl"
+    summary = run_regenerate(_config(out, data, server.url))
+    assert summary is not None
+    assert summary.engine == "openai"
+    got = _conversations(out)
+    failed = [json.loads(line) for line in (tmp_path / "served.failures.jsonl").read_text().splitlines()]
+    failed_ids = {f["source_sample_id"] for f in failed}
+    assert doomed in failed_ids
+    assert all(f["reason"] == "server_error" and "4 attempts" in f["detail"] for f in failed)
+    assert set(got) | failed_ids == set(reference)
+    assert not set(got) & failed_ids
+    assert (summary.written, summary.failed) == (len(got), len(failed_ids))
+    assert got == {sid: reference[sid] for sid in got}
+    line = json.loads(out.read_text().splitlines()[0])
+    assert line["regenerated_by"]["served_model"] == "tiny"
+    assert line["regenerated_by"]["prompt_form"] == "token_ids"
+
+
+def test_a_server_killed_mid_run_stops_it_and_a_rerun_finishes_it(
+    tmp_path: Path, data: Path, reference: dict[str, Any], servers: tuple[Server, Server]
+) -> None:
+    healthy, victim = servers
+    healthy.faults()
+    victim.faults(die_after=6)  # SIGKILL on the 6th completion request, with others in flight
+    out = tmp_path / "served.jsonl"
+    with pytest.raises(ServerError, match=r"stopped answering.*rerun"):
+        run_regenerate(_config(out, data, victim.url))
+    assert victim.process.wait(timeout=30) != 0
+    partial = _conversations(out) if out.exists() else {}
+    assert len(partial) < len(reference)
+    summary = run_regenerate(_config(out, data, healthy.url))  # the restarted server
+    assert summary is not None
+    assert (summary.skipped, summary.written, summary.failed) == (
+        len(partial),
+        len(reference) - len(partial),
+        0,
+    )
+    assert _conversations(out) == reference  # every conversation once, the greedy answers
+
+
+def test_a_server_that_takes_only_text_gets_the_templated_text(
+    tmp_path: Path, data: Path, reference: dict[str, Any], server: Server
+) -> None:
+    server.faults(text_only=True)
+    out = tmp_path / "served.jsonl"
+    summary = run_regenerate(_config(out, data, server.url, limit=4, model="tiny"))
+    assert summary is not None
+    assert (summary.written, summary.failed) == (4, 0)
+    got = _conversations(out)
+    assert got == {sid: reference[sid] for sid in got}
+    assert json.loads(out.read_text().splitlines()[0])["regenerated_by"]["prompt_form"] == "text"
+
+
+def test_a_wrong_url_model_key_or_tokenizer_is_one_line_before_anything_is_written(
+    tmp_path: Path, data: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "new" / "served.jsonl"
+    closed = "http://127.0.0.1:9"  # the discard port: nothing listens there
+    cases = [
+        (["--base-url", closed], "no OpenAI-compatible server answers"),
+        (["--base-url", server.url + "/v1", "--model", "llama-70b"], "--model 'llama-70b' is not served"),
+        (
+            ["--base-url", server.url, "--api-key-env", "DFLASH_TEST_NO_KEY"],
+            r"\$DFLASH_TEST_NO_KEY is not set",
+        ),
+    ]
+    monkeypatch.delenv("DFLASH_TEST_NO_KEY", raising=False)
+    runner = CliRunner()
+    for flags, message in cases:
+        result = runner.invoke(
+            main,
+            ["regenerate", "--engine", "openai", *flags, "--target", "random:tiny", "--data", str(data),
+             "--out", str(out), "--no-progress"],
+        )  # fmt: skip
+        assert result.exit_code == 1, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+        assert re.search(message, result.output), result.output
+        assert not out.parent.exists()
+    server.faults(text_only=True, add_bos=True)  # the server reads the text as one token more
+    with pytest.raises(ServerError, match="read the probe prompt \\(text\\) as"):
+        run_regenerate(_config(out, data, server.url))
+    assert not out.parent.exists()
+
+
+def test_server_target_stop_ids_are_those_of_the_loaded_model() -> None:
+    """No weights are loaded for --engine openai; the end-of-turn ids must still be the loaded model's."""
+    loaded = load_target("random:tiny", device="cpu")
+    assert server_target("random:tiny").stop_ids == stop_token_ids(loaded.tokenizer, loaded.model)
+
+
+def test_the_retry_wait_doubles_and_honours_retry_after() -> None:
+    from dflash_offline.regenerate.http_client import RetryPolicy
+
+    policy = RetryPolicy(timeout_seconds=1.0, max_retries=10, backoff_seconds=0.5)
+    assert [policy.wait_before(k, None) for k in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    assert policy.wait_before(20, None) == 60.0
+    assert policy.wait_before(1, 7.0) == 7.0
