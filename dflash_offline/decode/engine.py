@@ -28,7 +28,7 @@ from torch import Tensor
 from dflash_offline.decode.forward import SlotForward
 from dflash_offline.decode.graphs import StepGraphs
 from dflash_offline.decode.sampling import Sampler, Sampling, request_key_hash
-from dflash_offline.decode.slot_cache import DEFAULT_ATTEND_GRANULE, SlotCache, shape_for
+from dflash_offline.decode.slot_cache import SlotCache, shape_for
 from dflash_offline.decode.steps import PrefillChunk, SlotState, decode_step, prefill
 from dflash_offline.errors import DflashError
 
@@ -56,8 +56,9 @@ class EngineSettings:
     """Tokens (padding included) per prefill forward."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (CUDA only)."""
-    attend_granule: int = DEFAULT_ATTEND_GRANULE
-    """Smallest attended length (decode steps attend over granule × 2^k positions)."""
+    attend_granule: int | None = None
+    """Smallest attended length (steps attend over granule × 2^k positions); None: 256 on CUDA, 32 on
+    the CPU."""
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 2 or self.max_new_tokens < 1 or self.prefill_tokens < 1:

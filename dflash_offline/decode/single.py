@@ -32,7 +32,7 @@ from dflash_offline.decode.drafting import StaticDrafter
 from dflash_offline.decode.forward import SlotForward
 from dflash_offline.decode.graphs import StepGraphs
 from dflash_offline.decode.sampling import Sampler, Sampling
-from dflash_offline.decode.slot_cache import DEFAULT_ATTEND_GRANULE, ForwardRows, SlotCache, shape_for
+from dflash_offline.decode.slot_cache import ForwardRows, SlotCache, shape_for
 from dflash_offline.decode.steps import PrefillChunk, SlotState, block_mask, decode_step, prefill
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError
@@ -128,7 +128,7 @@ class SingleSequence:
         *,
         max_len: int,
         cuda_graphs: bool = True,
-        attend_granule: int = DEFAULT_ATTEND_GRANULE,
+        attend_granule: int | None = None,
     ) -> None:
         param = next(model.parameters())
         self.device = param.device

@@ -28,8 +28,15 @@ from torch import Tensor
 
 from dflash_offline.decode.attention import cudnn_reads_slices
 
-DEFAULT_ATTEND_GRANULE = 256
-"""Smallest attended length; buckets double from it up to the capacity (each one a CUDA graph)."""
+CUDA_ATTEND_GRANULE = 256
+"""Smallest attended length on CUDA; buckets double from it up to the capacity (each one a CUDA graph)."""
+
+CPU_ATTEND_GRANULE = 32
+"""On the CPU (no graphs to capture, the math kernel's cost grows with the attended length): finer."""
+
+
+def default_attend_granule(device: torch.device) -> int:
+    return CUDA_ATTEND_GRANULE if device.type == "cuda" else CPU_ATTEND_GRANULE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,7 +119,7 @@ def shape_for(
 class SlotCache:
     """Per-layer K/V of every slot, in place; the ``update`` target of the model's attention modules."""
 
-    def __init__(self, shape: CacheShape, *, attend_granule: int = DEFAULT_ATTEND_GRANULE) -> None:
+    def __init__(self, shape: CacheShape, *, attend_granule: int | None = None) -> None:
         self.shape = shape
         s = shape
         dims = (s.num_slots, s.num_kv_heads, s.capacity, s.head_dim)
@@ -123,7 +130,8 @@ class SlotCache:
             s.device, s.dtype, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim
         )
         # A kernel that refuses a strided slice of the cache reads all of it (still a view, no copy).
-        self.attend_granule = attend_granule if self.reads_slices else s.capacity
+        granule = default_attend_granule(s.device) if attend_granule is None else attend_granule
+        self.attend_granule = granule if self.reads_slices else s.capacity
         self.rows: ForwardRows | None = None
         """Set by the caller before each forward (``SlotForward``)."""
 
