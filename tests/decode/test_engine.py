@@ -183,3 +183,24 @@ def test_the_sampler_draws_from_softmax_and_top_p_keeps_the_nucleus() -> None:
     perm = torch.randperm(20000, generator=torch.Generator().manual_seed(0))
     again = Sampler(Sampling(temperature=0.5, seed=1))(logits, keys[perm], steps)
     assert torch.equal(again, drawn[perm])
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_equals_generate() -> None:
+    """float32 on CUDA, decode steps replayed as CUDA graphs (cuDNN refuses float32: the math kernel)."""
+    cuda = load_target("random:tiny", device="cuda", dtype=torch.float32)
+    prompts = random_prompts(6, seed=5, vocab=cuda.info.vocab_size)
+    max_new = [4, 12, 7, 12, 3, 9]
+    settings = EngineSettings(
+        num_slots=2, max_len=80, max_new_tokens=12, stop_ids=frozenset(), prefill_tokens=32, attend_granule=16
+    )
+    engine = DecodeEngine(cuda.model, settings)
+    got = run_all(engine, prompts, max_new)
+    assert engine.graphs.num_captured >= 1
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p], device="cuda")
+        ref = cuda.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new[i], min_new_tokens=max_new[i],
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )[0, len(p) :].tolist()  # fmt: skip
+        assert list(got[f"p{i}"].token_ids) == ref, i
