@@ -200,7 +200,8 @@ class DFlashDrafter(nn.Module):
             features_CF = features_CF.to(self._param_dtype())
         return self.hidden_norm(self.fc(features_CF))
 
-    def _embed(self, ids: Tensor) -> Tensor:
+    def embed_ids(self, ids: Tensor) -> Tensor:
+        """Frozen embedding rows of ``ids``, in the parameter dtype."""
         return F.embedding(ids, self.embed_VH).to(self._param_dtype())
 
     def block_input_ids(self, inputs: DrafterInputs) -> Tensor:
@@ -212,7 +213,7 @@ class DFlashDrafter(nn.Module):
 
     def embed_blocks(self, inputs: DrafterInputs) -> Tensor:
         """Block input embeddings [Q, H] (frozen embedding rows, in the parameter dtype)."""
-        return self._embed(self.block_input_ids(inputs).reshape(-1))
+        return self.embed_ids(self.block_input_ids(inputs).reshape(-1))
 
     # ----- training ------------------------------------------------------------------------------
 
@@ -397,7 +398,7 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = rope_cos_sin(torch.arange(start, anchor_position, device=dev), D, cfg.rope_theta)
         ids = torch.full((B,), cfg.mask_token_id, dtype=torch.int64, device=dev)
         ids[0] = anchor_token
-        x = self._embed(ids)
+        x = self.embed_ids(ids)
         q_cos, q_sin = rope_cos_sin(
             torch.arange(anchor_position, anchor_position + B, device=dev), D, cfg.rope_theta
         )
