@@ -5,8 +5,9 @@ position n for the same prompt.
 
 The sample goes through the real data path (the chat template and loss mask of ``dflash generate``,
 its feature capture, bf16 storage, the prefetcher's packing next to another document, its loss rows);
-the eval side runs ``speculative_decode`` with the export read back as ``dflash eval`` reads it, and
-records what the loop hands the drafter. The drafter has random weights (large enough that its logits
+the eval side runs the reference loop (``speculative_decode``, recording what it hands the drafter) and
+the decode engine ``dflash eval`` runs (recording its on-device drafter's proposals), with the export
+read back as ``dflash eval`` reads it. The drafter has random weights (large enough that its logits
 are far from uniform) and a feature scale, so the export's folding is part of what is compared.
 Float32 on the CPU: the speculative output equals greedy decoding token for token.
 """
@@ -143,6 +144,39 @@ def _prompt_ids(target: LoadedTarget) -> list[int]:
     return [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
 
 
+def _engine_proposals(
+    target: LoadedTarget,
+    model: DFlashDrafter,
+    prompt: list[int],
+    new_tokens: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> dict[int, Tensor]:
+    """Anchor position → the proposal of the decode engine's speculative loop (``dflash eval``'s)."""
+    from dflash_offline.decode.drafting import StaticDrafter
+    from dflash_offline.decode.single import SingleSequence
+
+    proposals: dict[int, Tensor] = {}
+    draft = StaticDrafter.draft
+
+    def recording(
+        self: StaticDrafter, anchor_1: Tensor, anchor_position_1: Tensor, attend_len: int
+    ) -> Tensor:
+        out = draft(self, anchor_1, anchor_position_1, attend_len)
+        proposals[int(anchor_position_1.reshape(-1)[0])] = out.clone()
+        return out
+
+    monkeypatch.setattr(StaticDrafter, "draft", recording)
+    engine = SingleSequence(target.model, max_len=len(prompt) + new_tokens + 2 * BLOCK, cuda_graphs=False)
+    result = engine.speculative(
+        prompt, model, layer_ids=LAYERS, max_new_tokens=new_tokens, stop_ids=frozenset()
+    )
+    monkeypatch.undo()
+    starts = [len(prompt)]
+    for a in result.accepted_per_cycle[:-1]:
+        starts.append(starts[-1] + a + 1)
+    return {n: proposals[n] for n in starts}
+
+
 def _round_trip_prefix(target: LoadedTarget, tokens: list[int]) -> list[int]:
     """The longest prefix of ``tokens`` that its decoded text re-tokenizes to: the cache stores text
     answers, and a random target's greedy tokens are not always the tokenizer's own split of their text
@@ -166,7 +200,7 @@ def _round_trip_prefix(target: LoadedTarget, tokens: list[int]) -> list[int]:
     ],
 )
 def test_training_forward_predicts_what_speculative_decoding_proposes(
-    cpu_target: LoadedTarget, tmp_path: Path, device: str
+    cpu_target: LoadedTarget, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On CUDA the training forward runs flex_attention with its BlockMask; decoding runs float32 there
     too (lossless), so the same comparison holds with a float32-on-GPU tolerance."""
@@ -189,6 +223,9 @@ def test_training_forward_predicts_what_speculative_decoding_proposes(
     )
     assert list(decoded.tokens) == greedy  # float32: the loop is lossless
     assert len(recording.calls) >= 5
+    # What dflash eval runs: the decode engine drafting on the device (its static drafter context).
+    engine_proposals = _engine_proposals(target, recording.inner.model, prompt, len(greedy), monkeypatch)
+    assert set(engine_proposals) == {c.anchor_position for c in recording.calls}
 
     # Training: the conversation with the target's own answer, through dflash generate into a cache.
     answer = target.tokenizer.decode(greedy, skip_special_tokens=False)
@@ -266,10 +303,11 @@ def test_training_forward_predicts_what_speculative_decoding_proposes(
             context_features_CF=cached_TF[:n].float().to(device), anchor_token=ids[n], anchor_position=n
         )
         torch.testing.assert_close(trained_KV, expected_KV, rtol=tolerance, atol=tolerance, msg=f"anchor {n}")
-        # And what the loop actually proposed (from its own float32 features): the same argmax wherever
-        # its two best logits are not within a bf16 rounding of each other.
+        # And what the loops actually proposed (from their own float32 features): the same argmax
+        # wherever the two best logits are not within a bf16 rounding of each other.
         top2 = call.logits_KV.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 1e-2
         assert torch.equal(trained_KV.argmax(-1)[clear], call.proposal_K[clear]), f"anchor {n}"
+        assert torch.equal(trained_KV.argmax(-1)[clear], engine_proposals[n][clear]), f"engine, anchor {n}"
         compared += 1
     assert compared >= 5
