@@ -250,6 +250,40 @@ def tau_compare(v: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _regenerate_bench(args: argparse.Namespace, bench_json: Path, logs: Path, report: Report) -> None:
+    s = Stage(
+        name="regenerate_bench",
+        argv=[
+            PY,
+            "bench/regenerate.py",
+            "--target",
+            args.target,
+            "--data",
+            args.data,
+            *shlex.split(args.regen_bench),
+            "--json",
+            str(bench_json),
+        ],
+        log=logs / "1_regen_bench.log",
+    ).start()
+    run_all([s], time.time() + args.regen_bench_s, grace=15)
+    report.stage(s)
+
+
+def _fastest_engine(bench_json: Path, report: Report) -> list[str]:
+    if not bench_json.is_file():
+        return []
+    result = json.loads(bench_json.read_text())
+    report.data["regenerate_bench"] = result
+    ok = [r for r in result.get("engines", []) if "error" not in r]
+    if not ok:
+        return []
+    best = max(ok, key=lambda r: r["new_tokens_per_second"])
+    engine_args = ["--engine", best["engine"], "--batch-size", str(best["batch_size"])]
+    report.note(f"regenerate uses the bench's fastest: {' '.join(engine_args)}")
+    return engine_args
+
+
 def dflash(*args: str) -> list[str]:
     return [PY, "-m", "dflash_offline", *args]
 
@@ -303,34 +337,12 @@ def main() -> None:
     dev = shlex.split(args.device_args)
     answers = work / "answers.jsonl"
 
-    # 1. regenerate bench: continuous batching vs static on the same prompts.
+    # 1. regenerate bench: the engines side by side on the same prompts (skipped with --regen-bench-s 0).
     bench_json = work / "regen_bench.json"
-    s = Stage(
-        name="regenerate_bench",
-        argv=[
-            PY,
-            "bench/regenerate.py",
-            "--target",
-            args.target,
-            "--data",
-            args.data,
-            *shlex.split(args.regen_bench),
-            "--json",
-            str(bench_json),
-        ],
-        log=logs / "1_regen_bench.log",
-    ).start()
-    run_all([s], time.time() + args.regen_bench_s, grace=15)
     engine_args: list[str] = []
-    if bench_json.is_file():
-        result = json.loads(bench_json.read_text())
-        report.data["regenerate_bench"] = result
-        ok = [r for r in result.get("engines", []) if "error" not in r]
-        if ok:
-            best = max(ok, key=lambda r: r["new_tokens_per_second"])
-            engine_args = ["--engine", best["engine"], "--batch-size", str(best["batch_size"])]
-            report.note(f"regenerate uses the bench's fastest: {' '.join(engine_args)}")
-    report.stage(s)
+    if args.regen_bench_s > 0:
+        _regenerate_bench(args, bench_json, logs, report)
+        engine_args = _fastest_engine(bench_json, report)
 
     # 2. regenerate: the target's own answers, until its deadline (SIGINT keeps what is done).
     s = Stage(
