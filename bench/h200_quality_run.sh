@@ -13,6 +13,6 @@ exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz -
   --regen-limit "${REGEN_LIMIT:-8000}" --regen-s "${REGEN_S:-240}" \
   --gen-args "--max-len 2048 --too-long truncate" --gen-s "${GEN_S:-110}" --codecs default \
   --variants '{"landed": ""}' --train-args "--val-every 100 --log-every 10" \
-  --train-s "${TRAIN_S:-380}" --calibrate-s 60 \
+  --train-s "${TRAIN_S:-380}" --calibrate-s 120 \
   --eval-args "--bench all --limit 20 --max-new-tokens 256" --eval-s "${EVAL_S:-210}" \
   --side "timeout 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25"
