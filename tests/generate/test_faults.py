@@ -16,10 +16,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from bench.soak import group_members, workers_of
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cli import main
+from tests.process_helpers import group_members, workers_of
 
 from .conftest import make_chat_jsonl
 from .test_generate_kill import _features_by_id, _generate_cmd, _start

@@ -11,19 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import dflash_offline
 from dflash_offline.generate.run import run_generate
 from tests.generate.conftest import make_chat_jsonl, tiny_config
 from tests.train.kill_helpers import assert_same_run, run_and_kill, run_to_end, train_cmd
 
 STEPS = 15
-
-
-def _has_parent_death_handling() -> bool:
-    """Whether the training workers on this branch exit when their parent dies."""
-    root = Path(dflash_offline.__file__).parent
-    text = "".join(p.read_text() for p in root.rglob("*.py")).lower()
-    return "pdeathsig" in text or "parent_death" in text or "parent death" in text
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +77,4 @@ def test_sigkill_of_the_coordinator_alone_leaves_no_orphan(cache: Path, tmp_path
     cmd = train_cmd(cache, run, steps=100_000, workers=2)
     record = run_and_kill(cmd, run, kill_after_step=3, whole_group=False, grace=15.0)
     assert record.family >= 3  # the launcher and its two spawned ranks were seen
-    if record.survivors and not _has_parent_death_handling():
-        pytest.skip(
-            f"{record.survivors} DDP workers outlived their killed parent (killed by the test): the "
-            "parent-death handling (dflash_offline/lifeline.py) is not on this branch"
-        )
-    assert record.survivors == 0
+    assert record.survivors == 0, f"{record.survivors} DDP workers outlived their killed parent"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import group_members, workers_of
 from dflash_offline.locking import LockedError, acquire_lock
 from dflash_offline.train.launch import run_training
+from tests.process_helpers import group_members, workers_of
 
 from .test_train_e2e import _config, _train_cmd, tiny_cache  # noqa: F401  (a fixture)
 
