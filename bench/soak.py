@@ -32,7 +32,7 @@ from dflash_offline.cache.manifest import read_table  # noqa: E402
 from dflash_offline.cache.reader import CacheReader  # noqa: E402
 from dflash_offline.cache.verify import verify_cache  # noqa: E402
 from tests.cache._samples import bits  # noqa: E402
-from tests.generate.conftest import make_chat_jsonl  # noqa: E402
+from tests.generate.helpers import make_chat_jsonl  # noqa: E402
 from tests.process_helpers import group_members, workers_of  # noqa: E402
 
 MODES = ("group", "coordinator", "worker")

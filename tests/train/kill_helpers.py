@@ -22,6 +22,9 @@ from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.metrics import read_metrics
 from tests.process_helpers import alive, descendants
 
+KILL_RUN_STEPS = 15
+"""Steps of the runs the kill and torchrun tests interrupt (and of the uninterrupted ones they equal)."""
+
 
 def train_cmd(
     cache: Path, run: Path, *, steps: int, workers: int = 1, checkpoint_every: int = 3

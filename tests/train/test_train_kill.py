@@ -7,41 +7,26 @@ from __future__ import annotations
 import random
 import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from dflash_offline.generate.run import run_generate
-from tests.generate.conftest import make_chat_jsonl, tiny_config
-from tests.train.kill_helpers import assert_same_run, run_and_kill, run_to_end, train_cmd
+from tests.train.kill_helpers import KILL_RUN_STEPS, assert_same_run, run_and_kill, run_to_end, train_cmd
 
-STEPS = 15
+STEPS = KILL_RUN_STEPS
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("kill")
-    data = make_chat_jsonl(root / "chat.jsonl", 60, seed=3)
-    run_generate(tiny_config(root / "cache", data))
-    return root / "cache"
-
-
-@pytest.fixture(scope="module")
-def references(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Uninterrupted runs, one per world size, through the same CLI."""
-    out = {}
-    for workers in (1, 2):
-        run = tmp_path_factory.mktemp("reference") / f"w{workers}"
-        run_to_end(train_cmd(cache, run, steps=STEPS, workers=workers))
-        out[workers] = run
-    return out
+def cache(uncompressed_cache: Path) -> Path:
+    return uncompressed_cache
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
-    cache: Path, references: dict[int, Path], tmp_path: Path, workers: int
+    cache: Path, uninterrupted: Callable[[int], Path], tmp_path: Path, workers: int
 ) -> None:
     """One run killed at random steps (SIGKILL of the whole group), then Ctrl-C'd once, each time
     rerun with the same command: it ends as the uninterrupted run did."""
@@ -66,7 +51,7 @@ def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
     assert "Aborted" not in record.stderr
     assert record.survivors == 0
     run_to_end(cmd)
-    assert_same_run(run, references[workers], steps=STEPS)
+    assert_same_run(run, uninterrupted(workers), steps=STEPS)
 
 
 @pytest.mark.slow
