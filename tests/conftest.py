@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_caches import TinyCaches
+from tests.tiny_caches import TinyCaches, shared_temp_dir
 
 # A hang in a worker thread or subprocess must fail with stacks, not block CI (pytest-timeout
 # enforces the limit; faulthandler shows where every thread was).
@@ -40,7 +40,7 @@ def _restore_deterministic_algorithms() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_caches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyCaches]:
     """Generated random:tiny caches, one per shape for the session; never write into one."""
-    caches = TinyCaches(tmp_path_factory.mktemp("tiny-caches"))
+    caches = TinyCaches(shared_temp_dir(tmp_path_factory) / "tiny-caches")
     yield caches
     caches.assert_unchanged()
 

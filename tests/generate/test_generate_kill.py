@@ -72,7 +72,7 @@ def test_sql_shows_buckets_while_generate_is_writing(tmp_path: Path) -> None:
     # A larger random target so that the run lasts long enough to be observed mid-way.
     data = make_chat_jsonl(tmp_path / "chat.jsonl", 400, seed=3, max_words=200)
     cache = tmp_path / "cache"
-    cmd = generate_cmd(cache, data)
+    cmd = generate_cmd(cache, data, "--flush-seconds", "1")  # rows to see within a second of writing
     cmd[cmd.index("random:tiny")] = "random:smollm2-135m"
     cmd[cmd.index("0,2")] = "1,8,14"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -116,9 +116,10 @@ def test_sql_shows_buckets_while_generate_is_writing(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_ctrl_c_stops_cleanly_and_the_rerun_completes(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 240, seed=5, max_words=200)
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 80, seed=5, max_words=200)
     cache = tmp_path / "cache"
-    cmd = generate_cmd(cache, data)
+    # Rows committed every second: the interrupt lands a second into the writing, far from the end.
+    cmd = generate_cmd(cache, data, "--flush-seconds", "1")
     cmd[cmd.index("random:tiny")] = "random:smollm2-135m"  # slow enough to be interrupted mid-way
     cmd[cmd.index("0,2")] = "1,8,14"
     process = start_in_new_session([*cmd, "--workers", "2"])
@@ -136,9 +137,9 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_completes(tmp_path: Path) -> None:
     runs = read_table(cache, "runs").to_pylist()
     assert [r["status"] for r in runs] == ["interrupted"]
     partial = read_table(cache, "samples").num_rows
-    assert 0 < partial < 240
+    assert 0 < partial < 80
     assert verify_cache(cache, progress=False).ok
     final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stdout + final.stderr
     samples = read_table(cache, "samples").column("sample_id").to_pylist()
-    assert len(samples) == len(set(samples)) == 240
+    assert len(samples) == len(set(samples)) == 80

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny_caches import build_once, shared_temp_dir
 from tests.train.kill_helpers import KILL_RUN_STEPS, run_to_end, train_cmd
 
 
@@ -17,15 +18,13 @@ def uninterrupted(
     """``workers`` -> an uninterrupted ``dflash train`` run of ``KILL_RUN_STEPS`` steps on
     ``uncompressed_cache`` with that many spawned workers, through the CLI; each is run once, when first
     asked for, and must not be written to (copy it)."""
-    runs: dict[int, Path] = {}
+    folder = shared_temp_dir(tmp_path_factory) / "uninterrupted"
 
-    def get(workers: int) -> Path:
-        if workers not in runs:
-            run = tmp_path_factory.mktemp("uninterrupted") / f"w{workers}"
-            run_to_end(
-                train_cmd(uncompressed_cache, run, steps=KILL_RUN_STEPS, workers=workers, checkpoint_every=4)
-            )
-            runs[workers] = run
-        return runs[workers]
+    def build(where: Path) -> None:
+        workers = int(where.name.removeprefix("w"))
+        cmd = train_cmd(
+            uncompressed_cache, where / "run", steps=KILL_RUN_STEPS, workers=workers, checkpoint_every=4
+        )
+        run_to_end(cmd)
 
-    return get
+    return lambda workers: build_once(folder / f"w{workers}", build) / "run"

@@ -143,7 +143,7 @@ def _train(cache: Path, out: Path) -> list[float]:
     return [float(r["acc_by_position"][0]) for r in rows]  # type: ignore[index]
 
 
-STEPS = 150
+STEPS = 120
 
 
 @pytest.mark.slow
@@ -155,6 +155,7 @@ def test_a_drafter_that_reads_the_features_learns_one_that_cannot_does_not(
     without = _train(_write_cache(tmp_path / "cache0", zero_features=True), tmp_path / "run0")
     late = slice(STEPS - 10, STEPS)
     # Chance is 1/48 ≈ 0.02 (the tokens are i.i.d. over 48 ids); reading the features gives ~1
-    # (measured: 1.00 from step ~90 with the model alone, 0.04 with the features zeroed).
+    # (measured, 10-step means: 0.75 at step 90, 0.95 at 100, 1.00 from 110 on; 0.02 with the
+    # features zeroed).
     assert np.mean(with_ctx[late]) > 0.7
     assert np.mean(without[late]) < 0.15
