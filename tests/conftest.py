@@ -4,6 +4,7 @@ generated caches shared by the whole session (``tiny_caches.py``)."""
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,11 @@ from tests.tiny_caches import TinyCaches, shared_temp_dir
 # A hang in a worker thread or subprocess must fail with stacks, not block CI (pytest-timeout
 # enforces the limit; faulthandler shows where every thread was).
 faulthandler.enable(file=sys.stderr, all_threads=True)
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # `make test` runs one pytest worker per core: torch's own threads on top would oversubscribe the
+    # cores, and OpenMP threads waiting on a descheduled sibling turn a tiny matmul from µs into ms.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
