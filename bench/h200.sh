@@ -5,6 +5,10 @@
 #   bench/h200.sh train      dflash generate a cache, dflash train --gpus 0 on it (data-wait fraction),
 #                            bench/train_loader.py at Qwen3-8B feature width
 #   bench/h200.sh regenerate bench/regenerate.py: continuous batching vs static, SmolLM2 and random:qwen3-8b
+#   bench/h200.sh step       bench/train_step.py: the training step alone, tokens/s at SmolLM2 and Qwen3-8B width,
+#                            eager vs compiled vs the old per-step syncs (≈ 6 min; needs no wheels)
+#   bench/h200.sh decode     bench/decode.py: the decode engine vs static generate vs transformers' CB
+#                            (SmolLM2 shape, qwen3-8b), eval loops at batch 1, kernel profile (≈ 5 min)
 #   bench/h200.sh fp8        GPU fp8 decode test; bench/train_loader.py fp8 vs bf16 (blosc, none) at
 #                            Qwen3-8B width under a simulated 300 ms step: throughput + data wait (≈ 2 min)
 # Needs, carried beside the tree: .whl (docs/measuring.md#on-a-gpu-machine) and .device/ (a ShareGPT slice as
@@ -13,6 +17,12 @@ set -uo pipefail
 stage=${1:?stage: check, generate, train or fp8}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
+if [ "$stage" = step ]; then  # torch alone: before the wheels, which this stage does not need
+  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout 580 python3 bench/train_step.py --sync-every-step \
+    --json "$out/train_step.json" 2>&1 | tail -16
+  exit 0
+fi
+
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export DFLASH_PRESET_TOKENIZER=$PWD/.device/tokenizer DFLASH_CACHE_DIR=/tmp/dflash-user-cache
@@ -70,6 +80,9 @@ regenerate)
   timeout 250 python3 bench/regenerate.py --target random:qwen3-8b --device cuda --data $data --limit 256 \
     --max-new-tokens 128 --batch-size 128 --max-prompt-tokens 2048 --limit-seconds 60 \
     --json "$out/regenerate_qwen3.json" 2>&1 | tail -8
+  ;;
+decode)
+  timeout 560 python3 bench/decode.py --data $data --json "$out/decode.json" --budget-s 330 2>&1 | tee "$out/decode.log"
   ;;
 fp8)
   timeout 120 python3 -m pytest -q -m gpu tests/train/test_fp8_train.py -p no:cacheprovider 2>&1 | tail -5 | tee "$out/fp8_gpu_test.txt"

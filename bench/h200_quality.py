@@ -1,8 +1,10 @@
 """The whole recipe on one H200 within one fixed time budget, with hard per-stage deadlines:
 regenerate bench → regenerate (the target's own answers) → generate caches → train variants concurrently
-→ export → eval on MT-Bench, HumanEval and held-out ShareGPT → optional benches. Run detached (setsid)
-and follow its log; everything it learns goes to ``--report`` as few files (a GPU machine may hand back
-only a few): ``summary.md``, ``summary.json`` and ``logs.txt`` (the tail of every stage's log).
+→ export → eval on MT-Bench, HumanEval and held-out ShareGPT → optional benches. Each variant's report
+puts its best validation τ (``dflash train``'s held-out split; RUN/drafter is that step's export, the
+drafter eval runs) beside eval's τ per question set. Run detached (setsid) and follow its log;
+everything it learns goes to ``--report`` as few files (a GPU machine may hand back only a few):
+``summary.md``, ``summary.json`` and ``logs.txt`` (the tail of every stage's log).
 
 A stage that overruns its deadline gets SIGINT (our commands stop cleanly on it: regenerate merges its
 parts, train checkpoints), then SIGKILL; the pipeline goes on with what exists. Train variants share the
@@ -173,6 +175,23 @@ class Report:
                     f"- step {row['step']}: loss {row['loss']:.3f}, simulated τ {row['tau']:.2f}, "
                     f"acc[1..6] {acc}"
                 )
+            for row in v.get("validation", []):
+                acc = " ".join(f"{a:.2f}" for a in row["acc"][:6])
+                out.append(
+                    f"- validation at step {row['step']}: loss {row['loss']:.3f}, "
+                    f"simulated τ {row['tau']:.2f}, per-block τ {row['block_tau']:.2f}, acc[1..6] {acc}"
+                )
+            if "tau_compare" in v:
+                c = v["tau_compare"]
+                sets = ", ".join(f"{k} {t:.2f}" for k, t in c["eval_sets"].items() if t is not None)
+                if c["validation_tau"] is not None and c["eval_mean"] is not None:
+                    out.append(
+                        f"- **τ: validation {c['validation_tau']:.2f} (per block "
+                        f"{c['validation_block_tau']:.2f}, step {c['validation_step']}, RUN/drafter) vs eval "
+                        f"{c['eval_mean']:.2f} ({sets})**"
+                    )
+                else:
+                    out.append(f"- τ: validation {c['validation_tau']} vs eval {c['eval_mean']}")
             if "eval_table" in v:
                 out += ["", "```", v["eval_table"], "```"]
         out += ["", "## notes"] + [f"- {n}" for n in self.data["notes"]]
@@ -199,6 +218,36 @@ def curve(rows: list[dict[str, Any]], points: list[int]) -> list[dict[str, Any]]
             }
         )
     return out
+
+
+def validation_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The lines where ``dflash train`` evaluated its validation split."""
+    return [
+        {
+            "step": r["step"],
+            "loss": r["val_loss"],
+            "tau": r["val_simulated_tau"],
+            "block_tau": r["val_block_tau"],
+            "acc": r["val_acc_by_position"],
+        }
+        for r in rows
+        if "val_simulated_tau" in r
+    ]
+
+
+def tau_compare(v: dict[str, Any]) -> dict[str, Any]:
+    """The best validation τ (the drafter eval ran: RUN/drafter) beside eval's τ per set."""
+    val = v.get("validation") or []
+    best = max(val, key=lambda r: r["tau"]) if val else None
+    ev = v.get("eval") or {}
+    sets = {s.get("name") or f"set{i}": s.get("tau") for i, s in enumerate(ev.get("sets") or [])}
+    return {
+        "validation_tau": None if best is None else best["tau"],
+        "validation_block_tau": None if best is None else best["block_tau"],
+        "validation_step": None if best is None else best["step"],
+        "eval_sets": sets,
+        "eval_mean": (ev.get("mean") or {}).get("tau"),
+    }
 
 
 def dflash(*args: str) -> list[str]:
@@ -231,6 +280,11 @@ def main() -> None:
         required=True,
         help='JSON {name: "train flags [@cache]"}; cache: default (regenerated, default codec), '
         "fp8, original",
+    )
+    ap.add_argument(
+        "--train-args",
+        default="--val-every 100 --log-every 10",
+        help="flags of every variant's dflash train (validation every N steps; metrics read back every N)",
     )
     ap.add_argument("--train-s", type=float, default=480)
     ap.add_argument("--calibrate-s", type=float, default=90)
@@ -399,6 +453,7 @@ def main() -> None:
                 str(run),
                 "--target",
                 args.target,
+                *shlex.split(args.train_args),
                 *shlex.split(flags),
                 "--max-steps",
                 str(max_steps),
@@ -459,6 +514,7 @@ def main() -> None:
         rows = read_metrics(work / f"run-{name}" / "metrics.jsonl")
         v = report.data["variants"][name]
         v["curve"] = curve(rows, points)
+        v["validation"] = validation_curve(rows)
         v["steps"] = rows[-1]["step"] if rows else 0
         report.stage(st)
         drafter = work / f"run-{name}" / "drafter"
@@ -509,6 +565,7 @@ def main() -> None:
         if path.is_file():
             rep = json.loads(path.read_text())
             v["eval"] = {k: rep.get(k) for k in ("sets", "mean", "exactness", "summary")}
+        v["tau_compare"] = tau_compare(v)
         v["eval_table"] = "\n".join(
             line for line in tail(st.log, 60).splitlines() if "%|" not in line and "it/s]" not in line
         )

@@ -6,6 +6,7 @@ Written with ``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensor
 τ table. Tags:
   train/loss, train/lr, train/grad_norm, train/simulated_tau, train/tokens_per_s, train/step_seconds,
   train/data_wait_fraction, train/acc/pos_01 .. pos_{B−1}       (step = optimizer step)
+  val/loss, val/simulated_tau, val/block_tau, val/acc/pos_01 ..  (steps where validation ran)
   eval/tau, eval/speedup, eval/spec_tokens_per_s, eval/target_tokens_per_s, eval/identical_prompts,
   eval/cycles, eval/new_tokens                                   (step = ``step``, default 0)
   eval/prompt_tau, eval/prompt_speedup                           (step = prompt number)
@@ -63,6 +64,13 @@ def step_scalars(metrics: StepMetrics) -> dict[str, float]:
     scalars = {f"train/{name}": float(getattr(metrics, name)) for name in STEP_SCALARS}
     for k, acc in enumerate(metrics.acc_by_position, start=1):
         scalars[f"train/acc/pos_{k:02d}"] = float(acc)
+    val = metrics.validation
+    if val is not None:
+        scalars.update(
+            {"val/loss": val.loss, "val/simulated_tau": val.simulated_tau, "val/block_tau": val.block_tau}
+        )
+        for k, acc in enumerate(val.acc_by_position, start=1):
+            scalars[f"val/acc/pos_{k:02d}"] = float(acc)
     return scalars
 
 

@@ -60,5 +60,13 @@ def train(config: TrainConfig) -> None:
     tb_dir = config.resolved_tensorboard_dir()
     if tb_dir is not None:
         click.echo(f"tensorboard: tensorboard --logdir {tb_dir}")
-    if result.export_dir is not None:
+    if result.export_dir is not None and result.best_validation_tau is not None:
+        click.echo(
+            f"drafter (z-lab DFlash layout): {result.export_dir}, the best validation simulated τ "
+            f"({result.best_validation_tau:.3f}, step {result.best_validation_step}); the last weights: "
+            f"{config.out_dir / 'drafter-last'}"
+        )
+        if result.stopped_early:
+            click.echo("stopped early: no better validation τ in --early-stop validations")
+    elif result.export_dir is not None:
         click.echo(f"drafter (z-lab DFlash layout): {result.export_dir}")

@@ -57,6 +57,11 @@ class AttentionIndex:
     """int32 [Sp]: position of context keys in their document (0 elsewhere)."""
     kv_block_S: Tensor
     """int32 [Sp]: block index of block keys; _CTX_KEY_BLOCK on context keys, _PAD_KEY on padding."""
+    q_anchor_Q: Tensor
+    """int32 [Qp]: row index a of each query's anchor (0 on padding): its context keys are the rows
+    a − pos(a) .. a − 1, its document's start up to the anchor (documents are contiguous runs)."""
+    block_size: int
+    """B: queries (and block keys) per block."""
     num_queries: int
     """Q = A·B real queries (rows beyond are padding)."""
     num_keys: int
@@ -82,6 +87,8 @@ def build_attention_index(
     q_doc[:Q] = doc_ids_T[anchors_A].to(i32).repeat_interleave(B)
     q_pos[:Q] = positions_T[anchors_A].to(i32).repeat_interleave(B)
     q_block[:Q] = torch.arange(A, dtype=i32, device=dev).repeat_interleave(B)
+    q_anchor = torch.zeros(Qp, dtype=i32, device=dev)
+    q_anchor[:Q] = anchors_A.to(i32).repeat_interleave(B)
     kv_doc = torch.full((Sp,), _PAD_KEY, dtype=i32, device=dev)
     kv_pos = torch.zeros(Sp, dtype=i32, device=dev)
     kv_block = torch.full((Sp,), _PAD_KEY, dtype=i32, device=dev)
@@ -97,6 +104,8 @@ def build_attention_index(
         kv_doc_S=kv_doc,
         kv_pos_S=kv_pos,
         kv_block_S=kv_block,
+        q_anchor_Q=q_anchor,
+        block_size=B,
         num_queries=Q,
         num_keys=S,
     )
@@ -127,17 +136,59 @@ def dense_mask(index: AttentionIndex) -> Tensor:
 
 
 def flex_block_mask(index: AttentionIndex) -> Any:
-    """The flex_attention BlockMask of the row (sparse over 128×128 tiles)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The flex_attention BlockMask of the row (sparse over 128×128 tiles), equal to
+    ``create_block_mask(make_mask_mod(index), …)`` (tests/drafter/test_attention_mask.py).
 
-    return create_block_mask(
-        make_mask_mod(index),
-        B=None,
-        H=None,
-        Q_LEN=int(index.q_doc_Q.shape[0]),
-        KV_LEN=int(index.kv_doc_S.shape[0]),
-        device=index.q_doc_Q.device,
+    ``create_block_mask`` evaluates the mask_mod at every one of the Qp × Sp (query, key) pairs to
+    classify the tiles: 134M pairs and several [Qp, Sp] int32 temporaries for a microbatch of 8,192
+    tokens and 512 anchors of 16, every microbatch. Here the tiles are classified from intervals
+    instead: a real query sees exactly two runs of keys, its document's rows before the anchor
+    [a − pos(a), a) and its own block [T + j·B, T + (j+1)·B); a padding query sees key 0. The number of
+    visible pairs in a tile is the sum over its queries of each run's overlap with the tile's keys
+    ([Qp, Sp / 128] work): a tile is full when every pair is visible, partial when some are."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    tile = FLEX_BLOCK
+    Qp, Sp = int(index.q_doc_Q.shape[0]), int(index.kv_doc_S.shape[0])
+    T, Q, dev = index.num_keys - index.num_queries, index.num_queries, index.q_doc_Q.device
+    nq, nk = -(-Qp // tile), -(-Sp // tile)
+    real_Q = torch.arange(Qp, device=dev) < Q
+    anchor = index.q_anchor_Q.to(torch.int64)
+    ctx_lo = torch.where(real_Q, anchor - index.q_pos_Q.to(torch.int64), 0)
+    ctx_hi = torch.where(real_Q, anchor, 1)  # a padding query's one visible key: slot 0
+    block = index.block_size
+    blk_lo = torch.where(real_Q, T + index.q_block_Q.to(torch.int64).clamp_min(0) * block, 0)
+    blk_hi = torch.where(real_Q, blk_lo + block, 0)
+    start_K = torch.arange(nk, device=dev, dtype=torch.int64) * tile
+
+    def overlap_QK(lo: Tensor, hi: Tensor) -> Tensor:
+        return (torch.minimum(hi[:, None], start_K + tile) - torch.maximum(lo[:, None], start_K)).clamp_min(0)
+
+    visible_QK = overlap_QK(ctx_lo, ctx_hi) + overlap_QK(blk_lo, blk_hi)
+    visible_QK = F.pad(visible_QK, (0, 0, 0, nq * tile - Qp))  # queries of a partial last tile: none
+    count_NK = visible_QK.view(nq, tile, nk).sum(1)
+    full = count_NK == tile * tile
+    partial = (count_NK > 0) & ~full
+    kv_num, kv_indices = _ordered_blocks(partial)
+    full_num, full_indices = _ordered_blocks(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_indices,
+        full_num,
+        full_indices,
+        BLOCK_SIZE=tile,
+        mask_mod=make_mask_mod(index),
+        seq_lengths=(Qp, Sp),
     )
+
+
+def _ordered_blocks(tiles_NK: Tensor) -> tuple[Tensor, Tensor]:
+    """A BlockMask's (count, indices) of a bool tile map [nq, nk], with a batch and a head dimension of
+    1: the same stable descending sort ``create_block_mask`` applies, so the tensors are identical."""
+    dense = tiles_NK.to(torch.int32)[None, None]
+    num = dense.sum(dim=-1).to(torch.int32)
+    indices = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+    return num.contiguous(), indices.contiguous()
 
 
 def sdpa_attend(q: Tensor, k: Tensor, v: Tensor, mask_QS: Tensor) -> Tensor:

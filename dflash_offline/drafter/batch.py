@@ -50,6 +50,9 @@ class DrafterInputs:
     """int32 [T]: position of the token inside its document (0 at each document start)."""
     anchors_A: Tensor
     """int64 [A]: ascending indices into T where blocks start (see ``anchors.sample_anchors``)."""
+    loss_rows_N: Tensor | None = None
+    """int64 [N]: ``loss.loss_rows`` of these anchors (the block positions that carry loss), computed
+    on the host ahead of time so that the forward needs no device sync; None: the forward computes it."""
 
     @property
     def num_tokens(self) -> int:
@@ -62,8 +65,8 @@ class DrafterInputs:
         return int(self.anchors_A.shape[0])
 
     def with_anchors(self, anchors_A: Tensor) -> DrafterInputs:
-        """The same row with other anchors."""
-        return replace(self, anchors_A=anchors_A)
+        """The same row with other anchors (and no precomputed loss rows: they belonged to the old ones)."""
+        return replace(self, anchors_A=anchors_A, loss_rows_N=None)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> DrafterInputs:
         """All tensors moved to ``device``."""
@@ -74,6 +77,9 @@ class DrafterInputs:
             doc_ids_T=self.doc_ids_T.to(device, non_blocking=non_blocking),
             positions_T=self.positions_T.to(device, non_blocking=non_blocking),
             anchors_A=self.anchors_A.to(device, non_blocking=non_blocking),
+            loss_rows_N=None
+            if self.loss_rows_N is None
+            else self.loss_rows_N.to(device, non_blocking=non_blocking),
         )
 
     def validate(self, *, feature_width: int | None = None, check_values: bool = False) -> None:
@@ -95,6 +101,9 @@ class DrafterInputs:
             raise DataError(f"anchors_A must be int64 [A], got {self.anchors_A.dtype} {self.anchors_A.shape}")
         if self.input_ids_T.dtype != torch.int64:
             raise DataError(f"input_ids_T must be int64, got {self.input_ids_T.dtype}")
+        rows = self.loss_rows_N
+        if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
+            raise DataError(f"loss_rows_N must be int64 [N], got {rows.dtype} {tuple(rows.shape)}")
         if not check_values:
             return
         a = self.anchors_A

@@ -107,6 +107,12 @@ class DFlashAttention(nn.Module):
         attend: AttendFn,
     ) -> Tensor:
         """Attention output [Q, H] of the (already input-normed) block rows ``x_QH``."""
+        return self.output(attend(*self.attention_inputs(x_QH, cos_QD, sin_QD, ctx_k_HCD, ctx_v_HCD)))
+
+    def attention_inputs(
+        self, x_QH: Tensor, cos_QD: Tensor, sin_QD: Tensor, ctx_k_HCD: Tensor, ctx_v_HCD: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q [1, Hq, Q, D] and k, v [1, Hk, C+Q, D] ([context ; block]) as the attend function takes them."""
         Q = x_QH.shape[0]
         q = self.q_norm(self.q_proj(x_QH).view(Q, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos_QD, sin_QD)
@@ -115,7 +121,12 @@ class DFlashAttention(nn.Module):
         v = torch.cat([ctx_v_HCD.to(blk_v.dtype), blk_v], dim=1)
         # One dtype for the kernel (RMSNorm keeps its input dtype, so under autocast all are bf16).
         dtype = v.dtype
-        out = attend(q.to(dtype)[None], k.to(dtype)[None], v[None])[0]
+        return q.to(dtype)[None], k.to(dtype)[None], v[None]
+
+    def output(self, attended_1HQD: Tensor) -> Tensor:
+        """o_proj of the attend function's output [1, Hq, Q, D] → [Q, H]."""
+        out = attended_1HQD[0]
+        Q = out.shape[1]
         return self.o_proj(out.transpose(0, 1).reshape(Q, self.num_heads * self.head_dim))
 
 
@@ -138,6 +149,21 @@ class DecoderLayer(nn.Module):
         ctx_v_HCD: Tensor,
         attend: AttendFn,
     ) -> Tensor:
-        h = self.self_attn(self.input_layernorm(x_QH), cos_QD, sin_QD, ctx_k_HCD, ctx_v_HCD, attend)
-        x_QH = x_QH + h
+        return self.finish(x_QH, attend(*self.attention_inputs(x_QH, cos_QD, sin_QD, ctx_k_HCD, ctx_v_HCD)))
+
+    # The layer in two halves around the attend call, so that ``--compile`` can compile each half
+    # (norms, projections, RoPE, the MLP: many small kernels) and leave attention (flex's own compiled
+    # kernel, or SDPA with a mask) as it is. forward is exactly their composition.
+
+    def attention_inputs(
+        self, x_QH: Tensor, cos_QD: Tensor, sin_QD: Tensor, ctx_k_HCD: Tensor, ctx_v_HCD: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v for the attend function (``DFlashAttention.attention_inputs`` of the normed rows)."""
+        return self.self_attn.attention_inputs(
+            self.input_layernorm(x_QH), cos_QD, sin_QD, ctx_k_HCD, ctx_v_HCD
+        )
+
+    def finish(self, x_QH: Tensor, attended_1HQD: Tensor) -> Tensor:
+        """The layer's output [Q, H] from its input and the attend function's output."""
+        x_QH = x_QH + self.self_attn.output(attended_1HQD)
         return x_QH + self.mlp(self.post_attention_layernorm(x_QH))

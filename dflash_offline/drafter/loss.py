@@ -15,6 +15,7 @@ are ``simulated_acceptance_length(acc, include_bonus=False)``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,12 +26,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def decay_weights(block_size: int, gamma: float, *, device: torch.device | None = None) -> Tensor:
-    """float32 [B]: 0 at position 0, exp(−(k−1)/γ) at positions k = 1..B−1."""
+def decay_weights(block_size: int, gamma: float, *, device: torch.device | str | None = None) -> Tensor:
+    """float32 [B]: 0 at position 0, exp(−(k−1)/γ) at positions k = 1..B−1. One cached tensor per
+    (B, γ, device): callers must not modify it."""
+    return _decay_weights(block_size, float(gamma), torch.device(device) if device is not None else None)
+
+
+@functools.lru_cache(maxsize=32)
+def _decay_weights(block_size: int, gamma: float, device: torch.device | None) -> Tensor:
     k = torch.arange(block_size, dtype=torch.float32, device=device)
     w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
+    # torch.where, not ``w[0] = 0.0``: assigning a Python number into a CUDA tensor is a blocking
+    # host-to-device copy, a host sync (twice a microbatch before this was cached).
+    return torch.where(k >= 1, w, torch.zeros_like(w))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,14 +55,30 @@ def block_labels(
     input_ids_T: Tensor, loss_mask_T: Tensor, doc_ids_T: Tensor, anchors_A: Tensor, block_size: int
 ) -> BlockLabels:
     """Unshifted labels of every block position (see module docstring)."""
-    T = input_ids_T.shape[0]
+    safe_AB, valid_AB = _block_positions(loss_mask_T, doc_ids_T, anchors_A, block_size)
+    return BlockLabels(label_ids_AB=input_ids_T[safe_AB], valid_AB=valid_AB)
+
+
+def _block_positions(
+    loss_mask_T: Tensor, doc_ids_T: Tensor, anchors_A: Tensor, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """(row index of each block position clamped into the row, whether it carries loss), both [A, B]."""
+    T = loss_mask_T.shape[0]
     k_B = torch.arange(block_size, device=anchors_A.device)
     idx_AB = anchors_A[:, None] + k_B[None, :]
     in_row = idx_AB < T
     safe = idx_AB.clamp(max=T - 1)
     same_doc = doc_ids_T[safe] == doc_ids_T[anchors_A][:, None]
     valid = in_row & same_doc & loss_mask_T.to(torch.bool)[safe] & (k_B[None, :] >= 1)
-    return BlockLabels(label_ids_AB=input_ids_T[safe], valid_AB=valid)
+    return safe, valid
+
+
+def loss_rows(loss_mask_T: Tensor, doc_ids_T: Tensor, anchors_A: Tensor, block_size: int) -> Tensor:
+    """int64 [N]: the flat indices j·B + k (ascending) of the block positions that carry loss, i.e.
+    ``nonzero(valid_AB)``. Its length is data-dependent: on a GPU ``nonzero`` waits for the device, so
+    the prefetcher computes it on the host while packing and hands it over with the batch."""
+    _safe, valid_AB = _block_positions(loss_mask_T, doc_ids_T, anchors_A, block_size)
+    return torch.nonzero(valid_AB.reshape(-1)).flatten()
 
 
 def decayed_cross_entropy(logits_ABV: Tensor, labels_AB: Tensor, valid_AB: Tensor, *, gamma: float) -> Tensor:

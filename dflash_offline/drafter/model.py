@@ -15,8 +15,9 @@ in ``_ddp_params_and_buffers_to_ignore`` so DDP neither broadcasts nor reduces t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,10 @@ class DrafterOutput:
     """int64 scalar: positions carrying loss (Σ total_K)."""
 
 
+_LayerSteps = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
+"""One layer's training forward in three calls: context keys/values, attention inputs, the rest."""
+
+
 class ContextCache:
     """Per-layer keys/values of the context seen so far by ``draft`` (positions 0..length−1)."""
 
@@ -95,6 +100,10 @@ class DFlashDrafter(nn.Module):
         self._ddp_params_and_buffers_to_ignore = ["embed_VH", "_lm_head_VH", "feature_scale_F"]
         self.flex_fallback = FlexFallback()
         """Whether this model's compiled flex_attention failed (it then uses SDPA, having warned)."""
+        self._compiled_steps: list[_LayerSteps] | None = None
+        self._cast_head: tuple[Any, Tensor] | None = None
+        """(what it was cast from, the LM head in the autocast dtype): see ``_head_in``."""
+        """The compiled per-layer training steps (``compile_training``), or None: eager."""
         self.load_frozen_head(embed_VH, lm_head_VH)
         self.reset_parameters()
 
@@ -142,6 +151,17 @@ class DFlashDrafter(nn.Module):
         self.embed_VH = embed_VH.detach().requires_grad_(False)
         self._lm_head_VH = None if tied else lm_head_VH.detach().requires_grad_(False)
 
+    def _head_in(self, dtype: torch.dtype) -> Tensor:
+        """The frozen LM head in ``dtype``, cast once and kept (it never changes): a float32 head of
+        Qwen3-8B's size is 2.5 GB, and casting it every microbatch cost a 1.2 GB allocation each time."""
+        head = self.lm_head_VH
+        if head.dtype == dtype:
+            return head
+        key = (dtype, head.device, head.data_ptr(), head.shape)
+        if self._cast_head is None or self._cast_head[0] != key:
+            self._cast_head = (key, head.detach().to(dtype))
+        return self._cast_head[1]
+
     @property
     def lm_head_VH(self) -> Tensor:
         """The frozen LM head [V, H] (the embedding itself when the target ties them)."""
@@ -180,7 +200,8 @@ class DFlashDrafter(nn.Module):
             features_CF = features_CF.to(self._param_dtype())
         return self.hidden_norm(self.fc(features_CF))
 
-    def _embed(self, ids: Tensor) -> Tensor:
+    def embed_ids(self, ids: Tensor) -> Tensor:
+        """Frozen embedding rows of ``ids``, in the parameter dtype."""
         return F.embedding(ids, self.embed_VH).to(self._param_dtype())
 
     def block_input_ids(self, inputs: DrafterInputs) -> Tensor:
@@ -192,7 +213,7 @@ class DFlashDrafter(nn.Module):
 
     def embed_blocks(self, inputs: DrafterInputs) -> Tensor:
         """Block input embeddings [Q, H] (frozen embedding rows, in the parameter dtype)."""
-        return self._embed(self.block_input_ids(inputs).reshape(-1))
+        return self.embed_ids(self.block_input_ids(inputs).reshape(-1))
 
     # ----- training ------------------------------------------------------------------------------
 
@@ -235,17 +256,46 @@ class DFlashDrafter(nn.Module):
         ).reshape(-1)
         q_cos, q_sin = rope_cos_sin(block_pos_Q, D, cfg.rope_theta)
 
-        def run_layer(layer: DecoderLayer, x_QH: Tensor, ctx: Tensor) -> Tensor:
-            k, v = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
-            return layer(x_QH, q_cos, q_sin, k, v, attend)  # type: ignore[no-any-return]
+        steps = self._layer_steps()
+
+        def run_layer(i: int, x_QH: Tensor, ctx: Tensor) -> Tensor:
+            keys_values, attention_inputs, finish = steps[i]
+            k, v = keys_values(ctx, ctx_cos, ctx_sin)
+            return finish(x_QH, attend(*attention_inputs(x_QH, q_cos, q_sin, k, v)))
 
         x = block_embeds_QH
-        for layer in self.decoder_layers():
+        for i in range(len(steps)):
             if checkpoint_layers and requires_grad:
-                x = checkpoint(run_layer, layer, x, ctx_TH, use_reentrant=False)  # type: ignore[assignment]
+                x = checkpoint(run_layer, i, x, ctx_TH, use_reentrant=False)  # type: ignore[assignment]
             else:
-                x = run_layer(layer, x, ctx_TH)
+                x = run_layer(i, x, ctx_TH)
         return self.norm(x)  # type: ignore[no-any-return]
+
+    def _layer_steps(self) -> list[_LayerSteps]:
+        """Per layer: (context keys/values, attention inputs, the rest of the layer) as the training
+        forward calls them: compiled after ``compile_training``, else the layers' own methods
+        (whose composition is ``DecoderLayer.forward``, what ``draft`` runs)."""
+        if self._compiled_steps is not None:
+            return self._compiled_steps
+        return [
+            (layer.self_attn.keys_values, layer.attention_inputs, layer.finish)
+            for layer in self.decoder_layers()
+        ]
+
+    def compile_training(self, *, backend: str = "inductor") -> None:
+        """``torch.compile`` the training forward's per-layer work around attention (norms, projections,
+        RoPE, the MLP: fused kernels instead of many small ones), for every shape at once
+        (``dynamic=True``: microbatches differ in tokens and anchors). Attention itself stays as it is
+        (flex's compiled kernel on CUDA, SDPA elsewhere); ``draft`` is not affected. Fused kernels round
+        differently from eager ones, so a compiled run's numbers are close to, not equal to, eager's."""
+        self._compiled_steps = [
+            (
+                torch.compile(layer.self_attn.keys_values, dynamic=True, backend=backend),
+                torch.compile(layer.attention_inputs, dynamic=True, backend=backend),
+                torch.compile(layer.finish, dynamic=True, backend=backend),
+            )
+            for layer in self.decoder_layers()
+        ]
 
     def forward_train(
         self,
@@ -281,13 +331,14 @@ class DFlashDrafter(nn.Module):
         labels = block_labels(inputs.input_ids_T, inputs.loss_mask_T, inputs.doc_ids_T, inputs.anchors_A, B)
         hidden_QH = self.forward_hidden(inputs, attention=attention, checkpoint_layers=checkpoint_layers)
         w_AB = decay_weights(B, cfg.gamma, device=dev)[None, :] * labels.valid_AB.float()
-        rows = torch.nonzero(labels.valid_AB.reshape(-1)).flatten()
+        rows = inputs.loss_rows_N
+        if rows is None:  # a host sync on a GPU (the row count is data-dependent): see loss.loss_rows
+            rows = torch.nonzero(labels.valid_AB.reshape(-1)).flatten()
         label_rows = labels.label_ids_AB.reshape(-1)[rows]
         head_VH = self.lm_head_VH
         if torch.is_autocast_enabled(dev.type):
-            # The LM head matmul is the largest of the step: run it in the autocast dtype too (one
-            # cast per step of a float32 head; a bf16 head is used as it is).
-            head_VH = head_VH.to(torch.get_autocast_dtype(dev.type))
+            # The LM head matmul is the largest of the step: run it in the autocast dtype too.
+            head_VH = self._head_in(torch.get_autocast_dtype(dev.type))
         ce_sum, preds = linear_cross_entropy(
             hidden_QH[rows], head_VH, label_rows, w_AB.reshape(-1)[rows], chunk_rows=loss_chunk_rows
         )
@@ -347,7 +398,7 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = rope_cos_sin(torch.arange(start, anchor_position, device=dev), D, cfg.rope_theta)
         ids = torch.full((B,), cfg.mask_token_id, dtype=torch.int64, device=dev)
         ids[0] = anchor_token
-        x = self._embed(ids)
+        x = self.embed_ids(ids)
         q_cos, q_sin = rope_cos_sin(
             torch.arange(anchor_position, anchor_position + B, device=dev), D, cfg.rope_theta
         )

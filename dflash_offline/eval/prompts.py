@@ -11,7 +11,7 @@ with ``--exclude-cache`` or found from the drafter: an export written by ``dflas
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +64,22 @@ class PromptSelection:
     fail to render, or exceed ``max_prompt_tokens``."""
 
 
+def run_dir_of(drafter_dir: Path) -> Path | None:
+    """The ``dflash train`` run a drafter was exported by (``RUN/drafter``, ``RUN/drafter-last``, …
+    next to ``RUN/config.json``); else None."""
+    resolved = drafter_dir.resolve()
+    if not resolved.name.startswith("drafter") or not (resolved.parent / "config.json").is_file():
+        return None
+    return resolved.parent
+
+
 def training_cache_of(drafter_dir: Path) -> Path | None:
     """The cache a drafter was trained from, when it is the export of a ``dflash train`` run
     (``RUN/drafter`` next to ``RUN/config.json`` naming ``cache_dir``); else None."""
-    config_path = drafter_dir.resolve().parent / "config.json"
-    if drafter_dir.resolve().name != "drafter" or not config_path.is_file():
+    run_dir = run_dir_of(drafter_dir)
+    if run_dir is None:
         return None
+    config_path = run_dir / "config.json"
     try:
         config: Any = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -121,7 +131,56 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
             f"; that cache was generated from {fingerprint.data_source!r}, these prompts come from "
             f"{source!r}, so no id can match: held out by source"
         )
-    return HeldOut(cache_dir=cache_dir, excluded_ids=frozenset(ids), note=note, source=source)
+    held_out = HeldOut(cache_dir=cache_dir, excluded_ids=frozenset(ids), note=note, source=source)
+    return release_validation_split(held_out, drafter_dir, cache_source=fingerprint.data_source)
+
+
+def release_validation_split(held_out: HeldOut, drafter_dir: Path, *, cache_source: str) -> HeldOut:
+    """``held_out`` less what the drafter's training run held out for validation (train/split.py): the
+    drafter never trained on those samples, nor on the records a regenerated validation sample was
+    answered from (unless a trained sample was answered from the same record)."""
+    from dflash_offline.train.split import validation_ids_of_run
+
+    run_dir = run_dir_of(drafter_dir)
+    validation = None if run_dir is None or held_out.cache_dir is None else validation_ids_of_run(run_dir)
+    if not validation or held_out.cache_dir is None:
+        return held_out
+    released = set(validation)
+    answered_from = regenerated_sources(held_out.cache_dir, source=cache_source)
+    trained_from = {src for sample_id, src in answered_from.items() if sample_id not in validation}
+    released |= {src for sample_id, src in answered_from.items() if sample_id in validation} - trained_from
+    kept = held_out.excluded_ids - released
+    note = (
+        f"{held_out.note}; not excluded: the {len(held_out.excluded_ids) - len(kept)} of them the "
+        f"drafter's run {run_dir} held out for validation (never trained on)"
+    )
+    return replace(held_out, excluded_ids=frozenset(kept), note=note)
+
+
+def regenerated_sources(cache_dir: Path, *, source: str) -> dict[str, str]:
+    """Sample id (as the cache computes it, over ``source``) → ``source_sample_id`` of every line of the
+    ``dflash regenerate`` outputs named by the cache's generate runs (see ``regenerated_source_ids``)."""
+    from dflash_offline.data.jsonstream import RawRecord
+    from dflash_offline.data.sources import parse_record
+
+    found: dict[str, str] = {}
+    for path in _regenerated_files(cache_dir):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for index, line in enumerate(f):
+                if '"source_sample_id"' not in line:
+                    continue
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                origin = value.get("source_sample_id") if isinstance(value, dict) else None
+                raw = RawRecord(
+                    source_index=index, where=f"line {index + 1}", value=value, error=None, truncated=False
+                )
+                item = parse_record(raw, source=source)
+                if isinstance(origin, str) and isinstance(item, Conversation):
+                    found[item.sample_id] = origin
+    return found
 
 
 def regenerated_source_ids(cache_dir: Path) -> set[str]:
@@ -130,22 +189,8 @@ def regenerated_source_ids(cache_dir: Path) -> set[str]:
     Such a cache's own ids hash the regenerated conversations, which share their user turns (the eval
     prompts) with the original records: the ``source_sample_id`` of every line of the data files named
     by the cache's generate runs are excluded as well. Files no longer on disk are passed over."""
-    from dflash_offline.cache.manifest import read_runs
-
     found: set[str] = set()
-    try:
-        runs = read_runs(cache_dir)
-    except Exception:  # an unreadable runs table only loses this extra safety net
-        return found
-    paths = set()
-    for run in runs:
-        try:
-            data = json.loads(run.config_json).get("data")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if isinstance(data, str) and data.endswith(".jsonl") and Path(data).is_file():
-            paths.add(Path(data))
-    for path in sorted(paths):
+    for path in _regenerated_files(cache_dir):
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 if '"source_sample_id"' not in line:
@@ -157,6 +202,25 @@ def regenerated_source_ids(cache_dir: Path) -> set[str]:
                 if isinstance(value, str):
                     found.add(value)
     return found
+
+
+def _regenerated_files(cache_dir: Path) -> list[Path]:
+    """The JSONL data files named by the cache's generate runs that are still on disk."""
+    from dflash_offline.cache.manifest import read_runs
+
+    try:
+        runs = read_runs(cache_dir)
+    except Exception:  # an unreadable runs table only loses this extra safety net
+        return []
+    paths = set()
+    for run in runs:
+        try:
+            data = json.loads(run.config_json).get("data")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(data, str) and data.endswith(".jsonl") and Path(data).is_file():
+            paths.add(Path(data))
+    return sorted(paths)
 
 
 def prompt_messages(conv: Conversation) -> list[dict[str, str]] | None:

@@ -102,6 +102,7 @@ def run_eval(config: EvalConfig) -> Any:
     """Evaluate and return the ``EvalReport`` (the CLI prints and writes it)."""
     from tqdm import tqdm
 
+    from dflash_offline.decode.single import SingleSequence
     from dflash_offline.eval.exactness import EXACTNESS_RULE
     from dflash_offline.eval.prompts import resolve_held_out
     from dflash_offline.eval.report import EVAL_REPORT_VERSION, EvalReport, prompt_result, summarize_sets
@@ -120,6 +121,7 @@ def run_eval(config: EvalConfig) -> Any:
     drafter_model = load_drafter_for(target, config.drafter_dir, dtype=dtype)
     warnings = _consistency_warnings(held_out.cache_dir, target.info, drafter_model)
     questions = _questions(config, target.tokenizer, held_out, warnings)
+    block = drafter_model.config.block_size
     dec = Decoders(
         caller=TargetCaller(target.model),
         drafter=DFlashBlockDrafter(drafter_model),
@@ -129,6 +131,8 @@ def run_eval(config: EvalConfig) -> Any:
         max_new_tokens=config.max_new_tokens,
         max_prompt_tokens=config.max_prompt_tokens,
         tie_ulps=config.tie_ulps,
+        # One slot of the longest prompt + answer + a verify block; CUDA graphs on a GPU.
+        engine=SingleSequence(target.model, max_len=config.max_prompt_tokens + config.max_new_tokens + block),
     )
     block_size = dec.drafter.block_size
     if config.warmup:

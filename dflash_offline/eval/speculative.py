@@ -1,4 +1,7 @@
-"""Greedy speculative decoding with a block drafter (batch 1), and the target-only loop it is timed against.
+"""Greedy speculative decoding with a block drafter (batch 1), and the target-only loop it is timed against,
+over transformers' own forward and ``DynamicCache``: the reference loops. ``dflash eval`` runs the same
+two loops on the decode engine (``decode/single.py``: slot cache, CUDA graphs, no host sync inside a
+cycle), and the tests hold both to the same outputs.
 
 Legend: P prompt tokens, S tokens of one target call, B block size, K = B − 1 drafted tokens,
 C context positions handed to the drafter, F = n·H feature width, V vocabulary.
@@ -27,38 +30,32 @@ Timing excludes the prefill in both loops; on CUDA the clock reads are preceded 
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from dflash_offline.decode.single import (
+    BlockDrafter,
+    Clock,
+    DecodeResult,
+    StopReason,
+    finish_tokens,
+    is_done,
+)
 from dflash_offline.drafter.model import ContextCache, DFlashDrafter
 from dflash_offline.target.capture import capture_layer_outputs
 
-StopReason = Literal["stop_token", "length"]
-
-
-class BlockDrafter(Protocol):
-    """What the loop needs from a drafter (``DFlashBlockDrafter`` in production; fakes in tests)."""
-
-    @property
-    def block_size(self) -> int:
-        """B: the anchor plus K = B − 1 drafted tokens."""
-        ...
-
-    def reset(self) -> None:
-        """Forget the context of the previous prompt."""
-        ...
-
-    def propose(self, *, new_features_CF: Tensor, anchor_token: int, anchor_position: int) -> Tensor:
-        """int64 [K]: draft tokens for positions anchor_position+1..anchor_position+K.
-
-        ``new_features_CF`` are the features of the positions the drafter has not seen yet; together
-        with the earlier calls since ``reset`` they cover positions 0..anchor_position−1 exactly."""
-        ...
+__all__ = [
+    "BlockDrafter",
+    "DFlashBlockDrafter",
+    "DecodeResult",
+    "StopReason",
+    "TargetCaller",
+    "speculative_decode",
+    "target_only_decode",
+]
 
 
 class DFlashBlockDrafter:
@@ -82,49 +79,6 @@ class DFlashBlockDrafter:
             anchor_position=anchor_position,
             cache=self._cache,
         )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DecodeResult:
-    """The outcome of one prompt's decoding (speculative or target-only)."""
-
-    tokens: tuple[int, ...]
-    """New token ids (prompt excluded), cut after the first stop token and to max_new_tokens."""
-    accepted_per_cycle: tuple[int, ...]
-    """Speculative loop: accepted draft tokens a (0..B−1) of each draft–verify cycle, in order.
-    Target-only loop: empty."""
-    stop_reason: StopReason
-    """``stop_token`` when the output ends with a stop token, else ``length``."""
-    prefill_seconds: float
-    """Wall time of the prefill forward (excluded from the decode time)."""
-    decode_seconds: float
-    """Wall time from the end of the prefill to the last token (drafting included)."""
-    num_target_forwards: int
-    """Target forward calls after the prefill."""
-
-    @property
-    def num_cycles(self) -> int:
-        return len(self.accepted_per_cycle)
-
-    @property
-    def tau(self) -> float | None:
-        """Mean over cycles of (accepted + 1); None without a cycle."""
-        if not self.accepted_per_cycle:
-            return None
-        return sum(a + 1 for a in self.accepted_per_cycle) / len(self.accepted_per_cycle)
-
-
-class _Clock:
-    """perf_counter, synchronized with the device first so that queued kernels are counted."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._device = device
-
-    def now(self) -> float:
-        if self._cuda:
-            torch.cuda.synchronize(self._device)
-        return time.perf_counter()
 
 
 class TargetCaller:
@@ -153,27 +107,13 @@ class TargetCaller:
         return logits[-1:] if last_only else logits
 
 
-def _finish(tokens: list[int], *, max_new_tokens: int, stop_ids: frozenset[int]) -> tuple[list[int], bool]:
-    """Cut after the first stop token and to max_new_tokens; True when a stop token ends the output."""
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            tokens = tokens[: i + 1]
-            break
-    tokens = tokens[:max_new_tokens]
-    return tokens, bool(tokens) and tokens[-1] in stop_ids
-
-
-def _done(tokens: list[int], *, max_new_tokens: int, stop_ids: frozenset[int], checked: int) -> bool:
-    return len(tokens) >= max_new_tokens or any(t in stop_ids for t in tokens[checked:])
-
-
 @torch.inference_mode()
 def target_only_decode(
     target: TargetCaller, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: frozenset[int]
 ) -> DecodeResult:
     """Plain greedy decoding with the KV cache: the speculative loop with a block of one token."""
     _check_args(prompt_ids, max_new_tokens)
-    clock = _Clock(target.device)
+    clock = Clock(target.device)
     cache = target.new_cache()
     t0 = clock.now()
     # The next token stays on the device as the next call's input: one host sync per token (the
@@ -182,12 +122,12 @@ def target_only_decode(
     tokens = [int(next_1)]
     t1 = clock.now()
     forwards = 0
-    while not _done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=len(tokens) - 1):
+    while not is_done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=len(tokens) - 1):
         next_1 = target(next_1, cache, last_only=True)[-1:].argmax(dim=-1)
         tokens.append(int(next_1))
         forwards += 1
     t2 = clock.now()
-    out, stopped = _finish(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    out, stopped = finish_tokens(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return DecodeResult(
         tokens=tuple(out),
         accepted_per_cycle=(),
@@ -210,7 +150,7 @@ def speculative_decode(
 ) -> DecodeResult:
     """Greedy speculative decoding of one prompt (see the module docstring for the cycle)."""
     _check_args(prompt_ids, max_new_tokens)
-    clock = _Clock(target.device)
+    clock = Clock(target.device)
     K = drafter.block_size - 1
     drafter.reset()
     cache = target.new_cache()
@@ -224,7 +164,7 @@ def speculative_decode(
         t1 = clock.now()
         n = len(prompt_ids)  # position of tokens[-1], the anchor: known, not yet run through the target
         checked = 0
-        while not _done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=checked):
+        while not is_done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=checked):
             checked = len(tokens)
             draft_K = drafter.propose(
                 new_features_CF=new_features_CF, anchor_token=tokens[-1], anchor_position=n
@@ -251,7 +191,7 @@ def speculative_decode(
             new_features_CF = captured.features()[0, : a + 1]  # positions n..n+a
             n += a + 1
         t2 = clock.now()
-    out, stopped = _finish(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    out, stopped = finish_tokens(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return DecodeResult(
         tokens=tuple(out),
         accepted_per_cycle=tuple(accepted),

@@ -12,12 +12,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_offline.decode.single import SingleSequence
 from dflash_offline.eval.benches import BenchQuestion
 from dflash_offline.eval.exactness import Divergence, classify
 from dflash_offline.eval.prompts import EvalPrompt, render_prompt_ids
 from dflash_offline.eval.speculative import (
     BlockDrafter,
     DecodeResult,
+    DFlashBlockDrafter,
     TargetCaller,
     speculative_decode,
     target_only_decode,
@@ -79,7 +81,9 @@ class DecodedTurn:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Decoders:
-    """What decoding a turn needs: the target behind both loops, the drafter, and how to stop."""
+    """What decoding a turn needs: the target behind both loops, the drafter, and how to stop. With
+    ``engine`` both loops run on the decode engine (``dflash eval``); without it on transformers' forward
+    (the reference loops)."""
 
     caller: TargetCaller
     drafter: BlockDrafter
@@ -89,8 +93,13 @@ class Decoders:
     max_new_tokens: int
     max_prompt_tokens: int
     tie_ulps: float
+    engine: SingleSequence | None = None
 
     def target_only(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> DecodeResult:
+        if self.engine is not None:
+            return self.engine.target_only(
+                prompt_ids, max_new_tokens=max_new_tokens or self.max_new_tokens, stop_ids=self.stop_ids
+            )
         return target_only_decode(
             self.caller,
             prompt_ids,
@@ -99,6 +108,16 @@ class Decoders:
         )
 
     def speculative(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> DecodeResult:
+        if self.engine is not None:
+            # A DFlash drafter drafts on the device (static context, one graph per cycle); others on the host.
+            drafter = self.drafter.model if isinstance(self.drafter, DFlashBlockDrafter) else self.drafter
+            return self.engine.speculative(
+                prompt_ids,
+                drafter,
+                layer_ids=self.layer_ids,
+                max_new_tokens=max_new_tokens or self.max_new_tokens,
+                stop_ids=self.stop_ids,
+            )
         return speculative_decode(
             self.caller,
             self.drafter,

@@ -1,5 +1,7 @@
 """Plots of a training run (``RUN/metrics.jsonl``): loss, accuracy per block position, simulated τ,
-throughput. Block position k = 1..B−1 predicts the token k after the anchor."""
+throughput. Block position k = 1..B−1 predicts the token k after the anchor. Where the run evaluated
+its validation split (the lines with ``val_*`` fields), the loss and τ figures draw the validation
+curve on the training one."""
 
 from __future__ import annotations
 
@@ -42,6 +44,12 @@ def _column(rows: list[dict[str, Any]], key: str) -> np.ndarray:
     return np.array([float(r[key]) if isinstance(r.get(key), int | float) else np.nan for r in rows])
 
 
+def _validation(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the lines that carry validation field ``key``."""
+    val = [r for r in rows if isinstance(r.get(key), int | float)]
+    return _column(val, "step"), _column(val, key)
+
+
 def _title(run_dir: Path, what: str) -> str:
     return f"{what}: {run_dir.resolve().name}"
 
@@ -53,13 +61,16 @@ def plot_loss(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
     fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1.4))
     ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="loss")
     ax.plot(steps, smooth(loss), color="tab:blue", lw=2, label="smoothed")
+    val_steps, val_loss = _validation(rows, "val_loss")
+    if val_steps.size:
+        ax.plot(val_steps, val_loss, color="tab:red", marker="o", ms=4, lw=1.8, label="validation")
+        loss = np.concatenate([loss, val_loss])
     finite = loss[np.isfinite(loss) & (loss > 0)]
     if finite.size and finite.max() / finite.min() > 10:
         ax.set_yscale("log")
     ax.set_ylabel("decayed cross-entropy")
-    ax.set_title(
-        _title(run_dir, "training loss") + (f"  (last {loss[-1]:.4g})" if np.isfinite(loss[-1]) else "")
-    )
+    last = _column(rows, "loss")[-1]
+    ax.set_title(_title(run_dir, "training loss") + (f"  (last {last:.4g})" if np.isfinite(last) else ""))
     ax.legend(loc="upper right")
     ax_lr.plot(steps, _column(rows, "lr"), color="tab:green", lw=1.5)
     ax_lr.set_ylabel("learning rate", color="tab:green")
@@ -120,7 +131,13 @@ def plot_tau(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
     tau = _column(rows, "simulated_tau")
     fig, ax = plt.subplots()
     ax.plot(steps, tau, color="tab:purple", alpha=0.3, lw=0.8)
-    ax.plot(steps, smooth(tau), color="tab:purple", lw=2)
+    ax.plot(steps, smooth(tau), color="tab:purple", lw=2, label="training batches")
+    val_steps, val_tau = _validation(rows, "val_simulated_tau")
+    if val_steps.size:
+        ax.plot(val_steps, val_tau, color="tab:red", marker="o", ms=4, lw=1.8, label="validation")
+        block_steps, block_tau = _validation(rows, "val_block_tau")
+        ax.plot(block_steps, block_tau, color="tab:red", ls="--", lw=1.2, label="validation, per block")
+        ax.legend(loc="center right", fontsize=8)
     block = max((len(r.get("acc_by_position") or []) for r in rows), default=0) + 1
     ax.axhline(block, color="grey", ls=":", lw=1)
     ax.text(steps[0], block, f" B = {block} (every draft accepted)", va="bottom", fontsize=8, color="grey")
@@ -128,9 +145,10 @@ def plot_tau(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("simulated τ = 1 + Σ_k Π_{i≤k} acc_i")
     last = smooth(tau)[-1]
+    best = f", best validation {np.nanmax(val_tau):.2f}" if val_steps.size else ""
     ax.set_title(
         _title(run_dir, "simulated acceptance length")
-        + (f"  (smoothed last {last:.2f})" if np.isfinite(last) else "")
+        + (f"  (smoothed last {last:.2f}{best})" if np.isfinite(last) else "")
     )
     return save(fig, out / "simulated_tau.png")
 

@@ -52,20 +52,25 @@ class RegenerateConfig:
     temperature: float = cli_field(
         0.0, min=0, help="0: greedy; > 0: sampling at this temperature (with --seed)."
     )
+    top_p: float = cli_field(
+        1.0,
+        help="With --temperature > 0: sample among the most likely tokens whose probability reaches this.",
+    )
     seed: int = cli_field(0, cli=SEED)
     batch_size: int | None = cli_field(
         None,
         min=1,
-        help="Continuous batching: requests per forward step; static: rows per generate call. "
+        help="slots and cb: requests decoded at once; static: rows per generate call. "
         "Default: 256 on a GPU, 16 on the CPU.",
     )
-    """CB: requests per forward step; static: rows per generate call. None: 256 on CUDA, 16 on CPU."""
-    engine: Literal["auto", "cb", "static", "openai"] = cli_field(
+    """Requests decoded at once (slots, CB) or rows per generate call (static); None: 256 on CUDA, 16 on
+    the CPU."""
+    engine: Literal["auto", "slots", "cb", "static", "openai"] = cli_field(
         "auto",
-        help="cb: transformers' continuous batching (paged attention); static: generate batches sorted by "
-        "prompt length; auto: cb on a GPU when the installed transformers has it, else static; openai: "
-        "an OpenAI-compatible server at --base-url answers (--target then gives only the tokenizer and "
-        "chat template).",
+        help="slots: the project's decode engine (slot KV cache, CUDA graphs); cb: transformers' continuous "
+        "batching; static: generate batches sorted by prompt length; auto: slots; openai: an "
+        "OpenAI-compatible server at --base-url answers (--target then gives only the tokenizer and chat "
+        "template).",
     )
     base_url: str | None = cli_field(
         None,
@@ -97,23 +102,27 @@ class RegenerateConfig:
         min=0,
         help="--engine openai: seconds before the first retry, doubled for each later one (at most 60).",
     )
-    kv_tokens: int = cli_field(
-        262144,
+    kv_tokens: int | None = cli_field(
+        None,
         min=1,
-        help="KV-cache budget in tokens per worker (cb: the paged cache; static: rows x (longest prompt + "
-        "new tokens) per batch). Lower it when the KV cache does not fit in memory.",
+        help="KV-cache budget in tokens per worker (slots: slots x (--max-prompt-tokens + --max-new-tokens + "
+        "1), default: what the free GPU memory holds; cb: the paged cache, static: rows x (longest prompt + "
+        "new tokens) per batch, default 262144). Lower it when the KV cache does not fit in memory.",
     )
-    """KV-cache budget in tokens (CB: the paged cache; static: rows × (longest prompt + new tokens))."""
+    """KV-cache budget in tokens; None: the free GPU memory (slots), 262144 (cb, static)."""
     max_batch_tokens: int = cli_field(
-        2048, min=1, help="cb: query tokens per forward step (decode tokens plus prefill chunks)."
+        2048,
+        min=1,
+        help="slots: prompt tokens per prefill forward; cb: query tokens per forward step (decode tokens "
+        "plus prefill chunks).",
     )
     cuda_graphs: Literal["auto", "on", "off"] = cli_field(
-        "auto", help="cb: CUDA graphs (auto: transformers decides; on with flash attention)."
+        "auto", help="slots: decode steps as CUDA graphs (auto: on); cb: auto lets transformers decide."
     )
     window: int | None = cli_field(
         None,
         min=1,
-        help="Conversations in flight per worker (default: 2 x --batch-size for cb, 4 x for static).",
+        help="Conversations in flight per worker (default: 2 x --batch-size, 4 x for static).",
     )
     device: str | None = cli_field(None, help="cpu, cuda or cuda:N (default: cuda when available).")
     dtype: str | None = cli_field(None, cli=DTYPE)
@@ -129,10 +138,11 @@ class RegenerateConfig:
             "--max-new-tokens": self.max_new_tokens >= 1,
             "--max-prompt-tokens": self.max_prompt_tokens >= 1,
             "--temperature": self.temperature >= 0,
+            "--top-p": 0 < self.top_p <= 1,
             "--batch-size": self.batch_size is None or self.batch_size >= 1,
-            "--kv-tokens": self.kv_tokens >= 1,
+            "--kv-tokens": self.kv_tokens is None or self.kv_tokens >= 1,
             "--max-batch-tokens": self.max_batch_tokens >= 1,
-            "--engine": self.engine in ("auto", "cb", "static", "openai"),
+            "--engine": self.engine in ("auto", "slots", "cb", "static", "openai"),
             "--concurrency": self.concurrency >= 1,
             "--request-timeout": self.request_timeout > 0,
             "--max-retries": self.max_retries >= 0,
@@ -146,7 +156,7 @@ class RegenerateConfig:
             raise ConfigError(f"invalid value for {', '.join(bad)} (see dflash regenerate --help)")
         parse_data_format(self.data_format)
         self._check_server_options()
-        if self.max_prompt_tokens + self.max_new_tokens > self.kv_tokens:
+        if self.kv_tokens is not None and self.max_prompt_tokens + self.max_new_tokens > self.kv_tokens:
             raise ConfigError(
                 f"--max-prompt-tokens {self.max_prompt_tokens} + --max-new-tokens {self.max_new_tokens} "
                 f"does not fit in --kv-tokens {self.kv_tokens} (one conversation's KV cache): "

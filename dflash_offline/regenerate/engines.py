@@ -1,9 +1,14 @@
-"""The two ways a worker gets answers from the target: transformers' continuous batching, or static batches.
+"""The ways a worker gets answers from the target: the project's decode engine, transformers' continuous
+batching, or static batches.
 
-Both take prompts as they become ready (``submit``) and hand back finished answers (``poll``), so the
-conversation driver (``driver.py``) is the same for both and a multi-turn conversation's next turn joins
+All take prompts as they become ready (``submit``) and hand back finished answers (``poll``), so the
+conversation driver (``driver.py``) is the same for all and a multi-turn conversation's next turn joins
 as soon as its previous answer is back.
 
+``SlotEngine`` (the default, ``--engine slots``) is ``dflash_offline.decode``'s continuous batching: a
+slot KV cache read in place by one attention call per layer, chunked prefill, CUDA-graph decode steps
+(bench/RESULTS.md, "Decode engine", for its speed against the two below). Sampled answers depend only on
+(--seed, the request, the token's index), not on the batch.
 ``ContinuousEngine`` (CUDA default) drives ``ContinuousBatchingManager`` from
 ``model.init_continuous_batching``: paged attention (transformers switches the model to its paged
 implementation of the loaded attention), a finished sequence leaves the batch at once and a waiting
@@ -34,7 +39,13 @@ from dflash_offline.regenerate.generation import (
 )
 from dflash_offline.target.loader import quiet_transformers
 
-EngineName = Literal["cb", "static", "openai"]
+EngineName = Literal["slots", "cb", "static", "openai"]
+
+DEFAULT_KV_TOKENS = 262144
+"""cb and static: the KV budget in tokens when --kv-tokens is not given."""
+
+KV_MEMORY_FRACTION = 0.85
+"""slots on CUDA without --kv-tokens: the share of the free GPU memory (after loading) the cache takes."""
 
 STALL_SECONDS = 600.0
 """CB: no answer for this long with requests in flight fails the engine (``auto`` then hands over)."""
@@ -51,14 +62,25 @@ class EngineOptions:
     """Batching knobs of both engines (sampling is in ``GenerationSettings``)."""
 
     batch_size: int
-    """CB: requests scheduled per forward step; static: rows per ``generate`` call."""
-    kv_tokens: int
-    """KV-cache budget in tokens: the paged cache (CB); rows × (longest prompt + new tokens) (static)."""
+    """slots: requests decoded at once; CB: requests scheduled per forward step; static: rows per
+    ``generate`` call."""
+    kv_tokens: int | None
+    """KV-cache budget in tokens: slots × (longest prompt + new tokens + 1) (slots); the paged cache (CB);
+    rows × (longest prompt + new tokens) (static). None: the free GPU memory (slots), else
+    ``DEFAULT_KV_TOKENS``."""
     max_batch_tokens: int
-    """CB: query tokens per forward step (decode tokens + prefill chunks)."""
+    """slots: prompt tokens per prefill forward; CB: query tokens per forward step (decode tokens + prefill
+    chunks)."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
-    """CB: CUDA graphs; ``auto`` leaves the choice to transformers (on for flash attention only)."""
+    """slots: decode steps as CUDA graphs (auto: on); CB: ``auto`` leaves the choice to transformers."""
     seed: int = 0
+    max_prompt_tokens: int | None = None
+    """slots: the longest prompt a slot holds (with max_new_tokens); required by that engine."""
+
+    @property
+    def kv_budget(self) -> int:
+        """cb and static: --kv-tokens or its default."""
+        return DEFAULT_KV_TOKENS if self.kv_tokens is None else self.kv_tokens
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,7 +147,7 @@ class StaticEngine:
         for key in by_length:
             rows = len(batch) + 1
             width = len(self._queue[key]) + self._settings.max_new_tokens  # the longest row so far
-            if batch and (rows > self._options.batch_size or rows * width > self._options.kv_tokens):
+            if batch and (rows > self._options.batch_size or rows * width > self._options.kv_budget):
                 break
             batch.append(key)
         return batch
@@ -192,7 +214,7 @@ class ContinuousEngine:
         block_size = int(getattr(defaults, "page_size", None) or getattr(defaults, "block_size", None) or 256)
         graphs = {"auto": None, "on": True, "off": False}[options.cuda_graphs]
         cb_config = ContinuousBatchingConfig(
-            num_blocks=max(1, math.ceil(options.kv_tokens / block_size)),
+            num_blocks=max(1, math.ceil(options.kv_budget / block_size)),
             max_batch_tokens=options.max_batch_tokens,
             max_requests_per_batch=min(options.batch_size, options.max_batch_tokens),
             use_cuda_graph=graphs,
@@ -332,33 +354,27 @@ class FallbackEngine:
 
 
 def make_engine(
-    name: Literal["auto", "cb", "static"],
+    name: Literal["auto", "slots", "cb", "static"],
     model: Any,
     settings: GenerationSettings,
     options: EngineOptions,
     *,
     note: Any = print,
 ) -> Engine:
-    """The engine ``name`` asks for; ``auto`` is CB on CUDA when transformers offers it (handing over to
-    static batches if it fails), else static, with a ``note`` saying why."""
-    device = next(model.parameters()).device
-    if name == "static" or (name == "auto" and device.type != "cuda"):
+    """The engine ``name`` asks for; ``auto`` is the decode engine (``slots``), the fastest measured on a
+    GPU and the CPU alike (bench/RESULTS.md, "Decode engine"). ``cb`` hands over to static batches if it
+    fails, with a ``note`` saying why."""
+    if name in ("auto", "slots"):
+        from dflash_offline.regenerate.slot_engine import SlotEngine
+
+        return SlotEngine(model, settings, options)
+    if name == "static":
         return StaticEngine(model, settings, options)
     reason = continuous_batching_support(model)
     if reason is not None:
-        if name == "cb":
-            raise EngineError(f"--engine cb: {reason}; use --engine static")
-        note(f"regenerate: continuous batching unavailable ({reason}); using static batches")
-        return StaticEngine(model, settings, options)
-    if name == "cb":
-        return ContinuousEngine(model, settings, options)
+        raise EngineError(f"--engine cb: {reason}; use --engine slots or static")
     try:
         primary = ContinuousEngine(model, settings, options)
     except EngineError:
         raise  # out of memory: static batches would not fit either; the message names the fix
-    except Exception as e:
-        note(
-            f"regenerate: continuous batching could not start ({type(e).__name__}: {e}); using static batches"
-        )
-        return StaticEngine(model, settings, options)
     return FallbackEngine(primary, lambda: StaticEngine(model, settings, options), note)

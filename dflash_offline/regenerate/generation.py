@@ -3,7 +3,7 @@
 ``generate`` handles padding, positions and the KV cache for every model family in every transformers
 version we support. Every sampling knob is set explicitly, because unset ones are filled in from the
 model's ``generation_config`` (Qwen3 ships temperature 0.6, top-k 20, top-p 0.95): greedy means greedy,
-and ``temperature`` > 0 means plain temperature sampling (no top-k / top-p). Sampled answers depend on
+and ``temperature`` > 0 means temperature sampling with the given top-p (no top-k). Sampled answers depend on
 the batch they were drawn in (one random stream per batch); greedy answers do not, up to the
 floating-point effect of padding.
 
@@ -33,6 +33,8 @@ class GenerationSettings:
     """End-of-turn token ids (the tokenizer's EOS and the generation config's)."""
     pad_id: int
     """Left-padding id (masked out; any valid id)."""
+    top_p: float = 1.0
+    """With temperature > 0: sample only among the most likely tokens whose probability reaches top_p."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,7 +56,7 @@ def generation_config(settings: GenerationSettings) -> Any:
         do_sample=sampling,
         temperature=settings.temperature if sampling else 1.0,
         top_k=0,
-        top_p=1.0,
+        top_p=settings.top_p if sampling else 1.0,
         eos_token_id=sorted(settings.stop_ids),
         pad_token_id=settings.pad_id,
     )

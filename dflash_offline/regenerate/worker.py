@@ -151,6 +151,7 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
         temperature=config.temperature,
         stop_ids=stop_ids,
         pad_id=int(pad_id),
+        top_p=config.top_p,
     )
     batch_size = config.batch_size_for(device.type)
     options = EngineOptions(
@@ -158,7 +159,8 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
         kv_tokens=config.kv_tokens,
         max_batch_tokens=config.max_batch_tokens,
         cuda_graphs=config.cuda_graphs,
-        seed=config.seed + spec.worker,
+        seed=config.seed,
+        max_prompt_tokens=config.max_prompt_tokens,
     )
     torch.manual_seed(config.seed + spec.worker)
     engine = make_engine(

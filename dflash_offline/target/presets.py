@@ -173,7 +173,7 @@ def _param_key(seed: int, name: str) -> tuple[int, int]:
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
 
 
-def _mix32(x_N: torch.Tensor) -> torch.Tensor:
+def mix32(x_N: torch.Tensor) -> torch.Tensor:
     """A 32-bit avalanche hash (xorshift-multiply) on int64 tensors holding values in [0, 2**32)."""
     x_N = x_N ^ (x_N >> 16)
     x_N = (x_N * _MUL1) & _MASK32
@@ -190,7 +190,7 @@ def uniform_values(seed: int, name: str, numel: int, *, device: torch.device) ->
     for start in range(0, numel, _CHUNK):
         stop = min(start + _CHUNK, numel)
         idx_N = torch.arange(start, stop, dtype=torch.int64, device=device)
-        h_N = _mix32(_mix32(idx_N ^ k1) ^ k2)
+        h_N = mix32(mix32(idx_N ^ k1) ^ k2)
         # Top 24 bits -> exactly representable float32 in [0, 1), then exact affine map to [-1, 1).
         out_N[start:stop] = (h_N >> 8).to(torch.float32) * (2.0 / (1 << 24)) - 1.0
     return out_N

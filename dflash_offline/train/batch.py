@@ -148,6 +148,9 @@ class PackedMicrobatch:
     """int32 [D+1]: document start offsets, 0 first and T last (the varlen-attention convention)."""
     anchors_A: torch.Tensor
     """int64 [A]: indices into T chosen by the anchor_fn (empty without one)."""
+    loss_rows_N: torch.Tensor | None = None
+    """int64 [N]: the block positions of ``anchors_A`` that carry loss (``drafter.loss.loss_rows``),
+    when the prefetcher was given the block size; computed on the host, so the forward needs no sync."""
     num_documents: int
     num_tokens: int
     num_bytes: int

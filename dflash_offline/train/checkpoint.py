@@ -21,7 +21,7 @@ import random
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,8 @@ class TrainState:
     rng: dict[str, Any]
     tokens_seen: int
     world_size: int
+    validation: dict[str, Any] = field(default_factory=dict)
+    """``ValidationTracker.state_dict()`` (empty in a run without validation, or an older checkpoint)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -165,6 +167,7 @@ def _write(tmp: Path, state: TrainState) -> None:
             "rng": state.rng,
             "tokens_seen": state.tokens_seen,
             "world_size": state.world_size,
+            "validation": state.validation,
         },
         tmp / "state.pt",
     )
@@ -217,6 +220,7 @@ def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState
             rng=raw["rng"],
             tokens_seen=int(raw["tokens_seen"]),
             world_size=int(raw["world_size"]),
+            validation=dict(raw.get("validation") or {}),
         )
     raise ResumeError(
         f"no checkpoint in {checkpoints_dir(run_dir)} loads ({'; '.join(problems)}); "

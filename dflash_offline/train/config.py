@@ -25,10 +25,25 @@ SHAPE_FIELDS = (
     "seed",
     "tokens_per_microbatch",
     "feature_scale",
+    "val_fraction",
+    "val_samples",
 )
-"""Options a resume must not change: they define the drafter's tensors, its loss or the sample plan."""
+"""Options a resume must not change: they define the drafter's tensors, its loss or the sample plan
+(the validation split decides which samples are trained on)."""
 
-APPLIED_ON_RESUME = ("lr", "weight_decay", "warmup_ratio", "grad_clip", "epochs", "max_steps")
+ABSENT_BEFORE = {"val_fraction": 0.0, "val_samples": None}
+"""The value a shape option had in runs whose config.json predates it (those held nothing out)."""
+
+APPLIED_ON_RESUME = (
+    "lr",
+    "weight_decay",
+    "warmup_ratio",
+    "grad_clip",
+    "epochs",
+    "max_steps",
+    "val_every",
+    "early_stop",
+)
 """Options a resume takes over from the command line (optimizer hyper-parameters and the run length;
 the LR schedule is recomputed from them), each announced when it differs from the previous run."""
 
@@ -138,7 +153,42 @@ class TrainConfig:
         False, help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval)."
     )
     """Also export the untrained drafter to RUN/drafter-initial (the baseline for eval)."""
-    log_every: int = cli_field(1, min=1)
+    log_every: int = cli_field(
+        1,
+        min=1,
+        help="Write metrics every N steps (and at validation and the last step); reading them back from "
+        "a GPU waits for it, so a large N lets the host run ahead.",
+    )
+    """Metrics are read back from the device (a host sync) and written every ``log_every`` steps, at
+    every validation and at the last step; in between they stay on the device."""
+    # Validation.
+    val_fraction: float = cli_field(
+        0.02,
+        help="Hold out this fraction of the cache's samples (chosen by a hash of the sample id: the same "
+        "ones on every resume and world size) for validation; 0: none.",
+    )
+    """Share of the samples held out for validation (train/split.py); 0 turns validation off."""
+    val_samples: int | None = cli_field(
+        None, min=1, help="Hold out this many samples instead of --val-fraction (those of smallest hash)."
+    )
+    """Hold out exactly this many samples (the smallest hashes) instead of ``val_fraction``."""
+    val_every: int = cli_field(
+        200,
+        min=1,
+        help="Validate every N steps and at the end: loss, accuracy per position, simulated τ; "
+        "OUT/drafter is the export of the best validation τ, OUT/drafter-last the last weights.",
+    )
+    early_stop: int | None = cli_field(
+        None,
+        min=1,
+        help="Stop (checkpointed, a clean end) after K validations without a better simulated τ.",
+    )
+    """Stop after this many validations in a row without a better validation τ (a clean end)."""
+    compile: bool = cli_field(
+        False,
+        help="torch.compile the drafter's layers around attention (fused kernels; numbers close to, "
+        "not equal to, eager ones).",
+    )
     tensorboard_dir: Path | None = cli_field(
         None,
         flag="--tensorboard",
@@ -218,6 +268,22 @@ class TrainConfig:
             "--checkpoint-every": (self.checkpoint_every, self.checkpoint_every >= 1, "an integer ≥ 1"),
             "--keep-checkpoints": (self.keep_checkpoints, self.keep_checkpoints >= 1, "an integer ≥ 1"),
             "--log-every": (self.log_every, self.log_every >= 1, "an integer ≥ 1"),
+            "--val-fraction": (
+                self.val_fraction,
+                finite(self.val_fraction) and 0 <= self.val_fraction < 1,
+                "a number in [0, 1)",
+            ),
+            "--val-samples": (
+                self.val_samples,
+                self.val_samples is None or self.val_samples >= 1,
+                "an integer ≥ 1",
+            ),
+            "--val-every": (self.val_every, self.val_every >= 1, "an integer ≥ 1"),
+            "--early-stop": (
+                self.early_stop,
+                self.early_stop is None or self.early_stop >= 1,
+                "an integer ≥ 1",
+            ),
             "--workers": (self.num_cpu_workers, 1 <= self.num_cpu_workers <= 1024, "an integer in 1..1024"),
             "--threads": (
                 self.threads_per_worker,
@@ -287,10 +353,13 @@ def check_resume(previous: dict[str, Any], config: TrainConfig) -> list[str]:
     it), return one note per applied change (optimizer options, run length)."""
     current = config.to_dict()
     for name in SHAPE_FIELDS:
-        if name in previous and previous[name] != current[name]:
+        if name not in previous and name not in ABSENT_BEFORE:
+            continue
+        before = previous.get(name, ABSENT_BEFORE.get(name))
+        if before != current[name]:
             flag = "--" + name.replace("_", "-")
             raise ResumeError(
-                f"{config.out_dir} was trained with {flag} {previous[name]!r}, this run asks for "
+                f"{config.out_dir} was trained with {flag} {before!r}, this run asks for "
                 f"{current[name]!r}; resume with the same {flag}, or train into a new --out "
                 "(or pass --resume never to start over there)"
             )

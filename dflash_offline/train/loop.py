@@ -1,10 +1,10 @@
-"""The training loop of one data-parallel rank: planner → prefetcher → drafter → optimizer.
+"""The training loop of one data-parallel rank: planner → prefetcher → drafter → optimizer, with the
+held-out validation split evaluated every ``--val-every`` steps.
 
-Loss normalisation: a step's loss is Σ w·CE / Σ w over every microbatch of every rank. The weight
-sum of each microbatch is known before its forward (it depends only on anchors and labels), so the
-step's total is all-reduced first and each microbatch backpropagates ``Σ w·CE / total × world``
-(DDP averages over ranks). One process with grad_accum = 2 and two processes with grad_accum = 1
-therefore compute the same gradient up to float summation order.
+The step itself (train/step.py) leaves its results on the device; the loop reads them back (a host
+sync) only where they are needed: at log steps, validations, checkpoints and the last step. Under DDP
+the ranks agree on a stop request at those steps too (one tiny all-reduce and read); a single process
+checks its flag every step at no cost.
 """
 
 from __future__ import annotations
@@ -17,20 +17,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.drafter.anchors import sample_anchors
-from dflash_offline.drafter.batch import DrafterInputs
-from dflash_offline.drafter.config import DrafterConfig
-from dflash_offline.drafter.loss import block_labels, decay_weights
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, StepPlan, schedule_for_rank
+from dflash_offline.train.batch import PackedMicrobatch, StepPlan, schedule_for_rank
 from dflash_offline.train.checkpoint import (
     TrainState,
     list_checkpoints,
@@ -44,14 +40,15 @@ from dflash_offline.train.damaged import DamagedLog
 from dflash_offline.train.determinism import seed_everything
 from dflash_offline.train.dist import all_reduce_sum, barrier
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
-from dflash_offline.train.metrics import MetricsLog, StepAccumulator, StepMetrics, StepTotals
+from dflash_offline.train.metrics import StepMetrics
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, RowReader
+from dflash_offline.train.reporting import FinishedStep, StepReporter
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
-
-if TYPE_CHECKING:
-    from tqdm import tqdm
+from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
+from dflash_offline.train.step import OptimizerStep, anchor_sampler, to_drafter_inputs
+from dflash_offline.train.validation import ValidationSchedule, Validator
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,6 +60,11 @@ class TrainResult:
     final_loss: float | None
     export_dir: Path | None
     seconds: float
+    best_validation_tau: float | None = None
+    """The best validation simulated τ (the export in ``export_dir``); None without validation."""
+    best_validation_step: int = 0
+    stopped_early: bool = False
+    """``--early-stop`` ended the run (after a checkpoint)."""
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
@@ -76,28 +78,6 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int],
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
-
-
-def to_drafter_inputs(batch: PackedMicrobatch) -> DrafterInputs:
-    return DrafterInputs(
-        input_ids_T=batch.input_ids_T,
-        features_TF=batch.features_TF,
-        loss_mask_T=batch.loss_mask_T,
-        doc_ids_T=batch.doc_ids_T,
-        positions_T=batch.positions_T,
-        anchors_A=batch.anchors_A,
-    )
-
-
-def loss_weight(inputs: DrafterInputs, config: DrafterConfig) -> torch.Tensor:
-    """Σ w_k·m of one microbatch (float64 scalar on its device), computed before the forward."""
-    if inputs.num_anchors == 0:
-        return torch.zeros((), dtype=torch.float64, device=inputs.anchors_A.device)
-    labels = block_labels(
-        inputs.input_ids_T, inputs.loss_mask_T, inputs.doc_ids_T, inputs.anchors_A, config.block_size
-    )
-    w_B = decay_weights(config.block_size, config.gamma, device=inputs.anchors_A.device)
-    return (labels.valid_AB.to(torch.float64) * w_B.double()[None, :]).sum()
 
 
 class _StepTracker:
@@ -128,9 +108,26 @@ def _steps_of(prefetcher: Prefetcher) -> Iterator[list[PackedMicrobatch]]:
     assert not current, "the prefetcher ended inside a step"
 
 
-def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> IndexSnapshot:
-    """The run's sample set: taken at the first start by rank 0 and saved; reloaded on resume."""
-    path = config.out_dir / "snapshot.parquet"
+def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> SplitSnapshots:
+    """The run's sample set (taken at the first start by rank 0 and saved; reloaded on resume), split
+    into training and validation samples (announced by rank 0)."""
+    snapshot = _saved_snapshot(config, reader, info)
+    split = split_snapshot(snapshot, fraction=config.val_fraction, num_samples=config.val_samples)
+    if info.is_main and (config.val_fraction > 0 or config.val_samples is not None):
+        if split.validation is None:
+            note = f"no sample of {len(snapshot)} fell into the validation split: no validation"
+        else:
+            v = split.validation
+            note = (
+                f"validation: {len(v)} of {len(snapshot)} samples ({v.total_tokens:,} tokens) held out, "
+                f"never trained on; evaluated every {config.val_every} steps and at the end"
+            )
+        print(f"dflash train: {note}", file=sys.stderr, flush=True)
+    return split
+
+
+def _saved_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> IndexSnapshot:
+    path = config.out_dir / SNAPSHOT_FILE
     taken = None
     if info.is_main and not path.exists():
         taken = take_snapshot(reader)
@@ -192,11 +189,11 @@ def train_rank(
     )
     try:
         with stop_on_sigint(second_aborts=not info.distributed):
-            snapshot = _prepare_snapshot(config, cache_reader, info)
+            split = _prepare_snapshot(config, cache_reader, info)
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
             if config.feature_scale != "none":
-                setup.model.set_feature_scale(_feature_scale(config, cache_reader, snapshot, info))
-            return _train(config, info, setup, snapshot, reader or cache_reader, on_step, start_time)
+                setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
+            return _train(config, info, setup, split, reader or cache_reader, on_step, start_time)
     finally:
         cache_reader.close()
 
@@ -215,7 +212,8 @@ def _check_resume(config: TrainConfig) -> list[str]:
 
 
 def _stop_agreed(info: DistInfo) -> bool:
-    """True on every rank when any rank was asked to stop (one scalar all-reduce a step)."""
+    """True on every rank when any rank was asked to stop (under DDP one scalar all-reduce and read:
+    every rank must call it at the same steps)."""
     flag = stop_requested()
     if not info.distributed:
         return flag
@@ -243,43 +241,83 @@ def _train(
     config: TrainConfig,
     info: DistInfo,
     setup: DrafterSetup,
-    snapshot: IndexSnapshot,
+    split: SplitSnapshots,
     reader: RowReader,
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
 ) -> TrainResult:
-    opt = _setup_optimization(config, info, setup.model, snapshot)
+    from dflash_offline.drafter.export import export_drafter
+
+    opt = _setup_optimization(config, info, setup.model, split.train)
+    if config.compile:
+        opt.model.compile_training()
     state = _resume(config, info, opt)
     if state is None and config.export_initial and info.is_main:
-        from dflash_offline.drafter.export import export_drafter
-
         export_drafter(opt.model, config.out_dir / "drafter-initial")
-    reporter = _StepReporter(config, info, opt.total_steps, opt.planner.position.global_step, on_step)
-    try:
-        last_loss = _run_steps(
-            config,
-            info,
-            opt,
-            snapshot,
+    validation = None
+    if split.validation is not None:
+        validator = Validator(
+            split.validation,
             reader,
-            reporter,
-            tokens_seen=0 if state is None else state.tokens_seen,
+            info=info,
+            tokens_per_microbatch=config.tokens_per_microbatch,
+            prefetch=config.prefetch,
+            loader_threads=config.loader_threads,
+            attention=config.attention,
+            autocast=_autocast(config, info),
         )
-    finally:
-        reporter.close()
+        validation = ValidationSchedule(
+            validator,
+            state={} if state is None else state.validation,
+            val_every=config.val_every,
+            early_stop=config.early_stop,
+            best_export_dir=config.out_dir / "drafter" if config.export_at_end and info.is_main else None,
+        )
+    stopped_early = validation is not None and validation.should_stop()
+    if stopped_early and info.is_main and validation is not None:
+        print(
+            f"dflash train: {validation.stop_reason()} at step {opt.planner.position.global_step}; nothing "
+            "to do (raise --early-stop, or leave it out, to train on)",
+            file=sys.stderr,
+            flush=True,
+        )
+    last_loss = None
+    if not stopped_early:
+        reporter = StepReporter(config, info, opt.total_steps, opt.planner.position.global_step, on_step)
+        try:
+            stopped_early = _run_steps(
+                config,
+                info,
+                opt,
+                split.train,
+                reader,
+                reporter,
+                validation,
+                tokens_seen=0 if state is None else state.tokens_seen,
+            )
+        finally:
+            reporter.close()
+        last_loss = reporter.last_loss
 
     export_dir = None
     if config.export_at_end and info.is_main:
-        from dflash_offline.drafter.export import export_drafter
-
-        export_dir = export_drafter(opt.model, config.out_dir / "drafter")
+        if validation is None:
+            export_dir = export_drafter(opt.model, config.out_dir / "drafter")
+        else:
+            # RUN/drafter is the best validation τ's export (written when it was measured).
+            export_drafter(opt.model, config.out_dir / "drafter-last")
+            export_dir = config.out_dir / "drafter"
     barrier(info)
+    tracker = validation.tracker if validation is not None else None
     return TrainResult(
         global_step=opt.planner.position.global_step,
         total_steps=opt.total_steps,
         final_loss=last_loss,
         export_dir=export_dir,
         seconds=time.perf_counter() - start_time,
+        best_validation_tau=None if tracker is None else tracker.best_tau,
+        best_validation_step=0 if tracker is None else tracker.best_step,
+        stopped_early=stopped_early,
     )
 
 
@@ -343,53 +381,79 @@ def _run_steps(
     opt: _Optimization,
     snapshot: IndexSnapshot,
     reader: RowReader,
-    reporter: _StepReporter,
+    reporter: StepReporter,
+    validation: ValidationSchedule | None,
     *,
     tokens_seen: int,
-) -> float | None:
-    """Run steps from the planner's position to ``total_steps``; the last step's loss (None if none ran).
+) -> bool:
+    """Run steps from the planner's position to ``total_steps``; True when ``--early-stop`` ended them.
 
     Raises ``TrainInterrupted`` (after a checkpoint) when any rank was asked to stop."""
     tracker = _StepTracker(opt.planner.iterate(config.epochs), opt.total_steps)
     jobs = schedule_for_rank(tracker, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)
-    autocast = _autocast(config, info)
-    last_loss: float | None = None
+    step = OptimizerStep(
+        model=opt.model,
+        ddp_model=opt.ddp_model,
+        params=opt.params,
+        optimizer=opt.optimizer,
+        scheduler=opt.scheduler,
+        drafter_config=opt.model.config,
+        info=info,
+        grad_clip=config.grad_clip,
+        attention=config.attention,
+        autocast=_autocast(config, info),
+    )
     with Prefetcher(
         reader,
         jobs,
         device=info.device,
         prefetch=max(config.prefetch, config.grad_accum),
         num_threads=config.loader_threads,
-        anchor_fn=_anchor_fn(opt.model.config.num_anchors),
+        anchor_fn=anchor_sampler(opt.model.config.num_anchors),
+        loss_block_size=opt.model.config.block_size,
     ) as prefetcher:
         step_start = time.perf_counter()
         for batches in _steps_of(prefetcher):
             step_plan = tracker.by_global_step.pop(batches[0].step.global_step)
-            totals, grad_norm = _optimizer_step(config, info, opt, step_plan, batches, autocast)
+            outcome = step([to_drafter_inputs(b) for b in batches], [b.plan.is_padding for b in batches])
+            opt.planner.step_done(step_plan)
             tokens_seen += step_plan.num_tokens
-            last_loss = totals.loss
-            lr = float(opt.scheduler.get_last_lr()[0])
-            reporter.report(
-                _step_metrics(step_plan, batches, totals, lr, grad_norm, time.perf_counter() - step_start)
+            global_step = step_plan.global_step + 1
+            finished = FinishedStep(
+                plan=step_plan,
+                outcome=outcome,
+                lr=float(opt.scheduler.get_last_lr()[0]),
+                step_seconds=time.perf_counter() - step_start,
+                data_wait_s=sum(b.data_wait_s for b in batches),
             )
-            _checkpoint_or_stop(config, info, opt, step_plan.global_step + 1, tokens_seen)
+            validated = None
+            if validation is not None and validation.due(global_step, opt.total_steps):
+                validated = validation.run(opt.model, global_step)
+            reporter.report(finished, validated)
+            early_stop = validation is not None and validated is not None and validation.should_stop()
+            # Under DDP the ranks agree on a stop request where the step's results are read anyway.
+            agree = (
+                reporter.is_log_step(global_step)
+                or validated is not None
+                or _is_checkpoint_step(config, opt, global_step)
+            )
+            _checkpoint_or_stop(
+                config,
+                info,
+                opt,
+                global_step,
+                tokens_seen,
+                validation,
+                checkpoint_now=early_stop,
+                check_stop=not early_stop and (agree or not info.distributed),
+            )
+            if early_stop:
+                if info.is_main and validation is not None:
+                    note = f"{validation.stop_reason()}: stopped after step {global_step}, checkpoint written"
+                    print(f"dflash train: {note}", file=sys.stderr, flush=True)
+                return True
             step_start = time.perf_counter()
-    return last_loss
-
-
-def _anchor_fn(num_anchors: int) -> Callable[[AnchorRequest], torch.Tensor]:
-    """The prefetcher's anchor sampler: ``num_anchors`` block starts per microbatch."""
-
-    def anchor_fn(request: AnchorRequest) -> torch.Tensor:
-        return sample_anchors(
-            request.loss_mask_T,
-            request.doc_ids_T,
-            num_anchors=num_anchors,
-            generator=request.generator,
-            max_total=num_anchors,
-        )
-
-    return anchor_fn
+    return False
 
 
 def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContextManager[Any]:
@@ -398,140 +462,30 @@ def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContext
     return torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
 
-def _optimizer_step(
-    config: TrainConfig,
-    info: DistInfo,
-    opt: _Optimization,
-    step_plan: StepPlan,
-    batches: list[PackedMicrobatch],
-    autocast: contextlib.AbstractContextManager[Any],
-) -> tuple[StepTotals, float]:
-    """Forward and backward every microbatch of this rank's step, then clip, step and report the step
-    done to the planner. Returns the step's totals over all ranks and the gradient norm before clipping."""
-    accumulator = _accumulate_gradients(config, info, opt, batches, autocast)
-    grad_norm = torch.nn.utils.clip_grad_norm_(opt.params, config.grad_clip)
-    opt.optimizer.step()
-    opt.scheduler.step()
-    opt.optimizer.zero_grad(set_to_none=True)
-    opt.planner.step_done(step_plan)
-    return accumulator.reduce(info), float(grad_norm)
-
-
-def _accumulate_gradients(
-    config: TrainConfig,
-    info: DistInfo,
-    opt: _Optimization,
-    batches: list[PackedMicrobatch],
-    autocast: contextlib.AbstractContextManager[Any],
-) -> StepAccumulator:
-    """Backpropagate each microbatch's Σ w·CE scaled by the step's all-rank weight (module docstring);
-    DDP all-reduces the gradients once, on the last microbatch."""
-    drafter_config = opt.model.config
-    inputs = [to_drafter_inputs(b) for b in batches]
-    real = [0.0 if b.plan.is_padding else 1.0 for b in batches]  # padding microbatches weigh nothing
-    weights = [loss_weight(x, drafter_config) * r for x, r in zip(inputs, real, strict=True)]
-    total_weight = all_reduce_sum(torch.stack(weights).sum(), info)
-    scale = torch.where(total_weight > 0, info.world_size / total_weight.clamp_min(1e-30), 0.0)
-    accumulator = StepAccumulator(drafter_config.block_size, info.device)
-    for i, (x, batch) in enumerate(zip(inputs, batches, strict=True)):
-        sync = i == len(inputs) - 1 or not info.distributed
-        no_sync = contextlib.nullcontext() if sync else opt.ddp_model.no_sync()  # type: ignore[operator]
-        with no_sync, autocast:
-            out = opt.ddp_model(x, attention=config.attention)
-        (out.weighted_ce_sum * (scale.float() * real[i])).backward()
-        if not batch.plan.is_padding:
-            accumulator.add(out)
-    return accumulator
-
-
-def _step_metrics(
-    step_plan: StepPlan,
-    batches: list[PackedMicrobatch],
-    totals: StepTotals,
-    lr: float,
-    grad_norm: float,
-    step_seconds: float,
-) -> StepMetrics:
-    wait = sum(b.data_wait_s for b in batches)
-    return StepMetrics(
-        step=step_plan.global_step + 1,
-        epoch=step_plan.epoch,
-        loss=totals.loss,
-        lr=lr,
-        grad_norm=grad_norm,
-        acc_by_position=totals.acc_by_position,
-        simulated_tau=totals.simulated_tau,
-        tokens=step_plan.num_tokens,
-        tokens_per_s=step_plan.num_tokens / step_seconds,
-        step_seconds=step_seconds,
-        data_wait_fraction=wait / step_seconds,
-        buckets=sorted({b for mb in step_plan.microbatches for b in mb.bucket_ids}),
-        num_blocks=totals.num_blocks,
-    )
-
-
-class _StepReporter:
-    """Where each step's metrics go: ``metrics.jsonl`` (every ``log_every`` steps and the last) and
-    the progress bar on rank 0, and ``on_step`` on every rank."""
-
-    def __init__(
-        self,
-        config: TrainConfig,
-        info: DistInfo,
-        total_steps: int,
-        global_step: int,
-        on_step: Callable[[StepMetrics], None] | None,
-    ) -> None:
-        self._log_every = config.log_every
-        self._total_steps = total_steps
-        self._on_step = on_step
-        self._log = (
-            MetricsLog(
-                config.out_dir / "metrics.jsonl",
-                resume_from_step=global_step,
-                tensorboard_dir=config.resolved_tensorboard_dir(),
-            )
-            if info.is_main
-            else None
-        )
-        self._progress = _progress_bar(config, info, total_steps, global_step)
-
-    def report(self, metrics: StepMetrics) -> None:
-        if self._log is not None and (
-            metrics.step % self._log_every == 0 or metrics.step == self._total_steps
-        ):
-            self._log.write(metrics)
-        if self._progress is not None:
-            self._progress.update(1)
-            self._progress.set_postfix(
-                loss=f"{metrics.loss:.3f}",
-                acc1=f"{metrics.acc_by_position[0]:.2f}",
-                tau=f"{metrics.simulated_tau:.2f}",
-                tok_s=f"{metrics.tokens_per_s:,.0f}",
-                wait=f"{metrics.data_wait_fraction:.1%}",
-                refresh=False,
-            )
-        if self._on_step is not None:
-            self._on_step(metrics)
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.close()
-        if self._log is not None:
-            self._log.close()
+def _is_checkpoint_step(config: TrainConfig, opt: _Optimization, global_step: int) -> bool:
+    return global_step % config.checkpoint_every == 0 or global_step == opt.total_steps
 
 
 def _checkpoint_or_stop(
-    config: TrainConfig, info: DistInfo, opt: _Optimization, global_step: int, tokens_seen: int
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    global_step: int,
+    tokens_seen: int,
+    validation: ValidationSchedule | None,
+    *,
+    checkpoint_now: bool,
+    check_stop: bool,
 ) -> None:
-    """Checkpoint every ``checkpoint_every`` steps and at the end; when any rank was asked to stop,
-    checkpoint (if this step did not) and raise ``TrainInterrupted``."""
-    saved = global_step % config.checkpoint_every == 0 or global_step == opt.total_steps
+    """Checkpoint every ``checkpoint_every`` steps, at the end and when ``checkpoint_now``; with
+    ``check_stop``, when any rank was asked to stop, checkpoint (if this step did not) and raise
+    ``TrainInterrupted``."""
+    saved = checkpoint_now or _is_checkpoint_step(config, opt, global_step)
     if saved:
-        _checkpoint(config, info, opt, global_step, tokens_seen)
-    if global_step < opt.total_steps and _stop_agreed(info):
+        _checkpoint(config, info, opt, global_step, tokens_seen, validation)
+    if check_stop and global_step < opt.total_steps and _stop_agreed(info):
         if not saved:
-            _checkpoint(config, info, opt, global_step, tokens_seen)
+            _checkpoint(config, info, opt, global_step, tokens_seen, validation)
         raise TrainInterrupted(global_step)
 
 
@@ -551,7 +505,12 @@ def _apply_optimizer_options(
 
 
 def _checkpoint(
-    config: TrainConfig, info: DistInfo, opt: _Optimization, global_step: int, tokens_seen: int
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    global_step: int,
+    tokens_seen: int,
+    validation: ValidationSchedule | None,
 ) -> None:
     if info.is_main:
         save_checkpoint(
@@ -565,15 +524,8 @@ def _checkpoint(
                 rng=rng_state(),
                 tokens_seen=tokens_seen,
                 world_size=info.world_size,
+                validation={} if validation is None else validation.tracker.state_dict(),
             ),
             keep=config.keep_checkpoints,
         )
     barrier(info)
-
-
-def _progress_bar(config: TrainConfig, info: DistInfo, total: int, initial: int) -> tqdm[Any] | None:
-    if not (config.progress and info.is_main):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", desc="train", file=sys.stderr, dynamic_ncols=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from dflash_offline.drafter.model import DrafterOutput
 from dflash_offline.errors import DataError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.dist import all_reduce_sum
+
+if TYPE_CHECKING:
+    from dflash_offline.train.validation import ValidationMetrics
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,30 +50,40 @@ class StepMetrics:
     """Bucket ids of the step's samples (all ranks)."""
     num_blocks: int
     """Anchors (blocks) trained on in the step, all ranks."""
+    validation: ValidationMetrics | None = None
+    """The evaluation of the validation split after this step, when one ran (its ``val_*`` fields
+    join the line: readers of the training fields see the line they always saw)."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "validation"}
+        if self.validation is not None:
+            record.update(self.validation.fields())
+        return json.dumps(record)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepTotals:
-    """A step's loss and accuracies over every microbatch of every rank (``StepAccumulator.reduce``)."""
+    """Loss and accuracies over every microbatch of every rank (``StepAccumulator.totals``)."""
 
     loss: float
     """Σ w·CE / Σ w (0.0 when the step had no weight)."""
     acc_by_position: list[float]
-    """[K] greedy accuracy at block positions 1..B−1."""
+    """[K] greedy accuracy at block position 1..B−1 (0.0 where no position carried loss)."""
     simulated_tau: float
     """The acceptance length the accuracies imply."""
     num_blocks: int
     """Anchors (blocks) trained on."""
+    block_tau: float
+    """1 + the mean over blocks of the run of leading positions that carry loss and are correct: the
+    acceptance length of the blocks themselves (1.0 without blocks)."""
 
 
 class StepAccumulator:
-    """Sums a step's microbatch outputs on the device (no host sync until ``finish``)."""
+    """Sums microbatch outputs on the device (no host sync: ``pack`` gives the sums as one tensor, to
+    all-reduce and read when needed, ``totals`` turns the read values into ``StepTotals``)."""
 
     def __init__(self, block_size: int, device: torch.device) -> None:
-        self._sums = torch.zeros(3, dtype=torch.float64, device=device)  # ce, weight, blocks
+        self._sums = torch.zeros(4, dtype=torch.float64, device=device)  # ce, weight, blocks, prefix
         self._correct_K = torch.zeros(block_size - 1, dtype=torch.float64, device=device)
         self._total_K = torch.zeros(block_size - 1, dtype=torch.float64, device=device)
 
@@ -78,25 +91,39 @@ class StepAccumulator:
         self._sums[0] += out.weighted_ce_sum.detach().double()
         self._sums[1] += out.weight_sum.detach().double()
         self._sums[2] += out.num_blocks
+        self._sums[3] += out.accepted_prefix_sum.double()
         self._correct_K += out.correct_K.double()
         self._total_K += out.total_K.double()
 
-    def reduce(self, info: DistInfo) -> StepTotals:
-        """The step's totals over all ranks (one all-reduce)."""
-        packed = torch.cat([self._sums, self._correct_K, self._total_K])
-        all_reduce_sum(packed, info)
-        k = self._correct_K.numel()
-        ce, weight, blocks = (float(x) for x in packed[:3].tolist())
-        correct_K, total_K = packed[3 : 3 + k], packed[3 + k :]
-        acc_K = torch.where(total_K > 0, correct_K / total_K.clamp_min(1), torch.zeros_like(total_K))
-        loss = ce / weight if weight > 0 else 0.0
-        tau = float(simulated_acceptance_length(acc_K.float()))
+    def pack(self) -> torch.Tensor:
+        """float64 [4 + 2K] on the device: Σ ce, Σ w, blocks, Σ accepted prefix, correct_K, total_K."""
+        return torch.cat([self._sums, self._correct_K, self._total_K])
+
+    @staticmethod
+    def packed_size(block_size: int) -> int:
+        return 4 + 2 * (block_size - 1)
+
+    @staticmethod
+    def totals(values: list[float], block_size: int) -> StepTotals:
+        """``StepTotals`` of ``pack()``'s values (summed over ranks), read back to the host."""
+        k = block_size - 1
+        ce, weight, blocks, prefix = values[:4]
+        correct_K, total_K = values[4 : 4 + k], values[4 + k : 4 + 2 * k]
+        acc_K = [c / t if t > 0 else 0.0 for c, t in zip(correct_K, total_K, strict=True)]
+        # τ from the float32 accuracies, as the metrics have always been computed.
+        tau = float(simulated_acceptance_length(torch.tensor(acc_K, dtype=torch.float64).float()))
         return StepTotals(
-            loss=loss,
-            acc_by_position=[float(a) for a in acc_K.tolist()],
+            loss=ce / weight if weight > 0 else 0.0,
+            acc_by_position=acc_K,
             simulated_tau=tau,
             num_blocks=int(blocks),
+            block_tau=1.0 + prefix / blocks if blocks > 0 else 1.0,
         )
+
+    def reduce(self, info: DistInfo) -> StepTotals:
+        """The totals over all ranks now (one all-reduce, one host sync)."""
+        packed = all_reduce_sum(self.pack(), info)
+        return self.totals(packed.tolist(), self._correct_K.numel() + 1)
 
 
 class MetricsLog:
@@ -163,4 +190,11 @@ def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def read_metrics(path: Path) -> list[dict[str, object]]:
+    """Every line of ``RUN/metrics.jsonl``: one a logged step (with ``val_*`` fields where the
+    validation split was evaluated after it)."""
     return [record for _line, record in _parse_lines(path)]
+
+
+def validation_records(records: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The lines that carry a validation evaluation."""
+    return [r for r in records if "val_simulated_tau" in r]

@@ -40,6 +40,7 @@ import torch
 
 from dflash_offline.cache.fp8 import Fp8Layout, decode_rows
 from dflash_offline.cache.records import CachedSample
+from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, WorkerError
 from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
 from dflash_offline.train.packing import HostBufferPool, pack_into, pack_layout
@@ -133,6 +134,8 @@ class Prefetcher:
     ``decode_on_device``: for an fp8 cache, copy the stored fp8 rows (about half of bf16's bytes) to the
     device and decode them there, on the side stream (default: on CUDA); otherwise the reader decodes
     on the CPU. Both give the same bf16 bits (``cache/fp8.py``: the decode is exact arithmetic).
+    ``loss_block_size``: with anchors, also hand over ``loss_rows_N`` for blocks of this size
+    (``drafter.loss.loss_rows``, computed here on the host: on the device it would be a sync).
     """
 
     def __init__(
@@ -147,6 +150,7 @@ class Prefetcher:
         pin_memory: bool | None = None,
         host_pool: HostBufferPool | None = None,
         decode_on_device: bool | None = None,
+        loss_block_size: int | None = None,
     ) -> None:
         if prefetch < 1 or num_threads < 1:
             raise ConfigError(
@@ -157,6 +161,7 @@ class Prefetcher:
         self._device = torch.device(device)
         self._prefetch = prefetch
         self._anchor_fn = anchor_fn
+        self._loss_block_size = loss_block_size
         is_cuda = self._device.type == "cuda"
         self._pin = is_cuda if pin_memory is None else pin_memory
         self._stream = torch.cuda.Stream(device=self._device) if is_cuda else None
@@ -231,9 +236,11 @@ class Prefetcher:
         if ready.copy_done is not None:
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(ready.copy_done)
-            for name in _DEVICE_TENSORS:
+            for name in (*_DEVICE_TENSORS, "loss_rows_N"):
                 # Allocated on the side stream: tell the caching allocator the consumer's stream uses it.
-                getattr(batch, name).record_stream(stream)
+                tensor = getattr(batch, name)
+                if tensor is not None:
+                    tensor.record_stream(stream)
         waited = time.perf_counter() - start
         self._wait_s += waited
         self._max_wait_s = max(self._max_wait_s, waited)
@@ -372,6 +379,9 @@ class Prefetcher:
             anchors_A = self._anchor_fn(request).to(torch.int64)
             assert anchors_A.ndim == 1, f"anchor_fn must return a 1-D tensor, got {tuple(anchors_A.shape)}"
             assert anchors_A.numel() == 0 or (int(anchors_A.min()) >= 0 and int(anchors_A.max()) < num_tokens)
+        loss_rows_N = None
+        if self._loss_block_size is not None:
+            loss_rows_N = loss_rows(host["loss_mask_T"], host["doc_ids_T"], anchors_A, self._loss_block_size)
         copy_done = None
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
@@ -379,14 +389,20 @@ class Prefetcher:
                 tensors = layout.carve(buffer_B.to(self._device, non_blocking=True))
                 self._decode_stored(tensors)
                 tensors["anchors_A"] = anchors_A.pin_memory().to(self._device, non_blocking=True)
+                if loss_rows_N is not None:
+                    tensors["loss_rows_N"] = loss_rows_N.pin_memory().to(self._device, non_blocking=True)
                 copy_done = torch.cuda.Event()
                 copy_done.record(self._stream)
         elif self._device.type != "cpu":
             tensors = layout.carve(buffer_B.to(self._device))
             self._decode_stored(tensors)
             tensors["anchors_A"] = anchors_A.to(self._device)
+            if loss_rows_N is not None:
+                tensors["loss_rows_N"] = loss_rows_N.to(self._device)
         else:
             tensors = {**host, "anchors_A": anchors_A}
+            if loss_rows_N is not None:
+                tensors["loss_rows_N"] = loss_rows_N
             self._decode_stored(tensors)
         width = int(tensors["features_TF"].shape[1])
         num_bytes = num_tokens * width * 2 + sum(s.input_ids_T.nbytes + s.loss_mask_T.nbytes for s in samples)
@@ -403,6 +419,7 @@ class Prefetcher:
             positions_T=tensors["positions_T"],
             cu_seqlens_D1=tensors["cu_seqlens_D1"],
             anchors_A=tensors["anchors_A"],
+            loss_rows_N=tensors.get("loss_rows_N"),
         )
         t2 = time.perf_counter()
         with self._cond:

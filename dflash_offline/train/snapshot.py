@@ -150,6 +150,21 @@ def snapshot_from_columns(
     )
 
 
+def subset_snapshot(snapshot: IndexSnapshot, keep_N: np.ndarray) -> IndexSnapshot:
+    """The samples where ``keep_N`` (bool [N]) is True, in the same (canonical) order, with their own
+    snapshot id and the same reader binding."""
+    positions = np.flatnonzero(keep_N)
+    ids = tuple(snapshot.sample_ids[i] for i in positions.tolist())
+    tokens, buckets = snapshot.num_tokens_N[positions], snapshot.bucket_ids_N[positions]
+    return IndexSnapshot(
+        sample_ids=ids,
+        num_tokens_N=tokens,
+        bucket_ids_N=buckets,
+        snapshot_id=compute_snapshot_id(ids, tokens, buckets),
+        reader_rows_N=snapshot.reader_rows_N[positions],
+    )
+
+
 def _string_array(values: Any) -> pa.Array:
     """The ids as an Arrow string array (anything else is converted with ``str`` first)."""
     if isinstance(values, pa.ChunkedArray):

@@ -115,3 +115,46 @@ def test_cpu_flex_fully_masked_row_is_zero() -> None:
     out = flex_attend(q, k, v, bm)
     assert torch.isfinite(out).all()
     assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "pad", "block_size", "per_doc", "extra", "seed"),
+    [
+        *ROW_CASES,
+        ([300, 40, 500], 70, 16, 40, "ends", 5),  # full tiles of context and partial ones
+        ([129, 1, 128], 0, 8, 60, "starts", 6),  # documents ending on and next to tile edges
+        ([1000], 0, 16, 200, "starts,ends", 7),
+    ],
+)
+def test_flex_block_mask_equals_create_block_mask(lengths, pad, block_size, per_doc, extra, seed) -> None:
+    """The BlockMask classified from intervals is the one flex's create_block_mask evaluates from the
+    mask_mod at every (query, key) pair: the same partial and full tiles, in the same order."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash_offline.drafter.attention import flex_block_mask, make_mask_mod
+
+    row = random_row(lengths, seed=seed, pad=pad, num_anchors=per_doc, extra_anchors=extra)
+    full_tiles = 0
+    for pad_to in (1, FLEX_BLOCK):
+        index = build_attention_index(
+            row.doc_ids_T, row.positions_T, row.anchors_A, block_size=block_size, pad_to=pad_to
+        )
+        ours = flex_block_mask(index)
+        Qp, Sp = int(index.q_doc_Q.shape[0]), int(index.kv_doc_S.shape[0])
+        reference = create_block_mask(make_mask_mod(index), None, None, Qp, Sp, device="cpu")
+        assert ours.seq_lengths == reference.seq_lengths
+        assert ours.BLOCK_SIZE == reference.BLOCK_SIZE
+        for name in (
+            "kv_num_blocks",
+            "kv_indices",
+            "full_kv_num_blocks",
+            "full_kv_indices",
+            "q_num_blocks",
+            "q_indices",
+            "full_q_num_blocks",
+            "full_q_indices",
+        ):
+            assert torch.equal(getattr(ours, name), getattr(reference, name)), (name, pad_to)
+        full_tiles += int(ours.full_kv_num_blocks.sum())
+    if sum(lengths) >= 800:
+        assert full_tiles > 0  # the case exercises full tiles, not only partial ones

@@ -3,6 +3,8 @@ alone from its own context), gradient isolation, the loss against the reference,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -281,3 +283,19 @@ def test_the_drafter_can_fit_one_row() -> None:
     last = model.forward_train(row, attention="sdpa")
     assert last.loss.item() < 0.3 * first.loss.item()
     assert int(last.correct_K.sum()) > int(first.correct_K.sum())
+
+
+def test_loss_rows_computed_ahead_give_the_same_forward() -> None:
+    """``loss_rows_N`` (the prefetcher's host-side nonzero) changes nothing but where it is computed."""
+    from dflash_offline.drafter.loss import loss_rows
+
+    model = tiny_drafter(tiny_config(block_size=4))
+    row = random_row([20, 9, 31], seed=4, pad=5, num_anchors=6, extra_anchors="ends")
+    rows = loss_rows(row.loss_mask_T, row.doc_ids_T, row.anchors_A, 4)
+    labels = block_labels(row.input_ids_T, row.loss_mask_T, row.doc_ids_T, row.anchors_A, 4)
+    assert torch.equal(rows, torch.nonzero(labels.valid_AB.reshape(-1)).flatten())
+    plain = model.forward_train(row, attention="sdpa")
+    ahead = model.forward_train(replace(row, loss_rows_N=rows), attention="sdpa")
+    for name in ("loss", "weighted_ce_sum", "weight_sum", "correct_K", "total_K", "accepted_prefix_sum"):
+        assert torch.equal(getattr(plain, name), getattr(ahead, name)), name
+    assert replace(row, loss_rows_N=rows).with_anchors(row.anchors_A[:2]).loss_rows_N is None  # recomputed

@@ -1,15 +1,19 @@
-"""The speculative loop against plain greedy decoding (lossless), and τ counted on hand-made cases.
+"""The speculative loop against plain greedy decoding (lossless), and τ counted on hand-made cases, for both
+implementations of the two loops: transformers' forward with a ``DynamicCache`` (``hf``) and the decode
+engine's one-slot cache (``engine``, what ``dflash eval`` runs; its drafter drafts on the device).
 
-The reference is ``target_only_decode``; it is itself checked against an independent greedy decode
+The reference is the target-only loop; it is itself checked against an independent greedy decode
 without a KV cache (a full forward over the whole sequence for every token)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
 
+from dflash_offline.decode import DecodeResult, SingleSequence
 from dflash_offline.eval.report import histogram, prompt_result, summarize
 from dflash_offline.eval.speculative import (
     DFlashBlockDrafter,
@@ -36,6 +40,32 @@ def target(request: pytest.FixtureRequest) -> LoadedTarget:
     return load_target(request.param, device="cpu")
 
 
+class Loops:
+    """The two loops of one implementation: ``hf`` (the reference loops) or ``engine``."""
+
+    def __init__(self, target: LoadedTarget, kind: str) -> None:
+        self.caller = TargetCaller(target.model)
+        self.engine = (
+            SingleSequence(target.model, max_len=160, attend_granule=16) if kind == "engine" else None
+        )
+
+    def target_only(self, prompt: Sequence[int], **kw: Any) -> DecodeResult:
+        if self.engine is not None:
+            return self.engine.target_only(prompt, **kw)
+        return target_only_decode(self.caller, prompt, **kw)
+
+    def speculative(self, drafter: Any, prompt: Sequence[int], **kw: Any) -> DecodeResult:
+        if self.engine is not None:
+            on_device = drafter.model if isinstance(drafter, DFlashBlockDrafter) else drafter
+            return self.engine.speculative(prompt, on_device, **kw)
+        return speculative_decode(self.caller, drafter, prompt, **kw)
+
+
+@pytest.fixture(params=["hf", "engine"])
+def loops(request: pytest.FixtureRequest, target: LoadedTarget) -> Loops:
+    return Loops(target, request.param)
+
+
 def _prompts(target: LoadedTarget) -> list[list[int]]:
     tok = target.tokenizer
     texts = ["Hello there, how are you?", "Write a poem about the sea.", "2+2="]
@@ -59,9 +89,9 @@ def _greedy_without_cache(target: LoadedTarget, prompt: list[int], n: int) -> li
     return seq[len(prompt) :]
 
 
-def test_target_only_loop_is_greedy_decoding(target: LoadedTarget) -> None:
+def test_target_only_loop_is_greedy_decoding(target: LoadedTarget, loops: Loops) -> None:
     prompt = _prompts(target)[0]
-    got = target_only_decode(TargetCaller(target.model), prompt, max_new_tokens=12, stop_ids=NO_STOP)
+    got = loops.target_only(prompt, max_new_tokens=12, stop_ids=NO_STOP)
     assert list(got.tokens) == _greedy_without_cache(target, prompt, 12)
     assert got.stop_reason == "length"
     assert got.num_target_forwards == 11  # the first token comes from the prefill
@@ -70,14 +100,11 @@ def test_target_only_loop_is_greedy_decoding(target: LoadedTarget) -> None:
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_untrained_drafter_is_lossless(target: LoadedTarget, block_size: int) -> None:
-    caller = TargetCaller(target.model)
+def test_untrained_drafter_is_lossless(target: LoadedTarget, loops: Loops, block_size: int) -> None:
     drafter = DFlashBlockDrafter(untrained_drafter(target, block_size=block_size))
     for prompt in _prompts(target):
-        ref = target_only_decode(caller, prompt, max_new_tokens=24, stop_ids=NO_STOP)
-        got = speculative_decode(
-            caller, drafter, prompt, layer_ids=LAYERS, max_new_tokens=24, stop_ids=NO_STOP
-        )
+        ref = loops.target_only(prompt, max_new_tokens=24, stop_ids=NO_STOP)
+        got = loops.speculative(drafter, prompt, layer_ids=LAYERS, max_new_tokens=24, stop_ids=NO_STOP)
         assert got.tokens == ref.tokens
         assert len(got.tokens) == 24
         assert all(0 <= a < block_size for a in got.accepted_per_cycle)
@@ -86,15 +113,12 @@ def test_untrained_drafter_is_lossless(target: LoadedTarget, block_size: int) ->
         assert 1 + sum(a + 1 for a in got.accepted_per_cycle[:-1]) < 24
 
 
-def test_perfect_drafter_accepts_every_block(target: LoadedTarget) -> None:
-    caller = TargetCaller(target.model)
+def test_perfect_drafter_accepts_every_block(target: LoadedTarget, loops: Loops) -> None:
     B = 5
     for prompt in _prompts(target):
-        ref = target_only_decode(caller, prompt, max_new_tokens=40, stop_ids=NO_STOP)
+        ref = loops.target_only(prompt, max_new_tokens=40, stop_ids=NO_STOP)
         oracle = ScriptedDrafter(block_size=B, prompt_len=len(prompt), reference=ref.tokens)
-        got = speculative_decode(
-            caller, oracle, prompt, layer_ids=LAYERS, max_new_tokens=21, stop_ids=NO_STOP
-        )
+        got = loops.speculative(oracle, prompt, layer_ids=LAYERS, max_new_tokens=21, stop_ids=NO_STOP)
         assert got.tokens == ref.tokens[:21]
         # 1 token from the prefill + 4 cycles × B tokens = 21: every cycle full, τ = B.
         assert got.accepted_per_cycle == (B - 1,) * 4
@@ -102,15 +126,14 @@ def test_perfect_drafter_accepts_every_block(target: LoadedTarget) -> None:
         assert got.num_target_forwards == 4
 
 
-def test_tau_counted_on_a_hand_made_case(target: LoadedTarget) -> None:
-    caller = TargetCaller(target.model)
+def test_tau_counted_on_a_hand_made_case(target: LoadedTarget, loops: Loops) -> None:
     prompt = _prompts(target)[1]
     B = 4
-    ref = target_only_decode(caller, prompt, max_new_tokens=60, stop_ids=NO_STOP)
+    ref = loops.target_only(prompt, max_new_tokens=60, stop_ids=NO_STOP)
     script = [2, 0, 3, 1, 0, 3, 3]  # accepted drafts per cycle; 3 = B − 1 = all accepted
     drafter = ScriptedDrafter(block_size=B, prompt_len=len(prompt), reference=ref.tokens, script=script)
     # 1 + Σ (a + 1) = 1 + (3 + 1 + 4 + 2 + 1 + 4 + 4) = 20 tokens: the script ends exactly at the budget.
-    got = speculative_decode(caller, drafter, prompt, layer_ids=LAYERS, max_new_tokens=20, stop_ids=NO_STOP)
+    got = loops.speculative(drafter, prompt, layer_ids=LAYERS, max_new_tokens=20, stop_ids=NO_STOP)
     assert got.tokens == ref.tokens[:20]
     assert list(got.accepted_per_cycle) == script
     assert got.tau == pytest.approx((3 + 1 + 4 + 2 + 1 + 4 + 4) / 7)
@@ -124,7 +147,7 @@ def test_tau_counted_on_a_hand_made_case(target: LoadedTarget) -> None:
     for token, pos in drafter.anchors:
         assert token == ref.tokens[pos - len(prompt)]
     # The report's overall τ is Σ (a + 1) ÷ cycles over all prompts, not a mean of per-prompt τ.
-    base = target_only_decode(caller, prompt, max_new_tokens=20, stop_ids=NO_STOP)
+    base = loops.target_only(prompt, max_new_tokens=20, stop_ids=NO_STOP)
     one = prompt_result(
         sample_id="a",
         record_id="",
@@ -135,7 +158,7 @@ def test_tau_counted_on_a_hand_made_case(target: LoadedTarget) -> None:
         text="",
     )
     drafter2 = ScriptedDrafter(block_size=B, prompt_len=len(prompt), reference=ref.tokens, script=[0, 0, 0])
-    got2 = speculative_decode(caller, drafter2, prompt, layer_ids=LAYERS, max_new_tokens=4, stop_ids=NO_STOP)
+    got2 = loops.speculative(drafter2, prompt, layer_ids=LAYERS, max_new_tokens=4, stop_ids=NO_STOP)
     assert list(got2.accepted_per_cycle) == [0, 0, 0]
     two = prompt_result(
         sample_id="b",
@@ -154,17 +177,18 @@ def test_tau_counted_on_a_hand_made_case(target: LoadedTarget) -> None:
     assert summary.identical_prompts == 1
 
 
-def test_drafter_context_is_the_target_features_of_every_earlier_position(target: LoadedTarget) -> None:
+def test_drafter_context_is_the_target_features_of_every_earlier_position(
+    target: LoadedTarget, loops: Loops
+) -> None:
     """After each crop, the features handed over are those of the accepted positions exactly: their
     concatenation equals the features of the final sequence computed in one full forward."""
-    caller = TargetCaller(target.model)
     prompt = _prompts(target)[0]
     B = 4
-    ref = target_only_decode(caller, prompt, max_new_tokens=60, stop_ids=NO_STOP)
+    ref = loops.target_only(prompt, max_new_tokens=60, stop_ids=NO_STOP)
     drafter = ScriptedDrafter(
         block_size=B, prompt_len=len(prompt), reference=ref.tokens, script=[1, 0, 3, 2, 0, 1]
     )
-    got = speculative_decode(caller, drafter, prompt, layer_ids=LAYERS, max_new_tokens=16, stop_ids=NO_STOP)
+    got = loops.speculative(drafter, prompt, layer_ids=LAYERS, max_new_tokens=16, stop_ids=NO_STOP)
     assert got.tokens == ref.tokens[:16]
     start = 0
     for anchor_position, features in drafter.contexts:
@@ -180,15 +204,12 @@ def test_drafter_context_is_the_target_features_of_every_earlier_position(target
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 8, 13])
-def test_max_new_tokens_is_exact(target: LoadedTarget, max_new_tokens: int) -> None:
-    caller = TargetCaller(target.model)
+def test_max_new_tokens_is_exact(target: LoadedTarget, loops: Loops, max_new_tokens: int) -> None:
     prompt = _prompts(target)[2]
-    ref = target_only_decode(caller, prompt, max_new_tokens=40, stop_ids=NO_STOP)
+    ref = loops.target_only(prompt, max_new_tokens=40, stop_ids=NO_STOP)
     oracle = ScriptedDrafter(block_size=4, prompt_len=len(prompt), reference=ref.tokens)
-    got = speculative_decode(
-        caller, oracle, prompt, layer_ids=LAYERS, max_new_tokens=max_new_tokens, stop_ids=NO_STOP
-    )
-    base = target_only_decode(caller, prompt, max_new_tokens=max_new_tokens, stop_ids=NO_STOP)
+    got = loops.speculative(oracle, prompt, layer_ids=LAYERS, max_new_tokens=max_new_tokens, stop_ids=NO_STOP)
+    base = loops.target_only(prompt, max_new_tokens=max_new_tokens, stop_ids=NO_STOP)
     assert got.tokens == base.tokens == ref.tokens[:max_new_tokens]
     assert got.stop_reason == base.stop_reason == "length"
     if max_new_tokens == 1:
@@ -196,18 +217,17 @@ def test_max_new_tokens_is_exact(target: LoadedTarget, max_new_tokens: int) -> N
         assert got.tau is None
 
 
-def test_stop_token_ends_both_loops_identically(target: LoadedTarget) -> None:
+def test_stop_token_ends_both_loops_identically(target: LoadedTarget, loops: Loops) -> None:
     """The stop token may arrive as the prefill token, as an accepted draft mid-block, or as a bonus."""
-    caller = TargetCaller(target.model)
     prompt = _prompts(target)[0]
-    ref = target_only_decode(caller, prompt, max_new_tokens=40, stop_ids=NO_STOP)
+    ref = loops.target_only(prompt, max_new_tokens=40, stop_ids=NO_STOP)
     # Positions where a token occurs for the first time: making it the stop token ends the output there.
     firsts = [i for i, t in enumerate(ref.tokens) if t not in ref.tokens[:i]][:5]
     assert firsts[0] == 0
     assert len(firsts) >= 2
     for stop_at in firsts:
         stop = frozenset({ref.tokens[stop_at]})
-        base = target_only_decode(caller, prompt, max_new_tokens=40, stop_ids=stop)
+        base = loops.target_only(prompt, max_new_tokens=40, stop_ids=stop)
         assert base.tokens == ref.tokens[: stop_at + 1]
         assert base.stop_reason == "stop_token"
         for drafter in (
@@ -215,8 +235,6 @@ def test_stop_token_ends_both_loops_identically(target: LoadedTarget) -> None:
             ScriptedDrafter(block_size=4, prompt_len=len(prompt), reference=ref.tokens, script=[0, 1, 0, 2]),
             DFlashBlockDrafter(untrained_drafter(target, block_size=4)),
         ):
-            got = speculative_decode(
-                caller, drafter, prompt, layer_ids=LAYERS, max_new_tokens=40, stop_ids=stop
-            )
+            got = loops.speculative(drafter, prompt, layer_ids=LAYERS, max_new_tokens=40, stop_ids=stop)
             assert got.tokens == base.tokens
             assert got.stop_reason == "stop_token"

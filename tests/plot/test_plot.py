@@ -74,6 +74,44 @@ def test_plot_run(tmp_path: Path) -> None:
         _assert_png(path)
 
 
+def test_plot_run_draws_the_validation_curve_on_the_training_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dflash_offline.plot import run_plots
+
+    run = tmp_path / "run"
+    _write_run(run, 30)
+    path = run / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()[:-1]]
+    val_steps = [10, 20, 30]
+    for line in lines:
+        if line["step"] in val_steps:
+            line.update(
+                val_loss=9.0 - line["step"] / 10, val_simulated_tau=1 + line["step"] / 30, val_block_tau=1.5
+            )
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    drawn: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    save = run_plots.save
+
+    def capture(fig, out):  # type: ignore[no-untyped-def]
+        drawn[out.name] = {
+            str(line.get_label()): (list(line.get_xdata()), list(line.get_ydata()))
+            for ax in fig.axes
+            for line in ax.get_lines()
+        }
+        return save(fig, out)
+
+    monkeypatch.setattr(run_plots, "save", capture)
+    for png in plot_path(run).files:
+        _assert_png(png)
+    loss, tau = drawn["loss.png"], drawn["simulated_tau.png"]
+    assert loss["validation"] == (val_steps, [8.0, 7.0, 6.0])
+    assert len(loss["loss"][0]) == 30  # the training curve is there too
+    assert tau["validation"] == (val_steps, [1 + s / 30 for s in val_steps])
+    assert tau["validation, per block"] == (val_steps, [1.5, 1.5, 1.5])
+    assert len(tau["training batches"][0]) == 30
+
+
 def test_plot_run_with_one_step(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _write_run(run, 1)

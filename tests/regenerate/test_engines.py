@@ -1,7 +1,8 @@
-"""The two engines of ``dflash regenerate``: transformers' continuous batching gives the same greedy
-answers as sorted static ``generate`` batches (float32 on the CPU; bf16 on a GPU, with the divergence
-explained), static batches take the shortest prompts within the KV budget, and the driver keeps one turn
-per conversation in flight while other conversations fill the batch."""
+"""The engines of ``dflash regenerate``: the decode engine (``slots``) and transformers' continuous batching
+give the same greedy answers as sorted static ``generate`` batches (float32 on the CPU; bf16 on a GPU,
+with the divergence explained), static batches take the shortest prompts within the KV budget, the slot
+count follows the KV budget, a stop request ends the decode engine between two steps, and the driver
+keeps one turn per conversation in flight while other conversations fill the batch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import ConversationSink, Driver, render_prompt
 from dflash_offline.regenerate.engines import (
     ContinuousEngine,
+    EngineError,
     EngineOptions,
     FallbackEngine,
     Finished,
@@ -29,6 +31,7 @@ from dflash_offline.regenerate.engines import (
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
 from dflash_offline.regenerate.run import run_regenerate
+from dflash_offline.regenerate.slot_engine import SlotEngine
 from dflash_offline.target.loader import LoadedTarget, load_target
 from tests.eval.helpers import conversations, one_thread, write_chat_jsonl
 
@@ -90,6 +93,71 @@ def test_continuous_batching_greedy_equals_static(tiny: LoadedTarget) -> None:
     assert tiny.model.config._attn_implementation == tiny.attn_implementation
 
 
+def test_the_decode_engine_greedy_equals_static_and_generate(tiny: LoadedTarget) -> None:
+    """More prompts than slots, of mixed lengths: every answer equals the static path's and batch-1
+    ``generate``'s, cut before the stop token like the other engines'."""
+    settings = _settings(tiny, max_new_tokens=10)
+    options = EngineOptions(batch_size=3, kv_tokens=None, max_batch_tokens=32, max_prompt_tokens=60)
+    prompts = _prompts(9, seed=1, vocab=tiny.info.vocab_size)
+    engine = SlotEngine(tiny.model, settings, options)
+    assert engine.num_slots == 3
+    slots = _answer_all(engine, prompts)
+    assert slots == _answer_all(StaticEngine(tiny.model, settings, options), prompts)
+    for i in (0, 4, 8):
+        ids = torch.tensor([prompts[i]])
+        ref = tiny.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False
+        )
+        assert (
+            list(slots[f"p{i}"].token_ids)
+            == ref[0, len(prompts[i]) :].tolist()[: len(slots[f"p{i}"].token_ids)]
+        )
+    assert tiny.model.config._attn_implementation == tiny.attn_implementation  # the model is left as loaded
+
+
+def test_the_slot_count_follows_the_kv_budget(tiny: LoadedTarget) -> None:
+    settings = _settings(tiny, max_new_tokens=10)
+    # Slots of 50 + 10 positions + 1: 200 tokens hold 3 of them (fewer than --batch-size).
+    options = EngineOptions(batch_size=8, kv_tokens=200, max_batch_tokens=32, max_prompt_tokens=50)
+    engine = SlotEngine(tiny.model, settings, options)
+    assert engine.num_slots == 3
+    engine.close()
+    with pytest.raises(EngineError, match="--kv-tokens"):
+        SlotEngine(tiny.model, settings, EngineOptions(batch_size=8, kv_tokens=40, max_batch_tokens=32,
+                                                       max_prompt_tokens=50))  # fmt: skip
+
+
+def test_a_stop_request_ends_the_decode_engine_between_two_steps(tmp_path: Path, tiny: LoadedTarget) -> None:
+    """What Ctrl-C does in a worker: the driver sees ``should_stop`` after a poll, the engine is closed with
+    the requests in flight dropped, and not one more step runs; the answers finished before are written."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 12, turns=2)
+    settings = _settings(tiny, max_new_tokens=16)
+    options = EngineOptions(batch_size=3, kv_tokens=None, max_batch_tokens=32, max_prompt_tokens=256)
+    engine = SlotEngine(tiny.model, settings, options)
+    written: list[int] = []
+    key = "source_sample_id"
+    with (
+        ResumableJsonl(tmp_path / "o.jsonl", key=key) as out,
+        ResumableJsonl(tmp_path / "f.jsonl", key=key) as fails,
+    ):
+        sink = ConversationSink(
+            out=out, failures=fails, source="t", regenerated_by={},
+            on_tally=lambda t: written.append(t.written), on_failure=lambda s: None,
+        )  # fmt: skip
+        driver = Driver(
+            engine=engine, sink=sink, tokenizer=tiny.tokenizer, max_prompt_tokens=256, window=6,
+            done=lambda s: False,
+        )  # fmt: skip
+        completed = driver.run(iter(conversations(data)), should_stop=lambda: sum(written) >= 2)
+        steps = engine._engine.num_steps
+        engine.close(abort=True)
+    assert not completed
+    assert engine._engine.num_steps == steps  # nothing ran after the stop
+    assert engine.pending() == 0
+    lines = (tmp_path / "o.jsonl").read_text().splitlines()
+    assert 2 <= len(lines) < 12  # the finished conversations are kept
+
+
 def test_a_failing_continuous_batching_hands_over_to_static_batches(tiny: LoadedTarget) -> None:
     """``--engine auto`` on a GPU: when the CB loop dies mid-run, the prompts in flight go to static batches;
     every prompt is answered once, with the static path's answer."""
@@ -142,13 +210,16 @@ def test_kv_budget_must_hold_one_conversation(tmp_path: Path) -> None:
         RegenerateConfig(out=tmp_path / "o.jsonl", max_prompt_tokens=4096, max_new_tokens=512, kv_tokens=4000)
 
 
-def test_auto_engine_is_static_on_cpu(tiny: LoadedTarget) -> None:
+def test_auto_engine_is_the_decode_engine(tiny: LoadedTarget) -> None:
     settings = _settings(tiny, max_new_tokens=4)
-    options = EngineOptions(batch_size=2, kv_tokens=512, max_batch_tokens=32)
-    assert make_engine("auto", tiny.model, settings, options).name == "static"
-    engine = make_engine("cb", tiny.model, settings, options)
-    assert engine.name == "cb"
+    options = EngineOptions(batch_size=2, kv_tokens=512, max_batch_tokens=32, max_prompt_tokens=64)
+    engine = make_engine("auto", tiny.model, settings, options)
+    assert engine.name == "slots"
     engine.close()
+    for name in ("cb", "static"):
+        engine = make_engine(name, tiny.model, settings, options)  # type: ignore[arg-type]
+        assert engine.name == name
+        engine.close()
 
 
 class _OneAtATimeEngine:
@@ -240,9 +311,9 @@ def _lines(path: Path) -> dict[str, Any]:
     }
 
 
-def test_regenerate_with_continuous_batching_equals_static_multi_turn(tmp_path: Path) -> None:
+def test_regenerate_with_each_engine_writes_the_same_conversations(tmp_path: Path) -> None:
     """The whole command on 3-turn conversations: turn k is answered from the target's own earlier answers
-    by both engines, and the conversations written are the same."""
+    by every engine, and the conversations written are the same."""
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 6, turns=3, seed=4)
     common: dict[str, Any] = {
         "target": "random:tiny", "data": str(data), "max_new_tokens": 8, "batch_size": 3, "progress": False,
@@ -250,12 +321,16 @@ def test_regenerate_with_continuous_batching_equals_static_multi_turn(tmp_path: 
     }  # fmt: skip
     cb = run_regenerate(RegenerateConfig(out=tmp_path / "cb.jsonl", engine="cb", **common))
     static = run_regenerate(RegenerateConfig(out=tmp_path / "static.jsonl", engine="static", **common))
+    slots = run_regenerate(RegenerateConfig(out=tmp_path / "slots.jsonl", **common))  # auto
     assert cb is not None
     assert static is not None
-    assert (cb.engine, static.engine) == ("cb", "static")
-    assert (cb.written, static.written, cb.answers) == (6, 6, 18)
-    assert cb.new_tokens == static.new_tokens == 18 * 8
-    assert _lines(tmp_path / "cb.jsonl") == _lines(tmp_path / "static.jsonl")
+    assert slots is not None
+    assert (cb.engine, static.engine, slots.engine) == ("cb", "static", "slots")
+    assert (cb.written, static.written, slots.written, cb.answers) == (6, 6, 6, 18)
+    assert cb.new_tokens == static.new_tokens == slots.new_tokens == 18 * 8
+    assert (
+        _lines(tmp_path / "cb.jsonl") == _lines(tmp_path / "static.jsonl") == _lines(tmp_path / "slots.jsonl")
+    )
 
 
 @pytest.mark.gpu

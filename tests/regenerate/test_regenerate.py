@@ -161,7 +161,8 @@ def test_failures_are_reported_and_skipped_on_rerun(
 
     monkeypatch.setattr(engines_module, "generate_batch", generate_with_one_empty)
     out = tmp_path / "regen.jsonl"
-    summary = run_regenerate(_config(out, data, max_prompt_tokens=100, batch_size=8))
+    # Static batches: the fault is injected into their generate call.
+    summary = run_regenerate(_config(out, data, max_prompt_tokens=100, batch_size=8, engine="static"))
     assert (summary.written, summary.failed) == (1, 4)
     failures = {
         f["record_id"] or f["source_index"]: f["reason"] for f in _lines(tmp_path / "regen.failures.jsonl")

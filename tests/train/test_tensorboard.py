@@ -87,6 +87,46 @@ def test_metrics_log_writes_the_jsonl_values_to_tensorboard_and_a_resume_rewrite
     _assert_same(_load(tb_dir), _expected(lines))  # type: ignore[arg-type]
 
 
+def test_validation_fields_go_to_val_tags(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from dflash_offline.train.validation import ValidationMetrics
+
+    rng = np.random.default_rng(1)
+    path, tb_dir = tmp_path / "metrics.jsonl", tmp_path / "tb"
+    log = MetricsLog(path, resume_from_step=0, tensorboard_dir=tb_dir)
+    for step in range(1, 7):
+        metrics = _metrics(step, rng)
+        if step % 3 == 0:
+            acc = sorted(rng.random(7).tolist(), reverse=True)
+            validation = ValidationMetrics(
+                step=step,
+                loss=float(rng.random() * 5),
+                acc_by_position=acc,
+                simulated_tau=1.0 + float(np.sum(np.cumprod(acc))),
+                block_tau=1.0 + float(rng.random()),
+                num_blocks=40,
+                num_samples=3,
+                num_tokens=500,
+            )
+            metrics = replace(metrics, validation=validation)
+        log.write(metrics)
+    log.close()
+    lines = read_metrics(path)
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for m in lines:
+        if "val_loss" not in m:
+            continue
+        for name in ("loss", "simulated_tau", "block_tau"):
+            expected.setdefault(f"val/{name}", []).append((m["step"], m[f"val_{name}"]))  # type: ignore[arg-type]
+        for k, a in enumerate(m["val_acc_by_position"], start=1):  # type: ignore[arg-type]
+            expected.setdefault(f"val/acc/pos_{k:02d}", []).append((m["step"], a))  # type: ignore[arg-type]
+    assert [s for s, _ in expected["val/loss"]] == [3, 6]
+    acc = _load(tb_dir)
+    _assert_same(acc, expected)
+    _assert_same(acc, _expected(lines))  # type: ignore[arg-type]  # the training tags as before
+
+
 def test_eval_report_becomes_a_scalar_set(tmp_path: Path) -> None:
     from dflash_offline.eval.report import EvalReport, PromptResult, summarize
 

@@ -1,0 +1,76 @@
+"""A DFlash drafter proposing blocks from a preallocated context cache, with no host sync (graph-safe).
+
+Legend: C context rows, B block size, K = B − 1 drafted tokens, F feature width, Hk key/value heads,
+D head dim, L capacity (positions), Lb attended context positions, V vocabulary.
+
+``DFlashDrafter.draft`` grows its context keys/values by concatenation and takes the anchor as a Python
+int; here both live on the device: per drafter layer K and V are ``[Hk, L, D]`` allocated once, context
+rows are written at their positions with ``index_copy_``, and the anchor token and position are device
+tensors. The drafter's own layers run unchanged (``DecoderLayer`` with an ``attend`` that masks the
+context to positions < anchor): every query sees the context before the anchor and its whole block.
+
+The speculative cycle feeds it the target's features of the previous verify block (all B rows, written at
+positions prev_anchor..prev_anchor+B−1): the rows past the accepted ones land at or after the new anchor,
+which the mask hides and the next cycle overwrites. So a rollback is again a position, never a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dflash_offline.decode.attention import attend
+from dflash_offline.drafter.layers import rope_cos_sin
+from dflash_offline.drafter.model import DFlashDrafter
+
+
+class StaticDrafter:
+    """``model``'s context keys/values for one sequence of up to ``capacity`` positions."""
+
+    def __init__(self, model: DFlashDrafter, capacity: int) -> None:
+        cfg = model.config
+        weight = model.fc.weight
+        self.model = model
+        self.capacity = capacity
+        self.block_size = cfg.block_size
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        dims = (cfg.num_key_value_heads, capacity, cfg.head_dim)
+        device, dtype = weight.device, weight.dtype
+        self.keys = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.values = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self._mask_ids_K = torch.full(
+            (cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.int64, device=device
+        )
+        self._offsets_B = torch.arange(cfg.block_size, device=device)
+
+    def ingest(self, features_CF: Tensor, start_1: Tensor) -> None:
+        """Write the context keys/values of positions start..start+C−1 (``start``: int64 [1])."""
+        C = int(features_CF.shape[0])
+        positions_C = start_1 + torch.arange(C, device=start_1.device)
+        ctx_CH = self.model.context(features_CF)
+        cos, sin = rope_cos_sin(positions_C, self.head_dim, self.rope_theta)
+        for i, layer in enumerate(self.model.decoder_layers()):
+            k, v = layer.self_attn.keys_values(ctx_CH, cos, sin)
+            self.keys[i].index_copy_(1, positions_C, k)
+            self.values[i].index_copy_(1, positions_C, v)
+
+    def draft(self, anchor_1: Tensor, anchor_position_1: Tensor, attend_len: int) -> Tensor:
+        """Greedy int64 [K] for positions anchor+1..anchor+K, from the context at positions < anchor
+        (all below ``attend_len``) and the block [anchor, MASK × K]."""
+        model, B = self.model, self.block_size
+        x_BH = model.embed_ids(torch.cat([anchor_1, self._mask_ids_K]))
+        q_cos, q_sin = rope_cos_sin(anchor_position_1 + self._offsets_B, self.head_dim, self.rope_theta)
+        visible = torch.arange(attend_len, device=anchor_1.device) < anchor_position_1
+        keys_seen = torch.cat([visible, torch.ones(B, dtype=torch.bool, device=anchor_1.device)])
+        mask_11BL = keys_seen[None, None, None, :].expand(1, 1, B, attend_len + B).contiguous()
+
+        def attend_block(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return attend(q, k, v, mask_11BL)
+
+        for i, layer in enumerate(model.decoder_layers()):
+            ctx_k, ctx_v = self.keys[i][:, :attend_len], self.values[i][:, :attend_len]
+            x_BH = layer(x_BH, q_cos, q_sin, ctx_k, ctx_v, attend_block)
+        hidden_KH = model.norm(x_BH)[1:]
+        head_VH = model.lm_head_VH
+        return (hidden_KH.to(head_VH.dtype) @ head_VH.T).argmax(dim=-1)

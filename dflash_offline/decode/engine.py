@@ -1,0 +1,302 @@
+"""The continuous-batching decode engine: prompts join whenever they come, finished rows leave at once.
+
+Each ``step``: slots freed by the last step are marked idle; waiting prompts take the lowest free slots;
+one prefill forward runs a chunk of the prompts in prefill (at most ``prefill_tokens`` tokens, padding
+included, so a long prompt is spread over several steps instead of stalling the decoding rows); then one
+decode step (a CUDA graph per bucket of rows and attended length) gives every decoding slot its next
+token; then the tokens of both come to the host in one read, the only host sync of the step. A row ends
+at a stop token or at its ``max_new_tokens``; its slot takes the next waiting prompt in the next step.
+When the queue has drained and the live rows are scattered over the slots, the highest ones are moved
+down (one copy of their keys and values) so that the decode steps shrink to a smaller bucket.
+
+``poll`` runs steps until an answer is finished (or its timeout passes), so the caller keeps control
+between steps: ``close(abort=True)`` from the same thread returns at once, dropping the rows in flight.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dflash_offline.decode.forward import SlotForward
+from dflash_offline.decode.graphs import StepGraphs
+from dflash_offline.decode.sampling import Sampler, Sampling, request_key_hash
+from dflash_offline.decode.slot_cache import SlotCache, shape_for
+from dflash_offline.decode.steps import PrefillChunk, SlotState, decode_step, prefill
+from dflash_offline.errors import DflashError
+
+GREEDY = Sampling()
+
+
+class DecodeError(DflashError):
+    """A request the engine cannot hold, or an engine used after ``close``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSettings:
+    """Size and behaviour of a ``DecodeEngine``."""
+
+    num_slots: int
+    """Requests decoded at once (rows of the largest decode step)."""
+    max_len: int
+    """Longest request: prompt + new tokens (positions per slot)."""
+    max_new_tokens: int
+    """New tokens per request unless ``submit`` says otherwise."""
+    stop_ids: frozenset[int]
+    """Tokens that end an answer (kept as its last token)."""
+    sampling: Sampling = GREEDY
+    prefill_tokens: int = 2048
+    """Tokens (padding included) per prefill forward."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (CUDA only)."""
+    attend_granule: int | None = None
+    """Smallest attended length (steps attend over granule × 2^k positions); None: 256 on CUDA, 32 on
+    the CPU."""
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1 or self.max_len < 2 or self.max_new_tokens < 1 or self.prefill_tokens < 1:
+            raise DecodeError(f"engine settings out of range: {self}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecodedRequest:
+    """One finished request."""
+
+    key: str
+    token_ids: tuple[int, ...]
+    """The generated tokens, the stop token included when one ended the answer."""
+    stopped: bool
+    """A stop token ended it (else ``max_new_tokens``)."""
+
+
+class _Request:
+    """A request's host-side state (this module only)."""
+
+    __slots__ = ("generated", "key", "length", "max_new", "prefilled", "prompt", "slot")
+
+    def __init__(self, key: str, prompt: tuple[int, ...], max_new: int) -> None:
+        self.key = key
+        self.prompt = prompt
+        self.max_new = max_new
+        self.slot = -1
+        self.prefilled = 0
+        """Prompt tokens already in the cache."""
+        self.length = 0
+        """Positions in the cache once decoding (mirror of ``SlotState.lens``)."""
+        self.generated: list[int] = []
+
+
+def row_bucket(rows: int, num_slots: int) -> int:
+    """Rows of the decode step covering slots 0..rows−1: the next power of two, at most ``num_slots``."""
+    n = 1
+    while n < rows:
+        n *= 2
+    return min(n, num_slots)
+
+
+class DecodeEngine:
+    """Continuous batching over a ``SlotCache``: ``submit`` prompts, ``poll`` finished answers."""
+
+    def __init__(self, model: Any, settings: EngineSettings) -> None:
+        param = next(model.parameters())
+        self.settings = settings
+        self.device = param.device
+        shape = shape_for(
+            model.config, num_slots=settings.num_slots, max_len=settings.max_len, dtype=param.dtype,
+            device=param.device,
+        )  # fmt: skip
+        self.cache = SlotCache(shape, attend_granule=settings.attend_granule)
+        self.fwd = SlotForward(model, self.cache)
+        self.state = SlotState(settings.num_slots, param.device)
+        self.sampler = Sampler(settings.sampling)
+        self.graphs = StepGraphs(param.device, enabled=settings.cuda_graphs)
+        self._waiting: deque[_Request] = deque()
+        self._free = list(range(settings.num_slots))
+        self._prefilling: list[_Request] = []
+        self._decoding: dict[int, _Request] = {}
+        self._finished: list[DecodedRequest] = []
+        self._to_idle: list[int] = []
+        self._keys: set[str] = set()
+        self._closed = False
+        self.num_steps = 0
+        self.num_prefills = 0
+        self.num_moves = 0
+        """Rows moved to a lower slot by compaction."""
+
+    # ----- the Engine surface ---------------------------------------------------------------------
+
+    def submit(self, key: str, prompt: Sequence[int], *, max_new_tokens: int | None = None) -> None:
+        if self._closed:
+            raise DecodeError("the decode engine is closed")
+        max_new = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if not prompt or max_new < 1:
+            raise DecodeError(f"request {key}: an empty prompt or max_new_tokens {max_new} < 1")
+        if len(prompt) + max_new > self.settings.max_len:
+            raise DecodeError(
+                f"request {key}: {len(prompt)} prompt tokens + {max_new} new tokens exceed the "
+                f"{self.settings.max_len} positions of a slot"
+            )
+        assert key not in self._keys, f"request {key} submitted twice"
+        self._keys.add(key)
+        self._waiting.append(_Request(key, tuple(int(t) for t in prompt), max_new))
+
+    def pending(self) -> int:
+        return len(self._waiting) + len(self._prefilling) + len(self._decoding)
+
+    def poll(self, timeout: float) -> list[DecodedRequest]:
+        """Answers finished since the last call; runs steps for up to ``timeout`` s until one is."""
+        deadline = time.monotonic() + timeout
+        while not self._finished and self.pending() and not self._closed:
+            self.step()
+            if time.monotonic() >= deadline:
+                break
+        if not self._finished and not self.pending():
+            time.sleep(min(timeout, 0.01))
+        done, self._finished = self._finished, []
+        return done
+
+    def close(self, *, abort: bool = False) -> None:
+        """Drop every request in flight and free the cache (returns at once)."""
+        self._closed = True
+        self._waiting.clear()
+        self._prefilling.clear()
+        self._decoding.clear()
+        self.graphs.clear()
+        self.cache.keys.clear()
+        self.cache.values.clear()
+
+    # ----- one step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Prefill a chunk of the waiting prompts, decode one token for every live row, read both."""
+        self._idle_freed_slots()
+        self._admit()
+        self._compact()
+        first_M, completed = self._prefill_chunk() if self._prefilling else (None, [])
+        num_rows = 0
+        if self._decoding:
+            # While prompts wait, the batch is about to fill: decode at full width at once rather than
+            # capturing a graph for every bucket on the way up.
+            top = self.settings.num_slots if self._waiting or self._prefilling else max(self._decoding) + 1
+            num_rows = row_bucket(top, self.settings.num_slots)
+            attend_len = self.cache.attend_len(max(r.length for r in self._decoding.values()) + 1)
+            n = num_rows
+            self.graphs.run(
+                ("decode", n, attend_len),
+                lambda: decode_step(self.fwd, self.state, self.sampler, n, attend_len),
+                self.state.mutated(),
+            )
+        parts = ([first_M] if first_M is not None else []) + (
+            [self.state.sampled[:num_rows]] if num_rows else []
+        )
+        values = torch.cat(parts).tolist() if parts else []  # the step's one host sync
+        self.num_steps += 1
+        for i, req in enumerate(completed):
+            req.generated.append(values[i])
+            if self._done(req):
+                self._finish(req)
+        offset = len(completed)
+        for slot, req in list(self._decoding.items()):
+            req.generated.append(values[offset + slot])
+            req.length += 1
+            if self._done(req):
+                self._finish(req)
+
+    def _done(self, req: _Request) -> bool:
+        return req.generated[-1] in self.settings.stop_ids or len(req.generated) >= req.max_new
+
+    def _finish(self, req: _Request) -> None:
+        del self._decoding[req.slot]
+        heapq.heappush(self._free, req.slot)
+        self._to_idle.append(req.slot)
+        self._keys.discard(req.key)
+        stopped = req.generated[-1] in self.settings.stop_ids
+        self._finished.append(DecodedRequest(key=req.key, token_ids=tuple(req.generated), stopped=stopped))
+
+    def _idle_freed_slots(self) -> None:
+        if self._to_idle:
+            slots = torch.tensor(self._to_idle, dtype=torch.int64, device=self.device)
+            self.state.live.index_fill_(0, slots, False)
+            self._to_idle.clear()
+
+    def _admit(self) -> None:
+        admitted: list[_Request] = []
+        while self._waiting and self._free:
+            req = self._waiting.popleft()
+            req.slot = heapq.heappop(self._free)
+            self._prefilling.append(req)
+            admitted.append(req)
+        if admitted:
+            slots = torch.tensor([r.slot for r in admitted], dtype=torch.int64, device=self.device)
+            keys = torch.tensor([request_key_hash(r.key) for r in admitted], dtype=torch.int64)
+            self.state.keys.index_copy_(0, slots, keys.to(self.device))
+
+    def _prefill_chunk(self) -> tuple[Tensor | None, list[_Request]]:
+        """One prefill forward over the oldest prompts in prefill, within ``prefill_tokens``."""
+        budget = self.settings.prefill_tokens
+        chunks: list[PrefillChunk] = []
+        reqs: list[_Request] = []
+        width = 0
+        # Fresh prompts and continuations go in separate forwards: fresh ones attend only to themselves.
+        fresh = self._prefilling[0].prefilled == 0
+        for req in self._prefilling:
+            if (req.prefilled == 0) != fresh:
+                continue
+            take = min(len(req.prompt) - req.prefilled, budget)
+            if chunks and (len(chunks) + 1) * max(width, take) > budget:
+                take = min(take, width)  # pad no wider than the rows already in
+                if (len(chunks) + 1) * width > budget:
+                    break
+            width = max(width, take)
+            end = req.prefilled + take
+            chunks.append(
+                PrefillChunk(
+                    slot=req.slot, token_ids=req.prompt[req.prefilled : end], start=req.prefilled,
+                    completes=end == len(req.prompt), prompt_len=len(req.prompt),
+                )
+            )  # fmt: skip
+            reqs.append(req)
+        first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks)
+        self.num_prefills += 1
+        completed = []
+        for req, chunk in zip(reqs, chunks, strict=True):
+            req.prefilled += len(chunk.token_ids)
+            if chunk.completes:
+                req.length = len(req.prompt)
+                self._decoding[req.slot] = req
+                completed.append(req)
+        self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt)]
+        return first_M, completed
+
+    def _compact(self) -> None:
+        """Move the highest decoding rows into the lowest free slots when that shrinks the decode bucket
+        (only once nothing waits: a waiting prompt would fill the free slots anyway)."""
+        if self._waiting or self._prefilling or not self._decoding:
+            return
+        slots = self.settings.num_slots
+        target = row_bucket(len(self._decoding), slots)
+        if row_bucket(max(self._decoding) + 1, slots) <= target:
+            return
+        s = self.state
+        for src in sorted(self._decoding, reverse=True):
+            if src < target:
+                break
+            dst = heapq.heappop(self._free)
+            assert dst < target, (dst, target)
+            req = self._decoding.pop(src)
+            self.cache.move_slot(src, dst, req.length)
+            for t in (s.tokens, s.lens, s.live, s.keys, s.steps):
+                t[dst] = t[src]
+            s.live[src] = False
+            req.slot = dst
+            self._decoding[dst] = req
+            heapq.heappush(self._free, src)
+            self.num_moves += 1

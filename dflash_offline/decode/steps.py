@@ -1,0 +1,136 @@
+"""The two forwards of the engine: a decode step over slots 0..N−1, and a prefill chunk over any slots.
+
+Legend: N rows, S tokens per row, Lb attended positions, P prompt tokens, M rows completing their prompt.
+
+Per-slot state lives on the device (``SlotState``) so a decode step needs nothing from the host: the
+next input token, the live length (positions held in the cache), whether the slot is decoding, the
+request's sampling key and the index of its next token. A decode step over slots 0..N−1 feeds each live
+row its token at position ``lens``, samples the next one, and advances the live rows; idle rows (free
+slots, or prompts still in prefill) run too, so that N is a fixed bucket, but write only to the scratch
+position and read only position 0 (a masked-out key contributes nothing; a row seeing none is NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dflash_offline.decode.forward import SlotForward
+from dflash_offline.decode.sampling import Sampler
+from dflash_offline.decode.slot_cache import ForwardRows
+
+
+class SlotState:
+    """Per-slot decode state on the device (persistent: CUDA graphs read these very tensors)."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.tokens = zeros(num_slots)
+        """int64: the next input token (the last one sampled)."""
+        self.lens = zeros(num_slots)
+        """int64: positions held in the cache (the next token goes at this position)."""
+        self.live = zeros(num_slots, dtype=torch.bool)
+        """Whether the slot is decoding."""
+        self.keys = zeros(num_slots, 2)
+        """int64 [slots, 2]: the request's sampling key (``request_key_hash``)."""
+        self.steps = zeros(num_slots)
+        """int64: index in the answer of the token sampled next."""
+        self.sampled = zeros(num_slots)
+        """int64: the tokens sampled by the latest decode step."""
+
+    def mutated(self) -> list[Tensor]:
+        """What a decode step changes (restored after a graph's warm-up runs)."""
+        return [self.tokens, self.lens, self.steps, self.sampled]
+
+
+def decode_mask(lens_N: Tensor, live_N: Tensor, attend_len: int) -> Tensor:
+    """bool [N, 1, 1, Lb]: a live row sees positions 0..lens (its new token included); an idle one only 0."""
+    p_L = torch.arange(attend_len, device=lens_N.device)
+    mask_NL = torch.where(live_N[:, None], p_L[None, :] <= lens_N[:, None], p_L[None, :] == 0)
+    return mask_NL[:, None, None, :]
+
+
+def block_mask(start_N: Tensor, num_tokens: int, attend_len: int) -> Tensor:
+    """bool [N, 1, S, Lb]: token q of a block starting at ``start`` sees positions 0..start+q (causal)."""
+    p_L = torch.arange(attend_len, device=start_N.device)
+    q_S = torch.arange(num_tokens, device=start_N.device)
+    return (p_L[None, None, :] <= (start_N[:, None] + q_S[None, :])[:, :, None])[:, None]
+
+
+def decode_step(fwd: SlotForward, state: SlotState, sampler: Sampler, num_rows: int, attend_len: int) -> None:
+    """One token for every live slot among 0..N−1; the tokens land in ``state.sampled[:N]``."""
+    n = num_rows
+    live_N, lens_N = state.live[:n], state.lens[:n]
+    write_N1 = torch.where(live_N, lens_N, fwd.cache.scratch)[:, None]
+    rows = ForwardRows(num_rows=n, slots_N=None, write_NS=write_N1, attend_len=attend_len)
+    hidden, _ = fwd.hidden(state.tokens[:n, None], write_N1, decode_mask(lens_N, live_N, attend_len), rows)
+    next_N = sampler(fwd.logits(hidden[:, -1]), state.keys[:n], state.steps[:n])
+    state.sampled[:n].copy_(next_N)
+    state.tokens[:n].copy_(torch.where(live_N, next_N, state.tokens[:n]))
+    advance_N = live_N.to(torch.int64)
+    state.lens[:n].add_(advance_N)
+    state.steps[:n].add_(advance_N)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefillChunk:
+    """Part of one prompt to run through the target."""
+
+    slot: int
+    token_ids: tuple[int, ...]
+    """The prompt's tokens at positions start..start+len−1."""
+    start: int
+    completes: bool
+    """The chunk ends the prompt: its last token's logits give the answer's first token."""
+    prompt_len: int
+
+
+def prefill(
+    fwd: SlotForward,
+    state: SlotState,
+    sampler: Sampler,
+    chunks: Sequence[PrefillChunk],
+    *,
+    capture: Sequence[int] = (),
+) -> tuple[Tensor | None, Tensor | None]:
+    """Run the chunks (right-padded into one forward; padding comes after each row's tokens, so a causal
+    query never sees it). The prompts they complete become live: their first
+    token is sampled into ``state.tokens`` and returned (int64 [M], in chunk order; None when none
+    completes). With ``capture``, also the features [N, S, F] of every chunk token (padding rows too)."""
+    device = state.tokens.device
+    cache = fwd.cache
+    width = max(len(c.token_ids) for c in chunks)
+    ids = torch.zeros((len(chunks), width), dtype=torch.int64)
+    for r, c in enumerate(chunks):
+        ids[r, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.int64)
+    start_N = torch.tensor([c.start for c in chunks], dtype=torch.int64, device=device)
+    length_N = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64, device=device)
+    slots_N = torch.tensor([c.slot for c in chunks], dtype=torch.int64, device=device)
+    q_S = torch.arange(width, device=device)
+    positions_NS = start_N[:, None] + q_S[None, :]
+    write_NS = torch.where(q_S[None, :] < length_N[:, None], positions_NS, cache.scratch)
+    attend_len = cache.attend_len(max(c.start + len(c.token_ids) for c in chunks))
+    fresh = all(c.start == 0 for c in chunks)  # causal over the chunk itself: no mask, no gather
+    rows = ForwardRows(
+        num_rows=len(chunks), slots_N=slots_N, write_NS=write_NS, attend_len=attend_len, own_keys_only=fresh
+    )
+    mask = None if fresh else block_mask(start_N, width, attend_len)
+    hidden, features = fwd.hidden(ids.to(device), positions_NS, mask, rows, capture=capture)
+    done = [r for r, c in enumerate(chunks) if c.completes]
+    if not done:
+        return None, features
+    done_M = torch.tensor(done, dtype=torch.int64, device=device)
+    last_M = length_N[done_M] - 1
+    slot_M = slots_N[done_M]
+    first_M = sampler(fwd.logits(hidden[done_M, last_M]), state.keys[slot_M], torch.zeros_like(slot_M))
+    prompt_len_M = torch.tensor([chunks[r].prompt_len for r in done], dtype=torch.int64, device=device)
+    state.tokens.index_copy_(0, slot_M, first_M)
+    state.lens.index_copy_(0, slot_M, prompt_len_M)
+    state.steps.index_fill_(0, slot_M, 1)
+    state.live.index_fill_(0, slot_M, True)
+    return first_M, features

@@ -1,0 +1,98 @@
+"""``--engine slots``: regenerate's answers from the project's decode engine (``dflash_offline.decode``).
+
+A slot holds one conversation turn: its prompt (at most --max-prompt-tokens) and its answer (at most
+--max-new-tokens). The number of slots is --batch-size, or fewer when --kv-tokens (by default the free GPU
+memory after loading, on the CPU --batch-size slots) cannot hold that many. Prompts wait in the engine
+until a slot is free; a finished answer frees its slot for the next one at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
+from dflash_offline.decode.slot_cache import kv_bytes_per_token
+from dflash_offline.regenerate.engines import (
+    KV_FIX,
+    KV_MEMORY_FRACTION,
+    EngineError,
+    EngineName,
+    EngineOptions,
+    Finished,
+)
+from dflash_offline.regenerate.generation import GenerationSettings, split_at_stop
+
+ACTIVATION_RESERVE_BYTES = 4 << 30
+"""Free GPU memory left beside the cache for prefill activations, logits and CUDA graphs."""
+
+
+def slot_count(model: Any, options: EngineOptions, max_len: int) -> int:
+    """Slots of ``max_len`` positions (+1 scratch) within the KV budget, at most --batch-size."""
+    per_slot = max_len + 1
+    if options.kv_tokens is not None:
+        budget = options.kv_tokens
+    else:
+        param = next(model.parameters())
+        if param.device.type != "cuda":
+            return options.batch_size
+        free, _ = torch.cuda.mem_get_info(param.device)
+        usable = max(0, int(free * KV_MEMORY_FRACTION) - ACTIVATION_RESERVE_BYTES)
+        budget = usable // kv_bytes_per_token(model.config, param.dtype)
+    slots = min(options.batch_size, budget // per_slot)
+    if slots < 1:
+        raise EngineError(
+            f"the KV budget ({budget} tokens) cannot hold one slot of {per_slot} positions "
+            f"(--max-prompt-tokens + --max-new-tokens + 1); lower {KV_FIX}"
+        )
+    return slots
+
+
+class SlotEngine:
+    """``DecodeEngine`` behind regenerate's ``Engine`` protocol."""
+
+    name: EngineName = "slots"
+
+    def __init__(self, model: Any, settings: GenerationSettings, options: EngineOptions) -> None:
+        if options.max_prompt_tokens is None:
+            raise EngineError("--engine slots needs the longest prompt (--max-prompt-tokens)")
+        max_len = options.max_prompt_tokens + settings.max_new_tokens
+        self.num_slots = slot_count(model, options, max_len)
+        self._settings = settings
+        engine_settings = EngineSettings(
+            num_slots=self.num_slots,
+            max_len=max_len,
+            max_new_tokens=settings.max_new_tokens,
+            stop_ids=settings.stop_ids,
+            sampling=Sampling(temperature=settings.temperature, top_p=settings.top_p, seed=options.seed),
+            prefill_tokens=options.max_batch_tokens,
+            cuda_graphs=options.cuda_graphs != "off",
+        )
+        try:
+            self._engine = DecodeEngine(model, engine_settings)
+        except torch.OutOfMemoryError as e:
+            raise EngineError(
+                f"the slot KV cache ({self.num_slots} slots of {max_len + 1} positions) does not fit "
+                f"({type(e).__name__}); lower {KV_FIX}"
+            ) from None
+
+    def submit(self, key: str, prompt: Sequence[int]) -> None:
+        try:
+            self._engine.submit(key, prompt)
+        except DecodeError as e:
+            raise EngineError(f"{e}; raise --max-prompt-tokens") from None
+
+    def pending(self) -> int:
+        return self._engine.pending()
+
+    def poll(self, timeout: float) -> list[Finished]:
+        try:
+            done = self._engine.poll(timeout)
+        except torch.OutOfMemoryError as e:
+            raise EngineError(f"the target ran out of memory ({e}); lower {KV_FIX}") from None
+        return [Finished(key=d.key, tokens=split_at_stop(d.token_ids, self._settings)) for d in done]
+
+    def close(self, *, abort: bool = False) -> None:
+        self._engine.close(abort=abort)

@@ -1,0 +1,131 @@
+"""Where a training step's numbers go: ``RUN/metrics.jsonl`` (and TensorBoard), the progress bar and a
+caller's ``on_step``. The step's results stay on the device until a line is due: a log step
+(``--log-every``), a validation, the last step, or every step when someone asked for ``on_step``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dflash_offline.placement import DistInfo
+from dflash_offline.train.batch import StepPlan
+from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.metrics import MetricsLog, StepMetrics
+from dflash_offline.train.step import StepOutcome
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from dflash_offline.train.validation import ValidationMetrics
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FinishedStep:
+    """A step the loop ran: what the host knows, and the outcome still on the device."""
+
+    plan: StepPlan
+    outcome: StepOutcome
+    lr: float
+    """The learning rate after the step (what the next step uses), as logged since the first version."""
+    step_seconds: float
+    data_wait_s: float
+    """Seconds this rank waited for the step's microbatches."""
+
+    @property
+    def step(self) -> int:
+        """1-based: optimizer steps completed, this one included."""
+        return self.plan.global_step + 1
+
+
+class StepReporter:
+    """Writes metrics lines on rank 0 (every ``log_every`` steps, at validations and at the last step),
+    moves the progress bar, and calls ``on_step`` on every rank (which reads every step)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        info: DistInfo,
+        total_steps: int,
+        global_step: int,
+        on_step: Callable[[StepMetrics], None] | None,
+    ) -> None:
+        self._log_every = config.log_every
+        self._total_steps = total_steps
+        self._on_step = on_step
+        self._log = (
+            MetricsLog(
+                config.out_dir / "metrics.jsonl",
+                resume_from_step=global_step,
+                tensorboard_dir=config.resolved_tensorboard_dir(),
+            )
+            if info.is_main
+            else None
+        )
+        self._progress = _progress_bar(config, info, total_steps, global_step)
+        self.last_loss: float | None = None
+        """The loss of the last step read back."""
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self._log_every == 0 or step == self._total_steps
+
+    def report(self, finished: FinishedStep, validation: ValidationMetrics | None = None) -> None:
+        if self._progress is not None:
+            self._progress.update(1)
+        due = self.is_log_step(finished.step) or validation is not None
+        if not due and self._on_step is None:
+            return
+        metrics = step_metrics(finished, validation)
+        self.last_loss = metrics.loss
+        if self._log is not None and due:
+            self._log.write(metrics)
+        if self._progress is not None:
+            postfix: dict[str, str] = {
+                "loss": f"{metrics.loss:.3f}",
+                "acc1": f"{metrics.acc_by_position[0]:.2f}",
+                "tau": f"{metrics.simulated_tau:.2f}",
+                "tok_s": f"{metrics.tokens_per_s:,.0f}",
+                "wait": f"{metrics.data_wait_fraction:.1%}",
+            }
+            if validation is not None:
+                postfix["val_tau"] = f"{validation.simulated_tau:.2f}"
+            self._progress.set_postfix(postfix, refresh=False)
+        if self._on_step is not None:
+            self._on_step(metrics)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+        if self._log is not None:
+            self._log.close()
+
+
+def step_metrics(finished: FinishedStep, validation: ValidationMetrics | None = None) -> StepMetrics:
+    """The step's metrics line (reads the outcome back from the device: a host sync)."""
+    totals, grad_norm = finished.outcome.read()
+    plan, seconds = finished.plan, finished.step_seconds
+    return StepMetrics(
+        step=finished.step,
+        epoch=plan.epoch,
+        loss=totals.loss,
+        lr=finished.lr,
+        grad_norm=grad_norm,
+        acc_by_position=totals.acc_by_position,
+        simulated_tau=totals.simulated_tau,
+        tokens=plan.num_tokens,
+        tokens_per_s=plan.num_tokens / seconds,
+        step_seconds=seconds,
+        data_wait_fraction=finished.data_wait_s / seconds,
+        buckets=sorted({b for mb in plan.microbatches for b in mb.bucket_ids}),
+        num_blocks=totals.num_blocks,
+        validation=validation,
+    )
+
+
+def _progress_bar(config: TrainConfig, info: DistInfo, total: int, initial: int) -> tqdm[Any] | None:
+    if not (config.progress and info.is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", desc="train", file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,87 @@
+"""The validation split: samples of a run's snapshot held out of training, chosen by their id alone.
+
+A sample is a validation sample when a keyed hash of its sample id, read as a number in [0, 1), is below
+``--val-fraction``; with ``--val-samples N`` the N samples of the snapshot with the smallest hashes are.
+The choice depends on nothing else (not the seed, the world size, the step or the order of the
+cache): every resume and every world size holds out the same samples, and runs over the same cache are
+validated on the same ones. The run's training snapshot is the rest; the planner never sees a
+validation sample. ``dflash eval`` reads the split back (``validation_ids_of_run``): the prompts of
+validation samples were not trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflash_offline.errors import ConfigError
+from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, subset_snapshot
+
+_SALT = b"dflash-validation-split-v1\x00"
+SNAPSHOT_FILE = "snapshot.parquet"
+
+
+def validation_key(sample_id: str) -> float:
+    """The sample's place in [0, 1) (64 bits of a keyed blake2b of its id)."""
+    digest = hashlib.blake2b(_SALT + sample_id.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def validation_mask(sample_ids: Sequence[str], *, fraction: float, num_samples: int | None) -> np.ndarray:
+    """bool [N]: which of ``sample_ids`` are validation samples (module docstring)."""
+    keys_N = np.fromiter((validation_key(s) for s in sample_ids), dtype=np.float64, count=len(sample_ids))
+    if num_samples is None:
+        return keys_N < fraction
+    mask = np.zeros(len(sample_ids), dtype=bool)
+    mask[np.argsort(keys_N, kind="stable")[:num_samples]] = True
+    return mask
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SplitSnapshots:
+    """A run's snapshot split in two."""
+
+    train: IndexSnapshot
+    """What the planner plans over (the whole snapshot when nothing is held out)."""
+    validation: IndexSnapshot | None
+    """The held-out samples; None when the split is off or empty."""
+
+
+def split_snapshot(snapshot: IndexSnapshot, *, fraction: float, num_samples: int | None) -> SplitSnapshots:
+    """Split ``snapshot``; refuses a split that leaves nothing to train on."""
+    if num_samples is None and fraction <= 0.0:
+        return SplitSnapshots(train=snapshot, validation=None)
+    mask = validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples)
+    if mask.all():
+        what = f"--val-samples {num_samples}" if num_samples is not None else f"--val-fraction {fraction}"
+        raise ConfigError(
+            f"{what} holds out all {len(snapshot)} samples of the cache, leaving none to train on: "
+            "hold out fewer, or generate more samples"
+        )
+    if not mask.any():
+        return SplitSnapshots(train=snapshot, validation=None)
+    return SplitSnapshots(train=subset_snapshot(snapshot, ~mask), validation=subset_snapshot(snapshot, mask))
+
+
+def validation_ids_of_run(run_dir: Path) -> frozenset[str] | None:
+    """The validation sample ids of a ``dflash train`` run (from its config.json and saved snapshot);
+    None when ``run_dir`` is not a run, has no snapshot yet, or holds nothing out."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict) or not (run_dir / SNAPSHOT_FILE).is_file():
+        return None
+    fraction = config.get("val_fraction", 0.0)  # absent: a run from before the split existed
+    num_samples = config.get("val_samples")
+    if not isinstance(fraction, int | float) or not (num_samples is None or isinstance(num_samples, int)):
+        return None
+    split = split_snapshot(
+        read_snapshot(run_dir / SNAPSHOT_FILE), fraction=float(fraction), num_samples=num_samples
+    )
+    return None if split.validation is None else frozenset(split.validation.sample_ids)

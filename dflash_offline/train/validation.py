@@ -1,0 +1,254 @@
+"""Validation during training: loss, accuracy per block position and simulated τ of the held-out split.
+
+The split (train/split.py) is packed once into microbatches under the training token budget, shortest
+samples first, in a fixed order; each microbatch's anchors are drawn by the training rule with a seed
+fixed by its sample ids alone (not the run's seed, not the step), so every evaluation of every run
+over the same split sees the same blocks and the values are comparable across steps and runs. On DDP
+rank r evaluates microbatches r, r + world, …; the sums are all-reduced, so the result is the whole
+split's whatever the world size. Loss and accuracies are pooled exactly as the training step's are
+(Σ w·CE / Σ w, correct / total per position): one number over the whole split, not a mean of means.
+
+``ValidationTracker`` keeps the best τ for the best-drafter export and ``--early-stop``; it is saved in
+every checkpoint, so a resumed run decides as the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_offline.drafter.attention import AttentionBackend
+from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.placement import DistInfo
+from dflash_offline.train.batch import MicrobatchPlan, ScheduledMicrobatch, StepContext, anchor_seed
+from dflash_offline.train.metrics import StepAccumulator
+from dflash_offline.train.prefetch import Prefetcher, RowReader
+from dflash_offline.train.snapshot import IndexSnapshot
+from dflash_offline.train.step import anchor_sampler, to_drafter_inputs
+
+VALIDATION_ANCHOR_SEED = 0x7661_6C69
+"""The anchor seed of every validation microbatch (with its sample ids): fixed, whatever ``--seed``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidationMetrics:
+    """One evaluation of the split, after optimizer step ``step``."""
+
+    step: int
+    loss: float
+    """Σ w·CE / Σ w over the whole split (the training loss's weighting)."""
+    acc_by_position: list[float]
+    """[K] greedy accuracy at block positions 1..B−1 over the whole split."""
+    simulated_tau: float
+    """1 + Σ_k Π_{i≤k} acc_i of those accuracies (the training metric's definition)."""
+    block_tau: float
+    """1 + the mean over blocks of the leading run of correct positions (within the document): the
+    acceptance length of the blocks themselves, closest to what ``dflash eval`` measures."""
+    num_blocks: int
+    num_samples: int
+    num_tokens: int
+
+    def fields(self) -> dict[str, Any]:
+        """The ``val_*`` fields of this evaluation's line in metrics.jsonl."""
+        return {
+            "val_loss": self.loss,
+            "val_acc_by_position": self.acc_by_position,
+            "val_simulated_tau": self.simulated_tau,
+            "val_block_tau": self.block_tau,
+            "val_num_blocks": self.num_blocks,
+            "val_num_samples": self.num_samples,
+            "val_num_tokens": self.num_tokens,
+        }
+
+
+def plan_validation(snapshot: IndexSnapshot, *, tokens_per_microbatch: int) -> list[MicrobatchPlan]:
+    """The split's microbatches: samples by length (then id), packed greedily under the budget."""
+    order = np.lexsort((np.arange(len(snapshot)), snapshot.num_tokens_N))
+    plans: list[MicrobatchPlan] = []
+    current: list[int] = []
+    tokens = 0
+
+    def close() -> None:
+        plans.append(
+            MicrobatchPlan(
+                index_in_step=len(plans),
+                rank=0,
+                rows=tuple(current),
+                sample_ids=tuple(snapshot.sample_ids[p] for p in current),
+                bucket_ids=tuple(int(snapshot.bucket_ids_N[p]) for p in current),
+                num_tokens=sum(int(snapshot.num_tokens_N[p]) for p in current),
+            )
+        )
+
+    for position in order.tolist():
+        n = int(snapshot.num_tokens_N[position])
+        if current and tokens + n > tokens_per_microbatch:
+            close()
+            current, tokens = [], 0
+        current.append(position)
+        tokens += n
+    if current:
+        close()
+    return plans
+
+
+class Validator:
+    """Evaluates a drafter on the split (module docstring); one per rank, built once per run."""
+
+    def __init__(
+        self,
+        snapshot: IndexSnapshot,
+        reader: RowReader,
+        *,
+        info: DistInfo,
+        tokens_per_microbatch: int,
+        prefetch: int,
+        loader_threads: int,
+        attention: AttentionBackend,
+        autocast: contextlib.AbstractContextManager[Any] | None = None,
+    ) -> None:
+        self.snapshot = snapshot
+        self._reader = reader
+        self._info = info
+        self._prefetch = prefetch
+        self._threads = loader_threads
+        self._attention = attention
+        self._autocast = autocast if autocast is not None else contextlib.nullcontext()
+        self.plans = plan_validation(snapshot, tokens_per_microbatch=tokens_per_microbatch)
+        self._mine = self.plans[info.rank :: info.world_size]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.snapshot)
+
+    def _jobs(self, step: int) -> list[ScheduledMicrobatch]:
+        return [
+            ScheduledMicrobatch(
+                plan=plan,
+                step=StepContext(
+                    epoch=0,
+                    step_in_epoch=0,
+                    global_step=step,
+                    microbatch_in_rank=i,
+                    num_microbatches_in_rank=len(self._mine),
+                    step_num_tokens=0,
+                    anchor_seed=anchor_seed(VALIDATION_ANCHOR_SEED, 0, plan.sample_ids),
+                ),
+                reader_rows=tuple(int(r) for r in self.snapshot.reader_rows_N[list(plan.rows)]),
+            )
+            for i, plan in enumerate(self._mine)
+        ]
+
+    @torch.no_grad()
+    def evaluate(self, model: DFlashDrafter, step: int) -> ValidationMetrics:
+        """The split's metrics for ``model`` now (every rank must call it: the sums are all-reduced)."""
+        block_size = model.config.block_size
+        accumulator = StepAccumulator(block_size, self._info.device)
+        with Prefetcher(
+            self._reader,
+            self._jobs(step),
+            device=self._info.device,
+            prefetch=self._prefetch,
+            num_threads=self._threads,
+            anchor_fn=anchor_sampler(model.config.num_anchors),
+            loss_block_size=block_size,
+        ) as prefetcher:
+            for batch in prefetcher:
+                with self._autocast:
+                    accumulator.add(model(to_drafter_inputs(batch), attention=self._attention))
+        totals = accumulator.reduce(self._info)
+        return ValidationMetrics(
+            step=step,
+            loss=totals.loss,
+            acc_by_position=totals.acc_by_position,
+            simulated_tau=totals.simulated_tau,
+            block_tau=totals.block_tau,
+            num_blocks=totals.num_blocks,
+            num_samples=len(self.snapshot),
+            num_tokens=self.snapshot.total_tokens,
+        )
+
+
+class ValidationTracker:
+    """The best validation τ so far and the evaluations since (for the best export and early stop)."""
+
+    def __init__(self) -> None:
+        self.best_tau: float | None = None
+        self.best_step = 0
+        self.evals_since_best = 0
+
+    def update(self, metrics: ValidationMetrics) -> bool:
+        """Record an evaluation; True when its simulated τ is the best so far (strictly)."""
+        if self.best_tau is None or metrics.simulated_tau > self.best_tau:
+            self.best_tau, self.best_step, self.evals_since_best = metrics.simulated_tau, metrics.step, 0
+            return True
+        self.evals_since_best += 1
+        return False
+
+    def should_stop(self, early_stop: int | None) -> bool:
+        return early_stop is not None and self.best_tau is not None and self.evals_since_best >= early_stop
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "best_tau": self.best_tau,
+            "best_step": self.best_step,
+            "evals_since_best": self.evals_since_best,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:  # a checkpoint from before validation existed
+            return
+        self.best_tau = None if state["best_tau"] is None else float(state["best_tau"])
+        self.best_step = int(state["best_step"])
+        self.evals_since_best = int(state["evals_since_best"])
+
+
+class ValidationSchedule:
+    """A run's validation: when it is due, the evaluation, the best-τ tracker, the best export and
+    early stopping."""
+
+    def __init__(
+        self,
+        validator: Validator,
+        *,
+        state: dict[str, Any],
+        val_every: int,
+        early_stop: int | None,
+        best_export_dir: Path | None,
+    ) -> None:
+        """``state``: the tracker's state from the checkpoint resumed ({} when fresh);
+        ``best_export_dir``: where the best drafter is exported (None: nowhere, e.g. on other ranks)."""
+        self.validator = validator
+        self.tracker = ValidationTracker()
+        self.tracker.load_state_dict(state)
+        self._val_every = val_every
+        self._early_stop = early_stop
+        self._best_export_dir = best_export_dir
+
+    def due(self, global_step: int, total_steps: int) -> bool:
+        return global_step % self._val_every == 0 or global_step == total_steps
+
+    def run(self, model: DFlashDrafter, global_step: int) -> ValidationMetrics:
+        """Evaluate (every rank must), and export the drafter when its τ is the best so far."""
+        metrics = self.validator.evaluate(model, global_step)
+        if self.tracker.update(metrics) and self._best_export_dir is not None:
+            from dflash_offline.drafter.export import export_drafter
+
+            export_drafter(model, self._best_export_dir)
+        return metrics
+
+    def should_stop(self) -> bool:
+        return self.tracker.should_stop(self._early_stop)
+
+    def stop_reason(self) -> str:
+        t = self.tracker
+        return (
+            f"early stop: {t.evals_since_best} validations without a better simulated τ than "
+            f"{t.best_tau:.4f} (step {t.best_step}, the export in OUT/drafter)"
+        )

