@@ -65,3 +65,7 @@ class StepGraphs:
 
     def clear(self) -> None:
         self._graphs.clear()
+        # The graphs were the pool's only users: PyTorch frees it with them, and a capture into a freed
+        # pool's handle fails an internal assert (seen on the H200 in dflash eval). A new pool, then.
+        if self.enabled:
+            self._pool = torch.cuda.graph_pool_handle()
