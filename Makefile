@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m dflash_offline.demo --out $(DEMO_OUT)
 
+# Every test, slow ones included, on two workers (CI's two cores; tests/conftest.py gives each one torch
+# thread). A plain `pytest` runs them in one process.
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 lint: setup
 	$(BIN)/ruff check .

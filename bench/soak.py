@@ -32,7 +32,8 @@ from dflash_offline.cache.manifest import read_table  # noqa: E402
 from dflash_offline.cache.reader import CacheReader  # noqa: E402
 from dflash_offline.cache.verify import verify_cache  # noqa: E402
 from tests.cache._samples import bits  # noqa: E402
-from tests.generate.conftest import make_chat_jsonl  # noqa: E402
+from tests.generate.helpers import make_chat_jsonl  # noqa: E402
+from tests.process_helpers import group_members, workers_of  # noqa: E402
 
 MODES = ("group", "coordinator", "worker")
 
@@ -44,57 +45,6 @@ def generate_cmd(cache: Path, data: Path, workers: int) -> list[str]:
         "--bucket-edges", "48,96,160,256", "--tokens-per-batch", "512", "--window", "30", "--threads", "1",
         "--flush-seconds", "0.5", "--no-progress", "--workers", str(workers),
     ]  # fmt: skip
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes of process group ``pgid`` (the run's coordinator, workers, resource tracker)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
-
-
-def workers_of(pid: int) -> list[int]:
-    """The coordinator's worker processes (spawned python children, not the resource tracker)."""
-    out = []
-    for child in children(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except FileNotFoundError:
-            continue
-        if b"spawn_main" in cmdline:
-            out.append(child)
-    return out
 
 
 def features_by_id(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:

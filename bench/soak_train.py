@@ -26,7 +26,7 @@ import torch
 from dflash_offline.generate.run import run_generate
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.metrics import read_metrics
-from tests.generate.conftest import make_chat_jsonl, tiny_config
+from tests.generate.helpers import make_chat_jsonl, tiny_config
 from tests.train.kill_helpers import last_step, run_and_kill, run_to_end, train_cmd
 
 

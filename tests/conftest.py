@@ -1,17 +1,27 @@
-"""Shared test configuration: the `gpu` marker skips without CUDA; hangs dump every thread's stack."""
+"""Shared test configuration: the `gpu` marker skips without CUDA; hangs dump every thread's stack;
+generated caches shared by the whole session (``tiny_caches.py``)."""
 
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.tiny_caches import TinyCaches, shared_temp_dir
+
 # A hang in a worker thread or subprocess must fail with stacks, not block CI (pytest-timeout
 # enforces the limit; faulthandler shows where every thread was).
 faulthandler.enable(file=sys.stderr, all_threads=True)
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # `make test` runs one pytest worker per core: torch's own threads on top would oversubscribe the
+    # cores, and OpenMP threads waiting on a descheduled sibling turn a tiny matmul from µs into ms.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -31,3 +41,24 @@ def _restore_deterministic_algorithms() -> Iterator[None]:
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     yield
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@pytest.fixture(scope="session")
+def tiny_caches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyCaches]:
+    """Generated random:tiny caches, one per shape for the session; never write into one."""
+    caches = TinyCaches(shared_temp_dir(tmp_path_factory) / "tiny-caches")
+    yield caches
+    caches.assert_unchanged()
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tiny_caches: TinyCaches) -> Path:
+    """The default shared cache: 80 chat records of every bucket, the default codec."""
+    return tiny_caches.get(records=80, seed=5).root
+
+
+@pytest.fixture(scope="session")
+def uncompressed_cache(tiny_caches: TinyCaches) -> Path:
+    """60 chat records stored without compression (a flipped byte stays one flipped feature): the
+    training fault, kill and torchrun tests share it."""
+    return tiny_caches.get(records=60, seed=7, codec="none").root

@@ -7,7 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
-from tests.train.kill_helpers import descendants
+from tests.process_helpers import descendants
 
 
 def torchrun_cmd(*dflash_args: str, nproc: int = 2) -> list[str]:

@@ -17,6 +17,10 @@ import torch
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.records import CachedSample, SampleToWrite
 
+# Tiny geometry: F = 16 features (32 B a row), 8-row inner chunks, 64-row shards, so a few dozen
+# samples cross many chunk and shard boundaries.
+TINY = dict(chunk_bytes=256, shard_bytes=2048)
+
 SPECIAL_BF16_BITS = np.array(
     [
         0x7FC1,  # quiet NaN with a payload

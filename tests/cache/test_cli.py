@@ -13,8 +13,7 @@ from click.testing import CliRunner
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.cli import main
-from tests.cache._samples import make_samples
-from tests.cache.conftest import TINY
+from tests.cache._samples import TINY, make_samples
 
 
 @pytest.fixture

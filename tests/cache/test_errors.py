@@ -14,8 +14,7 @@ from dflash_offline.cache.layout import create_or_open_cache, read_fingerprint, 
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.errors import CacheFormatError, FingerprintMismatchError, SampleError
-from tests.cache._samples import make_fingerprint, make_sample, make_samples
-from tests.cache.conftest import TINY
+from tests.cache._samples import TINY, make_fingerprint, make_sample, make_samples
 
 
 def snapshot(root) -> dict[str, tuple[int, int]]:

@@ -23,8 +23,7 @@ from dflash_offline.cache.status import cache_status
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.errors import ConfigError, DflashError
 from dflash_offline.sql_files import named_queries
-from tests.cache._samples import make_samples
-from tests.cache.conftest import TINY
+from tests.cache._samples import TINY, make_samples
 
 
 def sql(root, statement=None, *, query=None, source="auto"):

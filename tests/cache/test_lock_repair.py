@@ -24,8 +24,7 @@ from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.cli import main
 from dflash_offline.errors import CacheFormatError, FingerprintMismatchError
 from dflash_offline.locking import LOCK_NAME, LockedError, acquire_lock, read_holder
-from tests.cache._samples import bits, make_fingerprint, make_samples
-from tests.cache.conftest import TINY
+from tests.cache._samples import TINY, bits, make_fingerprint, make_samples
 
 HOLDER = textwrap.dedent(
     """

@@ -16,8 +16,7 @@ from dflash_offline.cache.sql_guard import SqlRefusedError
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.cli import main
-from tests.cache._samples import make_samples
-from tests.cache.conftest import TINY
+from tests.cache._samples import TINY, make_samples
 
 
 def sql(root, statement, *, source="auto"):

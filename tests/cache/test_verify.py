@@ -14,8 +14,7 @@ from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.cache.zarr_format import parse_array_format
 from dflash_offline.errors import CacheDamageError
-from tests.cache._samples import make_fingerprint, make_samples
-from tests.cache.conftest import TINY
+from tests.cache._samples import TINY, make_fingerprint, make_samples
 
 
 def write_cache(root, codec: str, n: int = 40):

@@ -1,6 +1,8 @@
-"""Tiny drafters and random packed rows for the drafter tests (CPU, seconds)."""
+"""Tiny drafters, random packed rows and brute-force attention references for the drafter tests (CPU)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -91,3 +93,33 @@ def random_row(
     row = row.with_anchors(anchors)
     row.validate(check_values=True, feature_width=feature_width)
     return row
+
+
+def brute_force_mask(row: DrafterInputs, block_size: int) -> torch.Tensor:
+    """bool [A·B, T + A·B] from the rule, one (query, key) pair at a time, with plain Python ints."""
+    docs = row.doc_ids_T.tolist()
+    pos = row.positions_T.tolist()
+    anchors = row.anchors_A.tolist()
+    T, A, B = len(docs), len(anchors), block_size
+    rows = []
+    for j, a in enumerate(anchors):
+        for _m in range(B):
+            # context: same document, strictly before the anchor (by position); padding never
+            ctx = [docs[c] == docs[a] and docs[c] >= 0 and pos[c] < pos[a] for c in range(T)]
+            # block rows: own block only (bidirectional)
+            blocks = [i == j for i in range(A) for _n in range(B)]
+            rows.append(ctx + blocks)
+    return torch.tensor(rows, dtype=torch.bool).reshape(A * B, T + A * B)
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """float64 softmax attention, GQA by repeating KV heads; fully masked rows → 0."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(groups, dim=1)
+    v = v.double().repeat_interleave(groups, dim=1)
+    scores = (q.double() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return probs @ v

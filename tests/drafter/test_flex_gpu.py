@@ -7,8 +7,7 @@ import torch
 
 from dflash_offline.drafter.attention import FLEX_BLOCK, TrainingAttention, build_attention_index
 
-from .helpers import random_row, tiny_config, tiny_drafter
-from .test_attention_mask import brute_force_mask, reference_attention
+from .helpers import brute_force_mask, random_row, reference_attention, tiny_config, tiny_drafter
 
 pytestmark = pytest.mark.gpu
 

@@ -16,13 +16,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from bench.soak import group_members, workers_of
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cli import main
+from tests.process_helpers import group_members, workers_of
 
-from .conftest import make_chat_jsonl
-from .test_generate_kill import _features_by_id, _generate_cmd, _start
+from .helpers import features_by_id, generate_cmd, make_chat_jsonl, start_in_new_session
 
 NUM_RECORDS = 60
 
@@ -30,7 +29,7 @@ NUM_RECORDS = 60
 def _assert_equal_caches(reference: Path, cache: Path) -> None:
     ids = read_table(cache, "samples", ["sample_id"])["sample_id"].to_pylist()
     assert len(ids) == len(set(ids))  # none twice
-    want, got = _features_by_id(reference), _features_by_id(cache)
+    want, got = features_by_id(reference), features_by_id(cache)
     assert set(got) == set(want)  # none lost
     for sample_id, (features, input_ids, mask) in want.items():
         assert np.array_equal(input_ids, got[sample_id][1])
@@ -46,7 +45,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("faults")
     data = make_chat_jsonl(folder / "chat.jsonl", NUM_RECORDS, seed=7)
     cache = folder / "reference"
-    done = subprocess.run(_generate_cmd(cache, data), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(generate_cmd(cache, data), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return data, cache
 
@@ -80,8 +79,8 @@ def test_sigkill_of_the_coordinator_leaves_no_worker_and_the_rerun_completes(
 ) -> None:
     data, ref = reference
     cache = tmp_path / "cache"
-    cmd = _generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.2")
-    process = _start(cmd)
+    cmd = generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.2")
+    process = start_in_new_session(cmd)
     workers = _wait_for_workers(process, cache, 2)
     os.kill(process.pid, signal.SIGKILL)  # the coordinator only: its workers must notice
     process.wait(timeout=30)
@@ -101,8 +100,8 @@ def test_sigkill_of_one_worker_stops_the_run_and_the_rerun_completes(
 ) -> None:
     data, ref = reference
     cache = tmp_path / "cache"
-    cmd = _generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.2")
-    process = _start(cmd)
+    cmd = generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.2")
+    process = start_in_new_session(cmd)
     # Killed while it starts: 60 records take the workers less time than finding them once they
     # opened their shard groups (bench/soak.py kills workers mid-run too).
     workers = _wait_for_workers(process, cache, 2, opened=False)
@@ -123,8 +122,8 @@ def test_a_second_generate_into_the_same_cache_is_refused_and_the_first_is_unhar
 ) -> None:
     data, ref = reference
     cache = tmp_path / "cache"
-    cmd = _generate_cmd(cache, data, "--workers", "1")
-    first = _start(cmd)
+    cmd = generate_cmd(cache, data, "--workers", "1")
+    first = start_in_new_session(cmd)
     try:
         deadline = time.monotonic() + 300
         lock = cache / "lock"
@@ -174,7 +173,7 @@ def test_disk_full_is_one_line_and_the_cache_resumes_to_the_uninterrupted_result
         pytest.skip("needs root and permission to mount a tmpfs (mount -t tmpfs) for a small disk")
     try:
         cache = mount / "cache"
-        cmd = _generate_cmd(cache, data, "--flush-seconds", "0")
+        cmd = generate_cmd(cache, data, "--flush-seconds", "0")
         full = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert full.returncode == 1, full.stdout + full.stderr
         lines = full.stderr.strip().splitlines()
@@ -204,7 +203,7 @@ def test_disk_full_is_one_line_and_the_cache_resumes_to_the_uninterrupted_result
 def test_layer_choice_mistakes_are_refused(
     tmp_path: Path, extra: tuple[str, ...], message: str, chat_data: Path
 ) -> None:
-    cmd = list(_generate_cmd(tmp_path / "cache", chat_data)[3:])
+    cmd = list(generate_cmd(tmp_path / "cache", chat_data)[3:])
     at = cmd.index("--layer-ids")
     del cmd[at : at + 2]
     result = CliRunner().invoke(main, [*cmd, *extra])
@@ -216,7 +215,7 @@ def test_layer_choice_mistakes_are_refused(
 @pytest.mark.timeout(600)
 def test_a_float32_cache_is_not_resumed_in_bfloat16(tmp_path: Path, chat_data: Path) -> None:
     runner = CliRunner()
-    cmd = [*_generate_cmd(tmp_path / "cache", chat_data)[3:], "--limit", "4"]
+    cmd = [*generate_cmd(tmp_path / "cache", chat_data)[3:], "--limit", "4"]
     first = runner.invoke(main, cmd)
     assert first.exit_code == 0, first.output
     again = runner.invoke(main, [*cmd, "--dtype", "bfloat16"])
@@ -230,7 +229,7 @@ def test_an_older_cache_is_resumed_only_with_an_explicit_dtype(tmp_path: Path, c
     import json
 
     runner = CliRunner()
-    cmd = [*_generate_cmd(tmp_path / "cache", chat_data)[3:], "--limit", "3"]
+    cmd = [*generate_cmd(tmp_path / "cache", chat_data)[3:], "--limit", "3"]
     assert runner.invoke(main, cmd).exit_code == 0
     path = tmp_path / "cache" / "cache.json"
     doc = json.loads(path.read_text())

@@ -19,9 +19,10 @@ from dflash_offline.errors import FingerprintMismatchError, WorkerError
 from dflash_offline.generate.run import run_generate
 from dflash_offline.placement import Placement
 from dflash_offline.target.loader import load_target
+from tests.tiny_caches import TinyCache, TinyCaches, copy_cache
 
 from . import worker_entry
-from .conftest import tiny_config
+from .helpers import tiny_config
 
 
 def _all_samples(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray, torch.Tensor, int]]:
@@ -37,14 +38,12 @@ def _all_samples(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray, torch.Te
 
 
 @pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory: pytest.TempPathFactory, chat_data: Path) -> Path:
-    root = tmp_path_factory.mktemp("gen") / "cache"
-    summary = run_generate(tiny_config(root, chat_data))
-    assert summary.status == "finished"
-    return root
+def generated(tiny_caches: TinyCaches) -> TinyCache:
+    """The shared cache of 60 chat records and its data (``chat_data``'s shape)."""
+    return tiny_caches.get(records=60, seed=0)
 
 
-def test_features_equal_hf_hidden_states_of_each_sample_alone(tiny_cache: Path, chat_data: Path) -> None:
+def test_features_equal_hf_hidden_states_of_each_sample_alone(generated: TinyCache) -> None:
     """Reference: the same model's HF ``output_hidden_states[i + 1]``, run on each sample alone.
 
     The cache computes in float32 on padded batches and stores bf16. Batching changes matmul shapes,
@@ -52,6 +51,7 @@ def test_features_equal_hf_hidden_states_of_each_sample_alone(tiny_cache: Path, 
     bf16 rounding by one ulp: we require every value within one bf16 ulp (at most 2^-7 relative) of the
     float32 reference (plus float32 noise of 1e-6 of the row's largest value), and nearly all of them
     bit-equal to it rounded to bf16 (measured: 99.997 %)."""
+    tiny_cache, chat_data = generated.root, generated.data
     target = load_target("random:tiny", device="cpu", dtype=torch.float32)
     fingerprint = CacheReader.open(tiny_cache).fingerprint
     layer_ids = fingerprint.layer_ids
@@ -84,7 +84,8 @@ def test_features_equal_hf_hidden_states_of_each_sample_alone(tiny_cache: Path, 
     assert exact / total > 0.99
 
 
-def test_rerun_is_a_no_op_and_index_is_built(tiny_cache: Path, chat_data: Path) -> None:
+def test_rerun_is_a_no_op_and_index_is_built(generated: TinyCache, tmp_path: Path) -> None:
+    tiny_cache, chat_data = copy_cache(generated.root, tmp_path / "cache"), generated.data
     before = _all_samples(tiny_cache)
     summary = run_generate(tiny_config(tiny_cache, chat_data))
     assert summary.samples_committed == 0
@@ -95,8 +96,9 @@ def test_rerun_is_a_no_op_and_index_is_built(tiny_cache: Path, chat_data: Path) 
 
 
 def test_two_workers_write_the_same_samples_as_one(
-    tiny_cache: Path, chat_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    generated: TinyCache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    tiny_cache, chat_data = generated.root, generated.data
     root = tmp_path / "two"
     # Jobs are handed out dynamically: each worker holds its first job until the other holds one, so
     # that both write samples however fast each starts.
@@ -152,7 +154,8 @@ def test_malformed_rows_become_failures_and_the_rest_is_processed(tmp_path: Path
     assert all(row["detail"] for row in failures)
 
 
-def test_different_fingerprint_is_refused_naming_the_field(tiny_cache: Path, chat_data: Path) -> None:
+def test_different_fingerprint_is_refused_naming_the_field(generated: TinyCache) -> None:
+    tiny_cache, chat_data = generated.root, generated.data
     with pytest.raises(FingerprintMismatchError, match="layer_ids"):
         run_generate(tiny_config(tiny_cache, chat_data, layer_ids=(0, 1)))
     with pytest.raises(FingerprintMismatchError, match="max_length"):

@@ -17,7 +17,7 @@ from dflash_offline.errors import DataError
 from dflash_offline.generate.run import run_generate
 
 from ..data.container_helpers import CONTAINERS, jsonl_bytes, write_container
-from .conftest import tiny_config
+from .helpers import tiny_config
 
 
 def _records(n: int) -> list[dict[str, object]]:

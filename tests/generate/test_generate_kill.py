@@ -16,59 +16,11 @@ import pytest
 import torch
 
 from dflash_offline.cache.manifest import read_table
-from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.verify import verify_cache
 
-from .conftest import make_chat_jsonl
+from .helpers import features_by_id, generate_cmd, make_chat_jsonl, start_in_new_session
 
 pytestmark = pytest.mark.slow
-
-
-def _generate_cmd(cache: Path, data: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "dflash_offline",
-        "generate",
-        "--cache",
-        str(cache),
-        "--target",
-        "random:tiny",
-        "--data",
-        str(data),
-        "--layer-ids",
-        "0,2",
-        "--max-len",
-        "256",
-        "--too-long",
-        "truncate",
-        "--bucket-edges",
-        "48,96,160,256",
-        "--tokens-per-batch",
-        "512",
-        "--window",
-        "30",
-        "--threads",
-        "1",
-        "--no-progress",
-        *extra,
-    ]
-
-
-def _start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    # A new session so that SIGKILL reaches the coordinator and its workers alike.
-    return subprocess.Popen(
-        cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
-    )
-
-
-def _features_by_id(root: Path) -> dict[str, tuple[torch.Tensor, np.ndarray, np.ndarray]]:
-    reader = CacheReader.open(root)
-    try:
-        samples = reader.read([str(s) for s in reader.samples.sample_id])
-        return {s.sample_id: (s.features_TF, s.input_ids_T.numpy(), s.loss_mask_T.numpy()) for s in samples}
-    finally:
-        reader.close()
 
 
 @pytest.mark.timeout(900)
@@ -76,7 +28,7 @@ def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path: Path
     data = make_chat_jsonl(tmp_path / "chat.jsonl", 600, seed=7)
     reference = tmp_path / "reference"
     started = time.monotonic()
-    done = subprocess.run(_generate_cmd(reference, data), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(generate_cmd(reference, data), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     whole_run = time.monotonic() - started
 
@@ -88,7 +40,7 @@ def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path: Path
     kills = attempts = 0
     while kills < 3 and attempts < 8:
         attempts += 1
-        process = _start(_generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.3"))
+        process = start_in_new_session(generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.3"))
         delay = float(rng.uniform(0.15, 0.3)) * whole_run
         try:
             process.wait(timeout=delay)
@@ -99,12 +51,12 @@ def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path: Path
             continue
         break  # it finished before the kill: the rest of the loop would only re-run a no-op
     assert kills >= 3
-    final = subprocess.run(_generate_cmd(cache, data), capture_output=True, text=True, timeout=600)
+    final = subprocess.run(generate_cmd(cache, data), capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stdout + final.stderr
 
     samples = read_table(cache, "samples").column("sample_id").to_pylist()
     assert len(samples) == len(set(samples))  # none twice
-    ref, got = _features_by_id(reference), _features_by_id(cache)
+    ref, got = features_by_id(reference), features_by_id(cache)
     assert set(got) == set(ref)  # none missing
     for sample_id, (features, ids, mask) in ref.items():
         features2, ids2, mask2 = got[sample_id]
@@ -120,11 +72,11 @@ def test_sql_shows_buckets_while_generate_is_writing(tmp_path: Path) -> None:
     # A larger random target so that the run lasts long enough to be observed mid-way.
     data = make_chat_jsonl(tmp_path / "chat.jsonl", 400, seed=3, max_words=200)
     cache = tmp_path / "cache"
-    cmd = _generate_cmd(cache, data)
+    cmd = generate_cmd(cache, data, "--flush-seconds", "1")  # rows to see within a second of writing
     cmd[cmd.index("random:tiny")] = "random:smollm2-135m"
     cmd[cmd.index("0,2")] = "1,8,14"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = _start([*cmd, "--workers", "1"], env=env)
+    process = start_in_new_session([*cmd, "--workers", "1"], env=env)
     try:
         deadline = time.monotonic() + 400
         seen: list[dict[str, object]] = []
@@ -164,12 +116,13 @@ def test_sql_shows_buckets_while_generate_is_writing(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_ctrl_c_stops_cleanly_and_the_rerun_completes(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 240, seed=5, max_words=200)
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 80, seed=5, max_words=200)
     cache = tmp_path / "cache"
-    cmd = _generate_cmd(cache, data)
+    # Rows committed every second: the interrupt lands a second into the writing, far from the end.
+    cmd = generate_cmd(cache, data, "--flush-seconds", "1")
     cmd[cmd.index("random:tiny")] = "random:smollm2-135m"  # slow enough to be interrupted mid-way
     cmd[cmd.index("0,2")] = "1,8,14"
-    process = _start([*cmd, "--workers", "2"])
+    process = start_in_new_session([*cmd, "--workers", "2"])
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
         parts = list((cache / "manifest" / "samples").glob("*.parquet"))
@@ -184,9 +137,9 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_completes(tmp_path: Path) -> None:
     runs = read_table(cache, "runs").to_pylist()
     assert [r["status"] for r in runs] == ["interrupted"]
     partial = read_table(cache, "samples").num_rows
-    assert 0 < partial < 240
+    assert 0 < partial < 80
     assert verify_cache(cache, progress=False).ok
     final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stdout + final.stderr
     samples = read_table(cache, "samples").column("sample_id").to_pylist()
-    assert len(samples) == len(set(samples)) == 240
+    assert len(samples) == len(set(samples)) == 80

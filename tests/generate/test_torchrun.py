@@ -19,8 +19,7 @@ from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.reader import CacheReader
 from tests.torchrun_helpers import rank_pid, torchrun_cmd, torchrun_env
 
-from .conftest import make_chat_jsonl
-from .test_generate_kill import _generate_cmd
+from .helpers import generate_cmd, make_chat_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # each torchrun start costs seconds
 
@@ -50,7 +49,7 @@ def _assert_same_samples(got: Path, reference: Path) -> None:
 
 
 def _torchrun_generate(cache: Path, data: Path, *extra: str) -> list[str]:
-    return torchrun_cmd(*_generate_cmd(cache, data, *extra)[3:])
+    return torchrun_cmd(*generate_cmd(cache, data, *extra)[3:])
 
 
 def _runs(cache: Path) -> list[dict[str, object]]:
@@ -61,7 +60,7 @@ def test_torchrun_ranks_write_the_samples_of_one_worker_and_resume(tmp_path: Pat
     data = make_chat_jsonl(tmp_path / "chat.jsonl", 40, seed=5)
     reference = tmp_path / "reference"
     one = subprocess.run(
-        _generate_cmd(reference, data, "--workers", "1"), capture_output=True, text=True, timeout=240
+        generate_cmd(reference, data, "--workers", "1"), capture_output=True, text=True, timeout=240
     )
     assert one.returncode == 0, one.stdout + one.stderr
 
@@ -98,7 +97,7 @@ def test_sigkill_of_one_rank_then_rerun_leaves_every_sample_once(tmp_path: Path)
     small_jobs = ("--tokens-per-batch", "256", "--flush-seconds", "0.1")
     reference = tmp_path / "reference"
     one = subprocess.run(
-        _generate_cmd(reference, data, "--workers", "1", *small_jobs),
+        generate_cmd(reference, data, "--workers", "1", *small_jobs),
         capture_output=True,
         text=True,
         timeout=240,

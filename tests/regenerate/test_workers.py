@@ -23,6 +23,7 @@ from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.regenerate.worker import belongs_to
 from tests.eval.helpers import conversations, write_chat_jsonl
+from tests.process_helpers import alive, workers_of
 
 pytestmark = pytest.mark.slow
 
@@ -131,26 +132,6 @@ def test_ctrl_c_stops_workers_cleanly_and_the_rerun_completes(tmp_path: Path) ->
     assert all(final[k] == v for k, v in partial.items())
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.timeout(600)
 def test_workers_exit_when_the_coordinator_is_killed(tmp_path: Path) -> None:
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 24, turns=2, seed=5)
@@ -158,16 +139,14 @@ def test_workers_exit_when_the_coordinator_is_killed(tmp_path: Path) -> None:
     process = _start(_cmd(data, out, 2))
     try:
         _wait_for_lines(process, out, 1)
-        workers = [
-            p for p in _children(process.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
+        workers = workers_of(process.pid)
         assert len(workers) == 2
         process.kill()  # the coordinator alone
         process.wait(timeout=60)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(_alive(p) for p in workers):
+        while time.monotonic() < deadline and alive(workers):
             time.sleep(0.2)
-        assert not any(_alive(p) for p in workers), "a worker outlived its coordinator"
+        assert not alive(workers), "a worker outlived its coordinator"
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

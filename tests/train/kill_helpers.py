@@ -20,6 +20,10 @@ import torch
 
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.metrics import read_metrics
+from tests.process_helpers import alive, descendants
+
+KILL_RUN_STEPS = 15
+"""Steps of the runs the kill and torchrun tests interrupt (and of the uninterrupted ones they equal)."""
 
 
 def train_cmd(
@@ -34,43 +38,6 @@ def train_cmd(
         "--loader-threads", "2", "--prefetch", "2", "--deterministic", "--threads", "1", "--no-progress",
         "--workers", str(workers),
     ]  # fmt: skip
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc: ppid links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    """Those of ``pids`` that still run (zombies count as gone)."""
-    out = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(pid)
-    return out
 
 
 def last_step(run: Path) -> int:

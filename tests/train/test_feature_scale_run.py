@@ -10,19 +10,18 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.generate.run import run_generate
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.export_run import export_run
 from dflash_offline.train.feature_scale import FEATURE_SCALE_FILE, feature_rms, load_feature_scale
 from dflash_offline.train.launch import run_training
-from tests.generate.conftest import make_chat_jsonl, tiny_config
-from tests.train.test_train_e2e import _config
+from tests.train.helpers import train_config
 
 
-def test_feature_scale_survives_resume_and_is_folded_at_export(tmp_path: Path) -> None:
-    run_generate(tiny_config(tmp_path / "cache", make_chat_jsonl(tmp_path / "chat.jsonl", 20, seed=2)))
-    cache, run = tmp_path / "cache", tmp_path / "run"
-    config = _config(cache, run, feature_scale="dim", final_norm_init=0.1, max_steps=2, checkpoint_every=2)
+def test_feature_scale_survives_resume_and_is_folded_at_export(tiny_cache: Path, tmp_path: Path) -> None:
+    cache, run = tiny_cache, tmp_path / "run"
+    config = train_config(
+        cache, run, feature_scale="dim", final_norm_init=0.1, max_steps=2, checkpoint_every=2
+    )
     run_training(config)
     scale = load_feature_scale(run)
     # Independent reference: 1/RMS over every token of the (small) cache, which the sample covers.

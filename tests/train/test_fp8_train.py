@@ -16,16 +16,15 @@ from dflash_offline.cache.fp8 import Fp8Layout, decode_rows, encode_rows
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.records import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.generate.run import run_generate
 from dflash_offline.train.batch import ScheduledMicrobatch, schedule_for_rank
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, as_host_dict, device_decode_layout
 from dflash_offline.train.snapshot import take_snapshot
-from tests.cache.test_fp8 import CODEC_K, HIDDEN, features, ref_decode, ref_encode
-from tests.generate.conftest import make_chat_jsonl, tiny_config
-from tests.train.test_train_e2e import _config
+from tests.cache.fp8_reference import CODEC_K, HIDDEN, features, ref_decode, ref_encode
+from tests.tiny_caches import TinyCaches
+from tests.train.helpers import train_config
 
 pytestmark = pytest.mark.timeout(300)
 EDGES = (16, 32, 64, 128)
@@ -137,14 +136,13 @@ def test_gpu_decode_equals_cpu_decode_bit_for_bit(fp8_cache):
 
 
 @pytest.mark.slow
-def test_training_runs_from_an_fp8_cache(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 40, seed=5)
-    run_generate(tiny_config(tmp_path / "cache", data, codec="fp8"))
-    with CacheReader.open(tmp_path / "cache") as reader:
+def test_training_runs_from_an_fp8_cache(tiny_caches: TinyCaches, tmp_path: Path) -> None:
+    cache = tiny_caches.get(records=40, seed=5, codec="fp8").root
+    with CacheReader.open(cache) as reader:
         assert reader.fingerprint.codec == "fp8"
         assert reader.fingerprint.storage_dtype == "float8_e4m3fn"
         assert len(reader.samples) > 0
-    result = run_training(_config(tmp_path / "cache", tmp_path / "run", max_steps=4, checkpoint_every=100))
+    result = run_training(train_config(cache, tmp_path / "run", max_steps=4, checkpoint_every=100))
     assert result is not None
     assert result.global_step == 4
     losses = [float(m["loss"]) for m in read_metrics(tmp_path / "run" / "metrics.jsonl")]  # type: ignore[arg-type]

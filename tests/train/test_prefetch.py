@@ -155,36 +155,78 @@ def test_anchors_do_not_depend_on_thread_timing(cache: tuple[Path, dict[str, Wri
     assert len({tuple(a.tolist()) for a in anchors if a.numel()}) > 1, "each microbatch has its own seed"
 
 
-class CountingReader:
-    """Counts reads, and blocks every read until released."""
+class GatedReader:
+    """Counts reads and holds each one until ``release`` is set; ``inside`` is the number of reads in
+    progress. Every change is announced on ``changed``."""
 
     def __init__(self, reader: CacheReader) -> None:
         self.reader = reader
         self.calls = 0
-        self.lock = threading.Lock()
+        self.inside = 0
+        self.changed = threading.Condition()
         self.release = threading.Event()
 
     def read_rows(self, rows: Sequence[int]) -> list[CachedSample]:
-        with self.lock:
+        with self.changed:
             self.calls += 1
-        self.release.wait(timeout=30)
-        return self.reader.read_rows(rows)
+            self.inside += 1
+            self.changed.notify_all()
+        try:
+            assert self.release.wait(timeout=60), "the test never released the read"
+            return self.reader.read_rows(rows)
+        finally:
+            with self.changed:
+                self.inside -= 1
+                self.changed.notify_all()
+
+
+def waiting_for_a_slot(prefetcher: Prefetcher) -> int:
+    """Worker threads blocked on the prefetcher's condition and not yet woken: the only wait in a
+    worker's loop is for a free look-ahead slot (``Condition._waiters`` holds one lock per thread in
+    ``wait()`` that no ``notify`` has released yet)."""
+    with prefetcher._cond:
+        return len(prefetcher._cond._waiters)  # type: ignore[attr-defined]
+
+
+def settle(prefetcher: Prefetcher, gated: GatedReader, *, reads_started: int) -> None:
+    """Wait until at least ``reads_started`` reads began and every worker thread is either held inside
+    a read (before ``release``) or waiting for a slot: from then on nothing moves until the test acts,
+    so counts read afterwards are final, however the threads were scheduled."""
+    deadline = time.monotonic() + 60
+    while True:
+        with gated.changed:
+            calls, inside = gated.calls, gated.inside
+        held = 0 if gated.release.is_set() else inside  # a released read is still moving
+        waiting = waiting_for_a_slot(prefetcher)
+        if calls >= reads_started and held + waiting == len(prefetcher._threads):
+            return
+        assert time.monotonic() < deadline, (
+            f"the prefetch threads never settled: {calls} reads started (expected ≥ {reads_started}), "
+            f"{inside} in progress, {waiting} threads waiting for a slot"
+        )
+        with gated.changed:
+            gated.changed.wait(timeout=0.01)  # a read starting or ending, or a thread parking
 
 
 def test_look_ahead_is_bounded_by_prefetch_depth(cache: tuple[Path, dict[str, WrittenSample]]) -> None:
+    """4 threads, depth 2: two reads start and the other threads wait for a slot; finished batches
+    keep their slots until consumed; each consumed batch frees exactly one."""
     root, _ = cache
     with CacheReader.open(root, num_threads=2) as reader:
         _, jobs = jobs_for(reader)
-        counting = CountingReader(reader)
-        with Prefetcher(counting, jobs, device="cpu", prefetch=2, num_threads=4) as prefetcher:
-            time.sleep(0.3)
-            assert counting.calls <= 2
-            counting.release.set()
-            time.sleep(0.3)
-            assert counting.calls <= 2, "nothing consumed yet: no more than 2 batches prepared"
-            next(prefetcher)
-            time.sleep(0.3)
-            assert counting.calls <= 3
+        gated = GatedReader(reader)
+        with Prefetcher(gated, jobs, device="cpu", prefetch=2, num_threads=4) as prefetcher:
+            settle(prefetcher, gated, reads_started=2)
+            assert (gated.calls, gated.inside) == (2, 2), "two slots: no more than two reads at once"
+            gated.release.set()
+            settle(prefetcher, gated, reads_started=2)
+            assert gated.calls == 2, "nothing consumed yet: no more than 2 batches prepared"
+            assert next(prefetcher).plan == jobs[0].plan
+            settle(prefetcher, gated, reads_started=3)
+            assert gated.calls == 3, "one batch consumed: one more read"
+            assert [next(prefetcher).plan for _ in range(2)] == [j.plan for j in jobs[1:3]]
+            settle(prefetcher, gated, reads_started=5)
+            assert gated.calls == 5
 
 
 class FailingReader:
@@ -278,12 +320,22 @@ def test_early_close_stops_every_thread_promptly(cache: tuple[Path, dict[str, Wr
             next(prefetcher)
         prefetcher.close()  # idempotent
         # Blocked in a read: close still returns once the read finishes.
-        counting = CountingReader(reader)
-        blocked = Prefetcher(counting, jobs, device="cpu", prefetch=2, num_threads=2)
-        time.sleep(0.1)
-        threading.Timer(0.2, counting.release.set).start()
+        gated = GatedReader(reader)
+        blocked = Prefetcher(gated, jobs, device="cpu", prefetch=2, num_threads=2)
+        settle(blocked, gated, reads_started=2)
+        assert gated.inside == 2
+
+        def release_once_closing() -> None:
+            while not blocked._closed:  # close() sets it, then joins the threads
+                time.sleep(0.001)
+            gated.release.set()
+
+        releaser = threading.Thread(target=release_once_closing)
+        releaser.start()
         blocked.close()
+        releaser.join()
         assert not any(t.is_alive() for t in blocked._threads)
+        assert gated.calls == 2
 
 
 def test_consumer_blocked_on_an_empty_plan_ends() -> None:

@@ -197,19 +197,14 @@ def test_without_tensorboard_asking_for_it_is_a_clear_error(
     )
 
 
-@pytest.mark.slow  # a generate run and a training run, each in processes of their own
+@pytest.mark.slow  # a training run in a process of its own
 @pytest.mark.timeout(300)
-def test_dflash_train_writes_event_files_under_run_tb_by_default(tmp_path: Path) -> None:
+def test_dflash_train_writes_event_files_under_run_tb_by_default(tiny_cache: Path, tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from dflash_offline.generate.run import run_generate
-    from tests.generate.conftest import make_chat_jsonl, tiny_config
-
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 24, seed=2)
-    run_generate(tiny_config(tmp_path / "cache", data))
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "dflash_offline", "train", "--cache", str(tmp_path / "cache")]
+    argv = [sys.executable, "-m", "dflash_offline", "train", "--cache", str(tiny_cache)]
     argv += ["--out", str(run), "--num-layers", "1", "--block-size", "8", "--num-anchors", "16"]
     argv += ["--tokens-per-microbatch", "600", "--grad-accum", "1", "--max-steps", "4", "--no-progress"]
     argv += ["--threads", "1", "--loader-threads", "1", "--checkpoint-every", "4"]

@@ -40,7 +40,7 @@ from dflash_offline.train.batch import AnchorRequest, MicrobatchPlan, ScheduledM
 from dflash_offline.train.prefetch import Prefetcher
 from dflash_offline.train.step import to_drafter_inputs
 from tests.eval.helpers import one_thread
-from tests.generate.conftest import tiny_config
+from tests.generate.helpers import tiny_config
 
 LAYERS = (0, 2)
 BLOCK = 4

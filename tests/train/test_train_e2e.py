@@ -6,10 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,55 +16,15 @@ import torch
 
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.records import CachedSample
-from dflash_offline.generate.run import run_generate
 from dflash_offline.placement import DistInfo
 from dflash_offline.target.capture import FeatureCapture
 from dflash_offline.target.loader import load_target
 from dflash_offline.train.checkpoint import list_checkpoints
-from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loop import train_rank
 from dflash_offline.train.metrics import read_metrics
-from tests.generate.conftest import make_chat_jsonl, tiny_config
-
-
-@pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("train")
-    data = make_chat_jsonl(root / "chat.jsonl", 80, seed=5)
-    run_generate(tiny_config(root / "cache", data))
-    return root / "cache"
-
-
-def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
-    base = TrainConfig(
-        cache_dir=cache,
-        out_dir=out,
-        num_layers=1,
-        block_size=8,
-        num_anchors=32,
-        tokens_per_microbatch=600,
-        grad_accum=1,
-        lr=3e-3,
-        epochs=100,
-        max_steps=12,
-        checkpoint_every=4,
-        loader_threads=2,
-        prefetch=2,
-        progress=False,
-        deterministic=True,
-        threads_per_worker=1,
-    )
-    return replace(base, **overrides)  # type: ignore[arg-type]
-
-
-def _losses(run: Path) -> list[float]:
-    return [float(m["loss"]) for m in read_metrics(run / "metrics.jsonl")]  # type: ignore[arg-type]
-
-
-def _final_state(run: Path) -> dict[str, torch.Tensor]:
-    _step, path = list_checkpoints(run)[-1]
-    return torch.load(path / "state.pt", map_location="cpu", weights_only=False)["model"]
+from tests.train.helpers import train_config
+from tests.train.kill_helpers import final_state, losses, train_cmd
 
 
 def test_loss_falls_and_metrics_are_complete(tiny_cache: Path, tmp_path: Path) -> None:
@@ -74,13 +32,13 @@ def test_loss_falls_and_metrics_are_complete(tiny_cache: Path, tmp_path: Path) -
     # random:tiny's frozen head is tiny-valued (init scale 0.02): the drafter must first grow its
     # final norm to separate logits, so the loss falls slowly from ln(49152) = 10.8; measured
     # 10.82 -> 10.45 over 30 steps at this learning rate.
-    result = run_training(_config(tiny_cache, run, max_steps=30, grad_accum=2, lr=1e-2))
+    result = run_training(train_config(tiny_cache, run, max_steps=30, grad_accum=2, lr=1e-2))
     assert result is not None
     assert result.global_step == 30
     metrics = read_metrics(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 31))
-    losses = _losses(run)
-    first, last = losses[0], sum(losses[-5:]) / 5
+    logged = losses(run)
+    first, last = logged[0], sum(logged[-5:]) / 5
     assert last < first - 0.2, (first, last)
     m = metrics[-1]
     assert len(m["acc_by_position"]) == 7  # type: ignore[arg-type]
@@ -105,30 +63,19 @@ def test_two_ddp_cpu_processes_equal_one_process_with_the_same_global_batch(
     # SGD: Adam divides each gradient element by its own magnitude, which turns float summation noise
     # on near-zero elements into full-size updates; SGD keeps the comparison about the gradients.
     common = dict(max_steps=6, export_at_end=False, optimizer="sgd", lr=0.05)
-    run_training(_config(tiny_cache, one, grad_accum=2, **common))
-    run_training(_config(tiny_cache, two, grad_accum=1, num_cpu_workers=2, **common))
+    run_training(train_config(tiny_cache, one, grad_accum=2, **common))
+    run_training(train_config(tiny_cache, two, grad_accum=1, num_cpu_workers=2, **common))
     metrics_one, metrics_two = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
     assert [m["buckets"] for m in metrics_one] == [m["buckets"] for m in metrics_two]  # same samples
     assert [m["tokens"] for m in metrics_one] == [m["tokens"] for m in metrics_two]
-    assert _losses(one) == pytest.approx(_losses(two), rel=1e-5)
+    assert losses(one) == pytest.approx(losses(two), rel=1e-5)
     grad_one = [float(m["grad_norm"]) for m in metrics_one]  # type: ignore[arg-type]
     grad_two = [float(m["grad_norm"]) for m in metrics_two]  # type: ignore[arg-type]
     assert grad_one == pytest.approx(grad_two, rel=1e-4)
-    a, b = _final_state(one), _final_state(two)
+    a, b = final_state(one), final_state(two)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
-
-
-def _train_cmd(cache: Path, run: Path, steps: int) -> list[str]:
-    return [
-        sys.executable, "-m", "dflash_offline", "train",
-        "--cache", str(cache), "--out", str(run),
-        "--num-layers", "1", "--block-size", "8", "--num-anchors", "32",
-        "--tokens-per-microbatch", "600", "--lr", "3e-3", "--epochs", "100",
-        "--max-steps", str(steps), "--grad-accum", "1", "--checkpoint-every", "3", "--loader-threads", "2",
-        "--prefetch", "2", "--deterministic", "--threads", "1", "--no-progress",
-    ]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -137,13 +84,13 @@ def test_kill_9_then_resume_gives_the_uninterrupted_loss_sequence(tiny_cache: Pa
     steps = 15
     reference = tmp_path / "reference"
     done = subprocess.run(
-        _train_cmd(tiny_cache, reference, steps), capture_output=True, text=True, timeout=600
+        train_cmd(tiny_cache, reference, steps=steps), capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
 
     run = tmp_path / "killed"
     process = subprocess.Popen(
-        _train_cmd(tiny_cache, run, steps),
+        train_cmd(tiny_cache, run, steps=steps),
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -161,11 +108,13 @@ def test_kill_9_then_resume_gives_the_uninterrupted_loss_sequence(tiny_cache: Pa
     process.wait()
     killed_at = list_checkpoints(run)[-1][0]
     assert 0 < killed_at < steps
-    resumed = subprocess.run(_train_cmd(tiny_cache, run, steps), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        train_cmd(tiny_cache, run, steps=steps), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, steps + 1))
-    assert _losses(run) == _losses(reference)  # exactly: same data, same order, deterministic kernels
-    a, b = _final_state(reference), _final_state(run)
+    assert losses(run) == losses(reference)  # exactly: same data, same order, deterministic kernels
+    a, b = final_state(reference), final_state(run)
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
@@ -202,7 +151,7 @@ def test_training_on_the_cache_equals_training_on_live_target_features(
     tiny_cache: Path, tmp_path: Path
 ) -> None:
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
-    cached = train_rank(_config(tiny_cache, tmp_path / "cached", max_steps=8, export_at_end=False), info)
+    cached = train_rank(train_config(tiny_cache, tmp_path / "cached", max_steps=8, export_at_end=False), info)
     fingerprint = CacheReader.open(tiny_cache).fingerprint
     target = load_target(
         "random:tiny", device="cpu", dtype=torch.float32, max_layer=max(fingerprint.layer_ids)
@@ -211,12 +160,14 @@ def test_training_on_the_cache_equals_training_on_live_target_features(
         CacheReader.open(tiny_cache), FeatureCapture(target, fingerprint.layer_ids)
     )
     live = train_rank(
-        _config(tiny_cache, tmp_path / "live", max_steps=8, export_at_end=False), info, reader=live_reader
+        train_config(tiny_cache, tmp_path / "live", max_steps=8, export_at_end=False),
+        info,
+        reader=live_reader,
     )
     assert cached.global_step == live.global_step == 8
     # Lossless cache: the only difference is batched-vs-alone float32 noise before the bf16 rounding
     # (measured 99.997 % of feature values bit-equal), far below the loss's own scale.
-    losses = _losses(tmp_path / "cached")
-    assert len(losses) == 8  # a logged loss a step
-    assert len(set(losses)) > 1  # and it moves
-    assert losses == pytest.approx(_losses(tmp_path / "live"), rel=1e-4)
+    cached_losses = losses(tmp_path / "cached")
+    assert len(cached_losses) == 8  # a logged loss a step
+    assert len(set(cached_losses)) > 1  # and it moves
+    assert cached_losses == pytest.approx(losses(tmp_path / "live"), rel=1e-4)

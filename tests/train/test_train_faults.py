@@ -24,7 +24,6 @@ from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.zarr_format import parse_array_format
 from dflash_offline.cli import main
 from dflash_offline.errors import CacheDamageError, ConfigError, ResumeError
-from dflash_offline.generate.run import run_generate
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import CheckpointNoSpaceError, list_checkpoints
 from dflash_offline.train.config import MAX_BLOCK_SIZE, TrainConfig
@@ -33,18 +32,14 @@ from dflash_offline.train.interrupt import TrainInterrupted, request_stop
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loop import cosine_with_warmup, train_rank
 from dflash_offline.train.metrics import StepMetrics, read_metrics
-from tests.generate.conftest import make_chat_jsonl, tiny_config
 from tests.train.kill_helpers import assert_same_run, losses
 
 STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("faults")
-    data = make_chat_jsonl(root / "chat.jsonl", 60, seed=7)
-    run_generate(tiny_config(root / "cache", data, codec="none"))  # raw bytes: a flip stays a flip
-    return root / "cache"
+def cache(uncompressed_cache: Path) -> Path:
+    return uncompressed_cache  # raw bytes: a flip stays a flip
 
 
 def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:

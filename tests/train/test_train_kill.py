@@ -7,49 +7,26 @@ from __future__ import annotations
 import random
 import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-import dflash_offline
-from dflash_offline.generate.run import run_generate
-from tests.generate.conftest import make_chat_jsonl, tiny_config
-from tests.train.kill_helpers import assert_same_run, run_and_kill, run_to_end, train_cmd
+from tests.train.kill_helpers import KILL_RUN_STEPS, assert_same_run, run_and_kill, run_to_end, train_cmd
 
-STEPS = 15
-
-
-def _has_parent_death_handling() -> bool:
-    """Whether the training workers on this branch exit when their parent dies."""
-    root = Path(dflash_offline.__file__).parent
-    text = "".join(p.read_text() for p in root.rglob("*.py")).lower()
-    return "pdeathsig" in text or "parent_death" in text or "parent death" in text
+STEPS = KILL_RUN_STEPS
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("kill")
-    data = make_chat_jsonl(root / "chat.jsonl", 60, seed=3)
-    run_generate(tiny_config(root / "cache", data))
-    return root / "cache"
-
-
-@pytest.fixture(scope="module")
-def references(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Uninterrupted runs, one per world size, through the same CLI."""
-    out = {}
-    for workers in (1, 2):
-        run = tmp_path_factory.mktemp("reference") / f"w{workers}"
-        run_to_end(train_cmd(cache, run, steps=STEPS, workers=workers))
-        out[workers] = run
-    return out
+def cache(uncompressed_cache: Path) -> Path:
+    return uncompressed_cache
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
-    cache: Path, references: dict[int, Path], tmp_path: Path, workers: int
+    cache: Path, uninterrupted: Callable[[int], Path], tmp_path: Path, workers: int
 ) -> None:
     """One run killed at random steps (SIGKILL of the whole group), then Ctrl-C'd once, each time
     rerun with the same command: it ends as the uninterrupted run did."""
@@ -74,7 +51,7 @@ def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
     assert "Aborted" not in record.stderr
     assert record.survivors == 0
     run_to_end(cmd)
-    assert_same_run(run, references[workers], steps=STEPS)
+    assert_same_run(run, uninterrupted(workers), steps=STEPS)
 
 
 @pytest.mark.slow
@@ -85,9 +62,4 @@ def test_sigkill_of_the_coordinator_alone_leaves_no_orphan(cache: Path, tmp_path
     cmd = train_cmd(cache, run, steps=100_000, workers=2)
     record = run_and_kill(cmd, run, kill_after_step=3, whole_group=False, grace=15.0)
     assert record.family >= 3  # the launcher and its two spawned ranks were seen
-    if record.survivors and not _has_parent_death_handling():
-        pytest.skip(
-            f"{record.survivors} DDP workers outlived their killed parent (killed by the test): the "
-            "parent-death handling (dflash_offline/lifeline.py) is not on this branch"
-        )
-    assert record.survivors == 0
+    assert record.survivors == 0, f"{record.survivors} DDP workers outlived their killed parent"

@@ -10,25 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import group_members, workers_of
 from dflash_offline.locking import LockedError, acquire_lock
 from dflash_offline.train.launch import run_training
-
-from .test_train_e2e import _config, _train_cmd, tiny_cache  # noqa: F401  (a fixture)
+from tests.process_helpers import group_members, workers_of
+from tests.train.helpers import train_config
+from tests.train.kill_helpers import train_cmd
 
 
 def test_a_second_train_into_the_same_out_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
     refused = pytest.raises(LockedError, match=rf"training run {out} is in use by pid {os.getpid()}")
     with acquire_lock(out, what="training run", command="dflash train --out run"), refused:
-        run_training(_config(tmp_path / "no-cache-needed", out))
+        run_training(train_config(tmp_path / "no-cache-needed", out))
     assert not (out / "metrics.jsonl").exists()  # refused before anything was written
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sigkill_of_the_launcher_takes_its_ddp_ranks_with_it(tiny_cache: Path, tmp_path: Path) -> None:  # noqa: F811
-    cmd = [*_train_cmd(tiny_cache, tmp_path / "run", 100000), "--workers", "2"]
+def test_sigkill_of_the_launcher_takes_its_ddp_ranks_with_it(tiny_cache: Path, tmp_path: Path) -> None:
+    cmd = train_cmd(tiny_cache, tmp_path / "run", steps=100000, workers=2)
     process = subprocess.Popen(
         cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

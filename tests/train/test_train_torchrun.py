@@ -9,35 +9,29 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from dflash_offline.generate.run import run_generate
 from dflash_offline.train.checkpoint import list_checkpoints
-from tests.generate.conftest import make_chat_jsonl, tiny_config
 from tests.torchrun_helpers import rank_pid, torchrun_cmd, torchrun_env
-from tests.train.kill_helpers import assert_same_run, last_step, run_to_end, train_cmd
+from tests.train.kill_helpers import KILL_RUN_STEPS, assert_same_run, last_step, train_cmd
 
-STEPS = 15
+STEPS = KILL_RUN_STEPS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # each torchrun start costs seconds
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("torchrun-train")
-    data = make_chat_jsonl(root / "chat.jsonl", 60, seed=3)
-    run_generate(tiny_config(root / "cache", data))
-    return root / "cache"
+def cache(uncompressed_cache: Path) -> Path:
+    return uncompressed_cache
 
 
 @pytest.fixture(scope="module")
-def reference(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reference(uninterrupted: Callable[[int], Path]) -> Path:
     """Two spawned CPU workers, uninterrupted."""
-    run = tmp_path_factory.mktemp("reference") / "w2"
-    run_to_end(train_cmd(cache, run, steps=STEPS, workers=2, checkpoint_every=4))
-    return run
+    return uninterrupted(2)
 
 
 def _torchrun_train(cache: Path, run: Path, *, steps: int) -> list[str]:

@@ -24,7 +24,6 @@ from dflash_offline.cache.records import CachedSample
 from dflash_offline.drafter.export import load_exported_drafter
 from dflash_offline.drafter.loss import decay_weights
 from dflash_offline.errors import ConfigError, ResumeError
-from dflash_offline.generate.run import run_generate
 from dflash_offline.placement import DistInfo
 from dflash_offline.train import loop
 from dflash_offline.train.checkpoint import list_checkpoints
@@ -35,10 +34,10 @@ from dflash_offline.train.loop import train_rank
 from dflash_offline.train.metrics import StepMetrics, read_metrics, validation_records
 from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
 from dflash_offline.train.split import split_snapshot
-from tests.generate.conftest import make_chat_jsonl, tiny_config
-from tests.train.test_learnability import _embedding as learnability_embedding
-from tests.train.test_learnability import _synthetic_setup as learnability_setup
-from tests.train.test_learnability import _write_cache as learnability_cache
+from tests.tiny_caches import TinyCaches
+from tests.train.learnable_task import embedding as learnability_embedding
+from tests.train.learnable_task import synthetic_setup as learnability_setup
+from tests.train.learnable_task import write_cache as learnability_cache
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
 
@@ -84,11 +83,8 @@ def test_split_is_a_function_of_each_sample_id() -> None:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("validation")
-    data = make_chat_jsonl(root / "chat.jsonl", 60, seed=11)
-    run_generate(tiny_config(root / "cache", data))
-    return root / "cache"
+def cache(tiny_caches: TinyCaches) -> Path:
+    return tiny_caches.get(records=60, seed=11).root
 
 
 def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:

@@ -1,0 +1,105 @@
+"""Helpers for the generate tests (and the train tests that need a generated cache): small chat data
+sets, a config on the random:tiny target, and ``dflash generate`` as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.placement import Placement
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bad jokes".split()  # noqa: SIM905
+
+
+def make_chat_jsonl(path: Path, num_records: int, *, seed: int = 0, max_words: int = 120) -> Path:
+    """Chat JSONL (messages of role/content) with varied lengths, so that several buckets fill."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(num_records):
+            messages: list[dict[str, Any]] = []
+            if i % 5 == 0:
+                messages.append({"role": "system", "content": "Answer briefly."})
+            for _turn in range(1 + int(rng.integers(0, 3))):
+                n_user = int(rng.integers(1, max_words // 3))
+                n_bot = int(rng.integers(1, max_words))
+                messages.append({"role": "user", "content": " ".join(rng.choice(WORDS, n_user))})
+                messages.append({"role": "assistant", "content": " ".join(rng.choice(WORDS, n_bot))})
+            f.write(json.dumps({"id": f"rec-{i}", "messages": messages}) + "\n")
+    return path
+
+
+def tiny_config(cache_dir: Path, data: Path, **overrides: Any) -> GenerateConfig:
+    config = GenerateConfig(
+        cache_dir=cache_dir,
+        target="random:tiny",
+        data=data,
+        # random:tiny has 4 layers; HF's last hidden state is post-norm, so the reference can only
+        # check layers below the last.
+        layer_ids=(0, 2),
+        max_length=256,
+        too_long="truncate",
+        bucket_edges=(48, 96, 160, 256),
+        tokens_per_batch=768,
+        max_batch_size=16,
+        window_records=40,
+        flush_seconds=0.3,
+        progress=False,
+        placement=Placement(num_cpu_workers=1, threads_per_worker=1),
+    )
+    return replace(config, **overrides)
+
+
+def generate_cmd(cache: Path, data: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "dflash_offline",
+        "generate",
+        "--cache",
+        str(cache),
+        "--target",
+        "random:tiny",
+        "--data",
+        str(data),
+        "--layer-ids",
+        "0,2",
+        "--max-len",
+        "256",
+        "--too-long",
+        "truncate",
+        "--bucket-edges",
+        "48,96,160,256",
+        "--tokens-per-batch",
+        "512",
+        "--window",
+        "30",
+        "--threads",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def start_in_new_session(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    # A new session so that SIGKILL reaches the coordinator and its workers alike.
+    return subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+
+
+def features_by_id(root: Path) -> dict[str, tuple[torch.Tensor, np.ndarray, np.ndarray]]:
+    reader = CacheReader.open(root)
+    try:
+        samples = reader.read([str(s) for s in reader.samples.sample_id])
+        return {s.sample_id: (s.features_TF, s.input_ids_T.numpy(), s.loss_mask_T.numpy()) for s in samples}
+    finally:
+        reader.close()
