@@ -27,8 +27,8 @@ from dflash_offline.train.metrics import read_metrics, validation_records
 from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
 from dflash_offline.train.split import split_snapshot, validation_ids_of_run, validation_key
 from tests.eval.helpers import tiny_fingerprint
-from tests.generate.conftest import WORDS
-from tests.train.test_validation import _config
+from tests.generate.helpers import WORDS
+from tests.train.helpers import train_config
 
 
 def test_conversation_root() -> None:
@@ -147,7 +147,9 @@ def test_root_id_split_in_a_run_and_its_resume(sharegpt_cache: tuple[Path, Path]
         cached = set(reader.samples.sample_id.tolist())
     assert len(set(root_of.values())) < len(cached)  # several records share a root
     run = tmp_path / "run"
-    config = _config(cache, run, val_fraction=0.3, val_group="root-id", max_steps=4)
+    config = train_config(
+        cache, run, val_fraction=0.3, val_group="root-id", val_every=2, max_steps=4, tensorboard=False
+    )
     run_training(config)
     saved = read_groups(run / GROUPS_FILE)
     assert saved == {s: root_of[s] for s in cached}
