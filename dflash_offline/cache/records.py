@@ -27,6 +27,7 @@ FAILURE_REASONS = (
     "nonfinite_features",  # NaN/Inf in the captured hidden states
     "truncated_source",  # the data file ends inside a record
     "duplicate_record",  # same id and content as an earlier record of the same source
+    "contaminated",  # its user text holds an MT-Bench or HumanEval question (data/decontaminate.py)
 )
 
 

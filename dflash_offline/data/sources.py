@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -112,6 +113,20 @@ def make_sample_id(source: str, record_id: str, messages: Sequence[Message]) -> 
     canonical = json.dumps([[m.role, m.content] for m in messages], ensure_ascii=False, separators=(",", ":"))
     payload = "\x00".join((source, record_id, canonical)).encode("utf-8")
     return hashlib.sha256(payload).hexdigest()[:16]
+
+
+_SHAREGPT_PART = re.compile(r"([A-Za-z0-9]{7})_\d+")
+
+
+def conversation_root(record_id: str, sample_id: str) -> str:
+    """The conversation a record belongs to. ShareGPT splits one long conversation into records
+    ``X_0``, ``X_11``, … (a 7-character id, ``_``, the index of the record's first turn) that share
+    their topic and often their text: their root is ``X``. Any other record is a conversation of its
+    own: its id, or its sample id when it has none."""
+    match = _SHAREGPT_PART.fullmatch(record_id)
+    if match is not None:
+        return match.group(1)
+    return record_id or sample_id
 
 
 def iter_records(

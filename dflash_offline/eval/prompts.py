@@ -1,24 +1,32 @@
-"""Held-out evaluation prompts: conversations of a data set whose sample ids the drafter never trained on.
+"""Held-out evaluation prompts: conversations of a data set that the drafter never trained on.
 
 A prompt is the conversation up to (excluding) its first assistant turn, rendered with the target's
 chat template and ``add_generation_prompt=True``: exactly what the target answers first in the data.
+With ``--turns all`` every user turn is decoded in order, each after the target's own greedy answers to
+the earlier ones, the turns cut as ``dflash regenerate`` cuts them (``data/turns.py``).
 Held out means: its sample id (``make_sample_id`` over the data source name, the record id and the
-content: the id ``dflash generate`` stores) is not committed in the training cache. That cache is named
-with ``--exclude-cache`` or found from the drafter: an export written by ``dflash train`` sits in
-``RUN/drafter`` and ``RUN/config.json`` names the cache.
+content: the id ``dflash generate`` stores) is not committed in the training cache, nor is any sample
+of its conversation (its root: ShareGPT's ``X_11`` belongs to ``X``, whose ``X_0`` may have been trained
+on) unless the run held it out for validation. That cache is named with ``--exclude-cache`` or found
+from the drafter: an export written by ``dflash train`` sits in ``RUN/drafter`` and ``RUN/config.json``
+names the cache.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from dflash_offline.data.records import Conversation
+from dflash_offline.data.records import Conversation, Message
 from dflash_offline.data.schemas import DataFormat
-from dflash_offline.data.sources import iter_records, source_name_for_cache
+from dflash_offline.data.sources import conversation_root, iter_records, source_name_for_cache
+from dflash_offline.data.turns import user_groups
 from dflash_offline.errors import ConfigError
+
+Turns = Literal["first", "all"]
+TURNS: tuple[Turns, ...] = ("first", "all")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +42,9 @@ class HeldOut:
     source: str | None = None
     """The source name the prompts' sample ids hash (None: ``source_name(data)``): an older training
     cache recorded the full file name, and its ids must be comparable."""
+    excluded_roots: frozenset[str] = frozenset()
+    """Conversation roots of the trained samples: a prompt of the same conversation (ShareGPT's ``X_11``
+    when ``X_0`` was trained on) is excluded too."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +58,11 @@ class EvalPrompt:
     source_index: int
     """0-based position of the record in its file."""
     prompt_ids: tuple[int, ...]
-    """Token ids of the rendered prompt (chat template, generation prompt added, no extra specials)."""
+    """Token ids of the rendered prompt of the first turn (chat template, generation prompt added, no
+    extra specials)."""
+    turns: tuple[tuple[Message, ...], ...] = ()
+    """``--turns all``: the system/user messages before each answer, in order (the first are those of
+    ``prompt_ids``); empty: the first turn alone."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,7 +73,7 @@ class PromptSelection:
     records_read: int
     """Records looked at (from --skip on)."""
     excluded: int
-    """Records skipped because their sample id is in the training cache."""
+    """Records skipped because their sample id, or their conversation, is in the training cache."""
     unusable: int
     """Records skipped because they failed to parse, have no user turn before the first assistant turn,
     fail to render, or exceed ``max_prompt_tokens``."""
@@ -91,9 +106,13 @@ def training_cache_of(drafter_dir: Path) -> Path | None:
 
 
 def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | Path | None) -> HeldOut:
-    """Read the committed sample ids of the training cache (explicit, else inferred from the drafter)."""
+    """Read the committed sample ids of the training cache (explicit, else inferred from the drafter), and
+    what its data files say about them (cache_data.py): the original records regenerated samples were
+    answered from, and the conversation roots of the trained samples."""
     from dflash_offline.cache.layout import read_fingerprint
     from dflash_offline.cache.manifest import committed_sample_ids
+    from dflash_offline.eval.cache_data import iter_cache_records, readable_inputs
+    from dflash_offline.train.split import validation_ids_of_run
 
     inferred = exclude_cache is None
     cache_dir = exclude_cache if exclude_cache is not None else training_cache_of(drafter_dir)
@@ -118,109 +137,60 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
             )
         raise ConfigError(f"--exclude-cache {cache_dir}: not a dflash cache (no cache.json)")
     fingerprint = read_fingerprint(cache_dir)
-    ids = set(committed_sample_ids(cache_dir))
+    committed = committed_sample_ids(cache_dir)
     source = source_name_for_cache(data, fingerprint.data_source)
+    run_dir = run_dir_of(drafter_dir)
+    validation = (validation_ids_of_run(run_dir) if run_dir is not None else None) or frozenset()
+    trained = committed - validation
+    # One pass over the cache's data files: the records behind the samples.
+    origin_of: dict[str, str] = {}
+    all_origins: set[str] = set()
+    trained_roots: set[str] = set()
+    for record in iter_cache_records(cache_dir, source=fingerprint.data_source):
+        sample_id = record.conversation.sample_id
+        if record.origin is not None:
+            all_origins.add(record.origin)
+            origin_of[sample_id] = record.origin
+        if sample_id in trained:
+            trained_roots.add(record.root)
     how = "inferred from the drafter's training run" if inferred else "--exclude-cache"
-    note = f"excluding {len(ids)} samples of training cache {cache_dir} ({how})"
-    originals = regenerated_source_ids(cache_dir)
-    if originals:
-        ids |= originals
-        note += f" and the {len(originals)} records its regenerated data was answered from"
+    note = f"excluding {len(committed)} samples of training cache {cache_dir} ({how})"
+    ids = set(committed) | all_origins
+    if all_origins:
+        note += f" and the {len(all_origins)} records its regenerated data was answered from"
     elif fingerprint.data_source != source:
         note += (
             f"; that cache was generated from {fingerprint.data_source!r}, these prompts come from "
             f"{source!r}, so no id can match: held out by source"
         )
-    held_out = HeldOut(cache_dir=cache_dir, excluded_ids=frozenset(ids), note=note, source=source)
-    return release_validation_split(held_out, drafter_dir, cache_source=fingerprint.data_source)
-
-
-def release_validation_split(held_out: HeldOut, drafter_dir: Path, *, cache_source: str) -> HeldOut:
-    """``held_out`` less what the drafter's training run held out for validation (train/split.py): the
-    drafter never trained on those samples, nor on the records a regenerated validation sample was
-    answered from (unless a trained sample was answered from the same record)."""
-    from dflash_offline.train.split import validation_ids_of_run
-
-    run_dir = run_dir_of(drafter_dir)
-    validation = None if run_dir is None or held_out.cache_dir is None else validation_ids_of_run(run_dir)
-    if not validation or held_out.cache_dir is None:
-        return held_out
-    released = set(validation)
-    answered_from = regenerated_sources(held_out.cache_dir, source=cache_source)
-    trained_from = {src for sample_id, src in answered_from.items() if sample_id not in validation}
-    released |= {src for sample_id, src in answered_from.items() if sample_id in validation} - trained_from
-    kept = held_out.excluded_ids - released
-    note = (
-        f"{held_out.note}; not excluded: the {len(held_out.excluded_ids) - len(kept)} of them the "
-        f"drafter's run {run_dir} held out for validation (never trained on)"
+    if validation:
+        # Never trained on: the validation samples, and the records a regenerated validation sample was
+        # answered from (unless a trained sample was answered from the same record).
+        trained_from = {src for sample_id, src in origin_of.items() if sample_id not in validation}
+        released = set(validation) | (
+            {src for sample_id, src in origin_of.items() if sample_id in validation} - trained_from
+        )
+        kept = ids - released
+        note += (
+            f"; not excluded: the {len(ids) - len(kept)} of them the drafter's run {run_dir} held out for "
+            "validation (never trained on)"
+        )
+        ids = kept
+    _, missing = readable_inputs(cache_dir)
+    if trained_roots:
+        note += (
+            f"; nor any record of the {len(trained_roots)} conversations (roots) the trained samples "
+            "belong to"
+        )
+    elif missing:
+        note += f"; conversation roots not checked: {', '.join(missing)} (its data) is not here"
+    return HeldOut(
+        cache_dir=cache_dir,
+        excluded_ids=frozenset(ids),
+        note=note,
+        source=source,
+        excluded_roots=frozenset(trained_roots),
     )
-    return replace(held_out, excluded_ids=frozenset(kept), note=note)
-
-
-def regenerated_sources(cache_dir: Path, *, source: str) -> dict[str, str]:
-    """Sample id (as the cache computes it, over ``source``) → ``source_sample_id`` of every line of the
-    ``dflash regenerate`` outputs named by the cache's generate runs (see ``regenerated_source_ids``)."""
-    from dflash_offline.data.jsonstream import RawRecord
-    from dflash_offline.data.sources import parse_record
-
-    found: dict[str, str] = {}
-    for path in _regenerated_files(cache_dir):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for index, line in enumerate(f):
-                if '"source_sample_id"' not in line:
-                    continue
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                origin = value.get("source_sample_id") if isinstance(value, dict) else None
-                raw = RawRecord(
-                    source_index=index, where=f"line {index + 1}", value=value, error=None, truncated=False
-                )
-                item = parse_record(raw, source=source)
-                if isinstance(origin, str) and isinstance(item, Conversation):
-                    found[item.sample_id] = origin
-    return found
-
-
-def regenerated_source_ids(cache_dir: Path) -> set[str]:
-    """Sample ids of the original records behind a cache generated from ``dflash regenerate`` output.
-
-    Such a cache's own ids hash the regenerated conversations, which share their user turns (the eval
-    prompts) with the original records: the ``source_sample_id`` of every line of the data files named
-    by the cache's generate runs are excluded as well. Files no longer on disk are passed over."""
-    found: set[str] = set()
-    for path in _regenerated_files(cache_dir):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if '"source_sample_id"' not in line:
-                    continue
-                try:
-                    value = json.loads(line).get("source_sample_id")
-                except (json.JSONDecodeError, AttributeError):
-                    continue
-                if isinstance(value, str):
-                    found.add(value)
-    return found
-
-
-def _regenerated_files(cache_dir: Path) -> list[Path]:
-    """The JSONL data files named by the cache's generate runs that are still on disk."""
-    from dflash_offline.cache.manifest import read_runs
-
-    try:
-        runs = read_runs(cache_dir)
-    except Exception:  # an unreadable runs table only loses this extra safety net
-        return []
-    paths = set()
-    for run in runs:
-        try:
-            data = json.loads(run.config_json).get("data")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if isinstance(data, str) and data.endswith(".jsonl") and Path(data).is_file():
-            paths.add(Path(data))
-    return sorted(paths)
 
 
 def prompt_messages(conv: Conversation) -> list[dict[str, str]] | None:
@@ -241,6 +211,33 @@ def render_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[in
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
+def chat_prompt(
+    item: Conversation, tokenizer: Any, *, max_prompt_tokens: int, turns: Turns = "first"
+) -> EvalPrompt | None:
+    """The record as an eval prompt; None when it has no user turn to answer first, its first prompt fails
+    to render or is longer than ``max_prompt_tokens``."""
+    groups = user_groups(item.messages) if turns == "all" else []
+    if turns == "all":
+        first = [{"role": m.role, "content": m.content} for m in groups[0]] if groups else None
+    else:
+        first = prompt_messages(item)
+    if first is None:
+        return None
+    try:
+        ids = render_prompt_ids(tokenizer, first)
+    except Exception:  # a chat template may raise anything (jinja's raise_exception, ...)
+        return None
+    if not 1 <= len(ids) <= max_prompt_tokens:
+        return None
+    return EvalPrompt(
+        sample_id=item.sample_id,
+        record_id=item.record_id,
+        source_index=item.source_index,
+        prompt_ids=tuple(ids),
+        turns=tuple(groups),
+    )
+
+
 def select_prompts(
     data: str | Path | None,
     tokenizer: Any,
@@ -250,6 +247,7 @@ def select_prompts(
     skip: int = 0,
     max_prompt_tokens: int = 2048,
     data_format: DataFormat = "auto",
+    turns: Turns = "first",
 ) -> PromptSelection:
     """The first ``limit`` usable, held-out prompts of ``data`` from record ``skip`` on."""
     if limit < 1:
@@ -263,27 +261,14 @@ def select_prompts(
         if not isinstance(item, Conversation):
             unusable += 1
             continue
-        if item.sample_id in held_out.excluded_ids:
+        if item.sample_id in held_out.excluded_ids or (
+            conversation_root(item.record_id, item.sample_id) in held_out.excluded_roots
+        ):
             excluded += 1
             continue
-        messages = prompt_messages(item)
-        if messages is None:
+        prompt = chat_prompt(item, tokenizer, max_prompt_tokens=max_prompt_tokens, turns=turns)
+        if prompt is None:
             unusable += 1
             continue
-        try:
-            ids = render_prompt_ids(tokenizer, messages)
-        except Exception:  # a chat template may raise anything (jinja's raise_exception, ...)
-            unusable += 1
-            continue
-        if not 1 <= len(ids) <= max_prompt_tokens:
-            unusable += 1
-            continue
-        prompts.append(
-            EvalPrompt(
-                sample_id=item.sample_id,
-                record_id=item.record_id,
-                source_index=item.source_index,
-                prompt_ids=tuple(ids),
-            )
-        )
+        prompts.append(prompt)
     return PromptSelection(prompts=tuple(prompts), records_read=read, excluded=excluded, unusable=unusable)

@@ -2,9 +2,10 @@
 turn target-only and speculatively, and report τ, its histogram, both loops' decode tok/s, the speedup
 and the tie-aware exactness check per set.
 
-Sets: ``--bench mt-bench|humaneval|sharegpt|all`` (benches.py), or without ``--bench`` the held-out
-prompts of ``--data`` as before. An MT-Bench question is decoded turn by turn; turn 2's prompt holds the
-target-only (greedy) answer to turn 1, so that every turn's prompt is the same for both loops."""
+Sets: ``--bench mt-bench,humaneval,sharegpt,validation`` or ``all`` (benches.py), or without ``--bench``
+the held-out prompts of ``--data`` as before. An MT-Bench question is decoded turn by turn; turn 2's
+prompt holds the target-only (greedy) answer to turn 1, so that every turn's prompt is the same for both
+loops; chat records are decoded the same way with ``--turns all``."""
 
 from __future__ import annotations
 
@@ -73,6 +74,23 @@ def _questions(config: EvalConfig, tokenizer: Any, held_out: Any, warnings: list
             questions += [from_bench(q) for q in load_mt_bench(config.limit)]
         elif name == "humaneval":
             questions += [from_bench(q) for q in load_humaneval(config.limit)]
+        elif name == "validation":
+            from dflash_offline.eval.validation_set import (
+                TRAINED_ROOT,
+                UNSEEN_ROOT,
+                select_validation_prompts,
+            )
+
+            chosen = select_validation_prompts(
+                config.drafter_dir,
+                tokenizer,
+                limit=config.limit,
+                max_prompt_tokens=config.max_prompt_tokens,
+                turns=config.turns,
+            )
+            warnings.append(chosen.note)
+            questions += [from_chat_prompt(p, bench=UNSEEN_ROOT) for p in chosen.unseen_root]
+            questions += [from_chat_prompt(p, bench=TRAINED_ROOT) for p in chosen.trained_root]
         else:
             selection = select_prompts(
                 config.data,
@@ -82,6 +100,7 @@ def _questions(config: EvalConfig, tokenizer: Any, held_out: Any, warnings: list
                 skip=config.skip,
                 max_prompt_tokens=config.max_prompt_tokens,
                 data_format=config.data_format,
+                turns=config.turns,
             )
             if not selection.prompts:
                 raise ConfigError(

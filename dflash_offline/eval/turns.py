@@ -1,9 +1,10 @@
 """The questions of the eval sets, and decoding one question turn by turn with both loops.
 
-A question is one chat-data prompt (rendered already, one turn) or a standard set's list of user turns.
-Turn t's prompt is the chat template over the user turns 1..t with the target-only (greedy) answers to
-turns 1..t−1 in between, and the generation prompt: the target's own conversation, the same for both
-loops. Each turn is decoded target-only and speculatively, and the two outputs are compared tie-aware.
+A question is one chat-data prompt (rendered already; with ``--turns all`` its later turns too) or a
+standard set's list of user turns. Turn t's prompt is the chat template over the turns' messages 1..t
+with the target-only (greedy) answers to turns 1..t−1 in between, and the generation prompt: the
+target's own conversation, the same for both loops. Each turn is decoded target-only and speculatively,
+and the two outputs are compared tie-aware.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_offline.data.records import Message
 from dflash_offline.decode.single import SingleSequence
 from dflash_offline.eval.benches import BenchQuestion
 from dflash_offline.eval.exactness import Divergence, classify
@@ -36,14 +38,14 @@ class EvalQuestion:
     sample_id: str
     """Chat data: the conversation's sample id; standard sets: ``bench:question_id``."""
     record_id: str
-    turns: tuple[str, ...] = ()
-    """User turns to render, in order (empty when ``prompt_ids`` is given)."""
+    turns: tuple[tuple[Message, ...], ...] = ()
+    """The system/user messages before each answer, in order (empty: ``prompt_ids`` alone, one turn)."""
     prompt_ids: tuple[int, ...] | None = None
-    """A chat-data prompt rendered already (the held-out selection rendered it to check its length)."""
+    """The first turn's prompt rendered already (the held-out selection rendered it to check its length)."""
 
     @property
     def num_turns(self) -> int:
-        return 1 if self.prompt_ids is not None else len(self.turns)
+        return max(len(self.turns), 1 if self.prompt_ids is not None else 0)
 
 
 def from_chat_prompt(prompt: EvalPrompt, *, bench: str) -> EvalQuestion:
@@ -52,6 +54,7 @@ def from_chat_prompt(prompt: EvalPrompt, *, bench: str) -> EvalQuestion:
         question_id="",
         sample_id=prompt.sample_id,
         record_id=prompt.record_id,
+        turns=prompt.turns,
         prompt_ids=prompt.prompt_ids,
     )
 
@@ -62,7 +65,7 @@ def from_bench(question: BenchQuestion) -> EvalQuestion:
         question_id=question.question_id,
         sample_id=f"{question.bench}:{question.question_id}",
         record_id=question.question_id,
-        turns=question.turns,
+        turns=tuple((Message(role="user", content=text),) for text in question.turns),
     )
 
 
@@ -128,12 +131,13 @@ class Decoders:
         )
 
 
-def turn_messages(user_turns: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
-    """[user 1, assistant 1, …, user t]: the conversation whose next answer is turn t's."""
-    assert len(answers) == len(user_turns) - 1, (len(user_turns), len(answers))
+def turn_messages(turns: Sequence[Sequence[Message]], answers: Sequence[str]) -> list[dict[str, str]]:
+    """[turn 1's messages, assistant 1, …, turn t's messages]: the conversation whose next answer is
+    turn t's."""
+    assert len(answers) == len(turns) - 1, (len(turns), len(answers))
     messages: list[dict[str, str]] = []
-    for i, user in enumerate(user_turns):
-        messages.append({"role": "user", "content": user})
+    for i, turn in enumerate(turns):
+        messages += [{"role": m.role, "content": m.content} for m in turn]
         if i < len(answers):
             messages.append({"role": "assistant", "content": answers[i]})
     return messages
@@ -149,17 +153,19 @@ def first_turn_ids(question: EvalQuestion, tokenizer: Any) -> tuple[int, ...]:
 def decode_question(
     question: EvalQuestion, dec: Decoders, *, on_skip: Callable[[str], None] | None = None
 ) -> Iterator[DecodedTurn]:
-    """Decode every turn of ``question`` with both loops (a turn whose prompt is too long ends it)."""
+    """Decode every turn of ``question`` with both loops (a turn whose prompt is longer than
+    ``max_prompt_tokens`` ends it)."""
     answers: list[str] = []
     for t in range(question.num_turns):
-        if question.prompt_ids is not None:
+        if t == 0 and question.prompt_ids is not None:
             prompt_ids = question.prompt_ids
         else:
             prompt_ids = tuple(
                 render_prompt_ids(dec.tokenizer, turn_messages(question.turns[: t + 1], answers))
             )
             if len(prompt_ids) > dec.max_prompt_tokens:
-                if on_skip is not None:
+                # A standard question is noted; a chat conversation just ends there (as regenerate ends it).
+                if on_skip is not None and question.question_id:
                     on_skip(
                         f"{question.bench} {question.question_id} turn {t + 1}: prompt of {len(prompt_ids)} "
                         f"tokens > --max-prompt-tokens {dec.max_prompt_tokens}, not decoded"

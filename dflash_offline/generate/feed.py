@@ -25,16 +25,20 @@ PLANNER_WORKER_ID = -1
 
 def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
     """The deterministic job stream of this run (resume only filters it)."""
+    from dflash_offline.data.decontaminate import decontaminator_for, screen_records
     from dflash_offline.data.sources import iter_records
     from dflash_offline.data.template import tokenize_conversation
 
     config = ctx.config
-    records = iter_records(
-        config.data,
-        skip=config.skip,
-        limit=config.limit,
-        data_format=config.data_format,
-        source=ctx.fingerprint.data_source,  # an older cache keeps the source name its ids hash
+    records = screen_records(
+        iter_records(
+            config.data,
+            skip=config.skip,
+            limit=config.limit,
+            data_format=config.data_format,
+            source=ctx.fingerprint.data_source,  # an older cache keeps the source name its ids hash
+        ),
+        decontaminator_for(config.decontaminate, command="generate"),
     )
     return plan_jobs(
         records,

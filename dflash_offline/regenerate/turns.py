@@ -1,10 +1,9 @@
 """Which turns the target answers, and the conversation it builds from its own answers.
 
-The original assistant turns are dropped. The system and user turns are kept in order and cut into
-groups where the data had its assistant turns; the target answers after each group, and the prompt of answer k
-holds groups 0..k and the target's own answers 0..k−1 (so later turns build on what the target said,
-not on what another model said). An assistant turn before any user turn has no prompt and is dropped;
-so are system turns after the last user turn. A conversation of user turns alone gets one answer.
+The original assistant turns are dropped. The system and user turns are cut into groups
+(``data/turns.py:user_groups``); the target answers after each group, and the prompt of answer k holds
+groups 0..k and the target's own answers 0..k−1 (so later turns build on what the target said, not on
+what another model said).
 """
 
 from __future__ import annotations
@@ -12,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dflash_offline.data.records import Conversation, Message
+from dflash_offline.data.records import Conversation
+from dflash_offline.data.turns import user_groups
+
+__all__ = ["Answer", "FinishReason", "PendingConversation", "user_groups"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -27,21 +29,6 @@ class Answer:
     """``stop``: the target ended its turn; ``length``: cut at --max-new-tokens."""
     num_tokens: int
     """Generated tokens, the stop token excluded."""
-
-
-def user_groups(messages: tuple[Message, ...]) -> list[tuple[Message, ...]]:
-    """The system/user turns cut into groups, one answer after each: a group ends where the data had an
-    assistant turn (or at the end of the conversation) and holds at least one user turn; otherwise its
-    turns carry over to the next group (an assistant turn with no user turn before it has no prompt)."""
-    groups: list[tuple[Message, ...]] = []
-    pending: list[Message] = []
-    for m in (*messages, None):
-        if m is not None and m.role != "assistant":
-            pending.append(m)
-        elif any(p.role == "user" for p in pending):
-            groups.append(tuple(pending))
-            pending = []
-    return groups
 
 
 class PendingConversation:

@@ -212,6 +212,7 @@ def _answer_records(
     spec: WorkerSpec, loaded: _LoadedEngine, emit: Callable[[Any], None], should_stop: Callable[[], bool]
 ) -> WorkerDone:
     """Drive this worker's share of the records through the engine into its own JSONL files."""
+    from dflash_offline.data.decontaminate import Decontaminator, screen_records
     from dflash_offline.data.sources import iter_records, recorded_source, source_name_for_cache
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 
@@ -221,6 +222,9 @@ def _answer_records(
     gen_start = time.perf_counter()
     # An output begun before source names dropped container suffixes keeps the name its keys hash.
     source = source_name_for_cache(config.data, recorded_source(config.out))
+    decontaminator, note = Decontaminator.from_installed() if config.decontaminate else (None, "")
+    if note and spec.worker == 0:
+        emit(_note(spec, f"regenerate: {note}"))
     with ResumableJsonl(spec.out, key=KEY) as out, ResumableJsonl(spec.failures, key=KEY) as failures:
         own = out.keys | failures.keys
         sink = _sink(spec, loaded, emit, out=out, failures=failures, source=source)
@@ -234,12 +238,17 @@ def _answer_records(
             mine=lambda sid: belongs_to(sid, spec.worker, spec.num_workers),
         )
         try:
-            records = iter_records(
-                config.data,
-                skip=config.skip,
-                limit=config.limit,
-                data_format=config.data_format,
-                source=source,
+            records = screen_records(
+                iter_records(
+                    config.data,
+                    skip=config.skip,
+                    limit=config.limit,
+                    data_format=config.data_format,
+                    source=source,
+                ),
+                decontaminator,
+                # Each worker screens its own records only (the others pass through: it never admits them).
+                checked=lambda sid: belongs_to(sid, spec.worker, spec.num_workers),
             )
             completed = driver.run(records, should_stop=should_stop)
         finally:

@@ -27,11 +27,12 @@ SHAPE_FIELDS = (
     "feature_scale",
     "val_fraction",
     "val_samples",
+    "val_group",
 )
 """Options a resume must not change: they define the drafter's tensors, its loss or the sample plan
 (the validation split decides which samples are trained on)."""
 
-ABSENT_BEFORE = {"val_fraction": 0.0, "val_samples": None}
+ABSENT_BEFORE = {"val_fraction": 0.0, "val_samples": None, "val_group": "sample"}
 """The value a shape option had in runs whose config.json predates it (those held nothing out)."""
 
 APPLIED_ON_RESUME = (
@@ -172,6 +173,13 @@ class TrainConfig:
         None, min=1, help="Hold out this many samples instead of --val-fraction (those of smallest hash)."
     )
     """Hold out exactly this many samples (the smallest hashes) instead of ``val_fraction``."""
+    val_group: Literal["sample", "root-id"] = cli_field(
+        "sample",
+        help="What is held out together: each sample alone, or (root-id) every record of one conversation "
+        "(ShareGPT's X_0, X_11, … share the root X; read from the data file the cache was generated from).",
+    )
+    """``sample``: each sample is its own group; ``root-id``: the records of one conversation are held out
+    (or trained on) together (train/split.py, train/groups.py)."""
     val_every: int = cli_field(
         200,
         min=1,
@@ -294,6 +302,8 @@ class TrainConfig:
         bad = [f"{name} {value}: expected {valid}" for name, (value, ok, valid) in checks.items() if not ok]
         if bad:
             raise ConfigError("invalid " + "; ".join(bad))
+        if self.val_group not in ("sample", "root-id"):
+            raise ConfigError(f"--val-group {self.val_group!r}: expected sample or root-id")
         if self.on_damaged not in ("stop", "skip"):
             raise ConfigError(f"--on-damaged {self.on_damaged!r}: expected stop or skip")
         if self.autocast not in ("auto", "bf16", "off"):

@@ -112,8 +112,12 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
     """The run's sample set (taken at the first start by rank 0 and saved; reloaded on resume), split
     into training and validation samples (announced by rank 0)."""
     snapshot = _saved_snapshot(config, reader, info)
-    split = split_snapshot(snapshot, fraction=config.val_fraction, num_samples=config.val_samples)
-    if info.is_main and (config.val_fraction > 0 or config.val_samples is not None):
+    holds_out = config.val_fraction > 0 or config.val_samples is not None
+    groups = _validation_groups(config, reader, snapshot, info) if holds_out else None
+    split = split_snapshot(
+        snapshot, fraction=config.val_fraction, num_samples=config.val_samples, groups=groups
+    )
+    if info.is_main and holds_out:
         if split.validation is None:
             note = f"no sample of {len(snapshot)} fell into the validation split: no validation"
         else:
@@ -122,8 +126,33 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
                 f"validation: {len(v)} of {len(snapshot)} samples ({v.total_tokens:,} tokens) held out, "
                 f"never trained on; evaluated every {config.val_every} steps and at the end"
             )
+            if groups is not None:
+                roots = {groups[s] for s in v.sample_ids}
+                note += f"; whole conversations: {len(roots)} roots (--val-group root-id)"
         print(f"dflash train: {note}", file=sys.stderr, flush=True)
     return split
+
+
+def _validation_groups(
+    config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
+) -> dict[str, str] | None:
+    """``--val-group root-id``: each sample's conversation root, read from the cache's data file by rank
+    0 at the first start and saved; reloaded on resume (train/groups.py). None for ``sample``."""
+    if config.val_group == "sample":
+        return None
+    from dflash_offline.train.groups import GROUPS_FILE, conversation_groups, read_groups, save_groups
+
+    path = config.out_dir / GROUPS_FILE
+    if info.is_main and not path.exists():
+        groups = conversation_groups(
+            config.cache_dir,
+            snapshot.sample_ids,
+            source=reader.fingerprint.data_source,
+            progress=config.progress,
+        )
+        save_groups(groups, path)
+    barrier(info)
+    return read_groups(path)
 
 
 def _saved_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> IndexSnapshot:

@@ -110,7 +110,8 @@ def test_mt_bench_turn_two_follows_the_targets_own_answer(tiny: LoadedTarget) ->
     )
     one, two = list(decode_question(question, dec))
     assert (one.turn, two.turn) == (1, 2)
-    user1, user2 = question.turns
+    user1, user2 = (turn[0].content for turn in question.turns)
+    assert [[m.role for m in turn] for turn in question.turns] == [["user"], ["user"]]
     # Turn 1: the first user turn alone; the target-only run is plain greedy decoding of it.
     assert list(one.prompt_ids) == render_prompt_ids(tiny.tokenizer, [{"role": "user", "content": user1}])
     greedy = target_only_decode(caller, one.prompt_ids, max_new_tokens=10, stop_ids=frozenset())

@@ -1,0 +1,95 @@
+"""The ``validation`` set of ``dflash eval``: the records the drafter's training run held out.
+
+``dflash train`` measures its validation τ on the cached answers of the samples it held out
+(train/split.py): teacher-forced, over every turn. This set decodes the same records: their prompts
+come from the data file the run's cache was generated from (cache_data.py), each user turn in turn
+with ``--turns all`` (after the target's own greedy answers, as MT-Bench's turn 2), so that its τ
+compares directly with the validation τ, and with the held-out ``sharegpt`` set decoded the same way.
+
+A run split by sample (``--val-group sample``) may hold out ShareGPT's ``X_11`` and train on ``X_0`` of
+the same conversation. The records are therefore split in two sets: ``validation`` (no trained sample
+shares the record's conversation root: as unseen as a held-out prompt) and ``validation-trained-root``
+(one does); up to ``--limit`` records each, in file order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_offline.data.records import Conversation
+from dflash_offline.errors import ConfigError
+from dflash_offline.eval.prompts import EvalPrompt, Turns, chat_prompt, run_dir_of, training_cache_of
+
+UNSEEN_ROOT = "validation"
+TRAINED_ROOT = "validation-trained-root"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidationSelection:
+    """The validation records chosen, in two sets."""
+
+    unseen_root: tuple[EvalPrompt, ...]
+    """Records of conversations no trained sample belongs to."""
+    trained_root: tuple[EvalPrompt, ...]
+    """Records of conversations a trained sample belongs to."""
+    note: str
+    """One line for the report: the run, the counts, where the records were read."""
+
+
+def select_validation_prompts(
+    drafter_dir: Path, tokenizer: Any, *, limit: int, max_prompt_tokens: int, turns: Turns
+) -> ValidationSelection:
+    """The validation records of the run ``drafter_dir`` was exported by (module docstring)."""
+    from dflash_offline.cache.layout import read_fingerprint
+    from dflash_offline.cache.manifest import committed_sample_ids
+    from dflash_offline.eval.cache_data import iter_cache_records, readable_inputs
+    from dflash_offline.train.split import validation_ids_of_run
+
+    run_dir = run_dir_of(drafter_dir)
+    cache_dir = training_cache_of(drafter_dir)
+    if run_dir is None or cache_dir is None:
+        raise ConfigError(
+            f"--bench validation: {drafter_dir} is not the export of a `dflash train` run (RUN/drafter); "
+            "the set is the run's validation records"
+        )
+    validation = validation_ids_of_run(run_dir)
+    if not validation:
+        raise ConfigError(
+            f"--bench validation: the run {run_dir} holds no sample out for validation (--val-fraction 0?)"
+        )
+    if not (cache_dir / "cache.json").is_file():
+        raise ConfigError(f"--bench validation: the run's cache {cache_dir} is not here")
+    trained = committed_sample_ids(cache_dir) - validation
+    trained_roots: set[str] = set()
+    candidates: list[tuple[Conversation, str]] = []
+    for record in iter_cache_records(cache_dir, source=read_fingerprint(cache_dir).data_source):
+        sample_id = record.conversation.sample_id
+        if sample_id in trained:
+            trained_roots.add(record.root)
+        elif sample_id in validation:
+            candidates.append((record.conversation, record.root))
+    if not candidates:
+        files, missing = readable_inputs(cache_dir)
+        where = ", ".join(str(p) for p, _ in files) or "no file"
+        gone = f" ({', '.join(missing)} not here)" if missing else ""
+        raise ConfigError(
+            f"--bench validation: none of the run's {len(validation)} validation samples is in the data "
+            f"its cache {cache_dir} was generated from: read {where}{gone}"
+        )
+    unseen: list[EvalPrompt] = []
+    seen: list[EvalPrompt] = []
+    for conv, root in candidates:
+        chosen = seen if root in trained_roots else unseen
+        if len(chosen) >= limit:
+            continue
+        prompt = chat_prompt(conv, tokenizer, max_prompt_tokens=max_prompt_tokens, turns=turns)
+        if prompt is not None:
+            chosen.append(prompt)
+    num_seen = sum(root in trained_roots for _, root in candidates)
+    note = (
+        f"validation: {len(candidates)} held-out records of run {run_dir} found, {num_seen} of them in a "
+        f"conversation a trained sample belongs to ({TRAINED_ROOT}); decoding {len(unseen)} + {len(seen)}"
+    )
+    return ValidationSelection(unseen_root=tuple(unseen), trained_root=tuple(seen), note=note)

@@ -1,0 +1,137 @@
+"""Conversation roots of a cache's samples: what ``--val-group root-id`` splits by.
+
+The cache stores each sample's id and its position in the data file, not the record's own id; the
+root comes from the data file itself. The files are those the cache's ``dflash generate`` runs read
+(their configs are in the cache's runs table); every record is parsed as generate parsed it (the same
+source name, so the same sample ids) and each snapshot sample gets ``conversation_root`` of its record.
+A sample whose record is in none of those files (the file changed or is gone) is an error: a split
+that silently grouped some samples and not others would leak what it is meant to keep apart.
+
+The roots are computed once, when the run starts, and saved beside the snapshot
+(``validation_groups.parquet``): a resume reads them back, so it keeps the split even if the data file
+has moved since.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_offline.data.schemas import DataFormat
+from dflash_offline.errors import CacheFormatError, ConfigError
+
+GROUPS_FILE = "validation_groups.parquet"
+_META_VERSION = b"dflash_groups_version"
+GROUPS_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateInput:
+    """One data file a ``dflash generate`` run of the cache read."""
+
+    data: str | None
+    """The ``--data`` it was given (None: the embedded ShareGPT file); relative to that run's directory."""
+    data_format: DataFormat
+    """Its ``--data-format``."""
+
+
+def generate_inputs(cache_dir: Path) -> list[GenerateInput]:
+    """The distinct data files of the cache's generate runs, oldest first."""
+    from dflash_offline.cache.manifest import read_runs
+
+    seen: list[GenerateInput] = []
+    for run in read_runs(cache_dir):
+        if run.command != "generate":
+            continue
+        try:
+            config = json.loads(run.config_json)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(config, dict) or "data" not in config:
+            continue
+        data = config.get("data")
+        item = GenerateInput(
+            data=data if isinstance(data, str) else None, data_format=config.get("data_format", "auto")
+        )
+        if item not in seen:
+            seen.append(item)
+    return seen
+
+
+def conversation_groups(
+    cache_dir: Path, sample_ids: Sequence[str], *, source: str, progress: bool = False
+) -> dict[str, str]:
+    """Sample id → conversation root for every id of ``sample_ids`` (module docstring); ``source`` is
+    the cache's data source name (its fingerprint's)."""
+    from tqdm import tqdm
+
+    from dflash_offline.data.records import Conversation
+    from dflash_offline.data.sources import conversation_root, iter_records, resolve_data_path
+    from dflash_offline.errors import DataError
+
+    wanted = set(sample_ids)
+    roots: dict[str, str] = {}
+    inputs = generate_inputs(cache_dir)
+    unreadable: list[str] = []
+    for item in inputs:
+        if len(roots) == len(wanted):
+            break
+        try:
+            resolve_data_path(item.data)
+        except DataError as e:
+            unreadable.append(f"{item.data or 'the embedded ShareGPT file'} ({e})")
+            continue
+        name = item.data or "the embedded ShareGPT file"
+        bar = tqdm(desc=f"conversation roots: {name}", unit="rec", file=sys.stderr, disable=not progress)
+        with bar:
+            for record in iter_records(item.data, data_format=item.data_format, source=source):
+                bar.update(1)
+                if isinstance(record, Conversation) and record.sample_id in wanted:
+                    roots[record.sample_id] = conversation_root(record.record_id, record.sample_id)
+    missing = len(wanted) - len(roots)
+    if missing:
+        example = next(s for s in sample_ids if s not in roots)
+        read = ", ".join(str(i.data or "default") for i in inputs) or "none (no generate run is recorded)"
+        gone = f"; not readable: {'; '.join(unreadable)}" if unreadable else ""
+        raise ConfigError(
+            f"--val-group root-id needs the record id of every sample, read from the data files the "
+            f"cache's generate runs read ({read}{gone}); {missing} of {len(wanted)} samples (first: "
+            f"{example!r}) are in none of them. Put the file generate read back in place (unchanged), "
+            "or use --val-group sample"
+        )
+    return roots
+
+
+def save_groups(groups: Mapping[str, str], path: Path) -> None:
+    """Write sample id → root as Parquet (temp file, then rename)."""
+    ids = sorted(groups)
+    table = pa.table(
+        {"sample_id": pa.array(ids, pa.string()), "root": pa.array([groups[s] for s in ids], pa.string())}
+    ).replace_schema_metadata({_META_VERSION: str(GROUPS_FORMAT_VERSION).encode()})
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_groups(path: Path) -> dict[str, str]:
+    """The saved sample id → root map (``save_groups``)."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise CacheFormatError(f"cannot read the validation groups {str(path)!r}: {exc}") from exc
+    version = (table.schema.metadata or {}).get(_META_VERSION, b"?").decode()
+    if version != str(GROUPS_FORMAT_VERSION):
+        raise CacheFormatError(
+            f"validation groups {str(path)!r} have format version {version!r}; this dflash reads "
+            f"version {GROUPS_FORMAT_VERSION}: resume with the dflash version that started the run"
+        )
+    return dict(zip(table.column("sample_id").to_pylist(), table.column("root").to_pylist(), strict=True))
