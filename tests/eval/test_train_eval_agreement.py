@@ -1,12 +1,13 @@
 """Train's validation τ and ``dflash eval``'s measured τ agree on the same records, end to end.
 
 The production chain on the random:tiny target: ``dflash regenerate`` writes the target's own greedy
-answers to a few prompts, ``dflash generate`` caches them, ``dflash train`` trains a drafter on them (far
-enough that most drafts are accepted, not so far that every block is), and ``dflash eval --bench validation`` decodes the run's validation records
-speculatively. Each prompt is in the data twice, under two record ids of which one falls in the
-validation split and the other in training (``--val-group root-id`` holds out by record id, which a test
-can choose): the validation records hold exactly what the drafter trained on, yet they are the run's held-out
-split, so both commands measure the same samples through their supported paths.
+answers to a few prompts, ``dflash generate`` caches them, ``dflash train`` trains a drafter on them
+(far enough that most drafts are accepted, not so far that every block is), and
+``dflash eval --bench validation`` decodes the run's validation records speculatively. Each prompt is
+in the data twice, under two record ids of which one falls in the validation split and the other in
+training (``--val-group root-id`` holds out by record id, which a test can choose): the validation
+records hold exactly what the drafter trained on, yet they are the run's held-out split, so both
+commands measure the same samples through their supported paths.
 
 The reference is brute force: the training forward (the validation split's packing, the cached features,
 the training masks and positions) run at every eligible anchor of the validation samples. Its leading
