@@ -4,9 +4,10 @@
 the in-memory database behind ``dflash sql`` / ``dflash status`` are built by ``load_manifest``, so a
 query means the same thing against a finished index and against a cache still being written.
 
-DuckDB traps honoured here (docs/facts.md#duckdb): rows go in through ``read_parquet`` and registered
-Arrow tables, never ``executemany``; every result is fetched completely before the next statement runs on its
-connection; index.duckdb is opened read-only (a read-write connection locks out every other process).
+DuckDB traps honoured here (docs/facts.md#duckdb): rows go in through registered Arrow tables (read
+and checked against their sha256 by ``manifest.read_parts``), never ``executemany``; every result is
+fetched completely before the next statement runs on its connection; index.duckdb is opened read-only
+(a read-write connection locks out every other process).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from typing import Literal
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION
-from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint
+from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint, read_format_version
+from dflash_offline.cache.manifest import current_parts, read_parts
 from dflash_offline.errors import CacheFormatError
 from dflash_offline.sql_files import read_schema
 
@@ -76,19 +76,16 @@ def quote_literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _file_list(paths: list[Path]) -> str:
-    return "[" + ", ".join(quote_literal(str(p)) for p in paths) + "]"
-
-
 def part_stamps(root: str | Path) -> list[PartStamp]:
-    """Every manifest part on disk now, with its modification time (runs are rewritten in place)."""
+    """Every manifest part on disk now, with its modification time (a part changed in place, by hand
+    or by bit rot, makes the index stale)."""
     layout = CacheLayout.at(root)
     stamps = []
     for table in MANIFEST_TABLES:
         for path in layout.parts(table):
             try:
                 mtime = path.stat().st_mtime_ns
-            except FileNotFoundError:  # pragma: no cover - a run part being replaced right now
+            except FileNotFoundError:  # pragma: no cover - a part moved aside by repair right now
                 continue
             stamps.append(
                 PartStamp(manifest_table=table, file=str(path.relative_to(layout.root)), mtime_ns=mtime)
@@ -114,41 +111,29 @@ def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
 def load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
     """Create the schema in ``con``'s current database and fill it from the cache's manifest.
 
-    A part DuckDB cannot read (truncated by a crash or a full disk) is named in a ``CacheFormatError``
-    with the same advice as everywhere else (``manifest.read_parts``), not DuckDB's bare message."""
-    try:
-        return _load_manifest(con, root)
-    except duckdb.Error:
-        _raise_unreadable_part(root)
-        raise
-
-
-def _raise_unreadable_part(root: str | Path) -> None:
-    """Find the part behind a DuckDB read error (only on failure: a footer read per part)."""
-    from dflash_offline.cache.manifest import read_parts
-
-    layout = CacheLayout.at(root)
-    for table in MANIFEST_TABLES:
-        for path in layout.parts(table):
-            try:
-                pq.read_metadata(path)
-            except (OSError, pa.ArrowInvalid):
-                read_parts(table, [path])  # raises the shared message naming the file
-
-
-def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
+    Every part goes through ``manifest.read_parts``: its bytes are checked against the sha256 in its
+    name before they are parsed, so a damaged part stops the load with a ``ManifestDamageError``
+    naming it (never a silently changed table), and an unreadable one with a ``CacheFormatError``."""
     layout = CacheLayout.at(root)
     fingerprint = read_fingerprint(root)
+    legacy_names = read_format_version(root) == 1
     for statement in split_statements(read_schema()):
         con.execute(statement)
     stamps = part_stamps(root)
     files = {t: [layout.root / s.file for s in stamps if s.manifest_table == t] for t in MANIFEST_TABLES}
-    if files["samples"]:
-        con.execute(
-            "CREATE TEMP TABLE _samples AS SELECT *, "
-            f"row_number() OVER (PARTITION BY sample_id {_FIRST_COMMIT}) "
-            f"AS _copy FROM read_parquet({_file_list(files['samples'])})"
-        )
+    tables = {
+        t: read_parts(t, current_parts(t, files[t]), legacy_names=legacy_names) for t in MANIFEST_TABLES
+    }
+    if tables["samples"].num_rows:
+        con.register("_arrow_raw_samples", tables["samples"])
+        try:
+            con.execute(
+                "CREATE TEMP TABLE _samples AS SELECT *, "
+                f"row_number() OVER (PARTITION BY sample_id {_FIRST_COMMIT}) "
+                "AS _copy FROM _arrow_raw_samples"
+            )
+        finally:
+            con.unregister("_arrow_raw_samples")
         con.execute("INSERT INTO samples BY NAME SELECT * EXCLUDE (_copy) FROM _samples WHERE _copy = 1")
         con.execute(
             "INSERT INTO duplicates "
@@ -156,8 +141,8 @@ def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> Manifest
         )
         con.execute("DROP TABLE _samples")
     for table in ("failures", "shards", "runs"):
-        if files[table]:
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_file_list(files[table])})")
+        if tables[table].num_rows:
+            _insert_arrow(con, table, tables[table])
     edges = list(fingerprint.bucket_edges)
     _insert_arrow(
         con,
@@ -182,7 +167,7 @@ def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> Manifest
     )
     duplicates = _count(con, "SELECT count(*) FROM duplicates")
     meta = {
-        "format_version": str(CACHE_FORMAT_VERSION),
+        "format_version": str(read_format_version(root)),
         "fingerprint_json": json.dumps(fingerprint.to_dict(), sort_keys=True),
         "duplicates_dropped": str(duplicates),
     }
