@@ -183,7 +183,7 @@ def read_part_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as e:
-        raise CacheFormatError(f"manifest part {path} cannot be read ({e}); move it aside and rerun") from e
+        raise CacheFormatError(f"manifest part {path} cannot be read ({e}); check the disk and rerun") from e
 
 
 def parse_part(table: str, path: Path, data: bytes, columns: Sequence[str] | None = None) -> pa.Table:
@@ -194,7 +194,7 @@ def parse_part(table: str, path: Path, data: bytes, columns: Sequence[str] | Non
     try:
         piece = pq.read_table(pa.BufferReader(data), columns=list(schema.names))
     except (OSError, pa.ArrowInvalid) as e:
-        raise CacheFormatError(f"manifest part {path} cannot be read ({e}); move it aside and rerun") from e
+        raise damaged_part_error(path, f"it does not parse as Parquet ({e})") from e
     return piece.cast(schema)
 
 

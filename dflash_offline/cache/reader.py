@@ -486,17 +486,26 @@ class CacheReader:
             self.on_damaged(d)
 
     # ----------------------------------------------------------------------------------------------
+    def use_formats(self, shard: str, formats: dict[str, ArrayFormat]) -> None:
+        """Read ``shard`` through these array formats instead of its ``zarr.json`` files (verify and
+        repair pass the rebuilt metadata of a group whose ``zarr.json`` is damaged)."""
+        self._check_features(shard, formats["features"])
+        self._formats[shard] = formats
+
+    def _check_features(self, shard: str, fmt: ArrayFormat) -> None:
+        if fmt.width != self.storage.width or fmt.dtype != self.storage.dtype:
+            raise CacheFormatError(
+                f"{self.layout.shard_group(shard)}: features are {fmt.dtype} [{fmt.width}] a token, "
+                f"cache.json's codec {self.storage.codec!r} stores {self.storage.dtype} "
+                f"[{self.storage.width}]"
+            )
+
     def _format(self, shard: str, name: str) -> ArrayFormat:
         formats = self._formats.get(shard)
         if formats is None:
             group = self.layout.shard_group(shard)
             formats = {array: parse_array_format(group / array, array) for array in ARRAYS}
-            fmt = formats["features"]
-            if fmt.width != self.storage.width or fmt.dtype != self.storage.dtype:
-                raise CacheFormatError(
-                    f"{group}: features are {fmt.dtype} [{fmt.width}] a token, cache.json's codec "
-                    f"{self.storage.codec!r} stores {self.storage.dtype} [{self.storage.width}]"
-                )
+            self._check_features(shard, formats["features"])
             self._formats[shard] = formats
         return formats[name]
 
