@@ -101,7 +101,9 @@ class RepairPlan:
     """Shards whose unreferenced files are kept because a damaged samples part may point at them."""
     samples_before: int
     samples_after: int
-    """Distinct committed sample ids now, and after the plan."""
+    """Distinct committed sample ids in the intact parts now, and after the plan."""
+    rows_in_damaged_parts: int
+    """Sample rows the damaged samples parts hold, as far as they still parse."""
     had_index: bool
 
     @property
@@ -112,11 +114,19 @@ class RepairPlan:
     def changes(self) -> bool:
         return bool(self.parts_aside or self.rebuild or self.rewrites or self.delete)
 
+    @staticmethod
+    def _kept_line(shard: str) -> str:
+        return (
+            f"  keep the unreferenced files of {shard}: a damaged manifest part of it (moved aside to "
+            "manifest/damaged/samples/) may point at them; delete that part to let repair remove them"
+        )
+
     def render(self) -> str:
         root = self.root
         if not self.changes:
             lines = [f"repair plan for {root}: nothing to repair ({self.samples_before:,} samples)"]
             lines += [f"  left as it is: {shard}: {why}" for shard, why in self.unrebuildable.items()]
+            lines += [self._kept_line(shard) for shard in self.kept_leftovers]
             return "\n".join(lines)
         lines = [f"repair plan for {root}:"]
         if self.parts_aside:
@@ -157,11 +167,11 @@ class RepairPlan:
             lines += [f"    {u.path}: {u.num_bytes:,} bytes, {u.reason}" for u in self.delete[:_SHOWN]]
             if len(self.delete) > _SHOWN:
                 lines.append(f"    ... and {len(self.delete) - _SHOWN:,} more")
-        for shard in self.kept_leftovers:
-            lines.append(
-                f"  keep the unreferenced files of {shard}: a damaged manifest part of it may point at them"
-            )
-        lines.append(f"  samples: {self.samples_before:,} committed now, {self.samples_after:,} after")
+        lines += [self._kept_line(shard) for shard in self.kept_leftovers]
+        damaged = f" (+ {self.rows_in_damaged_parts:,} in damaged parts)" if self.parts_aside else ""
+        lines.append(
+            f"  samples: {self.samples_before:,} committed now{damaged}, {self.samples_after:,} after"
+        )
         return "\n".join(lines)
 
 
@@ -315,9 +325,11 @@ def plan_repair(root: Path, *, progress: bool = True) -> RepairPlan:
 
     # Orphans as they will be once the drops are done; a damaged samples part's shard keeps its files.
     kept_table = SampleTable.from_arrow(rows.filter(pa.array(keep)))
-    guarded = sorted(
-        {PartName.parse(d.path).stem.rsplit("-", 1)[0] for d in manifest.damaged if d.table == "samples"}
-    )
+    aside = layout.damaged_dir / "samples"
+    damaged_parts = [d.path for d in manifest.damaged if d.table == "samples"]
+    damaged_parts += sorted(aside.iterdir()) if aside.is_dir() else []
+    # A part is named <shard>-<part>.<sha256>.parquet (shard names hold no dot).
+    guarded = {path.name.split(".")[0].rsplit("-", 1)[0] for path in damaged_parts}
     delete, kept_leftovers = [], set()
     for orphan in unreferenced_data(root, kept_table, metadata.formats):
         shard = orphan.path.split("/")[1].removesuffix(".zarr") if orphan.path.startswith("shards/") else ""
@@ -338,6 +350,7 @@ def plan_repair(root: Path, *, progress: bool = True) -> RepairPlan:
         delete=tuple(delete),
         kept_leftovers=tuple(sorted(kept_leftovers)),
         samples_before=len(set(ids)),
+        rows_in_damaged_parts=sum(d.rows or 0 for d in manifest.damaged if d.table == "samples"),
         samples_after=len(kept_ids),
         had_index=layout.index_path.is_file(),
     )

@@ -203,6 +203,6 @@ def test_status_and_runs(cache):
     assert run.finished_at is None
     assert run.started_at == dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
     finished = dataclasses.replace(run, status="finished", finished_at=run.started_at + dt.timedelta(hours=1))
-    record_run(root, finished)  # rewritten in place (temp file + rename)
+    record_run(root, finished)  # a new revision (its own part); the newest counts
     assert read_runs(root) == [finished]
     assert cache_status(root).last_run == "run-1 generate finished"
