@@ -77,8 +77,8 @@ def quote_literal(text: str) -> str:
 
 
 def part_stamps(root: str | Path) -> list[PartStamp]:
-    """Every manifest part on disk now, with its modification time (a part changed in place, by hand
-    or by bit rot, makes the index stale)."""
+    """Every manifest part on disk now, with its modification time (a part rewritten in place, by
+    hand or by a tool, makes the index stale)."""
     layout = CacheLayout.at(root)
     stamps = []
     for table in MANIFEST_TABLES:
