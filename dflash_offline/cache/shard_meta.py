@@ -110,6 +110,8 @@ def check_group_meta(
     """The ``zarr.json`` files of ``group`` that differ from what its writer wrote (``shape[0]`` aside),
     each with its rebuilt content. Without ``info`` a file can only be checked for being a readable array
     of our layout, and not rebuilt."""
+    if not group.is_dir():
+        return []  # nothing to describe: its samples' data is missing, which reading them reports
     found = {key: _read(meta_path(group, key)) for key in META_KEYS}
     if info is None:
         damage = []
@@ -165,4 +167,5 @@ def rebuilt_formats(group: Path, damage: list[MetadataDamage]) -> dict[str, Arra
 def rebuild(damage: MetadataDamage) -> None:
     """Write the rebuilt ``zarr.json`` (temp file + rename)."""
     assert damage.rebuilt is not None
+    damage.path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(damage.path, damage.rebuilt, fsync=True)

@@ -44,13 +44,9 @@ def verify(cache: Path, progress: bool, threads: int, repair: bool, dry_run: boo
             click.echo(plan.render())
             if dry_run:
                 return
-            if not yes:
-                if plan.changes:
-                    click.echo(
-                        f"nothing changed: to carry out this plan, dflash verify --repair --yes {cache}"
-                    )
-                    raise SystemExit(1)
-                return
+            if plan.changes and not yes:
+                click.echo(f"nothing changed: to carry out this plan, dflash verify --repair --yes {cache}")
+                raise SystemExit(1)
             if plan.changes:
                 click.echo(apply_repair(plan).render())
     report = verify_cache(cache, progress=progress, num_threads=threads)

@@ -135,3 +135,4 @@ def test_yes_and_dry_run_are_used_with_repair(tmp_path: Path) -> None:
     result = _verify(tmp_path, "--repair")
     assert result.exit_code == 0
     assert "nothing to repair" in result.output
+    assert "OK" in result.output  # and then verified
