@@ -192,9 +192,13 @@ def parse_part(table: str, path: Path, data: bytes, columns: Sequence[str] | Non
     if columns is not None:
         schema = pa.schema([schema.field(c) for c in columns])
     try:
-        piece = pq.read_table(pa.BufferReader(data), columns=list(schema.names))
+        # ParquetFile.read: about half the cost of read_table, which sets up a dataset per call.
+        piece = pq.ParquetFile(pa.BufferReader(data)).read(columns=list(schema.names))
     except (OSError, pa.ArrowInvalid) as e:
         raise damaged_part_error(path, f"it does not parse as Parquet ({e})") from e
+    missing = [name for name in schema.names if name not in piece.schema.names]
+    if missing:  # ParquetFile.read skips requested columns it does not have
+        raise damaged_part_error(path, f"it lacks the columns {missing}")
     return piece.cast(schema)
 
 
@@ -221,6 +225,15 @@ def read_parts(
     if not pieces:
         return schema.empty_table()
     return pa.concat_tables(pieces)
+
+
+def check_parts(paths: Iterable[Path], *, legacy_names: bool = False) -> None:
+    """Check each part's bytes against the sha256 in its name (``ManifestDamageError`` naming the first
+    that fails), for a caller that parses the parts itself (DuckDB's ``read_parquet``)."""
+    for path in paths:
+        problem = part_problem(path, read_part_bytes(path), legacy_names=legacy_names)
+        if problem is not None:
+            raise damaged_part_error(path, problem)
 
 
 def current_parts(table: str, paths: Iterable[Path]) -> list[Path]:

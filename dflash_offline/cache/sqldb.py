@@ -4,8 +4,8 @@
 the in-memory database behind ``dflash sql`` / ``dflash status`` are built by ``load_manifest``, so a
 query means the same thing against a finished index and against a cache still being written.
 
-DuckDB traps honoured here (docs/facts.md#duckdb): rows go in through registered Arrow tables (read
-and checked against their sha256 by ``manifest.read_parts``), never ``executemany``; every result is
+DuckDB traps honoured here (docs/facts.md#duckdb): rows go in through ``read_parquet`` (of parts
+checked against their sha256 first) and registered Arrow tables, never ``executemany``; every result is
 fetched completely before the next statement runs on its connection; index.duckdb is opened read-only
 (a read-write connection locks out every other process).
 """
@@ -19,9 +19,10 @@ from typing import Literal
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint, read_format_version
-from dflash_offline.cache.manifest import current_parts, read_parts
+from dflash_offline.cache.manifest import check_parts, current_parts, read_parts
 from dflash_offline.errors import CacheFormatError
 from dflash_offline.sql_files import read_schema
 
@@ -76,6 +77,10 @@ def quote_literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _file_list(paths: list[Path]) -> str:
+    return "[" + ", ".join(quote_literal(str(p)) for p in paths) + "]"
+
+
 def part_stamps(root: str | Path) -> list[PartStamp]:
     """Every manifest part on disk now, with its modification time (a part rewritten in place, by
     hand or by a tool, makes the index stale)."""
@@ -111,29 +116,48 @@ def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
 def load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
     """Create the schema in ``con``'s current database and fill it from the cache's manifest.
 
-    Every part goes through ``manifest.read_parts``: its bytes are checked against the sha256 in its
-    name before they are parsed, so a damaged part stops the load with a ``ManifestDamageError``
-    naming it (never a silently changed table), and an unreadable one with a ``CacheFormatError``."""
+    Every part's bytes are first checked against the sha256 in its name (``manifest.check_parts``):
+    a damaged part stops the load with a ``ManifestDamageError`` naming it, never a silently changed
+    table. A part DuckDB cannot read (only possible in a format 1 cache, whose parts carry no sha256)
+    is named in the shared ``manifest.read_parts`` message, not DuckDB's bare one."""
+    try:
+        return _load_manifest(con, root)
+    except duckdb.Error:
+        _raise_unreadable_part(root)
+        raise
+
+
+def _raise_unreadable_part(root: str | Path) -> None:
+    """Find the part behind a DuckDB read error (only on failure: a footer read per part)."""
+    layout = CacheLayout.at(root)
+    for table in MANIFEST_TABLES:
+        for path in layout.parts(table):
+            try:
+                pq.read_metadata(path)
+            except (OSError, pa.ArrowInvalid):
+                read_parts(table, [path], legacy_names=True)  # raises the shared message naming the file
+
+
+def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
     layout = CacheLayout.at(root)
     fingerprint = read_fingerprint(root)
     legacy_names = read_format_version(root) == 1
     for statement in split_statements(read_schema()):
         con.execute(statement)
     stamps = part_stamps(root)
-    files = {t: [layout.root / s.file for s in stamps if s.manifest_table == t] for t in MANIFEST_TABLES}
-    tables = {
-        t: read_parts(t, current_parts(t, files[t]), legacy_names=legacy_names) for t in MANIFEST_TABLES
+    files = {
+        t: current_parts(t, [layout.root / s.file for s in stamps if s.manifest_table == t])
+        for t in MANIFEST_TABLES
     }
-    if tables["samples"].num_rows:
-        con.register("_arrow_raw_samples", tables["samples"])
-        try:
-            con.execute(
-                "CREATE TEMP TABLE _samples AS SELECT *, "
-                f"row_number() OVER (PARTITION BY sample_id {_FIRST_COMMIT}) "
-                "AS _copy FROM _arrow_raw_samples"
-            )
-        finally:
-            con.unregister("_arrow_raw_samples")
+    for table in MANIFEST_TABLES:
+        # Hashing is ~1 % of the parse; DuckDB then parses the same immutable files, in parallel.
+        check_parts(files[table], legacy_names=legacy_names)
+    if files["samples"]:
+        con.execute(
+            "CREATE TEMP TABLE _samples AS SELECT *, "
+            f"row_number() OVER (PARTITION BY sample_id {_FIRST_COMMIT}) "
+            f"AS _copy FROM read_parquet({_file_list(files['samples'])})"
+        )
         con.execute("INSERT INTO samples BY NAME SELECT * EXCLUDE (_copy) FROM _samples WHERE _copy = 1")
         con.execute(
             "INSERT INTO duplicates "
@@ -141,8 +165,8 @@ def load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestL
         )
         con.execute("DROP TABLE _samples")
     for table in ("failures", "shards", "runs"):
-        if tables[table].num_rows:
-            _insert_arrow(con, table, tables[table])
+        if files[table]:
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_file_list(files[table])})")
     edges = list(fingerprint.bucket_edges)
     _insert_arrow(
         con,
