@@ -97,6 +97,7 @@ def test_a_flipped_byte_in_a_part_is_damage_that_every_reader_refuses(tmp_path: 
         ["index", str(tmp_path)],
         ["sql", str(tmp_path), "--source", "manifest", "--query", "buckets"],
         ["sql", str(tmp_path), "--query", "buckets"],  # the old index is stale now: not used
+        ["train", "--cache", str(tmp_path), "--out", str(tmp_path.parent / "run"), "--max-steps", "1"],
     ):
         result = runner.invoke(main, args)
         assert result.exit_code == 1, (args, result.output)
