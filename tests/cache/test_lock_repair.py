@@ -23,7 +23,7 @@ from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.cli import main
 from dflash_offline.errors import CacheFormatError, FingerprintMismatchError
-from dflash_offline.locking import LOCK_NAME, LockedError, acquire_lock, read_holder
+from dflash_offline.locking import LOCK_NAME, LockedError, LockHolder, acquire_lock
 from tests.cache._samples import TINY, bits, make_fingerprint, make_samples
 
 HOLDER = textwrap.dedent(
@@ -66,14 +66,14 @@ def test_lock_of_a_live_process_refused_of_a_killed_one_taken_over(tmp_path: Pat
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-    stale = read_holder(tmp_path)
+    stale = LockHolder.from_json((tmp_path / LOCK_NAME).read_text())
     assert stale is not None
     assert stale.pid == proc.pid
     lock = acquire_lock(tmp_path, what="cache")
     assert lock.took_over is not None
     assert lock.took_over.pid == proc.pid
     assert f"took over the stale lock of cache {tmp_path} from pid {proc.pid}" in capsys.readouterr().err
-    assert read_holder(tmp_path).pid == os.getpid()  # type: ignore[union-attr]
+    assert LockHolder.from_json((tmp_path / LOCK_NAME).read_text()).pid == os.getpid()  # type: ignore[union-attr]
     lock.release()
 
 

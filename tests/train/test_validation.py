@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import shutil
+import signal
 import threading
 from collections import Counter
 from dataclasses import replace
@@ -28,7 +29,7 @@ from dflash_offline.placement import DistInfo
 from dflash_offline.train import loop
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.interrupt import TrainInterrupted, request_stop
+from dflash_offline.train.interrupt import TrainInterrupted
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loop import train_rank
 from dflash_offline.train.metrics import StepMetrics, read_metrics, validation_records
@@ -298,7 +299,7 @@ def test_resume_keeps_the_split_and_refuses_another(cache: Path, tmp_path: Path)
 
     def stop_at_3(metrics: StepMetrics) -> None:
         if metrics.step == 3:
-            request_stop()
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: train_rank's handler asks for a stop
 
     with pytest.raises(TrainInterrupted):
         train_rank(replace(config, out_dir=run), CPU, on_step=stop_at_3)
