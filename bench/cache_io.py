@@ -88,6 +88,7 @@ def fingerprint_for(width: int, codec: str) -> CacheFingerprint:
         too_long="skip",
         bucket_edges=BUCKET_EDGES,
         data_source="bench",
+        compute_dtype="float32",
     )
 
 

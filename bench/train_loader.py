@@ -126,6 +126,7 @@ def build(
         too_long="skip",
         bucket_edges=EDGES,
         data_source="bench",
+        compute_dtype="float32",
     )
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)

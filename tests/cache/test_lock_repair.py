@@ -168,21 +168,21 @@ def test_commits_by_bytes_before_the_time_threshold(tmp_path: Path) -> None:
     writer.close()
 
 
-def test_older_cache_without_compute_dtype_reads_and_refuses_a_mismatch(tmp_path: Path) -> None:
-    old = make_fingerprint()  # compute_dtype None: what every cache before the field looks like
-    create_or_open_cache(tmp_path, old)
-    doc = json.loads((tmp_path / "cache.json").read_text())
-    assert "compute_dtype" not in doc["fingerprint"]  # the file an older version wrote is unchanged
-    assert read_fingerprint(tmp_path).compute_dtype is None
+def test_compute_dtype_is_part_of_the_fingerprint_and_required(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    new = replace(old, compute_dtype="float32")
-    with pytest.raises(FingerprintMismatchError, match="compute_dtype"):
-        create_or_open_cache(tmp_path, new)
-    other = tmp_path / "f32"
-    create_or_open_cache(other, new)
+    f32 = make_fingerprint(compute_dtype="float32")
+    create_or_open_cache(tmp_path, f32)
+    assert read_fingerprint(tmp_path) == f32
     with pytest.raises(FingerprintMismatchError, match=r"compute_dtype='float32'.*compute_dtype='bfloat16'"):
-        create_or_open_cache(other, replace(old, compute_dtype="bfloat16"))
+        create_or_open_cache(tmp_path, replace(f32, compute_dtype="bfloat16"))
+    path = tmp_path / "cache.json"
+    doc = json.loads(path.read_text())
+    del doc["fingerprint"]["compute_dtype"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CacheFormatError) as refused:
+        read_fingerprint(tmp_path)
+    assert str(refused.value).startswith(f"{path}: its fingerprint lacks fields ['compute_dtype']; ")
 
 
 def test_a_directory_without_cache_json_is_not_told_to_run_generate_when_generate_refuses(

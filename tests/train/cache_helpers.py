@@ -39,6 +39,7 @@ def fingerprint(edges: tuple[int, ...] = EDGES) -> CacheFingerprint:
         too_long="skip",
         bucket_edges=edges,
         data_source="synthetic",
+        compute_dtype="float32",
     )
 
 

@@ -46,6 +46,7 @@ def fp8_fingerprint() -> CacheFingerprint:
         too_long="skip",
         bucket_edges=EDGES,
         data_source="synthetic",
+        compute_dtype="float32",
     )
 
 
