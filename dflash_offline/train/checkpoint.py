@@ -72,7 +72,7 @@ class TrainState:
     tokens_seen: int
     world_size: int
     validation: dict[str, Any] = field(default_factory=dict)
-    """``ValidationTracker.state_dict()`` (empty in a run without validation, or an older checkpoint)."""
+    """``ValidationTracker.state_dict()`` (empty in a run without validation)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -217,7 +217,7 @@ def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState
             rng=raw["rng"],
             tokens_seen=int(raw["tokens_seen"]),
             world_size=int(raw["world_size"]),
-            validation=dict(raw.get("validation") or {}),
+            validation=dict(raw["validation"]),
         )
     raise ResumeError(
         f"no checkpoint in {checkpoints_dir(run_dir)} loads ({'; '.join(problems)}); "
