@@ -92,9 +92,9 @@ class StepOutcome:
 
 
 class OptimizerStep:
-    """Forward and backward of a rank's microbatches, then clip and optimizer step (the caller sets the
-    learning rate of the step in the optimizer's param groups): nothing
-    read back (see the module docstring). Shared by the training loop and bench/train_step.py."""
+    """Forward and backward of a rank's microbatches, then clip and optimizer step at the learning rate
+    the caller set in the param groups: nothing read back (see the module docstring). Shared by the
+    training loop and bench/train_step.py."""
 
     def __init__(
         self,
