@@ -112,9 +112,9 @@ def tokenize_conversation(
     except Exception as e:  # a user-supplied template may raise anything (jinja's raise_exception, ...)
         return fail("template_error", f"rendering the conversation: {type(e).__name__}: {e}")
 
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids_T = np.asarray(encoded["input_ids"], dtype=np.int32)
-    offsets_T2 = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    ids_T, offsets_T2 = _encode(tokenizer, text)
+    if any(m.role == "assistant" and m.token_ids is not None for m in conv.messages):
+        ids_T, offsets_T2 = _with_answer_ids(tokenizer, render, chat, conv, text, ids_T, offsets_T2)
     num_tokens = int(ids_T.shape[0])
     truncated = num_tokens > max_length
     if truncated:
@@ -139,6 +139,69 @@ def tokenize_conversation(
         loss_mask_T=loss_mask_T,
         truncated=truncated,
     )
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """int32 ids [T] and int64 character offsets [T, 2] of ``text`` (no special tokens added)."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids_T = np.asarray(encoded["input_ids"], dtype=np.int32)
+    offsets_T2 = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    return ids_T, offsets_T2
+
+
+def _with_answer_ids(
+    tokenizer: Any,
+    render: Render,
+    chat: Chat,
+    conv: Conversation,
+    text: str,
+    ids_T: np.ndarray,
+    offsets_T2: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rendered conversation with each assistant content whose ``token_ids`` decode to it spliced in
+    as those ids: the target's own tokens, where the tokenizer may split the same text otherwise.
+
+    The text around them is tokenized piece by piece, cut where each such content starts and ends: the
+    piece before an answer ends with the generation prompt, tokenized alone as the target's prompt was,
+    and the end-of-turn token that follows the content is a special token either way. Each spliced id
+    gets the character range of its whole content (the loss mask marks it as inside the turn). Returns
+    ``(ids_T, offsets_T2)`` unchanged when no ids apply, or when the pieces do not decode to the same text
+    as the whole (a tokenizer that adds a prefix to every piece)."""
+    try:
+        spans = assistant_char_spans(render, chat, text)
+    except _SpanError:
+        return ids_T, offsets_T2  # the caller reports the template error
+    answered = [m for m in conv.messages if m.role == "assistant" and m.content.strip()]
+    if len(spans) != len(answered):
+        return ids_T, offsets_T2
+    splices: list[tuple[int, int, list[int]]] = []
+    for message, (start, _end) in zip(answered, spans, strict=True):
+        if message.token_ids is None or not text.startswith(message.content, start):
+            continue
+        try:
+            decoded = tokenizer.decode(list(message.token_ids), skip_special_tokens=False)
+        except Exception:  # ids outside this tokenizer's vocabulary: not this target's tokens
+            continue
+        if decoded == message.content:
+            splices.append((start, start + len(message.content), list(message.token_ids)))
+    if not splices:
+        return ids_T, offsets_T2
+    ids: list[np.ndarray] = []
+    offsets: list[np.ndarray] = []
+    cursor = 0
+    for start, end, answer_ids in (*splices, (len(text), len(text), [])):
+        piece_ids_T, piece_offsets_T2 = _encode(tokenizer, text[cursor:start])
+        ids += [piece_ids_T, np.asarray(answer_ids, dtype=np.int32)]
+        offsets += [
+            piece_offsets_T2 + cursor,
+            np.tile(np.asarray([[start, end]], dtype=np.int64), (len(answer_ids), 1)),
+        ]
+        cursor = end
+    spliced_T = np.concatenate(ids)
+    whole = tokenizer.decode(ids_T.tolist(), skip_special_tokens=False)
+    if tokenizer.decode(spliced_T.tolist(), skip_special_tokens=False) != whole:
+        return ids_T, offsets_T2
+    return spliced_T, np.concatenate(offsets)
 
 
 def spans_to_token_mask(spans: list[tuple[int, int]], offsets_T2: np.ndarray) -> np.ndarray:
