@@ -20,6 +20,12 @@ How the character spans are found, for any template that renders messages in ord
      the template's end-of-turn marker (learned by rendering a probe conversation).
 Neither works -> ``template_error`` with the turn named.
 
+An assistant message whose ``token_ids`` (the target's own, written by ``dflash regenerate``) decode to its
+content is cached as those ids: a greedy answer need not be the tokenizer's split of its text (SmolLM2
+generates ``"\n\n"`` as one token where its text re-encodes as two before a word), and the drafter must
+learn the tokens the target produces. The rest of the render is tokenized in pieces cut at those contents
+(``_with_answer_ids``), so the tokens before an answer are its prompt as the target read it.
+
 Shape legend: T = tokens of the rendered conversation.
 """
 
