@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from dflash_offline.errors import WorkerError
 from dflash_offline.generate.channel import JobChannel, QueueJobChannel
+from dflash_offline.generate.events import WorkerStarted
 from dflash_offline.generate.worker import WorkerSpec, run_worker
 
 DRAIN_SECONDS = 600.0
@@ -60,6 +61,8 @@ class SpawnedWorkers:
         self._stop = self._mp.Event()
         self._processes: list[Any] = []
         self._dead_since: dict[int, float] = {}
+        self._started: set[int] = set()
+        """Workers that reported ``WorkerStarted`` (their target is loaded, their writer may be open)."""
 
     def start(self) -> None:
         for spec in self._specs:
@@ -76,6 +79,8 @@ class SpawnedWorkers:
             event: object = self._events.get(timeout=timeout)
         except queue.Empty:
             return None
+        if isinstance(event, WorkerStarted):
+            self._started.add(event.worker)
         return event
 
     def check_alive(self, finished: Container[int]) -> None:
@@ -94,6 +99,10 @@ class SpawnedWorkers:
 
     def stop(self) -> None:
         self._stop.set()
+        # A worker still loading its target has opened no shard: end it now rather than after its load.
+        for spec, process in zip(self._specs, self._processes, strict=False):
+            if spec.worker not in self._started and process.is_alive():
+                process.terminate()
 
     def drain_and_join(self, on_event: Callable[[object], None]) -> None:
         deadline = time.monotonic() + DRAIN_SECONDS

@@ -6,7 +6,8 @@ is a worker and rank 0 also coordinates (``launch.py``): both paths go through `
 writes the ``running`` run row, the final status and the summary.
 
 Rerunning the same command resumes: committed and failed samples are skipped, a different
-fingerprint is refused naming the field. Ctrl-C stops cleanly (workers finish their job and commit);
+fingerprint is refused naming the field. Ctrl-C stops cleanly (workers finish their job and commit; a
+worker still loading its target is ended at once);
 an exception in a worker stops the run with the worker's traceback.
 """
 
@@ -36,6 +37,7 @@ from dflash_offline.generate.feed import Planner
 from dflash_offline.generate.group import SpawnedWorkers, WorkerGroup
 from dflash_offline.generate.progress import GenerateProgress, ProgressView
 from dflash_offline.generate.worker import WorkerSpec
+from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.locking import DirLock, acquire_lock
 
 
@@ -253,7 +255,10 @@ def coordinate(
     ``ctx`` holds the cache's lock (``prepare_run(lock=True)``); it is released here."""
     assert ctx.lock is not None
     try:
-        return _run_locked(ctx, workers(ctx), on_event)
+        # The first Ctrl-C stops the workers after their current job (each commits what it captured);
+        # the run row then says ``interrupted``. A second aborts at once.
+        with stop_on_sigint("dflash generate: stopping after the current jobs (committed samples are kept)"):
+            return _run_locked(ctx, workers(ctx), on_event)
     except OSError as e:  # the coordinator's own writes (run rows, planner failures) hit a full disk
         converted = as_no_space_error(e, ctx.config.cache_dir)
         if converted is e:
@@ -313,6 +318,8 @@ def _watch(
         while len(tally.finished) + len(tally.failed) < group.num_workers:
             if planner.error is not None:
                 raise planner.error
+            if stop_requested():
+                raise StopRequested
             event = group.get_event(0.2)
             if event is None:
                 group.check_alive(tally.finished)

@@ -17,6 +17,8 @@ record, which ``dflash eval`` uses to keep prompts held out.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_offline.errors import WorkerError
+from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
@@ -39,6 +42,8 @@ from dflash_offline.regenerate.worker import (
     WorkerProgress,
     WorkerReady,
     WorkerSpec,
+    answer_records,
+    load_worker,
     run_worker,
     worker_process,
 )
@@ -205,6 +210,12 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
     return _run_spawned(config, done=done, repaired=repaired, start=start)
 
 
+def _stop_on_sigint() -> contextlib.AbstractContextManager[None]:
+    """The first Ctrl-C stops at the next decode step: finished conversations are already written (one
+    flushed line each), the ones in flight are redone by the rerun. A second aborts at once."""
+    return stop_on_sigint("dflash regenerate: stopping after this decode step (finished answers are kept)")
+
+
 def _run_in_process(
     config: RegenerateConfig, *, done: frozenset[str], repaired: int, start: float
 ) -> RegenerateSummary:
@@ -216,8 +227,13 @@ def _run_in_process(
         out=config.out, failures=config.failures_path, done=done,
     )  # fmt: skip
     progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=1)
+    emit = functools.partial(_apply, progress)
     try:
-        result = run_worker(spec, lambda e: _apply(progress, e), lambda: False)
+        loaded = load_worker(spec, emit)  # Ctrl-C while loading: KeyboardInterrupt, nothing to keep
+        with _stop_on_sigint():
+            result = answer_records(spec, loaded, emit, stop_requested)
+            if not result.completed:
+                raise StopRequested
     finally:
         progress.close()
     return _summary([result], repaired=repaired, start=start, first_ready=progress.first_ready, workers=1)
@@ -263,24 +279,34 @@ def _run_spawned(
     progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=num_workers)
     dones: dict[int, WorkerDone] = {}
     dead_since: dict[int, float] = {}
+    ready: set[int] = set()
     try:
-        while len(dones) < num_workers:
-            try:
-                event = events.get(timeout=0.2)
-            except queue.Empty:
-                _check_dead(processes, dones, dead_since)
-                continue
-            if isinstance(event, WorkerFailed):
-                raise WorkerError(
-                    f"regenerate worker {event.worker} ({event.device}) failed; the output is resumable. "
-                    f"Its traceback:\n{event.traceback}"
-                )
-            if isinstance(event, WorkerDone):
-                dones[event.worker] = event
-            else:
-                _apply(progress, event)
+        with _stop_on_sigint():
+            while len(dones) < num_workers:
+                if stop_requested():
+                    raise StopRequested
+                try:
+                    event = events.get(timeout=0.2)
+                except queue.Empty:
+                    _check_dead(processes, dones, dead_since)
+                    continue
+                if isinstance(event, WorkerFailed):
+                    raise WorkerError(
+                        f"regenerate worker {event.worker} ({event.device}) failed; the output is "
+                        f"resumable. Its traceback:\n{event.traceback}"
+                    )
+                if isinstance(event, WorkerDone):
+                    dones[event.worker] = event
+                else:
+                    if isinstance(event, WorkerReady):
+                        ready.add(event.worker)
+                    _apply(progress, event)
     except BaseException:
         stop.set()
+        # A worker still loading its target has written nothing: end it now rather than after its load.
+        for worker, process in enumerate(processes):
+            if worker not in ready and process.is_alive():
+                process.terminate()
         _drain_and_join(processes, events, dones, progress)
         progress.close()
         merge_leftover_parts(config)  # what the workers wrote is kept: the rerun resumes after it
