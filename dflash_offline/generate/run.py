@@ -13,6 +13,7 @@ an exception in a worker stops the run with the worker's traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -26,6 +27,7 @@ from dflash_offline.cache.layout import create_or_open_cache, sweep_partial_file
 from dflash_offline.cache.manifest import (
     committed_sample_ids,
     failed_sample_ids,
+    read_runs,
     record_run,
 )
 from dflash_offline.cache.records import RunRow, utc_now
@@ -273,6 +275,7 @@ def _run_locked(
 ) -> GenerateSummary:
     config = ctx.config
     sweep_partial_files(config.cache_dir)  # under the lock: no other writer is running
+    _close_abandoned_runs(ctx)
     started_at = utc_now()
     start = time.perf_counter()
     running = _run_row(ctx, started_at=started_at, status="running", num_workers=group.num_workers)
@@ -296,6 +299,20 @@ def _run_locked(
     if error is not None:
         raise error
     return summary
+
+
+KILLED_RUN_NOTE = "killed: it ended without recording its end"
+
+
+def _close_abandoned_runs(ctx: RunContext) -> None:
+    """A run row still ``running`` while this run holds the lock belongs to a run that was killed (SIGKILL,
+    OOM killer, power loss) before it could record its end: it says ``interrupted`` from now on, naming
+    the run that found it, so that ``status`` and ``--query runs`` show no run as live that is not."""
+    cache_dir = ctx.config.cache_dir
+    for run in read_runs(cache_dir):
+        if run.status == "running" and run.run_id != ctx.run_id:
+            note = f"{KILLED_RUN_NOTE} (found by {ctx.run_id}, which took over the cache's lock)"
+            record_run(cache_dir, dataclasses.replace(run, status="interrupted", error=note))
 
 
 def _watch(
