@@ -38,6 +38,17 @@ class Placement:
     threads_per_worker: int = 0
     """torch intra-op threads per CPU worker; 0 = the machine's cores divided among the workers."""
 
+    def __post_init__(self) -> None:
+        from dflash_offline.errors import ConfigError
+
+        if self.threads_per_worker < 0:
+            raise ConfigError(
+                f"--threads {self.threads_per_worker}: expected 0 (the machine's cores divided among the "
+                "workers) or a positive thread count"
+            )
+        if self.num_cpu_workers < 1:
+            raise ConfigError(f"--workers {self.num_cpu_workers}: expected 1 or more")
+
     @property
     def num_workers(self) -> int:
         return len(self.gpus) if self.gpus else self.num_cpu_workers
