@@ -35,6 +35,7 @@ from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
+from dflash_offline.regenerate.recorded import check_resume_settings
 from dflash_offline.regenerate.worker import (
     WorkerDone,
     WorkerFailed,
@@ -200,6 +201,7 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
         from dflash_offline.regenerate.openai_engine import probe_for_config
 
         probe_for_config(config)  # a wrong URL, model or key fails here, before anything is written
+    check_resume_settings(config)  # before any worker loads a target
     if under_torchrun():
         return _run_torchrun(config)
     start = time.perf_counter()

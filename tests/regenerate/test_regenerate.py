@@ -127,6 +127,31 @@ def test_resume_after_a_partial_last_line(tmp_path: Path) -> None:
     assert (third.written, third.skipped) == (0, 7)
 
 
+def test_a_resume_with_another_answer_length_is_refused_naming_both(tmp_path: Path) -> None:
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)
+    out = tmp_path / "regen.jsonl"
+    first = run_regenerate(_config(out, data, limit=2))
+    assert first is not None and first.written == 2
+    before = out.read_bytes()
+    result = CliRunner().invoke(
+        main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
+               "--max-new-tokens", "20", "--batch-size", "3", "--no-progress"],
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: --max-new-tokens 20 differs from the --max-new-tokens 12 that wrote {out}: resume with "
+        "--max-new-tokens 12, or write to another --out"
+    ]
+    assert out.read_bytes() == before  # nothing appended
+    # A part left by a killed multi-worker run is checked as well.
+    out2 = tmp_path / "other.jsonl"
+    parts = out2.with_name(out2.name + ".parts")
+    parts.mkdir()
+    (parts / "w1.jsonl").write_bytes(before)
+    with pytest.raises(ConfigError, match=r"--max-new-tokens 20 differs from the --max-new-tokens 12"):
+        run_regenerate(_config(out2, data, max_new_tokens=20))
+
+
 def test_a_foreign_output_file_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "regen.jsonl"
     out.write_text('{"id": 1}\n')
