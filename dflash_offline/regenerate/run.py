@@ -113,7 +113,9 @@ class RegenerateProgress:
         if self.first_ready is None:
             self.first_ready = time.perf_counter()
         if self._bar is not None:
-            self._bar.set_description(self._desc(), refresh=False)
+            # Drawn now: the next redraw comes with the first finished answer, which a large batch
+            # (every row decoding --max-new-tokens together) can take minutes to produce.
+            self._bar.set_description(self._desc(), refresh=True)
 
     def add(self, delta: Tally) -> None:
         self.set(self.tally + delta)

@@ -253,3 +253,17 @@ def test_cli_and_sigkill_resume(tmp_path: Path) -> None:
     expected = {line["source_sample_id"]: line["messages"] for line in _lines(reference)}
     assert len(_lines(out)) == 24
     assert killed == expected
+
+
+def test_the_bar_shows_a_ready_worker_before_its_first_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash_offline.regenerate.run import RegenerateProgress
+    from dflash_offline.regenerate.worker import WorkerReady
+
+    progress = RegenerateProgress(enabled=True, total=4, num_workers=1)
+    try:
+        assert "0/1 workers ready" in capsys.readouterr().err
+        progress.ready(WorkerReady(worker=0, device="cpu", engine="slots", load_seconds=1.0))
+        # No answer has finished yet (no progress event): the bar says the worker is ready all the same.
+        assert "1/1 workers ready" in capsys.readouterr().err
+    finally:
+        progress.close()
