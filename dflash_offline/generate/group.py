@@ -18,6 +18,7 @@ from dflash_offline.errors import WorkerError
 from dflash_offline.generate.channel import JobChannel, QueueJobChannel
 from dflash_offline.generate.events import WorkerStarted
 from dflash_offline.generate.worker import WorkerSpec, run_worker
+from dflash_offline.lifeline import quiet_resource_tracker
 
 DRAIN_SECONDS = 600.0
 """How long a stopped run waits for its workers to finish their current job and commit."""
@@ -54,6 +55,7 @@ class SpawnedWorkers:
     def __init__(self, specs: list[WorkerSpec]) -> None:
         self._specs = specs
         self.num_workers = len(specs)
+        quiet_resource_tracker()  # before the first queue: a killed run's semaphores are cleaned up quietly
         self._mp = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
         self._queue_channel = QueueJobChannel(self._mp, depth=2 * self.num_workers + 2)
         self.channel: JobChannel = self._queue_channel

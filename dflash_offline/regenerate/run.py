@@ -31,6 +31,7 @@ from typing import Any
 
 from dflash_offline.errors import WorkerError
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
+from dflash_offline.lifeline import quiet_resource_tracker
 from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
@@ -264,6 +265,7 @@ def _run_spawned(
     placement = config.placement
     num_workers = placement.num_workers
     config.parts_dir.mkdir(parents=True, exist_ok=True)
+    quiet_resource_tracker()  # before the first queue: a killed run's semaphores are cleaned up quietly
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
     events: Any = ctx.Queue()
     stop = ctx.Event()
