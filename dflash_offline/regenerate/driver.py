@@ -172,7 +172,9 @@ class Driver:
             return
         if len(ids) > self.max_prompt_tokens:
             if not p.answers:
-                detail = f"prompt of at least {len(ids)} tokens > --max-prompt-tokens {self.max_prompt_tokens}"
+                detail = (
+                    f"prompt of at least {len(ids)} tokens > --max-prompt-tokens {self.max_prompt_tokens}"
+                )
                 self.sink.fail_conv(p, "too_long", detail)
                 return
             p.stop_early()  # keep the turns answered so far

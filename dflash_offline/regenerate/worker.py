@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_offline.interrupt import skip_exit_collection
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tally
 
@@ -348,6 +349,7 @@ def worker_process(spec: WorkerSpec, events: Any, stop: Any, parent_pid: int) ->
         done = run_worker(spec, emit, stop.is_set)
         emit.flush()
         events.put(done)
+        skip_exit_collection()  # the coordinator waits for this exit (seconds of garbage collection else)
     except BaseException:
         emit.flush()
         events.put(WorkerFailed(worker=spec.worker, device=spec.device, traceback=traceback.format_exc()))

@@ -227,7 +227,8 @@ def test_a_negative_thread_count_is_refused_in_one_line(
     assert not isinstance(result.exception, _Captured)  # refused before any run
     lines = result.output.strip().splitlines()
     assert len(lines) == 1, result.output
-    assert lines[0].startswith("Error: ") and "--threads -3: expected" in lines[0], result.output
+    assert lines[0].startswith("Error: "), result.output
+    assert "--threads -3: expected" in lines[0], result.output
 
 
 @pytest.mark.parametrize(

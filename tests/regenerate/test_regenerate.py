@@ -131,7 +131,8 @@ def test_a_resume_with_another_answer_length_is_refused_naming_both(tmp_path: Pa
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)
     out = tmp_path / "regen.jsonl"
     first = run_regenerate(_config(out, data, limit=2))
-    assert first is not None and first.written == 2
+    assert first is not None
+    assert first.written == 2
     before = out.read_bytes()
     result = CliRunner().invoke(
         main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),

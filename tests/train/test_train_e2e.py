@@ -16,8 +16,8 @@ import torch
 from click.testing import CliRunner
 
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cli import main
 from dflash_offline.cache.records import CachedSample
+from dflash_offline.cli import main
 from dflash_offline.placement import DistInfo
 from dflash_offline.target.capture import FeatureCapture
 from dflash_offline.target.loader import load_target
