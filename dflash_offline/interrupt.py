@@ -55,11 +55,6 @@ def stop_requested() -> bool:
     return _stop.is_set()
 
 
-def request_stop() -> None:
-    """What the first SIGINT does (tests call it directly)."""
-    _stop.set()
-
-
 @contextlib.contextmanager
 def stop_on_sigint(
     announce: str, *, second_aborts: bool = True, abort_note: str = "abort at once"

@@ -13,9 +13,9 @@ import contextlib
 from collections.abc import Iterator
 
 from dflash_offline import interrupt
-from dflash_offline.interrupt import request_stop, stop_requested
+from dflash_offline.interrupt import stop_requested
 
-__all__ = ["TrainInterrupted", "request_stop", "stop_on_sigint", "stop_requested"]
+__all__ = ["TrainInterrupted", "stop_on_sigint", "stop_requested"]
 
 
 class TrainInterrupted(Exception):  # noqa: N818 (not an error: the user asked for it)
