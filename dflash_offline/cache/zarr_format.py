@@ -116,18 +116,30 @@ class ArrayFormat:
         return self.path / suffix
 
 
-def _bad(path: Path, what: str) -> CacheFormatError:
-    return CacheFormatError(f"{path}/zarr.json: {what}; not a shard written by dflash-offline format v1")
+def _bad(path: Path, what: str) -> CacheDamageError:
+    # Damage, not a format of its own: the samples of this shard group cannot be read, the others can
+    # (``dflash verify`` lists them, ``train --on-damaged skip`` skips them).
+    return CacheDamageError(f"{path}/zarr.json: {what}; not a shard written by dflash-offline format v1")
 
 
 def parse_array_format(array_dir: Path, name: str) -> ArrayFormat:
-    """Parse and validate ``<array_dir>/zarr.json``."""
+    """Parse and validate ``<array_dir>/zarr.json``; anything unlike what the writer writes is a
+    ``CacheDamageError`` naming the file."""
     try:
         meta = json.loads((array_dir / "zarr.json").read_text())
     except FileNotFoundError:
         raise CacheDamageError(f"{array_dir}/zarr.json is missing: the shard group is incomplete") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CacheDamageError(f"{array_dir}/zarr.json is not valid JSON ({e})") from e
+    try:
+        return _parse_meta(meta, array_dir, name)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, CacheFormatError):
+            raise
+        raise _bad(array_dir, f"malformed metadata ({type(e).__name__}: {e})") from e
+
+
+def _parse_meta(meta: Any, array_dir: Path, name: str) -> ArrayFormat:
     if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         raise _bad(array_dir, "not a Zarr v3 array")
     dtype = DTYPES[name]

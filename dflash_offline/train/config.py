@@ -211,7 +211,8 @@ class TrainConfig:
     """Write TensorBoard event files: to ``tensorboard_dir``, else to RUN/tb when the package is there."""
     on_damaged: Literal["stop", "skip"] = cli_field(
         "stop",
-        help="A sample failing its checksum when read: stop naming it, or skip it (recorded in "
+        help="A damaged sample when read (a missing or truncated shard file, a chunk that does not decode, a "
+        "zarr.json unlike the writer's, a failed checksum): stop naming it, or skip it (recorded in "
         "RUN/damaged_samples.jsonl, reported at the end).",
     )
     """A sample failing its crc32c when read: ``stop`` the run naming it, or ``skip`` it (recorded in
