@@ -224,7 +224,18 @@ class TrainConfig:
     threads_per_worker: int = cli_field(0, cli=THREADS)
     progress: bool = cli_field(True, cli=PROGRESS)
 
+    def _check_out_beside_cache(self) -> None:
+        """--out inside the cache would mix the run's files (and its ``lock``) into the cache's."""
+        cache, out = Path(self.cache_dir).resolve(), Path(self.out_dir).resolve()
+        if out == cache or cache in out.parents:
+            raise ConfigError(
+                f"--out {self.out_dir} is inside --cache {self.cache_dir}: the run directory and the cache "
+                "would share files (both hold a `lock`); choose an --out outside the cache"
+            )
+
     def __post_init__(self) -> None:
+        self._check_out_beside_cache()
+
         def finite(x: float) -> bool:
             return isinstance(x, int | float) and math.isfinite(x)
 

@@ -10,8 +10,8 @@ import json
 import math
 import shutil
 import subprocess
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,9 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "loss_mask dtype mismatch": lambda group: _edit_zarr_json(
         group / "loss_mask" / "zarr.json", lambda meta: meta.update(data_type="int16")
     ),
-    "features shape mismatch": lambda group: _edit_zarr_json(group / "features" / "zarr.json", _twice_as_wide),
+    "features shape mismatch": lambda group: _edit_zarr_json(
+        group / "features" / "zarr.json", _twice_as_wide
+    ),
 }
 
 
