@@ -137,7 +137,10 @@ def parse_cache_json(doc: Any, path: Path) -> CacheFingerprint:
             f"{CACHE_FORMAT_VERSION} only: use the dflash-offline version that wrote it, "
             f"or regenerate the cache"
         )
-    return CacheFingerprint.from_dict(doc["fingerprint"])
+    try:
+        return CacheFingerprint.from_dict(doc["fingerprint"])
+    except (CacheFormatError, TypeError, ValueError, AttributeError) as e:
+        raise CacheFormatError(f"{path}: {e}; restore it or regenerate the cache") from e
 
 
 def read_fingerprint(root: str | Path) -> CacheFingerprint:

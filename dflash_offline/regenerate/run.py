@@ -45,6 +45,7 @@ from dflash_offline.regenerate.worker import (
     run_worker,
     worker_process,
 )
+from dflash_offline.writable import check_writable_file
 
 __all__ = ["RegenerateSummary", "render_prompt", "run_regenerate"]
 
@@ -194,6 +195,7 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
     from dflash_offline.data.sources import resolve_data_path
 
     resolve_data_path(config.data)  # a missing file fails here, before any worker starts
+    check_writable_file(config.out, option="--out")
     if config.engine == "openai":
         from dflash_offline.regenerate.openai_engine import probe_for_config
 
