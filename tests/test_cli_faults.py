@@ -26,8 +26,8 @@ from dflash_offline.train.launch import run_training
 from tests.eval.helpers import export_untrained_for
 from tests.train.helpers import train_config
 
-TRAIN_ARGS = ["--num-layers", "1", "--block-size", "8", "--num-anchors", "32",
-              "--tokens-per-microbatch", "600", "--max-steps", "2", "--threads", "1", "--no-progress"]  # fmt: skip
+TRAIN_ARGS = ["--num-layers", "1", "--block-size", "8", "--num-anchors", "32", "--tokens-per-microbatch",
+              "600", "--max-steps", "2", "--threads", "1", "--no-progress"]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
