@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -145,13 +146,21 @@ def _eval_read_only(scene: Scene) -> Fault:
 
 
 def _damaged_manifest_part(scene: Scene, name: str) -> tuple[Path, Path]:
-    """A cache copy whose first samples part has damaged pages (its footer, hence its schema, intact)."""
+    """A cache copy whose first samples part has a damaged data page (its footer, hence its schema,
+    intact: only reading the rows fails)."""
     cache = _copy(scene, name)
     part = sorted((cache / "manifest" / "samples").glob("*.parquet"))[0]
+    row_group = pq.ParquetFile(part).metadata.row_group(0)
+    chunk = max(
+        (row_group.column(i) for i in range(row_group.num_columns)), key=lambda c: c.total_compressed_size
+    )
+    start = chunk.data_page_offset + 64  # past the page header: its compressed values
+    assert chunk.total_compressed_size > 96
     data = bytearray(part.read_bytes())
-    for i in range(8, len(data) // 2):
+    for i in range(start, chunk.data_page_offset + chunk.total_compressed_size - 8):
         data[i] ^= 0x5A
     part.write_bytes(bytes(data))
+    pq.read_metadata(part)  # the footer still reads
     return cache, part
 
 
