@@ -15,9 +15,8 @@ When the reader supports ``features_out`` (see ``RowReader``) it decodes straigh
 
 Errors: an exception in a worker (a failed read, a checksum mismatch, a failing anchor_fn) or in the
 job iterator is re-raised in the consumer as ``WorkerError`` carrying the thread's traceback, after the
-batches planned before it were delivered (a ``DflashError``, e.g. damaged data or a cache whose
-shards do not fit its cache.json, is re-raised as itself: it is the user's to act on, and its one-line
-message names the samples or the file). ``close()`` (also on ``with`` exit)
+batches planned before it were delivered (a ``CacheDamageError`` is re-raised as itself: damaged data
+is the user's to act on, and its message names the samples). ``close()`` (also on ``with`` exit)
 stops the threads promptly; a worker in the middle of a read finishes that read and exits. The worker
 threads hold the prefetcher, so an abandoned one is never collected: always use ``with`` or call
 ``close()``.
@@ -42,7 +41,7 @@ import torch
 from dflash_offline.cache.fp8 import Fp8Layout, decode_rows
 from dflash_offline.cache.records import CachedSample
 from dflash_offline.drafter.loss import loss_rows
-from dflash_offline.errors import CacheFormatError, ConfigError, DflashError, WorkerError
+from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, WorkerError
 from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
 from dflash_offline.train.packing import HostBufferPool, pack_into, pack_layout
 
@@ -219,7 +218,7 @@ class Prefetcher:
                 if failure is not None and failure.index <= index:
                     self._closed = True  # a failed prefetcher delivers nothing more
                     self._cond.notify_all()
-                    if isinstance(failure.error, DflashError):
+                    if isinstance(failure.error, CacheDamageError):
                         raise failure.error  # the data, not the code: its one-line message says it all
                     raise WorkerError(
                         f"prefetch thread {failure.thread} failed on batch {failure.index}: "
