@@ -277,7 +277,7 @@ def test_nonsense_numbers_are_refused_with_the_valid_range(
     tmp_path: Path, overrides: dict[str, object], expected: str
 ) -> None:
     with pytest.raises(ConfigError, match=expected):
-        _config(tmp_path, tmp_path / "run", **overrides)
+        _config(tmp_path / "cache", tmp_path / "run", **overrides)
 
 
 def test_cli_refuses_nonsense_in_one_line(cache: Path, tmp_path: Path) -> None:
