@@ -183,11 +183,19 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 def test_every_kind_of_damage_is_skipped_as_verify_lists_it_or_stops_in_one_line(
     kind: str, cache: Path, tmp_path: Path
 ) -> None:
-    """`--on-damaged skip` leaves out (and records) exactly the samples `dflash verify` lists as damaged,
-    whatever the damage; the default stops with one line naming a damaged sample or its shard."""
+    """`--on-damaged skip` leaves out (and records) exactly the samples `dflash verify` finds damaged
+    (their bytes, or their shard group's zarr.json), whatever the damage; the default stops with one
+    line naming a damaged sample or its shard."""
     damaged_cache = shutil.copytree(cache, tmp_path / "cache")
     DAMAGE[kind](_group(damaged_cache))
-    listed = {d.sample_id for d in verify_cache(damaged_cache, progress=False).damaged}
+    report = verify_cache(damaged_cache, progress=False)
+    # verify's account: samples whose bytes are damaged, and every sample of a shard group whose
+    # zarr.json it reports damaged (verify reads them through rebuilt metadata; a reader has none).
+    bad_groups = {m.shard for m in report.metadata}
+    with CacheReader.open(damaged_cache) as reader:
+        table = reader.samples
+        in_bad_groups = {str(table.sample_id[i]) for i in range(len(table)) if table.shard[i] in bad_groups}
+    listed = {d.sample_id for d in report.damaged} | in_bad_groups
     assert listed  # the damage is real
     run = tmp_path / "skip"
     # 256-token microbatches: the longer samples are read alone, the shorter ones with others.
