@@ -174,11 +174,6 @@ def _sql_damaged_part(scene: Scene) -> Fault:
     return Fault(args=["sql", str(cache), "SELECT count(*) FROM samples"], path=str(part))
 
 
-def _verify_damaged_part(scene: Scene) -> Fault:
-    cache, part = _damaged_manifest_part(scene, "verify-part")
-    return Fault(args=["verify", str(cache), "--no-progress"], path=str(part))
-
-
 def _sql_truncated_index(scene: Scene) -> Fault:
     cache = _copy(scene, "truncated-index")
     index = cache / "index.duckdb"
@@ -235,7 +230,6 @@ FAULTS: dict[str, Callable[[Scene], Fault]] = {
     "generate, cache under a file": _generate_under_a_file,
     "status, manifest part with damaged pages": _status_damaged_part,
     "sql, manifest part with damaged pages": _sql_damaged_part,
-    "verify, manifest part with damaged pages": _verify_damaged_part,
     "sql, truncated index.duckdb": _sql_truncated_index,
     "sql, a query failing while its rows are fetched": _sql_fails_while_fetching,
     "train, hidden size edited in cache.json": _train_edited_hidden_size,
