@@ -74,7 +74,7 @@ CREATE TABLE duplicates (
 CREATE TABLE parts (
     manifest_table VARCHAR NOT NULL, -- samples | failures | shards | runs
     file           VARCHAR NOT NULL, -- path relative to the cache root
-    mtime_ns       BIGINT NOT NULL   -- runs/<run_id>.parquet is rewritten in place as a run progresses
+    mtime_ns       BIGINT NOT NULL   -- a part rewritten in place (by hand, by a tool) makes the index stale
 );
 
 CREATE TABLE meta (

@@ -7,8 +7,12 @@ from typing import Any
 
 from dflash_offline.errors import CacheFormatError, FingerprintMismatchError
 
-CACHE_FORMAT_VERSION = 1
-"""Bump when the on-disk layout changes; readers refuse versions they do not know."""
+CACHE_FORMAT_VERSION = 2
+"""Bump when the on-disk layout changes; readers refuse versions they do not know. Format 2 put the
+sha256 of each manifest part's bytes into its name (cache/manifest.py)."""
+READABLE_FORMAT_VERSIONS = (1, 2)
+"""Format 1 caches are still read (and appended to, staying format 1): their manifest parts carry no
+sha256, so damage to a part is not detected there."""
 OPTIONAL_FIELDS = frozenset({"compute_dtype"})
 """Fields added after format 1 was released: absent (None) in older caches, which stay readable."""
 

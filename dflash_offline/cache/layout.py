@@ -3,13 +3,15 @@
 ```
 CACHE/cache.json
 CACHE/shards/<shard>.zarr/                    one Zarr v3 group per writer session
-CACHE/manifest/samples/<shard>-<part>.parquet committed sample rows, temp file + rename
-CACHE/manifest/failures/<shard>-<part>.parquet
-CACHE/manifest/shards/<shard>.parquet         one ShardInfo row, written when the session opens
-CACHE/manifest/runs/<run_id>.parquet          one RunRow, rewritten as the run progresses
+CACHE/manifest/samples/<shard>-<part>.<sha256>.parquet committed sample rows, temp file + rename
+CACHE/manifest/failures/<shard>-<part>.<sha256>.parquet
+CACHE/manifest/shards/<shard>.<sha256>.parquet       one ShardInfo row, written when the session opens
+CACHE/manifest/runs/<run_id>.<rev>.<sha256>.parquet  one RunRow revision per update of the run
+CACHE/manifest/damaged/<table>/                      parts ``dflash verify --repair`` moved aside
 CACHE/index.duckdb                            merged index (``dflash index``), may be stale or absent
 ```
-The Parquet manifest is the truth; ``index.duckdb`` is a convenience built from it.
+The Parquet manifest is the truth; ``index.duckdb`` is a convenience built from it. The sha256 in a
+part's name is that of its bytes (``manifest.py``); format-1 caches name parts without it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash_offline.cache.codecs import codec_spec, storage_dtype
-from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION, OPTIONAL_FIELDS, CacheFingerprint
+from dflash_offline.cache.fingerprint import (
+    CACHE_FORMAT_VERSION,
+    OPTIONAL_FIELDS,
+    READABLE_FORMAT_VERSIONS,
+    CacheFingerprint,
+)
 from dflash_offline.errors import CacheFormatError
 from dflash_offline.locking import LOCK_NAME
 
@@ -67,7 +74,13 @@ class CacheLayout:
     def shard_group(self, shard: str) -> Path:
         return self.shards_dir / f"{shard}.zarr"
 
+    @property
+    def damaged_dir(self) -> Path:
+        """Where ``dflash verify --repair`` moves damaged manifest parts (no reader lists it)."""
+        return self.manifest_dir / "damaged"
+
     def part_path(self, table: str, shard: str, part: int) -> Path:
+        """The name a part is written for; ``manifest.write_part`` adds its sha256 to it."""
         return self.table_dir(table) / f"{shard}-{part:06d}.parquet"
 
     def parts(self, table: str) -> list[Path]:
@@ -121,23 +134,35 @@ def _check_root(root: Path) -> None:
         )
 
 
-def _cache_json_text(fingerprint: CacheFingerprint) -> bytes:
-    doc = {"format_version": CACHE_FORMAT_VERSION, "fingerprint": fingerprint.to_dict()}
+def _cache_json_text(fingerprint: CacheFingerprint, version: int = CACHE_FORMAT_VERSION) -> bytes:
+    doc = {"format_version": version, "fingerprint": fingerprint.to_dict()}
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _format_version(doc: Any, path: Path) -> int:
+    if not isinstance(doc, dict) or "format_version" not in doc or "fingerprint" not in doc:
+        raise CacheFormatError(f"{path} is not a dflash cache.json (needs format_version and fingerprint)")
+    version = doc["format_version"]
+    if version not in READABLE_FORMAT_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_FORMAT_VERSIONS)
+        raise CacheFormatError(
+            f"{path} has format_version {version!r}; this dflash-offline reads formats {readable}: "
+            f"use the dflash-offline version that wrote it, or regenerate the cache"
+        )
+    return int(version)
 
 
 def parse_cache_json(doc: Any, path: Path) -> CacheFingerprint:
     """Parse the content of ``cache.json``; refuses unknown format versions."""
-    if not isinstance(doc, dict) or "format_version" not in doc or "fingerprint" not in doc:
-        raise CacheFormatError(f"{path} is not a dflash cache.json (needs format_version and fingerprint)")
-    version = doc["format_version"]
-    if version != CACHE_FORMAT_VERSION:
-        raise CacheFormatError(
-            f"{path} has format_version {version!r}; this dflash-offline reads format "
-            f"{CACHE_FORMAT_VERSION} only: use the dflash-offline version that wrote it, "
-            f"or regenerate the cache"
-        )
+    _format_version(doc, path)
     return CacheFingerprint.from_dict(doc["fingerprint"])
+
+
+def read_format_version(root: str | Path) -> int:
+    """The format version in an existing cache's cache.json (1 or 2; others are refused)."""
+    layout = CacheLayout.at(root)
+    read_fingerprint(root)  # the shared messages for a missing or unreadable cache.json
+    return _format_version(json.loads(layout.cache_json.read_text()), layout.cache_json)
 
 
 def read_fingerprint(root: str | Path) -> CacheFingerprint:
@@ -183,7 +208,8 @@ def adopt_new_fields(root: str | Path, fingerprint: CacheFingerprint) -> None:
     )
     filled.check_same(fingerprint)
     if filled != existing:
-        write_atomic(layout.cache_json, _cache_json_text(filled), fsync=True)
+        version = read_format_version(root)  # a format-1 cache stays format 1 (its parts carry no sha256)
+        write_atomic(layout.cache_json, _cache_json_text(filled, version), fsync=True)
 
 
 def create_or_open_cache(root: str | Path, fingerprint: CacheFingerprint) -> CacheLayout:

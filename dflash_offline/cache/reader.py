@@ -33,7 +33,7 @@ from dflash_offline.cache.checksum import sample_checksum
 from dflash_offline.cache.codecs import FeatureStorage, feature_storage
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.fp8 import decode_rows
-from dflash_offline.cache.layout import CacheLayout, read_fingerprint
+from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
 from dflash_offline.cache.manifest import read_parts
 from dflash_offline.cache.records import CachedSample
 from dflash_offline.cache.shard_file import Piece, ShardFile
@@ -163,9 +163,12 @@ class CacheReader:
         num_threads: int = 8,
         check_checksums: bool = False,
         on_damaged: OnDamaged | None = None,
+        skip_parts: frozenset[Path] = frozenset(),
     ) -> None:
         self.layout = CacheLayout.at(root)
         self.fingerprint: CacheFingerprint = read_fingerprint(root)
+        self._legacy_names = read_format_version(root) == 1
+        self._skip_parts = skip_parts
         self.storage: FeatureStorage = feature_storage(
             self.fingerprint.codec,
             num_layers=len(self.fingerprint.layer_ids),
@@ -192,12 +195,23 @@ class CacheReader:
         num_threads: int = 8,
         check_checksums: bool = False,
         on_damaged: OnDamaged | None = None,
+        skip_parts: frozenset[Path] = frozenset(),
     ) -> CacheReader:
         """Open a cache (reads cache.json and the manifest). ``check_checksums`` re-checksums every
         sample read (≈ 12 GB/s a core) and raises ``CacheDamageError`` naming every damaged sample
         of the read; with ``on_damaged`` it instead zeroes a damaged sample's features, ids and loss
-        mask (so it carries no loss and no NaN) and reports it through the callback."""
-        return cls(root, num_threads=num_threads, check_checksums=check_checksums, on_damaged=on_damaged)
+        mask (so it carries no loss and no NaN) and reports it through the callback.
+
+        Every manifest part is checked against the sha256 in its name as it is loaded: a damaged one
+        raises ``ManifestDamageError`` naming it. ``skip_parts`` leaves parts out (``verify`` and
+        ``repair`` pass the damaged ones they report)."""
+        return cls(
+            root,
+            num_threads=num_threads,
+            check_checksums=check_checksums,
+            on_damaged=on_damaged,
+            skip_parts=skip_parts,
+        )
 
     def __enter__(self) -> CacheReader:
         return self
@@ -211,10 +225,11 @@ class CacheReader:
         self._pool.shutdown(wait=True)
 
     def refresh(self) -> None:
-        """Re-read the manifest: parts are immutable once renamed, so only new ones are loaded."""
+        """Re-read the manifest: parts are immutable once renamed, so only new ones are loaded (and
+        checked against their sha256)."""
         for path in self.layout.parts("samples"):
-            if path not in self._parts:
-                self._parts[path] = read_parts("samples", [path])
+            if path not in self._parts and path not in self._skip_parts:
+                self._parts[path] = read_parts("samples", [path], legacy_names=self._legacy_names)
         tables = list(self._parts.values())
         merged = pa.concat_tables(tables) if tables else read_parts("samples", [])
         self.samples = SampleTable.from_arrow(merged)
@@ -471,17 +486,26 @@ class CacheReader:
             self.on_damaged(d)
 
     # ----------------------------------------------------------------------------------------------
+    def use_formats(self, shard: str, formats: dict[str, ArrayFormat]) -> None:
+        """Read ``shard`` through these array formats instead of its ``zarr.json`` files (verify and
+        repair pass the rebuilt metadata of a group whose ``zarr.json`` is damaged)."""
+        self._check_features(shard, formats["features"])
+        self._formats[shard] = formats
+
+    def _check_features(self, shard: str, fmt: ArrayFormat) -> None:
+        if fmt.width != self.storage.width or fmt.dtype != self.storage.dtype:
+            raise CacheFormatError(
+                f"{self.layout.shard_group(shard)}: features are {fmt.dtype} [{fmt.width}] a token, "
+                f"cache.json's codec {self.storage.codec!r} stores {self.storage.dtype} "
+                f"[{self.storage.width}]"
+            )
+
     def _format(self, shard: str, name: str) -> ArrayFormat:
         formats = self._formats.get(shard)
         if formats is None:
             group = self.layout.shard_group(shard)
             formats = {array: parse_array_format(group / array, array) for array in ARRAYS}
-            fmt = formats["features"]
-            if fmt.width != self.storage.width or fmt.dtype != self.storage.dtype:
-                raise CacheFormatError(
-                    f"{group}: features are {fmt.dtype} [{fmt.width}] a token, cache.json's codec "
-                    f"{self.storage.codec!r} stores {self.storage.dtype} [{self.storage.width}]"
-                )
+            self._check_features(shard, formats["features"])
             self._formats[shard] = formats
         return formats[name]
 

@@ -181,7 +181,7 @@ class RunRow:
     ``status`` is ``running`` until it ends; a run killed without a chance to say so stays ``running``."""
 
     run_id: str
-    """Unique id of the invocation (also the file name ``manifest/runs/<run_id>.parquet``)."""
+    """Unique id of the invocation (its revisions are ``manifest/runs/<run_id>.<rev>.<sha256>.parquet``)."""
     command: str
     """``generate``, ``regenerate``, ...: what wrote to the cache."""
     started_at: dt.datetime

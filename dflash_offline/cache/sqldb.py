@@ -4,9 +4,10 @@
 the in-memory database behind ``dflash sql`` / ``dflash status`` are built by ``load_manifest``, so a
 query means the same thing against a finished index and against a cache still being written.
 
-DuckDB traps honoured here (docs/facts.md#duckdb): rows go in through ``read_parquet`` and registered
-Arrow tables, never ``executemany``; every result is fetched completely before the next statement runs on its
-connection; index.duckdb is opened read-only (a read-write connection locks out every other process).
+DuckDB traps honoured here (docs/facts.md#duckdb): rows go in through ``read_parquet`` (of parts
+checked against their sha256 first) and registered Arrow tables, never ``executemany``; every result is
+fetched completely before the next statement runs on its connection; index.duckdb is opened read-only
+(a read-write connection locks out every other process).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION
-from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint
+from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint, read_format_version
+from dflash_offline.cache.manifest import check_parts, current_parts, read_parts
 from dflash_offline.errors import CacheFormatError
 from dflash_offline.sql_files import read_schema
 
@@ -81,14 +82,15 @@ def _file_list(paths: list[Path]) -> str:
 
 
 def part_stamps(root: str | Path) -> list[PartStamp]:
-    """Every manifest part on disk now, with its modification time (runs are rewritten in place)."""
+    """Every manifest part on disk now, with its modification time (a part rewritten in place, by
+    hand or by a tool, makes the index stale)."""
     layout = CacheLayout.at(root)
     stamps = []
     for table in MANIFEST_TABLES:
         for path in layout.parts(table):
             try:
                 mtime = path.stat().st_mtime_ns
-            except FileNotFoundError:  # pragma: no cover - a run part being replaced right now
+            except FileNotFoundError:  # pragma: no cover - a part moved aside by repair right now
                 continue
             stamps.append(
                 PartStamp(manifest_table=table, file=str(path.relative_to(layout.root)), mtime_ns=mtime)
@@ -114,8 +116,10 @@ def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
 def load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
     """Create the schema in ``con``'s current database and fill it from the cache's manifest.
 
-    A part DuckDB cannot read (truncated by a crash or a full disk) is named in a ``CacheFormatError``
-    with the same advice as everywhere else (``manifest.read_parts``), not DuckDB's bare message."""
+    Every part's bytes are first checked against the sha256 in its name (``manifest.check_parts``):
+    a damaged part stops the load with a ``ManifestDamageError`` naming it, never a silently changed
+    table. A part DuckDB cannot read (only possible in a format 1 cache, whose parts carry no sha256)
+    is named in the shared ``manifest.read_parts`` message, not DuckDB's bare one."""
     try:
         return _load_manifest(con, root)
     except duckdb.Error:
@@ -125,24 +129,29 @@ def load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestL
 
 def _raise_unreadable_part(root: str | Path) -> None:
     """Find the part behind a DuckDB read error (only on failure: a footer read per part)."""
-    from dflash_offline.cache.manifest import read_parts
-
     layout = CacheLayout.at(root)
     for table in MANIFEST_TABLES:
         for path in layout.parts(table):
             try:
                 pq.read_metadata(path)
             except (OSError, pa.ArrowInvalid):
-                read_parts(table, [path])  # raises the shared message naming the file
+                read_parts(table, [path], legacy_names=True)  # raises the shared message naming the file
 
 
 def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
     layout = CacheLayout.at(root)
     fingerprint = read_fingerprint(root)
+    legacy_names = read_format_version(root) == 1
     for statement in split_statements(read_schema()):
         con.execute(statement)
     stamps = part_stamps(root)
-    files = {t: [layout.root / s.file for s in stamps if s.manifest_table == t] for t in MANIFEST_TABLES}
+    files = {
+        t: current_parts(t, [layout.root / s.file for s in stamps if s.manifest_table == t])
+        for t in MANIFEST_TABLES
+    }
+    for table in MANIFEST_TABLES:
+        # Hashing is ~1 % of the parse; DuckDB then parses the same immutable files, in parallel.
+        check_parts(files[table], legacy_names=legacy_names)
     if files["samples"]:
         con.execute(
             "CREATE TEMP TABLE _samples AS SELECT *, "
@@ -182,7 +191,7 @@ def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> Manifest
     )
     duplicates = _count(con, "SELECT count(*) FROM duplicates")
     meta = {
-        "format_version": str(CACHE_FORMAT_VERSION),
+        "format_version": str(read_format_version(root)),
         "fingerprint_json": json.dumps(fingerprint.to_dict(), sort_keys=True),
         "duplicates_dropped": str(duplicates),
     }

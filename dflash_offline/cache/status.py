@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.cache.codecs import raw_token_bytes
-from dflash_offline.cache.fingerprint import CACHE_FORMAT_VERSION, CacheFingerprint
-from dflash_offline.cache.layout import CacheLayout, read_fingerprint
+from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
 from dflash_offline.cache.sqldb import index_is_current, open_query_database
 
 
@@ -56,7 +56,12 @@ class CacheStatus:
         fp = self.fingerprint
         ratio = f"{self.stored_bytes / self.raw_bytes:.3f}" if self.raw_bytes else "n/a"
         lines = [
-            f"cache      {self.root} (format v{self.format_version})",
+            f"cache      {self.root} (format v{self.format_version}"
+            + (
+                ": its manifest parts carry no sha256, so damage to them is not detected)"
+                if self.format_version == 1
+                else ")"
+            ),
             f"target     {fp.target_id}  layers {list(fp.layer_ids)}  hidden {fp.hidden_size}  "
             f"codec {fp.codec}",
             f"samples    {self.samples:,}  ({self.duplicates} duplicate rows ignored)",
@@ -145,7 +150,7 @@ def cache_status(root: str | Path) -> CacheStatus:
         index = "absent"
     return CacheStatus(
         root=layout.root,
-        format_version=CACHE_FORMAT_VERSION,
+        format_version=read_format_version(root),
         fingerprint=fingerprint,
         samples=int(samples),
         tokens=int(tokens),

@@ -120,14 +120,35 @@ def _bad(path: Path, what: str) -> CacheFormatError:
     return CacheFormatError(f"{path}/zarr.json: {what}; not a shard written by dflash-offline format v1")
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """The JSON object in a ``zarr.json`` (``CacheDamageError`` when missing, unreadable or not an object)."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CacheDamageError(f"{path} is missing: the shard group is incomplete") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheDamageError(f"{path} is not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise CacheDamageError(f"{path} is not a JSON object")
+    return meta
+
+
 def parse_array_format(array_dir: Path, name: str) -> ArrayFormat:
     """Parse and validate ``<array_dir>/zarr.json``."""
+    return array_format_from_meta(read_meta(array_dir / "zarr.json"), array_dir, name)
+
+
+def array_format_from_meta(meta: dict[str, Any], array_dir: Path, name: str) -> ArrayFormat:
+    """Validate the metadata of the array at ``array_dir`` (as parsed from its ``zarr.json``)."""
     try:
-        meta = json.loads((array_dir / "zarr.json").read_text())
-    except FileNotFoundError:
-        raise CacheDamageError(f"{array_dir}/zarr.json is missing: the shard group is incomplete") from None
-    except json.JSONDecodeError as e:
-        raise CacheDamageError(f"{array_dir}/zarr.json is not valid JSON ({e})") from e
+        return _array_format(meta, array_dir, name)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, CacheFormatError):
+            raise
+        raise _bad(array_dir, f"malformed ({type(e).__name__}: {e})") from e
+
+
+def _array_format(meta: dict[str, Any], array_dir: Path, name: str) -> ArrayFormat:
     if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         raise _bad(array_dir, "not a Zarr v3 array")
     dtype = DTYPES[name]

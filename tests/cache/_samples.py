@@ -9,12 +9,15 @@ values are regenerated from (seed, index) alone, independently of which session 
 from __future__ import annotations
 
 import bisect
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.manifest import PartName
 from dflash_offline.cache.records import CachedSample, SampleToWrite
 
 # Tiny geometry: F = 16 features (32 B a row), 8-row inner chunks, 64-row shards, so a few dozen
@@ -103,3 +106,12 @@ def assert_same(got: CachedSample, want: SampleToWrite) -> None:
     np.testing.assert_array_equal(got.loss_mask_T.numpy(), want.loss_mask_T)
     assert got.loss_mask_T.dtype == torch.uint8
     assert got.bucket_id == want.bucket_id
+
+
+def copy_part(part: Path, stem: str) -> Path:
+    """A byte copy of a manifest part under another stem, named as the writer names parts (with the
+    sha256 of its bytes): what a second commit of the same rows looks like."""
+    digest = PartName.parse(part).digest
+    copy = part.with_name(f"{stem}.{digest}.parquet" if digest else f"{stem}.parquet")
+    shutil.copy(part, copy)
+    return copy

@@ -127,7 +127,9 @@ def test_unknown_format_version_is_refused(cache_with_one_commit, fingerprint):
     doc["format_version"] = 99
     (root / "cache.json").write_text(json.dumps(doc))
     for open_it in (read_fingerprint, CacheReader.open, lambda r: create_or_open_cache(r, fingerprint)):
-        with pytest.raises(CacheFormatError, match="format_version 99; this dflash-offline reads format 1"):
+        with pytest.raises(
+            CacheFormatError, match="format_version 99; this dflash-offline reads formats 1 and 2"
+        ):
             open_it(root)
 
 

@@ -1,4 +1,4 @@
-"""The golden cache written by format v1 (tests/assets/golden_cache/v1) is read by the current code."""
+"""The golden cache of each format (tests/assets/golden_cache/v<format>) is read by the current code."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dflash_offline.cache.index import build_index
 from dflash_offline.cache.layout import read_fingerprint
@@ -27,9 +28,13 @@ def _generator():
     return module
 
 
-def test_golden_v1_reads_bit_exactly():
+VERSIONS = ("v1", "v2")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_golden_reads_bit_exactly(version):
     gen = _generator()
-    root = GOLDEN / "v1"
+    root = GOLDEN / version
     assert read_fingerprint(root).to_dict() == gen.fingerprint_dict()
     with CacheReader.open(root, check_checksums=True) as reader:
         assert len(reader.samples) == gen.NUM_SAMPLES
@@ -46,8 +51,9 @@ def test_golden_v1_reads_bit_exactly():
         assert bits(first.features_TF)[0, : len(gen.SPECIAL_BITS)].tolist() == list(gen.SPECIAL_BITS)
 
 
-def test_golden_v1_verifies_and_indexes(tmp_path):
-    root = GOLDEN / "v1"
+@pytest.mark.parametrize("version", VERSIONS)
+def test_golden_verifies_and_indexes(tmp_path, version):
+    root = GOLDEN / version
     report = verify_cache(root, progress=False)
     assert report.ok
     assert report.samples_checked == 24

@@ -8,7 +8,6 @@ import dataclasses
 import datetime as dt
 import io
 import json
-import shutil
 import struct
 
 import duckdb
@@ -23,7 +22,7 @@ from dflash_offline.cache.status import cache_status
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.errors import ConfigError, DflashError
 from dflash_offline.sql_files import named_queries
-from tests.cache._samples import TINY, make_samples
+from tests.cache._samples import TINY, copy_part, make_samples
 
 
 def sql(root, statement=None, *, query=None, source="auto"):
@@ -150,7 +149,7 @@ def test_sql_while_a_writer_is_active(tmp_path, fingerprint):
 def test_duplicates_are_dropped_by_the_index_keeping_the_first(cache):
     root, _ = cache
     part = CacheLayout.at(root).parts("samples")[0]
-    shutil.copy(part, part.with_name("w009-zz-000000.parquet"))
+    copy_part(part, "w009-zz-000000")
     stats = build_index(root)
     assert stats.samples == 30
     assert stats.duplicates > 0
@@ -204,6 +203,6 @@ def test_status_and_runs(cache):
     assert run.finished_at is None
     assert run.started_at == dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
     finished = dataclasses.replace(run, status="finished", finished_at=run.started_at + dt.timedelta(hours=1))
-    record_run(root, finished)  # rewritten in place (temp file + rename)
+    record_run(root, finished)  # a new revision (its own part); the newest counts
     assert read_runs(root) == [finished]
     assert cache_status(root).last_run == "run-1 generate finished"

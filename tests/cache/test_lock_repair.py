@@ -106,7 +106,7 @@ def test_repair_drops_duplicate_commits_and_orphan_bytes(tmp_path: Path) -> None
     assert len(report.duplicates) == 20
     assert report.unreferenced_bytes > 0
 
-    result = CliRunner().invoke(main, ["verify", str(cache), "--repair", "--no-progress"])
+    result = CliRunner().invoke(main, ["verify", str(cache), "--repair", "--yes", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "dropped 20 duplicate commits, 0 damaged samples" in result.output
     after = verify_cache(cache, progress=False)
@@ -214,5 +214,5 @@ def test_status_sql_index_name_a_truncated_manifest_part(tmp_path: Path) -> None
     ):
         result = runner.invoke(main, args)
         assert result.exit_code != 0, args
-        assert f"manifest part {part} cannot be read" in result.output, (args, result.output)
+        assert f"manifest part {part} is damaged" in result.output, (args, result.output)
         assert "Traceback" not in result.output

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -14,7 +12,7 @@ from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.cache.zarr_format import parse_array_format
 from dflash_offline.errors import CacheDamageError
-from tests.cache._samples import TINY, make_fingerprint, make_samples
+from tests.cache._samples import TINY, copy_part, make_fingerprint, make_samples
 
 
 def write_cache(root, codec: str, n: int = 40):
@@ -142,7 +140,7 @@ def test_crash_leftovers_are_unreferenced_not_damage(tmp_path):
 def test_duplicated_commit_is_reported(tmp_path):
     write_cache(tmp_path, "none", n=8)
     part = CacheLayout.at(tmp_path).parts("samples")[0]
-    shutil.copy(part, part.with_name("w000-copy-000000.parquet"))
+    copy_part(part, "w000-copy-000000")
     report = verify_cache(tmp_path, progress=False)
     assert not report.ok
     assert len(report.duplicates) == 8

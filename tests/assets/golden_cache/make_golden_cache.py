@@ -1,9 +1,10 @@
-"""Write the golden cache (format v1) that tests/cache/test_golden.py reads with the current code.
+"""Write the golden cache of the current format that tests/cache/test_golden.py reads with the current code.
 
 Run once per format version, from the repository root:
     .venv/bin/python tests/assets/golden_cache/make_golden_cache.py
-and commit the folder it writes (``tests/assets/golden_cache/v1``). Never regenerate an existing
-version: the point is that today's reader still reads what an older writer wrote.
+and commit the folder it writes (``tests/assets/golden_cache/v<format>``: v1 was written by format 1,
+v2 by format 2, which names manifest parts with their sha256). Never regenerate an existing version:
+the point is that today's reader still reads what an older writer wrote.
 
 The content is a pure function of the sample index through integer hashing (splitmix64), not of a
 random number generator whose stream could change between numpy versions.
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-VERSION_DIR = HERE / "v1"
+VERSION_DIR = HERE / "v2"
 NUM_SAMPLES = 24
 LAYER_IDS = (1, 3)
 HIDDEN_SIZE = 16
