@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from dflash_offline.config_fields import CACHE, GPUS, PROGRESS, SEED, THREADS, WORKERS, cli_field
 from dflash_offline.errors import ConfigError, ResumeError
+from dflash_offline.placement import parse_gpus
 
 MAX_BLOCK_SIZE = 128
 """A block is drafted in one forward and its attention holds num_anchors × block_size queries per row
@@ -32,9 +33,6 @@ SHAPE_FIELDS = (
 """Options a resume must not change: they define the drafter's tensors, its loss or the sample plan
 (the validation split decides which samples are trained on)."""
 
-ABSENT_BEFORE = {"val_fraction": 0.0, "val_samples": None, "val_group": "sample"}
-"""The value a shape option had in runs whose config.json predates it (those held nothing out)."""
-
 APPLIED_ON_RESUME = (
     "lr",
     "weight_decay",
@@ -47,14 +45,6 @@ APPLIED_ON_RESUME = (
 )
 """Options a resume takes over from the command line (optimizer hyper-parameters and the run length;
 the LR schedule is recomputed from them), each announced when it differs from the previous run."""
-
-
-def _parse_gpus(text: str) -> tuple[int, ...]:
-    # Imported when used: generate.config imports torch (through data.records), and loading this
-    # module (``dflash train --help``) should not.
-    from dflash_offline.placement import parse_gpus
-
-    return parse_gpus(text)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,7 +208,7 @@ class TrainConfig:
     RUN/damaged_samples.jsonl, announced at the end)."""
     export_at_end: bool = True
     # Placement.
-    gpus: tuple[int, ...] = cli_field((), cli=GPUS, parse=_parse_gpus)
+    gpus: tuple[int, ...] = cli_field((), cli=GPUS, parse=parse_gpus)
     num_cpu_workers: int = cli_field(1, cli=WORKERS)
     threads_per_worker: int = cli_field(0, cli=THREADS)
     progress: bool = cli_field(True, cli=PROGRESS)
@@ -362,10 +352,14 @@ def check_resume(previous: dict[str, Any], config: TrainConfig) -> list[str]:
     """Compare the run's saved config with this invocation's: refuse a changed shape option (naming
     it), return one note per applied change (optimizer options, run length)."""
     current = config.to_dict()
+    missing = [name for name in SHAPE_FIELDS if name not in previous]
+    if missing:
+        raise ResumeError(
+            f"{config.out_dir / 'config.json'} lacks {missing}: this dflash-offline did not write it; "
+            "train into a new --out (or pass --resume never to start over there)"
+        )
     for name in SHAPE_FIELDS:
-        if name not in previous and name not in ABSENT_BEFORE:
-            continue
-        before = previous.get(name, ABSENT_BEFORE.get(name))
+        before = previous[name]
         if before != current[name]:
             flag = "--" + name.replace("_", "-")
             raise ResumeError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import CheckpointNoSpaceError, list_checkpoints
 from dflash_offline.train.config import MAX_BLOCK_SIZE, TrainConfig
 from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
-from dflash_offline.train.interrupt import TrainInterrupted, request_stop
+from dflash_offline.train.interrupt import TrainInterrupted
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loop import cosine_with_warmup, train_rank
 from dflash_offline.train.metrics import StepMetrics, read_metrics
@@ -180,7 +181,7 @@ def test_stop_request_checkpoints_at_the_step_boundary_and_resume_is_exact(
 
     def on_step(metrics: StepMetrics) -> None:
         if metrics.step == 5:
-            request_stop()  # what SIGINT's handler does
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: train_rank's handler asks for a stop
 
     with pytest.raises(TrainInterrupted) as caught:
         train_rank(_config(cache, run), info, on_step=on_step)
