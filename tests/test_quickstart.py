@@ -19,7 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from dflash_offline.cli import main
-from dflash_offline.target.loader import smollm2_gguf_available
+from tests.embedded_assets import smollm2_gguf_available
 from tests.quickstart import SETUP_LINES, read_quick_start
 
 PIPELINE = ("regenerate", "generate", "train", "export", "eval")
