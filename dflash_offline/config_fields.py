@@ -124,11 +124,17 @@ def _within(value: float, spec: Cli) -> bool:
 def invalid_fields(config: Any) -> list[str]:
     """One line per field of the config dataclass whose value breaks its ``Cli`` bounds or is not one
     of its ``Literal`` choices (None, an unset optional, always passes)."""
-    hints = typing.get_type_hints(type(config))
+    return invalid_values(type(config), {f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+
+def invalid_values(cls: type[Any], values: dict[str, Any]) -> list[str]:
+    """``invalid_fields`` for the values of some fields of the config dataclass ``cls`` (by field name;
+    names that are not fields are ignored)."""
+    hints = typing.get_type_hints(cls)
     bad = []
-    for f in dataclasses.fields(config):
+    for f in dataclasses.fields(cls):
         spec = cli_spec(f)
-        value = getattr(config, f.name)
+        value = values.get(f.name)
         if spec is None or spec.kind != "value" or value is None or isinstance(value, bool):
             continue
         flag = flag_of(f.name, spec)
