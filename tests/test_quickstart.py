@@ -19,9 +19,20 @@ import pytest
 from safetensors.torch import load_file
 
 from dflash_offline.cli import main
+from dflash_offline.config_fields import invalid_values
+from dflash_offline.eval.config import EvalConfig
+from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.regenerate.config import RegenerateConfig
+from dflash_offline.train.config import TrainConfig
 from tests.embedded_assets import smollm2_gguf_available
 from tests.quickstart import SETUP_LINES, read_quick_start
 
+CONFIGS: dict[str, type[Any]] = {
+    "regenerate": RegenerateConfig,
+    "generate": GenerateConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+}
 PIPELINE = ("regenerate", "generate", "train", "export", "eval")
 """The stages the Quick start must walk through, in this order."""
 
@@ -39,6 +50,10 @@ def _parse(args: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> tuple[str,
         context = command.make_context(f"dflash {name}", list(rest))
     except click.ClickException as exc:
         pytest.fail(f"README Quick start: dflash {' '.join(args)}: {exc.format_message()}")
+    # Bounds and choices are the config's (checked when the command builds it, as here).
+    bad = invalid_values(CONFIGS[name], context.params) if name in CONFIGS else []
+    if bad:
+        pytest.fail(f"README Quick start: dflash {' '.join(args)}: {'; '.join(bad)}")
     return name, dict(context.params)
 
 

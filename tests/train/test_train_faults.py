@@ -24,10 +24,11 @@ from dflash_offline.cache.shard_file import ShardFile
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.zarr_format import parse_array_format
 from dflash_offline.cli import main
+from dflash_offline.drafter_shape import MAX_BLOCK_SIZE
 from dflash_offline.errors import CacheDamageError, ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import CheckpointNoSpaceError, list_checkpoints
-from dflash_offline.train.config import MAX_BLOCK_SIZE, TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
 from dflash_offline.train.interrupt import TrainInterrupted
 from dflash_offline.train.launch import run_training
