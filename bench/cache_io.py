@@ -35,7 +35,7 @@ from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.records import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 
-LAYERS = (1, 8, 14, 20, 27)  # SmolLM2-135M (30 layers): the layers the issue names
+LAYERS = (1, 8, 14, 20, 27)  # SmolLM2-135M (30 layers): five layers from shallow to deep
 BUCKET_EDGES = (256, 512, 1024, 2048, 4096)
 BATCH = 16
 STORED_GOAL = 0.72
@@ -88,6 +88,7 @@ def fingerprint_for(width: int, codec: str) -> CacheFingerprint:
         too_long="skip",
         bucket_edges=BUCKET_EDGES,
         data_source="bench",
+        compute_dtype="float32",
     )
 
 

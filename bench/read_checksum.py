@@ -42,6 +42,7 @@ def build(root: Path, *, codec: str, num_samples: int, tokens: int, width: int) 
         too_long="skip",
         bucket_edges=(256, 512, 1024, 2048, 4096),
         data_source="bench",
+        compute_dtype="float32",
     )
     rng = np.random.default_rng(0)
     with ShardWriter(root, fingerprint, worker=0) as writer:

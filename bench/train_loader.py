@@ -126,6 +126,7 @@ def build(
         too_long="skip",
         bucket_edges=EDGES,
         data_source="bench",
+        compute_dtype="float32",
     )
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -359,7 +360,7 @@ def main() -> None:
             grad_accum=args.grad_accum,
             world_size=1,
         )
-        steps = planner.epoch_plan(0)
+        steps = list(planner.iterate(1))
         in_place = in_place_feature_width(reader) is not None
         print(f"reader decodes into the packed buffer (features_out): {'yes' if in_place else 'no'}")
         if reader.storage.fp8 is not None:
@@ -421,7 +422,7 @@ def main() -> None:
                 if args.step_hook
                 else simulated_step(args.simulated_step_ms, torch.device(args.device))
             )
-            wait_steps = [s for e in range(args.epochs) for s in planner.epoch_plan(e)]
+            wait_steps = list(planner.iterate(args.epochs))
             wait = measure_wait(reader, snap, wait_steps, args, step_fn)
             print(
                 f"\nunder a {'hooked' if args.step_hook else f'{args.simulated_step_ms:g} ms'} step: "

@@ -152,7 +152,6 @@ def measure(
         ddp_model=model,
         params=params,
         optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
         drafter_config=model.config,
         info=DistInfo(rank=0, world_size=1, local_rank=device.index or 0, device=device, backend="none"),
         grad_clip=1.0,

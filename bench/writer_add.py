@@ -73,6 +73,7 @@ def fingerprint(codec: str) -> CacheFingerprint:
         too_long="skip",
         bucket_edges=BUCKET_EDGES,
         data_source="bench",
+        compute_dtype="float32",
     )
 
 

@@ -108,14 +108,6 @@ class DirLock:
         self.release()
 
 
-def read_holder(directory: str | Path) -> LockHolder | None:
-    """The holder recorded in ``directory/lock`` (live or stale), or None."""
-    try:
-        return LockHolder.from_json((Path(directory) / LOCK_NAME).read_text())
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
 def acquire_lock(
     directory: str | Path, *, what: str, command: str | None = None, announce: bool = True
 ) -> DirLock:

@@ -13,8 +13,6 @@ sha256 of each manifest part's bytes into its name (cache/manifest.py)."""
 READABLE_FORMAT_VERSIONS = (1, 2)
 """Format 1 caches are still read (and appended to, staying format 1): their manifest parts carry no
 sha256, so damage to a part is not detected there."""
-OPTIONAL_FIELDS = frozenset({"compute_dtype"})
-"""Fields added after format 1 was released: absent (None) in older caches, which stay readable."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,10 +40,8 @@ class CacheFingerprint:
     bucket_edges: tuple[int, ...]
     data_source: str
     """Name of the data source (file name or ``sharegpt-default``); sample ids derive from it."""
-    compute_dtype: str | None = None
-    """The target's compute dtype (``float32`` / ``bfloat16``): it changes the features' bits. None
-    only in caches written before the field existed (they are read as before; ``dflash generate``
-    resumes them only with an explicit ``--dtype``, which it then records)."""
+    compute_dtype: str
+    """The target's compute dtype (``float32`` / ``bfloat16``): it changes the features' bits."""
 
     @property
     def feature_width(self) -> int:
@@ -55,8 +51,6 @@ class CacheFingerprint:
         d: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name in OPTIONAL_FIELDS:
-                continue  # an older cache's cache.json round-trips unchanged
             d[f.name] = list(value) if isinstance(value, tuple) else value
         return d
 
@@ -64,13 +58,13 @@ class CacheFingerprint:
     def from_dict(cls, d: dict[str, Any]) -> CacheFingerprint:
         names = {f.name for f in fields(cls)}
         if not isinstance(d, dict):
-            raise CacheFormatError(f"the fingerprint is {type(d).__name__}, not an object")
-        missing = names - d.keys() - OPTIONAL_FIELDS
+            raise CacheFormatError(f"its fingerprint is {type(d).__name__}, not an object")
+        missing = names - d.keys()
         if missing:
             unknown = sorted(d.keys() - names)
             also = f" (and has unknown fields {unknown})" if unknown else ""
-            raise CacheFormatError(f"the fingerprint lacks fields {sorted(missing)}{also}")
-        kwargs = {name: d[name] for name in names if name in d}
+            raise CacheFormatError(f"its fingerprint lacks fields {sorted(missing)}{also}")
+        kwargs = {name: d[name] for name in names}
         kwargs["layer_ids"] = tuple(int(i) for i in kwargs["layer_ids"])
         kwargs["bucket_edges"] = tuple(int(e) for e in kwargs["bucket_edges"])
         return cls(**kwargs)

@@ -19,14 +19,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash_offline.cache.codecs import codec_spec, storage_dtype
 from dflash_offline.cache.fingerprint import (
     CACHE_FORMAT_VERSION,
-    OPTIONAL_FIELDS,
     READABLE_FORMAT_VERSIONS,
     CacheFingerprint,
 )
@@ -158,7 +157,9 @@ def parse_cache_json(doc: Any, path: Path) -> CacheFingerprint:
     try:
         return CacheFingerprint.from_dict(doc["fingerprint"])
     except (CacheFormatError, TypeError, ValueError, AttributeError) as e:
-        raise CacheFormatError(f"{path}: {e}; restore it or regenerate the cache") from e
+        raise CacheFormatError(
+            f"{path}: {e}; this dflash-offline did not write it: regenerate the cache into a new directory"
+        ) from None
 
 
 def read_format_version(root: str | Path) -> int:
@@ -197,22 +198,6 @@ def read_fingerprint(root: str | Path) -> CacheFingerprint:
 def _has_foreign_files(root: Path) -> bool:
     """True for a directory holding anything but our temp files and the writer lock."""
     return root.is_dir() and any(TEMP_MARKER not in p.name and p.name != LOCK_NAME for p in root.iterdir())
-
-
-def adopt_new_fields(root: str | Path, fingerprint: CacheFingerprint) -> None:
-    """Record in an older cache's cache.json the fields it lacks (``OPTIONAL_FIELDS``, None there),
-    taking them from ``fingerprint``; every other field must already match. Call under the cache's
-    writer lock (``dflash_offline.locking``)."""
-    layout = CacheLayout.at(root)
-    existing = read_fingerprint(root)
-    filled = replace(
-        existing,
-        **{name: getattr(fingerprint, name) for name in OPTIONAL_FIELDS if getattr(existing, name) is None},
-    )
-    filled.check_same(fingerprint)
-    if filled != existing:
-        version = read_format_version(root)  # a format-1 cache stays format 1 (its parts carry no sha256)
-        write_atomic(layout.cache_json, _cache_json_text(filled, version), fsync=True)
 
 
 def create_or_open_cache(root: str | Path, fingerprint: CacheFingerprint) -> CacheLayout:

@@ -25,7 +25,6 @@ from dflash_offline.errors import ConfigError, DflashError
 from dflash_offline.sql_files import named_queries
 
 OutputFormat = Literal["table", "csv", "json"]
-FORMATS: tuple[OutputFormat, ...] = ("table", "csv", "json")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

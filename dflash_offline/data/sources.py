@@ -87,27 +87,6 @@ def source_name(path: str | Path | None) -> str:
     return DEFAULT_SOURCE_NAME if resolved.resolve() == default.resolve() else name
 
 
-def source_name_for_cache(path: str | Path | None, recorded: str | None) -> str:
-    """The source name a cache whose fingerprint records ``recorded`` (None: a new cache) must use.
-
-    Caches written before source names dropped their container suffixes recorded the full file name
-    (``d.jsonl``); resuming one keeps that name, so that its sample ids stay what they were."""
-    name = source_name(path)
-    if recorded is not None and recorded != name and recorded == resolve_data_path(path).name:
-        return recorded
-    return name
-
-
-def recorded_source(jsonl: str | Path) -> str | None:
-    """The ``source`` field of the first line of an existing JSONL output (regenerate's), if any."""
-    try:
-        with open(jsonl, encoding="utf-8") as f:
-            value = json.loads(f.readline()).get("source")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
-
-
 def make_sample_id(source: str, record_id: str, messages: Sequence[Message]) -> str:
     """16 hex characters of sha256 over the source name, the record id and the canonical content."""
     canonical = json.dumps([[m.role, m.content] for m in messages], ensure_ascii=False, separators=(",", ":"))

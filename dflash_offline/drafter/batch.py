@@ -11,7 +11,7 @@ positions < a only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -63,10 +63,6 @@ class DrafterInputs:
     def num_anchors(self) -> int:
         """A."""
         return int(self.anchors_A.shape[0])
-
-    def with_anchors(self, anchors_A: Tensor) -> DrafterInputs:
-        """The same row with other anchors (and no precomputed loss rows: they belonged to the old ones)."""
-        return replace(self, anchors_A=anchors_A, loss_rows_N=None)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> DrafterInputs:
         """All tensors moved to ``device``."""

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from dflash_offline.data.records import Conversation, Message
 from dflash_offline.data.schemas import DataFormat
-from dflash_offline.data.sources import conversation_root, iter_records, source_name_for_cache
+from dflash_offline.data.sources import conversation_root, iter_records, source_name
 from dflash_offline.data.turns import user_groups
 from dflash_offline.errors import ConfigError
 
@@ -39,9 +39,6 @@ class HeldOut:
     """Sample ids committed in that cache."""
     note: str
     """One line for the report: where the exclusion comes from, or why held-out is not guaranteed."""
-    source: str | None = None
-    """The source name the prompts' sample ids hash (None: ``source_name(data)``): an older training
-    cache recorded the full file name, and its ids must be comparable."""
     excluded_roots: frozenset[str] = frozenset()
     """Conversation roots of the trained samples: a prompt of the same conversation (ShareGPT's ``X_11``
     when ``X_0`` was trained on) is excluded too."""
@@ -138,7 +135,7 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
         raise ConfigError(f"--exclude-cache {cache_dir}: not a dflash cache (no cache.json)")
     fingerprint = read_fingerprint(cache_dir)
     committed = committed_sample_ids(cache_dir)
-    source = source_name_for_cache(data, fingerprint.data_source)
+    source = source_name(data)
     run_dir = run_dir_of(drafter_dir)
     validation = (validation_ids_of_run(run_dir) if run_dir is not None else None) or frozenset()
     trained = committed - validation
@@ -188,7 +185,6 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
         cache_dir=cache_dir,
         excluded_ids=frozenset(ids),
         note=note,
-        source=source,
         excluded_roots=frozenset(trained_roots),
     )
 
@@ -254,7 +250,7 @@ def select_prompts(
         raise ConfigError(f"--limit must be >= 1, got {limit}")
     prompts: list[EvalPrompt] = []
     read = excluded = unusable = 0
-    for item in iter_records(data, skip=skip, data_format=data_format, source=held_out.source):
+    for item in iter_records(data, skip=skip, data_format=data_format):
         if len(prompts) >= limit:
             break
         read += 1

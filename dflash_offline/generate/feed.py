@@ -36,7 +36,6 @@ def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
             skip=config.skip,
             limit=config.limit,
             data_format=config.data_format,
-            source=ctx.fingerprint.data_source,  # an older cache keeps the source name its ids hash
         ),
         decontaminator_for(config.decontaminate, command="generate"),
     )

@@ -29,7 +29,7 @@ from dflash_offline.cache.manifest import (
 )
 from dflash_offline.cache.records import RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
-from dflash_offline.errors import ConfigError, NoSpaceError, WorkerError, as_no_space_error
+from dflash_offline.errors import NoSpaceError, WorkerError, as_no_space_error
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted
 from dflash_offline.generate.feed import Planner
@@ -94,8 +94,7 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
     ``lock``: take the cache's writer lock first (the coordinator; refused with ``LockedError`` while
     another run holds it), kept in ``RunContext.lock`` for the caller to release."""
     from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec, storage_dtype
-    from dflash_offline.cache.layout import read_fingerprint
-    from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name_for_cache
+    from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
     from dflash_offline.target.layers import resolve_layer_ids
     from dflash_offline.writable import check_writable_dir
@@ -105,12 +104,7 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
     from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
 
     data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts
-    recorded = (
-        read_fingerprint(config.cache_dir).data_source
-        if (config.cache_dir / "cache.json").is_file()
-        else None
-    )
-    if recorded is None:
+    if not (config.cache_dir / "cache.json").is_file():
         # A file of which no record parses (binary, another schema) fails here, before the cache exists.
         # (Not on resume: reaching --skip would cost a pass over the skipped records.)
         first_usable_record(data_path, skip=config.skip, limit=config.limit, data_format=config.data_format)
@@ -134,12 +128,11 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
         max_length=config.max_length,
         too_long=config.too_long,
         bucket_edges=config.bucket_edges,
-        data_source=source_name_for_cache(data_path, recorded),
+        data_source=source_name(data_path),
         compute_dtype=resolved_compute_dtype(config),
     )
     held = acquire_lock(config.cache_dir, what="cache") if lock else None
     try:
-        _check_older_cache(config, fingerprint, adopt=lock)
         create_or_open_cache(config.cache_dir, fingerprint)
         done = committed_sample_ids(config.cache_dir) | failed_sample_ids(config.cache_dir)
     except BaseException:
@@ -158,26 +151,6 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
         session=session,
         lock=held,
     )
-
-
-def _check_older_cache(config: GenerateConfig, fingerprint: CacheFingerprint, *, adopt: bool) -> None:
-    """A cache written before ``compute_dtype`` was fingerprinted is resumed only with an explicit
-    ``--dtype`` (we cannot know what wrote it); the coordinator then records it in cache.json."""
-    from dflash_offline.cache.layout import adopt_new_fields, read_fingerprint
-
-    if not (config.cache_dir / "cache.json").is_file():
-        return
-    existing = read_fingerprint(config.cache_dir)
-    if existing.compute_dtype is not None:
-        return
-    if config.dtype is None:
-        raise ConfigError(
-            f"cache {config.cache_dir} predates compute_dtype in its fingerprint; resume it with "
-            f"an explicit --dtype equal to the one that wrote it (float32 for CPU runs, bfloat16 "
-            f"for GPU runs unless --dtype said otherwise), or write to a new cache directory"
-        )
-    if adopt:
-        adopt_new_fields(config.cache_dir, fingerprint)
 
 
 def worker_spec(ctx: RunContext, *, worker: int, device: str) -> WorkerSpec:

@@ -213,15 +213,14 @@ def _answer_records(
 ) -> WorkerDone:
     """Drive this worker's share of the records through the engine into its own JSONL files."""
     from dflash_offline.data.decontaminate import Decontaminator, screen_records
-    from dflash_offline.data.sources import iter_records, recorded_source, source_name_for_cache
+    from dflash_offline.data.sources import iter_records, source_name
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 
     config, engine = spec.config, loaded.engine
     window = config.window or loaded.batch_size * (4 if engine.name == "static" else 2)
     completed = False
     gen_start = time.perf_counter()
-    # An output begun before source names dropped container suffixes keeps the name its keys hash.
-    source = source_name_for_cache(config.data, recorded_source(config.out))
+    source = source_name(config.data)
     decontaminator, note = Decontaminator.from_installed() if config.decontaminate else (None, "")
     if note and spec.worker == 0:
         emit(_note(spec, f"regenerate: {note}"))

@@ -25,7 +25,6 @@ from dflash_offline.errors import TargetError
 from dflash_offline.target.presets import fill_random_weights
 from dflash_offline.target.source import (
     TargetSource,
-    default_gguf_path,
     gguf_assets_dir,
     resolve_target,
     weights_hash,
@@ -321,12 +320,3 @@ def _load_target(
         attn_implementation=attn,
         num_layers_built=num_layers,
     )
-
-
-def smollm2_gguf_available() -> bool:
-    """True when the embedded SmolLM2 GGUF can be found (tests use it to skip)."""
-    try:
-        default_gguf_path()
-    except TargetError:
-        return False
-    return True

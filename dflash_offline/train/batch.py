@@ -65,9 +65,6 @@ class StepPlan:
         """Tokens of the real (non-padding) samples of the step, over all ranks."""
         return sum(mb.num_tokens for mb in self.microbatches if not mb.is_padding)
 
-    def rank_tokens(self, rank: int) -> int:
-        return sum(mb.num_tokens for mb in self.microbatches if mb.rank == rank)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannerPosition:

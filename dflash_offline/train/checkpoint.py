@@ -1,7 +1,7 @@
 """Training checkpoints: everything needed to continue exactly, written atomically.
 
-``RUN/checkpoints/step-<N>/`` holds ``state.pt`` (trainable weights, optimizer, scheduler, planner
-state, RNG states, step counters) and ``meta.json``. A checkpoint is written to a temporary folder and
+``RUN/checkpoints/step-<N>/`` holds ``state.pt`` (trainable weights, optimizer, planner state, RNG
+states, step counters) and ``meta.json``. A checkpoint is written to a temporary folder and
 renamed into place, so a kill -9 mid-write leaves the previous one intact; the newest complete
 ``step-*`` folder is the one ``--resume auto`` picks up. A newest checkpoint that does not load (a
 truncated ``state.pt``: a disk that lost data the rename had promised, a hand copy cut short) is renamed
@@ -67,13 +67,12 @@ class TrainState:
     """Optimizer steps completed."""
     model: dict[str, Any]
     optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
     planner: dict[str, Any]
     rng: dict[str, Any]
     tokens_seen: int
     world_size: int
     validation: dict[str, Any] = field(default_factory=dict)
-    """``ValidationTracker.state_dict()`` (empty in a run without validation, or an older checkpoint)."""
+    """``ValidationTracker.state_dict()`` (empty in a run without validation)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -162,7 +161,6 @@ def _write(tmp: Path, state: TrainState) -> None:
             "global_step": state.global_step,
             "model": state.model,
             "optimizer": state.optimizer,
-            "scheduler": state.scheduler,
             "planner": state.planner,
             "rng": state.rng,
             "tokens_seen": state.tokens_seen,
@@ -215,12 +213,11 @@ def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState
             global_step=int(raw["global_step"]),
             model=raw["model"],
             optimizer=raw["optimizer"],
-            scheduler=raw["scheduler"],
             planner=raw["planner"],
             rng=raw["rng"],
             tokens_seen=int(raw["tokens_seen"]),
             world_size=int(raw["world_size"]),
-            validation=dict(raw.get("validation") or {}),
+            validation=dict(raw["validation"]),
         )
     raise ResumeError(
         f"no checkpoint in {checkpoints_dir(run_dir)} loads ({'; '.join(problems)}); "

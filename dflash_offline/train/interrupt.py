@@ -33,11 +33,6 @@ def stop_requested() -> bool:
     return _stop.is_set()
 
 
-def request_stop() -> None:
-    """What SIGINT does (tests call it directly)."""
-    _stop.set()
-
-
 @contextlib.contextmanager
 def stop_on_sigint(*, second_aborts: bool) -> Iterator[None]:
     """Turn SIGINT into a stop request for the duration (main thread only; nests)."""

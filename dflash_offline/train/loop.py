@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.drafter.model import DFlashDrafter
@@ -260,7 +259,9 @@ class _Optimization:
     params: list[nn.Parameter]
     """The parameters the optimizer updates (and whose gradient norm is clipped)."""
     optimizer: torch.optim.Optimizer
-    scheduler: LambdaLR
+    lr_factor: Callable[[int], float]
+    """LR multiplier of each global step (``cosine_with_warmup`` over ``total_steps``): the learning
+    rate is a pure function of the step, so a resume needs no scheduler state."""
     planner: LengthMixingPlanner
     total_steps: int
     """Steps of the whole run: the planner's over ``epochs``, capped by ``max_steps``."""
@@ -377,13 +378,12 @@ def _setup_optimization(
     total_steps = planner.total_steps(config.epochs)
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
-    scheduler = LambdaLR(optimizer, cosine_with_warmup(total_steps, config.warmup_ratio))
     return _Optimization(
         model=model,
         ddp_model=ddp_model,
         params=params,
         optimizer=optimizer,
-        scheduler=scheduler,
+        lr_factor=cosine_with_warmup(total_steps, config.warmup_ratio),
         planner=planner,
         total_steps=total_steps,
     )
@@ -396,9 +396,8 @@ def _resume(config: TrainConfig, info: DistInfo, opt: _Optimization) -> TrainSta
         return None
     opt.model.load_state_dict(state.model)
     opt.optimizer.load_state_dict(state.optimizer)
-    opt.scheduler.load_state_dict(state.scheduler)
-    # Unconditionally (bit-identical when nothing changed), so that every rank decides alike.
-    _apply_optimizer_options(config, opt.optimizer, opt.scheduler, opt.total_steps)
+    for group in opt.optimizer.param_groups:  # the command line's, not the checkpoint's
+        group["weight_decay"] = config.weight_decay
     opt.planner.load_state_dict(state.planner, allow_topology_change=config.allow_topology_change)
     set_rng_state(state.rng)
     return state
@@ -425,7 +424,6 @@ def _run_steps(
         ddp_model=opt.ddp_model,
         params=opt.params,
         optimizer=opt.optimizer,
-        scheduler=opt.scheduler,
         drafter_config=opt.model.config,
         info=info,
         grad_clip=config.grad_clip,
@@ -444,6 +442,7 @@ def _run_steps(
         step_start = time.perf_counter()
         for batches in _steps_of(prefetcher):
             step_plan = tracker.by_global_step.pop(batches[0].step.global_step)
+            _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
             outcome = step([to_drafter_inputs(b) for b in batches], [b.plan.is_padding for b in batches])
             opt.planner.step_done(step_plan)
             tokens_seen += step_plan.num_tokens
@@ -451,7 +450,7 @@ def _run_steps(
             finished = FinishedStep(
                 plan=step_plan,
                 outcome=outcome,
-                lr=float(opt.scheduler.get_last_lr()[0]),
+                lr=config.lr * opt.lr_factor(global_step),  # the next step's
                 step_seconds=time.perf_counter() - step_start,
                 data_wait_s=sum(b.data_wait_s for b in batches),
             )
@@ -518,19 +517,10 @@ def _checkpoint_or_stop(
         raise TrainInterrupted(global_step)
 
 
-def _apply_optimizer_options(
-    config: TrainConfig, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, total_steps: int
-) -> None:
-    """The command line's --lr / --weight-decay / run length over the resumed optimizer and scheduler
-    state (which would keep the old values: LambdaLR restores its base_lrs). The same products the
-    scheduler computes, so an unchanged resume stays bit-identical."""
-    factor = cosine_with_warmup(total_steps, config.warmup_ratio)(scheduler.last_epoch)
-    scheduler.base_lrs = [config.lr for _ in optimizer.param_groups]
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The learning rate of the next optimizer step (``--lr`` × the schedule's factor of that step)."""
     for group in optimizer.param_groups:
-        group["initial_lr"] = config.lr
-        group["lr"] = config.lr * factor
-        group["weight_decay"] = config.weight_decay
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        group["lr"] = lr
 
 
 def _checkpoint(
@@ -548,7 +538,6 @@ def _checkpoint(
                 global_step=global_step,
                 model=opt.model.state_dict(),
                 optimizer=opt.optimizer.state_dict(),
-                scheduler=opt.scheduler.state_dict(),
                 planner=opt.planner.state_dict(),
                 rng=rng_state(),
                 tokens_seen=tokens_seen,

@@ -100,10 +100,6 @@ class StepAccumulator:
         return torch.cat([self._sums, self._correct_K, self._total_K])
 
     @staticmethod
-    def packed_size(block_size: int) -> int:
-        return 4 + 2 * (block_size - 1)
-
-    @staticmethod
     def totals(values: list[float], block_size: int) -> StepTotals:
         """``StepTotals`` of ``pack()``'s values (summed over ranks), read back to the host."""
         k = block_size - 1

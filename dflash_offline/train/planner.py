@@ -18,18 +18,17 @@ a few integers and every rank computes the same plan without talking to the othe
    then fill a whole step from one bucket.
 3. Ranks. Inside a step, microbatches go largest first onto the least-loaded rank that still has room;
    every rank gets the same count (DDP needs every rank to run the same number of backward passes).
-4. The epoch's last step, when fewer than ``grad_accum × world_size`` microbatches are left:
-   ``drop_last`` drops them (their samples are skipped this epoch; the shuffle changes which ones each
-   epoch). Otherwise the step is kept with k = ceil(left / world_size) microbatches per rank; to make
-   the count a multiple of the world size, the largest multi-sample microbatches are split in two, and
-   only if that is not enough, filler microbatches repeating the shortest sample are added with
-   ``is_padding=True`` (the loop gives them zero loss weight). Every sample is then in exactly one
-   real microbatch per epoch.
+4. The epoch's last step, when fewer than ``grad_accum × world_size`` microbatches are left, is kept
+   with k = ceil(left / world_size) microbatches per rank; to make the count a multiple of the world
+   size, the largest multi-sample microbatches are split in two, and only if that is not enough,
+   filler microbatches repeating the shortest sample are added with ``is_padding=True`` (the loop
+   gives them zero loss weight). Every sample is then in exactly one real microbatch per epoch.
 
 Resume: ``state_dict()`` records the position after the last step the loop reported done
-(``step_done``). ``load_state_dict`` refuses a different seed, snapshot or topology, naming the field;
-with ``allow_topology_change`` the rest of the interrupted epoch is planned, with the new topology, over
-the samples the old topology had not reached yet (replayed from its own plan), so still exactly once.
+(``step_done``). ``load_state_dict`` refuses a different seed, snapshot, token budget or topology,
+naming the field; with ``allow_topology_change`` (another world size or grad_accum) the rest of the
+interrupted epoch is planned, with the new topology, over the samples the old topology had not reached
+yet (replayed from its own plan), so still exactly once.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ class Topology:
     world_size: int
     grad_accum: int
     tokens_per_microbatch: int
-    drop_last: bool
 
     @property
     def microbatches_per_step(self) -> int:
@@ -98,7 +96,6 @@ class LengthMixingPlanner:
         tokens_per_microbatch: int,
         grad_accum: int,
         world_size: int,
-        drop_last: bool = False,
     ) -> None:
         for name, value in (
             ("tokens_per_microbatch", tokens_per_microbatch),
@@ -126,7 +123,6 @@ class LengthMixingPlanner:
             world_size=world_size,
             grad_accum=grad_accum,
             tokens_per_microbatch=tokens_per_microbatch,
-            drop_last=drop_last,
         )
         self._positions_by_bucket = {
             int(b): np.flatnonzero(snapshot.bucket_ids_N == b) for b in np.unique(snapshot.bucket_ids_N)
@@ -138,12 +134,6 @@ class LengthMixingPlanner:
         self._segments: tuple[EpochSegment, ...] = ()
         self._steps_cache: dict[tuple[Any, ...], list[list[_RawMicrobatch]]] = {}
         self._count_cache: dict[int, int] = {}
-        if self._num_raw_steps(0) == 0:
-            raise ConfigError(
-                f"with --drop-last, one step needs {self.topology.microbatches_per_step} microbatches "
-                f"(grad_accum {grad_accum} × world size {world_size}) but the cache fills fewer: lower "
-                "grad_accum or the token budget, or do not drop the last step"
-            )
 
     # ---- the pure plan ---------------------------------------------------------------------------
 
@@ -198,10 +188,7 @@ class LengthMixingPlanner:
         per_step = topology.microbatches_per_step
         steps = [sequence[i : i + per_step] for i in range(0, len(sequence), per_step)]
         if steps and len(steps[-1]) < per_step:
-            if topology.drop_last:
-                steps.pop()
-            else:
-                steps[-1] = _fill_last_step(steps[-1], topology.world_size)
+            steps[-1] = _fill_last_step(steps[-1], topology.world_size)
         return [_assign_ranks(step, topology.world_size) for step in steps]
 
     def _num_raw_steps(self, epoch: int) -> int:
@@ -224,7 +211,7 @@ class LengthMixingPlanner:
                     order = positions[rng.permutation(len(positions))]
                     num_mbs += len(_pack_bounds(tokens_N[order], budget)) - 1
                 per_step = self.topology.microbatches_per_step
-                count = num_mbs // per_step if self.topology.drop_last else -(-num_mbs // per_step)
+                count = -(-num_mbs // per_step)
             self._count_cache[epoch] = count
         return count
 
@@ -264,16 +251,6 @@ class LengthMixingPlanner:
                 num_microbatches_per_rank=len(step) // self.topology.world_size,
                 microbatches=microbatches,
             )
-
-    def epoch_plan(self, epoch: int) -> list[StepPlan]:
-        """Every step of ``epoch`` as planned from scratch under this planner's topology (no resume
-        history); global steps count the from-scratch steps of the epochs before it."""
-        first_global = sum(self._num_raw_steps(e) for e in range(epoch))
-        return list(
-            self._to_step_plans(
-                self._raw_steps(epoch, self.topology), epoch=epoch, first_step=0, first_global=first_global
-            )
-        )
 
     def steps_per_epoch(self, epoch: int | None = None) -> int:
         """Steps of ``epoch`` (default: the current one), including steps run before a topology change.
@@ -350,15 +327,11 @@ class LengthMixingPlanner:
             ],
         }
 
-    def load_state_dict(
-        self, d: dict[str, Any], *, allow_topology_change: bool = False, allow_snapshot_change: bool = False
-    ) -> None:
+    def load_state_dict(self, d: dict[str, Any], *, allow_topology_change: bool = False) -> None:
         """Resume at ``d``'s position. Raises ``ResumeError`` naming the field that differs.
 
         ``allow_topology_change``: continue the interrupted epoch over its remaining samples under the
-        new world size / grad_accum / budget. ``allow_snapshot_change``: train on this planner's snapshot
-        from the start of the next epoch (an interrupted epoch cannot be finished exactly once over a
-        different sample set)."""
+        new world size / grad_accum (the token budget shapes the microbatches: it never changes)."""
         version = d.get("version")
         if version != PLANNER_STATE_VERSION:
             raise ResumeError(
@@ -371,38 +344,24 @@ class LengthMixingPlanner:
                 "pass the original --seed"
             )
         epoch, step_in_epoch, global_step = int(d["epoch"]), int(d["step_in_epoch"]), int(d["global_step"])
-        old = Topology(
-            world_size=int(d["world_size"]),
-            grad_accum=int(d["grad_accum"]),
-            tokens_per_microbatch=int(d["tokens_per_microbatch"]),
-            drop_last=bool(d["drop_last"]),
-        )
-        segments = tuple(
-            EpochSegment(
-                topology=Topology(
-                    world_size=int(s["world_size"]),
-                    grad_accum=int(s["grad_accum"]),
-                    tokens_per_microbatch=int(s["tokens_per_microbatch"]),
-                    drop_last=bool(s["drop_last"]),
-                ),
-                num_steps=int(s["num_steps"]),
+        if d["snapshot_id"] != self.snapshot.snapshot_id:
+            raise ResumeError(
+                f"the run trained on index snapshot {d['snapshot_id'][:12]}… ({d['num_samples']} "
+                f"samples), this resume has snapshot {self.snapshot.snapshot_id[:12]}… "
+                f"({len(self.snapshot)} samples): resume with the run directory's saved snapshot"
             )
+        old = _topology_from_dict(d)
+        segments = tuple(
+            EpochSegment(topology=_topology_from_dict(s), num_steps=int(s["num_steps"]))
             for s in d.get("epoch_segments", [])
         )
-        if d["snapshot_id"] != self.snapshot.snapshot_id:
-            if not allow_snapshot_change:
-                raise ResumeError(
-                    f"the run trained on index snapshot {d['snapshot_id'][:12]}… ({d['num_samples']} "
-                    f"samples), this resume has snapshot {self.snapshot.snapshot_id[:12]}… "
-                    f"({len(self.snapshot)} samples): resume with the run directory's saved snapshot, "
-                    "or allow a snapshot change to continue from the next epoch on the new sample set"
-                )
-            if step_in_epoch > 0:
-                epoch, step_in_epoch = epoch + 1, 0
-            segments = ()
-        elif old != self.topology:
-            changed = next(f for f in ("world_size", "grad_accum", "tokens_per_microbatch", "drop_last")
-                           if getattr(old, f) != getattr(self.topology, f))  # fmt: skip
+        if old.tokens_per_microbatch != self.topology.tokens_per_microbatch:
+            raise ResumeError(
+                f"the run was planned with tokens_per_microbatch={old.tokens_per_microbatch}, this resume "
+                f"has tokens_per_microbatch={self.topology.tokens_per_microbatch}: use the original value"
+            )
+        if old != self.topology:
+            changed = "world_size" if old.world_size != self.topology.world_size else "grad_accum"
             if not allow_topology_change:
                 raise ResumeError(
                     f"the run was planned with {changed}={getattr(old, changed)!r}, this resume has "
@@ -421,8 +380,15 @@ def _topology_dict(t: Topology) -> dict[str, Any]:
         "world_size": t.world_size,
         "grad_accum": t.grad_accum,
         "tokens_per_microbatch": t.tokens_per_microbatch,
-        "drop_last": t.drop_last,
     }
+
+
+def _topology_from_dict(d: dict[str, Any]) -> Topology:
+    return Topology(
+        world_size=int(d["world_size"]),
+        grad_accum=int(d["grad_accum"]),
+        tokens_per_microbatch=int(d["tokens_per_microbatch"]),
+    )
 
 
 def _pack_bounds(tokens_N: np.ndarray, budget: int) -> np.ndarray:

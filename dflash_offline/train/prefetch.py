@@ -33,7 +33,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -453,8 +453,3 @@ _DEVICE_TENSORS = (
     "cu_seqlens_D1",
     "anchors_A",
 )
-
-
-def as_host_dict(batch: PackedMicrobatch) -> dict[str, Any]:
-    """The batch's tensors on the CPU (for tests and debugging)."""
-    return {name: getattr(batch, name).cpu() for name in _DEVICE_TENSORS}

@@ -28,7 +28,7 @@ class FinishedStep:
     plan: StepPlan
     outcome: StepOutcome
     lr: float
-    """The learning rate after the step (what the next step uses), as logged since the first version."""
+    """The learning rate after the step (what the next step uses)."""
     step_seconds: float
     data_wait_s: float
     """Seconds this rank waited for the step's microbatches."""

@@ -65,14 +65,6 @@ class IndexSnapshot:
     def total_tokens(self) -> int:
         return int(self.num_tokens_N.sum())
 
-    def bucket_token_shares(self) -> dict[int, float]:
-        """Fraction of the snapshot's tokens in each bucket."""
-        total = max(self.total_tokens, 1)
-        return {
-            int(b): float(self.num_tokens_N[self.bucket_ids_N == b].sum()) / total
-            for b in np.unique(self.bucket_ids_N)
-        }
-
 
 def compute_snapshot_id(
     sample_ids: tuple[str, ...] | pa.Array, num_tokens_N: np.ndarray, bucket_ids_N: np.ndarray

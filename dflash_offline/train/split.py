@@ -109,12 +109,12 @@ def validation_ids_of_run(run_dir: Path) -> frozenset[str] | None:
         return None
     if not isinstance(config, dict) or not (run_dir / SNAPSHOT_FILE).is_file():
         return None
-    fraction = config.get("val_fraction", 0.0)  # absent: a run from before the split existed
+    fraction = config.get("val_fraction")
     num_samples = config.get("val_samples")
     if not isinstance(fraction, int | float) or not (num_samples is None or isinstance(num_samples, int)):
         return None
     groups = None
-    if config.get("val_group", "sample") == "root-id":
+    if config.get("val_group") == "root-id":
         if not (run_dir / GROUPS_FILE).is_file():
             return None
         groups = read_groups(run_dir / GROUPS_FILE)

@@ -92,8 +92,9 @@ class StepOutcome:
 
 
 class OptimizerStep:
-    """Forward and backward of a rank's microbatches, then clip, optimizer and scheduler step: nothing
-    read back (see the module docstring). Shared by the training loop and bench/train_step.py."""
+    """Forward and backward of a rank's microbatches, then clip and optimizer step at the learning rate
+    the caller set in the param groups: nothing read back (see the module docstring). Shared by the
+    training loop and bench/train_step.py."""
 
     def __init__(
         self,
@@ -102,7 +103,6 @@ class OptimizerStep:
         ddp_model: nn.Module,
         params: list[nn.Parameter],
         optimizer: torch.optim.Optimizer,
-        scheduler: Any,
         drafter_config: DrafterConfig,
         info: DistInfo,
         grad_clip: float,
@@ -113,7 +113,6 @@ class OptimizerStep:
         self.ddp_model = ddp_model
         self.params = params
         self.optimizer = optimizer
-        self.scheduler = scheduler
         self.drafter_config = drafter_config
         self.info = info
         self.grad_clip = grad_clip
@@ -125,7 +124,6 @@ class OptimizerStep:
         accumulator = self.accumulate_gradients(inputs, padding)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(
             stats_S=all_reduce_sum(accumulator.pack(), self.info),

@@ -202,7 +202,7 @@ class ValidationTracker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:  # a checkpoint from before validation existed
+        if not state:  # a fresh run: nothing to restore
             return
         self.best_tau = None if state["best_tau"] is None else float(state["best_tau"])
         self.best_step = int(state["best_step"])

@@ -59,6 +59,7 @@ def make_fingerprint(
         too_long="skip",
         bucket_edges=(4, 8, 16, 32),
         data_source="unit-test",
+        compute_dtype="float32",
     )
     fields.update(changes)
     return CacheFingerprint(**fields)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.cli import main
 from dflash_offline.errors import CacheFormatError, FingerprintMismatchError
-from dflash_offline.locking import LOCK_NAME, LockedError, acquire_lock, read_holder
+from dflash_offline.locking import LOCK_NAME, LockedError, LockHolder, acquire_lock
 from tests.cache._samples import TINY, bits, make_fingerprint, make_samples
 
 HOLDER = textwrap.dedent(
@@ -66,14 +66,14 @@ def test_lock_of_a_live_process_refused_of_a_killed_one_taken_over(tmp_path: Pat
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-    stale = read_holder(tmp_path)
+    stale = LockHolder.from_json((tmp_path / LOCK_NAME).read_text())
     assert stale is not None
     assert stale.pid == proc.pid
     lock = acquire_lock(tmp_path, what="cache")
     assert lock.took_over is not None
     assert lock.took_over.pid == proc.pid
     assert f"took over the stale lock of cache {tmp_path} from pid {proc.pid}" in capsys.readouterr().err
-    assert read_holder(tmp_path).pid == os.getpid()  # type: ignore[union-attr]
+    assert LockHolder.from_json((tmp_path / LOCK_NAME).read_text()).pid == os.getpid()  # type: ignore[union-attr]
     lock.release()
 
 
@@ -168,21 +168,21 @@ def test_commits_by_bytes_before_the_time_threshold(tmp_path: Path) -> None:
     writer.close()
 
 
-def test_older_cache_without_compute_dtype_reads_and_refuses_a_mismatch(tmp_path: Path) -> None:
-    old = make_fingerprint()  # compute_dtype None: what every cache before the field looks like
-    create_or_open_cache(tmp_path, old)
-    doc = json.loads((tmp_path / "cache.json").read_text())
-    assert "compute_dtype" not in doc["fingerprint"]  # the file an older version wrote is unchanged
-    assert read_fingerprint(tmp_path).compute_dtype is None
+def test_compute_dtype_is_part_of_the_fingerprint_and_required(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    new = replace(old, compute_dtype="float32")
-    with pytest.raises(FingerprintMismatchError, match="compute_dtype"):
-        create_or_open_cache(tmp_path, new)
-    other = tmp_path / "f32"
-    create_or_open_cache(other, new)
+    f32 = make_fingerprint(compute_dtype="float32")
+    create_or_open_cache(tmp_path, f32)
+    assert read_fingerprint(tmp_path) == f32
     with pytest.raises(FingerprintMismatchError, match=r"compute_dtype='float32'.*compute_dtype='bfloat16'"):
-        create_or_open_cache(other, replace(old, compute_dtype="bfloat16"))
+        create_or_open_cache(tmp_path, replace(f32, compute_dtype="bfloat16"))
+    path = tmp_path / "cache.json"
+    doc = json.loads(path.read_text())
+    del doc["fingerprint"]["compute_dtype"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CacheFormatError) as refused:
+        read_fingerprint(tmp_path)
+    assert str(refused.value).startswith(f"{path}: its fingerprint lacks fields ['compute_dtype']; ")
 
 
 def test_a_directory_without_cache_json_is_not_told_to_run_generate_when_generate_refuses(

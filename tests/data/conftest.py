@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from dflash_offline.target.loader import load_tokenizer, smollm2_gguf_available
+from dflash_offline.target.loader import load_tokenizer
+from tests.embedded_assets import smollm2_gguf_available
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -90,7 +91,7 @@ def random_row(
         extra += (starts + torch.tensor(lengths) - 1).tolist()
     if extra:
         anchors = torch.unique(torch.cat([anchors, torch.tensor(extra, dtype=torch.int64)]))
-    row = row.with_anchors(anchors)
+    row = replace(row, anchors_A=anchors, loss_rows_N=None)
     row.validate(check_values=True, feature_width=feature_width)
     return row
 

@@ -4,6 +4,8 @@ guard."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -50,7 +52,7 @@ def test_dense_mask_matches_brute_force(lengths, pad, block_size, per_doc, extra
 
 def test_brute_force_rule_spot_checks() -> None:
     """The reference itself encodes the rule: anchor a sees c < a of its own document, not a."""
-    row = random_row([5, 6], seed=7, num_anchors=1).with_anchors(torch.tensor([2, 5, 8]))
+    row = replace(random_row([5, 6], seed=7, num_anchors=1), anchors_A=torch.tensor([2, 5, 8]))
     ref = brute_force_mask(row, 3)
     T = 11
     # block 0 (anchor 2, doc 0): context 0,1; not 2 (the anchor), not doc 1

@@ -227,7 +227,7 @@ def _run_dir(root: Path) -> Path:
         target_id="random:tiny", weights_hash=target.weights_hash, num_target_layers=target.num_layers,
         layer_ids=(0, 2), hidden_size=target.hidden_size, storage_dtype="bfloat16",
         codec="blosc-zstd-1-shuffle", tokenizer_hash="tok", chat_template_hash="tpl", max_length=256,
-        too_long="skip", bucket_edges=(256,), data_source="chat-sample",
+        too_long="skip", bucket_edges=(256,), data_source="chat-sample", compute_dtype="float32",
     )  # fmt: skip
     create_or_open_cache(root / "cache", fingerprint)
     run = root / "run"

@@ -110,6 +110,7 @@ def tiny_fingerprint(
         too_long="skip",
         bucket_edges=(8, 16, 32, 64),
         data_source=data_source,
+        compute_dtype="float32",
     )
 
 

@@ -230,7 +230,9 @@ def test_a_float32_cache_is_not_resumed_in_bfloat16(tmp_path: Path, chat_data: P
     assert not (tmp_path / "cache" / "lock").exists()  # a refused run gives the lock back
 
 
-def test_an_older_cache_is_resumed_only_with_an_explicit_dtype(tmp_path: Path, chat_data: Path) -> None:
+def test_a_cache_json_without_a_fingerprint_field_is_refused_in_one_line(
+    tmp_path: Path, chat_data: Path
+) -> None:
     import json
 
     runner = CliRunner()
@@ -238,15 +240,18 @@ def test_an_older_cache_is_resumed_only_with_an_explicit_dtype(tmp_path: Path, c
     assert runner.invoke(main, cmd).exit_code == 0
     path = tmp_path / "cache" / "cache.json"
     doc = json.loads(path.read_text())
-    del doc["fingerprint"]["compute_dtype"]  # as a cache written before the field existed
+    del doc["fingerprint"]["compute_dtype"]
     path.write_text(json.dumps(doc))
+    manifest = sorted(p.relative_to(path.parent) for p in (path.parent / "manifest").rglob("*"))
     refused = runner.invoke(main, [*cmd[:-1], "5"])
     assert refused.exit_code == 1, refused.output
-    assert "predates compute_dtype" in refused.output, refused.output
-    resumed = runner.invoke(main, [*cmd[:-1], "5", "--dtype", "float32"])
-    assert resumed.exit_code == 0, resumed.output
-    assert json.loads(path.read_text())["fingerprint"]["compute_dtype"] == "float32"
-    assert read_table(tmp_path / "cache", "samples").num_rows == 5
+    assert refused.output.strip() == (
+        f"Error: {path}: its fingerprint lacks fields ['compute_dtype']; this dflash-offline did not write "
+        "it: regenerate the cache into a new directory"
+    )
+    assert json.loads(path.read_text()) == doc  # left as it was
+    assert sorted(p.relative_to(path.parent) for p in (path.parent / "manifest").rglob("*")) == manifest
+    assert not (tmp_path / "cache" / "lock").exists()
 
 
 def test_index_write_on_a_full_disk_is_one_line(tmp_path: Path) -> None:

@@ -121,32 +121,3 @@ def test_a_file_without_a_usable_record_is_refused_and_creates_no_cache(content:
     with pytest.raises(DataError, match="accepted: a JSON array or JSONL file"):
         run_generate(tiny_config(cache, data))
     assert not cache.exists()
-
-
-@pytest.mark.slow  # two generate runs
-@pytest.mark.timeout(600)
-def test_a_cache_written_under_the_old_source_name_resumes_with_its_ids(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Before source names dropped container suffixes, ``d.jsonl`` hashed as ``d.jsonl``: such a
-    cache resumes under that name (no sample twice), a new cache gets ``d``."""
-    from dflash_offline.data import sources
-    from dflash_offline.data.records import Message
-
-    records = _records(12)
-    data = write_container(records, "jsonl", tmp_path / "data")
-    cache = tmp_path / "cache"
-    with monkeypatch.context() as m:  # what the older code wrote
-        m.setattr(sources, "source_name_for_cache", lambda path, recorded: "d.jsonl")
-        run_generate(tiny_config(cache, data, limit=5))
-    summary = run_generate(tiny_config(cache, data))
-    assert summary.skipped_already_done == 5
-    assert summary.samples_committed == 7
-    rows = read_table(cache, "samples").to_pylist()
-    assert sorted(r["source_index"] for r in rows) == list(range(12))
-    r0 = records[0]
-    messages = tuple(Message(role=t["role"], content=t["content"]) for t in r0["messages"])  # type: ignore[index]
-    assert {r["sample_id"] for r in rows if r["source_index"] == 0} == {
-        sources.make_sample_id("d.jsonl", "rec-0", messages)
-    }
-    assert CacheReader.open(cache).fingerprint.data_source == "d.jsonl"

@@ -338,7 +338,7 @@ def test_continuous_batching_bf16_on_cuda_matches_static_up_to_near_ties() -> No
     """bf16 on a GPU: CB (packed, paged attention) and static (padded) answers may part where the top two
     logits are within bf16 noise. Every divergence is reported with its token and top-2 gap, and must be such
     a near-tie."""
-    from dflash_offline.target.loader import smollm2_gguf_available
+    from tests.embedded_assets import smollm2_gguf_available
 
     spec = "default" if smollm2_gguf_available() else "random:smollm2-135m"
     target = load_target(spec, device="cuda", dtype=torch.bfloat16)

@@ -9,9 +9,9 @@ import pytest
 
 from dflash_offline.errors import ConfigError, TargetError
 from dflash_offline.target.layers import default_layer_ids, parse_layer_ids, resolve_layer_ids
-from dflash_offline.target.loader import smollm2_gguf_available
 from dflash_offline.target.presets import RANDOM_PRESETS
 from dflash_offline.target.source import resolve_target, weights_hash
+from tests.embedded_assets import smollm2_gguf_available
 
 
 @pytest.mark.parametrize(

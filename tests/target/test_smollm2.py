@@ -11,7 +11,8 @@ from dflash_offline.data.template import tokenize_conversation
 from dflash_offline.target.capture import FeatureCapture
 from dflash_offline.target.head import load_embedding_and_head
 from dflash_offline.target.layers import default_layer_ids
-from dflash_offline.target.loader import LoadedTarget, load_target, smollm2_gguf_available
+from dflash_offline.target.loader import LoadedTarget, load_target
+from tests.embedded_assets import smollm2_gguf_available
 from tests.target._reference import (
     REL_TOL,
     assert_matches_reference,

@@ -16,6 +16,7 @@ import torch
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.records import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
+from dflash_offline.train.batch import PackedMicrobatch
 
 EDGES = (16, 32, 64, 128)
 HIDDEN = 8
@@ -38,6 +39,7 @@ def fingerprint(edges: tuple[int, ...] = EDGES) -> CacheFingerprint:
         too_long="skip",
         bucket_edges=edges,
         data_source="synthetic",
+        compute_dtype="float32",
     )
 
 
@@ -87,3 +89,20 @@ def write_cache(root: Path, samples: list[SampleToWrite], *, worker: int = 0) ->
         )
         for s in samples
     }
+
+
+PACKED_TENSORS = (
+    "input_ids_T",
+    "features_TF",
+    "loss_mask_T",
+    "doc_ids_T",
+    "positions_T",
+    "cu_seqlens_D1",
+    "anchors_A",
+)
+"""The tensors of a ``PackedMicrobatch`` the tests compare."""
+
+
+def as_host_dict(batch: PackedMicrobatch) -> dict[str, torch.Tensor]:
+    """The batch's tensors on the CPU, by name."""
+    return {name: getattr(batch, name).cpu() for name in PACKED_TENSORS}

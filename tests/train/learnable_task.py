@@ -60,6 +60,7 @@ def write_cache(root: Path, *, zero_features: bool, num_samples: int = 400, seed
         too_long="skip",
         bucket_edges=EDGES,
         data_source="synthetic-learnability",
+        compute_dtype="float32",
     )
     rng = np.random.default_rng(seed)
     with ShardWriter(root, fp, worker=0) as writer:

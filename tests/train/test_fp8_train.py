@@ -20,10 +20,11 @@ from dflash_offline.train.batch import ScheduledMicrobatch, schedule_for_rank
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.planner import LengthMixingPlanner
-from dflash_offline.train.prefetch import Prefetcher, as_host_dict, device_decode_layout
+from dflash_offline.train.prefetch import Prefetcher, device_decode_layout
 from dflash_offline.train.snapshot import take_snapshot
 from tests.cache.fp8_reference import CODEC_K, HIDDEN, features, ref_decode, ref_encode
 from tests.tiny_caches import TinyCaches
+from tests.train.cache_helpers import as_host_dict
 from tests.train.helpers import train_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,6 +46,7 @@ def fp8_fingerprint() -> CacheFingerprint:
         too_long="skip",
         bucket_edges=EDGES,
         data_source="synthetic",
+        compute_dtype="float32",
     )
 
 

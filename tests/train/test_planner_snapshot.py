@@ -26,6 +26,7 @@ from dflash_offline.train.snapshot import (
     take_snapshot,
 )
 from tests.train.cache_helpers import fingerprint, make_samples, write_cache
+from tests.train.plan_helpers import bucket_token_shares, epoch_plan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,9 +63,8 @@ def test_resume_sees_the_saved_sample_set_after_more_commits(tmp_path: Path) -> 
     with CacheReader.open(cache) as reader:
         snap = take_snapshot(reader)
     save_snapshot(snap, tmp_path / "snapshot.parquet")
-    plan = LengthMixingPlanner(
-        snap, seed=1, tokens_per_microbatch=256, grad_accum=2, world_size=1
-    ).epoch_plan(0)
+    planner = LengthMixingPlanner(snap, seed=1, tokens_per_microbatch=256, grad_accum=2, world_size=1)
+    plan = epoch_plan(planner, 0)
 
     write_cache(cache, samples[30:], worker=1)  # generate went on; row order in the reader changes
     with CacheReader.open(cache) as reader:
@@ -73,7 +73,7 @@ def test_resume_sees_the_saved_sample_set_after_more_commits(tmp_path: Path) -> 
         assert loaded.snapshot_id == snap.snapshot_id
         assert loaded.sample_ids == snap.sample_ids
         again = LengthMixingPlanner(loaded, seed=1, tokens_per_microbatch=256, grad_accum=2, world_size=1)
-        assert again.epoch_plan(0) == plan
+        assert epoch_plan(again, 0) == plan
         read = reader.read_rows(loaded.reader_rows_N)
         assert [s.sample_id for s in read] == list(loaded.sample_ids)
 
@@ -130,13 +130,13 @@ def test_length_mixing_on_a_real_cache_with_four_buckets(tmp_path: Path) -> None
     write_cache(tmp_path, make_samples(len(lengths), seed=5, lengths=lengths.tolist()))
     with CacheReader.open(tmp_path) as reader:
         snap = take_snapshot(reader)
-    shares = snap.bucket_token_shares()
+    shares = bucket_token_shares(snap)
     assert len(shares) == 4
     assert min(shares.values()) > 0.15
     budget = 256
-    steps = LengthMixingPlanner(
-        snap, seed=9, tokens_per_microbatch=budget, grad_accum=2, world_size=2
-    ).epoch_plan(0)
+    steps = epoch_plan(
+        LengthMixingPlanner(snap, seed=9, tokens_per_microbatch=budget, grad_accum=2, world_size=2), 0
+    )
     assert len(steps) >= 8
     rows = [r for s in steps for mb in s.microbatches if not mb.is_padding for r in mb.rows]
     assert sorted(rows) == list(range(len(snap))), "every sample exactly once"

@@ -36,7 +36,6 @@ def test_an_optimizer_step_makes_no_host_sync(autocast: bool) -> None:
         ddp_model=model,
         params=params,
         optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
         drafter_config=config,
         info=DistInfo(rank=0, world_size=1, local_rank=device.index or 0, device=device, backend="none"),
         grad_clip=1.0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import subprocess
 from collections.abc import Callable
 from dataclasses import replace
@@ -25,12 +26,13 @@ from dflash_offline.cache.shard_file import ShardFile
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.zarr_format import parse_array_format
 from dflash_offline.cli import main
+from dflash_offline.drafter_shape import MAX_BLOCK_SIZE
 from dflash_offline.errors import CacheDamageError, ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import CheckpointNoSpaceError, list_checkpoints
-from dflash_offline.train.config import MAX_BLOCK_SIZE, TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
-from dflash_offline.train.interrupt import TrainInterrupted, request_stop
+from dflash_offline.train.interrupt import TrainInterrupted
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loop import cosine_with_warmup, train_rank
 from dflash_offline.train.metrics import StepMetrics, read_metrics
@@ -255,7 +257,7 @@ def test_stop_request_checkpoints_at_the_step_boundary_and_resume_is_exact(
 
     def on_step(metrics: StepMetrics) -> None:
         if metrics.step == 5:
-            request_stop()  # what SIGINT's handler does
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: train_rank's handler asks for a stop
 
     with pytest.raises(TrainInterrupted) as caught:
         train_rank(_config(cache, run), info, on_step=on_step)

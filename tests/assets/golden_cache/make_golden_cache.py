@@ -76,6 +76,7 @@ def fingerprint_dict() -> dict:
         "too_long": "skip",
         "bucket_edges": list(BUCKET_EDGES),
         "data_source": "golden",
+        "compute_dtype": "float32",
     }
 
 
