@@ -223,7 +223,8 @@ class TrainConfig:
     """Write TensorBoard event files: to ``tensorboard_dir``, else to RUN/tb when the package is there."""
     on_damaged: Literal["stop", "skip"] = cli_field(
         "stop",
-        help="A sample failing its checksum when read: stop naming it, or skip it (recorded in "
+        help="A damaged sample when read (a missing or truncated shard file, a chunk that does not decode, a "
+        "zarr.json unlike the writer's, a failed checksum): stop naming it, or skip it (recorded in "
         "RUN/damaged_samples.jsonl, reported at the end).",
     )
     """A sample failing its crc32c when read: ``stop`` the run naming it, or ``skip`` it (recorded in
@@ -235,8 +236,18 @@ class TrainConfig:
     threads_per_worker: int = cli_field(0, cli=THREADS)
     progress: bool = cli_field(True, cli=PROGRESS)
 
+    def _check_out_beside_cache(self) -> None:
+        """--out inside the cache would mix the run's files (and its ``lock``) into the cache's."""
+        cache, out = Path(self.cache_dir).resolve(), Path(self.out_dir).resolve()
+        if out == cache or cache in out.parents:
+            raise ConfigError(
+                f"--out {self.out_dir} is inside --cache {self.cache_dir}: the run directory and the cache "
+                "would share files (both hold a `lock`); choose an --out outside the cache"
+            )
+
     def __post_init__(self) -> None:
         check_fields(self)
+        self._check_out_beside_cache()
         if self.tensorboard_dir is not None:
             if not self.tensorboard:
                 raise ConfigError("--tensorboard DIR and --no-tensorboard contradict each other: give one")
