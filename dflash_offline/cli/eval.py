@@ -42,9 +42,14 @@ def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path |
     from dflash_offline.eval.report import format_table
     from dflash_offline.eval.run import run_eval
     from dflash_offline.tensorboard import require_tensorboard, write_eval_report
+    from dflash_offline.writable import check_writable_dir, check_writable_file
 
+    # Everything that could refuse the outputs is checked before the (long) decoding, not after it.
+    if json_path is not None:
+        check_writable_file(json_path, option="--json")
     if tensorboard_dir is not None:
-        require_tensorboard()  # before the (long) decoding, not after it
+        require_tensorboard()
+        check_writable_dir(tensorboard_dir, option="--tensorboard")
     report = run_eval(config)
     click.echo(format_table(report))
     if json_path is not None:

@@ -30,7 +30,7 @@ def train(config: TrainConfig) -> None:
     damaged = read_damaged(config.out_dir) if config.on_damaged == "skip" else []
     if damaged:
         click.echo(
-            f"skipped {len(damaged)} damaged sample(s) (failed their checksum; ids in "
+            f"skipped {len(damaged)} damaged sample(s) (unreadable or failing their checksum; ids in "
             f"{config.out_dir / DAMAGED_FILE}); run `dflash verify {config.cache_dir}`",
             err=True,
         )

@@ -101,6 +101,10 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
     from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
     from dflash_offline.target.layers import resolve_layer_ids
+    from dflash_offline.writable import check_writable_dir
+
+    if lock:  # the coordinator: it creates the cache (workers only open it)
+        check_writable_dir(config.cache_dir, option="--cache")
     from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
 
     data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts

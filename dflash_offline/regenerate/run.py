@@ -6,8 +6,10 @@ One worker per GPU (``--gpus``), ``--workers N`` CPU processes, or one per ``tor
 worker runs in this process and writes the output directly. Each worker answers a disjoint share of the
 records (``worker.belongs_to``) into its own part ``<out>.parts/w<k>.jsonl``; the parts are merged into
 the one output JSONL at the end (and by the next run if this one was killed), so the output is one data
-set for ``dflash generate --data``. Rerunning skips every record whose ``source_sample_id`` is in the
-output or in ``<out>.failures.jsonl`` (delete a failure line to retry that record).
+set for ``dflash generate --data``. One run at a time per output: ``<out>.lock`` (rank 0 holds it under
+``torchrun``); a second run is refused naming the holder. Rerunning skips every record whose
+``source_sample_id`` is in the output or in ``<out>.failures.jsonl`` (delete a failure line to retry
+that record).
 
 Output line: ``{"id", "messages": [{"role", "content"}...], "source", "source_sample_id",
 "source_index", "regenerated_by": {...}, "finish_reasons": [...], "dropped_turns"}``; ``id`` is the
@@ -32,6 +34,7 @@ from typing import Any
 from dflash_offline.errors import WorkerError
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.lifeline import quiet_resource_tracker
+from dflash_offline.locking import DirLock, LockedError, acquire_lock_beside
 from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
@@ -49,6 +52,7 @@ from dflash_offline.regenerate.worker import (
     run_worker,
     worker_process,
 )
+from dflash_offline.writable import check_writable_file
 
 __all__ = ["RegenerateSummary", "render_prompt", "run_regenerate"]
 
@@ -200,6 +204,7 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
     from dflash_offline.data.sources import resolve_data_path
 
     resolve_data_path(config.data)  # a missing file fails here, before any worker starts
+    check_writable_file(config.out, option="--out")
     if config.engine == "openai":
         from dflash_offline.regenerate.openai_engine import probe_for_config
 
@@ -207,12 +212,20 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
     check_resume_settings(config)  # before any worker loads a target
     if under_torchrun():
         return _run_torchrun(config)
-    start = time.perf_counter()
-    done, repaired = merge_leftover_parts(config)
-    placement = config.placement
-    if placement.num_workers == 1:
-        return _run_in_process(config, done=done, repaired=repaired, start=start)
-    return _run_spawned(config, done=done, repaired=repaired, start=start)
+    with lock_output(config):
+        start = time.perf_counter()
+        done, repaired = merge_leftover_parts(config)
+        placement = config.placement
+        if placement.num_workers == 1:
+            return _run_in_process(config, done=done, repaired=repaired, start=start)
+        return _run_spawned(config, done=done, repaired=repaired, start=start)
+
+
+def lock_output(config: RegenerateConfig) -> DirLock:
+    """One run at a time per ``--out``: ``<out>.lock``; a second run is refused naming the holder."""
+    return acquire_lock_beside(
+        config.out, what="regenerate output", why="two runs would write the same conversations twice"
+    )
 
 
 def _stop_on_sigint() -> contextlib.AbstractContextManager[None]:
@@ -370,8 +383,18 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
     import torch.distributed as dist
 
     dist.init_process_group(backend="gloo")  # for barriers and the summary only: no tensors move
+    lock = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        refusal: list[str | None] = [None]
+        if rank == 0:  # rank 0 holds the output's lock for all ranks; all of them stop when it is taken
+            try:
+                lock = lock_output(config)
+            except LockedError as e:
+                refusal = [str(e)]
+        dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            raise LockedError(refusal[0])
         start = time.perf_counter()
         repaired = 0
         if rank == 0:
@@ -430,6 +453,8 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
             gathered, repaired=repaired, start=start, first_ready=progress.first_ready, workers=world
         )
     finally:
+        if lock is not None:
+            lock.release()
         dist.destroy_process_group()
 
 

@@ -121,11 +121,23 @@ def test_train_cli_builds_the_config_a_caller_builds(monkeypatch: pytest.MonkeyP
     )
 
 
-def test_train_num_anchors_default_is_the_drafter_default() -> None:
-    from dflash_offline.drafter.config import DEFAULT_NUM_ANCHORS
+def test_train_help_reads_the_drafter_defaults_without_importing_torch() -> None:
+    """The drafter's shape defaults have one home (``drafter_shape.py``) that ``dflash train --help``
+    reads without the drafter package, which imports torch."""
+    code = (
+        "import sys; from click.testing import CliRunner; from dflash_offline.cli import main; "
+        "out = CliRunner().invoke(main, ['train', '--help']).output; "
+        "print('torch' in sys.modules, '--block-size' in out)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"], done.stdout + done.stderr
+    from dflash_offline.drafter import DrafterConfig
 
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    assert fields["num_anchors"].default == DEFAULT_NUM_ANCHORS
+    drafter = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
+    train = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    assert [drafter[k] for k in ("num_layers", "block_size", "num_anchors")] == [
+        train[k] for k in ("num_layers", "block_size", "num_anchors")
+    ]
 
 
 def test_train_placement_defaults_are_the_placement_record_defaults() -> None:

@@ -22,6 +22,7 @@ from dflash_offline.data.sources import iter_records
 from dflash_offline.errors import ConfigError, DataError
 from dflash_offline.eval.runtime import stop_token_ids
 from dflash_offline.eval.speculative import TargetCaller, target_only_decode
+from dflash_offline.locking import acquire_lock_beside
 from dflash_offline.regenerate import engines as engines_module
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.generation import GeneratedTokens
@@ -151,6 +152,26 @@ def test_a_resume_with_another_answer_length_is_refused_naming_both(tmp_path: Pa
     (parts / "w1.jsonl").write_bytes(before)
     with pytest.raises(ConfigError, match=r"--max-new-tokens 20 differs from the --max-new-tokens 12"):
         run_regenerate(_config(out2, data, max_new_tokens=20))
+
+
+def test_a_second_run_on_one_out_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Two runs appending to one output would write conversations twice: the second is refused, naming
+    the first's pid, before it writes anything."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    holder = "dflash regenerate --out out.jsonl (the first run)"
+    with acquire_lock_beside(out, what="regenerate output", why="a test", command=holder):
+        result = CliRunner().invoke(
+            main,
+            ["regenerate", "--target", "random:tiny", "--data", str(data), "--max-new-tokens", "4",
+             "--no-progress", "--out", str(out)],
+        )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    (error,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert f"regenerate output {out} is in use by pid {os.getpid()}" in error
+    assert holder in error
+    assert not out.exists()
+    assert "Traceback" not in result.output
 
 
 def test_a_foreign_output_file_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,177 @@
+"""Split the gap between a training run's validation τ and ``dflash eval``'s τ into its definitional parts.
+
+Runs the drafter's training forward (the validation split's packing and cached features, as
+``dflash train``'s validator does) at *every* eligible anchor of the run's validation samples, keeps the
+leading run of correct block positions at each, and reports, on the same teacher-forced drafts:
+
+- ``uniform``: 1 + the mean run over every eligible anchor: train's ``val_block_tau`` (its anchors are a
+  uniform draw of these);
+- ``uniform_first``: the same over the anchors eval would cover: the first ``--max-new-tokens`` answer
+  tokens of each sample's first assistant turn (``--turns first``);
+- ``chain_first``: eval's anchor rule over those drafts: the first cycle anchored on the answer's first
+  token, the next one where the previous ended (n ← n + run + 1), until ``--max-new-tokens``; τ = mean
+  over cycles of run + 1. ``tests/eval/test_train_eval_agreement.py`` checks that eval accepts exactly
+  these runs at these anchors when the context is the cached answer;
+- ``chain_all``: the same rule over every assistant turn, whole.
+
+uniform → uniform_first is the positions eval covers; uniform_first → chain_first the anchor selection;
+what separates chain_first from eval's measured τ on the validation set (``dflash eval --bench validation
+--turns first --max-new-tokens M``) is everything else: live against cached features (dtype, kernels),
+free-running against teacher-forced context, the answer's end, re-tokenized answers.
+
+    python bench/validation_chain_tau.py --run RUN [--max-new-tokens 128] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.drafter.anchors import eligible_anchor_mask
+from dflash_offline.drafter.loss import block_labels
+from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.eval.run import load_drafter_for
+from dflash_offline.target.loader import load_target
+from dflash_offline.train.batch import AnchorRequest, ScheduledMicrobatch, StepContext
+from dflash_offline.train.groups import GROUPS_FILE, read_groups
+from dflash_offline.train.prefetch import Prefetcher
+from dflash_offline.train.snapshot import load_snapshot
+from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
+from dflash_offline.train.step import to_drafter_inputs
+from dflash_offline.train.validation import plan_validation
+
+
+def runs_per_sample(
+    run: Path, model: DFlashDrafter, *, device: str, anchor_chunk: int
+) -> dict[str, tuple[dict[int, int], list[bool]]]:
+    """sample id → ({position: leading run of correct positions at that anchor}, loss mask)."""
+    config = json.loads((run / "config.json").read_text())
+    block = model.config.block_size
+    groups = read_groups(run / GROUPS_FILE) if config.get("val_group") == "root-id" else None
+    out: dict[str, tuple[dict[int, int], list[bool]]] = {}
+
+    def every_eligible(request: AnchorRequest) -> torch.Tensor:
+        return torch.nonzero(eligible_anchor_mask(request.loss_mask_T, request.doc_ids_T)).flatten()
+
+    with CacheReader.open(Path(config["cache_dir"])) as reader:
+        split = split_snapshot(
+            load_snapshot(run / SNAPSHOT_FILE, reader),
+            fraction=config.get("val_fraction", 0.0),
+            num_samples=config.get("val_samples"),
+            groups=groups,
+        )
+        if split.validation is None:
+            raise SystemExit(f"{run}: no validation split")
+        val = split.validation
+        plans = plan_validation(val, tokens_per_microbatch=config["tokens_per_microbatch"])
+        jobs = [
+            ScheduledMicrobatch(
+                plan=plan,
+                step=StepContext(
+                    epoch=0,
+                    step_in_epoch=0,
+                    global_step=0,
+                    microbatch_in_rank=i,
+                    num_microbatches_in_rank=len(plans),
+                    step_num_tokens=0,
+                    anchor_seed=0,
+                ),
+                reader_rows=tuple(int(r) for r in val.reader_rows_N[list(plan.rows)]),
+            )
+            for i, plan in enumerate(plans)
+        ]
+        with Prefetcher(reader, jobs, device=device, anchor_fn=every_eligible, num_threads=2) as prefetcher:
+            for batch in prefetcher:
+                inputs = to_drafter_inputs(batch)
+                starts = batch.cu_seqlens_D1.tolist()
+                for d, sample_id in enumerate(batch.plan.sample_ids):
+                    mask = batch.loss_mask_T[starts[d] : starts[d + 1]].bool().tolist()
+                    out[sample_id] = ({}, mask)
+                for c in range(0, inputs.num_anchors, anchor_chunk):
+                    anchors_A = inputs.anchors_A[c : c + anchor_chunk]
+                    chunk = replace(inputs, anchors_A=anchors_A, loss_rows_N=None)
+                    with torch.no_grad():
+                        hidden_QH = model.forward_hidden(chunk, attention="auto")
+                        logits = hidden_QH.view(len(anchors_A), block, -1) @ model.lm_head_VH.T
+                        proposals_AB = logits.argmax(-1)
+                    labels = block_labels(
+                        inputs.input_ids_T, inputs.loss_mask_T, inputs.doc_ids_T, anchors_A, block
+                    )
+                    correct_AK = ((proposals_AB == labels.label_ids_AB) & labels.valid_AB)[:, 1:]
+                    run_A = correct_AK.to(torch.int64).cumprod(dim=1).sum(dim=1).tolist()
+                    for a, r in zip(anchors_A.tolist(), run_A, strict=True):
+                        sample_id = batch.plan.sample_ids[int(batch.doc_ids_T[a])]
+                        out[sample_id][0][int(batch.positions_T[a])] = r
+    return out
+
+
+def turn_starts(mask: list[bool]) -> list[int]:
+    """Positions where an assistant span (loss mask run) begins."""
+    return [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+
+
+def chain(runs: dict[int, int], start: int, stop: int) -> list[int]:
+    """Eval's cycles over teacher-forced drafts: runs at n = start, n + run + 1, … while n < stop."""
+    cycles, n = [], start
+    while n < stop and n in runs:
+        cycles.append(runs[n])
+        n += runs[n] + 1
+    return cycles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, required=True, help="a dflash train run directory")
+    parser.add_argument("--drafter", type=Path, help="its export (default RUN/drafter)")
+    parser.add_argument("--target", help="the target spec (default: the run's, else the cache's)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="eval's --max-new-tokens")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--anchor-chunk", type=int, default=1024, help="anchors per forward")
+    args = parser.parse_args()
+    config = json.loads((args.run / "config.json").read_text())
+    target_spec = args.target or config.get("target")
+    if target_spec is None:
+        from dflash_offline.cache.layout import read_fingerprint
+
+        target_spec = read_fingerprint(Path(config["cache_dir"])).target_id
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    target = load_target(target_spec, device=args.device, dtype=dtype)
+    model = load_drafter_for(target, args.drafter or args.run / "drafter", dtype=dtype)
+    per_sample = runs_per_sample(args.run, model, device=args.device, anchor_chunk=args.anchor_chunk)
+    uniform, uniform_first, chain_first, chain_all = [], [], [], []
+    M = args.max_new_tokens
+    for runs, mask in per_sample.values():
+        uniform += list(runs.values())
+        starts = turn_starts(mask)
+        if not starts:
+            continue
+        first = starts[0]
+        # eval's loop runs while fewer than M tokens are out: the first comes from the prefill.
+        uniform_first += [r for n, r in runs.items() if first <= n < first + M - 1]
+        chain_first += chain(runs, first, first + M - 1)
+        for s in starts:
+            end = s
+            while end < len(mask) and mask[end]:
+                end += 1
+            chain_all += chain(runs, s, end)
+    result = {
+        "samples": len(per_sample),
+        "max_new_tokens": M,
+        "uniform": 1 + float(np.mean(uniform)),
+        "uniform_first": 1 + float(np.mean(uniform_first)),
+        "chain_first": 1 + float(np.mean(chain_first)),
+        "chain_all": 1 + float(np.mean(chain_all)),
+        "anchors": {"uniform": len(uniform), "uniform_first": len(uniform_first)},
+        "cycles": {"chain_first": len(chain_first), "chain_all": len(chain_all)},
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
