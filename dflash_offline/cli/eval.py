@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options, progress_option
 from dflash_offline.eval.config import DEFAULT_TIE_ULPS, EvalConfig
 
@@ -32,6 +33,7 @@ __all__ = ["DEFAULT_TIE_ULPS", "EXIT_MISMATCH", "eval_cmd"]
     help="Also write the τ table as TensorBoard scalars to DIR (pip install 'dflash-offline[tensorboard]').",
 )
 @progress_option
+@ctrl_c_exits_130("interrupted: no report written; rerun the same command")
 def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path | None) -> None:
     """Speculative decoding with the target and the drafter (greedy, batch 1): per question set τ, its
     histogram, decode tok/s of target-only and speculative decoding (prefill excluded) and the speedup,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -84,6 +85,57 @@ def _renderer(tokenizer: Any) -> Render:
     return render
 
 
+HEAD_CHARS_PER_TOKEN = 8
+"""First guess of characters per token when only the head of a long text is tokenized (doubled until
+the prefix holds enough tokens)."""
+HEAD_MARGIN_TOKENS = 16
+"""Tokens beyond the limit that a prefix must hold: its last tokens may differ from the whole text's
+(the cut can fall inside a word), the ones before do not."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EncodedHead:
+    """The first tokens of a text (``encode_head``)."""
+
+    ids_T: np.ndarray
+    """int32 [T]: token ids."""
+    offsets_T2: np.ndarray
+    """int64 [T, 2]: each token's character range [start, end) in the text."""
+    complete: bool
+    """The whole text was tokenized (T is its token count); else it has more tokens than T."""
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[np.ndarray, np.ndarray]:
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids_T = np.asarray(encoded["input_ids"], dtype=np.int32)
+    return ids_T, np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+
+
+def encode_head(tokenizer: Any, text: str, max_tokens: int) -> EncodedHead:
+    """The tokens of ``text``, at least the first ``max_tokens`` + 1 of them when it has more.
+
+    A huge record (megabytes of text) tokenized whole holds gigabytes of encodings and offsets for
+    tokens that truncation drops at once; so a text longer than the limit can need is tokenized by
+    prefixes of doubling length until one holds ``max_tokens`` + ``HEAD_MARGIN_TOKENS`` tokens. A prefix
+    tokenizes like the whole text except for its last few tokens (the cut may fall inside a word): its
+    first tokens are kept once the prefix twice as long agrees on them, else the text is tokenized
+    whole."""
+    need = max_tokens + HEAD_MARGIN_TOKENS
+    chars = need * HEAD_CHARS_PER_TOKEN
+    while chars < len(text):
+        ids_T, offsets_T2 = _encode(tokenizer, text[:chars])
+        if ids_T.shape[0] > need:
+            longer_ids_T, longer_offsets_T2 = _encode(tokenizer, text[: 2 * chars])
+            if np.array_equal(ids_T[:need], longer_ids_T[:need]) and np.array_equal(
+                offsets_T2[:need], longer_offsets_T2[:need]
+            ):
+                return EncodedHead(ids_T=ids_T[:need], offsets_T2=offsets_T2[:need], complete=False)
+            break
+        chars *= 2
+    ids_T, offsets_T2 = _encode(tokenizer, text)
+    return EncodedHead(ids_T=ids_T, offsets_T2=offsets_T2, complete=True)
+
+
 def tokenize_conversation(
     tokenizer: Any, conv: Conversation, *, max_length: int, too_long: TooLong
 ) -> TokenizedSample | SourceFailure:
@@ -112,14 +164,14 @@ def tokenize_conversation(
     except Exception as e:  # a user-supplied template may raise anything (jinja's raise_exception, ...)
         return fail("template_error", f"rendering the conversation: {type(e).__name__}: {e}")
 
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids_T = np.asarray(encoded["input_ids"], dtype=np.int32)
-    offsets_T2 = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    head = encode_head(tokenizer, text, max_length)
+    ids_T, offsets_T2 = head.ids_T, head.offsets_T2
     num_tokens = int(ids_T.shape[0])
     truncated = num_tokens > max_length
     if truncated:
         if too_long == "skip":
-            return fail("too_long", f"{num_tokens} tokens after templating > --max-len {max_length}")
+            count = f"{num_tokens}" if head.complete else f"over {num_tokens}"
+            return fail("too_long", f"{count} tokens after templating > --max-len {max_length}")
         ids_T = ids_T[:max_length]
         offsets_T2 = offsets_T2[:max_length]
     char_limit = int(offsets_T2[-1, 1]) if num_tokens else 0

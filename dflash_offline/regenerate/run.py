@@ -19,6 +19,8 @@ record, which ``dflash eval`` uses to keep prompts held out.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -30,11 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_offline.errors import WorkerError
+from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
+from dflash_offline.lifeline import quiet_resource_tracker
 from dflash_offline.locking import DirLock, LockedError, acquire_lock_beside
 from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
+from dflash_offline.regenerate.recorded import check_resume_settings
 from dflash_offline.regenerate.worker import (
     WorkerDone,
     WorkerFailed,
@@ -42,6 +47,8 @@ from dflash_offline.regenerate.worker import (
     WorkerProgress,
     WorkerReady,
     WorkerSpec,
+    answer_records,
+    load_worker,
     run_worker,
     worker_process,
 )
@@ -111,7 +118,9 @@ class RegenerateProgress:
         if self.first_ready is None:
             self.first_ready = time.perf_counter()
         if self._bar is not None:
-            self._bar.set_description(self._desc(), refresh=False)
+            # Drawn now: the next redraw comes with the first finished answer, which a large batch
+            # (every row decoding --max-new-tokens together) can take minutes to produce.
+            self._bar.set_description(self._desc(), refresh=True)
 
     def add(self, delta: Tally) -> None:
         self.set(self.tally + delta)
@@ -200,6 +209,7 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
         from dflash_offline.regenerate.openai_engine import probe_for_config
 
         probe_for_config(config)  # a wrong URL, model or key fails here, before anything is written
+    check_resume_settings(config)  # before any worker loads a target
     if under_torchrun():
         return _run_torchrun(config)
     with lock_output(config):
@@ -218,6 +228,12 @@ def lock_output(config: RegenerateConfig) -> DirLock:
     )
 
 
+def _stop_on_sigint() -> contextlib.AbstractContextManager[None]:
+    """The first Ctrl-C stops at the next decode step: finished conversations are already written (one
+    flushed line each), the ones in flight are redone by the rerun. A second aborts at once."""
+    return stop_on_sigint("dflash regenerate: stopping after this decode step (finished answers are kept)")
+
+
 def _run_in_process(
     config: RegenerateConfig, *, done: frozenset[str], repaired: int, start: float
 ) -> RegenerateSummary:
@@ -229,8 +245,13 @@ def _run_in_process(
         out=config.out, failures=config.failures_path, done=done,
     )  # fmt: skip
     progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=1)
+    emit = functools.partial(_apply, progress)
     try:
-        result = run_worker(spec, lambda e: _apply(progress, e), lambda: False)
+        loaded = load_worker(spec, emit)  # Ctrl-C while loading: KeyboardInterrupt, nothing to keep
+        with _stop_on_sigint():
+            result = answer_records(spec, loaded, emit, stop_requested)
+            if not result.completed:
+                raise StopRequested
     finally:
         progress.close()
     return _summary([result], repaired=repaired, start=start, first_ready=progress.first_ready, workers=1)
@@ -257,6 +278,7 @@ def _run_spawned(
     placement = config.placement
     num_workers = placement.num_workers
     config.parts_dir.mkdir(parents=True, exist_ok=True)
+    quiet_resource_tracker()  # before the first queue: a killed run's semaphores are cleaned up quietly
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
     events: Any = ctx.Queue()
     stop = ctx.Event()
@@ -276,24 +298,34 @@ def _run_spawned(
     progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=num_workers)
     dones: dict[int, WorkerDone] = {}
     dead_since: dict[int, float] = {}
+    ready: set[int] = set()
     try:
-        while len(dones) < num_workers:
-            try:
-                event = events.get(timeout=0.2)
-            except queue.Empty:
-                _check_dead(processes, dones, dead_since)
-                continue
-            if isinstance(event, WorkerFailed):
-                raise WorkerError(
-                    f"regenerate worker {event.worker} ({event.device}) failed; the output is resumable. "
-                    f"Its traceback:\n{event.traceback}"
-                )
-            if isinstance(event, WorkerDone):
-                dones[event.worker] = event
-            else:
-                _apply(progress, event)
+        with _stop_on_sigint():
+            while len(dones) < num_workers:
+                if stop_requested():
+                    raise StopRequested
+                try:
+                    event = events.get(timeout=0.2)
+                except queue.Empty:
+                    _check_dead(processes, dones, dead_since)
+                    continue
+                if isinstance(event, WorkerFailed):
+                    raise WorkerError(
+                        f"regenerate worker {event.worker} ({event.device}) failed; the output is "
+                        f"resumable. Its traceback:\n{event.traceback}"
+                    )
+                if isinstance(event, WorkerDone):
+                    dones[event.worker] = event
+                else:
+                    if isinstance(event, WorkerReady):
+                        ready.add(event.worker)
+                    _apply(progress, event)
     except BaseException:
         stop.set()
+        # A worker still loading its target has written nothing: end it now rather than after its load.
+        for worker, process in enumerate(processes):
+            if worker not in ready and process.is_alive():
+                process.terminate()
         _drain_and_join(processes, events, dones, progress)
         progress.close()
         merge_leftover_parts(config)  # what the workers wrote is kept: the rerun resumes after it

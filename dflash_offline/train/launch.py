@@ -16,7 +16,7 @@ import torch
 
 from dflash_offline import errors as errors_module
 from dflash_offline.errors import DflashError
-from dflash_offline.lifeline import die_with_parent
+from dflash_offline.lifeline import die_with_parent, quiet_resource_tracker
 from dflash_offline.locking import acquire_lock, hold_lock
 from dflash_offline.placement import DistInfo, free_port, under_torchrun
 from dflash_offline.train.config import TrainConfig
@@ -89,6 +89,7 @@ def _spawn(config: TrainConfig) -> None:
     """mp.spawn, but a rank's DflashError or Ctrl-C reaches the caller as itself, not as a traceback."""
     import torch.multiprocessing as mp
 
+    quiet_resource_tracker()  # before the first queue: a killed run's semaphores are cleaned up quietly
     errors = mp.get_context("spawn").SimpleQueue()
     context = mp.start_processes(
         _spawned,

@@ -223,6 +223,29 @@ def test_layer_ids_are_refused_at_the_command_line_in_one_line(
 @pytest.mark.parametrize(
     ("command", "module", "function"),
     [
+        ("generate", "dflash_offline.generate.launch", "generate_from_config"),
+        ("regenerate", "dflash_offline.regenerate.run", "run_regenerate"),
+        ("train", "dflash_offline.train.launch", "run_training"),
+    ],
+)
+def test_a_negative_thread_count_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str, module: str, function: str
+) -> None:
+    _capture(monkeypatch, module, function)
+    where = ["--cache", str(tmp_path / "c")] if command != "regenerate" else []
+    out = ["--out", str(tmp_path / ("run" if command == "train" else "out.jsonl"))] * (command != "generate")
+    result = CliRunner().invoke(main, [command, *where, *out, "--threads", "-3"])
+    assert result.exit_code == 1, result.output
+    assert not isinstance(result.exception, _Captured)  # refused before any run
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("Error: "), result.output
+    assert "--threads -3: expected" in lines[0], result.output
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "function"),
+    [
         ("status", "dflash_offline.cache.status", "cache_status"),
         ("verify", "dflash_offline.cache.verify", "verify_cache"),
         ("index", "dflash_offline.cache.index", "build_index"),
