@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.dflash-installed
 DEMO_OUT ?= demo_out
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test quickstart lint format bench clean
 
 setup: $(STAMP)
 
@@ -24,9 +24,14 @@ demo: setup
 	$(BIN)/python -m dflash_offline.demo --out $(DEMO_OUT)
 
 # Every test, slow ones included, on two workers (CI's two cores; tests/conftest.py gives each one torch
-# thread). A plain `pytest` runs them in one process.
+# thread). A plain `pytest` runs them in one process. Neither runs the Quick start end to end: `make quickstart`.
 test: setup
 	$(BIN)/python -m pytest -n 2
+
+# The README's Quick start, run end to end in a temporary directory (minutes on 2 CPU cores: pyproject.toml
+# leaves its marker out of `make test`).
+quickstart: setup
+	$(BIN)/python -m pytest -m quickstart tests/test_quickstart.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -8,8 +8,12 @@ below, used by every config that has them and by the shared decorators of ``cli/
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from collections.abc import Callable
 from typing import Any, Literal
+
+from dflash_offline.errors import ConfigError
 
 CLI_KEY = "cli"
 """The ``dataclasses.field`` metadata key holding a field's ``Cli``."""
@@ -27,7 +31,15 @@ class Cli:
     negate: bool = False
     """A plain flag that sets the (True by default) bool field to False: ``--no-tensorboard``."""
     min: float | None = None
-    """Lower bound checked by click (an IntRange/FloatRange); the config's own check may be tighter."""
+    """Lower bound, checked by ``check_fields`` when the config is built (from the command line or code)."""
+    max: float | None = None
+    """Upper bound (inclusive unless ``max_open``)."""
+    min_open: bool = False
+    """The bound ``min`` itself is refused (``--lr`` > 0)."""
+    max_open: bool = False
+    """The bound ``max`` itself is refused (``--val-fraction`` < 1)."""
+    why: str | None = None
+    """Why the bounds are what they are, appended to the error that names them."""
     path: Literal["dir", "file", "any"] | None = None
     """For a Path field: what it names (click's file_okay/dir_okay)."""
     exists: bool = False
@@ -66,12 +78,91 @@ def flag_of(name: str, spec: Cli) -> str:
     return spec.flag or "--" + name.replace("_", "-")
 
 
+def literal_choices(hint: Any) -> tuple[Any, ...] | None:
+    """The values of a ``Literal[...]`` annotation (or ``Literal[...] | None``), else None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    if len(args) == 1 and typing.get_origin(args[0]) is Literal:
+        return typing.get_args(args[0])
+    return None
+
+
+def bounds_text(spec: Cli, *, integer: bool) -> str:
+    """The values ``spec``'s bounds allow, in words: "an integer in 1..64", "a finite number > 0"."""
+    lo, hi = spec.min, spec.max
+    if integer:
+        lo_i = None if lo is None else int(lo) + int(spec.min_open)
+        hi_i = None if hi is None else int(hi) - int(spec.max_open)
+        text = (
+            f"an integer in {lo_i}..{hi_i}"
+            if lo_i is not None and hi_i is not None
+            else (f"an integer ≥ {lo_i}" if lo_i is not None else f"an integer ≤ {hi_i}")
+        )
+    elif lo is not None and hi is not None:
+        text = f"a number in {'(' if spec.min_open else '['}{lo:g}, {hi:g}{')' if spec.max_open else ']'}"
+    elif lo is not None:
+        text = f"a finite number {'>' if spec.min_open else '≥'} {lo:g}"
+    else:
+        text = f"a finite number {'<' if spec.max_open else '≤'} {hi:g}"
+    return text if spec.why is None else f"{text} ({spec.why})"
+
+
+def _one_of(choices: tuple[Any, ...]) -> str:
+    words = [str(c) for c in choices]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _within(value: float, spec: Cli) -> bool:
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if spec.min is not None and (value < spec.min or (spec.min_open and value == spec.min)):
+        return False
+    return spec.max is None or not (value > spec.max or (spec.max_open and value == spec.max))
+
+
+def invalid_fields(config: Any) -> list[str]:
+    """One line per field of the config dataclass whose value breaks its ``Cli`` bounds or is not one
+    of its ``Literal`` choices (None, an unset optional, always passes)."""
+    return invalid_values(type(config), {f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+
+def invalid_values(cls: type[Any], values: dict[str, Any]) -> list[str]:
+    """``invalid_fields`` for the values of some fields of the config dataclass ``cls`` (by field name;
+    names that are not fields are ignored)."""
+    hints = typing.get_type_hints(cls)
+    bad = []
+    for f in dataclasses.fields(cls):
+        spec = cli_spec(f)
+        value = values.get(f.name)
+        if spec is None or spec.kind != "value" or value is None or isinstance(value, bool):
+            continue
+        flag = flag_of(f.name, spec)
+        choices = literal_choices(hints[f.name]) or spec.choices
+        if choices is not None and value not in choices:
+            bad.append(f"{flag} {value!r}: expected {_one_of(choices)}")
+        elif isinstance(value, int | float) and not _within(value, spec):
+            integer = int in (hints[f.name], *typing.get_args(hints[f.name]))
+            bad.append(f"{flag} {value}: expected {bounds_text(spec, integer=integer)}")
+    return bad
+
+
+def check_fields(config: Any) -> None:
+    """Raise one ``ConfigError`` naming every option of ``config`` outside its bounds or choices: the
+    bounds written once, in the field's ``Cli``, for the command line and for a config built in code."""
+    bad = invalid_fields(config)
+    if bad:
+        raise ConfigError("invalid " + "; ".join(bad))
+
+
 # Options shared by several commands (one spelling, one help text).
 CACHE = Cli(flag="--cache", path="dir", required=True, help="The cache directory.")
 SEED = Cli(help="Seed of every random choice.")
 PROGRESS = Cli(flag="--progress", secondary="--no-progress", help="Show a progress bar.")
 GPUS = Cli(help="GPUs to use, one worker process each: all, 0,1,2 or 0-7. Default: the CPU.")
-WORKERS = Cli(flag="--workers", min=1, help="Worker processes on the CPU (used when --gpus is not given).")
+WORKERS = Cli(
+    flag="--workers", min=1, max=1024, help="Worker processes on the CPU (used when --gpus is not given)."
+)
 PLACEMENT = Cli(kind="placement")
 TARGET = Cli(
     help="default (embedded SmolLM2-135M-Instruct), a Hugging Face model directory, a .gguf file, "
@@ -87,5 +178,9 @@ DATA_FORMAT = Cli(
 )
 DTYPE = Cli(choices=("float32", "bfloat16"), help="Compute dtype (default: float32 on CPU, bfloat16 on GPU).")
 THREADS = Cli(
-    flag="--threads", help="torch threads per CPU worker (0: the machine's cores divided among the workers)."
+    flag="--threads",
+    min=0,
+    max=4096,
+    why="0: the machine's cores divided among the workers",
+    help="torch threads per CPU worker (0: the machine's cores divided among the workers).",
 )

@@ -63,3 +63,19 @@ def die_with_parent(*, kill_signal: int | None = signal.SIGKILL, grace_seconds: 
     if parent == 1 or os.getppid() != parent:
         os._exit(ORPHAN_EXIT_CODE)
     threading.Thread(target=_watch, args=(parent, grace_seconds), name="dflash-lifeline", daemon=True).start()
+
+
+TRACKER_WARNINGS_OFF = "ignore:resource_tracker:UserWarning"
+"""The ``-W`` filter that silences multiprocessing's resource tracker (see ``quiet_resource_tracker``)."""
+
+
+def quiet_resource_tracker() -> None:
+    """Silence the resource tracker's "leaked semaphore objects to clean up at shutdown" warnings.
+
+    A coordinator's multiprocessing queues and events are named POSIX semaphores; when the coordinator
+    is killed (SIGKILL, the OOM killer) it cannot unlink them, and the resource tracker process, which
+    outlives it, unlinks them itself, warning about each kind first. They are cleaned up: the warning
+    only alarms. The tracker takes its warning filters from this process's ``-W`` options when it
+    starts (with the first semaphore), so call this before creating any queue or event."""
+    if TRACKER_WARNINGS_OFF not in sys.warnoptions:
+        sys.warnoptions.append(TRACKER_WARNINGS_OFF)

@@ -1,5 +1,6 @@
 """One writer at a time: an exclusive lock on ``DIR/lock`` for a cache (``dflash generate``,
-``dflash verify --repair``) or a training run directory (``dflash train --out``).
+``dflash verify --repair``) or a training run directory (``dflash train --out``), and on
+``FILE.lock`` beside an output file (``dflash regenerate --out FILE``).
 
 The lock is ``fcntl.flock`` on ``DIR/lock``; the file also holds a JSON line naming the holder (pid,
 host, start time, command). The kernel drops a flock when its process dies, however it dies, so a
@@ -116,7 +117,34 @@ def acquire_lock(
     is taken over, and ``announce`` prints one line about it to stderr."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / LOCK_NAME
+    return _acquire(
+        directory / LOCK_NAME,
+        subject=f"{what} {directory}",
+        why="two writers would commit the same samples twice",
+        command=command,
+        announce=announce,
+    )
+
+
+def lock_path_beside(output: str | Path) -> Path:
+    """``FILE.lock``: the lock file of an output file ``FILE``."""
+    output = Path(output)
+    return output.with_name(output.name + ".lock")
+
+
+def acquire_lock_beside(
+    output: str | Path, *, what: str, why: str, command: str | None = None, announce: bool = True
+) -> DirLock:
+    """Take the lock of the output file ``output`` (``FILE.lock`` beside it, its folder created) or raise
+    ``LockedError`` naming the holder; ``why`` says what two writers would do to the file."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    return _acquire(
+        lock_path_beside(output), subject=f"{what} {output}", why=why, command=command, announce=announce
+    )
+
+
+def _acquire(path: Path, *, subject: str, why: str, command: str | None, announce: bool) -> DirLock:
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -126,8 +154,7 @@ def acquire_lock(
             os.close(fd)
             who = holder.describe() if holder else "another process (it has not written its name yet)"
             raise LockedError(
-                f"{what} {directory} is in use by {who}; wait for it to finish or stop it "
-                f"(two writers would commit the same samples twice)"
+                f"{subject} is in use by {who}; wait for it to finish or stop it ({why})"
             ) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -149,8 +176,7 @@ def acquire_lock(
     os.pwrite(fd, data, 0)
     if stale is not None and announce:
         print(
-            f"note: took over the stale lock of {what} {directory} from {stale.describe()} "
-            f"(that process is gone)",
+            f"note: took over the stale lock of {subject} from {stale.describe()} (that process is gone)",
             file=sys.stderr,
         )
     return DirLock(path, fd, holder, stale)

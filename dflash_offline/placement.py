@@ -9,6 +9,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dflash_offline.config_fields import THREADS, WORKERS, check_fields, cli_field
 from dflash_offline.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -33,10 +34,13 @@ class Placement:
 
     gpus: tuple[int, ...] = ()
     """CUDA device indices, one worker each; empty on CPU."""
-    num_cpu_workers: int = 1
+    num_cpu_workers: int = cli_field(1, cli=WORKERS)
     """Worker processes when ``gpus`` is empty."""
-    threads_per_worker: int = 0
+    threads_per_worker: int = cli_field(0, cli=THREADS)
     """torch intra-op threads per CPU worker; 0 = the machine's cores divided among the workers."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @property
     def num_workers(self) -> int:

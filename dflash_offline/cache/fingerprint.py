@@ -57,9 +57,13 @@ class CacheFingerprint:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheFingerprint:
         names = {f.name for f in fields(cls)}
+        if not isinstance(d, dict):
+            raise CacheFormatError(f"its fingerprint is {type(d).__name__}, not an object")
         missing = names - d.keys()
         if missing:
-            raise CacheFormatError(f"its fingerprint lacks fields {sorted(missing)}")
+            unknown = sorted(d.keys() - names)
+            also = f" (and has unknown fields {unknown})" if unknown else ""
+            raise CacheFormatError(f"its fingerprint lacks fields {sorted(missing)}{also}")
         kwargs = {name: d[name] for name in names}
         kwargs["layer_ids"] = tuple(int(i) for i in kwargs["layer_ids"])
         kwargs["bucket_edges"] = tuple(int(e) for e in kwargs["bucket_edges"])

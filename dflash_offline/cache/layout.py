@@ -156,7 +156,7 @@ def parse_cache_json(doc: Any, path: Path) -> CacheFingerprint:
     _format_version(doc, path)
     try:
         return CacheFingerprint.from_dict(doc["fingerprint"])
-    except CacheFormatError as e:
+    except (CacheFormatError, TypeError, ValueError, AttributeError) as e:
         raise CacheFormatError(
             f"{path}: {e}; this dflash-offline did not write it: regenerate the cache into a new directory"
         ) from None

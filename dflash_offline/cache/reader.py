@@ -38,7 +38,7 @@ from dflash_offline.cache.manifest import read_parts
 from dflash_offline.cache.records import CachedSample
 from dflash_offline.cache.shard_file import Piece, ShardFile
 from dflash_offline.cache.zarr_format import ARRAYS, DTYPES, ArrayFormat, parse_array_format
-from dflash_offline.errors import CacheDamageError, CacheFormatError, SampleError
+from dflash_offline.errors import CacheDamageError, SampleError
 
 _SHARD_FILE_CACHE = 768
 """Shard files kept open with their parsed index (one descriptor each; they never change once written)."""
@@ -123,7 +123,8 @@ class SampleTable:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DamagedSample:
-    """A sample whose stored bytes, read back, fail their checksum or do not decode."""
+    """A sample whose stored bytes, read back, fail their checksum or cannot be read at all (a missing
+    or truncated shard file, a chunk that does not decode, a zarr.json unlike the writer's)."""
 
     sample_id: str
     shard: str
@@ -134,6 +135,18 @@ class DamagedSample:
 
     def describe(self) -> str:
         return f"sample {self.sample_id!r} in shard {self.shard} (rows from {self.row_start}): {self.problem}"
+
+
+def _damage_error(damaged: Sequence[DamagedSample], root: Path) -> CacheDamageError:
+    """One line naming the damaged samples (the first few) and their shards."""
+    shards = sorted({d.shard for d in damaged})
+    more = f"; and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+    return CacheDamageError(
+        f"{len(damaged)} sample(s) cannot be read: "
+        + "; ".join(d.describe() for d in damaged[:3])
+        + more
+        + f"; run `dflash verify {root}` (shards {', '.join(shards)})"
+    )
 
 
 OnDamaged = Callable[[DamagedSample], None]
@@ -283,15 +296,37 @@ class CacheReader:
             raise SampleError(f"row {int(rows.max())} out of range: the cache has {len(table)} samples")
         needed = int(table.num_tokens[rows].astype(np.int64).sum())
         self._check_out_arrays(needed, features_out, stored_out)
+        try:
+            return self._read_checked(table, rows, features_out, stored_out)
+        except CacheDamageError:
+            if len(rows) == 1 and self.on_damaged is None:
+                raise  # its message is about this one sample already
+        # Something in the read cannot be read (a missing or truncated file, a chunk that does not
+        # decode, a malformed zarr.json, a failed checksum): read the samples one by one to find out
+        # which ones it hurts, so that the error (or the skip) names exactly those.
+        damaged: list[DamagedSample] = []
+        samples = self._read_alone(table, rows, features_out, stored_out, damaged)
+        if self.on_damaged is None:
+            if damaged:
+                raise _damage_error(damaged, self.layout.root)
+            return samples  # the damage did not show again
+        for d in damaged:
+            self.on_damaged(d)
+        return samples
+
+    def _read_checked(
+        self,
+        table: SampleTable,
+        rows: np.ndarray,
+        features_out: np.ndarray | None,
+        stored_out: np.ndarray | None,
+    ) -> list[CachedSample]:
+        """Read, checksum (when asked) and wrap ``rows``; any damage raises ``CacheDamageError`` (a failed
+        checksum too, unless ``on_damaged`` is set: then those samples are zeroed and reported)."""
+        needed = int(table.num_tokens[rows].astype(np.int64).sum())
         target = self._read_target(needed, features_out, stored_out)
         outputs, tasks = self._plan_reads(table, rows, target.stored)
-        try:
-            self._run_tasks(tasks)
-        except CacheDamageError:
-            if self.on_damaged is None or len(rows) < 2:
-                raise
-            # A chunk that does not decode: read the samples one by one to find which it hurts.
-            return self._read_alone(table, rows, features_out)
+        self._run_tasks(tasks)
         if self.check_checksums:
             self._check(table, rows, outputs)
         return self._to_samples(table, rows, outputs, target)
@@ -419,25 +454,27 @@ class CacheReader:
                 future.result()  # re-raises CacheDamageError from a worker thread
 
     def _read_alone(
-        self, table: SampleTable, rows: np.ndarray, features_out: np.ndarray | None
+        self,
+        table: SampleTable,
+        rows: np.ndarray,
+        features_out: np.ndarray | None,
+        stored_out: np.ndarray | None,
+        damaged: list[DamagedSample],
     ) -> list[CachedSample]:
-        """``read_rows`` one sample at a time, each undecodable one zeroed and reported."""
+        """``rows`` read one sample at a time; each one that cannot be read is zeroed (features, ids and
+        loss mask: it carries no loss and no anchor) and appended to ``damaged``."""
         samples, packed = [], 0
         for row in rows.tolist():
             num = int(table.num_tokens[row])
-            out = None if features_out is None else features_out[packed : packed + num]
+            f_out = None if features_out is None else features_out[packed : packed + num]
+            s_out = None if stored_out is None else stored_out[packed : packed + num]
             packed += num
             try:
-                samples.extend(self.read_rows([row], features_out=out))
+                samples.extend(self._read_checked(table, np.array([row], dtype=np.int64), f_out, s_out))
                 continue
             except CacheDamageError as e:
                 problem = str(e)
-            features = (
-                np.zeros((num, self.fingerprint.feature_width), DTYPES["features"]) if out is None else out
-            )
-            features[...] = 0
-            assert self.on_damaged is not None
-            self.on_damaged(
+            damaged.append(
                 DamagedSample(
                     sample_id=str(table.sample_id[row]),
                     shard=str(table.shard[row]),
@@ -445,16 +482,31 @@ class CacheReader:
                     problem=problem,
                 )
             )
-            samples.append(
-                CachedSample(
-                    sample_id=str(table.sample_id[row]),
-                    input_ids_T=torch.zeros(num, dtype=torch.int32),
-                    loss_mask_T=torch.zeros(num, dtype=torch.uint8),
-                    features_TF=torch.from_numpy(features).view(torch.bfloat16),
-                    bucket_id=int(table.bucket_id[row]),
-                )
-            )
+            samples.append(self._zero_sample(table, row, f_out, s_out))
         return samples
+
+    def _zero_sample(
+        self, table: SampleTable, row: int, f_out: np.ndarray | None, s_out: np.ndarray | None
+    ) -> CachedSample:
+        """A damaged sample's stand-in: all zeros, in the caller's buffer when it gave one."""
+        num = int(table.num_tokens[row])
+        stored_TW = None
+        if s_out is not None:
+            s_out[...] = 0
+            stored_TW = torch.from_numpy(s_out)
+            features_TF = torch.empty((num, 0), dtype=torch.bfloat16)
+        else:
+            features = np.zeros((num, self.fingerprint.feature_width), np.uint16) if f_out is None else f_out
+            features[...] = 0
+            features_TF = torch.from_numpy(features).view(torch.bfloat16)
+        return CachedSample(
+            sample_id=str(table.sample_id[row]),
+            input_ids_T=torch.from_numpy(np.zeros(num, dtype=DTYPES["input_ids"])),
+            loss_mask_T=torch.from_numpy(np.zeros(num, dtype=DTYPES["loss_mask"])),
+            features_TF=features_TF,
+            bucket_id=int(table.bucket_id[row]),
+            stored_TW=stored_TW,
+        )
 
     def _check(self, table: SampleTable, rows: np.ndarray, outputs: list[dict[str, np.ndarray]]) -> None:
         damaged = []
@@ -476,12 +528,7 @@ class CacheReader:
         if not damaged:
             return
         if self.on_damaged is None:
-            shards = sorted({d.shard for d in damaged})
-            raise CacheDamageError(
-                f"{len(damaged)} sample(s) fail their checksum: "
-                + "; ".join(d.describe() for d in damaged)
-                + f"; run `dflash verify {self.layout.root}` (shards {', '.join(shards)})"
-            )
+            raise _damage_error(damaged, self.layout.root)
         for d in damaged:
             self.on_damaged(d)
 
@@ -493,14 +540,17 @@ class CacheReader:
         self._formats[shard] = formats
 
     def _check_features(self, shard: str, fmt: ArrayFormat) -> None:
+        # Damage of this group (its samples cannot be read), not of the cache: verify lists them, train
+        # --on-damaged skip skips them.
         if fmt.width != self.storage.width or fmt.dtype != self.storage.dtype:
-            raise CacheFormatError(
+            raise CacheDamageError(
                 f"{self.layout.shard_group(shard)}: features are {fmt.dtype} [{fmt.width}] a token, "
                 f"cache.json's codec {self.storage.codec!r} stores {self.storage.dtype} "
                 f"[{self.storage.width}]"
             )
 
     def _format(self, shard: str, name: str) -> ArrayFormat:
+        """The shard group's array format; one that does not fit cache.json is damage of that group."""
         formats = self._formats.get(shard)
         if formats is None:
             group = self.layout.shard_group(shard)

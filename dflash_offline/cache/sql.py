@@ -84,10 +84,10 @@ def run_sql(config: SqlConfig) -> SqlResult:
         cursor = database.con.cursor()  # one cursor per result (a DuckDB 2.0 trap: docs/facts.md#duckdb)
         try:
             cursor.execute(statement)
+            description = cursor.description or []
+            rows = cursor.fetchall() if description else []  # DuckDB reads files lazily: errors come here too
         except duckdb.Error as e:
             raise (refusal_for(e, root=config.root) or DflashError(f"the query failed: {e}")) from e
-        description = cursor.description or []
-        rows = cursor.fetchall() if description else []
         return SqlResult(columns=tuple(d[0] for d in description), rows=rows, source=database.source)
     finally:
         database.con.close()

@@ -19,7 +19,6 @@ from typing import Literal
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint, read_format_version
 from dflash_offline.cache.manifest import check_parts, current_parts, read_parts
@@ -122,20 +121,18 @@ def load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestL
     is named in the shared ``manifest.read_parts`` message, not DuckDB's bare one."""
     try:
         return _load_manifest(con, root)
-    except duckdb.Error:
+    except duckdb.Error as e:
         _raise_unreadable_part(root)
-        raise
+        raise CacheFormatError(f"the manifest of {CacheLayout.at(root).root} cannot be loaded ({e})") from e
 
 
 def _raise_unreadable_part(root: str | Path) -> None:
-    """Find the part behind a DuckDB read error (only on failure: a footer read per part)."""
+    """Find the part behind a DuckDB read error (only on failure: every part is read whole, as a
+    damaged page deep inside a part fails only there, not at its footer)."""
     layout = CacheLayout.at(root)
     for table in MANIFEST_TABLES:
         for path in layout.parts(table):
-            try:
-                pq.read_metadata(path)
-            except (OSError, pa.ArrowInvalid):
-                read_parts(table, [path], legacy_names=True)  # raises the shared message naming the file
+            read_parts(table, [path], legacy_names=True)  # raises the shared message naming the file
 
 
 def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> ManifestLoad:
@@ -244,7 +241,14 @@ def open_query_database(root: str | Path, source: Source = "auto") -> QueryDatab
             raise CacheFormatError(
                 f"{layout.index_path} does not exist; build it with `dflash index {layout.root}`"
             )
-        return QueryDatabase(con=duckdb.connect(str(layout.index_path), read_only=True), source="index")
+        try:
+            con = duckdb.connect(str(layout.index_path), read_only=True)
+        except duckdb.Error as e:
+            raise CacheFormatError(
+                f"{layout.index_path} cannot be opened ({e}); rebuild it with `dflash index {layout.root}` "
+                "or query the manifest (--source manifest)"
+            ) from e
+        return QueryDatabase(con=con, source="index")
     con = duckdb.connect(":memory:")
     load_manifest(con, root)
     return QueryDatabase(con=con, source="manifest")

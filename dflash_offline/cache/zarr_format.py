@@ -116,8 +116,10 @@ class ArrayFormat:
         return self.path / suffix
 
 
-def _bad(path: Path, what: str) -> CacheFormatError:
-    return CacheFormatError(f"{path}/zarr.json: {what}; not a shard written by dflash-offline format v1")
+def _bad(path: Path, what: str) -> CacheDamageError:
+    # Damage, not a format of its own: the samples of this shard group cannot be read, the others can
+    # (``dflash verify`` lists them, ``train --on-damaged skip`` skips them).
+    return CacheDamageError(f"{path}/zarr.json: {what}; not a shard written by dflash-offline format v1")
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@ one library function. Commands are imported lazily so that ``dflash --help`` doe
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 from typing import Any
@@ -24,6 +25,20 @@ COMMANDS: dict[str, str] = {
     "verify": "dflash_offline.cli.verify:verify",
     "plot": "dflash_offline.cli.plot:plot",
 }
+
+PATH_ERRNOS = frozenset(
+    {
+        errno.EROFS,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ENOENT,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+    }
+)
+"""OSErrors about a path that the environment, not the code, causes."""
 
 
 class LazyGroup(click.Group):
@@ -54,9 +69,13 @@ class LazyGroup(click.Group):
             raise click.ClickException(str(e)) from e
         except OSError as e:
             found = find_no_space(e)
-            if found is None:
-                raise
-            raise click.ClickException(str(NoSpaceError(found[1] or e.filename or "."))) from e
+            if found is not None:
+                raise click.ClickException(str(NoSpaceError(found[1] or e.filename or "."))) from e
+            if e.errno in PATH_ERRNOS and e.filename is not None:
+                # The file system refused a path (read-only, permissions, a file where a folder should
+                # be): the user's to fix, so one line naming it. Other OSErrors keep their traceback.
+                raise click.ClickException(f"{e.filename}: {e.strerror}") from e
+            raise
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options, progress_option
 from dflash_offline.eval.config import DEFAULT_TIE_ULPS, EvalConfig
 
@@ -32,6 +33,7 @@ __all__ = ["DEFAULT_TIE_ULPS", "EXIT_MISMATCH", "eval_cmd"]
     help="Also write the τ table as TensorBoard scalars to DIR (pip install 'dflash-offline[tensorboard]').",
 )
 @progress_option
+@ctrl_c_exits_130("interrupted: no report written; rerun the same command")
 def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path | None) -> None:
     """Speculative decoding with the target and the drafter (greedy, batch 1): per question set τ, its
     histogram, decode tok/s of target-only and speculative decoding (prefill excluded) and the speedup,
@@ -40,9 +42,14 @@ def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path |
     from dflash_offline.eval.report import format_table
     from dflash_offline.eval.run import run_eval
     from dflash_offline.tensorboard import require_tensorboard, write_eval_report
+    from dflash_offline.writable import check_writable_dir, check_writable_file
 
+    # Everything that could refuse the outputs is checked before the (long) decoding, not after it.
+    if json_path is not None:
+        check_writable_file(json_path, option="--json")
     if tensorboard_dir is not None:
-        require_tensorboard()  # before the (long) decoding, not after it
+        require_tensorboard()
+        check_writable_dir(tensorboard_dir, option="--tensorboard")
     report = run_eval(config)
     click.echo(format_table(report))
     if json_path is not None:

@@ -98,10 +98,10 @@ def _click_type(base: Any, spec: Cli) -> Any:
             dir_okay=spec.path != "file",
             exists=spec.exists,
         )
-    if base is int:
-        return int if spec.min is None else click.IntRange(min=int(spec.min))
-    if base is float:
-        return float if spec.min is None else click.FloatRange(min=spec.min)
+    if base in (int, float):
+        # Bounds are checked when the config is built (config_fields.check_fields): one message, in
+        # one style, for the command line and for code.
+        return base
     if base is str:
         return None
     raise TypeError(f"no click type for a config field of type {base!r}")

@@ -8,7 +8,14 @@ import click
 
 
 @click.command()
-@click.argument("path", type=click.Path(path_type=Path, exists=True))
+@click.argument("path", type=click.Path(path_type=Path, exists=True), required=False)
+@click.option(
+    "--cache",
+    "cache_dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="The cache to plot (as the positional PATH; as every cache command takes it).",
+)
 @click.option(
     "--out",
     "out_dir",
@@ -17,11 +24,20 @@ import click
     help="Folder for the PNGs (default: RUN/plots, CACHE-plots next to a cache, REPORT-plots next to "
     "an eval report).",
 )
-def plot(path: Path, out_dir: Path | None) -> None:
+def plot(path: Path | None, cache_dir: Path | None, out_dir: Path | None) -> None:
     """Plot PATH: a training run (loss, accuracy per block position, simulated τ, throughput), a cache
     (samples and tokens per bucket, lengths, failures) or a `dflash eval --json` report (acceptance)."""
+    from dflash_offline.errors import ConfigError
     from dflash_offline.plot import plot_path
 
-    result = plot_path(path, out_dir)
+    if path is None and cache_dir is None:
+        raise click.UsageError("give what to plot: PATH (a run, a cache or an eval report) or --cache C")
+    if path is not None and cache_dir is not None and path != cache_dir:
+        raise click.UsageError(f"PATH {path} and --cache {cache_dir} name different things: give one")
+    if cache_dir is not None and not (cache_dir / "cache.json").is_file():
+        raise ConfigError(f"--cache {cache_dir}: not a cache (no cache.json); plot a run or report as PATH")
+    target = cache_dir if cache_dir is not None else path
+    assert target is not None
+    result = plot_path(target, out_dir)
     for file in result.files:
         click.echo(str(file))

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import click
 
+from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options
 from dflash_offline.regenerate.config import RegenerateConfig
 
 
 @click.command()
 @config_options(RegenerateConfig)
+@ctrl_c_exits_130("interrupted: finished conversations are kept; rerun the same command to resume")
 def regenerate(config: RegenerateConfig) -> None:
     """Replace the assistant turns of chat data with the target's own answers (greedy by default)."""
     from dflash_offline.regenerate.run import run_regenerate
 
-    try:
-        summary = run_regenerate(config)
-    except KeyboardInterrupt:
-        click.echo("interrupted: finished conversations are kept; rerun the same command to resume", err=True)
-        raise SystemExit(130) from None
+    summary = run_regenerate(config)
     if summary is None:  # a torchrun rank other than 0
         return
     s = summary

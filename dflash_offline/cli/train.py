@@ -2,40 +2,22 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
-
 import click
 
+from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options
 from dflash_offline.train.config import TrainConfig
 
 
-def _ctrl_c_exits_130(f: Callable[..., None]) -> Callable[..., None]:
-    """Ctrl-C before the training loop takes it over (imports, setup) or a second one: exit 130 with
-    one line, as after a clean stop (click would print `Aborted!` and exit 1)."""
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> None:
-        try:
-            f(*args, **kwargs)
-        except KeyboardInterrupt:
-            click.echo(
-                "interrupted before a step boundary: the newest checkpoint (if any) is kept; "
-                "rerun the same command to resume",
-                err=True,
-            )
-            raise SystemExit(130) from None
-
-    return wrapper
-
-
 @click.command()
 @config_options(TrainConfig)
-@_ctrl_c_exits_130
+@ctrl_c_exits_130(
+    "interrupted before a step boundary: the newest checkpoint (if any) is kept; rerun the same command "
+    "to resume"
+)
 def train(config: TrainConfig) -> None:
     """Train the DFlash drafter on the samples the cache has committed."""
+    from dflash_offline.interrupt import EXIT_INTERRUPTED
     from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
     from dflash_offline.train.interrupt import TrainInterrupted
     from dflash_offline.train.launch import run_training
@@ -44,11 +26,11 @@ def train(config: TrainConfig) -> None:
         result = run_training(config)
     except TrainInterrupted as e:
         click.echo(str(e), err=True)
-        raise SystemExit(130) from None
+        raise SystemExit(EXIT_INTERRUPTED) from None
     damaged = read_damaged(config.out_dir) if config.on_damaged == "skip" else []
     if damaged:
         click.echo(
-            f"skipped {len(damaged)} damaged sample(s) (failed their checksum; ids in "
+            f"skipped {len(damaged)} damaged sample(s) (unreadable or failing their checksum; ids in "
             f"{config.out_dir / DAMAGED_FILE}); run `dflash verify {config.cache_dir}`",
             err=True,
         )

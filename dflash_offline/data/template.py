@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -90,6 +91,57 @@ def _renderer(tokenizer: Any) -> Render:
     return render
 
 
+HEAD_CHARS_PER_TOKEN = 8
+"""First guess of characters per token when only the head of a long text is tokenized (doubled until
+the prefix holds enough tokens)."""
+HEAD_MARGIN_TOKENS = 16
+"""Tokens beyond the limit that a prefix must hold: its last tokens may differ from the whole text's
+(the cut can fall inside a word), the ones before do not."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EncodedHead:
+    """The first tokens of a text (``encode_head``)."""
+
+    ids_T: np.ndarray
+    """int32 [T]: token ids."""
+    offsets_T2: np.ndarray
+    """int64 [T, 2]: each token's character range [start, end) in the text."""
+    complete: bool
+    """The whole text was tokenized (T is its token count); else it has more tokens than T."""
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[np.ndarray, np.ndarray]:
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids_T = np.asarray(encoded["input_ids"], dtype=np.int32)
+    return ids_T, np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+
+
+def encode_head(tokenizer: Any, text: str, max_tokens: int) -> EncodedHead:
+    """The tokens of ``text``, at least the first ``max_tokens`` + 1 of them when it has more.
+
+    A huge record (megabytes of text) tokenized whole holds gigabytes of encodings and offsets for
+    tokens that truncation drops at once; so a text longer than the limit can need is tokenized by
+    prefixes of doubling length until one holds ``max_tokens`` + ``HEAD_MARGIN_TOKENS`` tokens. A prefix
+    tokenizes like the whole text except for its last few tokens (the cut may fall inside a word): its
+    first tokens are kept once the prefix twice as long agrees on them, else the text is tokenized
+    whole."""
+    need = max_tokens + HEAD_MARGIN_TOKENS
+    chars = need * HEAD_CHARS_PER_TOKEN
+    while chars < len(text):
+        ids_T, offsets_T2 = _encode(tokenizer, text[:chars])
+        if ids_T.shape[0] > need:
+            longer_ids_T, longer_offsets_T2 = _encode(tokenizer, text[: 2 * chars])
+            if np.array_equal(ids_T[:need], longer_ids_T[:need]) and np.array_equal(
+                offsets_T2[:need], longer_offsets_T2[:need]
+            ):
+                return EncodedHead(ids_T=ids_T[:need], offsets_T2=offsets_T2[:need], complete=False)
+            break
+        chars *= 2
+    ids_T, offsets_T2 = _encode(tokenizer, text)
+    return EncodedHead(ids_T=ids_T, offsets_T2=offsets_T2, complete=True)
+
+
 def tokenize_conversation(
     tokenizer: Any, conv: Conversation, *, max_length: int, too_long: TooLong
 ) -> TokenizedSample | SourceFailure:
@@ -118,14 +170,17 @@ def tokenize_conversation(
     except Exception as e:  # a user-supplied template may raise anything (jinja's raise_exception, ...)
         return fail("template_error", f"rendering the conversation: {type(e).__name__}: {e}")
 
-    ids_T, offsets_T2 = _encode(tokenizer, text)
     if any(m.role == "assistant" and m.token_ids is not None for m in conv.messages):
-        ids_T, offsets_T2 = _with_answer_ids(tokenizer, render, chat, conv, text, ids_T, offsets_T2)
+        head = _with_answer_ids(tokenizer, render, chat, conv, text, max_length)
+    else:
+        head = encode_head(tokenizer, text, max_length)
+    ids_T, offsets_T2 = head.ids_T, head.offsets_T2
     num_tokens = int(ids_T.shape[0])
     truncated = num_tokens > max_length
     if truncated:
         if too_long == "skip":
-            return fail("too_long", f"{num_tokens} tokens after templating > --max-len {max_length}")
+            count = f"{num_tokens}" if head.complete else f"over {num_tokens}"
+            return fail("too_long", f"{count} tokens after templating > --max-len {max_length}")
         ids_T = ids_T[:max_length]
         offsets_T2 = offsets_T2[:max_length]
     char_limit = int(offsets_T2[-1, 1]) if num_tokens else 0
@@ -147,39 +202,35 @@ def tokenize_conversation(
     )
 
 
-def _encode(tokenizer: Any, text: str) -> tuple[np.ndarray, np.ndarray]:
-    """int32 ids [T] and int64 character offsets [T, 2] of ``text`` (no special tokens added)."""
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids_T = np.asarray(encoded["input_ids"], dtype=np.int32)
-    offsets_T2 = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    return ids_T, offsets_T2
-
-
 def _with_answer_ids(
     tokenizer: Any,
     render: Render,
     chat: Chat,
     conv: Conversation,
     text: str,
-    ids_T: np.ndarray,
-    offsets_T2: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
+    max_length: int,
+) -> EncodedHead:
     """The rendered conversation with each assistant content whose ``token_ids`` decode to it spliced in
     as those ids: the target's own tokens, where the tokenizer may split the same text otherwise.
 
     The text around them is tokenized piece by piece, cut where each such content starts and ends: the
     piece before an answer ends with the generation prompt, tokenized alone as the target's prompt was,
     and the end-of-turn token that follows the content is a special token either way. Each spliced id
-    gets the character range of its whole content (the loss mask marks it as inside the turn). Returns
-    ``(ids_T, offsets_T2)`` unchanged when no ids apply, or when the pieces do not decode to the same text
-    as the whole (a tokenizer that adds a prefix to every piece)."""
+    gets the character range of its whole content (the loss mask marks it as inside the turn). Pieces
+    are tokenized by their heads as ``encode_head`` does, up to ``max_length`` tokens in all. The text
+    tokenized whole (``encode_head``) when no ids apply, or when the tokens do not decode to the text (a
+    tokenizer that adds a prefix to every piece)."""
+
+    def whole() -> EncodedHead:
+        return encode_head(tokenizer, text, max_length)
+
     try:
         spans = assistant_char_spans(render, chat, text)
     except _SpanError:
-        return ids_T, offsets_T2  # the caller reports the template error
+        return whole()  # the caller reports the template error
     answered = [m for m in conv.messages if m.role == "assistant" and m.content.strip()]
     if len(spans) != len(answered):
-        return ids_T, offsets_T2
+        return whole()
     splices: list[tuple[int, int, list[int]]] = []
     for message, (start, _end) in zip(answered, spans, strict=True):
         if message.token_ids is None or not text.startswith(message.content, start):
@@ -191,23 +242,31 @@ def _with_answer_ids(
         if decoded == message.content:
             splices.append((start, start + len(message.content), list(message.token_ids)))
     if not splices:
-        return ids_T, offsets_T2
+        return whole()
     ids: list[np.ndarray] = []
     offsets: list[np.ndarray] = []
-    cursor = 0
+    cursor = count = 0
+    complete = True
     for start, end, answer_ids in (*splices, (len(text), len(text), [])):
-        piece_ids_T, piece_offsets_T2 = _encode(tokenizer, text[cursor:start])
-        ids += [piece_ids_T, np.asarray(answer_ids, dtype=np.int32)]
-        offsets += [
-            piece_offsets_T2 + cursor,
-            np.tile(np.asarray([[start, end]], dtype=np.int64), (len(answer_ids), 1)),
-        ]
+        if count > max_length:  # enough tokens: the rest is cut off anyway
+            complete = False
+            break
+        piece = encode_head(tokenizer, text[cursor:start], max_length - count)
+        ids.append(piece.ids_T)
+        offsets.append(piece.offsets_T2 + cursor)
+        count += piece.ids_T.shape[0]
+        if not piece.complete:
+            complete = False
+            break
+        count += len(answer_ids)
+        ids.append(np.asarray(answer_ids, dtype=np.int32))
+        offsets.append(np.tile(np.asarray([[start, end]], dtype=np.int64), (len(answer_ids), 1)))
         cursor = end
-    spliced_T = np.concatenate(ids)
-    whole = tokenizer.decode(ids_T.tolist(), skip_special_tokens=False)
-    if tokenizer.decode(spliced_T.tolist(), skip_special_tokens=False) != whole:
-        return ids_T, offsets_T2
-    return spliced_T, np.concatenate(offsets)
+    spliced_T, spliced_offsets_T2 = np.concatenate(ids), np.concatenate(offsets)
+    covered = int(spliced_offsets_T2[-1, 1]) if spliced_T.shape[0] else 0
+    if tokenizer.decode(spliced_T.tolist(), skip_special_tokens=False) != text[:covered]:
+        return whole()
+    return EncodedHead(ids_T=spliced_T, offsets_T2=spliced_offsets_T2, complete=complete)
 
 
 def spans_to_token_mask(spans: list[tuple[int, int]], offsets_T2: np.ndarray) -> np.ndarray:

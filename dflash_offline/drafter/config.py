@@ -15,10 +15,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflash_offline.drafter_shape import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_NUM_ANCHORS,
+    DEFAULT_NUM_LAYERS,
+    MIN_BLOCK_SIZE,
+)
 from dflash_offline.errors import ConfigError
-
-DEFAULT_NUM_ANCHORS = 512
-"""Anchors per document / microbatch row (the DFlash default); the one home of this number."""
 
 # γ of the decayed loss by block size, from the DFlash paper (docs/drafter.md#labels-and-loss). Other
 # block sizes use DEFAULT_LOSS_GAMMA: a plain choice, not a published one.
@@ -37,7 +40,7 @@ class DrafterConfig:
 
     hidden_size: int
     """H: width of the residual stream, equal to the target's hidden size."""
-    num_layers: int = 5
+    num_layers: int = DEFAULT_NUM_LAYERS
     """L_d: number of drafter decoder layers."""
     num_attention_heads: int
     """Query heads per layer."""
@@ -53,7 +56,7 @@ class DrafterConfig:
     """RoPE base (default RoPE, no scaling)."""
     vocab_size: int
     """V: rows of the target's embedding and LM head."""
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     """B: tokens per draft block (the anchor plus B−1 masked slots)."""
     target_layer_ids: tuple[int, ...]
     """Target layers (0-based, ascending) whose outputs are concatenated into the features."""
@@ -93,8 +96,10 @@ class DrafterConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.block_size < 2:
-            raise ConfigError(f"block_size={self.block_size} must be at least 2 (the anchor + one draft)")
+        if self.block_size < MIN_BLOCK_SIZE:
+            raise ConfigError(
+                f"block_size={self.block_size} must be at least {MIN_BLOCK_SIZE} (the anchor + one draft)"
+            )
         if not self.target_layer_ids:
             raise ConfigError("target_layer_ids is empty; give at least one target layer id")
         ids = tuple(self.target_layer_ids)
@@ -138,8 +143,8 @@ class DrafterConfig:
         *,
         target_layer_ids: tuple[int, ...] | list[int],
         mask_token_id: int,
-        num_layers: int = 5,
-        block_size: int = 16,
+        num_layers: int = DEFAULT_NUM_LAYERS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         loss_gamma: float | None = None,
         num_anchors: int = DEFAULT_NUM_ANCHORS,
     ) -> DrafterConfig:

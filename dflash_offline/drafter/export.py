@@ -224,7 +224,24 @@ def _atomic_write(path: Path, write: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        # safetensors creates its file 0600; an export is meant to be read by a serving engine run as
+        # another user, so every file gets the mode a plain open() gives (0666 less the umask).
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _umask() -> int:
+    """The process's umask, read from /proc where Linux shows it (os.umask can only read it by setting
+    it, which another thread creating a file at that moment would see)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

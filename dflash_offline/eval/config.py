@@ -6,11 +6,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.config_fields import DATA, DATA_FORMAT, DTYPE, TARGET, cli_field
+from dflash_offline.config_fields import DATA, DATA_FORMAT, DTYPE, TARGET, check_fields, cli_field
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.benches import BENCHES, BenchName, parse_bench
-from dflash_offline.eval.prompts import TURNS, Turns
+from dflash_offline.eval.prompts import Turns
 
 DEFAULT_TIE_ULPS = 8.0
 """Default tolerance in ulps of the top logit (bench/RESULTS.md, "Eval near-tie tolerance": the rounding
@@ -94,13 +94,7 @@ class EvalConfig:
     """--progress: an option of the command itself (after its output options), passed in by name."""
 
     def __post_init__(self) -> None:
-        if self.limit < 1 or self.max_new_tokens < 1 or self.skip < 0 or self.max_prompt_tokens < 1:
-            raise ConfigError(
-                f"--limit {self.limit}, --max-new-tokens {self.max_new_tokens}, --max-prompt-tokens "
-                f"{self.max_prompt_tokens} must be >= 1 and --skip {self.skip} >= 0"
-            )
-        if self.dtype is not None and self.dtype not in EVAL_DTYPES:
-            raise ConfigError(f"--dtype {self.dtype!r}: expected one of {sorted(EVAL_DTYPES)}")
+        check_fields(self)
         if self.bench is not None:
             unknown = [b for b in self.bench if b not in BENCHES]
             if unknown or not self.bench:
@@ -110,10 +104,6 @@ class EvalConfig:
                     f"--data {self.data} is only read by the sharegpt set; add it (--bench sharegpt or "
                     "all) or leave --data out"
                 )
-        if self.turns not in TURNS:
-            raise ConfigError(f"--turns {self.turns!r}: expected first or all")
-        if not self.tie_ulps >= 0:
-            raise ConfigError(f"--tie-ulps must be >= 0, got {self.tie_ulps}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

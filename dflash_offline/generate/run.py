@@ -6,12 +6,14 @@ is a worker and rank 0 also coordinates (``launch.py``): both paths go through `
 writes the ``running`` run row, the final status and the summary.
 
 Rerunning the same command resumes: committed and failed samples are skipped, a different
-fingerprint is refused naming the field. Ctrl-C stops cleanly (workers finish their job and commit);
+fingerprint is refused naming the field. Ctrl-C stops cleanly (workers finish their job and commit; a
+worker still loading its target is ended at once);
 an exception in a worker stops the run with the worker's traceback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -25,6 +27,7 @@ from dflash_offline.cache.layout import create_or_open_cache, sweep_partial_file
 from dflash_offline.cache.manifest import (
     committed_sample_ids,
     failed_sample_ids,
+    read_runs,
     record_run,
 )
 from dflash_offline.cache.records import RunRow, utc_now
@@ -36,6 +39,7 @@ from dflash_offline.generate.feed import Planner
 from dflash_offline.generate.group import SpawnedWorkers, WorkerGroup
 from dflash_offline.generate.progress import GenerateProgress, ProgressView
 from dflash_offline.generate.worker import WorkerSpec
+from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.locking import DirLock, acquire_lock
 
 
@@ -97,6 +101,10 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
     from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
     from dflash_offline.target.layers import resolve_layer_ids
+    from dflash_offline.writable import check_writable_dir
+
+    if lock:  # the coordinator: it creates the cache (workers only open it)
+        check_writable_dir(config.cache_dir, option="--cache")
     from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
 
     data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts
@@ -226,7 +234,10 @@ def coordinate(
     ``ctx`` holds the cache's lock (``prepare_run(lock=True)``); it is released here."""
     assert ctx.lock is not None
     try:
-        return _run_locked(ctx, workers(ctx), on_event)
+        # The first Ctrl-C stops the workers after their current job (each commits what it captured);
+        # the run row then says ``interrupted``. A second aborts at once.
+        with stop_on_sigint("dflash generate: stopping after the current jobs (committed samples are kept)"):
+            return _run_locked(ctx, workers(ctx), on_event)
     except OSError as e:  # the coordinator's own writes (run rows, planner failures) hit a full disk
         converted = as_no_space_error(e, ctx.config.cache_dir)
         if converted is e:
@@ -241,6 +252,7 @@ def _run_locked(
 ) -> GenerateSummary:
     config = ctx.config
     sweep_partial_files(config.cache_dir)  # under the lock: no other writer is running
+    _close_abandoned_runs(ctx)
     started_at = utc_now()
     start = time.perf_counter()
     running = _run_row(ctx, started_at=started_at, status="running", num_workers=group.num_workers)
@@ -266,6 +278,20 @@ def _run_locked(
     return summary
 
 
+KILLED_RUN_NOTE = "killed: it ended without recording its end"
+
+
+def _close_abandoned_runs(ctx: RunContext) -> None:
+    """A run row still ``running`` while this run holds the lock belongs to a run that was killed (SIGKILL,
+    OOM killer, power loss) before it could record its end: it says ``interrupted`` from now on, naming
+    the run that found it, so that ``status`` and ``--query runs`` show no run as live that is not."""
+    cache_dir = ctx.config.cache_dir
+    for run in read_runs(cache_dir):
+        if run.status == "running" and run.run_id != ctx.run_id:
+            note = f"{KILLED_RUN_NOTE} (found by {ctx.run_id}, which took over the cache's lock)"
+            record_run(cache_dir, dataclasses.replace(run, status="interrupted", error=note))
+
+
 def _watch(
     ctx: RunContext,
     group: WorkerGroup,
@@ -286,6 +312,8 @@ def _watch(
         while len(tally.finished) + len(tally.failed) < group.num_workers:
             if planner.error is not None:
                 raise planner.error
+            if stop_requested():
+                raise StopRequested
             event = group.get_event(0.2)
             if event is None:
                 group.check_alive(tally.finished)

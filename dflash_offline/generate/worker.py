@@ -24,6 +24,7 @@ from dflash_offline.generate.capture_step import PinnedBufferPool, capture_job
 from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted, WorkerTimings
 from dflash_offline.generate.writer_thread import BatchWritten, WriterThread
+from dflash_offline.interrupt import skip_exit_collection
 from dflash_offline.lifeline import die_with_parent
 
 
@@ -73,6 +74,7 @@ def run_worker(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) ->
     except BaseException as e:
         events.put(failure_event(spec, e))
         raise SystemExit(1) from None
+    skip_exit_collection()  # the coordinator waits for this exit (seconds of garbage collection else)
 
 
 def failure_event(spec: WorkerSpec, error: BaseException) -> WorkerFailed:

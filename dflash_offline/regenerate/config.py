@@ -14,6 +14,7 @@ from dflash_offline.config_fields import (
     PROGRESS,
     SEED,
     TARGET,
+    check_fields,
     cli_field,
 )
 from dflash_offline.data.schemas import DataFormat, parse_data_format
@@ -62,6 +63,9 @@ class RegenerateConfig:
     )
     top_p: float = cli_field(
         1.0,
+        min=0,
+        min_open=True,
+        max=1,
         help="With --temperature > 0: sample among the most likely tokens whose probability reaches this.",
     )
     seed: int = cli_field(0, cli=SEED)
@@ -97,7 +101,10 @@ class RegenerateConfig:
         256, min=1, help="--engine openai: requests in flight per worker (one turn per conversation)."
     )
     request_timeout: float = cli_field(
-        600.0, min=0, help="--engine openai: seconds to wait for one answer before retrying the request."
+        600.0,
+        min=0,
+        min_open=True,
+        help="--engine openai: seconds to wait for one answer before retrying the request.",
     )
     max_retries: int = cli_field(
         5,
@@ -140,28 +147,7 @@ class RegenerateConfig:
     progress: bool = cli_field(True, cli=PROGRESS)
 
     def __post_init__(self) -> None:
-        checks = {
-            "--skip": self.skip >= 0,
-            "--limit": self.limit is None or self.limit >= 0,
-            "--max-new-tokens": self.max_new_tokens >= 1,
-            "--max-prompt-tokens": self.max_prompt_tokens >= 1,
-            "--temperature": self.temperature >= 0,
-            "--top-p": 0 < self.top_p <= 1,
-            "--batch-size": self.batch_size is None or self.batch_size >= 1,
-            "--kv-tokens": self.kv_tokens is None or self.kv_tokens >= 1,
-            "--max-batch-tokens": self.max_batch_tokens >= 1,
-            "--engine": self.engine in ("auto", "slots", "cb", "static", "openai"),
-            "--concurrency": self.concurrency >= 1,
-            "--request-timeout": self.request_timeout > 0,
-            "--max-retries": self.max_retries >= 0,
-            "--retry-backoff": self.retry_backoff >= 0,
-            "--cuda-graphs": self.cuda_graphs in ("auto", "on", "off"),
-            "--window": self.window is None or self.window >= 1,
-            "--dtype": self.dtype in (None, "float32", "bfloat16"),
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ConfigError(f"invalid value for {', '.join(bad)} (see dflash regenerate --help)")
+        check_fields(self)
         parse_data_format(self.data_format)
         self._check_server_options()
         if self.kv_tokens is not None and self.max_prompt_tokens + self.max_new_tokens > self.kv_tokens:

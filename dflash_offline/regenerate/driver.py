@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_offline.data.records import Conversation, SourceFailure
+from dflash_offline.data.template import encode_head
 from dflash_offline.regenerate.engines import Engine
 from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
@@ -54,8 +55,12 @@ class Tally:
         return self.written + self.failed + self.skipped
 
 
-def render_prompt(tokenizer: Any, chat: list[dict[str, str]]) -> list[int]:
+def render_prompt(tokenizer: Any, chat: list[dict[str, str]], *, max_tokens: int | None = None) -> list[int]:
+    """The prompt's token ids; with ``max_tokens``, a longer prompt's first ``max_tokens`` + 1 or more
+    (enough to refuse it, without tokenizing megabytes: ``data.template.encode_head``)."""
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if max_tokens is not None:
+        return [int(i) for i in encode_head(tokenizer, text, max_tokens).ids_T]
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
@@ -162,13 +167,15 @@ class Driver:
         """Submit the conversation's next turn, or finish it here (a failure, or its prompt is too long)."""
         turn = len(p.answers)
         try:
-            ids = render_prompt(self.tokenizer, p.next_prompt())
+            ids = render_prompt(self.tokenizer, p.next_prompt(), max_tokens=self.max_prompt_tokens)
         except Exception as e:  # a chat template may raise anything (jinja's raise_exception, ...)
             self.sink.fail_conv(p, "template_error", f"turn {turn}: {type(e).__name__}: {e}")
             return
         if len(ids) > self.max_prompt_tokens:
             if not p.answers:
-                detail = f"prompt of {len(ids)} tokens > --max-prompt-tokens {self.max_prompt_tokens}"
+                detail = (
+                    f"prompt of at least {len(ids)} tokens > --max-prompt-tokens {self.max_prompt_tokens}"
+                )
                 self.sink.fail_conv(p, "too_long", detail)
                 return
             p.stop_early()  # keep the turns answered so far

@@ -6,8 +6,10 @@ One worker per GPU (``--gpus``), ``--workers N`` CPU processes, or one per ``tor
 worker runs in this process and writes the output directly. Each worker answers a disjoint share of the
 records (``worker.belongs_to``) into its own part ``<out>.parts/w<k>.jsonl``; the parts are merged into
 the one output JSONL at the end (and by the next run if this one was killed), so the output is one data
-set for ``dflash generate --data``. Rerunning skips every record whose ``source_sample_id`` is in the
-output or in ``<out>.failures.jsonl`` (delete a failure line to retry that record).
+set for ``dflash generate --data``. One run at a time per output: ``<out>.lock`` (rank 0 holds it under
+``torchrun``); a second run is refused naming the holder. Rerunning skips every record whose
+``source_sample_id`` is in the output or in ``<out>.failures.jsonl`` (delete a failure line to retry
+that record).
 
 Output line: ``{"id", "messages": [{"role", "content"}...], "source", "source_sample_id",
 "source_index", "regenerated_by": {...}, "finish_reasons": [...], "dropped_turns"}``; ``id`` is the
@@ -19,6 +21,8 @@ only), which ``dflash generate`` caches instead of re-tokenizing the text (``dat
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -30,10 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_offline.errors import WorkerError
+from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
+from dflash_offline.lifeline import quiet_resource_tracker
+from dflash_offline.locking import DirLock, LockedError, acquire_lock_beside
 from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
+from dflash_offline.regenerate.recorded import check_resume_settings
 from dflash_offline.regenerate.worker import (
     WorkerDone,
     WorkerFailed,
@@ -41,9 +49,12 @@ from dflash_offline.regenerate.worker import (
     WorkerProgress,
     WorkerReady,
     WorkerSpec,
+    answer_records,
+    load_worker,
     run_worker,
     worker_process,
 )
+from dflash_offline.writable import check_writable_file
 
 __all__ = ["RegenerateSummary", "render_prompt", "run_regenerate"]
 
@@ -109,7 +120,9 @@ class RegenerateProgress:
         if self.first_ready is None:
             self.first_ready = time.perf_counter()
         if self._bar is not None:
-            self._bar.set_description(self._desc(), refresh=False)
+            # Drawn now: the next redraw comes with the first finished answer, which a large batch
+            # (every row decoding --max-new-tokens together) can take minutes to produce.
+            self._bar.set_description(self._desc(), refresh=True)
 
     def add(self, delta: Tally) -> None:
         self.set(self.tally + delta)
@@ -193,18 +206,34 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
     from dflash_offline.data.sources import resolve_data_path
 
     resolve_data_path(config.data)  # a missing file fails here, before any worker starts
+    check_writable_file(config.out, option="--out")
     if config.engine == "openai":
         from dflash_offline.regenerate.openai_engine import probe_for_config
 
         probe_for_config(config)  # a wrong URL, model or key fails here, before anything is written
+    check_resume_settings(config)  # before any worker loads a target
     if under_torchrun():
         return _run_torchrun(config)
-    start = time.perf_counter()
-    done, repaired = merge_leftover_parts(config)
-    placement = config.placement
-    if placement.num_workers == 1:
-        return _run_in_process(config, done=done, repaired=repaired, start=start)
-    return _run_spawned(config, done=done, repaired=repaired, start=start)
+    with lock_output(config):
+        start = time.perf_counter()
+        done, repaired = merge_leftover_parts(config)
+        placement = config.placement
+        if placement.num_workers == 1:
+            return _run_in_process(config, done=done, repaired=repaired, start=start)
+        return _run_spawned(config, done=done, repaired=repaired, start=start)
+
+
+def lock_output(config: RegenerateConfig) -> DirLock:
+    """One run at a time per ``--out``: ``<out>.lock``; a second run is refused naming the holder."""
+    return acquire_lock_beside(
+        config.out, what="regenerate output", why="two runs would write the same conversations twice"
+    )
+
+
+def _stop_on_sigint() -> contextlib.AbstractContextManager[None]:
+    """The first Ctrl-C stops at the next decode step: finished conversations are already written (one
+    flushed line each), the ones in flight are redone by the rerun. A second aborts at once."""
+    return stop_on_sigint("dflash regenerate: stopping after this decode step (finished answers are kept)")
 
 
 def _run_in_process(
@@ -218,8 +247,13 @@ def _run_in_process(
         out=config.out, failures=config.failures_path, done=done,
     )  # fmt: skip
     progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=1)
+    emit = functools.partial(_apply, progress)
     try:
-        result = run_worker(spec, lambda e: _apply(progress, e), lambda: False)
+        loaded = load_worker(spec, emit)  # Ctrl-C while loading: KeyboardInterrupt, nothing to keep
+        with _stop_on_sigint():
+            result = answer_records(spec, loaded, emit, stop_requested)
+            if not result.completed:
+                raise StopRequested
     finally:
         progress.close()
     return _summary([result], repaired=repaired, start=start, first_ready=progress.first_ready, workers=1)
@@ -246,6 +280,7 @@ def _run_spawned(
     placement = config.placement
     num_workers = placement.num_workers
     config.parts_dir.mkdir(parents=True, exist_ok=True)
+    quiet_resource_tracker()  # before the first queue: a killed run's semaphores are cleaned up quietly
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
     events: Any = ctx.Queue()
     stop = ctx.Event()
@@ -265,24 +300,34 @@ def _run_spawned(
     progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=num_workers)
     dones: dict[int, WorkerDone] = {}
     dead_since: dict[int, float] = {}
+    ready: set[int] = set()
     try:
-        while len(dones) < num_workers:
-            try:
-                event = events.get(timeout=0.2)
-            except queue.Empty:
-                _check_dead(processes, dones, dead_since)
-                continue
-            if isinstance(event, WorkerFailed):
-                raise WorkerError(
-                    f"regenerate worker {event.worker} ({event.device}) failed; the output is resumable. "
-                    f"Its traceback:\n{event.traceback}"
-                )
-            if isinstance(event, WorkerDone):
-                dones[event.worker] = event
-            else:
-                _apply(progress, event)
+        with _stop_on_sigint():
+            while len(dones) < num_workers:
+                if stop_requested():
+                    raise StopRequested
+                try:
+                    event = events.get(timeout=0.2)
+                except queue.Empty:
+                    _check_dead(processes, dones, dead_since)
+                    continue
+                if isinstance(event, WorkerFailed):
+                    raise WorkerError(
+                        f"regenerate worker {event.worker} ({event.device}) failed; the output is "
+                        f"resumable. Its traceback:\n{event.traceback}"
+                    )
+                if isinstance(event, WorkerDone):
+                    dones[event.worker] = event
+                else:
+                    if isinstance(event, WorkerReady):
+                        ready.add(event.worker)
+                    _apply(progress, event)
     except BaseException:
         stop.set()
+        # A worker still loading its target has written nothing: end it now rather than after its load.
+        for worker, process in enumerate(processes):
+            if worker not in ready and process.is_alive():
+                process.terminate()
         _drain_and_join(processes, events, dones, progress)
         progress.close()
         merge_leftover_parts(config)  # what the workers wrote is kept: the rerun resumes after it
@@ -340,8 +385,18 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
     import torch.distributed as dist
 
     dist.init_process_group(backend="gloo")  # for barriers and the summary only: no tensors move
+    lock = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        refusal: list[str | None] = [None]
+        if rank == 0:  # rank 0 holds the output's lock for all ranks; all of them stop when it is taken
+            try:
+                lock = lock_output(config)
+            except LockedError as e:
+                refusal = [str(e)]
+        dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            raise LockedError(refusal[0])
         start = time.perf_counter()
         repaired = 0
         if rank == 0:
@@ -400,6 +455,8 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
             gathered, repaired=repaired, start=start, first_ready=progress.first_ready, workers=world
         )
     finally:
+        if lock is not None:
+            lock.release()
         dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_offline.interrupt import skip_exit_collection
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tally
 
@@ -94,6 +95,11 @@ def belongs_to(sample_id: str, worker: int, num_workers: int) -> bool:
 
 def run_worker(spec: WorkerSpec, emit: Callable[[Any], None], should_stop: Callable[[], bool]) -> WorkerDone:
     """The worker's whole life in this process; ``emit`` receives the Worker* events above."""
+    return answer_records(spec, load_worker(spec, emit), emit, should_stop)
+
+
+def load_worker(spec: WorkerSpec, emit: Callable[[Any], None]) -> LoadedEngine:
+    """Load the target and build the engine on the worker's device, then emit ``WorkerReady``."""
     device = _bind_device(spec)
     start = time.perf_counter()
     loaded = _load_engine(spec, device, emit)
@@ -105,7 +111,7 @@ def run_worker(spec: WorkerSpec, emit: Callable[[Any], None], should_stop: Calla
             load_seconds=time.perf_counter() - start,
         )
     )
-    return _answer_records(spec, loaded, emit, should_stop)
+    return loaded
 
 
 def _bind_device(spec: WorkerSpec) -> torch.device:
@@ -121,7 +127,7 @@ def _bind_device(spec: WorkerSpec) -> torch.device:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _LoadedEngine:
+class LoadedEngine:
     """The generation engine and what the driver and the output need of the target (``_load_engine``)."""
 
     tokenizer: Any
@@ -133,7 +139,7 @@ class _LoadedEngine:
     """Extra ``regenerated_by`` entries (the served model of ``--engine openai``)."""
 
 
-def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], None]) -> _LoadedEngine:
+def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], None]) -> LoadedEngine:
     from dflash_offline.eval.runtime import compute_dtype, stop_token_ids
     from dflash_offline.regenerate.engines import EngineOptions, make_engine
     from dflash_offline.regenerate.generation import GenerationSettings
@@ -166,12 +172,12 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
     engine = make_engine(
         config.engine, target.model, settings, options, note=lambda text: emit(_note(spec, text))
     )
-    return _LoadedEngine(
+    return LoadedEngine(
         tokenizer=tokenizer, info=target.info, engine=engine, batch_size=batch_size, provenance={}
     )
 
 
-def _load_server_engine(spec: WorkerSpec) -> _LoadedEngine:
+def _load_server_engine(spec: WorkerSpec) -> LoadedEngine:
     """``--engine openai``: the tokenizer and facts of --target (no weights) and the server's engine."""
     from dflash_offline.regenerate.generation import GenerationSettings
     from dflash_offline.regenerate.openai_engine import (
@@ -195,7 +201,7 @@ def _load_server_engine(spec: WorkerSpec) -> _LoadedEngine:
         options=options, served=served, settings=settings, tokenizer=target.tokenizer,
         seed=config.seed + spec.worker,
     )  # fmt: skip
-    return _LoadedEngine(
+    return LoadedEngine(
         tokenizer=target.tokenizer,
         info=target.info,
         engine=engine,
@@ -208,8 +214,8 @@ def _note(spec: WorkerSpec, text: str) -> WorkerNote:
     return WorkerNote(worker=spec.worker, text=text)
 
 
-def _answer_records(
-    spec: WorkerSpec, loaded: _LoadedEngine, emit: Callable[[Any], None], should_stop: Callable[[], bool]
+def answer_records(
+    spec: WorkerSpec, loaded: LoadedEngine, emit: Callable[[Any], None], should_stop: Callable[[], bool]
 ) -> WorkerDone:
     """Drive this worker's share of the records through the engine into its own JSONL files."""
     from dflash_offline.data.decontaminate import Decontaminator, screen_records
@@ -264,7 +270,7 @@ def _answer_records(
 
 def _sink(
     spec: WorkerSpec,
-    loaded: _LoadedEngine,
+    loaded: LoadedEngine,
     emit: Callable[[Any], None],
     *,
     out: ResumableJsonl,
@@ -342,6 +348,7 @@ def worker_process(spec: WorkerSpec, events: Any, stop: Any, parent_pid: int) ->
         done = run_worker(spec, emit, stop.is_set)
         emit.flush()
         events.put(done)
+        skip_exit_collection()  # the coordinator waits for this exit (seconds of garbage collection else)
     except BaseException:
         emit.flush()
         events.put(WorkerFailed(worker=spec.worker, device=spec.device, traceback=traceback.format_exc()))

@@ -10,6 +10,7 @@ layers, no LM head) and its final norm is replaced by the identity: features are
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import os
@@ -255,10 +256,28 @@ def load_target(
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        return _load_target(spec, device=device, dtype=dtype, max_layer=max_layer)
+        with _quiet_gguf_bar():
+            return _load_target(spec, device=device, dtype=dtype, max_layer=max_layer)
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def _quiet_gguf_bar() -> Iterator[None]:
+    """transformers' GGUF dequantization bar ignores ``disable_progress_bar`` (a plain ``tqdm`` of its
+    module): hand that module a disabled tqdm for the block."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support draws no such bar
+        yield
+        return
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _load_target(

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_offline.config_fields import CACHE, GPUS, PROGRESS, SEED, THREADS, WORKERS, cli_field
+from dflash_offline.config_fields import (
+    CACHE,
+    GPUS,
+    PROGRESS,
+    SEED,
+    THREADS,
+    WORKERS,
+    check_fields,
+    cli_field,
+)
+from dflash_offline.drafter_shape import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_NUM_ANCHORS,
+    DEFAULT_NUM_LAYERS,
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+)
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import parse_gpus
-
-MAX_BLOCK_SIZE = 128
-"""A block is drafted in one forward and its attention holds num_anchors × block_size queries per row
-(B × A × (S + A·B) mask entries): DFlash drafters use 8–16; 100,000 would try to allocate terabytes."""
 
 SHAPE_FIELDS = (
     "target",
@@ -72,15 +83,21 @@ class TrainConfig:
     ``default`` or ``random:<preset>`` (a model directory must be named again: the cache stores
     only its name)."""
     # The drafter (docs/drafter.md#defaults).
-    num_layers: int = cli_field(5, min=1)
-    block_size: int = cli_field(16, min=2)
-    num_anchors: int = cli_field(512, min=1, help="Blocks per microbatch row.")
-    """Anchors per microbatch row (the packed row is one 'sequence'). The drafter's own default is
-    ``drafter.config.DEFAULT_NUM_ANCHORS`` (not imported: the drafter package imports torch, and
-    ``dflash train --help`` should not); a test checks the two agree."""
-    gamma: float | None = cli_field(None, help="Loss decay γ (default: 7 for B=16, 5 for 10, 4 for 8).")
+    num_layers: int = cli_field(DEFAULT_NUM_LAYERS, min=1, max=64)
+    block_size: int = cli_field(
+        DEFAULT_BLOCK_SIZE,
+        min=MIN_BLOCK_SIZE,
+        max=MAX_BLOCK_SIZE,
+        why="a block is drafted in one forward and its attention grows with num_anchors × block_size; "
+        "DFlash uses 8–16",
+    )
+    num_anchors: int = cli_field(DEFAULT_NUM_ANCHORS, min=1, max=65536, help="Blocks per microbatch row.")
+    """Anchors per microbatch row (the packed row is one 'sequence')."""
+    gamma: float | None = cli_field(
+        None, min=0, min_open=True, help="Loss decay γ (default: 7 for B=16, 5 for 10, 4 for 8)."
+    )
     """Loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8."""
-    mask_token_id: int | None = cli_field(None)
+    mask_token_id: int | None = cli_field(None, min=0)
     feature_scale: Literal["none", "layer", "dim"] = cli_field(
         "none",
         help="Fixed multiplier on the features before fc from cache statistics: 1/RMS per dimension or "
@@ -90,6 +107,8 @@ class TrainConfig:
     1/RMS per feature dimension (dim) or per captured layer (layer); folded into fc.weight at export."""
     final_norm_init: float = cli_field(
         1.0,
+        min=0,
+        min_open=True,
         help="Initial weight of the drafter's final RMSNorm (small: the untrained drafter's logits start "
         "near uniform instead of confidently wrong; first loss ≈ ln V instead of ≈ 72 on SmolLM2).",
     )
@@ -105,10 +124,10 @@ class TrainConfig:
     optimizer: Literal["adamw", "sgd"] = cli_field("adamw")
     """AdamW (fp32 master weights) by default; plain SGD makes gradients comparable across topologies
     (Adam's per-element normalisation amplifies float summation noise on near-zero gradients)."""
-    lr: float = cli_field(6e-4)
-    weight_decay: float = cli_field(0.0)
-    warmup_ratio: float = cli_field(0.04)
-    grad_clip: float = cli_field(1.0)
+    lr: float = cli_field(6e-4, min=0, min_open=True)
+    weight_decay: float = cli_field(0.0, min=0)
+    warmup_ratio: float = cli_field(0.04, min=0, max=1, max_open=True)
+    grad_clip: float = cli_field(1.0, min=0, min_open=True)
     epochs: int = cli_field(6, min=1)
     max_steps: int | None = cli_field(
         None,
@@ -123,10 +142,10 @@ class TrainConfig:
     )
     """Microbatches per rank and step: a step draws grad_accum × world_size microbatches across
     buckets, so with one GPU and grad_accum 1 every step would hold a single length bucket."""
-    tokens_per_microbatch: int = cli_field(8192, min=2)
+    tokens_per_microbatch: int = cli_field(8192, min=2, max=1 << 24)
     # Data path.
-    prefetch: int = cli_field(4, min=1, help="Microbatches prepared ahead.")
-    loader_threads: int = cli_field(4, min=1)
+    prefetch: int = cli_field(4, min=1, max=1024, help="Microbatches prepared ahead.")
+    loader_threads: int = cli_field(4, min=1, max=256)
     # Run management.
     seed: int = cli_field(0, cli=SEED)
     deterministic: bool = cli_field(False, help="Deterministic kernels (same loss curve across runs).")
@@ -155,6 +174,9 @@ class TrainConfig:
     # Validation.
     val_fraction: float = cli_field(
         0.02,
+        min=0,
+        max=1,
+        max_open=True,
         help="Hold out this fraction of the cache's samples (chosen by a hash of the sample id: the same "
         "ones on every resume and world size) for validation; 0: none.",
     )
@@ -201,7 +223,8 @@ class TrainConfig:
     """Write TensorBoard event files: to ``tensorboard_dir``, else to RUN/tb when the package is there."""
     on_damaged: Literal["stop", "skip"] = cli_field(
         "stop",
-        help="A sample failing its checksum when read: stop naming it, or skip it (recorded in "
+        help="A damaged sample when read (a missing or truncated shard file, a chunk that does not decode, a "
+        "zarr.json unlike the writer's, a failed checksum): stop naming it, or skip it (recorded in "
         "RUN/damaged_samples.jsonl, reported at the end).",
     )
     """A sample failing its crc32c when read: ``stop`` the run naming it, or ``skip`` it (recorded in
@@ -213,97 +236,18 @@ class TrainConfig:
     threads_per_worker: int = cli_field(0, cli=THREADS)
     progress: bool = cli_field(True, cli=PROGRESS)
 
-    def __post_init__(self) -> None:
-        def finite(x: float) -> bool:
-            return isinstance(x, int | float) and math.isfinite(x)
+    def _check_out_beside_cache(self) -> None:
+        """--out inside the cache would mix the run's files (and its ``lock``) into the cache's."""
+        cache, out = Path(self.cache_dir).resolve(), Path(self.out_dir).resolve()
+        if out == cache or cache in out.parents:
+            raise ConfigError(
+                f"--out {self.out_dir} is inside --cache {self.cache_dir}: the run directory and the cache "
+                "would share files (both hold a `lock`); choose an --out outside the cache"
+            )
 
-        checks = {
-            "--num-layers": (self.num_layers, 1 <= self.num_layers <= 64, "an integer in 1..64"),
-            "--block-size": (
-                self.block_size,
-                2 <= self.block_size <= MAX_BLOCK_SIZE,
-                f"an integer in 2..{MAX_BLOCK_SIZE} (a block is drafted in one forward and its "
-                f"attention grows with num_anchors × block_size; DFlash uses 8–16)",
-            ),
-            "--num-anchors": (self.num_anchors, 1 <= self.num_anchors <= 65536, "an integer in 1..65536"),
-            "--gamma": (self.gamma, self.gamma is None or (finite(self.gamma) and self.gamma > 0), "> 0"),
-            "--mask-token-id": (
-                self.mask_token_id,
-                self.mask_token_id is None or self.mask_token_id >= 0,
-                "a token id ≥ 0",
-            ),
-            "--lr": (self.lr, finite(self.lr) and self.lr > 0, "a finite number > 0"),
-            "--final-norm-init": (
-                self.final_norm_init,
-                finite(self.final_norm_init) and self.final_norm_init > 0,
-                "a finite number > 0",
-            ),
-            "--weight-decay": (
-                self.weight_decay,
-                finite(self.weight_decay) and self.weight_decay >= 0,
-                "a finite number ≥ 0",
-            ),
-            "--warmup-ratio": (self.warmup_ratio, 0 <= self.warmup_ratio < 1, "in [0, 1)"),
-            "--grad-clip": (
-                self.grad_clip,
-                finite(self.grad_clip) and self.grad_clip > 0,
-                "a finite number > 0",
-            ),
-            "--epochs": (self.epochs, self.epochs >= 1, "an integer ≥ 1"),
-            "--max-steps": (self.max_steps, self.max_steps is None or self.max_steps >= 1, "an integer ≥ 1"),
-            "--grad-accum": (self.grad_accum, self.grad_accum >= 1, "an integer ≥ 1"),
-            "--tokens-per-microbatch": (
-                self.tokens_per_microbatch,
-                2 <= self.tokens_per_microbatch <= 1 << 24,
-                "an integer in 2..16777216",
-            ),
-            "--prefetch": (self.prefetch, 1 <= self.prefetch <= 1024, "an integer in 1..1024"),
-            "--loader-threads": (
-                self.loader_threads,
-                1 <= self.loader_threads <= 256,
-                "an integer in 1..256",
-            ),
-            "--checkpoint-every": (self.checkpoint_every, self.checkpoint_every >= 1, "an integer ≥ 1"),
-            "--keep-checkpoints": (self.keep_checkpoints, self.keep_checkpoints >= 1, "an integer ≥ 1"),
-            "--log-every": (self.log_every, self.log_every >= 1, "an integer ≥ 1"),
-            "--val-fraction": (
-                self.val_fraction,
-                finite(self.val_fraction) and 0 <= self.val_fraction < 1,
-                "a number in [0, 1)",
-            ),
-            "--val-samples": (
-                self.val_samples,
-                self.val_samples is None or self.val_samples >= 1,
-                "an integer ≥ 1",
-            ),
-            "--val-every": (self.val_every, self.val_every >= 1, "an integer ≥ 1"),
-            "--early-stop": (
-                self.early_stop,
-                self.early_stop is None or self.early_stop >= 1,
-                "an integer ≥ 1",
-            ),
-            "--workers": (self.num_cpu_workers, 1 <= self.num_cpu_workers <= 1024, "an integer in 1..1024"),
-            "--threads": (
-                self.threads_per_worker,
-                0 <= self.threads_per_worker <= 4096,
-                "an integer in 0..4096 (0: the machine's cores divided among the workers)",
-            ),
-        }
-        bad = [f"{name} {value}: expected {valid}" for name, (value, ok, valid) in checks.items() if not ok]
-        if bad:
-            raise ConfigError("invalid " + "; ".join(bad))
-        if self.val_group not in ("sample", "root-id"):
-            raise ConfigError(f"--val-group {self.val_group!r}: expected sample or root-id")
-        if self.on_damaged not in ("stop", "skip"):
-            raise ConfigError(f"--on-damaged {self.on_damaged!r}: expected stop or skip")
-        if self.autocast not in ("auto", "bf16", "off"):
-            raise ConfigError(f"--autocast {self.autocast!r}: expected auto, bf16 or off")
-        if self.feature_scale not in ("none", "layer", "dim"):
-            raise ConfigError(f"--feature-scale {self.feature_scale!r}: expected none, layer or dim")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"--optimizer {self.optimizer!r}: expected adamw or sgd")
-        if self.resume not in ("auto", "never"):
-            raise ConfigError(f"--resume {self.resume!r}: expected auto or never")
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self._check_out_beside_cache()
         if self.tensorboard_dir is not None:
             if not self.tensorboard:
                 raise ConfigError("--tensorboard DIR and --no-tensorboard contradict each other: give one")

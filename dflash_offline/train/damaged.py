@@ -1,4 +1,5 @@
-"""``--on-damaged skip``: samples that failed their checksum in training, in ``RUN/damaged_samples.jsonl``.
+"""``--on-damaged skip``: samples training could not read (a missing or truncated shard file, a chunk that
+does not decode, a malformed zarr.json) or that failed their checksum, in ``RUN/damaged_samples.jsonl``.
 
 Every rank appends one JSON line per damaged sample it read (``O_APPEND``, one ``write`` a line, so
 lines of several ranks never interleave); a sample read again in a later epoch or after a resume gets

@@ -14,6 +14,7 @@ from dflash_offline.errors import ResumeError
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
+from dflash_offline.writable import check_writable_dir
 
 if TYPE_CHECKING:
     from dflash_offline.drafter.model_card import EvalFacts
@@ -35,6 +36,7 @@ def export_run(
     from dflash_offline.drafter.export import export_drafter
     from dflash_offline.drafter.model_card import read_eval_report
 
+    check_writable_dir(out_dir, option="--out")
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise ResumeError(f"{run_dir} is not a training run directory (no config.json)")

@@ -16,13 +16,14 @@ import torch
 
 from dflash_offline import errors as errors_module
 from dflash_offline.errors import DflashError
-from dflash_offline.lifeline import die_with_parent
+from dflash_offline.lifeline import die_with_parent, quiet_resource_tracker
 from dflash_offline.locking import acquire_lock, hold_lock
 from dflash_offline.placement import DistInfo, free_port, under_torchrun
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import dist_info_from_env, init_distributed, shutdown
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint
 from dflash_offline.train.loop import TrainResult, train_rank
+from dflash_offline.writable import check_writable_dir
 
 
 def _set_cpu_threads(config: TrainConfig) -> None:
@@ -88,6 +89,7 @@ def _spawn(config: TrainConfig) -> None:
     """mp.spawn, but a rank's DflashError or Ctrl-C reaches the caller as itself, not as a traceback."""
     import torch.multiprocessing as mp
 
+    quiet_resource_tracker()  # before the first queue: a killed run's semaphores are cleaned up quietly
     errors = mp.get_context("spawn").SimpleQueue()
     context = mp.start_processes(
         _spawned,
@@ -136,6 +138,9 @@ def run_training(config: TrainConfig) -> TrainResult | None:
 
     One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
     second run into the same directory is refused naming the holder (``LockedError``)."""
+    check_writable_dir(config.out_dir, option="--out")
+    if config.tensorboard_dir is not None:
+        check_writable_dir(config.tensorboard_dir, option="--tensorboard")
     if under_torchrun():
         info = dist_info_from_env(use_cuda=torch.cuda.is_available())
         if info.device.type == "cpu" and config.threads_per_worker > 0:

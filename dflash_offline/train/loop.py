@@ -39,7 +39,7 @@ from dflash_offline.train.damaged import DamagedLog
 from dflash_offline.train.determinism import seed_everything
 from dflash_offline.train.dist import all_reduce_sum, barrier
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
-from dflash_offline.train.metrics import StepMetrics
+from dflash_offline.train.metrics import StepMetrics, recorded_loss
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, RowReader
@@ -282,6 +282,14 @@ def _train(
     if config.compile:
         opt.model.compile_training()
     state = _resume(config, info, opt)
+    if state is not None and info.is_main:
+        left = opt.total_steps - state.global_step
+        print(
+            f"dflash train: resumed from the checkpoint of step {state.global_step} of {opt.total_steps}"
+            + (f" ({left} steps to go)" if left > 0 else " (nothing left to train)"),
+            file=sys.stderr,
+            flush=True,
+        )
     if state is None and config.export_initial and info.is_main:
         export_drafter(opt.model, config.out_dir / "drafter-initial")
     validation = None
@@ -328,6 +336,9 @@ def _train(
         finally:
             reporter.close()
         last_loss = reporter.last_loss
+    if last_loss is None and state is not None and info.is_main:
+        # No step ran here (a finished run rerun, or stopped early): the loss the run recorded last.
+        last_loss = recorded_loss(config.out_dir / "metrics.jsonl", step=opt.planner.position.global_step)
 
     export_dir = None
     if config.export_at_end and info.is_main:

@@ -191,6 +191,14 @@ def read_metrics(path: Path) -> list[dict[str, object]]:
     return [record for _line, record in _parse_lines(path)]
 
 
+def recorded_loss(path: Path, *, step: int) -> float | None:
+    """The loss of the last line at or before ``step`` in ``RUN/metrics.jsonl`` (None without one)."""
+    if not path.is_file():
+        return None
+    losses = [r["loss"] for _line, r in _parse_lines(path) if "loss" in r and int(r.get("step", 0)) <= step]
+    return float(losses[-1]) if losses else None
+
+
 def validation_records(records: list[dict[str, object]]) -> list[dict[str, object]]:
     """The lines that carry a validation evaluation."""
     return [r for r in records if "val_simulated_tau" in r]

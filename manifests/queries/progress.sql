@@ -10,6 +10,11 @@ SELECT
     coalesce(sum(failures), 0),
     min(first_commit),
     max(last_commit),
-    round(sum(tokens) / nullif(epoch(max(last_commit)) - epoch(min(first_commit)), 0), 1)
+    -- the sessions of one run write side by side: a run's time is its sessions' span, runs add up
+    round(sum(tokens) / nullif((
+        SELECT sum(seconds) FROM (
+            SELECT epoch(max(last_commit)) - epoch(min(opened_at)) AS seconds FROM session_spans GROUP BY session
+        )
+    ), 0), 1)
 FROM progress
 ORDER BY worker = 'total', worker

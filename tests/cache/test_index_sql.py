@@ -206,3 +206,27 @@ def test_status_and_runs(cache):
     record_run(root, finished)  # a new revision (its own part); the newest counts
     assert read_runs(root) == [finished]
     assert cache_status(root).last_run == "run-1 generate finished"
+
+
+def test_progress_rate_counts_the_time_before_the_first_commit(tmp_path, fingerprint):
+    """Commits land every --flush-seconds: a worker that wrote for a second and committed twice at the
+    end wrote at tokens / (about a second), not tokens / (the gap between its two commits)."""
+    import time
+
+    samples = make_samples(fingerprint, range(12))
+    opened = time.time()
+    with ShardWriter(tmp_path, fingerprint, worker=0, flush_seconds=3600, **TINY) as writer:
+        time.sleep(1.0)  # the target's forwards: nothing committed yet
+        for s in samples[:6]:
+            writer.add(s)
+        writer.flush()
+        for s in samples[6:]:
+            writer.add(s)
+    closed = time.time()
+    tokens = sum(s.num_tokens for s in samples)
+    rows = {r[0]: r for r in sql(tmp_path, query="progress").rows}
+    for key in ("0", "total"):
+        rate = rows[key][7]
+        assert rate is not None
+        # The writer was open between 1 s and (closed - opened) s before its last commit.
+        assert tokens / (closed - opened) <= rate <= tokens / 1.0, (key, rate)

@@ -121,11 +121,23 @@ def test_train_cli_builds_the_config_a_caller_builds(monkeypatch: pytest.MonkeyP
     )
 
 
-def test_train_num_anchors_default_is_the_drafter_default() -> None:
-    from dflash_offline.drafter.config import DEFAULT_NUM_ANCHORS
+def test_train_help_reads_the_drafter_defaults_without_importing_torch() -> None:
+    """The drafter's shape defaults have one home (``drafter_shape.py``) that ``dflash train --help``
+    reads without the drafter package, which imports torch."""
+    code = (
+        "import sys; from click.testing import CliRunner; from dflash_offline.cli import main; "
+        "out = CliRunner().invoke(main, ['train', '--help']).output; "
+        "print('torch' in sys.modules, '--block-size' in out)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"], done.stdout + done.stderr
+    from dflash_offline.drafter import DrafterConfig
 
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    assert fields["num_anchors"].default == DEFAULT_NUM_ANCHORS
+    drafter = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
+    train = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    assert [drafter[k] for k in ("num_layers", "block_size", "num_anchors")] == [
+        train[k] for k in ("num_layers", "block_size", "num_anchors")
+    ]
 
 
 def test_train_placement_defaults_are_the_placement_record_defaults() -> None:
@@ -206,6 +218,29 @@ def test_layer_ids_are_refused_at_the_command_line_in_one_line(
     lines = result.output.strip().splitlines()
     assert len(lines) == 1, result.output
     assert message in lines[0], result.output
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "function"),
+    [
+        ("generate", "dflash_offline.generate.launch", "generate_from_config"),
+        ("regenerate", "dflash_offline.regenerate.run", "run_regenerate"),
+        ("train", "dflash_offline.train.launch", "run_training"),
+    ],
+)
+def test_a_negative_thread_count_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str, module: str, function: str
+) -> None:
+    _capture(monkeypatch, module, function)
+    where = ["--cache", str(tmp_path / "c")] if command != "regenerate" else []
+    out = ["--out", str(tmp_path / ("run" if command == "train" else "out.jsonl"))] * (command != "generate")
+    result = CliRunner().invoke(main, [command, *where, *out, "--threads", "-3"])
+    assert result.exit_code == 1, result.output
+    assert not isinstance(result.exception, _Captured)  # refused before any run
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("Error: "), result.output
+    assert "--threads -3: expected" in lines[0], result.output
 
 
 @pytest.mark.parametrize(

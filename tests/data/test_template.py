@@ -284,6 +284,42 @@ def test_real_sharegpt_trained_runs_are_exactly_the_assistant_turns(smol_tokeniz
     assert checked > 250
 
 
+class _RecordingTokenizer:
+    """The tokenizer, noting the length of every text it is asked to tokenize."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self.lengths: list[int] = []
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        self.lengths.append(len(text))
+        return self._tok(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+def test_a_huge_record_is_tokenized_by_its_head_only(smol_tokenizer: Any) -> None:
+    rng = np.random.default_rng(3)
+    words = ["alpha", "beta", "gamma", "delta", "x", "yy", "\n", "12345", "naïve", "日本語"]
+    answer = " ".join(rng.choice(words, 200_000))  # about 1 MB: a record far past any --max-len
+    c = conv(("user", "Say a lot."), ("assistant", answer))
+    # The reference: the whole text tokenized, then cut (what every record went through before).
+    whole = tokenize(smol_tokenizer, c, max_length=10_000_000)
+    assert isinstance(whole, TokenizedSample)
+    recording = _RecordingTokenizer(smol_tokenizer)
+    head = tokenize(recording, c, max_length=256)
+    assert isinstance(head, TokenizedSample)
+    assert head.truncated
+    assert np.array_equal(head.input_ids_T, whole.input_ids_T[:256])
+    assert np.array_equal(head.loss_mask_T, whole.loss_mask_T[:256])
+    assert max(recording.lengths) < len(answer) // 100  # never the megabyte
+    skipped = tokenize(recording, c, max_length=256, too_long="skip")
+    assert isinstance(skipped, SourceFailure)
+    assert skipped.reason == "too_long"
+    assert skipped.detail.startswith("over 272 tokens after templating > --max-len 256")
+
+
 def test_answer_token_ids_are_cached_instead_of_the_tokenizers_split(smol_tokenizer: Any) -> None:
     """An assistant message's ``token_ids`` (what regenerate writes) that decode to its content are the
     sample's tokens for that content; the template's tokens before it are the generation prompt tokenized

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -143,3 +145,21 @@ def test_broken_exports_are_refused(tmp_path) -> None:
         config_from_zlab({**cfg, "dflash_offline": {"format_version": 99}})
     with pytest.raises(DrafterFormatError, match="mask_token_id"):
         config_from_zlab({**cfg, "dflash_config": {"mask_token_id": 10**6, "target_layer_ids": [1, 3]}})
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_export_files_take_the_mode_of_a_plain_open(tmp_path, umask: int) -> None:
+    """model.safetensors as well as config.json: readable as the umask allows (safetensors alone
+    writes 0600), like every other file a run writes."""
+    model = tiny_drafter()
+    previous = os.umask(umask)
+    try:
+        export_drafter(model, tmp_path / "out", readme="# card\n")
+        reference = tmp_path / "plain"
+        reference.write_text("x")  # what open() gives under this umask: the independent reference
+    finally:
+        os.umask(previous)
+    expected = stat.S_IMODE(reference.stat().st_mode)
+    assert expected == 0o666 & ~umask
+    for name in ("model.safetensors", "config.json", "README.md"):
+        assert oct(stat.S_IMODE((tmp_path / "out" / name).stat().st_mode)) == oct(expected), name

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cli import main
+from dflash_offline.generate.run import KILLED_RUN_NOTE
 from tests.process_helpers import group_members, workers_of
 
 from .helpers import features_by_id, generate_cmd, make_chat_jsonl, start_in_new_session
@@ -91,6 +92,11 @@ def test_sigkill_of_the_coordinator_leaves_no_worker_and_the_rerun_completes(
     final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stdout + final.stderr
     _assert_equal_caches(ref, cache)
+    # The killed run no longer reads as live once the rerun took the lock.
+    runs = sorted(read_table(cache, "runs").to_pylist(), key=lambda r: r["started_at"])
+    assert [r["status"] for r in runs] == ["interrupted", "finished"]
+    assert KILLED_RUN_NOTE in runs[0]["error"]
+    assert runs[1]["run_id"] in runs[0]["error"]
 
 
 @pytest.mark.slow

@@ -153,6 +153,15 @@ def test_plot_cache(tmp_path: Path) -> None:
     for name in ("buckets.png", "lengths.png"):
         assert str(out / name) in result.output
         _assert_png(out / name)
+    # As every cache command takes it: --cache C is the same command.
+    again = CliRunner().invoke(main, ["plot", "--cache", str(cache)])
+    assert again.exit_code == 0, again.output
+    assert again.output == result.output
+    refused = CliRunner().invoke(main, ["plot", "--cache", str(tmp_path)])  # a folder, not a cache
+    assert refused.exit_code == 1, refused.output
+    assert refused.output.strip().splitlines() == [
+        f"Error: --cache {tmp_path}: not a cache (no cache.json); plot a run or report as PATH"
+    ]
 
 
 def test_bucket_labels() -> None:

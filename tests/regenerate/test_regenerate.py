@@ -22,6 +22,7 @@ from dflash_offline.data.sources import iter_records
 from dflash_offline.errors import ConfigError, DataError
 from dflash_offline.eval.runtime import stop_token_ids
 from dflash_offline.eval.speculative import TargetCaller, target_only_decode
+from dflash_offline.locking import acquire_lock_beside
 from dflash_offline.regenerate import engines as engines_module
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.generation import GeneratedTokens
@@ -127,6 +128,52 @@ def test_resume_after_a_partial_last_line(tmp_path: Path) -> None:
     assert (third.written, third.skipped) == (0, 7)
 
 
+def test_a_resume_with_another_answer_length_is_refused_naming_both(tmp_path: Path) -> None:
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)
+    out = tmp_path / "regen.jsonl"
+    first = run_regenerate(_config(out, data, limit=2))
+    assert first is not None
+    assert first.written == 2
+    before = out.read_bytes()
+    result = CliRunner().invoke(
+        main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
+               "--max-new-tokens", "20", "--batch-size", "3", "--no-progress"],
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: --max-new-tokens 20 differs from the --max-new-tokens 12 that wrote {out}: resume with "
+        "--max-new-tokens 12, or write to another --out"
+    ]
+    assert out.read_bytes() == before  # nothing appended
+    # A part left by a killed multi-worker run is checked as well.
+    out2 = tmp_path / "other.jsonl"
+    parts = out2.with_name(out2.name + ".parts")
+    parts.mkdir()
+    (parts / "w1.jsonl").write_bytes(before)
+    with pytest.raises(ConfigError, match=r"--max-new-tokens 20 differs from the --max-new-tokens 12"):
+        run_regenerate(_config(out2, data, max_new_tokens=20))
+
+
+def test_a_second_run_on_one_out_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Two runs appending to one output would write conversations twice: the second is refused, naming
+    the first's pid, before it writes anything."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    holder = "dflash regenerate --out out.jsonl (the first run)"
+    with acquire_lock_beside(out, what="regenerate output", why="a test", command=holder):
+        result = CliRunner().invoke(
+            main,
+            ["regenerate", "--target", "random:tiny", "--data", str(data), "--max-new-tokens", "4",
+             "--no-progress", "--out", str(out)],
+        )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    (error,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert f"regenerate output {out} is in use by pid {os.getpid()}" in error
+    assert holder in error
+    assert not out.exists()
+    assert "Traceback" not in result.output
+
+
 def test_a_foreign_output_file_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "regen.jsonl"
     out.write_text('{"id": 1}\n')
@@ -228,3 +275,17 @@ def test_cli_and_sigkill_resume(tmp_path: Path) -> None:
     expected = {line["source_sample_id"]: line["messages"] for line in _lines(reference)}
     assert len(_lines(out)) == 24
     assert killed == expected
+
+
+def test_the_bar_shows_a_ready_worker_before_its_first_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash_offline.regenerate.run import RegenerateProgress
+    from dflash_offline.regenerate.worker import WorkerReady
+
+    progress = RegenerateProgress(enabled=True, total=4, num_workers=1)
+    try:
+        assert "0/1 workers ready" in capsys.readouterr().err
+        progress.ready(WorkerReady(worker=0, device="cpu", engine="slots", load_seconds=1.0))
+        # No answer has finished yet (no progress event): the bar says the worker is ready all the same.
+        assert "1/1 workers ready" in capsys.readouterr().err
+    finally:
+        progress.close()

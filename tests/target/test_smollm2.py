@@ -61,10 +61,15 @@ def test_head_equals_the_loaded_models_tensors(smol: LoadedTarget) -> None:
     assert head.info == smol.info
 
 
-def test_truncated_capture_matches_hf_hidden_states(smol: LoadedTarget) -> None:
+def test_truncated_capture_matches_hf_hidden_states(
+    smol: LoadedTarget, capfd: pytest.CaptureFixture[str]
+) -> None:
     layer_ids = default_layer_ids(30)
     assert layer_ids == (1, 8, 14, 20, 27)
+    capfd.readouterr()
     truncated = load_target("default", device="cpu", max_layer=max(layer_ids))
+    # Ours is the bar to watch (and --no-progress means none): transformers' GGUF bar stays silent.
+    assert "GGUF" not in capfd.readouterr().err
     capture = FeatureCapture(truncated, layer_ids)
     conversations = [
         [("user", "Hi!"), ("assistant", "Hello! How can I help you today?")],

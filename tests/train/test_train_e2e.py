@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.records import CachedSample
+from dflash_offline.cli import main
 from dflash_offline.placement import DistInfo
 from dflash_offline.target.capture import FeatureCapture
 from dflash_offline.target.loader import load_target
@@ -112,8 +114,14 @@ def test_kill_9_then_resume_gives_the_uninterrupted_loss_sequence(tiny_cache: Pa
         train_cmd(tiny_cache, run, steps=steps), capture_output=True, text=True, timeout=600
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from the checkpoint of step {killed_at} of {steps}" in resumed.stderr
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, steps + 1))
     assert losses(run) == losses(reference)  # exactly: same data, same order, deterministic kernels
+    # The finished run rerun: nothing to train, and it reports the loss the run ended with.
+    rerun = CliRunner().invoke(main, train_cmd(tiny_cache, run, steps=steps)[3:])
+    assert rerun.exit_code == 0, rerun.output
+    assert f"resumed from the checkpoint of step {steps} of {steps} (nothing left to train)" in rerun.output
+    assert f"trained {steps} steps; final loss {losses(reference)[-1]:.4f}" in rerun.output
     a, b = final_state(reference), final_state(run)
     for name in a:
         assert torch.equal(a[name], b[name]), name

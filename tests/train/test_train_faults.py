@@ -11,8 +11,10 @@ import math
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,10 +26,11 @@ from dflash_offline.cache.shard_file import ShardFile
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.zarr_format import parse_array_format
 from dflash_offline.cli import main
+from dflash_offline.drafter_shape import MAX_BLOCK_SIZE
 from dflash_offline.errors import CacheDamageError, ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import CheckpointNoSpaceError, list_checkpoints
-from dflash_offline.train.config import MAX_BLOCK_SIZE, TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
 from dflash_offline.train.interrupt import TrainInterrupted
 from dflash_offline.train.launch import run_training
@@ -138,6 +141,79 @@ def test_skip_damaged_trains_on_the_rest_and_records_them(cache: Path, tmp_path:
     assert losses(clean) != losses(run)
 
 
+def _group(cache: Path) -> Path:
+    (group,) = sorted((cache / "shards").glob("*.zarr"))
+    return group
+
+
+def _edit_zarr_json(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _twice_as_wide(meta: dict[str, Any]) -> None:
+    meta["shape"][1] *= 2
+
+
+# Every kind of damage a reader can meet: (name, what it does to the copy's only shard group).
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "missing input_ids file": lambda group: (group / "input_ids" / "c" / "1").unlink(),
+    "truncated features file": lambda group: _truncate(group / "features" / "c" / "1" / "0"),
+    "checksum mismatch": lambda group: _flip(group / "features" / "c" / "1" / "0"),
+    "loss_mask dtype mismatch": lambda group: _edit_zarr_json(
+        group / "loss_mask" / "zarr.json", lambda meta: meta.update(data_type="int16")
+    ),
+    "features shape mismatch": lambda group: _edit_zarr_json(
+        group / "features" / "zarr.json", _twice_as_wide
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_every_kind_of_damage_is_skipped_as_verify_lists_it_or_stops_in_one_line(
+    kind: str, cache: Path, tmp_path: Path
+) -> None:
+    """`--on-damaged skip` leaves out (and records) exactly the samples `dflash verify` finds damaged
+    (their bytes, or their shard group's zarr.json), whatever the damage; the default stops with one
+    line naming a damaged sample or its shard."""
+    damaged_cache = shutil.copytree(cache, tmp_path / "cache")
+    DAMAGE[kind](_group(damaged_cache))
+    report = verify_cache(damaged_cache, progress=False)
+    # verify's account: samples whose bytes are damaged, and every sample of a shard group whose
+    # zarr.json it reports damaged (verify reads them through rebuilt metadata; a reader has none).
+    bad_groups = {m.shard for m in report.metadata}
+    with CacheReader.open(damaged_cache) as reader:
+        table = reader.samples
+        in_bad_groups = {str(table.sample_id[i]) for i in range(len(table)) if table.shard[i] in bad_groups}
+    listed = {d.sample_id for d in report.damaged} | in_bad_groups
+    assert listed  # the damage is real
+    run = tmp_path / "skip"
+    # 256-token microbatches: the longer samples are read alone, the shorter ones with others.
+    skip = _config(damaged_cache, run, epochs=1, max_steps=None, on_damaged="skip", tokens_per_microbatch=256)
+    result = run_training(skip)
+    assert result is not None
+    assert result.global_step == result.total_steps
+    assert {d.sample_id for d in read_damaged(run)} == listed
+    assert all(math.isfinite(loss) for loss in losses(run))
+    with pytest.raises(CacheDamageError) as caught:
+        run_training(_config(damaged_cache, tmp_path / "stop", epochs=1, max_steps=None))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert any(sample_id in message for sample_id in listed) or _group(damaged_cache).name in message
+
+
 # ---- crash leftovers ------------------------------------------------------------------------------
 
 
@@ -211,7 +287,7 @@ def test_nonsense_numbers_are_refused_with_the_valid_range(
     tmp_path: Path, overrides: dict[str, object], expected: str
 ) -> None:
     with pytest.raises(ConfigError, match=expected):
-        _config(tmp_path, tmp_path / "run", **overrides)
+        _config(tmp_path / "cache", tmp_path / "run", **overrides)
 
 
 def test_cli_refuses_nonsense_in_one_line(cache: Path, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_offline.errors import ConfigError
 from dflash_offline.locking import LockedError, acquire_lock
 from dflash_offline.train.launch import run_training
 from tests.process_helpers import group_members, workers_of
@@ -23,6 +24,14 @@ def test_a_second_train_into_the_same_out_is_refused(tmp_path: Path) -> None:
     with acquire_lock(out, what="training run", command="dflash train --out run"), refused:
         run_training(train_config(tmp_path / "no-cache-needed", out))
     assert not (out / "metrics.jsonl").exists()  # refused before anything was written
+
+
+def test_an_out_inside_the_cache_is_refused(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    for out in (cache, cache / "run", cache / "shards" / ".." / "run"):
+        with pytest.raises(ConfigError, match=r"--out .* is inside --cache"):
+            train_config(cache, out)
+    train_config(cache, tmp_path / "cache-run")  # a sibling whose name starts alike is fine
 
 
 @pytest.mark.slow

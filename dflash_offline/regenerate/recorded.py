@@ -1,0 +1,51 @@
+"""What an existing regenerate output says about the settings that wrote it, checked before a resume.
+
+Every output line records its ``regenerated_by`` settings; a resume with another answer length or
+temperature would append answers of another kind to the same data set without a word. The first
+line of the output and of each worker part left by a killed run is read (one line each: cheap at any
+output size), and a difference is refused naming both values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash_offline.errors import ConfigError
+from dflash_offline.regenerate.config import RegenerateConfig
+
+CHECKED = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature"}
+"""``regenerated_by`` fields a resume must repeat, and their flags."""
+
+
+def first_settings(path: Path) -> dict[str, Any] | None:
+    """The ``regenerated_by`` of the first line of ``path`` (None: no file, no complete line, none)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.readline()
+    except OSError:
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:  # empty, or a partial line left by a kill (repaired by the resume)
+        return None
+    settings = record.get("regenerated_by") if isinstance(record, dict) else None
+    return settings if isinstance(settings, dict) else None
+
+
+def check_resume_settings(config: RegenerateConfig) -> None:
+    """Refuse to resume an output written with another --max-new-tokens or --temperature."""
+    outputs = [config.out]
+    if config.parts_dir.is_dir():
+        outputs += sorted(p for p in config.parts_dir.glob("w*.jsonl") if ".failures." not in p.name)
+    for path in outputs:
+        recorded = first_settings(path)
+        if recorded is None:
+            continue
+        for field, flag in CHECKED.items():
+            if field in recorded and recorded[field] != getattr(config, field):
+                raise ConfigError(
+                    f"{flag} {getattr(config, field)} differs from the {flag} {recorded[field]} that wrote "
+                    f"{path}: resume with {flag} {recorded[field]}, or write to another --out"
+                )

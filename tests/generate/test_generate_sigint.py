@@ -1,0 +1,75 @@
+"""``dflash generate`` started the way a script starts a background job (``cmd &`` in a non-interactive
+shell: SIGINT inherited as ignored) still stops on SIGINT: exit 130, committed samples kept, the run row
+``interrupted``, and the rerun completes to the cache of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_offline.cache.manifest import read_table
+from dflash_offline.cache.verify import verify_cache
+
+from .helpers import features_by_id, generate_cmd, make_chat_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.timeout(900)
+def test_sigint_stops_a_run_started_with_sigint_ignored_and_the_rerun_completes(tmp_path: Path) -> None:
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 200, seed=5, max_words=200)
+    reference = tmp_path / "reference"
+    done = subprocess.run(generate_cmd(reference, data), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    cache = tmp_path / "cache"
+    cmd = generate_cmd(cache, data, "--flush-seconds", "0.3")
+    process = subprocess.Popen(
+        cmd, preexec_fn=_ignore_sigint, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None:
+            if list((cache / "manifest" / "samples").glob("*.parquet")):
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be interrupted"
+        os.kill(process.pid, signal.SIGINT)  # to the coordinator alone, as `kill -INT $pid` from a script
+        try:
+            output, _ = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail("SIGINT did not stop a run started with SIGINT ignored")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, output.decode()[-3000:]
+    assert b"resume" in output
+    assert [r["status"] for r in read_table(cache, "runs").to_pylist()] == ["interrupted"]
+    partial = read_table(cache, "samples").num_rows
+    assert 0 < partial < 200  # stopped before the end, keeping what it had committed
+    assert verify_cache(cache, progress=False).ok
+
+    final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stdout + final.stderr
+    samples = read_table(cache, "samples").column("sample_id").to_pylist()
+    assert len(samples) == len(set(samples))
+    ref, got = features_by_id(reference), features_by_id(cache)
+    assert set(got) == set(ref)
+    for sample_id, (features, ids, mask) in ref.items():
+        features2, ids2, mask2 = got[sample_id]
+        assert np.array_equal(ids, ids2)
+        assert np.array_equal(mask, mask2)
+        assert torch.equal(features.view(torch.int16), features2.view(torch.int16)), sample_id

@@ -1,0 +1,259 @@
+"""Every command, on paths it cannot use and files damaged under it: one `Error:` line naming the path,
+exit code 1, and no traceback anywhere in the output.
+
+Outputs on a read-only file system (a read-only tmpfs when this runs as root, which ignores mode bits; a
+mode-0555 folder otherwise), outputs under ``/proc`` or under a file, manifest parts with damaged pages,
+a truncated ``index.duckdb``, a query that fails only when its rows are fetched, a cache.json whose
+hidden size or field names were edited. Everything runs in-process (``CliRunner``): a traceback from the
+main thread would surface as ``result.exception``, one from a worker thread in the captured output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from dflash_offline.cli import main
+from dflash_offline.train.launch import run_training
+from tests.eval.helpers import export_untrained_for
+from tests.train.helpers import train_config
+
+TRAIN_ARGS = ["--num-layers", "1", "--block-size", "8", "--num-anchors", "32", "--tokens-per-microbatch",
+              "600", "--max-steps", "2", "--threads", "1", "--no-progress"]  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Scene:
+    """What the cases run against (module-wide; a case that damages something copies it first)."""
+
+    root: Path
+    """A scratch folder of the module."""
+    cache: Path
+    """A generated cache (shared: never written to)."""
+    data: Path
+    """The chat data it was generated from."""
+    run: Path
+    """A training run with a checkpoint."""
+    drafter: Path
+    """An exported (untrained) drafter for random:tiny."""
+    read_only: Path | None
+    """A folder nothing can be written into, or None where none could be made."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fault:
+    args: list[str]
+    path: str
+    """What the one error line must name."""
+    cwd: Path | None = None
+    """Run from this folder (a relative path in the arguments)."""
+
+
+@pytest.fixture(scope="module")
+def read_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | None]:
+    folder = tmp_path_factory.mktemp("read-only")
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        yield None  # the cases that need it skip
+        return
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.fixture(scope="module")
+def scene(
+    uncompressed_cache: Path, tmp_path_factory: pytest.TempPathFactory, read_only: Path | None
+) -> Scene:
+    root = tmp_path_factory.mktemp("faults")
+    run = root / "run"
+    run_training(train_config(uncompressed_cache, run, max_steps=1, checkpoint_every=1, export_at_end=False))
+    drafter = export_untrained_for("random:tiny", root / "drafter", block_size=4, layer_ids=(0, 2))
+    return Scene(
+        root=root,
+        cache=uncompressed_cache,
+        data=uncompressed_cache.parent / "chat.jsonl",
+        run=run,
+        drafter=drafter,
+        read_only=read_only,
+    )
+
+
+def _copy(scene: Scene, name: str) -> Path:
+    return shutil.copytree(scene.cache, scene.root / name)
+
+
+def _read_only(scene: Scene) -> Path:
+    if scene.read_only is None:
+        pytest.skip("no read-only folder: mounting a read-only tmpfs failed")
+    return scene.read_only
+
+
+def _generate(scene: Scene, cache: str) -> Fault:
+    args = ["generate", "--cache", cache, "--target", "random:tiny", "--data", str(scene.data),
+            "--layer-ids", "0,2", "--max-len", "256", "--no-progress", "--threads", "1"]  # fmt: skip
+    return Fault(args=args, path=cache)
+
+
+def _generate_read_only(scene: Scene) -> Fault:
+    return _generate(scene, str(_read_only(scene) / "cache"))
+
+
+def _generate_under_a_file(scene: Scene) -> Fault:
+    (scene.root / "a-file").write_text("not a folder")
+    return _generate(scene, str(scene.root / "a-file" / "cache"))
+
+
+def _train_read_only(scene: Scene) -> Fault:
+    out = str(_read_only(scene) / "run")
+    return Fault(args=["train", "--cache", str(scene.cache), "--out", out, *TRAIN_ARGS], path=out)
+
+
+def _regenerate_read_only(scene: Scene) -> Fault:
+    out = str(_read_only(scene) / "answers.jsonl")
+    args = ["regenerate", "--target", "random:tiny", "--data", str(scene.data), "--limit", "2",
+            "--max-new-tokens", "4", "--no-progress", "--out", out]  # fmt: skip
+    return Fault(args=args, path=out)
+
+
+def _export_read_only(scene: Scene) -> Fault:
+    out = str(_read_only(scene) / "drafter")
+    return Fault(args=["export", str(scene.run), "--out", out], path=out)
+
+
+def _eval_read_only(scene: Scene) -> Fault:
+    report = str(_read_only(scene) / "report.json")
+    args = ["eval", "--target", "random:tiny", "--drafter", str(scene.drafter), "--data", str(scene.data),
+            "--limit", "1", "--max-new-tokens", "4", "--json", report, "--no-progress"]  # fmt: skip
+    return Fault(args=args, path=report)
+
+
+def _damaged_manifest_part(scene: Scene, name: str) -> tuple[Path, Path]:
+    """A cache copy whose first samples part has a damaged data page (its footer, hence its schema,
+    intact: only reading the rows fails)."""
+    cache = _copy(scene, name)
+    part = sorted((cache / "manifest" / "samples").glob("*.parquet"))[0]
+    row_group = pq.ParquetFile(part).metadata.row_group(0)
+    chunk = max(
+        (row_group.column(i) for i in range(row_group.num_columns)), key=lambda c: c.total_compressed_size
+    )
+    start = chunk.data_page_offset + 64  # past the page header: its compressed values
+    assert chunk.total_compressed_size > 96
+    data = bytearray(part.read_bytes())
+    for i in range(start, chunk.data_page_offset + chunk.total_compressed_size - 8):
+        data[i] ^= 0x5A
+    part.write_bytes(bytes(data))
+    pq.read_metadata(part)  # the footer still reads
+    return cache, part
+
+
+def _status_damaged_part(scene: Scene) -> Fault:
+    cache, part = _damaged_manifest_part(scene, "status-part")
+    return Fault(args=["status", str(cache)], path=str(part))
+
+
+def _sql_damaged_part(scene: Scene) -> Fault:
+    cache, part = _damaged_manifest_part(scene, "sql-part")
+    return Fault(args=["sql", str(cache), "SELECT count(*) FROM samples"], path=str(part))
+
+
+def _sql_truncated_index(scene: Scene) -> Fault:
+    cache = _copy(scene, "truncated-index")
+    index = cache / "index.duckdb"
+    index.write_bytes(index.read_bytes()[:20000])
+    return Fault(
+        args=["sql", str(cache), "SELECT count(*) FROM samples", "--source", "index"], path=str(index)
+    )
+
+
+def _sql_fails_while_fetching(scene: Scene) -> Fault:
+    # read_text of the cache's own files is allowed; index.duckdb is not UTF-8, which DuckDB finds
+    # only when the rows are fetched.
+    where = scene.root / "fetch"
+    where.mkdir()
+    shutil.copytree(scene.cache, where / "c1")
+    return Fault(args=["sql", "c1", "SELECT * FROM read_text('c1/*')"], path="c1/index.duckdb", cwd=where)
+
+
+def _edit_fingerprint(scene: Scene, name: str, edit: Callable[[dict], None]) -> Path:
+    cache = _copy(scene, name)
+    doc = json.loads((cache / "cache.json").read_text())
+    edit(doc["fingerprint"])
+    (cache / "cache.json").write_text(json.dumps(doc))
+    return cache
+
+
+def _train_edited_hidden_size(scene: Scene) -> Fault:
+    cache = _edit_fingerprint(scene, "hidden-size", lambda fp: fp.update(hidden_size=fp["hidden_size"] + 32))
+    args = ["train", "--cache", str(cache), "--out", str(scene.root / "hidden-size-run"), *TRAIN_ARGS]
+    return Fault(args=args, path=str(cache))
+
+
+def _mistype_hidden_size(fp: dict) -> None:
+    fp["hiden_size"] = fp.pop("hidden_size")
+
+
+def _status_mistyped_field(scene: Scene) -> Fault:
+    cache = _edit_fingerprint(scene, "mistyped-status", _mistype_hidden_size)
+    return Fault(args=["status", str(cache)], path=str(cache / "cache.json"))
+
+
+def _verify_mistyped_field(scene: Scene) -> Fault:
+    cache = _edit_fingerprint(scene, "mistyped-verify", _mistype_hidden_size)
+    return Fault(args=["verify", str(cache), "--no-progress"], path=str(cache / "cache.json"))
+
+
+FAULTS: dict[str, Callable[[Scene], Fault]] = {
+    "generate, cache on a read-only file system": _generate_read_only,
+    "train, out on a read-only file system": _train_read_only,
+    "regenerate, out on a read-only file system": _regenerate_read_only,
+    "export, out on a read-only file system": _export_read_only,
+    "eval, json on a read-only file system": _eval_read_only,
+    "generate, cache under /proc": lambda scene: _generate(scene, "/proc/dflash-cache"),
+    "generate, cache under a file": _generate_under_a_file,
+    "status, manifest part with damaged pages": _status_damaged_part,
+    "sql, manifest part with damaged pages": _sql_damaged_part,
+    "sql, truncated index.duckdb": _sql_truncated_index,
+    "sql, a query failing while its rows are fetched": _sql_fails_while_fetching,
+    "train, hidden size edited in cache.json": _train_edited_hidden_size,
+    "status, mistyped fingerprint field": _status_mistyped_field,
+    "verify, mistyped fingerprint field": _verify_mistyped_field,
+}
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_one_error_line_naming_the_path_and_no_traceback(
+    name: str, scene: Scene, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fault = FAULTS[name](scene)
+    if fault.cwd is not None:
+        monkeypatch.chdir(fault.cwd)
+    result = CliRunner().invoke(main, fault.args)
+    output = result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        f"{type(result.exception).__name__}: {result.exception}"
+    )
+    assert result.exit_code == 1, output
+    assert "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, output
+    assert fault.path in errors[0], output
+    if name.startswith("eval"):
+        assert "tau" not in output  # refused before the evaluation, not after it
