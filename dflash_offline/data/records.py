@@ -24,6 +24,10 @@ class Message:
     """``system``, ``user`` or ``assistant`` (ShareGPT's human/gpt are mapped onto user/assistant)."""
     content: str
     """The turn's text, verbatim from the data set."""
+    token_ids: tuple[int, ...] | None = None
+    """The target's own token ids for ``content`` (the message's optional ``token_ids`` field, which
+    ``dflash regenerate`` writes beside each answer), or None. ``tokenize_conversation`` uses them for an
+    assistant turn when they decode to ``content``; they are not part of the sample id."""
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role

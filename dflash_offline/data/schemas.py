@@ -8,6 +8,10 @@ picks, per record, the first whose fields are present, in this order):
   ``prompt-response``: ``prompt`` and ``response`` strings -> one user turn, one assistant turn
   ``alpaca``:          ``instruction`` (+ optional ``input``) and ``output`` (Alpaca, CodeAlpaca): the user
                        turn is the instruction, followed by a blank line and the input when it is not empty
+A turn of ``sharegpt`` or ``messages`` may carry ``token_ids``, the ids the target produced for its text
+(``dflash regenerate`` writes them): generate then caches an assistant turn as those ids instead of
+re-tokenizing its text (``template.py``); a value that is not a list of non-negative integers is a
+``malformed_record`` failure.
 ShareGPT speakers outside its mapping (the V3 file has a few ``bing``/``chatgpt``/``bard`` turns) are an
 ``unknown_role`` failure, because we cannot tell whose words they are. Text that is not valid Unicode (a
 lone surrogate: an escape such as ``"\\ud800"``, or invalid UTF-8 bytes in a JSON array) is a
@@ -21,6 +25,10 @@ from typing import Any, Literal, get_args
 
 from dflash_offline.data.records import Message, Role
 from dflash_offline.errors import DataError
+
+TOKEN_IDS_FIELD = "token_ids"
+"""Optional per-message field (``sharegpt`` and ``messages``): the target's own token ids for the
+message's text, as ``dflash regenerate`` writes them beside each answer."""
 
 DataFormat = Literal["auto", "sharegpt", "messages", "prompt-response", "alpaca"]
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
@@ -127,8 +135,23 @@ def _map_turns(
             return _fail(
                 "malformed_record", f"{field}[{k}].{content_key} is not a string (or a list of text parts)"
             )
-        messages.append(Message(role=roles[speaker], content=content))
+        token_ids = turn.get(TOKEN_IDS_FIELD)
+        if token_ids is not None and not _is_token_ids(token_ids):
+            return _fail(
+                "malformed_record", f"{field}[{k}].{TOKEN_IDS_FIELD} is not a list of non-negative integers"
+            )
+        messages.append(
+            Message(
+                role=roles[speaker],
+                content=content,
+                token_ids=None if token_ids is None else tuple(token_ids),
+            )
+        )
     return tuple(messages)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
 
 
 def _map_pair(

@@ -20,6 +20,12 @@ How the character spans are found, for any template that renders messages in ord
      the template's end-of-turn marker (learned by rendering a probe conversation).
 Neither works -> ``template_error`` with the turn named.
 
+An assistant message whose ``token_ids`` (the target's own, written by ``dflash regenerate``) decode to its
+content is cached as those ids: a greedy answer need not be the tokenizer's split of its text (SmolLM2
+generates ``"\n\n"`` as one token where its text re-encodes as two before a word), and the drafter must
+learn the tokens the target produces. The rest of the render is tokenized in pieces cut at those contents
+(``_with_answer_ids``), so the tokens before an answer are its prompt as the target read it.
+
 Shape legend: T = tokens of the rendered conversation.
 """
 
@@ -164,7 +170,10 @@ def tokenize_conversation(
     except Exception as e:  # a user-supplied template may raise anything (jinja's raise_exception, ...)
         return fail("template_error", f"rendering the conversation: {type(e).__name__}: {e}")
 
-    head = encode_head(tokenizer, text, max_length)
+    if any(m.role == "assistant" and m.token_ids is not None for m in conv.messages):
+        head = _with_answer_ids(tokenizer, render, chat, conv, text, max_length)
+    else:
+        head = encode_head(tokenizer, text, max_length)
     ids_T, offsets_T2 = head.ids_T, head.offsets_T2
     num_tokens = int(ids_T.shape[0])
     truncated = num_tokens > max_length
@@ -191,6 +200,73 @@ def tokenize_conversation(
         loss_mask_T=loss_mask_T,
         truncated=truncated,
     )
+
+
+def _with_answer_ids(
+    tokenizer: Any,
+    render: Render,
+    chat: Chat,
+    conv: Conversation,
+    text: str,
+    max_length: int,
+) -> EncodedHead:
+    """The rendered conversation with each assistant content whose ``token_ids`` decode to it spliced in
+    as those ids: the target's own tokens, where the tokenizer may split the same text otherwise.
+
+    The text around them is tokenized piece by piece, cut where each such content starts and ends: the
+    piece before an answer ends with the generation prompt, tokenized alone as the target's prompt was,
+    and the end-of-turn token that follows the content is a special token either way. Each spliced id
+    gets the character range of its whole content (the loss mask marks it as inside the turn). Pieces
+    are tokenized by their heads as ``encode_head`` does, up to ``max_length`` tokens in all. The text
+    tokenized whole (``encode_head``) when no ids apply, or when the tokens do not decode to the text (a
+    tokenizer that adds a prefix to every piece)."""
+
+    def whole() -> EncodedHead:
+        return encode_head(tokenizer, text, max_length)
+
+    try:
+        spans = assistant_char_spans(render, chat, text)
+    except _SpanError:
+        return whole()  # the caller reports the template error
+    answered = [m for m in conv.messages if m.role == "assistant" and m.content.strip()]
+    if len(spans) != len(answered):
+        return whole()
+    splices: list[tuple[int, int, list[int]]] = []
+    for message, (start, _end) in zip(answered, spans, strict=True):
+        if message.token_ids is None or not text.startswith(message.content, start):
+            continue
+        try:
+            decoded = tokenizer.decode(list(message.token_ids), skip_special_tokens=False)
+        except Exception:  # ids outside this tokenizer's vocabulary: not this target's tokens
+            continue
+        if decoded == message.content:
+            splices.append((start, start + len(message.content), list(message.token_ids)))
+    if not splices:
+        return whole()
+    ids: list[np.ndarray] = []
+    offsets: list[np.ndarray] = []
+    cursor = count = 0
+    complete = True
+    for start, end, answer_ids in (*splices, (len(text), len(text), [])):
+        if count > max_length:  # enough tokens: the rest is cut off anyway
+            complete = False
+            break
+        piece = encode_head(tokenizer, text[cursor:start], max_length - count)
+        ids.append(piece.ids_T)
+        offsets.append(piece.offsets_T2 + cursor)
+        count += piece.ids_T.shape[0]
+        if not piece.complete:
+            complete = False
+            break
+        count += len(answer_ids)
+        ids.append(np.asarray(answer_ids, dtype=np.int32))
+        offsets.append(np.tile(np.asarray([[start, end]], dtype=np.int64), (len(answer_ids), 1)))
+        cursor = end
+    spliced_T, spliced_offsets_T2 = np.concatenate(ids), np.concatenate(offsets)
+    covered = int(spliced_offsets_T2[-1, 1]) if spliced_T.shape[0] else 0
+    if tokenizer.decode(spliced_T.tolist(), skip_special_tokens=False) != text[:covered]:
+        return whole()
+    return EncodedHead(ids_T=spliced_T, offsets_T2=spliced_offsets_T2, complete=complete)
 
 
 def spans_to_token_mask(spans: list[tuple[int, int]], offsets_T2: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from typing import Any
 from dflash_offline.data.records import Conversation, SourceFailure
 from dflash_offline.data.template import encode_head
 from dflash_offline.regenerate.engines import Engine
+from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 from dflash_offline.regenerate.turns import Answer, PendingConversation
 
@@ -124,7 +125,7 @@ class ConversationSink:
         self.out.append(
             {
                 "id": conv.record_id or conv.sample_id,
-                "messages": p.chat(),
+                "messages": p.messages(),
                 "source": self.source,
                 KEY: conv.sample_id,
                 "source_index": conv.source_index,
@@ -204,8 +205,9 @@ class Driver:
             else:
                 self._submit_next(p)
 
-    def _answered(self, key: str, token_ids: tuple[int, ...], finish_reason: Any) -> None:
+    def _answered(self, key: str, tokens: GeneratedTokens) -> None:
         p = self.live.pop(key)
+        token_ids, finish_reason = tokens.token_ids, tokens.finish_reason
         self.sink.tokens(len(token_ids))
         text = self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
         if not text.strip():
@@ -213,7 +215,13 @@ class Driver:
                 p, "empty_response", f"turn {len(p.answers)}: the target answered nothing ({finish_reason})"
             )
             return
-        p.add_answer(Answer(text=text, finish_reason=finish_reason, num_tokens=len(token_ids)))
+        answer = Answer(
+            text=text,
+            finish_reason=finish_reason,
+            num_tokens=len(token_ids),
+            token_ids=token_ids if tokens.from_target else None,
+        )
+        p.add_answer(answer)
         if p.done:
             self.sink.write(p)
         else:
@@ -241,4 +249,4 @@ class Driver:
                     turn = f"turn {len(p.answers)}: "
                     self.sink.fail_conv(p, finished.failure.reason, turn + finished.failure.detail)
                     continue
-                self._answered(finished.key, finished.tokens.token_ids, finished.tokens.finish_reason)
+                self._answered(finished.key, finished.tokens)

@@ -45,6 +45,9 @@ class GeneratedTokens:
     """Generated ids before the first stop token (which is not included)."""
     finish_reason: FinishReason
     """``stop`` when a stop token ended it, ``length`` when max_new_tokens did."""
+    from_target: bool = True
+    """False when the ids are our tokenizer's reading of a text-only answer (a server that returns no
+    ids), not the tokens the target generated."""
 
 
 def generation_config(settings: GenerationSettings) -> Any:

@@ -359,7 +359,8 @@ class OpenAIEngine:
             )
         counted = usage.get("completion_tokens")
         served_ids = choice.get("token_ids")
-        if isinstance(served_ids, list) and all(isinstance(t, int) for t in served_ids):
+        from_target = isinstance(served_ids, list) and all(isinstance(t, int) for t in served_ids)
+        if isinstance(served_ids, list) and from_target:
             # The server's own ids (vLLM's return_token_ids): exact, and checked against usage.
             ids = tuple(served_ids)
             if finish == "stop" and ids and ids[-1] in self._settings.stop_ids:
@@ -388,7 +389,8 @@ class OpenAIEngine:
             # may differ from usage here without anything being wrong; no check is possible.
             with self._tokenizer_lock:
                 ids = tuple(int(t) for t in self._tokenizer(text, add_special_tokens=False)["input_ids"])
-        return Finished(key=job.key, tokens=GeneratedTokens(token_ids=ids, finish_reason=finish))
+        tokens = GeneratedTokens(token_ids=ids, finish_reason=finish, from_target=from_target)
+        return Finished(key=job.key, tokens=tokens)
 
 
 def _failed(key: str, reason: str, detail: str) -> Finished:

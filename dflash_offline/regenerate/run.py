@@ -14,7 +14,9 @@ that record).
 Output line: ``{"id", "messages": [{"role", "content"}...], "source", "source_sample_id",
 "source_index", "regenerated_by": {...}, "finish_reasons": [...], "dropped_turns"}``; ``id`` is the
 record's own id (its sample id when it has none); ``source_sample_id`` is the sample id of the original
-record, which ``dflash eval`` uses to keep prompts held out.
+record, which ``dflash eval`` uses to keep prompts held out. Each assistant message also carries
+``token_ids``, the ids the target generated (stop token excluded; absent when a server returned text
+only), which ``dflash generate`` caches instead of re-tokenizing the text (``data/template.py``).
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ what another model said).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from dflash_offline.data.records import Conversation
+from dflash_offline.data.schemas import TOKEN_IDS_FIELD
 from dflash_offline.data.turns import user_groups
 
 __all__ = ["Answer", "FinishReason", "PendingConversation", "user_groups"]
@@ -29,6 +30,9 @@ class Answer:
     """``stop``: the target ended its turn; ``length``: cut at --max-new-tokens."""
     num_tokens: int
     """Generated tokens, the stop token excluded."""
+    token_ids: tuple[int, ...] | None = None
+    """The ids the target generated (stop token excluded), written beside the text so that ``dflash
+    generate`` caches them rather than its own split of the text; None when the engine had text only."""
 
 
 class PendingConversation:
@@ -68,3 +72,15 @@ class PendingConversation:
             if k < len(self.answers):
                 chat.append({"role": "assistant", "content": self.answers[k].text})
         return chat
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The output line's messages: ``chat()`` with each answer's ``token_ids`` beside its text."""
+        messages: list[dict[str, Any]] = []
+        for k, group in enumerate(self.groups[: len(self.answers)]):
+            messages += [{"role": m.role, "content": m.content} for m in group]
+            answer = self.answers[k]
+            message: dict[str, Any] = {"role": "assistant", "content": answer.text}
+            if answer.token_ids is not None:
+                message[TOKEN_IDS_FIELD] = list(answer.token_ids)
+            messages.append(message)
+        return messages

@@ -68,6 +68,28 @@ def test_both_formats_in_jsonl_map_roles_and_ids(tmp_path: Path) -> None:
     assert first.sample_id == make_sample_id("d", "a1", first.messages)  # the name without its suffixes
 
 
+def test_token_ids_beside_a_message_are_read_and_leave_the_sample_id_alone(tmp_path: Path) -> None:
+    with_ids = json.loads(json.dumps(CHAT))
+    with_ids["messages"][1]["token_ids"] = [19, 30]
+    bad = [json.loads(json.dumps(CHAT)) for _ in range(3)]
+    for record, value in zip(bad, ([1, -2], "19 30", [1, True]), strict=True):
+        record["messages"][1]["token_ids"] = value
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (plain,) = items(write_jsonl(tmp_path / "a" / "d.jsonl", [json.dumps(CHAT)]))
+    path = write_jsonl(tmp_path / "b" / "d.jsonl", [json.dumps(r) for r in (with_ids, *bad)])
+    carried, *failed = items(path)
+    assert isinstance(plain, Conversation)
+    assert isinstance(carried, Conversation)
+    assert carried.messages[1] == Message(role="assistant", content="4.", token_ids=(19, 30))
+    assert plain.messages[1].token_ids is None
+    assert carried.sample_id == plain.sample_id  # the same record with and without ids
+    assert all(isinstance(f, SourceFailure) for f in failed)
+    assert [(f.reason, "messages[1].token_ids" in f.detail) for f in failed] == [  # type: ignore[union-attr]
+        ("malformed_record", True)
+    ] * 3
+
+
 def test_json_array_gives_the_same_conversations_as_jsonl(tmp_path: Path) -> None:
     records = [SHAREGPT, CHAT, {**SHAREGPT, "id": "a2"}]
     (tmp_path / "d.json").write_text(json.dumps(records, indent=2), encoding="utf-8")

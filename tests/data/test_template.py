@@ -318,3 +318,54 @@ def test_a_huge_record_is_tokenized_by_its_head_only(smol_tokenizer: Any) -> Non
     assert isinstance(skipped, SourceFailure)
     assert skipped.reason == "too_long"
     assert skipped.detail.startswith("over 272 tokens after templating > --max-len 256")
+
+
+def test_answer_token_ids_are_cached_instead_of_the_tokenizers_split(smol_tokenizer: Any) -> None:
+    """An assistant message's ``token_ids`` (what regenerate writes) that decode to its content are the
+    sample's tokens for that content; the template's tokens before it are the generation prompt tokenized
+    alone (the target's prompt), the end-of-turn token is trained as before. Reference: the prompt
+    tokenized by ``apply_chat_template`` and the ids written by hand."""
+    tok = smol_tokenizer
+    paragraph = tok.convert_tokens_to_ids(["Intro", "ĊĊ", "Body"])  # SmolLM2 splits "\n\nBody" as Ċ Ċ Body
+    text = tok.decode(paragraph)
+    assert tok(text, add_special_tokens=False)["input_ids"] != paragraph
+    leading = tok.convert_tokens_to_ids(["Ċ", "Six"])  # the header's "\n" would merge with this "\n"
+    messages = (
+        Message(role="user", content="q1"),
+        Message(role="assistant", content=text, token_ids=tuple(paragraph)),
+        Message(role="user", content="q2"),
+        Message(role="assistant", content="\nSix", token_ids=tuple(leading)),
+    )
+    s = tokenize(tok, Conversation(sample_id="s", source_index=0, record_id="", messages=messages))
+    assert isinstance(s, TokenizedSample)
+    ids, mask = s.input_ids_T.tolist(), s.loss_mask_T.tolist()
+    im_end, newline = tok.convert_tokens_to_ids(["<|im_end|>", "Ċ"])
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    first = list(tok.apply_chat_template(chat[:1], add_generation_prompt=True)["input_ids"])
+    second = list(tok.apply_chat_template(chat[:3], add_generation_prompt=True)["input_ids"])
+    middle = second[len(first) + len(tok(text, add_special_tokens=False)["input_ids"]) :]
+    assert ids == [*first, *paragraph, *middle, *leading, im_end, newline]
+    assert middle[0] == im_end
+    assert middle[-1] == newline
+    assert mask == [0] * len(first) + [1] * 4 + [0] * (len(middle) - 1) + [1] * 3 + [0]
+
+    # Ids that do not decode to the content (edited text, another tokenizer) are ignored: as without ids.
+    stale = (messages[0], Message(role="assistant", content=text + "!", token_ids=tuple(paragraph)))
+    plain = (messages[0], Message(role="assistant", content=text + "!"))
+    with_stale, without = (
+        tokenize(tok, Conversation(sample_id="s", source_index=0, record_id="", messages=m))
+        for m in (stale, plain)
+    )
+    assert isinstance(with_stale, TokenizedSample)
+    assert isinstance(without, TokenizedSample)
+    assert with_stale.input_ids_T.tolist() == without.input_ids_T.tolist()
+    assert with_stale.loss_mask_T.tolist() == without.loss_mask_T.tolist()
+
+    # Truncated inside the spliced answer: a prefix of the same tokens.
+    cut = tokenize(
+        tok, Conversation(sample_id="s", source_index=0, record_id="", messages=messages), len(first) + 2
+    )
+    assert isinstance(cut, TokenizedSample)
+    assert cut.truncated
+    assert cut.input_ids_T.tolist() == [*first, *paragraph[:2]]
+    assert cut.loss_mask_T.tolist() == [0] * len(first) + [1, 1]
