@@ -16,5 +16,5 @@ def faulty_worker_process(spec: worker.WorkerSpec, events: Any, stop: Any, paren
     def failing_record_loop(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"{FAULT_TEXT} of worker {spec.worker}")
 
-    worker._answer_records = failing_record_loop  # type: ignore[assignment]
+    worker.answer_records = failing_record_loop  # type: ignore[assignment]
     worker.worker_process(spec, events, stop, parent_pid)
