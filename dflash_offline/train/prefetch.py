@@ -33,7 +33,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -329,81 +329,14 @@ class Prefetcher:
             self._cond.notify_all()
 
     def _prepare(self, job: ScheduledMicrobatch) -> _Ready:
+        """Read, check, pack, choose anchors, move to the device: one microbatch, in this worker thread."""
         t0 = time.perf_counter()
-        if self._fp8 is not None:
-            # fp8 cache, device decode: the stored rows go into the (pinned) buffer as they are.
-            num_tokens = job.plan.num_tokens
-            layout = pack_layout(
-                num_tokens, len(job.reader_rows), self._fp8.num_features, stored_width=self._fp8.row_bytes
-            )
-            buffer_B = self._host_buffer(layout.nbytes)
-            stored_out = layout.carve(buffer_B)["stored_TW"].numpy()
-            samples = self._reader.read_rows(job.reader_rows, stored_out=stored_out)  # type: ignore[call-arg]
-            del stored_out
-        elif self._feature_width is not None:
-            # The reader decodes features straight into the packed buffer (one copy fewer).
-            num_tokens = job.plan.num_tokens
-            layout = pack_layout(num_tokens, len(job.reader_rows), self._feature_width)
-            buffer_B = self._host_buffer(layout.nbytes)
-            features_out = layout.carve(buffer_B)["features_TF"].view(torch.int16).numpy().view(np.uint16)
-            samples = self._reader.read_rows(job.reader_rows, features_out=features_out)  # type: ignore[call-arg]
-            del features_out
-        else:
-            samples = self._reader.read_rows(job.reader_rows)
-            num_tokens = sum(sample.num_tokens for sample in samples)
-            layout = pack_layout(num_tokens, len(samples), int(samples[0].features_TF.shape[1]))
-            buffer_B = self._host_buffer(layout.nbytes)
+        samples, num_tokens, layout, buffer_B = self._read(job)
         t1 = time.perf_counter()
-        got = tuple(s.sample_id for s in samples)
-        if got != job.plan.sample_ids:
-            raise CacheFormatError(
-                f"the cache returned samples {got} for rows {job.reader_rows}, the plan expects "
-                f"{job.plan.sample_ids}: the reader's table changed under the run (do not refresh the "
-                "reader a run trains from)"
-            )
-        if num_tokens != job.plan.num_tokens:
-            raise CacheFormatError(
-                f"samples {got} hold {num_tokens} tokens in the cache, {job.plan.num_tokens} in the "
-                "run's snapshot: the cache was rebuilt under the run"
-            )
+        _check_against_plan(job, samples, num_tokens)
         host = pack_into(samples, buffer_B, layout)
-        anchors_A = torch.empty(0, dtype=torch.int64)
-        if self._anchor_fn is not None:
-            generator = torch.Generator().manual_seed(job.step.anchor_seed)
-            request = AnchorRequest(
-                loss_mask_T=host["loss_mask_T"],
-                doc_ids_T=host["doc_ids_T"],
-                positions_T=host["positions_T"],
-                generator=generator,
-            )
-            anchors_A = self._anchor_fn(request).to(torch.int64)
-            assert anchors_A.ndim == 1, f"anchor_fn must return a 1-D tensor, got {tuple(anchors_A.shape)}"
-            assert anchors_A.numel() == 0 or (int(anchors_A.min()) >= 0 and int(anchors_A.max()) < num_tokens)
-        loss_rows_N = None
-        if self._loss_block_size is not None:
-            loss_rows_N = loss_rows(host["loss_mask_T"], host["doc_ids_T"], anchors_A, self._loss_block_size)
-        copy_done = None
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                # One copy for every per-token tensor (they share the buffer), one for the anchors.
-                tensors = layout.carve(buffer_B.to(self._device, non_blocking=True))
-                self._decode_stored(tensors)
-                tensors["anchors_A"] = anchors_A.pin_memory().to(self._device, non_blocking=True)
-                if loss_rows_N is not None:
-                    tensors["loss_rows_N"] = loss_rows_N.pin_memory().to(self._device, non_blocking=True)
-                copy_done = torch.cuda.Event()
-                copy_done.record(self._stream)
-        elif self._device.type != "cpu":
-            tensors = layout.carve(buffer_B.to(self._device))
-            self._decode_stored(tensors)
-            tensors["anchors_A"] = anchors_A.to(self._device)
-            if loss_rows_N is not None:
-                tensors["loss_rows_N"] = loss_rows_N.to(self._device)
-        else:
-            tensors = {**host, "anchors_A": anchors_A}
-            if loss_rows_N is not None:
-                tensors["loss_rows_N"] = loss_rows_N
-            self._decode_stored(tensors)
+        anchors_A, loss_rows_N = self._anchors_and_loss_rows(job, host, num_tokens)
+        tensors, copy_done = self._to_device(layout, buffer_B, host, anchors_A, loss_rows_N)
         width = int(tensors["features_TF"].shape[1])
         num_bytes = num_tokens * width * 2 + sum(s.input_ids_T.nbytes + s.loss_mask_T.nbytes for s in samples)
         batch = PackedMicrobatch(
@@ -431,6 +364,85 @@ class Prefetcher:
             c["pack_s"] += t2 - t1
         return _Ready(batch=batch, copy_done=copy_done)
 
+    def _read(self, job: ScheduledMicrobatch) -> tuple[list[Any], int, Any, torch.Tensor]:
+        """The job's samples, their token count, the packed layout and its (pinned) host buffer."""
+        if self._fp8 is not None:
+            # fp8 cache, device decode: the stored rows go into the (pinned) buffer as they are.
+            num_tokens = job.plan.num_tokens
+            layout = pack_layout(
+                num_tokens, len(job.reader_rows), self._fp8.num_features, stored_width=self._fp8.row_bytes
+            )
+            buffer_B = self._host_buffer(layout.nbytes)
+            stored_out = layout.carve(buffer_B)["stored_TW"].numpy()
+            samples = self._reader.read_rows(job.reader_rows, stored_out=stored_out)  # type: ignore[call-arg]
+        elif self._feature_width is not None:
+            # The reader decodes features straight into the packed buffer (one copy fewer).
+            num_tokens = job.plan.num_tokens
+            layout = pack_layout(num_tokens, len(job.reader_rows), self._feature_width)
+            buffer_B = self._host_buffer(layout.nbytes)
+            features_out = layout.carve(buffer_B)["features_TF"].view(torch.int16).numpy().view(np.uint16)
+            samples = self._reader.read_rows(job.reader_rows, features_out=features_out)  # type: ignore[call-arg]
+        else:
+            samples = self._reader.read_rows(job.reader_rows)
+            num_tokens = sum(sample.num_tokens for sample in samples)
+            layout = pack_layout(num_tokens, len(samples), int(samples[0].features_TF.shape[1]))
+            buffer_B = self._host_buffer(layout.nbytes)
+        return list(samples), num_tokens, layout, buffer_B
+
+    def _anchors_and_loss_rows(
+        self, job: ScheduledMicrobatch, host: dict[str, torch.Tensor], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's anchors (seeded by the step, so every rank and resume draws the same) and loss rows."""
+        anchors_A = torch.empty(0, dtype=torch.int64)
+        if self._anchor_fn is not None:
+            generator = torch.Generator().manual_seed(job.step.anchor_seed)
+            request = AnchorRequest(
+                loss_mask_T=host["loss_mask_T"],
+                doc_ids_T=host["doc_ids_T"],
+                positions_T=host["positions_T"],
+                generator=generator,
+            )
+            anchors_A = self._anchor_fn(request).to(torch.int64)
+            assert anchors_A.ndim == 1, f"anchor_fn must return a 1-D tensor, got {tuple(anchors_A.shape)}"
+            assert anchors_A.numel() == 0 or (int(anchors_A.min()) >= 0 and int(anchors_A.max()) < num_tokens)
+        loss_rows_N = None
+        if self._loss_block_size is not None:
+            loss_rows_N = loss_rows(host["loss_mask_T"], host["doc_ids_T"], anchors_A, self._loss_block_size)
+        return anchors_A, loss_rows_N
+
+    def _to_device(
+        self,
+        layout: Any,
+        buffer_B: torch.Tensor,
+        host: dict[str, torch.Tensor],
+        anchors_A: torch.Tensor,
+        loss_rows_N: torch.Tensor | None,
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        """The packed tensors on the training device, and the side stream's copy event (None off CUDA)."""
+        copy_done = None
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                # One copy for every per-token tensor (they share the buffer), one for the anchors.
+                tensors = layout.carve(buffer_B.to(self._device, non_blocking=True))
+                self._decode_stored(tensors)
+                tensors["anchors_A"] = anchors_A.pin_memory().to(self._device, non_blocking=True)
+                if loss_rows_N is not None:
+                    tensors["loss_rows_N"] = loss_rows_N.pin_memory().to(self._device, non_blocking=True)
+                copy_done = torch.cuda.Event()
+                copy_done.record(self._stream)
+        elif self._device.type != "cpu":
+            tensors = layout.carve(buffer_B.to(self._device))
+            self._decode_stored(tensors)
+            tensors["anchors_A"] = anchors_A.to(self._device)
+            if loss_rows_N is not None:
+                tensors["loss_rows_N"] = loss_rows_N.to(self._device)
+        else:
+            tensors = {**host, "anchors_A": anchors_A}
+            if loss_rows_N is not None:
+                tensors["loss_rows_N"] = loss_rows_N
+            self._decode_stored(tensors)
+        return tensors, copy_done
+
     def _decode_stored(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replace ``stored_TW`` (fp8 rows on the device) by the decoded bf16 ``features_TF``, issued on
         the current stream (the side stream on CUDA, after the copy that filled it)."""
@@ -453,3 +465,19 @@ _DEVICE_TENSORS = (
     "cu_seqlens_D1",
     "anchors_A",
 )
+
+
+def _check_against_plan(job: ScheduledMicrobatch, samples: list[Any], num_tokens: int) -> None:
+    """The cache returned the samples and token count the run's snapshot planned (else it changed)."""
+    got = tuple(s.sample_id for s in samples)
+    if got != job.plan.sample_ids:
+        raise CacheFormatError(
+            f"the cache returned samples {got} for rows {job.reader_rows}, the plan expects "
+            f"{job.plan.sample_ids}: the reader's table changed under the run (do not refresh the "
+            "reader a run trains from)"
+        )
+    if num_tokens != job.plan.num_tokens:
+        raise CacheFormatError(
+            f"samples {got} hold {num_tokens} tokens in the cache, {job.plan.num_tokens} in the "
+            "run's snapshot: the cache was rebuilt under the run"
+        )
