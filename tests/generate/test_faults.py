@@ -22,6 +22,7 @@ from dflash_offline.cli import main
 from dflash_offline.generate.run import KILLED_RUN_NOTE
 from tests.process_helpers import group_members, workers_of
 
+from . import worker_entry
 from .helpers import features_by_id, generate_cmd, make_chat_jsonl, start_in_new_session
 
 NUM_RECORDS = 60
@@ -81,8 +82,17 @@ def test_sigkill_of_the_coordinator_leaves_no_worker_and_the_rerun_completes(
     data, ref = reference
     cache = tmp_path / "cache"
     cmd = generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.2")
-    process = start_in_new_session(cmd)
+    # Workers that hold after their first job: the kill lands mid-run with data written on any machine
+    # (on a fast one, 60 records were all done before polling saw both shard groups open).
+    held = tmp_path / "held"
+    held.mkdir()
+    held_cmd = [cmd[0], "-m", "tests.generate.worker_entry", *cmd[3:]]
+    process = start_in_new_session(held_cmd, env={**os.environ, worker_entry.HOLD_ENV: str(held)})
     workers = _wait_for_workers(process, cache, 2)
+    deadline = time.monotonic() + 300
+    while len(list(held.glob("w*"))) < 2 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(held.glob("w*"))) == 2, "the workers did not each capture a job"
     os.kill(process.pid, signal.SIGKILL)  # the coordinator only: its workers must notice
     process.wait(timeout=30)
     survivors = _wait_gone(process.pid)

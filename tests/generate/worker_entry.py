@@ -59,3 +59,35 @@ def run_worker_after_all_ready(spec: worker.WorkerSpec, channel: JobChannel, eve
 
     _wrap_capture(capture_job)
     worker.run_worker(spec, channel, events, stop)
+
+
+HOLD_ENV = "DFLASH_TEST_HOLD_DIR"
+"""Read by ``run_worker_held_after_first_job`` (set by the test, inherited by spawned workers)."""
+
+
+def run_worker_held_after_first_job(spec: worker.WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
+    """``worker.run_worker`` that, once it has captured its first job, says so with a file
+    ``w<worker>`` in ``$DFLASH_TEST_HOLD_DIR`` and then holds (up to 10 minutes): a test can kill the run
+    while every worker is mid-run with data written, however fast the machine."""
+    held = Path(os.environ[HOLD_ENV])
+
+    def capture_job(real: Any, *args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        if not (held / f"w{spec.worker}").exists():
+            (held / f"w{spec.worker}").touch()
+            time.sleep(600)
+        return result
+
+    _wrap_capture(capture_job)
+    worker.run_worker(spec, channel, events, stop)
+
+
+if __name__ == "__main__":
+    # `python -m tests.generate.worker_entry generate ARGS...`: the CLI with held workers (above).
+    import sys
+
+    from dflash_offline.cli import main
+    from dflash_offline.generate import group
+
+    group.run_worker = run_worker_held_after_first_job  # type: ignore[assignment]
+    sys.exit(main())
