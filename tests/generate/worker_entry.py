@@ -65,7 +65,9 @@ HOLD_ENV = "DFLASH_TEST_HOLD_DIR"
 """Read by ``run_worker_held_after_first_job`` (set by the test, inherited by spawned workers)."""
 
 
-def run_worker_held_after_first_job(spec: worker.WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
+def run_worker_held_after_first_job(
+    spec: worker.WorkerSpec, channel: JobChannel, events: Any, stop: Any
+) -> None:
     """``worker.run_worker`` that, once it has captured its first job, says so with a file
     ``w<worker>`` in ``$DFLASH_TEST_HOLD_DIR`` and then holds (up to 10 minutes): a test can kill the run
     while every worker is mid-run with data written, however fast the machine."""
