@@ -60,5 +60,6 @@ def tiny_cache(tiny_caches: TinyCaches) -> Path:
 @pytest.fixture(scope="session")
 def uncompressed_cache(tiny_caches: TinyCaches) -> Path:
     """60 chat records stored without compression (a flipped byte stays one flipped feature): the
-    training fault, kill and torchrun tests share it."""
-    return tiny_caches.get(records=60, seed=7, codec="none").root
+    training fault, kill and torchrun tests share it. A commit every MiB gives it several shard files on
+    any machine (≈ 3 MB of features), so the fault tests always find a second chunk to damage."""
+    return tiny_caches.get(records=60, seed=7, codec="none", flush_bytes=1 << 20).root

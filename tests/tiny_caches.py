@@ -36,6 +36,9 @@ class CacheShape:
     """Seed of ``make_chat_jsonl``."""
     codec: str | None = None
     """Feature codec (None: the cache library's default)."""
+    flush_bytes: int | None = None
+    """Commit (and end a shard file) once this many raw bytes wait: a layout of several shards that
+    does not depend on the machine's speed (None: the default, where only ``flush_seconds`` ends one)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,16 +87,20 @@ class TinyCaches:
         self._built: dict[CacheShape, TinyCache] = {}
         self._digests: dict[CacheShape, dict[str, str]] = {}
 
-    def get(self, *, records: int, seed: int, codec: str | None = None) -> TinyCache:
-        shape = CacheShape(records=records, seed=seed, codec=codec)
+    def get(
+        self, *, records: int, seed: int, codec: str | None = None, flush_bytes: int | None = None
+    ) -> TinyCache:
+        shape = CacheShape(records=records, seed=seed, codec=codec, flush_bytes=flush_bytes)
         if shape not in self._built:
 
             def build(where: Path) -> None:
                 data = make_chat_jsonl(where / "chat.jsonl", records, seed=seed)
-                summary = run_generate(tiny_config(where / "cache", data, codec=codec))
+                sizes = {} if flush_bytes is None else {"flush_bytes": flush_bytes}
+                summary = run_generate(tiny_config(where / "cache", data, codec=codec, **sizes))
                 assert summary.status == "finished", summary
 
-            where = build_once(self._folder / f"r{records}-s{seed}-{codec or 'default'}", build)
+            name = f"r{records}-s{seed}-{codec or 'default'}-{flush_bytes or 'timed'}"
+            where = build_once(self._folder / name, build)
             self._built[shape] = TinyCache(root=where / "cache", data=where / "chat.jsonl")
             self._digests[shape] = _digest(where)
         return self._built[shape]
