@@ -86,13 +86,9 @@ def test_sigkill_of_the_coordinator_leaves_no_worker_and_the_rerun_completes(
     # (on a fast one, 60 records were all done before polling saw both shard groups open).
     held = tmp_path / "held"
     held.mkdir()
-    held_cmd = [cmd[0], "-m", "tests.generate.worker_entry", *cmd[3:]]
-    process = start_in_new_session(held_cmd, env={**os.environ, worker_entry.HOLD_ENV: str(held)})
+    process = start_in_new_session(*worker_entry.held_cmd(cmd, held))
     workers = _wait_for_workers(process, cache, 2)
-    deadline = time.monotonic() + 300
-    while len(list(held.glob("w*"))) < 2 and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(list(held.glob("w*"))) == 2, "the workers did not each capture a job"
+    worker_entry.wait_until_held(held, 2, process)
     os.kill(process.pid, signal.SIGKILL)  # the coordinator only: its workers must notice
     process.wait(timeout=30)
     survivors = _wait_gone(process.pid)

@@ -18,6 +18,7 @@ import torch
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.verify import verify_cache
 
+from . import worker_entry
 from .helpers import features_by_id, generate_cmd, make_chat_jsonl, start_in_new_session
 
 pytestmark = pytest.mark.slow
@@ -116,20 +117,15 @@ def test_sql_shows_buckets_while_generate_is_writing(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_ctrl_c_stops_cleanly_and_the_rerun_completes(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 80, seed=5, max_words=200)
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 80, seed=5)
     cache = tmp_path / "cache"
-    # Rows committed every second: the interrupt lands a second into the writing, far from the end.
-    cmd = generate_cmd(cache, data, "--flush-seconds", "1")
-    cmd[cmd.index("random:tiny")] = "random:smollm2-135m"  # slow enough to be interrupted mid-way
-    cmd[cmd.index("0,2")] = "1,8,14"
-    process = start_in_new_session([*cmd, "--workers", "2"])
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        parts = list((cache / "manifest" / "samples").glob("*.parquet"))
-        if parts:
-            break
-        time.sleep(0.2)
-    assert process.poll() is None, "the run ended before it could be interrupted"
+    cmd = generate_cmd(cache, data, "--workers", "2")
+    # Both workers hold their first job until the run asks them to stop: Ctrl-C lands mid-run with each
+    # worker holding a job, however fast the machine (a real model sized to be slow enough cost minutes).
+    held = tmp_path / "held"
+    held.mkdir()
+    process = start_in_new_session(*worker_entry.held_cmd(cmd, held))
+    worker_entry.wait_until_held(held, 2, process)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the process group
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 130, output.decode()[-3000:]

@@ -69,19 +69,35 @@ def run_worker_held_after_first_job(
     spec: worker.WorkerSpec, channel: JobChannel, events: Any, stop: Any
 ) -> None:
     """``worker.run_worker`` that, once it has captured its first job, says so with a file
-    ``w<worker>`` in ``$DFLASH_TEST_HOLD_DIR`` and then holds (up to 10 minutes): a test can kill the run
-    while every worker is mid-run with data written, however fast the machine."""
+    ``w<worker>`` in ``$DFLASH_TEST_HOLD_DIR`` and holds that job until the run asks its workers to stop
+    (Ctrl-C) or 10 minutes pass: a test can interrupt or kill the run while every worker is mid-run with
+    data written, however fast the machine."""
     held = Path(os.environ[HOLD_ENV])
 
     def capture_job(real: Any, *args: Any, **kwargs: Any) -> Any:
         result = real(*args, **kwargs)
         if not (held / f"w{spec.worker}").exists():
             (held / f"w{spec.worker}").touch()
-            time.sleep(600)
+            stop.wait(timeout=600)
         return result
 
     _wrap_capture(capture_job)
     worker.run_worker(spec, channel, events, stop)
+
+
+def held_cmd(cmd: list[str], held: Path) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) that run a ``python -m dflash_offline ...`` command line with every worker
+    held after its first job (``run_worker_held_after_first_job``; ``held`` receives their files)."""
+    assert cmd[1:3] == ["-m", "dflash_offline"], cmd
+    return [cmd[0], "-m", "tests.generate.worker_entry", *cmd[3:]], {**os.environ, HOLD_ENV: str(held)}
+
+
+def wait_until_held(held: Path, workers: int, process: Any) -> None:
+    """Until ``workers`` workers hold their first job (or the run ends: the assertion says so)."""
+    deadline = time.monotonic() + 300
+    while len(list(held.glob("w*"))) < workers and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(held.glob("w*"))) == workers, "the workers did not each capture a job"
 
 
 if __name__ == "__main__":
