@@ -40,7 +40,7 @@ from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
 from dflash_offline.regenerate.engines import EngineOptions, make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
 from dflash_offline.regenerate.turns import user_groups  # noqa: E402
-from dflash_offline.target.loader import load_target  # noqa: E402
+from dflash_offline.target_model.loader import load_target  # noqa: E402
 
 
 def first_turns(tokenizer: Any, data: str | None, limit: int, max_prompt_tokens: int) -> list[Any]:

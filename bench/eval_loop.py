@@ -22,7 +22,7 @@ from dflash_offline.eval.speculative import (
     speculative_decode,
     target_only_decode,
 )
-from dflash_offline.target.loader import load_target
+from dflash_offline.target_model.loader import load_target
 
 PROMPTS = [
     "Write a short poem about the sea.",

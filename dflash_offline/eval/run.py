@@ -127,7 +127,7 @@ def run_eval(config: EvalConfig) -> Any:
     from dflash_offline.eval.report import EVAL_REPORT_VERSION, EvalReport, prompt_result, summarize_sets
     from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller
     from dflash_offline.eval.turns import Decoders, decode_question, first_turn_ids
-    from dflash_offline.target.loader import load_target
+    from dflash_offline.target_model.loader import load_target
 
     if not config.drafter_dir.is_dir():
         raise ConfigError(f"--drafter {config.drafter_dir}: not a directory (an export: RUN/drafter)")

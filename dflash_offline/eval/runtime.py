@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from dflash_offline.errors import ConfigError
-from dflash_offline.target.loader import DTYPES, compute_dtype
+from dflash_offline.target_model.loader import DTYPES, compute_dtype
 
 __all__ = ["DTYPES", "compute_dtype", "resolve_device", "stop_token_ids"]
 

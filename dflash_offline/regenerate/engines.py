@@ -37,7 +37,7 @@ from dflash_offline.regenerate.generation import (
     generation_config,
     split_at_stop,
 )
-from dflash_offline.target.loader import quiet_transformers
+from dflash_offline.target_model.loader import quiet_transformers
 
 EngineName = Literal["slots", "cb", "static", "openai"]
 

@@ -28,7 +28,7 @@ from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tall
 if TYPE_CHECKING:
     from dflash_offline.regenerate.engines import Engine
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
-    from dflash_offline.target.loader import TargetInfo
+    from dflash_offline.target_model.loader import TargetInfo
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -143,7 +143,7 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
     from dflash_offline.eval.runtime import compute_dtype, stop_token_ids
     from dflash_offline.regenerate.engines import EngineOptions, make_engine
     from dflash_offline.regenerate.generation import GenerationSettings
-    from dflash_offline.target.loader import load_target
+    from dflash_offline.target_model.loader import load_target
 
     config = spec.config
     if config.engine == "openai":

@@ -17,7 +17,7 @@ from dflash_offline.generate.feed import plan_events
 from dflash_offline.generate.run import RunContext
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
-from dflash_offline.target.loader import load_tokenizer
+from dflash_offline.target_model.loader import load_tokenizer
 from tests.eval.helpers import tiny_fingerprint
 
 

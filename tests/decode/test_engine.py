@@ -13,7 +13,7 @@ import torch
 
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
 from dflash_offline.decode.sampling import Sampler, request_key_hash
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.embedded_assets import smollm2_gguf_available
 from tests.eval.helpers import one_thread
 

@@ -27,7 +27,7 @@ from dflash_offline.eval.prompts import (
     training_cache_of,
 )
 from dflash_offline.eval.run import load_drafter_for
-from dflash_offline.target.loader import LoadedTarget, load_target, load_tokenizer
+from dflash_offline.target_model.loader import LoadedTarget, load_target, load_tokenizer
 from tests.embedded_assets import smollm2_gguf_available
 from tests.eval.helpers import (
     conversations,

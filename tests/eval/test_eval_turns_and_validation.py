@@ -28,7 +28,7 @@ from dflash_offline.eval.prompts import render_prompt_ids, resolve_held_out, sel
 from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller, target_only_decode
 from dflash_offline.eval.turns import Decoders, EvalQuestion, decode_question
 from dflash_offline.eval.validation_set import select_validation_prompts
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from dflash_offline.train.snapshot import save_snapshot, take_snapshot
 from dflash_offline.train.split import split_snapshot
 from tests.eval.helpers import WORDS, export_untrained, one_thread, untrained_drafter, write_tiny_cache

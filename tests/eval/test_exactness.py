@@ -19,7 +19,7 @@ from dflash_offline.cli import main
 from dflash_offline.cli.eval import DEFAULT_TIE_ULPS as CLI_DEFAULT
 from dflash_offline.cli.eval import EXIT_MISMATCH
 from dflash_offline.eval.exactness import DEFAULT_TIE_ULPS, classify, last_logits, ulp
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.eval.helpers import export_untrained, one_thread, write_chat_jsonl
 
 V = 32

@@ -32,7 +32,7 @@ from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSett
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.regenerate.slot_engine import SlotEngine
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.eval.helpers import conversations, one_thread, write_chat_jsonl
 
 

@@ -29,7 +29,7 @@ from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 from dflash_offline.regenerate.run import render_prompt, run_regenerate
 from dflash_offline.regenerate.turns import user_groups
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.eval.helpers import conversations, one_thread, write_chat_jsonl
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from dflash_offline.errors import TargetError
-from dflash_offline.target.presets import fill_random_weights
-from dflash_offline.target.source import (
+from dflash_offline.target_model.presets import fill_random_weights
+from dflash_offline.target_model.source import (
     TargetSource,
     gguf_assets_dir,
     resolve_target,
