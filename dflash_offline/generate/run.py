@@ -30,7 +30,7 @@ from dflash_offline.cache.manifest import (
     read_runs,
     record_run,
 )
-from dflash_offline.cache.records import RunRow, utc_now
+from dflash_offline.cache.rows import RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
 from dflash_offline.errors import NoSpaceError, WorkerError, as_no_space_error
 from dflash_offline.generate.config import GenerateConfig

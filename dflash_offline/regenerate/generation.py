@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dflash_offline.regenerate.turns import FinishReason
+from dflash_offline.regenerate.pending_conversation import FinishReason
 from dflash_offline.target_model.loader import quiet_transformers
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dflash_offline.data.records import Conversation, Message, SourceFailure, TokenizedSample
+from dflash_offline.data.conversations import Conversation, Message, SourceFailure, TokenizedSample
 from dflash_offline.data.template import (
     chat_template_hash,
     spans_to_token_mask,

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from dflash_offline.cache.manifest import record_run
-from dflash_offline.cache.records import RunRow
+from dflash_offline.cache.rows import RunRow
 from dflash_offline.cli import main
 from dflash_offline.data.sources import source_name
 from dflash_offline.drafter import DFlashDrafter, export_drafter

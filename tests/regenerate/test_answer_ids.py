@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_offline.data.records import Conversation
+from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import iter_records
 from dflash_offline.eval.runtime import stop_token_ids
 from dflash_offline.eval.speculative import TargetCaller, target_only_decode

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_offline.data.records import Conversation, Message, TokenizedSample
+from dflash_offline.data.conversations import Conversation, Message, TokenizedSample
 from dflash_offline.data.template import tokenize_conversation
 from dflash_offline.target_model.capture import FeatureCapture
 from dflash_offline.target_model.head import load_embedding_and_head

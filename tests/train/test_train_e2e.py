@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import CachedSample
+from dflash_offline.cache.rows import CachedSample
 from dflash_offline.cli import main
 from dflash_offline.placement import DistInfo
 from dflash_offline.target_model.capture import FeatureCapture
