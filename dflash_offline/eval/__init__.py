@@ -10,5 +10,4 @@ Public API:
   question_decoding.decode_question                                     one question, turn by turn, both loops
   exactness.classify -> Divergence                                      identical / near-tie / mismatch
   run.EvalConfig / run_eval(config) -> report.EvalReport (format_table, write_json)
-  runtime.resolve_device / compute_dtype / stop_token_ids              shared with regenerate
 """

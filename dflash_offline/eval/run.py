@@ -17,7 +17,7 @@ import torch
 
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig
-from dflash_offline.eval.runtime import compute_dtype, resolve_device, stop_token_ids
+from dflash_offline.target_model.loader import compute_dtype, resolve_device, stop_token_ids
 
 WARMUP_TOKENS = 8
 

@@ -140,10 +140,9 @@ class LoadedEngine:
 
 
 def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], None]) -> LoadedEngine:
-    from dflash_offline.eval.runtime import compute_dtype, stop_token_ids
     from dflash_offline.regenerate.engines import EngineOptions, make_engine
     from dflash_offline.regenerate.generation import GenerationSettings
-    from dflash_offline.target_model.loader import load_target
+    from dflash_offline.target_model.loader import compute_dtype, load_target, stop_token_ids
 
     config = spec.config
     if config.engine == "openai":
