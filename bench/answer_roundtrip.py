@@ -37,7 +37,8 @@ from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.template import tokenize_conversation  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
-from dflash_offline.regenerate.engines import EngineOptions, make_engine  # noqa: E402
+from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
+from dflash_offline.regenerate.engines import make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
 from dflash_offline.target_model.loader import load_target, stop_token_ids  # noqa: E402
 

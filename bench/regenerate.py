@@ -31,7 +31,8 @@ from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
-from dflash_offline.regenerate.engines import EngineOptions, make_engine  # noqa: E402
+from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
+from dflash_offline.regenerate.engines import make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
 from dflash_offline.target_model.loader import (  # noqa: E402
     compute_dtype,

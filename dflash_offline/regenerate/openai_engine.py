@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dflash_offline.errors import DflashError
-from dflash_offline.regenerate.engines import EngineName, Finished, RequestFailure
+from dflash_offline.regenerate.engine_protocol import EngineName, Finished, RequestFailure
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings
 from dflash_offline.regenerate.http_client import (
     AbortedError,

@@ -26,7 +26,7 @@ from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tally
 
 if TYPE_CHECKING:
-    from dflash_offline.regenerate.engines import Engine
+    from dflash_offline.regenerate.engine_protocol import Engine
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
     from dflash_offline.target_model.loader import TargetInfo
 
@@ -140,7 +140,8 @@ class LoadedEngine:
 
 
 def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], None]) -> LoadedEngine:
-    from dflash_offline.regenerate.engines import EngineOptions, make_engine
+    from dflash_offline.regenerate.engine_protocol import EngineOptions
+    from dflash_offline.regenerate.engines import make_engine
     from dflash_offline.regenerate.generation import GenerationSettings
     from dflash_offline.target_model.loader import compute_dtype, load_target, stop_token_ids
 

@@ -17,12 +17,10 @@ import torch
 from dflash_offline.errors import ConfigError
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import ConversationSink, Driver, render_prompt
+from dflash_offline.regenerate.engine_protocol import EngineError, EngineOptions, Finished
 from dflash_offline.regenerate.engines import (
     ContinuousEngine,
-    EngineError,
-    EngineOptions,
     FallbackEngine,
-    Finished,
     StaticEngine,
     continuous_batching_support,
     make_engine,
