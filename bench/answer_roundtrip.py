@@ -32,15 +32,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_offline.data.records import Conversation, Message  # noqa: E402
+from dflash_offline.data.conversations import Conversation, Message  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.template import tokenize_conversation  # noqa: E402
-from dflash_offline.eval.runtime import stop_token_ids  # noqa: E402
+from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
-from dflash_offline.regenerate.engines import EngineOptions, make_engine  # noqa: E402
+from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
+from dflash_offline.regenerate.engines import make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
-from dflash_offline.regenerate.turns import user_groups  # noqa: E402
-from dflash_offline.target.loader import load_target  # noqa: E402
+from dflash_offline.target_model.loader import load_target, stop_token_ids  # noqa: E402
 
 
 def first_turns(tokenizer: Any, data: str | None, limit: int, max_prompt_tokens: int) -> list[Any]:

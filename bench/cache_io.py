@@ -32,7 +32,7 @@ from dflash_offline.cache.codecs import CODECS, DEFAULT_CODEC
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 
 LAYERS = (1, 8, 14, 20, 27)  # SmolLM2-135M (30 layers): five layers from shallow to deep

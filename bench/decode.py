@@ -36,14 +36,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_offline.data.records import Conversation  # noqa: E402
+from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
+from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.decode import DecodeEngine, EngineSettings, SingleSequence  # noqa: E402
 from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
-from dflash_offline.regenerate.engines import EngineOptions, make_engine  # noqa: E402
+from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
+from dflash_offline.regenerate.engines import make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GenerationSettings  # noqa: E402
-from dflash_offline.regenerate.turns import user_groups  # noqa: E402
-from dflash_offline.target.loader import load_target  # noqa: E402
+from dflash_offline.target_model.loader import load_target  # noqa: E402
 
 
 class Budget:
@@ -509,7 +510,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
     }  # fmt: skip
     print(json.dumps(report.data["env"]), flush=True)
-    from dflash_offline.target.loader import load_tokenizer
+    from dflash_offline.target_model.loader import load_tokenizer
 
     tokenizer = load_tokenizer("random:tiny")
     prompts = first_turn_prompts(tokenizer, args.data, 16 if args.quick else 1100, 1024)

@@ -15,14 +15,13 @@ import statistics
 import torch
 
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, resolve_mask_token_id
-from dflash_offline.eval.runtime import compute_dtype, resolve_device
 from dflash_offline.eval.speculative import (
     DFlashBlockDrafter,
     TargetCaller,
     speculative_decode,
     target_only_decode,
 )
-from dflash_offline.target.loader import load_target
+from dflash_offline.target_model.loader import compute_dtype, load_target, resolve_device
 
 PROMPTS = [
     "Write a short poem about the sea.",

@@ -11,7 +11,7 @@ import torch
 
 from dflash_offline.eval.exactness import ulp
 from dflash_offline.eval.speculative import TargetCaller
-from dflash_offline.target.loader import load_target
+from dflash_offline.target_model.loader import load_target
 
 torch.set_num_threads(2)
 spec = sys.argv[1] if len(sys.argv) > 1 else "default"

@@ -57,7 +57,7 @@ def stored_ratios(x_TF: torch.Tensor, codecs: list[str], workdir: Path) -> dict[
     from cache_io import BUCKET_EDGES, fingerprint_for, tree_bytes
 
     from dflash_offline.cache.codecs import storage_dtype
-    from dflash_offline.cache.records import SampleToWrite
+    from dflash_offline.cache.rows import SampleToWrite
     from dflash_offline.cache.writer import ShardWriter
 
     ratios = {}

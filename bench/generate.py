@@ -39,9 +39,9 @@ from dflash_offline.generate.events import WorkerStarted  # noqa: E402
 from dflash_offline.generate.plan import PlanConfig, plan_jobs  # noqa: E402
 from dflash_offline.generate.run import run_generate  # noqa: E402
 from dflash_offline.placement import Placement  # noqa: E402
-from dflash_offline.target.capture import FeatureCapture  # noqa: E402
-from dflash_offline.target.layers import default_layer_ids  # noqa: E402
-from dflash_offline.target.loader import load_target, load_tokenizer, resolve_target, target_info  # noqa: E402
+from dflash_offline.target_model.capture import FeatureCapture  # noqa: E402
+from dflash_offline.target_model.layers import default_layer_ids  # noqa: E402
+from dflash_offline.target_model.loader import load_target, load_tokenizer, resolve_target, target_info  # noqa: E402
 
 
 def forward_rate(args: argparse.Namespace, layer_ids: tuple[int, ...]) -> tuple[float, int]:

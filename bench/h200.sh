@@ -38,7 +38,7 @@ check)
   df -h /tmp | tail -1
   nproc
   python3 -c "import torch, transformers, zarr, numcodecs, duckdb, tensorstore; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__, 'duckdb', duckdb.__version__)"
-  timeout 300 python3 -m pytest -q -m gpu tests/drafter tests/target tests/train tests/cache tests/generate tests/eval -p no:cacheprovider 2>&1 | tail -40 | tee "$out/gpu_tests.txt"
+  timeout 300 python3 -m pytest -q -m gpu tests/drafter tests/target_model tests/train tests/cache tests/generate tests/eval -p no:cacheprovider 2>&1 | tail -40 | tee "$out/gpu_tests.txt"
   ;;
 encode)
   python3 bench/encode_scaling.py

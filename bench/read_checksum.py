@@ -23,7 +23,7 @@ from dflash_offline.cache.checksum import crc32c_extend
 from dflash_offline.cache.codecs import raw_token_bytes
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 
 

@@ -27,14 +27,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_offline.data.records import Conversation  # noqa: E402
+from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
-from dflash_offline.eval.runtime import compute_dtype, resolve_device, stop_token_ids  # noqa: E402
+from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
-from dflash_offline.regenerate.engines import EngineOptions, make_engine  # noqa: E402
+from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
+from dflash_offline.regenerate.engines import make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
-from dflash_offline.regenerate.turns import user_groups  # noqa: E402
-from dflash_offline.target.loader import load_target  # noqa: E402
+from dflash_offline.target_model.loader import (  # noqa: E402
+    compute_dtype,
+    load_target,
+    resolve_device,
+    stop_token_ids,
+)
 
 
 def first_turn_prompts(

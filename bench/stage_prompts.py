@@ -34,10 +34,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.decontaminate import Decontaminator  # noqa: E402
-from dflash_offline.data.records import Conversation  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
-from dflash_offline.data.turns import user_groups  # noqa: E402
+from dflash_offline.data.user_groups import user_groups  # noqa: E402
 
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
 

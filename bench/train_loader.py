@@ -50,7 +50,7 @@ import torch
 from dflash_offline.cache.codecs import codec_spec, storage_dtype
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.train.batch import PackedMicrobatch, StepPlan, schedule_for_rank
 from dflash_offline.train.packing import HostBufferPool

@@ -42,8 +42,8 @@ from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
-from dflash_offline.target.layers import default_layer_ids
-from dflash_offline.target.presets import RANDOM_PRESETS
+from dflash_offline.target_model.layers import default_layer_ids
+from dflash_offline.target_model.presets import RANDOM_PRESETS
 from dflash_offline.train.step import OptimizerStep, StepOutcome
 
 WIDTHS = {"smollm2": "smollm2-135m", "qwen3-8b": "qwen3-8b"}

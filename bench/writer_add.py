@@ -35,7 +35,7 @@ from dflash_offline.cache import writer as current_writer
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.manifest import read_parts
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 
 LAYERS = (1, 8, 14, 20, 27)
 WIDTH = 5 * 576

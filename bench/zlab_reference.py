@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_offline.drafter.export import export_drafter, load_exported_drafter  # noqa: E402
 from dflash_offline.drafter.model import DFlashDrafter  # noqa: E402
-from dflash_offline.target.head import load_embedding_and_head  # noqa: E402
+from dflash_offline.target_model.head import load_embedding_and_head  # noqa: E402
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ CREATE TABLE samples (
 CREATE TABLE failures (
     sample_id    VARCHAR NOT NULL,
     source_index BIGINT NOT NULL,
-    reason       VARCHAR NOT NULL,    -- one of dflash_offline.cache.records.FAILURE_REASONS
+    reason       VARCHAR NOT NULL,    -- one of dflash_offline.cache.rows.FAILURE_REASONS
     detail       VARCHAR NOT NULL,
     worker       INTEGER NOT NULL,
     session      VARCHAR NOT NULL,

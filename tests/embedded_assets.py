@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflash_offline.errors import TargetError
-from dflash_offline.target.source import default_gguf_path
+from dflash_offline.target_model.source import default_gguf_path
 
 
 def smollm2_gguf_available() -> bool:

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_offline.cache.layout import CacheLayout, read_format_version, write_atomic
-from dflash_offline.cache.records import FailureRow, RunRow, SampleRow, ShardInfo
+from dflash_offline.cache.rows import FailureRow, RunRow, SampleRow, ShardInfo
 from dflash_offline.errors import CacheDamageError, CacheFormatError
 
 _TS = pa.timestamp("us", tz="UTC")

@@ -35,7 +35,7 @@ from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.fp8 import decode_rows
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
 from dflash_offline.cache.manifest import read_parts
-from dflash_offline.cache.records import CachedSample
+from dflash_offline.cache.rows import CachedSample
 from dflash_offline.cache.shard_file import Piece, ShardFile
 from dflash_offline.cache.zarr_format import ARRAYS, DTYPES, ArrayFormat, parse_array_format
 from dflash_offline.errors import CacheDamageError, SampleError

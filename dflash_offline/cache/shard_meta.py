@@ -20,7 +20,7 @@ from typing import Any
 from dflash_offline.cache.codecs import feature_storage
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import write_atomic
-from dflash_offline.cache.records import ShardInfo
+from dflash_offline.cache.rows import ShardInfo
 from dflash_offline.cache.zarr_format import (
     ARRAYS,
     ArrayFormat,

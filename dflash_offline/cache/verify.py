@@ -40,7 +40,7 @@ from dflash_offline.cache.manifest import (
     table_to_records,
 )
 from dflash_offline.cache.reader import CacheReader, SampleTable
-from dflash_offline.cache.records import CachedSample, ShardInfo
+from dflash_offline.cache.rows import CachedSample, ShardInfo
 from dflash_offline.cache.shard_file import ShardFile
 from dflash_offline.cache.shard_meta import MetadataDamage, check_group_meta, rebuilt_formats
 from dflash_offline.cache.zarr_format import ARRAYS, ArrayFormat, parse_array_format

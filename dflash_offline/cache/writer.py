@@ -47,7 +47,7 @@ from dflash_offline.cache.manifest import (
     records_to_table,
     write_part,
 )
-from dflash_offline.cache.records import FailureRow, SampleRow, SampleToWrite, ShardInfo, WriterStats, utc_now
+from dflash_offline.cache.rows import FailureRow, SampleRow, SampleToWrite, ShardInfo, WriterStats, utc_now
 from dflash_offline.cache.shard_file import write_shard_file
 from dflash_offline.cache.staging import (
     ChecksumTask,

@@ -39,9 +39,9 @@ def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path |
     histogram, decode tok/s of target-only and speculative decoding (prefill excluded) and the speedup,
     plus their mean; and a tie-aware check that the output is the target's own greedy output."""
     from dflash_offline.eval.exactness import describe
-    from dflash_offline.eval.report import format_table
+    from dflash_offline.eval.report import format_table, write_eval_report
     from dflash_offline.eval.run import run_eval
-    from dflash_offline.tensorboard import require_tensorboard, write_eval_report
+    from dflash_offline.tensorboard import require_tensorboard
     from dflash_offline.writable import check_writable_dir, check_writable_file
 
     # Everything that could refuse the outputs is checked before the (long) decoding, not after it.

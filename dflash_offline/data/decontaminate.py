@@ -22,8 +22,8 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from dflash_offline.data.conversations import Conversation, SourceFailure
 from dflash_offline.data.question_sets import PIP_INSTALL, QuestionText, read_humaneval, read_mt_bench
-from dflash_offline.data.records import Conversation, SourceFailure
 from dflash_offline.errors import ConfigError
 
 NGRAM = 13

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from dflash_offline.data.records import Message, Role
+from dflash_offline.data.conversations import Message, Role
 from dflash_offline.errors import DataError
 
 TOKEN_IDS_FIELD = "token_ids"

@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from dflash_offline.data.containers import ACCEPTED, iter_container, open_container
+from dflash_offline.data.conversations import Conversation, Message, SourceFailure
 from dflash_offline.data.jsonstream import RawRecord
-from dflash_offline.data.records import Conversation, Message, SourceFailure
 from dflash_offline.data.schemas import DataFormat, invalid_text, map_record, parse_data_format
 from dflash_offline.errors import DataError
 

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dflash_offline.data.records import Conversation, SourceFailure, TokenizedSample
+from dflash_offline.data.conversations import Conversation, SourceFailure, TokenizedSample
 from dflash_offline.errors import DataError
 
 TooLong = Literal["truncate", "skip"]

@@ -21,7 +21,7 @@ from torch import Tensor
 from dflash_offline.decode.attention import attention_configs, slot_attention_enabled
 from dflash_offline.decode.slot_cache import ForwardRows, SlotCache
 from dflash_offline.errors import TargetError
-from dflash_offline.target.capture import backbone_of
+from dflash_offline.target_model.capture import backbone_of
 
 
 class SlotForward:

@@ -6,7 +6,7 @@ Legend: N rows, V vocabulary.
 Sampling is the Gumbel-max trick: argmax(logits / T + g) with g = −log(−log u) draws a token from
 softmax(logits / T) exactly. The uniforms u come from a counter-based hash of (seed, request key, index
 of the token in the answer, vocabulary id), computed on the device with exact integer arithmetic (the
-hash that makes the random presets' weights, ``target/presets.py``), so the same seed gives the same
+hash that makes the random presets' weights, ``target_model/presets.py``), so the same seed gives the same
 answer whatever the batch size, the slot, or the other requests beside it, on the CPU and on CUDA, with
 no random-generator state to carry (and nothing a CUDA graph could freeze). Top-p keeps the smallest set
 of most likely tokens whose probability reaches p (the first always kept) and samples among them.
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dflash_offline.errors import ConfigError
-from dflash_offline.target.presets import mix32
+from dflash_offline.target_model.presets import mix32
 
 _MASK32 = 0xFFFFFFFF
 

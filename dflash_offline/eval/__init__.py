@@ -7,8 +7,7 @@ Public API:
   prompts.resolve_held_out / select_prompts                             held-out chat prompts (--turns)
   validation_set.select_validation_prompts                              the training run's held-out records
   cache_data.iter_cache_records                                         a cache's records: ids, roots, origins
-  turns.decode_question                                                 one question, turn by turn, both loops
+  question_decoding.decode_question                                     one question, turn by turn, both loops
   exactness.classify -> Divergence                                      identical / near-tie / mismatch
   run.EvalConfig / run_eval(config) -> report.EvalReport (format_table, write_json)
-  runtime.resolve_device / compute_dtype / stop_token_ids              shared with regenerate
 """

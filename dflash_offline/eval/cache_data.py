@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_offline.data.records import Conversation
+from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.schemas import DataFormat
 
 

@@ -17,7 +17,7 @@ DEFAULT_TIE_ULPS = 8.0
 spread it was chosen against)."""
 
 EVAL_DTYPES = ("float32", "bfloat16")
-"""The keys of ``eval.runtime.DTYPES`` (a test checks), spelled here without importing torch."""
+"""The keys of ``target_model/loader.py:DTYPES`` (a test checks), spelled here without importing torch."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

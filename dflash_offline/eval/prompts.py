@@ -3,7 +3,7 @@
 A prompt is the conversation up to (excluding) its first assistant turn, rendered with the target's
 chat template and ``add_generation_prompt=True``: exactly what the target answers first in the data.
 With ``--turns all`` every user turn is decoded in order, each after the target's own greedy answers to
-the earlier ones, the turns cut as ``dflash regenerate`` cuts them (``data/turns.py``).
+the earlier ones, the turns cut as ``dflash regenerate`` cuts them (``data/user_groups.py``).
 Held out means: its sample id (``make_sample_id`` over the data source name, the record id and the
 content: the id ``dflash generate`` stores) is not committed in the training cache, nor is any sample
 of its conversation (its root: ShareGPT's ``X_11`` belongs to ``X``, whose ``X_0`` may have been trained
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_offline.data.records import Conversation, Message
+from dflash_offline.data.conversations import Conversation, Message
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.data.sources import conversation_root, iter_records, source_name
-from dflash_offline.data.turns import user_groups
+from dflash_offline.data.user_groups import user_groups
 from dflash_offline.errors import ConfigError
 
 Turns = Literal["first", "all"]

@@ -1,4 +1,4 @@
-"""Eval results as records, a table for people and JSON for programs.
+"""Eval results as records, a table for people, JSON for programs and TensorBoard scalars.
 
 Per set (and pooled over all sets): τ = Σ over its cycles of (accepted + 1) ÷ number of cycles (a mean
 over cycles, not over prompts); decode tok/s of a loop = Σ new tokens ÷ Σ its decode seconds (prefill
@@ -17,6 +17,7 @@ from typing import Any
 
 from dflash_offline.eval.exactness import Divergence, first_divergence
 from dflash_offline.eval.speculative import DecodeResult
+from dflash_offline.tensorboard import open_writer
 
 EVAL_REPORT_VERSION = 2
 """2: per-set summaries (``sets``), the ``mean`` row, per-prompt ``bench``/``turn``/``question_id`` and the
@@ -320,3 +321,41 @@ def format_table(report: EvalReport) -> str:
             )
             lines.append(f"  {r.bench} {r.question_id or r.record_id or r.sample_id} turn {r.turn}: {what}")
     return "\n".join(lines)
+
+
+def eval_scalars(report: EvalReport) -> dict[str, float]:
+    """Tag -> value of the summary row (None values are left out)."""
+    s = report.summary
+    values = {
+        "eval/tau": s.tau,
+        "eval/speedup": s.speedup,
+        "eval/spec_tokens_per_s": s.spec_tokens_per_s,
+        "eval/target_tokens_per_s": s.target_tokens_per_s,
+        "eval/identical_prompts": s.identical_prompts,
+        "eval/cycles": s.cycles,
+        "eval/new_tokens": s.new_tokens,
+    }
+    return {tag: float(v) for tag, v in values.items() if v is not None}
+
+
+def write_eval_report(log_dir: Path, report: EvalReport, *, step: int = 0) -> Path:
+    """The eval τ table as scalars under ``log_dir``; returns the directory. Tags:
+    eval/tau, eval/speedup, eval/spec_tokens_per_s, eval/target_tokens_per_s, eval/identical_prompts,
+    eval/cycles, eval/new_tokens                                   (step = ``step``, default 0)
+    eval/prompt_tau, eval/prompt_speedup                           (step = prompt number)
+    eval/accepted_histogram                                        (step = accepted draft tokens)
+    """
+    writer = open_writer(log_dir)
+    try:
+        for tag, value in eval_scalars(report).items():
+            writer.add_scalar(tag, value, global_step=step)
+        for i, prompt in enumerate(report.prompts):
+            if prompt.tau is not None:
+                writer.add_scalar("eval/prompt_tau", prompt.tau, global_step=i)
+            if prompt.speedup is not None:
+                writer.add_scalar("eval/prompt_speedup", prompt.speedup, global_step=i)
+        for accepted, count in enumerate(report.summary.accepted_histogram):
+            writer.add_scalar("eval/accepted_histogram", count, global_step=accepted)
+    finally:
+        writer.close()
+    return log_dir

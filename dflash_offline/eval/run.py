@@ -17,7 +17,7 @@ import torch
 
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig
-from dflash_offline.eval.runtime import compute_dtype, resolve_device, stop_token_ids
+from dflash_offline.target_model.loader import compute_dtype, resolve_device, stop_token_ids
 
 WARMUP_TOKENS = 8
 
@@ -65,7 +65,7 @@ def _questions(config: EvalConfig, tokenizer: Any, held_out: Any, warnings: list
     """Every question of every set, in table order (set by set)."""
     from dflash_offline.eval.benches import load_humaneval, load_mt_bench
     from dflash_offline.eval.prompts import select_prompts
-    from dflash_offline.eval.turns import from_bench, from_chat_prompt
+    from dflash_offline.eval.question_decoding import from_bench, from_chat_prompt
 
     sets: tuple[str, ...] = config.bench or ("sharegpt" if config.data is None else "data",)
     questions: list[Any] = []
@@ -124,10 +124,10 @@ def run_eval(config: EvalConfig) -> Any:
     from dflash_offline.decode.single import SingleSequence
     from dflash_offline.eval.exactness import EXACTNESS_RULE
     from dflash_offline.eval.prompts import resolve_held_out
+    from dflash_offline.eval.question_decoding import Decoders, decode_question, first_turn_ids
     from dflash_offline.eval.report import EVAL_REPORT_VERSION, EvalReport, prompt_result, summarize_sets
     from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller
-    from dflash_offline.eval.turns import Decoders, decode_question, first_turn_ids
-    from dflash_offline.target.loader import load_target
+    from dflash_offline.target_model.loader import load_target
 
     if not config.drafter_dir.is_dir():
         raise ConfigError(f"--drafter {config.drafter_dir}: not a directory (an export: RUN/drafter)")

@@ -45,7 +45,7 @@ from dflash_offline.decode.single import (
     is_done,
 )
 from dflash_offline.drafter.model import ContextCache, DFlashDrafter
-from dflash_offline.target.capture import capture_layer_outputs
+from dflash_offline.target_model.capture import capture_layer_outputs
 
 __all__ = [
     "BlockDrafter",

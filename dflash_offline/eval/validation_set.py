@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.data.records import Conversation
+from dflash_offline.data.conversations import Conversation
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.prompts import EvalPrompt, Turns, chat_prompt, run_dir_of, training_cache_of
 

@@ -23,7 +23,7 @@ from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
 from dflash_offline.generate.plan import DEFAULT_BUCKET_EDGES, parse_bucket_edges
 from dflash_offline.placement import Placement
-from dflash_offline.target.layers import split_layer_ids
+from dflash_offline.target_model.layers import split_layer_ids
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.cache.records import WriterStats
+from dflash_offline.cache.rows import WriterStats
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

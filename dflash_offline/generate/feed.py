@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from dflash_offline.cache.layout import create_or_open_cache
 from dflash_offline.cache.manifest import records_to_table, write_part
-from dflash_offline.cache.records import FailureRow, utc_now
-from dflash_offline.data.records import SourceFailure
+from dflash_offline.cache.rows import FailureRow, utc_now
+from dflash_offline.data.conversations import SourceFailure
 from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
 

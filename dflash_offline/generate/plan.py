@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_offline.data.records import Conversation, SourceFailure, TokenizedSample
+from dflash_offline.data.conversations import Conversation, SourceFailure, TokenizedSample
 from dflash_offline.errors import ConfigError
 
 DEFAULT_BUCKET_EDGES = (256, 512, 1024, 2048, 3072)

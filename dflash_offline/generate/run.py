@@ -30,7 +30,7 @@ from dflash_offline.cache.manifest import (
     read_runs,
     record_run,
 )
-from dflash_offline.cache.records import RunRow, utc_now
+from dflash_offline.cache.rows import RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
 from dflash_offline.errors import NoSpaceError, WorkerError, as_no_space_error
 from dflash_offline.generate.config import GenerateConfig
@@ -86,7 +86,7 @@ def resolved_compute_dtype(config: GenerateConfig) -> str:
     import torch
 
     from dflash_offline.placement import under_torchrun
-    from dflash_offline.target.loader import default_dtype
+    from dflash_offline.target_model.loader import default_dtype
 
     on_gpu = bool(config.placement.gpus) or (under_torchrun() and torch.cuda.is_available())
     return str(default_dtype(torch.device("cuda" if on_gpu else "cpu"))).removeprefix("torch.")
@@ -100,12 +100,12 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
     from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec, storage_dtype
     from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
-    from dflash_offline.target.layers import resolve_layer_ids
+    from dflash_offline.target_model.layers import resolve_layer_ids
     from dflash_offline.writable import check_writable_dir
 
     if lock:  # the coordinator: it creates the cache (workers only open it)
         check_writable_dir(config.cache_dir, option="--cache")
-    from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
+    from dflash_offline.target_model.loader import load_tokenizer, resolve_target, target_info
 
     data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts
     if not (config.cache_dir / "cache.json").is_file():

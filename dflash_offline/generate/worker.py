@@ -54,8 +54,8 @@ class WorkerSpec:
 
 def build_capture(spec: WorkerSpec, device: torch.device) -> Any:
     """The truncated target as a callable (input_ids_BS, attention_mask_BS) -> features_BSF."""
-    from dflash_offline.target.capture import FeatureCapture
-    from dflash_offline.target.loader import compute_dtype, load_target
+    from dflash_offline.target_model.capture import FeatureCapture
+    from dflash_offline.target_model.loader import compute_dtype, load_target
 
     layer_ids = spec.fingerprint.layer_ids
     target = load_target(

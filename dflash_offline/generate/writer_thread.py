@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.errors import WorkerError
 from dflash_offline.generate.capture_step import CapturedBatch

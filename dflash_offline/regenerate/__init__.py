@@ -3,8 +3,9 @@ from the target itself: docs/data-flow.md#regenerate).
 
 Public API:
   config.RegenerateConfig / run.run_regenerate(config) -> RegenerateSummary
-  turns.PendingConversation                      the chat built from the target's answers (data/turns.py:
-                                                 which turns are answered)
+  pending_conversation.PendingConversation       the chat built from the target's answers (which turns
+                                                 are answered: data/user_groups.py)
+  engine_protocol.Engine, EngineOptions          what every engine keeps to and takes (``Finished`` out)
   engines.ContinuousEngine / StaticEngine        transformers' continuous batching / sorted generate batches
   openai_engine.OpenAIEngine, probe_server       an OpenAI-compatible server's completions (--engine openai)
   http_client.JsonClient                         JSON over HTTP with per-request timeout and retries

@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_offline.data.records import Conversation, SourceFailure
+from dflash_offline.data.conversations import Conversation, SourceFailure
 from dflash_offline.data.template import encode_head
-from dflash_offline.regenerate.engines import Engine
+from dflash_offline.regenerate.engine_protocol import Engine
 from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
-from dflash_offline.regenerate.turns import Answer, PendingConversation
+from dflash_offline.regenerate.pending_conversation import Answer, PendingConversation
 
 KEY = "source_sample_id"
 

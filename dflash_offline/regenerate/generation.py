@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from dflash_offline.regenerate.turns import FinishReason
-from dflash_offline.target.loader import quiet_transformers
+from dflash_offline.regenerate.pending_conversation import FinishReason
+from dflash_offline.target_model.loader import quiet_transformers
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

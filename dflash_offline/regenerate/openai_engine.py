@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dflash_offline.errors import DflashError
-from dflash_offline.regenerate.engines import EngineName, Finished, RequestFailure
+from dflash_offline.regenerate.engine_protocol import EngineName, Finished, RequestFailure
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings
 from dflash_offline.regenerate.http_client import (
     AbortedError,
@@ -416,7 +416,7 @@ class ServerTarget:
 def server_target(spec: str) -> ServerTarget:
     from transformers import GenerationConfig
 
-    from dflash_offline.target.loader import load_config, load_tokenizer, resolve_target, target_info
+    from dflash_offline.target_model.loader import load_config, load_tokenizer, resolve_target, target_info
 
     source = resolve_target(spec)
     config = load_config(source)
@@ -436,6 +436,6 @@ def server_target(spec: str) -> ServerTarget:
 
 def probe_for_config(config: Any) -> ServedModel:
     """The check ``run_regenerate`` makes before it writes anything (one line on failure)."""
-    from dflash_offline.target.loader import load_tokenizer
+    from dflash_offline.target_model.loader import load_tokenizer
 
     return probe_server(server_options(config), load_tokenizer(config.target))

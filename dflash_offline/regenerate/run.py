@@ -260,7 +260,7 @@ def _run_in_process(
 
 
 def _default_device(config: RegenerateConfig) -> str:
-    from dflash_offline.eval.runtime import resolve_device
+    from dflash_offline.target_model.loader import resolve_device
 
     return str(resolve_device(config.device))
 

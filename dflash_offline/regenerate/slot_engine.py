@@ -15,15 +15,11 @@ import torch
 
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
 from dflash_offline.decode.slot_cache import kv_bytes_per_token
-from dflash_offline.regenerate.engines import (
-    KV_FIX,
-    KV_MEMORY_FRACTION,
-    EngineError,
-    EngineName,
-    EngineOptions,
-    Finished,
-)
+from dflash_offline.regenerate.engine_protocol import KV_FIX, EngineError, EngineName, EngineOptions, Finished
 from dflash_offline.regenerate.generation import GenerationSettings, split_at_stop
+
+KV_MEMORY_FRACTION = 0.85
+"""slots on CUDA without --kv-tokens: the share of the free GPU memory (after loading) the cache takes."""
 
 ACTIVATION_RESERVE_BYTES = 4 << 30
 """Free GPU memory left beside the cache for prefill activations, logits and CUDA graphs."""

@@ -26,9 +26,9 @@ from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tally
 
 if TYPE_CHECKING:
-    from dflash_offline.regenerate.engines import Engine
+    from dflash_offline.regenerate.engine_protocol import Engine
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
-    from dflash_offline.target.loader import TargetInfo
+    from dflash_offline.target_model.loader import TargetInfo
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,10 +140,10 @@ class LoadedEngine:
 
 
 def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], None]) -> LoadedEngine:
-    from dflash_offline.eval.runtime import compute_dtype, stop_token_ids
-    from dflash_offline.regenerate.engines import EngineOptions, make_engine
+    from dflash_offline.regenerate.engine_protocol import EngineOptions
+    from dflash_offline.regenerate.engines import make_engine
     from dflash_offline.regenerate.generation import GenerationSettings
-    from dflash_offline.target.loader import load_target
+    from dflash_offline.target_model.loader import compute_dtype, load_target, stop_token_ids
 
     config = spec.config
     if config.engine == "openai":

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dflash_offline.cache.reader import DamagedSample
-from dflash_offline.cache.records import utc_now
+from dflash_offline.cache.rows import utc_now
 
 DAMAGED_FILE = "damaged_samples.jsonl"
 

@@ -72,7 +72,7 @@ def conversation_groups(
     the cache's data source name (its fingerprint's)."""
     from tqdm import tqdm
 
-    from dflash_offline.data.records import Conversation
+    from dflash_offline.data.conversations import Conversation
     from dflash_offline.data.sources import conversation_root, iter_records, resolve_data_path
     from dflash_offline.errors import DataError
 

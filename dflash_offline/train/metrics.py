@@ -1,4 +1,8 @@
-"""Per-step training metrics: accumulated over a step's microbatches and ranks, logged as JSON lines.
+"""Per-step training metrics: accumulated over a step's microbatches and ranks, logged as JSON lines
+and, with a TensorBoard directory, as scalars with these tags:
+  train/loss, train/lr, train/grad_norm, train/simulated_tau, train/tokens_per_s, train/step_seconds,
+  train/data_wait_fraction, train/acc/pos_01 .. pos_{B−1}       (step = optimizer step)
+  val/loss, val/simulated_tau, val/block_tau, val/acc/pos_01 ..  (steps where validation ran)
 
 Shape legend: K = B − 1 block positions that carry loss.
 """
@@ -9,7 +13,7 @@ import contextlib
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,8 +24,36 @@ from dflash_offline.errors import DataError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.dist import all_reduce_sum
 
-if TYPE_CHECKING:
-    from dflash_offline.train.validation import ValidationMetrics
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidationMetrics:
+    """One evaluation of the split, after optimizer step ``step``."""
+
+    step: int
+    loss: float
+    """Σ w·CE / Σ w over the whole split (the training loss's weighting)."""
+    acc_by_position: list[float]
+    """[K] greedy accuracy at block positions 1..B−1 over the whole split."""
+    simulated_tau: float
+    """1 + Σ_k Π_{i≤k} acc_i of those accuracies (the training metric's definition)."""
+    block_tau: float
+    """1 + the mean over blocks of the leading run of correct positions (within the document): the
+    acceptance length of the blocks themselves, closest to what ``dflash eval`` measures."""
+    num_blocks: int
+    num_samples: int
+    num_tokens: int
+
+    def fields(self) -> dict[str, Any]:
+        """The ``val_*`` fields of this evaluation's line in metrics.jsonl."""
+        return {
+            "val_loss": self.loss,
+            "val_acc_by_position": self.acc_by_position,
+            "val_simulated_tau": self.simulated_tau,
+            "val_block_tau": self.block_tau,
+            "val_num_blocks": self.num_blocks,
+            "val_num_samples": self.num_samples,
+            "val_num_tokens": self.num_tokens,
+        }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,10 +154,43 @@ class StepAccumulator:
         return self.totals(packed.tolist(), self._correct_K.numel() + 1)
 
 
+STEP_SCALARS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "simulated_tau",
+    "tokens_per_s",
+    "step_seconds",
+    "data_wait_fraction",
+)
+"""``StepMetrics`` fields written as ``train/<field>``; ``acc_by_position`` goes to ``train/acc/pos_NN``."""
+
+
+def step_scalars(metrics: StepMetrics) -> dict[str, float]:
+    """Tag -> value of one training step."""
+    scalars = {f"train/{name}": float(getattr(metrics, name)) for name in STEP_SCALARS}
+    for k, acc in enumerate(metrics.acc_by_position, start=1):
+        scalars[f"train/acc/pos_{k:02d}"] = float(acc)
+    val = metrics.validation
+    if val is not None:
+        scalars.update(
+            {"val/loss": val.loss, "val/simulated_tau": val.simulated_tau, "val/block_tau": val.block_tau}
+        )
+        for k, acc in enumerate(val.acc_by_position, start=1):
+            scalars[f"val/acc/pos_{k:02d}"] = float(acc)
+    return scalars
+
+
+def write_step(writer: Any, metrics: StepMetrics) -> None:
+    for tag, value in step_scalars(metrics).items():
+        writer.add_scalar(tag, value, global_step=metrics.step)
+    writer.flush()  # a killed run keeps what it logged, as metrics.jsonl does
+
+
 class MetricsLog:
     """Appends ``StepMetrics`` lines; on resume, drops lines of steps after the checkpoint so that the
     file reads as one uninterrupted run. With ``tensorboard_dir``, each line also goes to TensorBoard
-    (``dflash_offline.tensorboard``: the same values, one place)."""
+    (``write_step``: the same values, one place)."""
 
     def __init__(self, path: Path, *, resume_from_step: int, tensorboard_dir: Path | None = None) -> None:
         self.path = path
@@ -154,7 +219,7 @@ class MetricsLog:
                 raise CheckpointNoSpaceError(self.path) from None
             raise
         if self._tb is not None:
-            tb.write_step(self._tb, metrics)
+            write_step(self._tb, metrics)
 
     def close(self) -> None:
         # A flush a full disk refused was already reported by write().

@@ -27,7 +27,7 @@ class DrafterSetup:
 def target_spec_for(config_target: str | None, fingerprint: CacheFingerprint) -> str:
     """The target to borrow the head from: the explicit one, else the cache's own when it can be
     loaded by name (``default``, ``random:<preset>``). The spec must be the cache's target."""
-    from dflash_offline.target.loader import resolve_target, target_info
+    from dflash_offline.target_model.loader import resolve_target, target_info
 
     if config_target is None:
         if fingerprint.target_id == "default" or fingerprint.target_id.startswith("random:"):
@@ -48,8 +48,8 @@ def target_spec_for(config_target: str | None, fingerprint: CacheFingerprint) ->
 def build_drafter_setup(
     config: TrainConfig, fingerprint: CacheFingerprint, *, device: torch.device
 ) -> DrafterSetup:
-    from dflash_offline.target.head import load_embedding_and_head
-    from dflash_offline.target.loader import load_tokenizer
+    from dflash_offline.target_model.head import load_embedding_and_head
+    from dflash_offline.target_model.loader import load_tokenizer
 
     spec = target_spec_for(config.target, fingerprint)
     head = load_embedding_and_head(spec, device=device)

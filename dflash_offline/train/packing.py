@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_offline.cache.records import CachedSample
+from dflash_offline.cache.rows import CachedSample
 
 _ALIGN = 64
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.fp8 import Fp8Layout, decode_rows
-from dflash_offline.cache.records import CachedSample
+from dflash_offline.cache.rows import CachedSample
 from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, WorkerError
 from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch

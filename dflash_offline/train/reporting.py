@@ -12,13 +12,11 @@ from typing import TYPE_CHECKING, Any
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.batch import StepPlan
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.metrics import MetricsLog, StepMetrics
+from dflash_offline.train.metrics import MetricsLog, StepMetrics, ValidationMetrics
 from dflash_offline.train.step import StepOutcome
 
 if TYPE_CHECKING:
     from tqdm import tqdm
-
-    from dflash_offline.train.validation import ValidationMetrics
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

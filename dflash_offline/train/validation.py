@@ -15,7 +15,6 @@ every checkpoint, so a resumed run decides as the uninterrupted one would have.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,44 +25,13 @@ from dflash_offline.drafter.attention import AttentionBackend
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.batch import MicrobatchPlan, ScheduledMicrobatch, StepContext, anchor_seed
-from dflash_offline.train.metrics import StepAccumulator
+from dflash_offline.train.metrics import StepAccumulator, ValidationMetrics
 from dflash_offline.train.prefetch import Prefetcher, RowReader
 from dflash_offline.train.snapshot import IndexSnapshot
 from dflash_offline.train.step import anchor_sampler, to_drafter_inputs
 
 VALIDATION_ANCHOR_SEED = 0x7661_6C69
 """The anchor seed of every validation microbatch (with its sample ids): fixed, whatever ``--seed``."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ValidationMetrics:
-    """One evaluation of the split, after optimizer step ``step``."""
-
-    step: int
-    loss: float
-    """Σ w·CE / Σ w over the whole split (the training loss's weighting)."""
-    acc_by_position: list[float]
-    """[K] greedy accuracy at block positions 1..B−1 over the whole split."""
-    simulated_tau: float
-    """1 + Σ_k Π_{i≤k} acc_i of those accuracies (the training metric's definition)."""
-    block_tau: float
-    """1 + the mean over blocks of the leading run of correct positions (within the document): the
-    acceptance length of the blocks themselves, closest to what ``dflash eval`` measures."""
-    num_blocks: int
-    num_samples: int
-    num_tokens: int
-
-    def fields(self) -> dict[str, Any]:
-        """The ``val_*`` fields of this evaluation's line in metrics.jsonl."""
-        return {
-            "val_loss": self.loss,
-            "val_acc_by_position": self.acc_by_position,
-            "val_simulated_tau": self.simulated_tau,
-            "val_block_tau": self.block_tau,
-            "val_num_blocks": self.num_blocks,
-            "val_num_samples": self.num_samples,
-            "val_num_tokens": self.num_tokens,
-        }
 
 
 def plan_validation(snapshot: IndexSnapshot, *, tokens_per_microbatch: int) -> list[MicrobatchPlan]:

@@ -18,7 +18,7 @@ import torch
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.manifest import PartName
-from dflash_offline.cache.records import CachedSample, SampleToWrite
+from dflash_offline.cache.rows import CachedSample, SampleToWrite
 
 # Tiny geometry: F = 16 features (32 B a row), 8-row inner chunks, 64-row shards, so a few dozen
 # samples cross many chunk and shard boundaries.

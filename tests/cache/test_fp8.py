@@ -17,7 +17,7 @@ from dflash_offline.cache.codecs import feature_storage
 from dflash_offline.cache.fp8 import Fp8Layout, decode_rows, encode_rows
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.shard_file import ShardFile
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.writer import ShardWriter

@@ -16,7 +16,7 @@ import pytest
 from dflash_offline.cache.index import build_index
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.manifest import read_runs, record_run
-from dflash_offline.cache.records import RunRow
+from dflash_offline.cache.rows import RunRow
 from dflash_offline.cache.sql import SqlConfig, query_cache, run_sql
 from dflash_offline.cache.status import cache_status
 from dflash_offline.cache.writer import ShardWriter

@@ -19,7 +19,7 @@ from dflash_offline.cache.index import build_index
 from dflash_offline.cache.layout import CacheLayout, read_format_version
 from dflash_offline.cache.manifest import read_runs, read_table, record_run
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import RunRow
+from dflash_offline.cache.rows import RunRow
 from dflash_offline.cache.status import cache_status
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.writer import ShardWriter

@@ -13,7 +13,7 @@ from dflash_offline.cache.codecs import CODECS
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.manifest import committed_sample_ids
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.cache.zarr_format import ARRAYS
 from dflash_offline.errors import SampleError

@@ -151,7 +151,7 @@ def test_train_placement_defaults_are_the_placement_record_defaults() -> None:
 
 
 def test_eval_dtypes_are_the_runtime_dtypes() -> None:
-    from dflash_offline.eval.runtime import DTYPES
+    from dflash_offline.target_model.loader import DTYPES
 
     assert set(EVAL_DTYPES) == set(DTYPES)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from dflash_offline.target.loader import load_tokenizer
+from dflash_offline.target_model.loader import load_tokenizer
 from tests.embedded_assets import smollm2_gguf_available
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dflash_offline.data.records import Conversation, Message, SourceFailure
+from dflash_offline.data.conversations import Conversation, Message, SourceFailure
 from dflash_offline.data.sources import iter_records, make_sample_id, source_name
 from dflash_offline.errors import DataError
 
@@ -243,7 +243,7 @@ def test_a_1gb_zstd_jsonl_streams_in_bounded_memory(tmp_path: Path) -> None:
         f"""
         import resource, sys
         from dflash_offline.data.sources import iter_records
-        from dflash_offline.data.records import Conversation
+        from dflash_offline.data.conversations import Conversation
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         n = ok = 0
         for item in iter_records({str(path)!r}):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflash_offline.data import jsonstream
-from dflash_offline.data.records import Conversation, Message, SourceFailure
+from dflash_offline.data.conversations import Conversation, Message, SourceFailure
 from dflash_offline.data.sources import (
     DEFAULT_SOURCE_NAME,
     default_data_path,

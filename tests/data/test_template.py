@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dflash_offline.data.records import Conversation, Message, SourceFailure, TokenizedSample
+from dflash_offline.data.conversations import Conversation, Message, SourceFailure, TokenizedSample
 from dflash_offline.data.template import (
     chat_template_hash,
     spans_to_token_mask,
@@ -21,7 +21,7 @@ from dflash_offline.data.template import (
     tokenizer_hash,
 )
 from dflash_offline.errors import DataError
-from dflash_offline.target.loader import load_tokenizer
+from dflash_offline.target_model.loader import load_tokenizer
 
 pytestmark = pytest.mark.smollm2
 
@@ -243,7 +243,7 @@ def test_hashes_are_stable_across_save_and_processes(smol_tokenizer: Any, tmp_pa
     reloaded = AutoTokenizer.from_pretrained(str(tmp_path))
     assert (tokenizer_hash(reloaded), chat_template_hash(reloaded)) == (th, ch)
     code = (
-        "from dflash_offline.target.loader import load_tokenizer;"
+        "from dflash_offline.target_model.loader import load_tokenizer;"
         "from dflash_offline.data.template import tokenizer_hash, chat_template_hash;"
         "t = load_tokenizer('default'); print(tokenizer_hash(t), chat_template_hash(t))"
     )

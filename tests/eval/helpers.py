@@ -13,13 +13,13 @@ import torch
 from torch import Tensor
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.data.records import Conversation
+from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import iter_records
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, export_drafter, resolve_mask_token_id
-from dflash_offline.target.head import load_embedding_and_head
-from dflash_offline.target.loader import LoadedTarget, load_tokenizer
+from dflash_offline.target_model.head import load_embedding_and_head
+from dflash_offline.target_model.loader import LoadedTarget, load_tokenizer
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bad jokes".split()  # noqa: SIM905
 

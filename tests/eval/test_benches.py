@@ -21,9 +21,9 @@ from dflash_offline.eval.benches import (
     parse_bench,
 )
 from dflash_offline.eval.prompts import render_prompt_ids
+from dflash_offline.eval.question_decoding import Decoders, decode_question, from_bench
 from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller, target_only_decode
-from dflash_offline.eval.turns import Decoders, decode_question, from_bench
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.eval.helpers import one_thread, untrained_drafter
 
 

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from dflash_offline.cache.manifest import record_run
-from dflash_offline.cache.records import RunRow
+from dflash_offline.cache.rows import RunRow
 from dflash_offline.cli import main
 from dflash_offline.data.sources import source_name
 from dflash_offline.drafter import DFlashDrafter, export_drafter
@@ -27,7 +27,7 @@ from dflash_offline.eval.prompts import (
     training_cache_of,
 )
 from dflash_offline.eval.run import load_drafter_for
-from dflash_offline.target.loader import LoadedTarget, load_target, load_tokenizer
+from dflash_offline.target_model.loader import LoadedTarget, load_target, load_tokenizer
 from tests.embedded_assets import smollm2_gguf_available
 from tests.eval.helpers import (
     conversations,

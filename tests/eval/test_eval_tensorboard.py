@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
-from dflash_offline.target.loader import load_target
+from dflash_offline.target_model.loader import load_target
 from tests.eval.helpers import export_untrained, one_thread, write_chat_jsonl
 
 pytest.importorskip("tensorboard")

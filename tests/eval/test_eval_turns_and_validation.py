@@ -18,17 +18,17 @@ from click.testing import CliRunner
 
 from dflash_offline.cache.manifest import record_run
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import RunRow
+from dflash_offline.cache.rows import RunRow
 from dflash_offline.cli import main
-from dflash_offline.data.records import Conversation, Message
+from dflash_offline.data.conversations import Conversation, Message
 from dflash_offline.data.sources import iter_records, source_name
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.benches import parse_bench
 from dflash_offline.eval.prompts import render_prompt_ids, resolve_held_out, select_prompts
+from dflash_offline.eval.question_decoding import Decoders, EvalQuestion, decode_question
 from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller, target_only_decode
-from dflash_offline.eval.turns import Decoders, EvalQuestion, decode_question
 from dflash_offline.eval.validation_set import select_validation_prompts
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from dflash_offline.train.snapshot import save_snapshot, take_snapshot
 from dflash_offline.train.split import split_snapshot
 from tests.eval.helpers import WORDS, export_untrained, one_thread, untrained_drafter, write_tiny_cache

@@ -14,12 +14,12 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-import dflash_offline.eval.turns as turns_module
+import dflash_offline.eval.question_decoding as question_decoding
 from dflash_offline.cli import main
 from dflash_offline.cli.eval import DEFAULT_TIE_ULPS as CLI_DEFAULT
 from dflash_offline.cli.eval import EXIT_MISMATCH
 from dflash_offline.eval.exactness import DEFAULT_TIE_ULPS, classify, last_logits, ulp
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.eval.helpers import export_untrained, one_thread, write_chat_jsonl
 
 V = 32
@@ -131,7 +131,7 @@ def test_eval_fails_on_a_real_mismatch(
     the prompt and the position."""
     drafter = export_untrained(tiny, tmp_path / "drafter", block_size=4)
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 3)
-    real = turns_module.Decoders.speculative
+    real = question_decoding.Decoders.speculative
 
     def broken(self: Any, prompt_ids: Any, max_new_tokens: int | None = None) -> Any:
         out = real(self, prompt_ids, max_new_tokens)
@@ -141,7 +141,7 @@ def test_eval_fails_on_a_real_mismatch(
         tokens = (*out.tokens[:2], int(logits.argmin()), *out.tokens[3:])
         return type(out)(**{**{f: getattr(out, f) for f in out.__dataclass_fields__}, "tokens": tokens})
 
-    monkeypatch.setattr(turns_module.Decoders, "speculative", broken)
+    monkeypatch.setattr(question_decoding.Decoders, "speculative", broken)
     report = tmp_path / "r.json"
     args = ["eval", "--target", "random:tiny", "--drafter", str(drafter), "--data", str(data), "--limit", "2",
             "--max-new-tokens", "6", "--json", str(report), "--no-progress"]  # fmt: skip

@@ -16,7 +16,7 @@ from dflash_offline.eval.speculative import (
     speculative_decode,
     target_only_decode,
 )
-from dflash_offline.target.loader import load_target
+from dflash_offline.target_model.loader import load_target
 from tests.eval.helpers import ScriptedDrafter, export_untrained, untrained_drafter, write_chat_jsonl
 
 pytestmark = pytest.mark.gpu

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from dflash_offline.cache.manifest import record_run
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import RunRow
-from dflash_offline.data.records import Conversation
+from dflash_offline.cache.rows import RunRow
+from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import iter_records
 from dflash_offline.eval.prompts import resolve_held_out, select_prompts
-from dflash_offline.target.loader import load_tokenizer
+from dflash_offline.target_model.loader import load_tokenizer
 from dflash_offline.train.snapshot import save_snapshot, take_snapshot
 from dflash_offline.train.split import split_snapshot
 from tests.eval.helpers import write_chat_jsonl, write_tiny_cache

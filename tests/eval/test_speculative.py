@@ -21,8 +21,8 @@ from dflash_offline.eval.speculative import (
     speculative_decode,
     target_only_decode,
 )
-from dflash_offline.target.capture import FeatureCapture
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.capture import FeatureCapture
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.eval.helpers import ScriptedDrafter, one_thread, untrained_drafter
 
 LAYERS = (0, 2)

@@ -45,7 +45,7 @@ from dflash_offline.eval.run import load_drafter_for, run_eval
 from dflash_offline.generate.run import run_generate
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
-from dflash_offline.target.loader import load_target
+from dflash_offline.target_model.loader import load_target
 from dflash_offline.train.batch import AnchorRequest, ScheduledMicrobatch, StepContext
 from dflash_offline.train.groups import GROUPS_FILE, read_groups
 from dflash_offline.train.launch import run_training

@@ -18,7 +18,7 @@ from dflash_offline.data.template import tokenize_conversation
 from dflash_offline.errors import FingerprintMismatchError, WorkerError
 from dflash_offline.generate.run import run_generate
 from dflash_offline.placement import Placement
-from dflash_offline.target.loader import load_target
+from dflash_offline.target_model.loader import load_target
 from tests.tiny_caches import TinyCache, TinyCaches, copy_cache
 
 from . import worker_entry

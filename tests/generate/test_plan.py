@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_offline.data.records import Conversation, Message, SourceFailure, TokenizedSample
+from dflash_offline.data.conversations import Conversation, Message, SourceFailure, TokenizedSample
 from dflash_offline.errors import ConfigError
 from dflash_offline.generate.plan import (
     PlanConfig,

@@ -47,7 +47,7 @@ class Faults:
 
 class TinyServer:
     def __init__(self, target_spec: str) -> None:
-        from dflash_offline.target.loader import load_target
+        from dflash_offline.target_model.loader import load_target
 
         torch.set_num_threads(1)
         self.target = load_target(target_spec, device="cpu")

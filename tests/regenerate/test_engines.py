@@ -15,15 +15,12 @@ import pytest
 import torch
 
 from dflash_offline.errors import ConfigError
-from dflash_offline.eval.runtime import stop_token_ids
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import ConversationSink, Driver, render_prompt
+from dflash_offline.regenerate.engine_protocol import EngineError, EngineOptions, Finished
 from dflash_offline.regenerate.engines import (
     ContinuousEngine,
-    EngineError,
-    EngineOptions,
     FallbackEngine,
-    Finished,
     StaticEngine,
     continuous_batching_support,
     make_engine,
@@ -32,7 +29,7 @@ from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSett
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.regenerate.slot_engine import SlotEngine
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target, stop_token_ids
 from tests.eval.helpers import conversations, one_thread, write_chat_jsonl
 
 

@@ -21,11 +21,10 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
-from dflash_offline.eval.runtime import stop_token_ids
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.openai_engine import ServerError, server_target
 from dflash_offline.regenerate.run import run_regenerate
-from dflash_offline.target.loader import load_target
+from dflash_offline.target_model.loader import load_target, stop_token_ids
 from tests.eval.helpers import one_thread, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

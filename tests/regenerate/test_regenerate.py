@@ -17,10 +17,10 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
-from dflash_offline.data.records import Conversation, Message
+from dflash_offline.data.conversations import Conversation, Message
 from dflash_offline.data.sources import iter_records
+from dflash_offline.data.user_groups import user_groups
 from dflash_offline.errors import ConfigError, DataError
-from dflash_offline.eval.runtime import stop_token_ids
 from dflash_offline.eval.speculative import TargetCaller, target_only_decode
 from dflash_offline.locking import acquire_lock_beside
 from dflash_offline.regenerate import engines as engines_module
@@ -28,8 +28,7 @@ from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 from dflash_offline.regenerate.run import render_prompt, run_regenerate
-from dflash_offline.regenerate.turns import user_groups
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget, load_target, stop_token_ids
 from tests.eval.helpers import conversations, one_thread, write_chat_jsonl
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.train.batch import PackedMicrobatch
 

@@ -14,7 +14,7 @@ import torch
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.fp8 import Fp8Layout, decode_rows, encode_rows
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import SampleToWrite
+from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.train.batch import ScheduledMicrobatch, schedule_for_rank
 from dflash_offline.train.launch import run_training

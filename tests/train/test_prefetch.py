@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import CachedSample
+from dflash_offline.cache.rows import CachedSample
 from dflash_offline.errors import CacheFormatError, ConfigError, WorkerError
 from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch, schedule_for_rank
 from dflash_offline.train.packing import HostBufferPool

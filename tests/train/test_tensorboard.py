@@ -48,7 +48,7 @@ def _metrics(step: int, rng: np.random.Generator) -> StepMetrics:
 
 
 def _expected(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    """tag -> (step, value) read back from metrics.jsonl, independently of tensorboard.py's mapping."""
+    """tag -> (step, value) read back from metrics.jsonl, independently of metrics.py's mapping."""
     tags: dict[str, list[tuple[int, float]]] = {}
     for m in lines:
         for name in ("loss", "lr", "grad_norm", "simulated_tau", "tokens_per_s", "data_wait_fraction"):
@@ -90,7 +90,7 @@ def test_metrics_log_writes_the_jsonl_values_to_tensorboard_and_a_resume_rewrite
 def test_validation_fields_go_to_val_tags(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from dflash_offline.train.validation import ValidationMetrics
+    from dflash_offline.train.metrics import ValidationMetrics
 
     rng = np.random.default_rng(1)
     path, tb_dir = tmp_path / "metrics.jsonl", tmp_path / "tb"
@@ -128,7 +128,7 @@ def test_validation_fields_go_to_val_tags(tmp_path: Path) -> None:
 
 
 def test_eval_report_becomes_a_scalar_set(tmp_path: Path) -> None:
-    from dflash_offline.eval.report import EvalReport, PromptResult, summarize
+    from dflash_offline.eval.report import EvalReport, PromptResult, summarize, write_eval_report
 
     prompts = [
         PromptResult(
@@ -160,7 +160,7 @@ def test_eval_report_becomes_a_scalar_set(tmp_path: Path) -> None:
         prompts=prompts,
         summary=summary,
     )
-    acc = _load(tb.write_eval_report(tmp_path / "tb", report, step=7))
+    acc = _load(write_eval_report(tmp_path / "tb", report, step=7))
     hist = [sum(p.accepted_histogram[a] for p in prompts) for a in range(4)]
     cycles = sum(hist)
     assert _series(acc, "eval/tau") == [

@@ -34,8 +34,8 @@ from dflash_offline.eval.speculative import (
     target_only_decode,
 )
 from dflash_offline.generate.run import run_generate
-from dflash_offline.target.capture import FeatureCapture
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.capture import FeatureCapture
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from dflash_offline.train.batch import AnchorRequest, MicrobatchPlan, ScheduledMicrobatch, StepContext
 from dflash_offline.train.prefetch import Prefetcher
 from dflash_offline.train.step import to_drafter_inputs

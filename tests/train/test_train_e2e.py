@@ -16,11 +16,11 @@ import torch
 from click.testing import CliRunner
 
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import CachedSample
+from dflash_offline.cache.rows import CachedSample
 from dflash_offline.cli import main
 from dflash_offline.placement import DistInfo
-from dflash_offline.target.capture import FeatureCapture
-from dflash_offline.target.loader import load_target
+from dflash_offline.target_model.capture import FeatureCapture
+from dflash_offline.target_model.loader import load_target
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loop import train_rank

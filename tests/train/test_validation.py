@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import CachedSample
+from dflash_offline.cache.rows import CachedSample
 from dflash_offline.drafter.export import load_exported_drafter
 from dflash_offline.drafter.loss import decay_weights
 from dflash_offline.errors import ConfigError, ResumeError

@@ -16,9 +16,9 @@ import torch
 
 from dflash_offline.cache.manifest import record_run
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.records import RunRow, SampleToWrite
+from dflash_offline.cache.rows import RunRow, SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.data.records import Conversation
+from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import conversation_root, iter_records, source_name
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.train.groups import GROUPS_FILE, read_groups

@@ -90,7 +90,7 @@ def main() -> None:
 
     from dflash_offline.cache.fingerprint import CacheFingerprint
     from dflash_offline.cache.manifest import record_run
-    from dflash_offline.cache.records import RunRow, SampleToWrite
+    from dflash_offline.cache.rows import RunRow, SampleToWrite
     from dflash_offline.cache.writer import ShardWriter
 
     fingerprint = CacheFingerprint.from_dict(fingerprint_dict())

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_offline.data.records import Message
+from dflash_offline.data.conversations import Message
 from dflash_offline.decode.single import SingleSequence
 from dflash_offline.eval.benches import BenchQuestion
 from dflash_offline.eval.exactness import Divergence, classify

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from dflash_offline.errors import TargetError
-from dflash_offline.target.capture import FeatureCapture, capture_layer_outputs
-from dflash_offline.target.loader import LoadedTarget, load_target
-from tests.target._reference import (
+from dflash_offline.target_model.capture import FeatureCapture, capture_layer_outputs
+from dflash_offline.target_model.loader import LoadedTarget, load_target
+from tests.target_model._reference import (
     REL_TOL,
     assert_matches_reference,
     hf_reference,

@@ -1,7 +1,7 @@
 """Which turns the target answers, and the conversation it builds from its own answers.
 
 The original assistant turns are dropped. The system and user turns are cut into groups
-(``data/turns.py:user_groups``); the target answers after each group, and the prompt of answer k holds
+(``data/user_groups.py``); the target answers after each group, and the prompt of answer k holds
 groups 0..k and the target's own answers 0..k−1 (so later turns build on what the target said, not on
 what another model said).
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dflash_offline.data.records import Conversation
+from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.schemas import TOKEN_IDS_FIELD
-from dflash_offline.data.turns import user_groups
+from dflash_offline.data.user_groups import user_groups
 
-__all__ = ["Answer", "FinishReason", "PendingConversation", "user_groups"]
+__all__ = ["Answer", "FinishReason", "PendingConversation"]
 
 FinishReason = Literal["stop", "length"]
 

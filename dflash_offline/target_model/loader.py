@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from dflash_offline.errors import TargetError
-from dflash_offline.target.presets import fill_random_weights
-from dflash_offline.target.source import (
+from dflash_offline.errors import ConfigError, TargetError
+from dflash_offline.target_model.presets import fill_random_weights
+from dflash_offline.target_model.source import (
     TargetSource,
     gguf_assets_dir,
     resolve_target,
@@ -201,6 +201,32 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """The named dtype (a key of ``DTYPES``), else ``default_dtype(device)``."""
     return default_dtype(device) if name is None else DTYPES[name]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The named device (eval and regenerate), else CUDA when there is one, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"--device {device!r}: {e}") from e
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")
+    return resolved
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+    """End-of-turn ids: the tokenizer's EOS and the generation config's (Qwen3 lists two)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, list | tuple):
+        ids |= {int(i) for i in gen_eos}
+    return frozenset(ids)
 
 
 def attn_implementation_for(device: torch.device, dtype: torch.dtype) -> str:

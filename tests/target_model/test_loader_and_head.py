@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from dflash_offline.errors import TargetError
-from dflash_offline.target.capture import FeatureCapture
-from dflash_offline.target.head import load_embedding_and_head
-from dflash_offline.target.loader import LoadedTarget, TargetInfo, load_target, load_tokenizer
-from dflash_offline.target.presets import RANDOM_PRESETS, uniform_values
-from tests.target._reference import padded_batch, random_seqs
+from dflash_offline.target_model.capture import FeatureCapture
+from dflash_offline.target_model.head import load_embedding_and_head
+from dflash_offline.target_model.loader import LoadedTarget, TargetInfo, load_target, load_tokenizer
+from dflash_offline.target_model.presets import RANDOM_PRESETS, uniform_values
+from tests.target_model._reference import padded_batch, random_seqs
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from dflash_offline.errors import TargetError
-from dflash_offline.target.presets import RANDOM_PRESETS, RandomPreset
+from dflash_offline.target_model.presets import RANDOM_PRESETS, RandomPreset
 
 TargetKind = Literal["hf", "gguf", "random"]
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

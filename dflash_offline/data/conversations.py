@@ -10,7 +10,7 @@ from typing import Literal
 
 import numpy as np
 
-from dflash_offline.cache.records import FAILURE_REASONS
+from dflash_offline.cache.rows import FAILURE_REASONS
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant")
@@ -57,7 +57,7 @@ class SourceFailure:
     source_index: int
     """0-based position of the record in its file."""
     reason: str
-    """One of ``dflash_offline.cache.records.FAILURE_REASONS``."""
+    """One of ``dflash_offline.cache.rows.FAILURE_REASONS``."""
     detail: str
     """Human-readable detail naming the line / element and what is wrong."""
 

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from dflash_offline.errors import TargetError
-from dflash_offline.target.loader import TargetInfo, target_info
-from dflash_offline.target.presets import param_values
-from dflash_offline.target.source import resolve_target, safetensors_files
+from dflash_offline.target_model.loader import TargetInfo, target_info
+from dflash_offline.target_model.presets import param_values
+from dflash_offline.target_model.source import resolve_target, safetensors_files
 
 _EMBED_SUFFIX = "embed_tokens.weight"
 _HEAD_NAME = "lm_head.weight"

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dflash_offline.errors import TargetError
-from dflash_offline.target.loader import LoadedTarget, truncated_config
+from dflash_offline.target_model.loader import LoadedTarget, truncated_config
 
 
 def backbone_of(model: nn.Module) -> nn.Module:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_offline.data.records import Conversation, Message, TokenizedSample
+from dflash_offline.data.conversations import Conversation, Message, TokenizedSample
 from dflash_offline.data.template import tokenize_conversation
-from dflash_offline.target.capture import FeatureCapture
-from dflash_offline.target.head import load_embedding_and_head
-from dflash_offline.target.layers import default_layer_ids
-from dflash_offline.target.loader import LoadedTarget, load_target
+from dflash_offline.target_model.capture import FeatureCapture
+from dflash_offline.target_model.head import load_embedding_and_head
+from dflash_offline.target_model.layers import default_layer_ids
+from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.embedded_assets import smollm2_gguf_available
-from tests.target._reference import (
+from tests.target_model._reference import (
     REL_TOL,
     assert_matches_reference,
     hf_reference,

@@ -9,7 +9,7 @@ of user turns alone gets one answer.
 
 from __future__ import annotations
 
-from dflash_offline.data.records import Message
+from dflash_offline.data.conversations import Message
 
 
 def user_groups(messages: tuple[Message, ...]) -> list[tuple[Message, ...]]:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dflash_offline.errors import ConfigError, TargetError
-from dflash_offline.target.layers import default_layer_ids, parse_layer_ids, resolve_layer_ids
-from dflash_offline.target.presets import RANDOM_PRESETS
-from dflash_offline.target.source import resolve_target, weights_hash
+from dflash_offline.target_model.layers import default_layer_ids, parse_layer_ids, resolve_layer_ids
+from dflash_offline.target_model.presets import RANDOM_PRESETS
+from dflash_offline.target_model.source import resolve_target, weights_hash
 from tests.embedded_assets import smollm2_gguf_available
 
 
