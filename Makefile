@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.dflash-installed
 DEMO_OUT ?= demo_out
 
-.PHONY: setup demo test quickstart lint format bench clean
+.PHONY: setup demo test test-slow quickstart lint format bench clean
 
 setup: $(STAMP)
 
@@ -23,10 +23,15 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m dflash_offline.demo --out $(DEMO_OUT)
 
-# Every test, slow ones included, on two workers (CI's two cores; tests/conftest.py gives each one torch
-# thread). A plain `pytest` runs them in one process. Neither runs the Quick start end to end: `make quickstart`.
+# Every test but those marked slow (kills, soaks, torchrun, multi-process runs: each over ~20 s on 2 CPU
+# cores), on two workers (CI's two cores; tests/conftest.py gives each one torch thread). `make test-slow`
+# runs the slow ones and CI runs both (.ci/run). A plain `pytest` runs everything in one process; none of
+# them runs the Quick start end to end (`make quickstart`).
 test: setup
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 -m "not slow and not quickstart"
+
+test-slow: setup
+	$(BIN)/python -m pytest -n 2 -m "slow and not quickstart"
 
 # The README's Quick start, run end to end in a temporary directory (minutes on 2 CPU cores: pyproject.toml
 # leaves its marker out of `make test`).

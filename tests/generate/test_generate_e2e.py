@@ -162,6 +162,7 @@ def test_different_fingerprint_is_refused_naming_the_field(generated: TinyCache)
         run_generate(tiny_config(tiny_cache, chat_data, max_length=200))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_failing_worker_stops_the_run_with_its_traceback(
     tmp_path: Path, chat_data: Path, monkeypatch: pytest.MonkeyPatch

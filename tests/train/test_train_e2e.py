@@ -56,6 +56,7 @@ def test_loss_falls_and_metrics_are_complete(tiny_cache: Path, tmp_path: Path) -
     assert (run / "drafter" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_ddp_cpu_processes_equal_one_process_with_the_same_global_batch(
     tiny_cache: Path, tmp_path: Path
