@@ -81,7 +81,7 @@ def _wait_for_session_data(cache: Path, sessions_before: set[Path], pid: int) ->
     raise AssertionError("the writer wrote no shard within 60 s")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_sigkill_at_random_points_then_resume(tmp_path):
     server = ForkServer()
     try:
@@ -95,24 +95,33 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
         per_sample = max(full_run - idle_run, 0.05) / NUM_SAMPLES
         print(f"uninterrupted run {full_run:.2f} s, idle resume {idle_run:.2f} s")
 
-        crashed = tmp_path / "crashed"
+        # Kills go on until MIN_KILLS, half of them before the cache was complete and a quarter in the
+        # middle of shard data. When a cache completes short of that (the time scale misjudged a loaded
+        # machine), the kills go on into a fresh cache: every cache must end equal to the reference.
+        caches = [tmp_path / "crashed0"]
         rng = random.Random(1234)
         kills = rounds = 0
         committed_after_kill: list[int] = []
         mid_data_kills = 0  # kills of a session that had written shard data, leaving work undone
+
+        def kills_wanted() -> bool:
+            before_complete = sum(n < NUM_SAMPLES for n in committed_after_kill)
+            return kills < MIN_KILLS or before_complete < MIN_KILLS // 2 or mid_data_kills < MIN_KILLS // 4
+
         started = time.monotonic()
         while True:
             rounds += 1
+            crashed = caches[-1]
             sweep_partial_files(crashed)  # as generate's main process does before starting workers
             remaining = NUM_SAMPLES - _committed(crashed)
             sessions_before = _sessions(crashed)
             pid = server.start(crashed)
-            if kills < MIN_KILLS:
+            if kills_wanted():
                 # Half the kills once this session has written shard data, then after up to an equal
                 # share of the remaining work per remaining kill; the other half at a random time around
                 # the start-up: kills land in start-up, writes, commits and close alike, whatever this
                 # machine's speed (a time scale alone missed every write on a fast machine).
-                share = remaining * per_sample / (MIN_KILLS - kills + 2)
+                share = remaining * per_sample / (max(MIN_KILLS - kills, 1) + 2)
                 if kills % 2 == 1 or remaining == 0:  # a complete cache writes no shard: start-up only
                     time.sleep(idle_run * rng.uniform(0.3, 1.0) + rng.uniform(0.0, share))
                 else:
@@ -127,14 +136,16 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
                 mid_data_kills += killed_had_data and committed_after_kill[-1] < NUM_SAMPLES
             else:
                 assert code == 0, f"writer failed in round {rounds} (see its traceback above)"
-                if kills >= MIN_KILLS:
+                if not kills_wanted():
                     break
-            assert time.monotonic() - started < 240, "the crash loop makes no progress"
+                caches.append(tmp_path / f"crashed{len(caches)}")
+            assert time.monotonic() - started < 240 * len(caches), "the crash loop makes no progress"
     finally:
         server.close()
     assert kills >= MIN_KILLS
     print(
-        f"{kills} kills in {rounds} rounds, {mid_data_kills} in the middle of shard data; "
+        f"{kills} kills in {rounds} rounds over {len(caches)} caches, "
+        f"{mid_data_kills} in the middle of shard data; "
         f"committed after each kill: {committed_after_kill}"
     )
     # The kills hit writers in the middle of their data, not only in start-up or after the end: a good
@@ -143,6 +154,11 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
     assert mid_data_kills >= MIN_KILLS // 4
     assert sum(n < NUM_SAMPLES for n in committed_after_kill) >= MIN_KILLS // 2
 
+    for crashed in caches:
+        _assert_equal_to_reference(crashed, reference)
+
+
+def _assert_equal_to_reference(crashed: Path, reference: Path) -> None:
     # Every sample exactly once: no duplicate manifest row, same id set as the reference.
     ids = read_table(crashed, "samples", ["sample_id"])["sample_id"].to_pylist()
     assert len(ids) == len(set(ids))
