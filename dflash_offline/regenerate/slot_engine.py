@@ -1,7 +1,7 @@
 """``--engine auto`` (``slots``): regenerate's answers from the project's decode engine
-(``dflash_offline.decode``), the only local engine: the fastest measured (bench/RESULTS.md, "Decode engine":
-on an H200 at batch 256, 6,658 new tok/s against 5,434 for sorted ``generate`` batches and 1,656 for
-transformers' continuous batching; bench/regenerate.py measures the three side by side).
+(``dflash_offline.decode``), the only local engine: the fastest measured on a GPU (bench/RESULTS.md,
+"Decode engine": on an H200 at batch 256, 6,658 new tok/s against 5,434 for sorted ``generate`` batches
+and 1,656 for transformers' continuous batching; bench/regenerate.py measures the three side by side).
 
 A slot holds one conversation turn: its prompt (at most --max-prompt-tokens) and its answer (at most
 --max-new-tokens). The number of slots is --batch-size, or fewer when --kv-tokens (by default the free GPU
