@@ -38,8 +38,8 @@ from dflash_offline.data.template import tokenize_conversation  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
 from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
-from dflash_offline.regenerate.engines import make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
+from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
 from dflash_offline.target_model.loader import load_target, stop_token_ids  # noqa: E402
 
 
@@ -68,10 +68,10 @@ def answer(model: Any, prompts: list[list[int]], settings: GenerationSettings, b
         batch_size=batch,
         kv_tokens=batch * (max(map(len, prompts)) + settings.max_new_tokens + 1),
         max_batch_tokens=2048,
-        cuda_graphs="off",
         max_prompt_tokens=max(map(len, prompts)),
+        cuda_graphs=False,
     )
-    engine = make_engine("auto", model, settings, options)
+    engine = SlotEngine(model, settings, options)
     answers: dict[int, GeneratedTokens] = {}
     try:
         for i, p in enumerate(prompts):
@@ -146,10 +146,7 @@ def main() -> None:
     tokenizer = target.tokenizer
     turns = first_turns(tokenizer, args.data, args.limit, args.max_prompt_tokens)
     stop = stop_token_ids(tokenizer, target.model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop, pad_id=int(pad)
-    )
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop)
     generated = answer(target.model, [ids for _, _, ids in turns], settings, args.batch_size)
     seconds = time.perf_counter() - t0
 

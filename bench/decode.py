@@ -7,7 +7,8 @@ as it exists):
    different answer lengths, chunked prefill) equal ``model.generate`` greedy, batch-1 target-only equals
    ``generate``, and the speculative loop equals target-only; whether cuDNN takes the sliced K/V.
 2. regenerate throughput: new tok/s end to end (prefill, graph captures and host work included) of
-   ``--engine slots`` (this engine), ``static`` (left-padded ``generate`` batches) and ``cb``
+   ``--engine slots`` (this engine, regenerate's only local one) and, as references
+   (``bench/reference_engines.py``), ``static`` (left-padded ``generate`` batches) and ``cb``
    (transformers' continuous batching, CUDA graphs on) on the same ShareGPT first turns (<= 1,024 prompt
    tokens), one wave of ``batch`` prompts, a fixed answer length (random weights: no stop token), for
    ``random:smollm2-135m`` and ``random:qwen3-8b``; the engine alone again at 512 new tokens.
@@ -36,14 +37,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.reference_engines import ReferenceOptions, reference_engine  # noqa: E402
 from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.decode import DecodeEngine, EngineSettings, SingleSequence  # noqa: E402
 from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
 from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
-from dflash_offline.regenerate.engines import make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GenerationSettings  # noqa: E402
+from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
 from dflash_offline.target_model.loader import load_target  # noqa: E402
 
 
@@ -212,19 +214,26 @@ def check(report: Report, target_spec: str, prompts: list[list[int]], device: to
 def run_engine(
     name: str, model: Any, prompts: list[list[int]], new: int, batch: int, limit_s: float, **extra: Any
 ) -> dict[str, Any]:
-    settings = GenerationSettings(max_new_tokens=new, temperature=0.0, stop_ids=frozenset(), pad_id=0)
+    settings = GenerationSettings(max_new_tokens=new, temperature=0.0, stop_ids=frozenset())
     longest = max(map(len, prompts))
-    kv = None if name == "slots" else batch * (longest + new)
-    options = EngineOptions(
-        batch_size=batch, kv_tokens=kv, max_batch_tokens=extra.get("max_batch_tokens", 4096),
-        cuda_graphs="on", max_prompt_tokens=longest,
-    )  # fmt: skip
+    max_batch_tokens = extra.get("max_batch_tokens", 4096)
     free_memory()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sync()
     t0 = time.perf_counter()
-    engine = make_engine(name, model, settings, options)  # type: ignore[arg-type]
+    engine: Any
+    if name == "slots":
+        options = EngineOptions(
+            batch_size=batch, kv_tokens=None, max_batch_tokens=max_batch_tokens, max_prompt_tokens=longest
+        )
+        engine = SlotEngine(model, settings, options)
+    else:
+        reference = ReferenceOptions(
+            batch_size=batch, kv_tokens=batch * (longest + new), max_batch_tokens=max_batch_tokens,
+            cuda_graphs="on",
+        )  # fmt: skip
+        engine = reference_engine(name, model, settings, reference)
     if "attend_granule" in extra:
         inner = engine._engine  # type: ignore[attr-defined]
         inner.cache.attend_granule = extra["attend_granule"]

@@ -4,7 +4,8 @@
 #   bench/h200.sh generate   bench/generate.py on random:qwen3-8b at 16k-token batches (+ RSS at N and 4N)
 #   bench/h200.sh train      dflash generate a cache, dflash train --gpus 0 on it (data-wait fraction),
 #                            bench/train_loader.py at Qwen3-8B feature width
-#   bench/h200.sh regenerate bench/regenerate.py: continuous batching vs static, SmolLM2 and random:qwen3-8b
+#   bench/h200.sh regenerate bench/regenerate.py: the decode engine vs static generate and transformers' CB,
+#                            SmolLM2 and random:qwen3-8b
 #   bench/h200.sh step       bench/train_step.py: the training step alone, tokens/s at SmolLM2 and Qwen3-8B width,
 #                            eager vs compiled vs the old per-step syncs (≈ 6 min; needs no wheels)
 #   bench/h200.sh decode     bench/decode.py: the decode engine vs static generate vs transformers' CB

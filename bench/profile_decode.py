@@ -72,7 +72,7 @@ def generate_rate(
     model: Any, batch: int, context: int, new: int, device: torch.device, *, padded: bool, **kw: Any
 ) -> float:
     """new tokens/s of ``generate`` (greedy, exactly ``new`` tokens a row); ``padded``: rows left-padded by
-    0-50 % of the context, as regenerate's static batches are."""
+    0-50 % of the context, as static generate batches (bench/reference_engines.py) are."""
     ids = torch.randint(0, 49152, (batch, context), device=device)
     mask = torch.ones_like(ids)
     if padded:

@@ -1,10 +1,11 @@
-"""New tokens/s of ``dflash regenerate``'s two engines, side by side in one run on the same prompts:
-transformers' continuous batching (``cb``) and sorted static ``generate`` batches (``static``).
+"""New tokens/s of ``dflash regenerate``'s engine, the decode engine (``slots``), side by side in one run on
+the same prompts with transformers' own ways as references (``bench/reference_engines.py``): sorted
+static ``generate`` batches (``static``) and transformers' continuous batching (``cb``).
 
 The prompts are the first user turns of the first ``--limit`` records, rendered with the chat template;
 every engine gets all of them at once and is timed from the first submit to the last answer (model load
-and engine set-up, e.g. the paged cache and CUDA graphs, are reported apart). Greedy answers are compared
-across engines (equal on the CPU in float32; in bf16 they may part at near-ties).
+and engine set-up, e.g. the KV cache and CUDA graphs, are reported apart). Each reference's greedy answers
+are compared with the decode engine's (equal on the CPU in float32; in bf16 they may part at near-ties).
 
   python bench/regenerate.py --target random:tiny --limit 16 --max-new-tokens 16 --batch-size 8  # CPU smoke
   python bench/regenerate.py --target default --data sharegpt.jsonl --limit 512 --max-new-tokens 256 \\
@@ -14,11 +15,11 @@ across engines (equal on the CPU in float32; in bf16 they may part at near-ties)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.reference_engines import DEFAULT_KV_TOKENS, ReferenceOptions, reference_engine  # noqa: E402
 from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
 from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
-from dflash_offline.regenerate.engines import make_engine  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
+from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
 from dflash_offline.target_model.loader import (  # noqa: E402
     compute_dtype,
     load_target,
@@ -61,20 +63,39 @@ def first_turn_prompts(
     return prompts
 
 
-def run_engine(
+def make_engine(
     name: str,
     model: Any,
-    prompts: list[list[int]],
     settings: GenerationSettings,
-    options: EngineOptions,
-    limit_s: float,
+    args: argparse.Namespace,
+    batch_size: int,
+    pad_id: int,
+) -> Any:
+    """``slots`` (regenerate's engine) or a reference (``static``, ``cb``) at ``batch_size``."""
+    if name == "slots":
+        options = EngineOptions(
+            batch_size=batch_size, kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
+            max_prompt_tokens=args.max_prompt_tokens, cuda_graphs=args.cuda_graphs != "off",
+        )  # fmt: skip
+        return SlotEngine(model, settings, options)
+    budget = max(args.kv_tokens or DEFAULT_KV_TOKENS, args.max_prompt_tokens + args.max_new_tokens)
+    reference = ReferenceOptions(
+        batch_size=batch_size, kv_tokens=budget, max_batch_tokens=args.max_batch_tokens,
+        cuda_graphs=args.cuda_graphs, pad_id=pad_id,
+    )  # fmt: skip
+    return reference_engine(name, model, settings, reference)
+
+
+def run_engine(
+    make: Any, model: Any, prompts: list[list[int]], limit_s: float
 ) -> tuple[dict[str, Any], dict[int, GeneratedTokens]]:
+    """Time one engine (``make()`` builds it) over every prompt, submitted at once."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    engine = make_engine(name, model, settings, options)  # type: ignore[arg-type]
+    engine = make()
     setup = time.perf_counter() - t0
     answers: dict[int, GeneratedTokens] = {}
     start = time.perf_counter()
@@ -132,10 +153,22 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=None, help="default: 256 on CUDA, 16 on the CPU")
-    ap.add_argument("--kv-tokens", type=int, default=262144)
+    ap.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help=f"default: slots as dflash regenerate (the free GPU memory), the references {DEFAULT_KV_TOKENS}",
+    )
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
-    ap.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
-    ap.add_argument("--engines", default="cb,static", help="comma-separated, measured in this order")
+    ap.add_argument(
+        "--cuda-graphs",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="auto: on for slots, transformers' choice for cb",
+    )
+    ap.add_argument(
+        "--engines", default="slots,static,cb", help="of slots, static, cb; measured in this order"
+    )
     ap.add_argument(
         "--cb-batch-sizes",
         default=None,
@@ -156,51 +189,40 @@ def main() -> None:
     tokenizer = target.tokenizer
     prompts = first_turn_prompts(tokenizer, args.data, args.limit, args.max_prompt_tokens)
     stop = stop_token_ids(tokenizer, target.model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop, pad_id=int(pad)
-    )
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop))
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop)
     batch_size = args.batch_size or (256 if device.type == "cuda" else 16)
-    options = EngineOptions(
-        batch_size=batch_size,
-        kv_tokens=max(args.kv_tokens, args.max_prompt_tokens + args.max_new_tokens),
-        max_batch_tokens=args.max_batch_tokens,
-        cuda_graphs=args.cuda_graphs,
-    )
     import transformers
 
     print(
         f"target {args.target} on {device} ({dtype}), transformers {transformers.__version__}, "
         f"torch {torch.__version__}; {len(prompts)} prompts "
         f"(mean {statistics.mean(map(len, prompts)):.0f} tokens), {args.max_new_tokens} new tokens, "
-        f"batch {batch_size}, kv {options.kv_tokens}, max batch tokens {args.max_batch_tokens}, "
+        f"batch {batch_size}, kv {args.kv_tokens or 'default'}, max batch tokens {args.max_batch_tokens}, "
         f"CUDA graphs {args.cuda_graphs}; loaded in {load_seconds:.1f} s",
         flush=True,
     )
-    rows: list[dict[str, Any]] = []
-    answers: dict[str, dict[int, GeneratedTokens]] = {}
     runs = []
     for name in args.engines.split(","):
         sizes = (
             [int(b) for b in args.cb_batch_sizes.split(",")] if name == "cb" and args.cb_batch_sizes else []
         )
-        runs += [(name, replace(options, batch_size=b)) for b in sizes] or [(name, options)]
-    for name, opts in runs:
+        runs += [(name, b) for b in sizes or [batch_size]]
+    rows: list[dict[str, Any]] = []
+    answers: dict[str, dict[int, GeneratedTokens]] = {}
+    for name, batch in runs:
+        make = functools.partial(make_engine, name, target.model, settings, args, batch, pad)
         try:
-            row, ans = run_engine(name, target.model, prompts, settings, opts, args.limit_seconds)
+            row, ans = run_engine(make, target.model, prompts, args.limit_seconds)
         except Exception as e:  # e.g. no continuous batching in this transformers: measure the rest
-            rows.append({"engine": name, "batch_size": opts.batch_size, "error": f"{type(e).__name__}: {e}"})
+            rows.append({"engine": name, "batch_size": batch, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)
             continue
-        row["batch_size"] = opts.batch_size
+        row["batch_size"] = batch
+        fastest = [r for r in rows if r.get("engine") == name and "error" not in r]
+        if not fastest or row["new_tokens_per_second"] > max(r["new_tokens_per_second"] for r in fastest):
+            answers[name] = ans
         rows.append(row)
-        best = answers.get(row["engine"]) is None or row["new_tokens_per_second"] > max(
-            r["new_tokens_per_second"]
-            for r in rows[:-1]
-            if r.get("engine") == row["engine"] and "error" not in r
-        )
-        if best:
-            answers[row["engine"]] = ans
         print(json.dumps(row), flush=True)
     result: dict[str, Any] = {
         "target": args.target,
@@ -210,32 +232,36 @@ def main() -> None:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "engines": rows,
     }
+    summarize(result, rows, answers)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def summarize(
+    result: dict[str, Any], rows: list[dict[str, Any]], answers: dict[str, dict[int, GeneratedTokens]]
+) -> None:
+    """Each reference's best rate against the decode engine's, and how many greedy answers agree."""
     by: dict[str, dict[str, Any]] = {}
     for r in rows:  # the fastest run of each engine
         if "error" not in r and r["new_tokens_per_second"] > by.get(r["engine"], {}).get(
             "new_tokens_per_second", -1
         ):
             by[r["engine"]] = r
-    if "cb" in by and "static" in by:
-        ratio = by["cb"]["new_tokens_per_second"] / max(by["static"]["new_tokens_per_second"], 1e-9)
-        result["cb_over_static"] = round(ratio, 3)
-        result["greedy_agreement"] = compare(answers["cb"], answers["static"])
+    if "slots" not in by:
+        return
+    slots = by["slots"]["new_tokens_per_second"]
+    for name in sorted(set(by) - {"slots"}):
+        ratio = slots / max(by[name]["new_tokens_per_second"], 1e-9)
+        agreement = compare(answers["slots"], answers[name])
+        result[f"slots_over_{name}"] = round(ratio, 3)
+        result[f"greedy_agreement_{name}"] = agreement
         print(
-            f"cb {by['cb']['new_tokens_per_second']:,.0f} new tok/s, static "
-            f"{by['static']['new_tokens_per_second']:,.0f} new tok/s: ratio cb/static {ratio:.2f}; "
-            f"greedy answers identical: {result['greedy_agreement']['identical']}/"
-            f"{result['greedy_agreement']['compared']}",
+            f"slots {slots:,.0f} new tok/s, {name} {by[name]['new_tokens_per_second']:,.0f} (batch "
+            f"{by[name]['batch_size']}): ratio slots/{name} {ratio:.2f}; greedy answers identical: "
+            f"{agreement['identical']}/{agreement['compared']}",
             flush=True,
         )
-        best = max(by.values(), key=lambda r: r["new_tokens_per_second"])
-        print(
-            f"fastest here: --engine {best['engine']} --batch-size {best['batch_size']} "
-            f"({best['new_tokens_per_second']:,.0f} new tok/s)",
-            flush=True,
-        )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

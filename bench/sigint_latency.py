@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/sigint_latency.py [--target random:tiny] [--records 400]
         [--repeats 3] [--gpus 0] [--batch-size 2] [--max-new-tokens 64] [--max-prompt-tokens 512]
-        [--layer-ids 0,2]
+        [--layer-ids 0,2] [--commands generate,regenerate]
 
 Each command starts the way a script starts a background job (``cmd &`` in a non-interactive shell:
 SIGINT inherited as ignored), writes some output (generate: its first committed manifest part;
@@ -131,7 +131,9 @@ def main() -> None:
         "--layer-ids", default="0,2", help="generate's --layer-ids (random:tiny has 4 layers)"
     )
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--commands", default="generate,regenerate", help="which of the two to measure")
     args = parser.parse_args()
+    commands = args.commands.split(",")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sigint-latency-"))
     work.mkdir(parents=True, exist_ok=True)
     data = write_data(work / "chat.jsonl", args.records)
@@ -140,24 +142,28 @@ def main() -> None:
     rows: dict[str, list[dict[str, float]]] = {"generate": [], "regenerate": []}
     for run in range(args.repeats):  # alternated: a shared machine's load hits both alike
         cache = work / f"cache{run}"
-        rows["generate"].append(measure(
-            [*dflash, "generate", "--cache", str(cache), "--target", args.target, "--data", str(data),
-             "--layer-ids", args.layer_ids, "--flush-seconds", "0.2", "--no-progress", *where],
-            started=lambda c=cache: _committed(c) > 0,
-            done_count=lambda c=cache: _committed(c),
-        ))  # fmt: skip
+        if "generate" in commands:
+            rows["generate"].append(measure(
+                [*dflash, "generate", "--cache", str(cache), "--target", args.target, "--data", str(data),
+                 "--layer-ids", args.layer_ids, "--flush-seconds", "0.2", "--no-progress", *where],
+                started=lambda c=cache: _committed(c) > 0,
+                done_count=lambda c=cache: _committed(c),
+            ))  # fmt: skip
         out = work / f"answers{run}.jsonl"
-        rows["regenerate"].append(measure(
-            [*dflash, "regenerate", "--out", str(out), "--target", args.target, "--data", str(data),
-             "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens),
-             "--max-prompt-tokens", str(args.max_prompt_tokens), "--no-progress", *where],
-            started=lambda o=out: _lines(o) >= 1,
-            done_count=lambda o=out: _lines(o),
-        ))  # fmt: skip
+        if "regenerate" in commands:
+            rows["regenerate"].append(measure(
+                [*dflash, "regenerate", "--out", str(out), "--target", args.target, "--data", str(data),
+                 "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens),
+                 "--max-prompt-tokens", str(args.max_prompt_tokens), "--no-progress", *where],
+                started=lambda o=out: _lines(o) >= 1,
+                done_count=lambda o=out: _lines(o),
+            ))  # fmt: skip
     print(f"target {args.target}, {args.records} records, {'--gpus ' + args.gpus if args.gpus else 'CPU'}")
     print("| command | exit status | SIGINT → exit (s), each run | median | done at SIGINT → kept |")
     print("|---|---|---|---|---|")
     for name, runs in rows.items():
+        if not runs:
+            continue
         statuses = ",".join(str(int(r["exit"])) for r in runs)
         each = ", ".join(f"{r['seconds']:.2f}" for r in runs)
         median = statistics.median(r["seconds"] for r in runs)

@@ -72,17 +72,14 @@ class RegenerateConfig:
     batch_size: int | None = cli_field(
         None,
         min=1,
-        help="slots and cb: requests decoded at once; static: rows per generate call. "
-        "Default: 256 on a GPU, 16 on the CPU.",
+        help="Requests decoded at once (the decode engine's slots). Default: 256 on a GPU, 16 on the CPU.",
     )
-    """Requests decoded at once (slots, CB) or rows per generate call (static); None: 256 on CUDA, 16 on
-    the CPU."""
-    engine: Literal["auto", "slots", "cb", "static", "openai"] = cli_field(
+    """Requests decoded at once (slots); None: 256 on CUDA, 16 on the CPU."""
+    engine: Literal["auto", "slots", "openai"] = cli_field(
         "auto",
-        help="slots: the project's decode engine (slot KV cache, CUDA graphs); cb: transformers' continuous "
-        "batching; static: generate batches sorted by prompt length; auto: slots; openai: an "
-        "OpenAI-compatible server at --base-url answers (--target then gives only the tokenizer and chat "
-        "template).",
+        help="auto or slots: the project's decode engine (slot KV cache, chunked prefill, CUDA graphs); "
+        "openai: an OpenAI-compatible server at --base-url answers (--target then gives only the tokenizer "
+        "and chat template).",
     )
     base_url: str | None = cli_field(
         None,
@@ -120,24 +117,24 @@ class RegenerateConfig:
     kv_tokens: int | None = cli_field(
         None,
         min=1,
-        help="KV-cache budget in tokens per worker (slots: slots x (--max-prompt-tokens + --max-new-tokens + "
-        "1), default: what the free GPU memory holds; cb: the paged cache, static: rows x (longest prompt + "
-        "new tokens) per batch, default 262144). Lower it when the KV cache does not fit in memory.",
+        help="KV-cache budget in tokens per worker: slots x (--max-prompt-tokens + --max-new-tokens + 1); "
+        "fewer slots than --batch-size when it holds fewer. Default: what the free GPU memory holds after "
+        "loading (on the CPU: --batch-size slots). Lower it when the KV cache does not fit in memory.",
     )
-    """KV-cache budget in tokens; None: the free GPU memory (slots), 262144 (cb, static)."""
+    """KV-cache budget in tokens; None: what the free GPU memory holds (the CPU: --batch-size slots)."""
     max_batch_tokens: int = cli_field(
         2048,
         min=1,
-        help="slots: prompt tokens per prefill forward; cb: query tokens per forward step (decode tokens "
-        "plus prefill chunks).",
+        help="Prompt tokens per prefill forward (a longer prompt is prefilled over several decode steps).",
     )
-    cuda_graphs: Literal["auto", "on", "off"] = cli_field(
-        "auto", help="slots: decode steps as CUDA graphs (auto: on); cb: auto lets transformers decide."
+    cuda_graphs: Literal["on", "off"] = cli_field(
+        "on", help="Decode steps replayed as CUDA graphs on a GPU (off: eager steps)."
     )
     window: int | None = cli_field(
         None,
         min=1,
-        help="Conversations in flight per worker (default: 2 x --batch-size, 4 x for static).",
+        help="Conversations in flight per worker (default: 2 x --batch-size; --engine openai: 2 x "
+        "--concurrency).",
     )
     device: str | None = cli_field(None, help="cpu, cuda or cuda:N (default: cuda when available).")
     dtype: str | None = cli_field(None, cli=DTYPE)

@@ -1,7 +1,7 @@
 """What every regenerate engine shares: the ``Engine`` protocol the conversation driver calls, the records
-across it (``EngineOptions`` in, ``Finished`` / ``RequestFailure`` out), ``EngineError`` and the KV budget
-default. The engines themselves are in ``engines.py`` (static batches, transformers' continuous batching),
-``slot_engine.py`` (the decode engine) and ``openai_engine.py`` (a server).
+across it (``EngineOptions`` in, ``Finished`` / ``RequestFailure`` out) and ``EngineError``. The engines
+themselves are ``slot_engine.py`` (the project's decode engine, ``--engine auto|slots``) and
+``openai_engine.py`` (a server, ``--engine openai``).
 """
 
 from __future__ import annotations
@@ -13,42 +13,32 @@ from typing import Literal, Protocol
 from dflash_offline.errors import DflashError
 from dflash_offline.regenerate.generation import GeneratedTokens
 
-EngineName = Literal["slots", "cb", "static", "openai"]
-
-DEFAULT_KV_TOKENS = 262144
-"""cb and static: the KV budget in tokens when --kv-tokens is not given."""
+EngineName = Literal["slots", "openai"]
 
 KV_FIX = "--kv-tokens (KV-cache size), --batch-size, --max-batch-tokens or --max-new-tokens"
 
 
 class EngineError(DflashError):
-    """The target could not answer (out of memory, a request the KV cache cannot hold, a dead loop)."""
+    """The target could not answer (out of memory, a request the KV cache cannot hold)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineOptions:
-    """Batching knobs of both engines (sampling is in ``GenerationSettings``)."""
+    """The decode engine's batching knobs (sampling is in ``GenerationSettings``)."""
 
     batch_size: int
-    """slots: requests decoded at once; CB: requests scheduled per forward step; static: rows per
-    ``generate`` call."""
+    """Requests decoded at once (slots), fewer when ``kv_tokens`` cannot hold that many."""
     kv_tokens: int | None
-    """KV-cache budget in tokens: slots × (longest prompt + new tokens + 1) (slots); the paged cache (CB);
-    rows × (longest prompt + new tokens) (static). None: the free GPU memory (slots), else
-    ``DEFAULT_KV_TOKENS``."""
+    """KV-cache budget in tokens: slots × (max_prompt_tokens + new tokens + 1). None: what the free GPU
+    memory holds after loading (on the CPU: ``batch_size`` slots)."""
     max_batch_tokens: int
-    """slots: prompt tokens per prefill forward; CB: query tokens per forward step (decode tokens + prefill
-    chunks)."""
-    cuda_graphs: Literal["auto", "on", "off"] = "auto"
-    """slots: decode steps as CUDA graphs (auto: on); CB: ``auto`` leaves the choice to transformers."""
+    """Prompt tokens per prefill forward (a longer prompt is prefilled over several steps)."""
+    max_prompt_tokens: int
+    """The longest prompt a slot holds (with the new tokens)."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (on a GPU)."""
     seed: int = 0
-    max_prompt_tokens: int | None = None
-    """slots: the longest prompt a slot holds (with max_new_tokens); required by that engine."""
-
-    @property
-    def kv_budget(self) -> int:
-        """cb and static: --kv-tokens or its default."""
-        return DEFAULT_KV_TOKENS if self.kv_tokens is None else self.kv_tokens
+    """Sampling seed (with the request and the token's index)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

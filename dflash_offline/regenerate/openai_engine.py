@@ -2,7 +2,7 @@
 server, TGI) that already runs it, for targets that need tensor parallelism or a node of their own.
 
 The prompt the server continues is exactly the one ``dflash generate`` will capture: the conversation is
-rendered by *our* tokenizer's chat template (the same ``render_prompt`` as the built-in engines) and sent
+rendered by *our* tokenizer's chat template (the same ``render_prompt`` as the built-in engine) and sent
 to the completions endpoint (never the chat endpoint, which would template it again on the server). The
 probe (``probe_server``, before anything is written) lists ``/v1/models``, then sends one short templated
 prompt as token ids; a server that refuses token ids gets the text. Either way the server's
@@ -51,7 +51,7 @@ PROBE_CHAT = [{"role": "user", "content": "Hello! Say one word."}]
 
 REQUEST_EXTRAS: dict[str, Any] = {
     # Extensions that vLLM and SGLang read and other servers ignore: keep special tokens in the text as
-    # the built-in engines do, and return the answer's token ids (vLLM) so that they are checked exactly.
+    # the built-in engine does, and return the answer's token ids (vLLM) so that they are checked exactly.
     "skip_special_tokens": False,
     "spaces_between_special_tokens": False,
     "return_token_ids": True,
@@ -312,7 +312,7 @@ class OpenAIEngine:
             "top_p": 1.0,
             "n": 1,
             "stream": False,
-            # vLLM and SGLang stop at these ids as the built-in engines do (others stop at their EOS).
+            # vLLM and SGLang stop at these ids as the built-in engine does (others stop at their EOS).
             "stop_token_ids": sorted(s.stop_ids),
             **REQUEST_EXTRAS,
         }

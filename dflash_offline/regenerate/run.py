@@ -82,7 +82,7 @@ class RegenerateSummary:
     generation_seconds: float = 0.0
     """From the first worker being ready to the end."""
     engine: str = ""
-    """``slots``, ``cb``, ``static`` or ``openai`` (the workers' engine)."""
+    """``slots`` or ``openai`` (the workers' engine)."""
     workers: int = 1
 
     @property

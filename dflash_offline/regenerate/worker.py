@@ -64,7 +64,7 @@ class WorkerProgress:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerNote:
-    """A line for stderr (a failed record, the engine fallback note)."""
+    """A line for stderr (a failed record, the decontamination note)."""
 
     worker: int
     text: str
@@ -102,7 +102,7 @@ def load_worker(spec: WorkerSpec, emit: Callable[[Any], None]) -> LoadedEngine:
     """Load the target and build the engine on the worker's device, then emit ``WorkerReady``."""
     device = _bind_device(spec)
     start = time.perf_counter()
-    loaded = _load_engine(spec, device, emit)
+    loaded = _load_engine(spec, device)
     emit(
         WorkerReady(
             worker=spec.worker,
@@ -139,10 +139,10 @@ class LoadedEngine:
     """Extra ``regenerated_by`` entries (the served model of ``--engine openai``)."""
 
 
-def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], None]) -> LoadedEngine:
+def _load_engine(spec: WorkerSpec, device: torch.device) -> LoadedEngine:
     from dflash_offline.regenerate.engine_protocol import EngineOptions
-    from dflash_offline.regenerate.engines import make_engine
     from dflash_offline.regenerate.generation import GenerationSettings
+    from dflash_offline.regenerate.slot_engine import SlotEngine
     from dflash_offline.target_model.loader import compute_dtype, load_target, stop_token_ids
 
     config = spec.config
@@ -150,13 +150,10 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
         return _load_server_engine(spec)
     target = load_target(config.target, device=device, dtype=compute_dtype(config.dtype, device))
     tokenizer = target.tokenizer
-    stop_ids = stop_token_ids(tokenizer, target.model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
     settings = GenerationSettings(
         max_new_tokens=config.max_new_tokens,
         temperature=config.temperature,
-        stop_ids=stop_ids,
-        pad_id=int(pad_id),
+        stop_ids=stop_token_ids(tokenizer, target.model),
         top_p=config.top_p,
     )
     batch_size = config.batch_size_for(device.type)
@@ -164,14 +161,11 @@ def _load_engine(spec: WorkerSpec, device: torch.device, emit: Callable[[Any], N
         batch_size=batch_size,
         kv_tokens=config.kv_tokens,
         max_batch_tokens=config.max_batch_tokens,
-        cuda_graphs=config.cuda_graphs,
-        seed=config.seed,
         max_prompt_tokens=config.max_prompt_tokens,
+        cuda_graphs=config.cuda_graphs == "on",
+        seed=config.seed,
     )
-    torch.manual_seed(config.seed + spec.worker)
-    engine = make_engine(
-        config.engine, target.model, settings, options, note=lambda text: emit(_note(spec, text))
-    )
+    engine = SlotEngine(target.model, settings, options)  # --engine auto and slots alike
     return LoadedEngine(
         tokenizer=tokenizer, info=target.info, engine=engine, batch_size=batch_size, provenance={}
     )
@@ -195,7 +189,6 @@ def _load_server_engine(spec: WorkerSpec) -> LoadedEngine:
         max_new_tokens=config.max_new_tokens,
         temperature=config.temperature,
         stop_ids=target.stop_ids,
-        pad_id=min(target.stop_ids, default=0),
     )
     engine = OpenAIEngine(
         options=options, served=served, settings=settings, tokenizer=target.tokenizer,
@@ -223,7 +216,7 @@ def answer_records(
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 
     config, engine = spec.config, loaded.engine
-    window = config.window or loaded.batch_size * (4 if engine.name == "static" else 2)
+    window = config.window or loaded.batch_size * 2
     completed = False
     gen_start = time.perf_counter()
     source = source_name(config.data)

@@ -186,8 +186,8 @@ def test_regenerate_and_eval_cli_build_the_config_a_caller_builds(
     _capture(monkeypatch, "dflash_offline.regenerate.run", "run_regenerate")
     out = tmp_path / "a.jsonl"
     assert _invoked_with(["regenerate", "--out", str(out)]) == RegenerateConfig(out=out)
-    got = _invoked_with(["regenerate", "--out", str(out), "--temperature", "0.5", "--engine", "static"])
-    assert got == RegenerateConfig(out=out, temperature=0.5, engine="static")
+    got = _invoked_with(["regenerate", "--out", str(out), "--temperature", "0.5", "--engine", "slots"])
+    assert got == RegenerateConfig(out=out, temperature=0.5, engine="slots")
 
     _capture(monkeypatch, "dflash_offline.eval.run", "run_eval")
     drafter = tmp_path / "drafter"
@@ -218,6 +218,22 @@ def test_layer_ids_are_refused_at_the_command_line_in_one_line(
     lines = result.output.strip().splitlines()
     assert len(lines) == 1, result.output
     assert message in lines[0], result.output
+
+
+@pytest.mark.parametrize("engine", ["cb", "static"])
+def test_the_removed_regenerate_engines_are_click_s_invalid_choice(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: str
+) -> None:
+    """transformers' continuous batching and static generate batches are no regenerate engines any more
+    (the decode engine is faster): naming one is click's usual one-line refusal, before any run."""
+    _capture(monkeypatch, "dflash_offline.regenerate.run", "run_regenerate")
+    result = CliRunner().invoke(main, ["regenerate", "--out", str(tmp_path / "o.jsonl"), "--engine", engine])
+    assert result.exit_code == 2, result.output
+    assert not isinstance(result.exception, _Captured)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert errors == [
+        f"Error: Invalid value for '--engine': '{engine}' is not one of 'auto', 'slots', 'openai'."
+    ]
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,7 @@ def test_regenerate_records_a_contaminated_record_as_a_failure(tmp_path: Path) -
     summary = run_regenerate(
         RegenerateConfig(
             target="random:tiny", data=str(_data(tmp_path / "d.jsonl")), out=out, max_new_tokens=2,
-            engine="static", progress=False,
+            progress=False,
         )
     )  # fmt: skip
     assert summary is not None

@@ -31,7 +31,7 @@ def target(request: pytest.FixtureRequest) -> LoadedTarget:
 
 def generate_greedy(model: Any, prompt: Sequence[int], max_new: int, stop_ids: frozenset[int]) -> list[int]:
     """The reference: batch-1 ``generate``, no padding, stopping after a stop token (kept)."""
-    ids = torch.tensor([list(prompt)])
+    ids = torch.tensor([list(prompt)], device=next(model.parameters()).device)
     eos = sorted(stop_ids) or None
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,

@@ -1,5 +1,5 @@
 """``dflash regenerate --engine openai`` against a real HTTP server process (``openai_server.py``, the tiny
-random target behind the OpenAI protocol): the greedy answers equal the built-in static engine's while
+random target behind the OpenAI protocol): the greedy answers equal the built-in decode engine's while
 429s, 500s and timeouts are injected, a request that keeps failing is a failure row and the run goes on,
 a server killed mid-run stops the run and a rerun against a live server finishes it with every
 conversation once, a server that takes only text gets the templated text, and a wrong URL, model, key
@@ -106,12 +106,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(
     data: Path, tmp_path_factory: pytest.TempPathFactory, starting: list[subprocess.Popen[str]]
 ) -> dict[str, Any]:
-    """The built-in static engine's conversations (greedy answers are the same across engines)."""
-    out = tmp_path_factory.mktemp("static") / "static.jsonl"
+    """The built-in decode engine's conversations (the server's greedy answers must be the same)."""
+    out = tmp_path_factory.mktemp("slots") / "slots.jsonl"
     with one_thread():
-        summary = run_regenerate(
-            RegenerateConfig(out=out, data=str(data), engine="static", batch_size=4, **COMMON)
-        )
+        summary = run_regenerate(RegenerateConfig(out=out, data=str(data), batch_size=4, **COMMON))
     assert summary is not None
     assert summary.written == 8
     return _conversations(out)
@@ -133,11 +131,11 @@ def _config(out: Path, data: Path, url: str, **kw: Any) -> RegenerateConfig:
     return RegenerateConfig(out=out, data=str(data), **values)
 
 
-def test_answers_equal_the_static_engine_through_injected_faults(
+def test_answers_equal_the_decode_engines_through_injected_faults(
     tmp_path: Path, data: Path, reference: dict[str, Any], server: Server
 ) -> None:
     """Transient 429/500/timeouts are retried; a prompt the server always fails on is one failure row with
-    its reason, and every other conversation is written once with the static engine's greedy answers."""
+    its reason, and every other conversation is written once with the decode engine's greedy answers."""
     doomed = next(sid for sid, messages in reference.items() if "fox" in messages[-2]["content"])
     server.faults(status_at={"2": 429, "5": 500, "9": 503}, timeout_at=[7], sleep=3.0, reject_marker="fox")
     out = tmp_path / "served.jsonl"

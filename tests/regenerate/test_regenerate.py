@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,12 @@ from dflash_offline.data.user_groups import user_groups
 from dflash_offline.errors import ConfigError, DataError
 from dflash_offline.eval.speculative import TargetCaller, target_only_decode
 from dflash_offline.locking import acquire_lock_beside
-from dflash_offline.regenerate import engines as engines_module
 from dflash_offline.regenerate.config import RegenerateConfig
+from dflash_offline.regenerate.engine_protocol import Finished
 from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 from dflash_offline.regenerate.run import render_prompt, run_regenerate
+from dflash_offline.regenerate.slot_engine import SlotEngine
 from dflash_offline.target_model.loader import LoadedTarget, load_target, stop_token_ids
 from tests.eval.helpers import conversations, one_thread, write_chat_jsonl
 
@@ -79,6 +81,7 @@ def test_answers_are_the_targets_greedy_decode(tmp_path: Path, tiny: LoadedTarge
     out = tmp_path / "regen.jsonl"
     summary = run_regenerate(_config(out, data))
     assert (summary.written, summary.failed, summary.skipped, summary.answers) == (5, 0, 0, 10)
+    assert summary.engine == "slots"  # --engine auto: the decode engine
     lines = _lines(out)
     convs = {c.sample_id: c for c in conversations(data)}
     caller, stop = TargetCaller(tiny.model), stop_token_ids(tiny.tokenizer, tiny.model)
@@ -197,18 +200,22 @@ def test_failures_are_reported_and_skipped_on_rerun(
         {"id": "empty", "messages": [{"role": "user", "content": "say nothing"}]},
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    real = engines_module.generate_batch
+    # The target answers "say nothing" with its end-of-turn token at once.
+    real_submit, real_poll, silent_keys = SlotEngine.submit, SlotEngine.poll, set()
 
-    def generate_with_one_empty(model: Any, prompts: Any, settings: Any) -> list[GeneratedTokens]:
-        # The target answers "say nothing" with its end-of-turn token at once.
-        results = real(model, prompts, settings)
+    def submit(engine: SlotEngine, key: str, prompt: Any) -> None:
+        if "say nothing" in tiny.tokenizer.decode(prompt):
+            silent_keys.add(key)
+        real_submit(engine, key, prompt)
+
+    def poll(engine: SlotEngine, timeout: float) -> list[Finished]:
         silent = GeneratedTokens(token_ids=(), finish_reason="stop")
-        return [silent if "say nothing" in tiny.tokenizer.decode(p) else r for p, r in zip(prompts, results)]
+        return [replace(f, tokens=silent) if f.key in silent_keys else f for f in real_poll(engine, timeout)]
 
-    monkeypatch.setattr(engines_module, "generate_batch", generate_with_one_empty)
+    monkeypatch.setattr(SlotEngine, "submit", submit)
+    monkeypatch.setattr(SlotEngine, "poll", poll)
     out = tmp_path / "regen.jsonl"
-    # Static batches: the fault is injected into their generate call.
-    summary = run_regenerate(_config(out, data, max_prompt_tokens=100, batch_size=8, engine="static"))
+    summary = run_regenerate(_config(out, data, max_prompt_tokens=100, batch_size=8))
     assert (summary.written, summary.failed) == (1, 4)
     failures = {
         f["record_id"] or f["source_index"]: f["reason"] for f in _lines(tmp_path / "regen.failures.jsonl")
