@@ -18,7 +18,7 @@ from dflash_offline.errors import WorkerError
 from dflash_offline.generate.channel import JobChannel, QueueJobChannel
 from dflash_offline.generate.events import WorkerStarted
 from dflash_offline.generate.worker import WorkerSpec, run_worker
-from dflash_offline.lifeline import quiet_resource_tracker
+from dflash_offline.workers.lifeline import quiet_resource_tracker
 
 DRAIN_SECONDS = 600.0
 """How long a stopped run waits for its workers to finish their current job and commit."""

@@ -25,7 +25,7 @@ from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted, WorkerTimings
 from dflash_offline.generate.writer_thread import BatchWritten, WriterThread
 from dflash_offline.interrupt import skip_exit_collection
-from dflash_offline.lifeline import die_with_parent
+from dflash_offline.workers.lifeline import die_with_parent
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -35,7 +35,6 @@ from typing import Any
 
 from dflash_offline.errors import WorkerError
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
-from dflash_offline.lifeline import quiet_resource_tracker
 from dflash_offline.locking import DirLock, LockedError, acquire_lock_beside
 from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
@@ -54,6 +53,7 @@ from dflash_offline.regenerate.worker import (
     run_worker,
     worker_process,
 )
+from dflash_offline.workers.lifeline import quiet_resource_tracker
 from dflash_offline.writable import check_writable_file
 
 __all__ = ["RegenerateSummary", "render_prompt", "run_regenerate"]

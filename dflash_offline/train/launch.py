@@ -16,13 +16,13 @@ import torch
 
 from dflash_offline import errors as errors_module
 from dflash_offline.errors import DflashError
-from dflash_offline.lifeline import die_with_parent, quiet_resource_tracker
 from dflash_offline.locking import acquire_lock, hold_lock
 from dflash_offline.placement import DistInfo, free_port, under_torchrun
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import dist_info_from_env, init_distributed, shutdown
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint
 from dflash_offline.train.loop import TrainResult, train_rank
+from dflash_offline.workers.lifeline import die_with_parent, quiet_resource_tracker
 from dflash_offline.writable import check_writable_dir
 
 
