@@ -23,9 +23,9 @@ from typing import Any
 from dflash_offline.errors import WorkerError
 from dflash_offline.generate.channel import JobChannel, LockedStore, StoreJobChannel
 from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.run import (
     GenerateSummary,
-    RunContext,
     coordinate,
     prepare_run,
     run_generate,

@@ -34,29 +34,14 @@ from dflash_offline.cache.records import RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
 from dflash_offline.errors import NoSpaceError, WorkerError, as_no_space_error
 from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted
 from dflash_offline.generate.feed import Planner
 from dflash_offline.generate.group import SpawnedWorkers, WorkerGroup
 from dflash_offline.generate.progress import GenerateProgress, ProgressView
 from dflash_offline.generate.worker import WorkerSpec
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
-from dflash_offline.locking import DirLock, acquire_lock
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RunContext:
-    """What the coordinator derives before any worker starts."""
-
-    config: GenerateConfig
-    fingerprint: CacheFingerprint
-    tokenizer: Any
-    pad_id: int
-    done_ids: frozenset[str]
-    """Committed or failed sample ids already in the cache (resume)."""
-    run_id: str
-    session: str
-    lock: DirLock | None = None
-    """The cache's writer lock, held by the coordinator for the whole run (None on other ranks)."""
+from dflash_offline.locking import acquire_lock
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
