@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import queue
 import signal
@@ -169,17 +170,19 @@ class SpawnedWorkers:
             on_event(event)
 
     def wait_for_exit(self, on_event: Callable[[object], None]) -> WorkerExit | None:
-        """Pass on events until every worker has ended; the first that ended with a non-zero status is
-        returned as soon as it has (None: all of them exited with 0)."""
-        while True:
-            event = self.get_event(POLL_SECONDS)
-            if event is not None:
-                on_event(event)
-            for spec, process in zip(self._specs, self._processes, strict=False):
-                if process.exitcode not in (None, 0):
+        """Pass on events until every worker has ended; the first that ends with a non-zero status is
+        returned as soon as it has (None: all of them exited with 0). Its exit is seen the moment it
+        happens, so a peer that fails because of it (a broken collective) is not taken for the cause."""
+        running = {p.sentinel: (spec, p) for spec, p in zip(self._specs, self._processes, strict=False)}
+        while running:
+            for sentinel in mp_connection.wait(list(running), timeout=POLL_SECONDS):
+                spec, process = running.pop(sentinel)
+                process.join()
+                if process.exitcode != 0:
                     return WorkerExit(worker=spec.worker, pid=process.pid, exit_code=process.exitcode)
-            if all(p.exitcode == 0 for p in self._processes):
-                return None
+            while (event := self.get_event(0.0)) is not None:
+                on_event(event)
+        return None
 
     def terminate(self) -> None:
         """SIGTERM to every worker still alive (``drain_and_join`` then waits for them)."""
