@@ -111,7 +111,7 @@ class RankWorkers:
         self.policy = policy
         self._shared = shared
         self._on_stop = on_stop
-        self.stop_flag = StoreStop(store, prefix=prefix)
+        self._stop = StoreStop(store, prefix=prefix)
         self._local: queue.Queue[object] = queue.Queue()
         self._received = [0] * self.num_workers
         self._thread: threading.Thread | None = None
@@ -130,7 +130,7 @@ class RankWorkers:
     def _own_worker(self) -> None:
         # A failure is reported as WorkerFailed: the coordinator stops the run with its traceback.
         with contextlib.suppress(BaseException):
-            run_rank_worker(self._entry, self._spec, self._local, self.stop_flag, *self._shared)
+            run_rank_worker(self._entry, self._spec, self._local, self._stop, *self._shared)
 
     def get_event(self, timeout: float) -> object | None:
         deadline = time.monotonic() + timeout
@@ -174,7 +174,7 @@ class RankWorkers:
             )
 
     def stop(self) -> None:
-        self.stop_flag.set()
+        self._stop.set()
         if self._on_stop is not None:
             self._on_stop()
 

@@ -171,8 +171,9 @@ class SpawnedWorkers:
 
     def wait_for_exit(self, on_event: Callable[[object], None]) -> WorkerExit | None:
         """Pass on events until every worker has ended; the first that ends with a non-zero status is
-        returned as soon as it has (None: all of them exited with 0). Its exit is seen the moment it
-        happens, so a peer that fails because of it (a broken collective) is not taken for the cause."""
+        returned as soon as it has (None: all of them exited with 0). Exits are seen as they happen (the
+        process sentinels, as torch's spawn watched them), so the worker returned is the first to end:
+        usually the cause, rather than a peer that failed because of it in a broken collective."""
         running = {p.sentinel: (spec, p) for spec, p in zip(self._specs, self._processes, strict=False)}
         while running:
             for sentinel in mp_connection.wait(list(running), timeout=POLL_SECONDS):
