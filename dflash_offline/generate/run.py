@@ -234,7 +234,7 @@ def run_generate(
 
 
 def _spawned_workers(ctx: RunContext) -> RunWorkers:
-    """One spawned process per GPU of ``--gpus`` (or per ``--workers``), taking jobs from a bounded queue."""
+    """One spawned process per worker of ``config.placement``, taking jobs from a bounded queue."""
     placement = ctx.config.placement
     num_workers = placement.num_workers
     channel = QueueJobChannel(spawn_context(), depth=2 * num_workers + 2)

@@ -1,4 +1,4 @@
-"""Worker processes spawned by one coordinator (``--gpus`` / ``--workers``, train's DDP ranks), both halves.
+"""Worker processes spawned by one coordinator (one per GPU or CPU worker, train's DDP ranks), both halves.
 
 - ``SpawnedWorkers`` (the coordinator): one process per ``WorkerSpec``; their event records come back
   over one queue, a stop request goes out as one event; it finds a worker that died without a word,
