@@ -29,6 +29,10 @@ class JobChannel(Protocol):
         """A job; None when the producer has finished; False on timeout (poll again)."""
         ...
 
+    def cancel_join(self) -> None:
+        """Let the producing process exit even if jobs were never taken (after a stop)."""
+        ...
+
 
 class QueueJobChannel:
     """A bounded multiprocessing queue: ``put`` blocks when workers are ``depth`` jobs behind."""
@@ -119,31 +123,5 @@ class StoreJobChannel:
         assert isinstance(job, CaptureJob)
         return job
 
-
-class LockedStore:
-    """A ``torch.distributed`` store whose calls are serialised: rank 0's planner, worker and
-    coordinator threads share one client connection."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self._lock = threading.Lock()
-
-    def set(self, key: str, value: bytes | str) -> None:
-        with self._lock:
-            self._store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        with self._lock:
-            return bytes(self._store.get(key))
-
-    def add(self, key: str, amount: int) -> int:
-        with self._lock:
-            return int(self._store.add(key, amount))
-
-    def check(self, keys: list[str]) -> bool:
-        with self._lock:
-            return bool(self._store.check(keys))
-
-    def delete_key(self, key: str) -> bool:
-        with self._lock:
-            return bool(self._store.delete_key(key))
+    def cancel_join(self) -> None:
+        """Nothing to wait for: published jobs live in the store."""

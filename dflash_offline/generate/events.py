@@ -1,10 +1,12 @@
-"""Records that workers send to the coordinating process (one queue, one record type per event)."""
+"""Records that workers send to the coordinating process (one queue, one record type per event); a
+worker's failure is the ``WorkerFailed`` of every worker group (``workers/records.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dflash_offline.cache.rows import WriterStats
+from dflash_offline.workers.records import WorkerFailed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,15 +53,6 @@ class WorkerFinished:
     jobs: int
     stats: WriterStats
     timings: WorkerTimings
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WorkerFailed:
-    worker: int
-    device: str
-    traceback: str
-    no_space_path: str = ""
-    """Set when the failure was a full disk: the path it hit (reported in one line, no traceback)."""
 
 
 WorkerEvent = WorkerStarted | JobDone | WorkerFinished | WorkerFailed

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from dflash_offline.cache.layout import create_or_open_cache
 from dflash_offline.cache.manifest import records_to_table, write_part
 from dflash_offline.cache.rows import FailureRow, utc_now
 from dflash_offline.data.conversations import SourceFailure
 from dflash_offline.generate.channel import JobChannel
+from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
-
-if TYPE_CHECKING:
-    from dflash_offline.generate.run import RunContext
 
 PLANNER_WORKER_ID = -1
 """``worker`` value of failure rows written by the planner (records that never reached a target)."""

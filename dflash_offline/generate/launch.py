@@ -9,30 +9,27 @@ rank 0 then records the run as ``failed`` and the rerun of the same command resu
 
 from __future__ import annotations
 
-import contextlib
-import pickle
-import queue
 import signal
-import threading
-import time
-from collections.abc import Callable, Container
 from dataclasses import replace
 from types import FrameType
 from typing import Any
 
 from dflash_offline.errors import WorkerError
-from dflash_offline.generate.channel import JobChannel, LockedStore, StoreJobChannel
+from dflash_offline.generate.channel import StoreJobChannel
 from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.run import (
     GenerateSummary,
-    RunContext,
+    RunWorkers,
     coordinate,
     prepare_run,
     run_generate,
+    worker_policy,
     worker_spec,
 )
-from dflash_offline.generate.worker import WorkerSpec, failure_event, run_worker_in_process
+from dflash_offline.generate.worker import run_worker
 from dflash_offline.placement import torchrun_device, under_torchrun
+from dflash_offline.workers.ranks import LockedStore, RankWorkers, StoreEvents, StoreStop, run_rank_worker
 
 PREFIX = "dflash-generate"
 """Key prefix of this run's entries in the torchrun store."""
@@ -69,114 +66,24 @@ def format_summary(summary: GenerateSummary, *, cache_dir: str) -> str:
     return "\n".join(lines)
 
 
-class _StoreEvents:
-    """A rank's ``events`` queue: records under ``events/<rank>/<n>`` keys of the store, in order."""
-
-    def __init__(self, store: Any, rank: int) -> None:
-        self._store = store
-        self._rank = rank
-        self._sent = 0
-
-    def put(self, event: object) -> None:
-        self._store.set(f"{PREFIX}/events/{self._rank}/{self._sent}", pickle.dumps(event))
-        self._sent += 1
+def _job_channel(store: Any, world: int) -> StoreJobChannel:
+    return StoreJobChannel(store, prefix=f"{PREFIX}/jobs", lookahead=2 * world + 2)
 
 
-class _StoreStop:
-    """The run's stop request as a store key: set by rank 0, polled by every rank between jobs."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self._key = f"{PREFIX}/stop"
-        self._local = threading.Event()
-
-    def set(self) -> None:
-        self._local.set()
-        self._store.set(self._key, b"1")
-
-    def is_set(self) -> bool:
-        return self._local.is_set() or bool(self._store.check([self._key]))
-
-
-def _work_reporting(spec: WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
-    """The worker loop of a rank; a failure is reported as a ``WorkerFailed`` record, then raised."""
-    try:
-        run_worker_in_process(spec, channel, events, stop)
-    except BaseException as e:
-        events.put(failure_event(spec, e))
-        raise
-
-
-class RankWorkers:
-    """The ``WorkerGroup`` of a torchrun run, seen from rank 0: its own worker runs in a thread,
-    the other ranks' events are read from the store."""
-
-    def __init__(self, ctx: RunContext, store: Any, world: int) -> None:
-        self._ctx = ctx
-        self._store = store
-        self.num_workers = world
-        self._store_channel = StoreJobChannel(store, prefix=f"{PREFIX}/jobs", lookahead=2 * world + 2)
-        self.channel: JobChannel = self._store_channel
-        self._stop = _StoreStop(store)
-        self._local: queue.Queue[object] = queue.Queue()
-        self._received = [0] * world
-        self._thread: threading.Thread | None = None
-        self._dead_since: float | None = None
-
-    def start(self) -> None:
-        import torch.distributed as dist
-
-        self._store.set(f"{PREFIX}/session", self._ctx.session)
-        dist.barrier()  # the other ranks start once the cache is swept and the run row written
-        spec = worker_spec(self._ctx, worker=0, device=torchrun_device())
-        self._thread = threading.Thread(
-            target=self._own_worker, args=(spec,), name="dflash-worker-0", daemon=True
-        )
-        self._thread.start()
-
-    def _own_worker(self, spec: WorkerSpec) -> None:
-        # A failure is reported as WorkerFailed: the coordinator stops the run with its traceback.
-        with contextlib.suppress(BaseException):
-            _work_reporting(spec, self.channel, self._local, self._stop)
-
-    def get_event(self, timeout: float) -> object | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self._local.get_nowait()
-            except queue.Empty:
-                pass
-            for rank in range(1, self.num_workers):
-                key = f"{PREFIX}/events/{rank}/{self._received[rank]}"
-                if self._store.check([key]):
-                    payload = self._store.get(key)
-                    self._store.delete_key(key)
-                    self._received[rank] += 1
-                    event: object = pickle.loads(payload)
-                    return event
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.02)
-
-    def check_alive(self, finished: Container[int]) -> None:
-        """Rank 0's own worker thread; a dead rank elsewhere makes torchrun stop this one."""
-        if self._thread is None or self._thread.is_alive() or 0 in finished:
-            return
-        now = time.monotonic()
-        if self._dead_since is None:
-            self._dead_since = now
-        elif now - self._dead_since > 1.0:
-            raise WorkerError("rank 0's worker ended without finishing; the cache is resumable")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._store_channel.finish(self.num_workers)  # ranks waiting for a job get an end marker
-
-    def drain_and_join(self, on_event: Callable[[object], None]) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout=600)
-        while (event := self.get_event(0.0)) is not None:
-            on_event(event)
+def _rank_workers(ctx: RunContext, store: Any, world: int) -> RunWorkers:
+    """Rank 0's view of the ranks: its own worker in a thread, the other ranks' events from the store."""
+    store.set(f"{PREFIX}/session", ctx.session)  # read by the other ranks once rank 0 has started them
+    channel = _job_channel(store, world)
+    group = RankWorkers(
+        run_worker,
+        worker_spec(ctx, worker=0, num_workers=world, device=torchrun_device()),
+        store=store,
+        prefix=PREFIX,
+        policy=worker_policy(ctx.config),
+        shared=(channel,),
+        on_stop=lambda: channel.finish(world),  # ranks waiting for a job get an end marker
+    )
+    return RunWorkers(group=group, channel=channel)
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
@@ -200,7 +107,9 @@ def run_generate_distributed(config: GenerateConfig) -> GenerateSummary | None:
             try:
                 ctx = prepare_run(config, lock=True)
                 store.set(f"{PREFIX}/ready", b"1")
-                summary: GenerateSummary | None = coordinate(ctx, lambda ctx: RankWorkers(ctx, store, world))
+                summary: GenerateSummary | None = coordinate(
+                    ctx, lambda ctx: _rank_workers(ctx, store, world)
+                )
             finally:
                 signal.signal(signal.SIGTERM, previous)
         else:
@@ -208,9 +117,9 @@ def run_generate_distributed(config: GenerateConfig) -> GenerateSummary | None:
             ctx = prepare_run(config)  # reads only; meanwhile rank 0 sweeps and writes the run row
             dist.barrier()  # rank 0 has swept the cache: workers may write
             ctx = replace(ctx, session=store.get(f"{PREFIX}/session").decode())
-            spec = worker_spec(ctx, worker=rank, device=torchrun_device())
-            channel = StoreJobChannel(store, prefix=f"{PREFIX}/jobs", lookahead=2 * world + 2)
-            _work_reporting(spec, channel, _StoreEvents(store, rank), _StoreStop(store))
+            spec = worker_spec(ctx, worker=rank, num_workers=world, device=torchrun_device())
+            events, stop = StoreEvents(store, prefix=PREFIX, rank=rank), StoreStop(store, prefix=PREFIX)
+            run_rank_worker(run_worker, spec, events, stop, _job_channel(store, world))
             summary = None
         dist.barrier()  # every rank leaves after rank 0's run row and index merge
         return summary

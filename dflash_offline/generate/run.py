@@ -32,31 +32,22 @@ from dflash_offline.cache.manifest import (
 )
 from dflash_offline.cache.rows import RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
-from dflash_offline.errors import NoSpaceError, WorkerError, as_no_space_error
+from dflash_offline.errors import NoSpaceError, as_no_space_error
+from dflash_offline.generate.channel import JobChannel, QueueJobChannel
 from dflash_offline.generate.config import GenerateConfig
-from dflash_offline.generate.events import JobDone, WorkerFailed, WorkerFinished, WorkerStarted
+from dflash_offline.generate.context import RunContext
+from dflash_offline.generate.events import JobDone, WorkerFinished, WorkerStarted
 from dflash_offline.generate.feed import Planner
-from dflash_offline.generate.group import SpawnedWorkers, WorkerGroup
 from dflash_offline.generate.progress import GenerateProgress, ProgressView
-from dflash_offline.generate.worker import WorkerSpec
-from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
-from dflash_offline.locking import DirLock, acquire_lock
+from dflash_offline.generate.worker import CaptureTask, run_worker
+from dflash_offline.interrupt import stop_on_sigint
+from dflash_offline.locking import acquire_lock
+from dflash_offline.workers.group import GroupPolicy, WorkerGroup, watch
+from dflash_offline.workers.records import WorkerFailed, WorkerSpec
+from dflash_offline.workers.spawned import SpawnedWorkers, spawn_context
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RunContext:
-    """What the coordinator derives before any worker starts."""
-
-    config: GenerateConfig
-    fingerprint: CacheFingerprint
-    tokenizer: Any
-    pad_id: int
-    done_ids: frozenset[str]
-    """Committed or failed sample ids already in the cache (resume)."""
-    run_id: str
-    session: str
-    lock: DirLock | None = None
-    """The cache's writer lock, held by the coordinator for the whole run (None on other ranks)."""
+DRAIN_SECONDS = 600.0
+"""How long a stopped run waits for its workers to finish their current job and commit."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,13 +148,10 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
     )
 
 
-def worker_spec(ctx: RunContext, *, worker: int, device: str) -> WorkerSpec:
-    """What worker ``worker`` on ``device`` needs to know about this run."""
+def worker_spec(ctx: RunContext, *, worker: int, num_workers: int, device: str) -> WorkerSpec[CaptureTask]:
+    """What worker ``worker`` of ``num_workers`` on ``device`` needs to know about this run."""
     config = ctx.config
-    return WorkerSpec(
-        worker=worker,
-        device=device,
-        cpu_threads=config.placement.cpu_threads(),
+    task = CaptureTask(
         target=config.target,
         dtype=ctx.fingerprint.compute_dtype,
         cache_dir=config.cache_dir,
@@ -176,6 +164,36 @@ def worker_spec(ctx: RunContext, *, worker: int, device: str) -> WorkerSpec:
         writer_queue_depth=config.writer_queue_depth,
         pad_id=ctx.pad_id,
     )
+    return WorkerSpec(
+        worker=worker,
+        num_workers=num_workers,
+        device=device,
+        cpu_threads=config.placement.cpu_threads(),
+        task=task,
+    )
+
+
+def worker_policy(config: GenerateConfig) -> GroupPolicy:
+    """How generate's workers report, stop and read when they fail, on every launch path."""
+    return GroupPolicy(
+        label="worker",
+        resumable="the cache",
+        process_name="dflash-worker",
+        drain_seconds=DRAIN_SECONDS,
+        ready=WorkerStarted,  # its target is loaded, its shard group may be open
+        finished=WorkerFinished,
+        no_space_at=str(config.cache_dir),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunWorkers:
+    """The workers of one run as the coordinator sees them, whatever started them."""
+
+    group: WorkerGroup
+    """Spawned processes (``SpawnedWorkers``) or the ranks of a torchrun (``launch.py``)."""
+    channel: JobChannel
+    """Where the planner puts their jobs."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -187,7 +205,6 @@ class _Tally:
     failures: int = 0
     stored_bytes_by_worker: dict[int, int] = field(default_factory=dict)
     finished: dict[int, WorkerFinished] = field(default_factory=dict)
-    failed: list[WorkerFailed] = field(default_factory=list)
 
     @property
     def stored_bytes(self) -> int:
@@ -213,19 +230,25 @@ def run_generate(
     Raises ``WorkerError`` (with the worker's traceback) when a worker fails, ``NoSpaceError`` when
     the disk filled up, ``LockedError`` when another run holds the cache; KeyboardInterrupt stops
     workers after their current job and leaves the cache resumable (status ``interrupted``)."""
-    placement = config.placement
-    return coordinate(
-        prepare_run(config, lock=True),
-        lambda ctx: SpawnedWorkers(
-            [worker_spec(ctx, worker=w, device=placement.device_of(w)) for w in range(placement.num_workers)]
-        ),
-        on_event=on_event,
-    )
+    return coordinate(prepare_run(config, lock=True), _spawned_workers, on_event=on_event)
+
+
+def _spawned_workers(ctx: RunContext) -> RunWorkers:
+    """One spawned process per worker of ``config.placement``, taking jobs from a bounded queue."""
+    placement = ctx.config.placement
+    num_workers = placement.num_workers
+    channel = QueueJobChannel(spawn_context(), depth=2 * num_workers + 2)
+    specs = [
+        worker_spec(ctx, worker=w, num_workers=num_workers, device=placement.device_of(w))
+        for w in range(num_workers)
+    ]
+    group = SpawnedWorkers(run_worker, specs, policy=worker_policy(ctx.config), shared=(channel,))
+    return RunWorkers(group=group, channel=channel)
 
 
 def coordinate(
     ctx: RunContext,
-    workers: Callable[[RunContext], WorkerGroup],
+    workers: Callable[[RunContext], RunWorkers],
     *,
     on_event: Callable[[object], None] | None = None,
 ) -> GenerateSummary:
@@ -248,18 +271,19 @@ def coordinate(
 
 
 def _run_locked(
-    ctx: RunContext, group: WorkerGroup, on_event: Callable[[object], None] | None
+    ctx: RunContext, workers: RunWorkers, on_event: Callable[[object], None] | None
 ) -> GenerateSummary:
     config = ctx.config
+    group = workers.group
     sweep_partial_files(config.cache_dir)  # under the lock: no other writer is running
     _close_abandoned_runs(ctx)
     started_at = utc_now()
     start = time.perf_counter()
     running = _run_row(ctx, started_at=started_at, status="running", num_workers=group.num_workers)
     record_run(config.cache_dir, running)
-    planner = Planner(ctx, group.channel, threading.Event(), group.num_workers)
+    planner = Planner(ctx, workers.channel, threading.Event(), group.num_workers)
     tally = _Tally()
-    status, error = _watch(ctx, group, planner, tally, on_event)
+    status, error = _watch(ctx, workers, planner, tally, on_event)
     summary = GenerateSummary(
         run_id=ctx.run_id,
         status=status,
@@ -294,7 +318,7 @@ def _close_abandoned_runs(ctx: RunContext) -> None:
 
 def _watch(
     ctx: RunContext,
-    group: WorkerGroup,
+    workers: RunWorkers,
     planner: Planner,
     tally: _Tally,
     on_event: Callable[[object], None] | None,
@@ -303,38 +327,32 @@ def _watch(
     stop them all on the first failure (a failure to start included: the run row then says so).
 
     Returns the run's status and the error that ended it (None when ``finished``)."""
+    group = workers.group
     progress = GenerateProgress(enabled=ctx.config.progress, num_workers=group.num_workers)
     status = "finished"
     error: BaseException | None = None
+
+    def redraw() -> None:
+        progress.update(tally=_progress_view(tally, planner))
+
+    def count(event: object) -> None:
+        if on_event is not None:
+            on_event(event)
+        tally.apply(event)
+        if isinstance(event, WorkerStarted):
+            progress.worker_started(event)
+        if not isinstance(event, WorkerFailed):  # a failure stops the run (``watch`` raises it)
+            redraw()
+
+    def check_planner() -> None:
+        if planner.error is not None:
+            raise planner.error
+
     try:
         group.start()
         planner.start()
-        while len(tally.finished) + len(tally.failed) < group.num_workers:
-            if planner.error is not None:
-                raise planner.error
-            if stop_requested():
-                raise StopRequested
-            event = group.get_event(0.2)
-            if event is None:
-                group.check_alive(tally.finished)
-                progress.update(tally=_progress_view(tally, planner))
-                continue
-            if on_event is not None:
-                on_event(event)
-            tally.apply(event)
-            if isinstance(event, WorkerFailed):
-                tally.failed.append(event)
-                if event.no_space_path:
-                    raise NoSpaceError(event.no_space_path)
-                raise WorkerError(
-                    f"worker {event.worker} ({event.device}) failed; the cache is resumable. "
-                    f"Its traceback:\n{event.traceback}"
-                )
-            elif isinstance(event, WorkerStarted):
-                progress.worker_started(event)
-            progress.update(tally=_progress_view(tally, planner))
-        if planner.error is not None:
-            raise planner.error
+        watch(group, count, each_turn=check_planner, on_quiet=redraw)
+        check_planner()
     except KeyboardInterrupt as e:
         status, error = "interrupted", e
     except BaseException as e:
@@ -344,6 +362,7 @@ def _watch(
         if status != "finished":
             group.stop()
         group.drain_and_join(tally.apply)
+        workers.channel.cancel_join()
         progress.close()
         if planner.ident is not None:  # started
             planner.join(timeout=5)

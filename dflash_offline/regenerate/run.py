@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing as mp
-import os
-import queue
 import sys
 import threading
 import time
@@ -33,9 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.errors import WorkerError
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
-from dflash_offline.lifeline import quiet_resource_tracker
 from dflash_offline.locking import DirLock, LockedError, acquire_lock_beside
 from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import RegenerateConfig
@@ -43,17 +38,19 @@ from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
 from dflash_offline.regenerate.recorded import check_resume_settings
 from dflash_offline.regenerate.worker import (
+    AnswerTask,
     WorkerDone,
-    WorkerFailed,
     WorkerNote,
     WorkerProgress,
     WorkerReady,
-    WorkerSpec,
     answer_records,
     load_worker,
     run_worker,
     worker_process,
 )
+from dflash_offline.workers.group import GroupPolicy, watch
+from dflash_offline.workers.records import WorkerFailed, WorkerSpec
+from dflash_offline.workers.spawned import SpawnedWorkers
 from dflash_offline.writable import check_writable_file
 
 __all__ = ["RegenerateSummary", "render_prompt", "run_regenerate"]
@@ -242,10 +239,8 @@ def _run_in_process(
     placement = config.placement
     device = placement.device_of(0) if placement.gpus else _default_device(config)
     threads = placement.threads_per_worker or None
-    spec = WorkerSpec(
-        config=config, worker=0, num_workers=1, device=device, cpu_threads=threads,
-        out=config.out, failures=config.failures_path, done=done,
-    )  # fmt: skip
+    task = AnswerTask(config=config, out=config.out, failures=config.failures_path, done=done)
+    spec = WorkerSpec(worker=0, num_workers=1, device=device, cpu_threads=threads, task=task)
     progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=1)
     emit = functools.partial(_apply, progress)
     try:
@@ -274,66 +269,45 @@ def _apply(progress: RegenerateProgress, event: Any) -> None:
         progress.note(f"[worker {event.worker}] {event.text}" if progress._num_workers > 1 else event.text)
 
 
+WORKER_POLICY = GroupPolicy(
+    label="regenerate worker",
+    resumable="the output",
+    process_name="dflash-regenerate",
+    drain_seconds=120.0,  # to finish the current decode step and close its files
+    ready=WorkerReady,  # its target is loaded, its part may be open
+    finished=WorkerDone,
+)
+"""How regenerate's spawned workers report, stop and read when they fail."""
+
+
 def _run_spawned(
     config: RegenerateConfig, *, done: frozenset[str], repaired: int, start: float
 ) -> RegenerateSummary:
     placement = config.placement
     num_workers = placement.num_workers
     config.parts_dir.mkdir(parents=True, exist_ok=True)
-    quiet_resource_tracker()  # before the first queue: a killed run's semaphores are cleaned up quietly
-    ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn is the same everywhere
-    events: Any = ctx.Queue()
-    stop = ctx.Event()
-    processes = []
-    for worker in range(num_workers):
-        out, failures = _part_paths(config, worker)
-        spec = WorkerSpec(
-            config=config, worker=worker, num_workers=num_workers, device=placement.device_of(worker),
-            cpu_threads=None if placement.gpus else placement.cpu_threads(),
-            out=out, failures=failures, done=done,
-        )  # fmt: skip
-        process = ctx.Process(
-            target=worker_process, args=(spec, events, stop, os.getpid()), name=f"dflash-regenerate-{worker}"
-        )
-        process.start()
-        processes.append(process)
+    specs = [_worker_spec(config, worker=w, done=done) for w in range(num_workers)]
+    group = SpawnedWorkers(worker_process, specs, policy=WORKER_POLICY)
+    group.start()
     progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=num_workers)
     dones: dict[int, WorkerDone] = {}
-    dead_since: dict[int, float] = {}
-    ready: set[int] = set()
+
+    def on_event(event: object) -> None:
+        if isinstance(event, WorkerDone):
+            dones[event.worker] = event
+        elif not isinstance(event, WorkerFailed):  # a failure stops the run (``watch`` raises it)
+            _apply(progress, event)
+
     try:
         with _stop_on_sigint():
-            while len(dones) < num_workers:
-                if stop_requested():
-                    raise StopRequested
-                try:
-                    event = events.get(timeout=0.2)
-                except queue.Empty:
-                    _check_dead(processes, dones, dead_since)
-                    continue
-                if isinstance(event, WorkerFailed):
-                    raise WorkerError(
-                        f"regenerate worker {event.worker} ({event.device}) failed; the output is "
-                        f"resumable. Its traceback:\n{event.traceback}"
-                    )
-                if isinstance(event, WorkerDone):
-                    dones[event.worker] = event
-                else:
-                    if isinstance(event, WorkerReady):
-                        ready.add(event.worker)
-                    _apply(progress, event)
+            watch(group, on_event)
     except BaseException:
-        stop.set()
-        # A worker still loading its target has written nothing: end it now rather than after its load.
-        for worker, process in enumerate(processes):
-            if worker not in ready and process.is_alive():
-                process.terminate()
-        _drain_and_join(processes, events, dones, progress)
+        group.stop()
+        group.drain_and_join(on_event)
         progress.close()
         merge_leftover_parts(config)  # what the workers wrote is kept: the rerun resumes after it
         raise
-    for process in processes:
-        process.join(timeout=30)
+    group.drain_and_join(on_event)
     progress.close()
     merge_leftover_parts(config)
     return _summary(
@@ -345,39 +319,16 @@ def _run_spawned(
     )
 
 
-def _check_dead(processes: list[Any], dones: dict[int, WorkerDone], dead_since: dict[int, float]) -> None:
-    """A worker that exited without reporting (killed, out of memory) fails the run (after one quiet second,
-    so that its last events are read first)."""
-    now = time.monotonic()
-    for worker, process in enumerate(processes):
-        if process.exitcode is None or worker in dones:
-            continue
-        if now - dead_since.setdefault(worker, now) > 1.0:
-            raise WorkerError(
-                f"regenerate worker {worker} exited with code {process.exitcode} without finishing "
-                "(killed, or out of memory?); the output is resumable: rerun the same command"
-            )
-
-
-def _drain_and_join(
-    processes: list[Any], events: Any, dones: dict[int, WorkerDone], progress: RegenerateProgress
-) -> None:
-    """Let the workers finish their current step and close their files, then join them."""
-    deadline = time.monotonic() + 120
-    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-        try:
-            event = events.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        if isinstance(event, WorkerDone):
-            dones[event.worker] = event
-        elif not isinstance(event, WorkerFailed):
-            _apply(progress, event)
-    for process in processes:
-        process.join(timeout=5)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=5)
+def _worker_spec(config: RegenerateConfig, *, worker: int, done: frozenset[str]) -> WorkerSpec[AnswerTask]:
+    placement = config.placement
+    out, failures = _part_paths(config, worker)
+    return WorkerSpec(
+        worker=worker,
+        num_workers=placement.num_workers,
+        device=placement.device_of(worker),
+        cpu_threads=None if placement.gpus else placement.cpu_threads(),
+        task=AnswerTask(config=config, out=out, failures=failures, done=done),
+    )
 
 
 def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
@@ -388,33 +339,13 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
     lock = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        refusal: list[str | None] = [None]
-        if rank == 0:  # rank 0 holds the output's lock for all ranks; all of them stop when it is taken
-            try:
-                lock = lock_output(config)
-            except LockedError as e:
-                refusal = [str(e)]
-        dist.broadcast_object_list(refusal, src=0)
-        if refusal[0] is not None:
-            raise LockedError(refusal[0])
+        lock = _lock_on_rank_0(config, rank)
         start = time.perf_counter()
         repaired = 0
         if rank == 0:
             _, repaired = merge_leftover_parts(config)
         dist.barrier()
-        with (
-            ResumableJsonl(config.out, key=KEY) as out,
-            ResumableJsonl(config.failures_path, key=KEY) as failures,
-        ):
-            done = frozenset(out.keys | failures.keys)
-        config.parts_dir.mkdir(parents=True, exist_ok=True)
-        device = torchrun_device()
-        out_part, failures_part = _part_paths(config, rank)
-        spec = WorkerSpec(
-            config=config, worker=rank, num_workers=world,
-            device=device, cpu_threads=config.placement.threads_per_worker or None,
-            out=out_part, failures=failures_part, done=done,
-        )  # fmt: skip
+        spec = _rank_spec(config, rank=rank, world=world)
         # One bar on rank 0 across all ranks: every rank adds its progress to counters in the store.
         store = dist.distributed_c10d._get_default_store()
         progress = RegenerateProgress(
@@ -458,6 +389,44 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
         if lock is not None:
             lock.release()
         dist.destroy_process_group()
+
+
+def _lock_on_rank_0(config: RegenerateConfig, rank: int) -> DirLock | None:
+    """Rank 0 holds the output's lock for all ranks; all of them stop when it is taken."""
+    import torch.distributed as dist
+
+    lock = None
+    refusal: list[str | None] = [None]
+    if rank == 0:
+        try:
+            lock = lock_output(config)
+        except LockedError as e:
+            refusal = [str(e)]
+    try:
+        dist.broadcast_object_list(refusal, src=0)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    if refusal[0] is not None:
+        raise LockedError(refusal[0])
+    return lock
+
+
+def _rank_spec(config: RegenerateConfig, *, rank: int, world: int) -> WorkerSpec[AnswerTask]:
+    """A rank's worker, once rank 0 has merged the parts of an earlier run: the records done so far."""
+    with (
+        ResumableJsonl(config.out, key=KEY) as out,
+        ResumableJsonl(config.failures_path, key=KEY) as failures,
+    ):
+        done = frozenset(out.keys | failures.keys)
+    config.parts_dir.mkdir(parents=True, exist_ok=True)
+    out_part, failures_part = _part_paths(config, rank)
+    task = AnswerTask(config=config, out=out_part, failures=failures_part, done=done)
+    threads = config.placement.threads_per_worker or None
+    return WorkerSpec(
+        worker=rank, num_workers=world, device=torchrun_device(), cpu_threads=threads, task=task
+    )
 
 
 _STORE = "dflash-regenerate"

@@ -2,17 +2,14 @@
 
 A worker answers the records whose sample id hashes to it (``crc32(sample_id) % num_workers``: disjoint,
 stable across reruns with the same worker count) and writes them to its own JSONL (the output itself
-for a single worker, ``<out>.parts/w<k>.jsonl`` otherwise). Spawned workers (``--gpus`` / ``--workers``)
-report through an event queue, ignore SIGINT (the coordinator decides), and exit when their parent dies.
+for a single worker, ``<out>.parts/w<k>.jsonl`` otherwise). Spawned workers (``--gpus`` / ``--workers``,
+``workers.spawned``) report through an event queue, ignore SIGINT (the coordinator decides), and die with
+their coordinator.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
-import traceback
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash_offline.interrupt import skip_exit_collection
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tally
+from dflash_offline.workers.records import EventSink, StopFlag, WorkerSpec
 
 if TYPE_CHECKING:
     from dflash_offline.regenerate.engine_protocol import Engine
@@ -32,17 +29,12 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class WorkerSpec:
-    """Everything a worker needs (pickled to a spawned process)."""
+class AnswerTask:
+    """What a regenerate worker answers and where it writes (``WorkerSpec.task``, pickled at spawn)."""
 
     config: RegenerateConfig
-    worker: int
-    num_workers: int
-    device: str
-    """``cpu``, ``cuda`` or ``cuda:N``."""
-    cpu_threads: int | None
-    """torch intra-op threads (CPU workers share the cores); None: torch's default."""
     out: Path
+    """This worker's JSONL: the output itself for a single worker, else its part ``w<worker>.jsonl``."""
     failures: Path
     done: frozenset[str]
     """Sample ids written or failed by earlier runs (in the merged output)."""
@@ -82,23 +74,18 @@ class WorkerDone:
     """False when a stop request ended it early."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WorkerFailed:
-    worker: int
-    device: str
-    traceback: str
-
-
 def belongs_to(sample_id: str, worker: int, num_workers: int) -> bool:
     return num_workers == 1 or zlib.crc32(sample_id.encode()) % num_workers == worker
 
 
-def run_worker(spec: WorkerSpec, emit: Callable[[Any], None], should_stop: Callable[[], bool]) -> WorkerDone:
+def run_worker(
+    spec: WorkerSpec[AnswerTask], emit: Callable[[Any], None], should_stop: Callable[[], bool]
+) -> WorkerDone:
     """The worker's whole life in this process; ``emit`` receives the Worker* events above."""
     return answer_records(spec, load_worker(spec, emit), emit, should_stop)
 
 
-def load_worker(spec: WorkerSpec, emit: Callable[[Any], None]) -> LoadedEngine:
+def load_worker(spec: WorkerSpec[AnswerTask], emit: Callable[[Any], None]) -> LoadedEngine:
     """Load the target and build the engine on the worker's device, then emit ``WorkerReady``."""
     device = _bind_device(spec)
     start = time.perf_counter()
@@ -114,7 +101,7 @@ def load_worker(spec: WorkerSpec, emit: Callable[[Any], None]) -> LoadedEngine:
     return loaded
 
 
-def _bind_device(spec: WorkerSpec) -> torch.device:
+def _bind_device(spec: WorkerSpec[AnswerTask]) -> torch.device:
     """This worker's device, made current, and its torch thread count."""
     device = torch.device(spec.device)
     if device.type == "cuda":
@@ -139,13 +126,13 @@ class LoadedEngine:
     """Extra ``regenerated_by`` entries (the served model of ``--engine openai``)."""
 
 
-def _load_engine(spec: WorkerSpec, device: torch.device) -> LoadedEngine:
+def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEngine:
     from dflash_offline.regenerate.engine_protocol import EngineOptions
     from dflash_offline.regenerate.generation import GenerationSettings
     from dflash_offline.regenerate.slot_engine import SlotEngine
     from dflash_offline.target_model.loader import compute_dtype, load_target, stop_token_ids
 
-    config = spec.config
+    config = spec.task.config
     if config.engine == "openai":
         return _load_server_engine(spec)
     target = load_target(config.target, device=device, dtype=compute_dtype(config.dtype, device))
@@ -171,7 +158,7 @@ def _load_engine(spec: WorkerSpec, device: torch.device) -> LoadedEngine:
     )
 
 
-def _load_server_engine(spec: WorkerSpec) -> LoadedEngine:
+def _load_server_engine(spec: WorkerSpec[AnswerTask]) -> LoadedEngine:
     """``--engine openai``: the tokenizer and facts of --target (no weights) and the server's engine."""
     from dflash_offline.regenerate.generation import GenerationSettings
     from dflash_offline.regenerate.openai_engine import (
@@ -181,7 +168,7 @@ def _load_server_engine(spec: WorkerSpec) -> LoadedEngine:
         server_target,
     )
 
-    config = spec.config
+    config = spec.task.config
     target = server_target(config.target)
     options = server_options(config)
     served = probe_server(options, target.tokenizer)
@@ -203,19 +190,22 @@ def _load_server_engine(spec: WorkerSpec) -> LoadedEngine:
     )
 
 
-def _note(spec: WorkerSpec, text: str) -> WorkerNote:
+def _note(spec: WorkerSpec[AnswerTask], text: str) -> WorkerNote:
     return WorkerNote(worker=spec.worker, text=text)
 
 
 def answer_records(
-    spec: WorkerSpec, loaded: LoadedEngine, emit: Callable[[Any], None], should_stop: Callable[[], bool]
+    spec: WorkerSpec[AnswerTask],
+    loaded: LoadedEngine,
+    emit: Callable[[Any], None],
+    should_stop: Callable[[], bool],
 ) -> WorkerDone:
     """Drive this worker's share of the records through the engine into its own JSONL files."""
     from dflash_offline.data.decontaminate import Decontaminator, screen_records
     from dflash_offline.data.sources import iter_records, source_name
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 
-    config, engine = spec.config, loaded.engine
+    config, engine = spec.task.config, loaded.engine
     window = config.window or loaded.batch_size * 2
     completed = False
     gen_start = time.perf_counter()
@@ -223,7 +213,10 @@ def answer_records(
     decontaminator, note = Decontaminator.from_installed() if config.decontaminate else (None, "")
     if note and spec.worker == 0:
         emit(_note(spec, f"regenerate: {note}"))
-    with ResumableJsonl(spec.out, key=KEY) as out, ResumableJsonl(spec.failures, key=KEY) as failures:
+    with (
+        ResumableJsonl(spec.task.out, key=KEY) as out,
+        ResumableJsonl(spec.task.failures, key=KEY) as failures,
+    ):
         own = out.keys | failures.keys
         sink = _sink(spec, loaded, emit, out=out, failures=failures, source=source)
         driver = Driver(
@@ -232,7 +225,7 @@ def answer_records(
             tokenizer=loaded.tokenizer,
             max_prompt_tokens=config.max_prompt_tokens,
             window=window,
-            done=lambda sid: sid in spec.done or sid in own,
+            done=lambda sid: sid in spec.task.done or sid in own,
             mine=lambda sid: belongs_to(sid, spec.worker, spec.num_workers),
         )
         try:
@@ -262,7 +255,7 @@ def answer_records(
 
 
 def _sink(
-    spec: WorkerSpec,
+    spec: WorkerSpec[AnswerTask],
     loaded: LoadedEngine,
     emit: Callable[[Any], None],
     *,
@@ -272,7 +265,7 @@ def _sink(
 ) -> ConversationSink:
     """Where answers go: the output JSONL (with their provenance) and the failures JSONL; every tally
     goes to the coordinator as a ``WorkerProgress``."""
-    config, info = spec.config, loaded.info
+    config, info = spec.task.config, loaded.info
 
     def on_tally(delta: Tally) -> None:
         emit(WorkerProgress(worker=spec.worker, delta=delta))
@@ -295,22 +288,10 @@ def _sink(
     return sink
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A worker whose coordinator died (SIGKILL, OOM killer) exits too, instead of holding its GPU."""
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
-
 class _BatchedEmitter:
     """Sends progress to the coordinator at most every 0.25 s (one event per answer would flood the queue)."""
 
-    def __init__(self, events: Any, worker: int) -> None:
+    def __init__(self, events: EventSink, worker: int) -> None:
         self._events = events
         self._worker = worker
         self._pending = Tally()
@@ -332,17 +313,11 @@ class _BatchedEmitter:
         self._last = time.monotonic()
 
 
-def worker_process(spec: WorkerSpec, events: Any, stop: Any, parent_pid: int) -> None:
-    """Entry point of a spawned worker process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the coordinator decides
-    _exit_with_parent(parent_pid)
+def worker_process(spec: WorkerSpec[AnswerTask], events: EventSink, stop: StopFlag) -> None:
+    """Entry point of a spawned worker (``workers.spawned.spawned_main`` reports its failure)."""
     emit = _BatchedEmitter(events, spec.worker)
     try:
         done = run_worker(spec, emit, stop.is_set)
-        emit.flush()
-        events.put(done)
-        skip_exit_collection()  # the coordinator waits for this exit (seconds of garbage collection else)
-    except BaseException:
-        emit.flush()
-        events.put(WorkerFailed(worker=spec.worker, device=spec.device, traceback=traceback.format_exc()))
-        raise SystemExit(1) from None
+    finally:
+        emit.flush()  # the progress before a failure too
+    events.put(done)

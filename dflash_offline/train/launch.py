@@ -3,68 +3,86 @@ CPU processes over gloo. One process trains in-process (no spawn)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any
 
 import torch
 
-from dflash_offline import errors as errors_module
-from dflash_offline.errors import DflashError
-from dflash_offline.lifeline import die_with_parent, quiet_resource_tracker
 from dflash_offline.locking import acquire_lock, hold_lock
 from dflash_offline.placement import DistInfo, free_port, under_torchrun
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import dist_info_from_env, init_distributed, shutdown
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint
 from dflash_offline.train.loop import TrainResult, train_rank
+from dflash_offline.workers.group import GroupPolicy
+from dflash_offline.workers.records import EventSink, StopFlag, WorkerFailed, WorkerSpec, user_error
+from dflash_offline.workers.spawned import ChildPolicy, SpawnedWorkers, WorkerExit, forwarding_sigint
 from dflash_offline.writable import check_writable_dir
 
 
-def _set_cpu_threads(config: TrainConfig) -> None:
-    threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.world_size)
-    torch.set_num_threads(threads)
+def _cpu_threads(config: TrainConfig) -> int:
+    return config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.world_size)
 
 
 ORPHAN_GRACE_SECONDS = 120.0
-"""A rank whose launcher died stops at its step boundary (torch's spawn sets a SIGINT parent-death
-signal, a stop request here) and checkpoints; one that has not exited this long after is ended
-(a rank blocked in a collective for a dead peer would otherwise live on, holding its GPU)."""
+"""A rank whose launcher died stops at its step boundary (its parent-death signal is SIGINT, a stop
+request here) and checkpoints; one that has not exited this long after is ended (a rank blocked in a
+collective for a dead peer would otherwise live on, holding its GPU)."""
+
+RANK_PROCESS = ChildPolicy(
+    parent_death_signal=signal.SIGINT, orphan_grace_seconds=ORPHAN_GRACE_SECONDS, ignore_sigint=False
+)
+"""A spawned rank handles Ctrl-C itself: it stops at its step boundary with a checkpoint."""
+RANK_GROUP = GroupPolicy(
+    label="rank", resumable="the run", process_name="dflash-train-rank", drain_seconds=30.0
+)
+"""When a rank failed, the others are ended (SIGTERM, SIGKILL ``drain_seconds`` later if still alive)."""
 
 
-def _spawned(local_rank: int, config: TrainConfig, port: int, errors: Any) -> None:
-    die_with_parent(kill_signal=None, grace_seconds=ORPHAN_GRACE_SECONDS)
-    # A terminal's Ctrl-C reaches every worker (and the parent forwards it): stop at the step boundary.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankTask:
+    """What a spawned rank trains (``WorkerSpec.task``, pickled at spawn)."""
+
+    config: TrainConfig
+    port: int
+    """The rendezvous port on 127.0.0.1 (``MASTER_PORT``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankInterrupted:
+    """A spawned rank stopped on request after ``step``, with a checkpoint of that step on disk."""
+
+    worker: int
+    step: int
+
+
+def _rank_main(spec: WorkerSpec[RankTask], events: EventSink, stop: StopFlag) -> None:
+    """Entry point of a spawned rank (``workers.spawned``: it dies with its launcher, and any exception
+    reaches the launcher as ``WorkerFailed``)."""
+    # A terminal's Ctrl-C reaches every rank (and the launcher forwards it): stop at the step boundary.
     with stop_on_sigint(second_aborts=False):
         try:
-            _run_spawned_rank(local_rank, config, port)
+            _run_spawned_rank(spec)
         except TrainInterrupted as e:
-            errors.put(_RankOutcome(rank=local_rank, kind="interrupted", message=str(e), step=e.step))
-            raise SystemExit(130) from None
-        except DflashError as e:
-            # Carried to the parent as its one-line message (mp.spawn would print the traceback).
-            errors.put(_RankOutcome(rank=local_rank, kind=type(e).__name__, message=str(e), step=0))
-            raise SystemExit(2) from None
+            events.put(RankInterrupted(worker=spec.worker, step=e.step))
 
 
-def _run_spawned_rank(local_rank: int, config: TrainConfig, port: int) -> None:
+def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> None:
+    config, rank = spec.task.config, spec.worker
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ["MASTER_PORT"] = str(spec.task.port)
     use_cuda = bool(config.gpus)
     if use_cuda:
         # Rank r drives the r-th listed GPU.
-        torch.cuda.set_device(config.gpus[local_rank])
-    else:
-        _set_cpu_threads(config)
+        torch.cuda.set_device(config.gpus[rank])
+    elif spec.cpu_threads is not None:
+        torch.set_num_threads(spec.cpu_threads)
     info = init_distributed(
-        rank=local_rank,
+        rank=rank,
         world_size=config.world_size,
-        local_rank=config.gpus[local_rank] if use_cuda else local_rank,
+        local_rank=config.gpus[rank] if use_cuda else rank,
         use_cuda=use_cuda,
     )
     try:
@@ -73,64 +91,70 @@ def _run_spawned_rank(local_rank: int, config: TrainConfig, port: int) -> None:
         shutdown(info)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _RankOutcome:
-    """Why a spawned rank stopped early, sent to the parent over a queue."""
-
-    rank: int
-    kind: str
-    """``interrupted`` or the name of the ``DflashError`` subclass raised."""
-    message: str
-    step: int
-    """The step checkpointed before an interrupt (0 otherwise)."""
+def _rank_specs(config: TrainConfig) -> list[WorkerSpec[RankTask]]:
+    task = RankTask(config=config, port=free_port())
+    return [
+        WorkerSpec(
+            worker=rank,
+            num_workers=config.world_size,
+            device=f"cuda:{config.gpus[rank]}" if config.gpus else "cpu",
+            cpu_threads=None if config.gpus else _cpu_threads(config),
+            task=task,
+        )
+        for rank in range(config.world_size)
+    ]
 
 
 def _spawn(config: TrainConfig) -> None:
-    """mp.spawn, but a rank's DflashError or Ctrl-C reaches the caller as itself, not as a traceback."""
+    """One spawned process per rank; a rank's DflashError or Ctrl-C reaches the caller as itself, a rank's
+    bug or death as the error torch's ``mp.spawn`` raised (with the rank's traceback)."""
+    group = SpawnedWorkers(_rank_main, _rank_specs(config), policy=RANK_GROUP, child=RANK_PROCESS)
+    events: list[object] = []
+    group.start()
+    # The launcher only waits: it passes a Ctrl-C on (a kill -INT of the launcher alone must stop the
+    # ranks at a step boundary too; they ignore the repeat a terminal's Ctrl-C also sends them).
+    with forwarding_sigint(group):
+        exited = group.wait_for_exit(events.append)
+        if exited is not None:
+            group.terminate()  # the other ranks would wait for the failed one in their next collective
+        group.drain_and_join(events.append)
+    for event in events:
+        if isinstance(event, RankInterrupted):
+            raise TrainInterrupted(event.step)
+    failures = {event.worker: event for event in events if isinstance(event, WorkerFailed)}
+    for failed in failures.values():
+        error = user_error(failed)
+        if error is not None:
+            raise error  # one line at the CLI
+    if exited is not None:
+        raise _spawn_error(exited, failures.get(exited.worker))
+
+
+def _spawn_error(exited: WorkerExit, failed: WorkerFailed | None) -> Exception:
+    """What torch's ``mp.spawn`` raised for a rank that ended with ``exited`` (its traceback: ``failed``)."""
     import torch.multiprocessing as mp
 
-    quiet_resource_tracker()  # before the first queue: a killed run's semaphores are cleaned up quietly
-    errors = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(
-        _spawned,
-        args=(config, free_port(), errors),
-        nprocs=config.world_size,
-        join=False,
-        start_method="spawn",
-    )
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        # The parent only waits: pass the request on (a kill -INT of the parent alone must stop the
-        # ranks at a step boundary too; they ignore the repeat a terminal's Ctrl-C also sends them).
-        for process in context.processes:
-            if process.is_alive() and process.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGINT)
-
-    previous = (
-        signal.signal(signal.SIGINT, forward)
-        if threading.current_thread() is threading.main_thread()
-        else None
-    )
+    if failed is not None:
+        message = f"\n\n-- Process {exited.worker:d} terminated with the following error:\n{failed.traceback}"
+        return mp.ProcessRaisedException(message, exited.worker, exited.pid)
+    if exited.exit_code >= 0:
+        return mp.ProcessExitedException(
+            f"process {exited.worker:d} terminated with exit code {exited.exit_code:d}",
+            error_index=exited.worker,
+            error_pid=exited.pid,
+            exit_code=exited.exit_code,
+        )
     try:
-        while not context.join():
-            pass
-    except (mp.ProcessExitedException, mp.ProcessRaisedException):
-        outcomes = []
-        while not errors.empty():
-            outcomes.append(errors.get())
-        for outcome in outcomes:
-            if outcome.kind == "interrupted":
-                raise TrainInterrupted(outcome.step) from None
-        for outcome in outcomes:
-            cls = getattr(errors_module, outcome.kind, DflashError)
-            error = cls.__new__(cls)
-            DflashError.__init__(error, outcome.message)
-            raise error from None
-        raise
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        name = signal.Signals(-exited.exit_code).name
+    except ValueError:
+        name = f"<Unknown signal {-exited.exit_code}>"
+    return mp.ProcessExitedException(
+        f"process {exited.worker:d} terminated with signal {name}",
+        error_index=exited.worker,
+        error_pid=exited.pid,
+        exit_code=exited.exit_code,
+        signal_name=name,
+    )
 
 
 def run_training(config: TrainConfig) -> TrainResult | None:
@@ -162,7 +186,7 @@ def _run_training_locked(config: TrainConfig) -> TrainResult | None:
         if config.gpus:
             info = init_distributed(rank=0, world_size=1, local_rank=config.gpus[0], use_cuda=True)
         else:
-            _set_cpu_threads(config)
+            torch.set_num_threads(_cpu_threads(config))
             info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
         return train_rank(config, info)
     start = time.perf_counter()

@@ -13,8 +13,8 @@ from dflash_offline.data.conversations import Conversation, Message, SourceFailu
 from dflash_offline.data.decontaminate import Decontaminator, screen_records
 from dflash_offline.data.question_sets import read_humaneval, read_mt_bench
 from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.feed import plan_events
-from dflash_offline.generate.run import RunContext
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.target_model.loader import load_tokenizer

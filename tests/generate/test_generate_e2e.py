@@ -106,7 +106,7 @@ def test_two_workers_write_the_same_samples_as_one(
     barrier.mkdir()
     (barrier / "expected").write_text("2")
     monkeypatch.setenv(worker_entry.BARRIER_ENV, str(barrier))
-    monkeypatch.setattr("dflash_offline.generate.group.run_worker", worker_entry.run_worker_after_all_ready)
+    monkeypatch.setattr("dflash_offline.generate.run.run_worker", worker_entry.run_worker_after_all_ready)
     config = tiny_config(root, chat_data, placement=Placement(num_cpu_workers=2, threads_per_worker=1))
     summary = run_generate(config)
     assert sorted(w.worker for w in summary.workers) == [0, 1]
@@ -168,7 +168,7 @@ def test_failing_worker_stops_the_run_with_its_traceback(
     tmp_path: Path, chat_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Spawned workers run the production worker through a test entry point whose capture step fails.
-    monkeypatch.setattr("dflash_offline.generate.group.run_worker", worker_entry.run_faulty_worker)
+    monkeypatch.setattr("dflash_offline.generate.run.run_worker", worker_entry.run_faulty_worker)
     config = tiny_config(
         tmp_path / "cache", chat_data, placement=Placement(num_cpu_workers=2, threads_per_worker=1)
     )

@@ -11,6 +11,7 @@ from typing import Any
 
 from dflash_offline.generate import worker
 from dflash_offline.generate.channel import JobChannel
+from dflash_offline.workers.records import WorkerSpec
 
 FAULT_AFTER_JOBS = 2
 BARRIER_ENV = "DFLASH_TEST_BARRIER_DIR"
@@ -22,7 +23,9 @@ def _wrap_capture(wrapper: Any) -> None:
     worker.capture_job = lambda *args, **kwargs: wrapper(real, *args, **kwargs)  # this process only
 
 
-def run_faulty_worker(spec: worker.WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
+def run_faulty_worker(
+    spec: WorkerSpec[worker.CaptureTask], events: Any, stop: Any, channel: JobChannel
+) -> None:
     """``worker.run_worker`` whose ``capture_job`` raises once this process has captured 2 jobs."""
     jobs_done = 0
 
@@ -34,10 +37,12 @@ def run_faulty_worker(spec: worker.WorkerSpec, channel: JobChannel, events: Any,
         return real(*args, **kwargs)
 
     _wrap_capture(capture_job)
-    worker.run_worker(spec, channel, events, stop)
+    worker.run_worker(spec, events, stop, channel)
 
 
-def run_worker_after_all_ready(spec: worker.WorkerSpec, channel: JobChannel, events: Any, stop: Any) -> None:
+def run_worker_after_all_ready(
+    spec: WorkerSpec[worker.CaptureTask], events: Any, stop: Any, channel: JobChannel
+) -> None:
     """``worker.run_worker`` that holds its first job until every worker holds one (a file per worker
     in ``$DFLASH_TEST_BARRIER_DIR``, whose ``expected`` file says how many), so that each takes a job
     however fast the others start."""
@@ -58,7 +63,7 @@ def run_worker_after_all_ready(spec: worker.WorkerSpec, channel: JobChannel, eve
         return real(*args, **kwargs)
 
     _wrap_capture(capture_job)
-    worker.run_worker(spec, channel, events, stop)
+    worker.run_worker(spec, events, stop, channel)
 
 
 HOLD_ENV = "DFLASH_TEST_HOLD_DIR"
@@ -66,7 +71,7 @@ HOLD_ENV = "DFLASH_TEST_HOLD_DIR"
 
 
 def run_worker_held_after_first_job(
-    spec: worker.WorkerSpec, channel: JobChannel, events: Any, stop: Any
+    spec: WorkerSpec[worker.CaptureTask], events: Any, stop: Any, channel: JobChannel
 ) -> None:
     """``worker.run_worker`` that, once it has captured its first job, says so with a file
     ``w<worker>`` in ``$DFLASH_TEST_HOLD_DIR`` and holds that job until the run asks its workers to stop
@@ -82,7 +87,7 @@ def run_worker_held_after_first_job(
         return result
 
     _wrap_capture(capture_job)
-    worker.run_worker(spec, channel, events, stop)
+    worker.run_worker(spec, events, stop, channel)
 
 
 def held_cmd(cmd: list[str], held: Path) -> tuple[list[str], dict[str, str]]:
@@ -105,7 +110,7 @@ if __name__ == "__main__":
     import sys
 
     from dflash_offline.cli import main
-    from dflash_offline.generate import group
+    from dflash_offline.generate import run
 
-    group.run_worker = run_worker_held_after_first_job  # type: ignore[assignment]
+    run.run_worker = run_worker_held_after_first_job  # type: ignore[assignment]
     sys.exit(main())

@@ -11,7 +11,7 @@ import pytest
 
 CHILD = """
 import multiprocessing as mp, os, signal, sys
-from dflash_offline.lifeline import quiet_resource_tracker
+from dflash_offline.workers.lifeline import quiet_resource_tracker
 if sys.argv[1] == "quiet":
     quiet_resource_tracker()
 ctx = mp.get_context("spawn")
