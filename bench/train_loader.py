@@ -52,9 +52,9 @@ from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.train.batch import PackedMicrobatch, StepPlan, schedule_for_rank
+from dflash_offline.train.length_mixing import LengthMixingPlanner
+from dflash_offline.train.microbatch import PackedMicrobatch, StepPlan, schedule_for_rank
 from dflash_offline.train.packing import HostBufferPool
-from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, in_place_feature_width
 from dflash_offline.train.snapshot import IndexSnapshot, take_snapshot
 

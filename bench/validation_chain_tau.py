@@ -38,8 +38,8 @@ from dflash_offline.drafter.loss import block_labels
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.eval.run import load_drafter_for
 from dflash_offline.target_model.loader import load_target
-from dflash_offline.train.batch import AnchorRequest, ScheduledMicrobatch, StepContext
 from dflash_offline.train.groups import GROUPS_FILE, read_groups
+from dflash_offline.train.microbatch import AnchorRequest, ScheduledMicrobatch, StepContext
 from dflash_offline.train.prefetch import Prefetcher
 from dflash_offline.train.snapshot import load_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot

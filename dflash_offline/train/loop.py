@@ -25,7 +25,6 @@ from torch import nn
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.batch import PackedMicrobatch, StepPlan, schedule_for_rank
 from dflash_offline.train.checkpoint import (
     TrainState,
     list_checkpoints,
@@ -39,9 +38,10 @@ from dflash_offline.train.damaged import DamagedLog
 from dflash_offline.train.determinism import seed_everything
 from dflash_offline.train.dist import all_reduce_sum, barrier
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
+from dflash_offline.train.length_mixing import LengthMixingPlanner
 from dflash_offline.train.metrics import StepMetrics, recorded_loss
+from dflash_offline.train.microbatch import PackedMicrobatch, StepPlan, schedule_for_rank
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
-from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, RowReader
 from dflash_offline.train.reporting import FinishedStep, StepReporter
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot

@@ -42,7 +42,7 @@ from dflash_offline.cache.fp8 import Fp8Layout, decode_rows
 from dflash_offline.cache.rows import CachedSample
 from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, WorkerError
-from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
+from dflash_offline.train.microbatch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
 from dflash_offline.train.packing import HostBufferPool, pack_into, pack_layout
 
 AnchorFn = Callable[[AnchorRequest], torch.Tensor]

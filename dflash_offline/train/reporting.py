@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.batch import StepPlan
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.metrics import MetricsLog, StepMetrics, ValidationMetrics
+from dflash_offline.train.microbatch import StepPlan
 from dflash_offline.train.step import StepOutcome
 
 if TYPE_CHECKING:

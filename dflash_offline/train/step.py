@@ -32,9 +32,9 @@ from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.loss import block_labels, decay_weights
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch
 from dflash_offline.train.dist import all_reduce_sum
 from dflash_offline.train.metrics import StepAccumulator, StepTotals
+from dflash_offline.train.microbatch import AnchorRequest, PackedMicrobatch
 
 
 def anchor_sampler(num_anchors: int) -> Callable[[AnchorRequest], torch.Tensor]:

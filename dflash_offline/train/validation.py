@@ -24,8 +24,8 @@ import torch
 from dflash_offline.drafter.attention import AttentionBackend
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.batch import MicrobatchPlan, ScheduledMicrobatch, StepContext, anchor_seed
 from dflash_offline.train.metrics import StepAccumulator, ValidationMetrics
+from dflash_offline.train.microbatch import MicrobatchPlan, ScheduledMicrobatch, StepContext, anchor_seed
 from dflash_offline.train.prefetch import Prefetcher, RowReader
 from dflash_offline.train.snapshot import IndexSnapshot
 from dflash_offline.train.step import anchor_sampler, to_drafter_inputs

@@ -46,10 +46,10 @@ from dflash_offline.generate.run import run_generate
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.target_model.loader import load_target
-from dflash_offline.train.batch import AnchorRequest, ScheduledMicrobatch, StepContext
 from dflash_offline.train.groups import GROUPS_FILE, read_groups
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
+from dflash_offline.train.microbatch import AnchorRequest, ScheduledMicrobatch, StepContext
 from dflash_offline.train.prefetch import Prefetcher
 from dflash_offline.train.snapshot import load_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot, validation_key

@@ -36,7 +36,7 @@ from dflash_offline.eval.speculative import (
 from dflash_offline.generate.run import run_generate
 from dflash_offline.target_model.capture import FeatureCapture
 from dflash_offline.target_model.loader import LoadedTarget, load_target
-from dflash_offline.train.batch import AnchorRequest, MicrobatchPlan, ScheduledMicrobatch, StepContext
+from dflash_offline.train.microbatch import AnchorRequest, MicrobatchPlan, ScheduledMicrobatch, StepContext
 from dflash_offline.train.prefetch import Prefetcher
 from dflash_offline.train.step import to_drafter_inputs
 from tests.eval.helpers import one_thread
