@@ -39,11 +39,10 @@ from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.eval.run import load_drafter_for
 from dflash_offline.target_model.loader import load_target
 from dflash_offline.train.groups import GROUPS_FILE, read_groups
-from dflash_offline.train.microbatch import AnchorRequest, ScheduledMicrobatch, StepContext
+from dflash_offline.train.microbatch import AnchorRequest, ScheduledMicrobatch
 from dflash_offline.train.prefetch import Prefetcher
 from dflash_offline.train.snapshot import load_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
-from dflash_offline.train.step import to_drafter_inputs
 from dflash_offline.train.validation import plan_validation
 
 
@@ -73,25 +72,17 @@ def runs_per_sample(
         jobs = [
             ScheduledMicrobatch(
                 plan=plan,
-                step=StepContext(
-                    epoch=0,
-                    step_in_epoch=0,
-                    global_step=0,
-                    microbatch_in_rank=i,
-                    num_microbatches_in_rank=len(plans),
-                    step_num_tokens=0,
-                    anchor_seed=0,
-                ),
                 reader_rows=tuple(int(r) for r in val.reader_rows_N[list(plan.rows)]),
+                anchor_seed=0,
             )
-            for i, plan in enumerate(plans)
+            for plan in plans
         ]
         with Prefetcher(reader, jobs, device=device, anchor_fn=every_eligible, num_threads=2) as prefetcher:
             for batch in prefetcher:
-                inputs = to_drafter_inputs(batch)
+                inputs = batch.inputs
                 starts = batch.cu_seqlens_D1.tolist()
                 for d, sample_id in enumerate(batch.plan.sample_ids):
-                    mask = batch.loss_mask_T[starts[d] : starts[d + 1]].bool().tolist()
+                    mask = inputs.loss_mask_T[starts[d] : starts[d + 1]].bool().tolist()
                     out[sample_id] = ({}, mask)
                 for c in range(0, inputs.num_anchors, anchor_chunk):
                     anchors_A = inputs.anchors_A[c : c + anchor_chunk]
@@ -106,8 +97,8 @@ def runs_per_sample(
                     correct_AK = ((proposals_AB == labels.label_ids_AB) & labels.valid_AB)[:, 1:]
                     run_A = correct_AK.to(torch.int64).cumprod(dim=1).sum(dim=1).tolist()
                     for a, r in zip(anchors_A.tolist(), run_A, strict=True):
-                        sample_id = batch.plan.sample_ids[int(batch.doc_ids_T[a])]
-                        out[sample_id][0][int(batch.positions_T[a])] = r
+                        sample_id = batch.plan.sample_ids[int(inputs.doc_ids_T[a])]
+                        out[sample_id][0][int(inputs.positions_T[a])] = r
     return out
 
 

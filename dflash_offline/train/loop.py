@@ -10,11 +10,12 @@ checks its flag every step at no cost.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,13 +41,13 @@ from dflash_offline.train.dist import all_reduce_sum, barrier
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
 from dflash_offline.train.length_mixing import LengthMixingPlanner
 from dflash_offline.train.metrics import StepMetrics, recorded_loss
-from dflash_offline.train.microbatch import PackedMicrobatch, StepPlan, schedule_for_rank
+from dflash_offline.train.microbatch import RankSteps
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
 from dflash_offline.train.prefetch import Prefetcher, RowReader
-from dflash_offline.train.reporting import FinishedStep, StepReporter
+from dflash_offline.train.reporting import StepReporter
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
-from dflash_offline.train.step import OptimizerStep, anchor_sampler, to_drafter_inputs
+from dflash_offline.train.step import OptimizerStep, anchor_sampler
 from dflash_offline.train.validation import ValidationSchedule, Validator
 
 
@@ -77,34 +78,6 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int],
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
-
-
-class _StepTracker:
-    """Wraps the planner's step stream so the loop can find each step's plan (for ``step_done`` and
-    the bucket mix) when its microbatches come out of the prefetcher."""
-
-    def __init__(self, steps: Iterator[StepPlan], limit: int) -> None:
-        self._steps = steps
-        self._limit = limit
-        self.by_global_step: dict[int, StepPlan] = {}
-
-    def __iter__(self) -> Iterator[StepPlan]:
-        for step in self._steps:
-            if step.global_step >= self._limit:
-                return
-            self.by_global_step[step.global_step] = step
-            yield step
-
-
-def _steps_of(prefetcher: Prefetcher) -> Iterator[list[PackedMicrobatch]]:
-    """Group the prefetcher's microbatches into this rank's steps."""
-    current: list[PackedMicrobatch] = []
-    for batch in prefetcher:
-        current.append(batch)
-        if batch.step.is_last_in_step:
-            yield current
-            current = []
-    assert not current, "the prefetcher ended inside a step"
 
 
 def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> SplitSnapshots:
@@ -428,8 +401,10 @@ def _run_steps(
     """Run steps from the planner's position to ``total_steps``; True when ``--early-stop`` ended them.
 
     Raises ``TrainInterrupted`` (after a checkpoint) when any rank was asked to stop."""
-    tracker = _StepTracker(opt.planner.iterate(config.epochs), opt.total_steps)
-    jobs = schedule_for_rank(tracker, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)
+    planned = itertools.takewhile(
+        lambda plan: plan.global_step < opt.total_steps, opt.planner.iterate(config.epochs)
+    )
+    steps = RankSteps(planned, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)
     step = OptimizerStep(
         model=opt.model,
         ddp_model=opt.ddp_model,
@@ -443,7 +418,7 @@ def _run_steps(
     )
     with Prefetcher(
         reader,
-        jobs,
+        steps.jobs(),
         device=info.device,
         prefetch=max(config.prefetch, config.grad_accum),
         num_threads=config.loader_threads,
@@ -451,24 +426,24 @@ def _run_steps(
         loss_block_size=opt.model.config.block_size,
     ) as prefetcher:
         step_start = time.perf_counter()
-        for batches in _steps_of(prefetcher):
-            step_plan = tracker.by_global_step.pop(batches[0].step.global_step)
+        for step_plan, batches in steps.regroup(prefetcher):
             _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
-            outcome = step([to_drafter_inputs(b) for b in batches], [b.plan.is_padding for b in batches])
+            outcome = step([b.inputs for b in batches], [b.plan.is_padding for b in batches])
             opt.planner.step_done(step_plan)
             tokens_seen += step_plan.num_tokens
             global_step = step_plan.global_step + 1
-            finished = FinishedStep(
-                plan=step_plan,
-                outcome=outcome,
-                lr=config.lr * opt.lr_factor(global_step),  # the next step's
-                step_seconds=time.perf_counter() - step_start,
-                data_wait_s=sum(b.data_wait_s for b in batches),
-            )
+            step_seconds = time.perf_counter() - step_start
             validated = None
             if validation is not None and validation.due(global_step, opt.total_steps):
                 validated = validation.run(opt.model, global_step)
-            reporter.report(finished, validated)
+            reporter.report(
+                step_plan,
+                outcome,
+                lr=config.lr * opt.lr_factor(global_step),  # the next step's
+                step_seconds=step_seconds,
+                data_wait_s=sum(b.data_wait_s for b in batches),
+                validation=validated,
+            )
             early_stop = validation is not None and validated is not None and validation.should_stop()
             # Under DDP the ranks agree on a stop request where the step's results are read anyway.
             agree = (

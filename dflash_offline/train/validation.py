@@ -25,10 +25,10 @@ from dflash_offline.drafter.attention import AttentionBackend
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.metrics import StepAccumulator, ValidationMetrics
-from dflash_offline.train.microbatch import MicrobatchPlan, ScheduledMicrobatch, StepContext, anchor_seed
+from dflash_offline.train.microbatch import MicrobatchPlan, ScheduledMicrobatch, anchor_seed
 from dflash_offline.train.prefetch import Prefetcher, RowReader
 from dflash_offline.train.snapshot import IndexSnapshot
-from dflash_offline.train.step import anchor_sampler, to_drafter_inputs
+from dflash_offline.train.step import anchor_sampler
 
 VALIDATION_ANCHOR_SEED = 0x7661_6C69
 """The anchor seed of every validation microbatch (with its sample ids): fixed, whatever ``--seed``."""
@@ -94,22 +94,14 @@ class Validator:
     def num_samples(self) -> int:
         return len(self.snapshot)
 
-    def _jobs(self, step: int) -> list[ScheduledMicrobatch]:
+    def _jobs(self) -> list[ScheduledMicrobatch]:
         return [
             ScheduledMicrobatch(
                 plan=plan,
-                step=StepContext(
-                    epoch=0,
-                    step_in_epoch=0,
-                    global_step=step,
-                    microbatch_in_rank=i,
-                    num_microbatches_in_rank=len(self._mine),
-                    step_num_tokens=0,
-                    anchor_seed=anchor_seed(VALIDATION_ANCHOR_SEED, 0, plan.sample_ids),
-                ),
                 reader_rows=tuple(int(r) for r in self.snapshot.reader_rows_N[list(plan.rows)]),
+                anchor_seed=anchor_seed(VALIDATION_ANCHOR_SEED, 0, plan.sample_ids),
             )
-            for i, plan in enumerate(self._mine)
+            for plan in self._mine
         ]
 
     @torch.no_grad()
@@ -119,7 +111,7 @@ class Validator:
         accumulator = StepAccumulator(block_size, self._info.device)
         with Prefetcher(
             self._reader,
-            self._jobs(step),
+            self._jobs(),
             device=self._info.device,
             prefetch=self._prefetch,
             num_threads=self._threads,
@@ -128,7 +120,7 @@ class Validator:
         ) as prefetcher:
             for batch in prefetcher:
                 with self._autocast:
-                    accumulator.add(model(to_drafter_inputs(batch), attention=self._attention))
+                    accumulator.add(model(batch.inputs, attention=self._attention))
         totals = accumulator.reduce(self._info)
         return ValidationMetrics(
             step=step,

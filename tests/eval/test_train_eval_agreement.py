@@ -49,11 +49,10 @@ from dflash_offline.target_model.loader import load_target
 from dflash_offline.train.groups import GROUPS_FILE, read_groups
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
-from dflash_offline.train.microbatch import AnchorRequest, ScheduledMicrobatch, StepContext
+from dflash_offline.train.microbatch import AnchorRequest, ScheduledMicrobatch
 from dflash_offline.train.prefetch import Prefetcher
 from dflash_offline.train.snapshot import load_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot, validation_key
-from dflash_offline.train.step import to_drafter_inputs
 from dflash_offline.train.validation import plan_validation
 from tests.eval.helpers import one_thread
 from tests.generate.helpers import tiny_config
@@ -109,24 +108,16 @@ def _reference_runs(run: Path, model: Any) -> tuple[dict[str, dict[int, int]], d
         jobs = [
             ScheduledMicrobatch(
                 plan=plan,
-                step=StepContext(
-                    epoch=0,
-                    step_in_epoch=0,
-                    global_step=0,
-                    microbatch_in_rank=i,
-                    num_microbatches_in_rank=len(plans),
-                    step_num_tokens=0,
-                    anchor_seed=0,
-                ),
                 reader_rows=tuple(int(r) for r in validation.reader_rows_N[list(plan.rows)]),
+                anchor_seed=0,
             )
-            for i, plan in enumerate(plans)
+            for plan in plans
         ]
         with Prefetcher(
             reader, jobs, device="cpu", anchor_fn=every_eligible, loss_block_size=BLOCK, num_threads=1
         ) as prefetcher:
             for batch in prefetcher:
-                inputs = to_drafter_inputs(batch)
+                inputs = batch.inputs
                 with torch.no_grad():
                     hidden_QH = model.forward_hidden(inputs, attention="sdpa")
                     proposals_AB = (
@@ -138,11 +129,11 @@ def _reference_runs(run: Path, model: Any) -> tuple[dict[str, dict[int, int]], d
                 correct_AK = ((proposals_AB == labels.label_ids_AB) & labels.valid_AB)[:, 1:]
                 run_A = correct_AK.to(torch.int64).cumprod(dim=1).sum(dim=1)
                 for a, r in zip(inputs.anchors_A.tolist(), run_A.tolist(), strict=True):
-                    sample_id = batch.plan.sample_ids[int(batch.doc_ids_T[a])]
-                    runs.setdefault(sample_id, {})[int(batch.positions_T[a])] = r
+                    sample_id = batch.plan.sample_ids[int(inputs.doc_ids_T[a])]
+                    runs.setdefault(sample_id, {})[int(inputs.positions_T[a])] = r
                 starts = batch.cu_seqlens_D1.tolist()
                 for d, sample_id in enumerate(batch.plan.sample_ids):
-                    ids[sample_id] = batch.input_ids_T[starts[d] : starts[d + 1]].tolist()
+                    ids[sample_id] = inputs.input_ids_T[starts[d] : starts[d + 1]].tolist()
     return runs, ids
 
 

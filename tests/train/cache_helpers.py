@@ -105,4 +105,7 @@ PACKED_TENSORS = (
 
 def as_host_dict(batch: PackedMicrobatch) -> dict[str, torch.Tensor]:
     """The batch's tensors on the CPU, by name."""
-    return {name: getattr(batch, name).cpu() for name in PACKED_TENSORS}
+    return {
+        name: (batch.cu_seqlens_D1 if name == "cu_seqlens_D1" else getattr(batch.inputs, name)).cpu()
+        for name in PACKED_TENSORS
+    }

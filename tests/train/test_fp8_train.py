@@ -94,7 +94,7 @@ def delivered(root: Path, device: str, *, decode_on_device: bool | None) -> list
             out = []
             for batch, job in zip(prefetcher, jobs, strict=True):
                 assert batch.plan == job.plan
-                assert batch.features_TF.device.type == torch.device(device).type
+                assert batch.inputs.features_TF.device.type == torch.device(device).type
                 out.append({**as_host_dict(batch), "sample_ids": job.plan.sample_ids})
     return out
 
