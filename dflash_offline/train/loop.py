@@ -48,7 +48,7 @@ from dflash_offline.train.reporting import StepReporter
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
 from dflash_offline.train.step import OptimizerStep, anchor_sampler
-from dflash_offline.train.validation import ValidationSchedule, Validator
+from dflash_offline.train.validation import ValidationMetrics, ValidationSchedule, Validator
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -249,49 +249,17 @@ def _train(
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
 ) -> TrainResult:
-    from dflash_offline.drafter.export import export_drafter
-
+    """Set up (or resume) the optimization, train until the end or an early stop, export."""
     opt = _setup_optimization(config, info, setup.model, split.train)
     if config.compile:
         opt.model.compile_training()
     state = _resume(config, info, opt)
-    if state is not None and info.is_main:
-        left = opt.total_steps - state.global_step
-        print(
-            f"dflash train: resumed from the checkpoint of step {state.global_step} of {opt.total_steps}"
-            + (f" ({left} steps to go)" if left > 0 else " (nothing left to train)"),
-            file=sys.stderr,
-            flush=True,
-        )
     if state is None and config.export_initial and info.is_main:
+        from dflash_offline.drafter.export import export_drafter
+
         export_drafter(opt.model, config.out_dir / "drafter-initial")
-    validation = None
-    if split.validation is not None:
-        validator = Validator(
-            split.validation,
-            reader,
-            info=info,
-            tokens_per_microbatch=config.tokens_per_microbatch,
-            prefetch=config.prefetch,
-            loader_threads=config.loader_threads,
-            attention=config.attention,
-            autocast=_autocast(config, info),
-        )
-        validation = ValidationSchedule(
-            validator,
-            state={} if state is None else state.validation,
-            val_every=config.val_every,
-            early_stop=config.early_stop,
-            best_export_dir=config.out_dir / "drafter" if config.export_at_end and info.is_main else None,
-        )
-    stopped_early = validation is not None and validation.should_stop()
-    if stopped_early and info.is_main and validation is not None:
-        print(
-            f"dflash train: {validation.stop_reason()} at step {opt.planner.position.global_step}; nothing "
-            "to do (raise --early-stop, or leave it out, to train on)",
-            file=sys.stderr,
-            flush=True,
-        )
+    validation = _validation_schedule(config, info, split, reader, state)
+    stopped_early = _stopped_before_start(info, opt, validation)
     last_loss = None
     if not stopped_early:
         reporter = StepReporter(config, info, opt.total_steps, opt.planner.position.global_step, on_step)
@@ -312,15 +280,7 @@ def _train(
     if last_loss is None and state is not None and info.is_main:
         # No step ran here (a finished run rerun, or stopped early): the loss the run recorded last.
         last_loss = recorded_loss(config.out_dir / "metrics.jsonl", step=opt.planner.position.global_step)
-
-    export_dir = None
-    if config.export_at_end and info.is_main:
-        if validation is None:
-            export_dir = export_drafter(opt.model, config.out_dir / "drafter")
-        else:
-            # RUN/drafter is the best validation τ's export (written when it was measured).
-            export_drafter(opt.model, config.out_dir / "drafter-last")
-            export_dir = config.out_dir / "drafter"
+    export_dir = _export_at_end(config, info, opt, validation)
     barrier(info)
     tracker = validation.tracker if validation is not None else None
     return TrainResult(
@@ -333,6 +293,60 @@ def _train(
         best_validation_step=0 if tracker is None else tracker.best_step,
         stopped_early=stopped_early,
     )
+
+
+def _validation_schedule(
+    config: TrainConfig, info: DistInfo, split: SplitSnapshots, reader: RowReader, state: TrainState | None
+) -> ValidationSchedule | None:
+    """The run's validation (None without a split), its tracker restored from ``state``."""
+    if split.validation is None:
+        return None
+    validator = Validator(
+        split.validation,
+        reader,
+        info=info,
+        tokens_per_microbatch=config.tokens_per_microbatch,
+        prefetch=config.prefetch,
+        loader_threads=config.loader_threads,
+        attention=config.attention,
+        autocast=_autocast(config, info),
+    )
+    return ValidationSchedule(
+        validator,
+        state={} if state is None else state.validation,
+        val_every=config.val_every,
+        early_stop=config.early_stop,
+        best_export_dir=config.out_dir / "drafter" if config.export_at_end and info.is_main else None,
+    )
+
+
+def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None) -> bool:
+    """True (and said once) when the resumed run had already stopped early: no step is left to run."""
+    if validation is None or not validation.should_stop():
+        return False
+    if info.is_main:
+        print(
+            f"dflash train: {validation.stop_reason()} at step {opt.planner.position.global_step}; nothing "
+            "to do (raise --early-stop, or leave it out, to train on)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return True
+
+
+def _export_at_end(
+    config: TrainConfig, info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None
+) -> Path | None:
+    """Export the drafter (rank 0, unless ``export_at_end`` is off); the directory of the run's drafter."""
+    from dflash_offline.drafter.export import export_drafter
+
+    if not (config.export_at_end and info.is_main):
+        return None
+    if validation is None:
+        return export_drafter(opt.model, config.out_dir / "drafter")
+    # RUN/drafter is the best validation τ's export (written when it was measured).
+    export_drafter(opt.model, config.out_dir / "drafter-last")
+    return config.out_dir / "drafter"
 
 
 def _setup_optimization(
@@ -384,6 +398,14 @@ def _resume(config: TrainConfig, info: DistInfo, opt: _Optimization) -> TrainSta
         group["weight_decay"] = config.weight_decay
     opt.planner.load_state_dict(state.planner, allow_topology_change=config.allow_topology_change)
     set_rng_state(state.rng)
+    if info.is_main:
+        left = opt.total_steps - state.global_step
+        print(
+            f"dflash train: resumed from the checkpoint of step {state.global_step} of {opt.total_steps}"
+            + (f" ({left} steps to go)" if left > 0 else " (nothing left to train)"),
+            file=sys.stderr,
+            flush=True,
+        )
     return state
 
 
@@ -405,17 +427,7 @@ def _run_steps(
         lambda plan: plan.global_step < opt.total_steps, opt.planner.iterate(config.epochs)
     )
     steps = RankSteps(planned, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)
-    step = OptimizerStep(
-        model=opt.model,
-        ddp_model=opt.ddp_model,
-        params=opt.params,
-        optimizer=opt.optimizer,
-        drafter_config=opt.model.config,
-        info=info,
-        grad_clip=config.grad_clip,
-        attention=config.attention,
-        autocast=_autocast(config, info),
-    )
+    step = _optimizer_step(config, info, opt)
     with Prefetcher(
         reader,
         steps.jobs(),
@@ -444,30 +456,59 @@ def _run_steps(
                 data_wait_s=sum(b.data_wait_s for b in batches),
                 validation=validated,
             )
-            early_stop = validation is not None and validated is not None and validation.should_stop()
-            # Under DDP the ranks agree on a stop request where the step's results are read anyway.
-            agree = (
-                reporter.is_log_step(global_step)
-                or validated is not None
-                or _is_checkpoint_step(config, opt, global_step)
-            )
-            _checkpoint_or_stop(
-                config,
-                info,
-                opt,
-                global_step,
-                tokens_seen,
-                validation,
-                checkpoint_now=early_stop,
-                check_stop=not early_stop and (agree or not info.distributed),
-            )
-            if early_stop:
-                if info.is_main and validation is not None:
-                    note = f"{validation.stop_reason()}: stopped after step {global_step}, checkpoint written"
-                    print(f"dflash train: {note}", file=sys.stderr, flush=True)
+            if _stops_after(config, info, opt, reporter, validation, global_step, tokens_seen, validated):
                 return True
             step_start = time.perf_counter()
     return False
+
+
+def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> OptimizerStep:
+    return OptimizerStep(
+        model=opt.model,
+        ddp_model=opt.ddp_model,
+        params=opt.params,
+        optimizer=opt.optimizer,
+        drafter_config=opt.model.config,
+        info=info,
+        grad_clip=config.grad_clip,
+        attention=config.attention,
+        autocast=_autocast(config, info),
+    )
+
+
+def _stops_after(
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    reporter: StepReporter,
+    validation: ValidationSchedule | None,
+    global_step: int,
+    tokens_seen: int,
+    validated: ValidationMetrics | None,
+) -> bool:
+    """After step ``global_step``: checkpoint when one is due; True (after a checkpoint) when
+    ``--early-stop`` ends the run here; raises ``TrainInterrupted`` when any rank was asked to stop."""
+    early_stop = validation is not None and validated is not None and validation.should_stop()
+    # Under DDP the ranks agree on a stop request where the step's results are read anyway.
+    agree = (
+        reporter.is_log_step(global_step)
+        or validated is not None
+        or _is_checkpoint_step(config, opt, global_step)
+    )
+    _checkpoint_or_stop(
+        config,
+        info,
+        opt,
+        global_step,
+        tokens_seen,
+        validation,
+        checkpoint_now=early_stop,
+        check_stop=not early_stop and (agree or not info.distributed),
+    )
+    if early_stop and info.is_main and validation is not None:
+        note = f"{validation.stop_reason()}: stopped after step {global_step}, checkpoint written"
+        print(f"dflash train: {note}", file=sys.stderr, flush=True)
+    return early_stop
 
 
 def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContextManager[Any]:
