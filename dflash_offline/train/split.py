@@ -127,6 +127,5 @@ def validation_split_of_run(run_dir: Path) -> IndexSnapshot | None:
             return None
         groups = read_groups(run_dir / GROUPS_FILE)
     snapshot = read_snapshot(run_dir / SNAPSHOT_FILE)
-    return split_snapshot(
-        snapshot, fraction=float(fraction), num_samples=num_samples, groups=groups
-    ).validation
+    split = split_snapshot(snapshot, fraction=float(fraction), num_samples=num_samples, groups=groups)
+    return split.validation
