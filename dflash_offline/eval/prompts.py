@@ -159,8 +159,8 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
 
 
 def _without_training_cache(cache_dir: Path | None, *, drafter_dir: Path, inferred: bool) -> HeldOut:
-    """Nothing excluded, and why, when there is no training cache to read (``--exclude-cache`` that is
-    not a cache is refused)."""
+    """Nothing excluded, and why, when there is no training cache to read (a cache named explicitly that
+    is not one is refused)."""
     if cache_dir is None:
         note = (
             f"held-out not guaranteed: {drafter_dir} is not inside a `dflash train` run and no "

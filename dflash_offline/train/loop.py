@@ -487,7 +487,7 @@ def _stops_after(
     validated: ValidationMetrics | None,
 ) -> bool:
     """After step ``global_step``: checkpoint when one is due; True (after a checkpoint) when
-    ``--early-stop`` ends the run here; raises ``TrainInterrupted`` when any rank was asked to stop."""
+    the early stop ends the run here; raises ``TrainInterrupted`` when any rank was asked to stop."""
     early_stop = validation is not None and validated is not None and validation.should_stop()
     # Under DDP the ranks agree on a stop request where the step's results are read anyway.
     agree = (
