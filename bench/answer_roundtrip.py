@@ -32,35 +32,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.first_turns import first_turns  # noqa: E402
 from dflash_offline.data.conversations import Conversation, Message  # noqa: E402
-from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.template import tokenize_conversation  # noqa: E402
-from dflash_offline.data.user_groups import user_groups  # noqa: E402
-from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
 from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
 from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
 from dflash_offline.target_model.loader import load_target, stop_token_ids  # noqa: E402
-
-
-def first_turns(tokenizer: Any, data: str | None, limit: int, max_prompt_tokens: int) -> list[Any]:
-    """(conversation, first user group, prompt ids) of the first ``limit`` records that fit."""
-    turns: list[tuple[Conversation, tuple[Message, ...], list[int]]] = []
-    for item in iter_records(data):
-        if len(turns) == limit:
-            break
-        if not isinstance(item, Conversation):
-            continue
-        groups = user_groups(item.messages)
-        if not groups:
-            continue
-        try:
-            ids = render_prompt(tokenizer, [{"role": m.role, "content": m.content} for m in groups[0]])
-        except Exception:  # a record the template refuses is not part of the measurement
-            continue
-        if len(ids) <= max_prompt_tokens:
-            turns.append((item, groups[0], ids))
-    return turns
 
 
 def answer(model: Any, prompts: list[list[int]], settings: GenerationSettings, batch: int) -> list[Any]:
@@ -144,16 +122,17 @@ def main() -> None:
     t0 = time.perf_counter()
     target = load_target(args.target, device=torch.device("cpu"), dtype=torch.float32)
     tokenizer = target.tokenizer
-    turns = first_turns(tokenizer, args.data, args.limit, args.max_prompt_tokens)
+    turns = first_turns(tokenizer, args.data, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit)
     stop = stop_token_ids(tokenizer, target.model)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop)
-    generated = answer(target.model, [ids for _, _, ids in turns], settings, args.batch_size)
+    generated = answer(target.model, [turn.prompt_ids for turn in turns], settings, args.batch_size)
     seconds = time.perf_counter() - t0
 
     affected = with_ids_affected = tokens = engine_tokens_affected = canonical_tokens_affected = unaligned = 0
     by_kind: dict[str, int] = {}
     stretches = []
-    for (conv, group, prompt), gen in zip(turns, generated, strict=True):
+    for turn, gen in zip(turns, generated, strict=True):
+        conv, group, prompt = turn.conversation, turn.messages, turn.prompt_ids
         engine_ids = list(gen.token_ids)
         text = tokenizer.decode(engine_ids, skip_special_tokens=False)
         tokens += len(engine_ids)

@@ -37,12 +37,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.first_turns import first_turns  # noqa: E402
 from bench.reference_engines import ReferenceOptions, reference_engine  # noqa: E402
-from dflash_offline.data.conversations import Conversation  # noqa: E402
-from dflash_offline.data.sources import iter_records  # noqa: E402
-from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.decode import DecodeEngine, EngineSettings, SingleSequence  # noqa: E402
-from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
 from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
 from dflash_offline.regenerate.generation import GenerationSettings  # noqa: E402
 from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
@@ -84,27 +81,6 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def first_turn_prompts(
-    tokenizer: Any, data: str | None, need: int, max_prompt_tokens: int
-) -> list[list[int]]:
-    prompts: list[list[int]] = []
-    for item in iter_records(data):
-        if not isinstance(item, Conversation):
-            continue
-        groups = user_groups(item.messages)
-        if not groups:
-            continue
-        try:
-            ids = render_prompt(tokenizer, [{"role": m.role, "content": m.content} for m in groups[0]])
-        except Exception:  # a record the template refuses is not part of the benchmark
-            continue
-        if len(ids) <= max_prompt_tokens:
-            prompts.append(ids)
-            if len(prompts) >= need:
-                break
-    return prompts
 
 
 def drafter_layers(num_layers: int) -> tuple[int, ...]:
@@ -522,7 +498,12 @@ def main() -> None:
     from dflash_offline.target_model.loader import load_tokenizer
 
     tokenizer = load_tokenizer("random:tiny")
-    prompts = first_turn_prompts(tokenizer, args.data, 16 if args.quick else 1100, 1024)
+    prompts = [
+        turn.prompt_ids
+        for turn in first_turns(
+            tokenizer, args.data, max_prompt_tokens=1024, limit=16 if args.quick else 1100
+        )
+    ]
     lengths = [len(p) for p in prompts]
     report.note(f"{len(prompts)} prompts, mean {statistics.mean(lengths):.0f} tokens, max {max(lengths)}")
     sections = args.sections.split(",")

@@ -28,11 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.first_turns import first_turns  # noqa: E402
 from bench.reference_engines import DEFAULT_KV_TOKENS, ReferenceOptions, reference_engine  # noqa: E402
-from dflash_offline.data.conversations import Conversation  # noqa: E402
-from dflash_offline.data.sources import iter_records  # noqa: E402
-from dflash_offline.data.user_groups import user_groups  # noqa: E402
-from dflash_offline.regenerate.driver import render_prompt  # noqa: E402
 from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings  # noqa: E402
 from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
@@ -42,25 +39,6 @@ from dflash_offline.target_model.loader import (  # noqa: E402
     resolve_device,
     stop_token_ids,
 )
-
-
-def first_turn_prompts(
-    tokenizer: Any, data: str | None, limit: int, max_prompt_tokens: int
-) -> list[list[int]]:
-    prompts = []
-    for item in iter_records(data, limit=limit):
-        if not isinstance(item, Conversation):
-            continue
-        groups = user_groups(item.messages)
-        if not groups:
-            continue
-        try:
-            ids = render_prompt(tokenizer, [{"role": m.role, "content": m.content} for m in groups[0]])
-        except Exception:  # a record the template refuses is not part of the benchmark
-            continue
-        if len(ids) <= max_prompt_tokens:
-            prompts.append(ids)
-    return prompts
 
 
 def make_engine(
@@ -187,7 +165,12 @@ def main() -> None:
     target = load_target(args.target, device=device, dtype=dtype)
     load_seconds = time.perf_counter() - t0
     tokenizer = target.tokenizer
-    prompts = first_turn_prompts(tokenizer, args.data, args.limit, args.max_prompt_tokens)
+    prompts = [
+        turn.prompt_ids
+        for turn in first_turns(
+            tokenizer, args.data, max_prompt_tokens=args.max_prompt_tokens, records=args.limit
+        )
+    ]
     stop = stop_token_ids(tokenizer, target.model)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop))
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop)

@@ -22,7 +22,8 @@ drafter step at Qwen3-8B width: per microbatch the consumer touches the features
 the GPU busy for step_ms / grad_accum with ``torch.cuda._sleep``, and synchronises at the end of each
 step (as ``loss.item()`` would). ``--step-hook pkg.module:factory`` runs a real step instead:
 ``factory(feature_width=..., device=..., tokens_per_microbatch=...)`` returns a callable taking one
-``PackedMicrobatch``; it must synchronise at ``batch.step.is_last_in_step`` as a real loop does.
+step's ``PackedMicrobatch`` list (``RankSteps.regroup``, as the loop takes them); it must synchronise at
+the end of the step as a real loop does.
 
     .venv/bin/python bench/train_loader.py                      # CPU, ~1 GB of samples
     .venv/bin/python bench/train_loader.py --num-samples 64 --simulated-step-ms 50
@@ -39,7 +40,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,15 +53,22 @@ from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.train.batch import PackedMicrobatch, StepPlan, schedule_for_rank
+from dflash_offline.train.length_mixing import LengthMixingPlanner
+from dflash_offline.train.microbatch import (
+    PackedMicrobatch,
+    RankSteps,
+    ScheduledMicrobatch,
+    StepPlan,
+    schedule_for_rank,
+)
 from dflash_offline.train.packing import HostBufferPool
-from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, in_place_feature_width
 from dflash_offline.train.snapshot import IndexSnapshot, take_snapshot
 
 EDGES = (256, 512, 1024, 2048, 4096)
 _HOST_POOL = HostBufferPool(max_buffers=8)
-StepFn = Callable[[PackedMicrobatch], None]
+StepFn = Callable[[list[PackedMicrobatch]], None]
+"""One optimizer step over this rank's microbatches of the step."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -196,9 +204,8 @@ def time_torch_load(paths: list[Path], threads: int) -> Throughput:
 
 
 def make_prefetcher(
-    reader: CacheReader, snap: IndexSnapshot, steps: list[StepPlan], args: argparse.Namespace
+    reader: CacheReader, jobs: Iterable[ScheduledMicrobatch], args: argparse.Namespace
 ) -> Prefetcher:
-    jobs = schedule_for_rank(steps, rank=0, seed=args.seed, reader_rows_N=snap.reader_rows_N)
     return Prefetcher(
         reader,
         jobs,
@@ -213,7 +220,8 @@ def time_prefetcher(
     reader: CacheReader, snap: IndexSnapshot, steps: list[StepPlan], args: argparse.Namespace
 ) -> Throughput:
     start, cpu_start = time.perf_counter(), time.process_time()
-    with make_prefetcher(reader, snap, steps, args) as prefetcher:
+    jobs = schedule_for_rank(steps, rank=0, seed=args.seed, reader_rows_N=snap.reader_rows_N)
+    with make_prefetcher(reader, jobs, args) as prefetcher:
         num_samples = num_bytes = 0
         for batch in prefetcher:
             num_samples += batch.num_documents
@@ -243,15 +251,16 @@ def simulated_step(step_ms: float, device: torch.device) -> StepFn:
         torch.cuda.synchronize()
         cycles_per_ms = 10_000_000 / ((time.perf_counter() - start) * 1e3)
 
-    def run(batch: PackedMicrobatch) -> None:
-        per_microbatch_ms = step_ms / batch.step.num_microbatches_in_rank
+    def run(batches: list[PackedMicrobatch]) -> None:
+        per_microbatch_ms = step_ms / len(batches)
+        for batch in batches:
+            if device.type == "cuda":
+                batch.inputs.features_TF.view(torch.int16).amax()  # reads the copy on the consumer's stream
+                torch.cuda._sleep(int(per_microbatch_ms * cycles_per_ms))
+            else:
+                time.sleep(per_microbatch_ms / 1e3)
         if device.type == "cuda":
-            batch.features_TF.view(torch.int16).amax()  # reads the copy on the consumer's stream
-            torch.cuda._sleep(int(per_microbatch_ms * cycles_per_ms))
-            if batch.step.is_last_in_step:
-                torch.cuda.synchronize()  # the loop's loss.item() / optimizer step
-        else:
-            time.sleep(per_microbatch_ms / 1e3)
+            torch.cuda.synchronize()  # the loop's loss.item() / optimizer step
 
     return run
 
@@ -273,13 +282,12 @@ def measure_wait(
     step_waits: dict[int, float] = {}
     start = time.perf_counter()
     first_step_end = None
-    with make_prefetcher(reader, snap, steps, args) as prefetcher:
-        for batch in prefetcher:
-            step_waits[batch.step.global_step] = (
-                step_waits.get(batch.step.global_step, 0.0) + batch.data_wait_s
-            )
-            step_fn(batch)
-            if first_step_end is None and batch.step.is_last_in_step:
+    rank_steps = RankSteps(steps, rank=0, seed=args.seed, reader_rows_N=snap.reader_rows_N)
+    with make_prefetcher(reader, rank_steps.jobs(), args) as prefetcher:
+        for step, batches in rank_steps.regroup(prefetcher):
+            step_waits[step.global_step] = sum(batch.data_wait_s for batch in batches)
+            step_fn(batches)
+            if first_step_end is None:
                 first_step_end = time.perf_counter()
     end = time.perf_counter()
     wall = end - start
@@ -323,7 +331,7 @@ def main() -> None:
         "--cold", action="store_true", help="evict the files from the page cache before each pass"
     )
     parser.add_argument("--simulated-step-ms", type=float, default=0.0)
-    parser.add_argument("--step-hook", help="pkg.module:factory returning a per-microbatch step callable")
+    parser.add_argument("--step-hook", help="pkg.module:factory returning a per-step callable")
     parser.add_argument("--epochs", type=int, default=1, help="epochs for the data-wait measurement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

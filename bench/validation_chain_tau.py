@@ -2,7 +2,8 @@
 
 Runs the drafter's training forward (the validation split's packing and cached features, as
 ``dflash train``'s validator does) at *every* eligible anchor of the run's validation samples, keeps the
-leading run of correct block positions at each, and reports, on the same teacher-forced drafts:
+leading run of correct block positions at each (``train/validation.py:acceptance_at_every_anchor``), and
+reports, on the same teacher-forced drafts:
 
 - ``uniform``: 1 + the mean run over every eligible anchor: train's ``val_block_tau`` (its anchors are a
   uniform draw of these);
@@ -26,89 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dflash_offline.cache.reader import CacheReader
-from dflash_offline.drafter.anchors import eligible_anchor_mask
-from dflash_offline.drafter.loss import block_labels
-from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.eval.run import load_drafter_for
 from dflash_offline.target_model.loader import load_target
-from dflash_offline.train.batch import AnchorRequest, ScheduledMicrobatch, StepContext
-from dflash_offline.train.groups import GROUPS_FILE, read_groups
-from dflash_offline.train.prefetch import Prefetcher
-from dflash_offline.train.snapshot import load_snapshot
-from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
-from dflash_offline.train.step import to_drafter_inputs
-from dflash_offline.train.validation import plan_validation
-
-
-def runs_per_sample(
-    run: Path, model: DFlashDrafter, *, device: str, anchor_chunk: int
-) -> dict[str, tuple[dict[int, int], list[bool]]]:
-    """sample id → ({position: leading run of correct positions at that anchor}, loss mask)."""
-    config = json.loads((run / "config.json").read_text())
-    block = model.config.block_size
-    groups = read_groups(run / GROUPS_FILE) if config.get("val_group") == "root-id" else None
-    out: dict[str, tuple[dict[int, int], list[bool]]] = {}
-
-    def every_eligible(request: AnchorRequest) -> torch.Tensor:
-        return torch.nonzero(eligible_anchor_mask(request.loss_mask_T, request.doc_ids_T)).flatten()
-
-    with CacheReader.open(Path(config["cache_dir"])) as reader:
-        split = split_snapshot(
-            load_snapshot(run / SNAPSHOT_FILE, reader),
-            fraction=config.get("val_fraction", 0.0),
-            num_samples=config.get("val_samples"),
-            groups=groups,
-        )
-        if split.validation is None:
-            raise SystemExit(f"{run}: no validation split")
-        val = split.validation
-        plans = plan_validation(val, tokens_per_microbatch=config["tokens_per_microbatch"])
-        jobs = [
-            ScheduledMicrobatch(
-                plan=plan,
-                step=StepContext(
-                    epoch=0,
-                    step_in_epoch=0,
-                    global_step=0,
-                    microbatch_in_rank=i,
-                    num_microbatches_in_rank=len(plans),
-                    step_num_tokens=0,
-                    anchor_seed=0,
-                ),
-                reader_rows=tuple(int(r) for r in val.reader_rows_N[list(plan.rows)]),
-            )
-            for i, plan in enumerate(plans)
-        ]
-        with Prefetcher(reader, jobs, device=device, anchor_fn=every_eligible, num_threads=2) as prefetcher:
-            for batch in prefetcher:
-                inputs = to_drafter_inputs(batch)
-                starts = batch.cu_seqlens_D1.tolist()
-                for d, sample_id in enumerate(batch.plan.sample_ids):
-                    mask = batch.loss_mask_T[starts[d] : starts[d + 1]].bool().tolist()
-                    out[sample_id] = ({}, mask)
-                for c in range(0, inputs.num_anchors, anchor_chunk):
-                    anchors_A = inputs.anchors_A[c : c + anchor_chunk]
-                    chunk = replace(inputs, anchors_A=anchors_A, loss_rows_N=None)
-                    with torch.no_grad():
-                        hidden_QH = model.forward_hidden(chunk, attention="auto")
-                        logits = hidden_QH.view(len(anchors_A), block, -1) @ model.lm_head_VH.T
-                        proposals_AB = logits.argmax(-1)
-                    labels = block_labels(
-                        inputs.input_ids_T, inputs.loss_mask_T, inputs.doc_ids_T, anchors_A, block
-                    )
-                    correct_AK = ((proposals_AB == labels.label_ids_AB) & labels.valid_AB)[:, 1:]
-                    run_A = correct_AK.to(torch.int64).cumprod(dim=1).sum(dim=1).tolist()
-                    for a, r in zip(anchors_A.tolist(), run_A, strict=True):
-                        sample_id = batch.plan.sample_ids[int(batch.doc_ids_T[a])]
-                        out[sample_id][0][int(batch.positions_T[a])] = r
-    return out
+from dflash_offline.train.validation import acceptance_at_every_anchor
 
 
 def turn_starts(mask: list[bool]) -> list[int]:
@@ -143,10 +69,13 @@ def main() -> None:
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     target = load_target(target_spec, device=args.device, dtype=dtype)
     model = load_drafter_for(target, args.drafter or args.run / "drafter", dtype=dtype)
-    per_sample = runs_per_sample(args.run, model, device=args.device, anchor_chunk=args.anchor_chunk)
+    per_sample = acceptance_at_every_anchor(
+        args.run, model, device=args.device, anchor_chunk=args.anchor_chunk, loader_threads=2
+    )
     uniform, uniform_first, chain_first, chain_all = [], [], [], []
     M = args.max_new_tokens
-    for runs, mask in per_sample.values():
+    for sample in per_sample.values():
+        runs, mask = sample.accepted_by_position, sample.loss_mask
         uniform += list(runs.values())
         starts = turn_starts(mask)
         if not starts:

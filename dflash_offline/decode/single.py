@@ -292,13 +292,7 @@ class SingleSequence:
         while not is_done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=checked):
             checked = len(tokens)
             if host is not None:
-                draft_K = host.propose(
-                    new_features_CF=new_features_CF, anchor_token=tokens[-1], anchor_position=n
-                )
-                assert draft_K.shape == (B - 1,), (
-                    f"the drafter proposed {tuple(draft_K.shape)}, expected {B - 1}"
-                )
-                spec.draft_K.copy_(draft_K)
+                _host_draft(host, spec, new_features_CF, anchor_token=tokens[-1], anchor_position=n)
             self.graphs.run(*step_for(self.cache.attend_len(n + B)), spec.mutated())
             a, *predictions = spec.out_1B1.tolist()  # the cycle's one host sync
             accepted.append(a)
@@ -316,6 +310,23 @@ class SingleSequence:
             decode_seconds=t2 - t1,
             num_target_forwards=len(accepted),
         )
+
+
+def _host_draft(
+    host: BlockDrafter,
+    spec: _SpecBuffers,
+    new_features_CF: torch.Tensor,
+    *,
+    anchor_token: int,
+    anchor_position: int,
+) -> None:
+    """A host drafter's proposal for the block at ``anchor_position``, into the cycle's draft buffer."""
+    B = spec.block_size
+    draft_K = host.propose(
+        new_features_CF=new_features_CF, anchor_token=anchor_token, anchor_position=anchor_position
+    )
+    assert draft_K.shape == (B - 1,), f"the drafter proposed {tuple(draft_K.shape)}, expected {B - 1}"
+    spec.draft_K.copy_(draft_K)
 
 
 class _SpecBuffers:

@@ -313,21 +313,8 @@ class DFlashDrafter(nn.Module):
         cfg = self.config
         B = cfg.block_size
         dev = inputs.anchors_A.device
-        K = B - 1
         if inputs.num_anchors == 0:
-            # Still touch every parameter, so that DDP's reducer sees a gradient for each of them.
-            zero = sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros((), device=dev))
-            zi = torch.zeros((), dtype=torch.int64, device=dev)
-            return DrafterOutput(
-                loss=zero.float(),
-                weighted_ce_sum=zero.float(),
-                weight_sum=torch.zeros((), device=dev),
-                correct_K=torch.zeros(K, dtype=torch.int64, device=dev),
-                total_K=torch.zeros(K, dtype=torch.int64, device=dev),
-                accepted_prefix_sum=zi,
-                num_blocks=0,
-                num_loss_tokens=zi,
-            )
+            return self._output_without_blocks(dev)
         labels = block_labels(inputs.input_ids_T, inputs.loss_mask_T, inputs.doc_ids_T, inputs.anchors_A, B)
         hidden_QH = self.forward_hidden(inputs, attention=attention, checkpoint_layers=checkpoint_layers)
         w_AB = decay_weights(B, cfg.gamma, device=dev)[None, :] * labels.valid_AB.float()
@@ -358,6 +345,23 @@ class DFlashDrafter(nn.Module):
             accepted_prefix_sum=prefix,
             num_blocks=inputs.num_anchors,
             num_loss_tokens=total_K.sum(),
+        )
+
+    def _output_without_blocks(self, dev: torch.device) -> DrafterOutput:
+        """The output of a row without anchors: zeros, with a gradient path to every parameter (DDP's
+        reducer must see a gradient for each of them)."""
+        K = self.config.block_size - 1
+        zero = sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros((), device=dev))
+        zi = torch.zeros((), dtype=torch.int64, device=dev)
+        return DrafterOutput(
+            loss=zero.float(),
+            weighted_ce_sum=zero.float(),
+            weight_sum=torch.zeros((), device=dev),
+            correct_K=torch.zeros(K, dtype=torch.int64, device=dev),
+            total_K=torch.zeros(K, dtype=torch.int64, device=dev),
+            accepted_prefix_sum=zi,
+            num_blocks=0,
+            num_loss_tokens=zi,
         )
 
     def forward(self, inputs: DrafterInputs, **kwargs: object) -> DrafterOutput:  # type: ignore[override]

@@ -118,6 +118,26 @@ def sglang_command(serve_target: str, export_dir: str, block_size: int) -> str:
     )
 
 
+def _tau_section(eval_facts: EvalFacts | None) -> list[str]:
+    """The card's τ table, or how to measure it when no eval report was given."""
+    if eval_facts is None:
+        return [
+            "No eval report was given. Measure τ with `dflash eval --drafter DIR --json eval.json` and",
+            "export again with `--eval-report eval.json` (a run's `RUN/eval.json` is read by itself).",
+        ]
+    return [
+        f"`dflash eval` on prompts held out of the training data (report `{eval_facts.report}`, drafter",
+        f"`{eval_facts.drafter_dir}`; greedy, batch 1; τ = mean tokens per draft–verify cycle).",
+        "",
+        "| question set | prompts | τ | speedup |",
+        "|---|---|---|---|",
+        *(
+            f"| {r.name} | {r.prompts} | {_number(r.tau, '.3f')} | {_number(r.speedup, '.2f')}× |"
+            for r in eval_facts.rows
+        ),
+    ]
+
+
 def render_model_card(facts: CardFacts, config: DrafterConfig, export_dir: Path) -> str:
     """The README.md text of an export at ``export_dir``."""
     where = str(export_dir.resolve())
@@ -143,24 +163,8 @@ def render_model_card(facts: CardFacts, config: DrafterConfig, export_dir: Path)
         "",
         "## Held-out acceptance length τ",
         "",
+        *_tau_section(facts.eval),
     ]
-    if facts.eval is None:
-        lines += [
-            "No eval report was given. Measure τ with `dflash eval --drafter DIR --json eval.json` and",
-            "export again with `--eval-report eval.json` (a run's `RUN/eval.json` is read by itself).",
-        ]
-    else:
-        lines += [
-            f"`dflash eval` on prompts held out of the training data (report `{facts.eval.report}`, drafter",
-            f"`{facts.eval.drafter_dir}`; greedy, batch 1; τ = mean tokens per draft–verify cycle).",
-            "",
-            "| question set | prompts | τ | speedup |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r.name} | {r.prompts} | {_number(r.tau, '.3f')} | {_number(r.speedup, '.2f')}× |"
-            for r in facts.eval.rows
-        ]
     lines += [
         "",
         "## Serve it",

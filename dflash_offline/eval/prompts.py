@@ -108,31 +108,13 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
     answered from, and the conversation roots of the trained samples."""
     from dflash_offline.cache.layout import read_fingerprint
     from dflash_offline.cache.manifest import committed_sample_ids
-    from dflash_offline.eval.cache_data import iter_cache_records, readable_inputs
+    from dflash_offline.eval.cache_data import iter_cache_records
     from dflash_offline.train.split import validation_ids_of_run
 
     inferred = exclude_cache is None
     cache_dir = exclude_cache if exclude_cache is not None else training_cache_of(drafter_dir)
-    if cache_dir is None:
-        return HeldOut(
-            cache_dir=None,
-            excluded_ids=frozenset(),
-            note=(
-                f"held-out not guaranteed: {drafter_dir} is not inside a `dflash train` run and no "
-                "--exclude-cache was given, so no training sample is excluded"
-            ),
-        )
-    if not (cache_dir / "cache.json").is_file():
-        if inferred:
-            return HeldOut(
-                cache_dir=None,
-                excluded_ids=frozenset(),
-                note=(
-                    f"held-out not guaranteed: the training run names cache {cache_dir}, which is not "
-                    "here; pass --exclude-cache with its new location"
-                ),
-            )
-        raise ConfigError(f"--exclude-cache {cache_dir}: not a dflash cache (no cache.json)")
+    if cache_dir is None or not (cache_dir / "cache.json").is_file():
+        return _without_training_cache(cache_dir, drafter_dir=drafter_dir, inferred=inferred)
     fingerprint = read_fingerprint(cache_dir)
     committed = committed_sample_ids(cache_dir)
     source = source_name(data)
@@ -161,31 +143,60 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
             f"{source!r}, so no id can match: held out by source"
         )
     if validation:
-        # Never trained on: the validation samples, and the records a regenerated validation sample was
-        # answered from (unless a trained sample was answered from the same record).
-        trained_from = {src for sample_id, src in origin_of.items() if sample_id not in validation}
-        released = set(validation) | (
-            {src for sample_id, src in origin_of.items() if sample_id in validation} - trained_from
-        )
-        kept = ids - released
+        kept = ids - _never_trained_on(validation, origin_of)
         note += (
             f"; not excluded: the {len(ids) - len(kept)} of them the drafter's run {run_dir} held out for "
             "validation (never trained on)"
         )
         ids = kept
-    _, missing = readable_inputs(cache_dir)
-    if trained_roots:
-        note += (
-            f"; nor any record of the {len(trained_roots)} conversations (roots) the trained samples "
-            "belong to"
-        )
-    elif missing:
-        note += f"; conversation roots not checked: {', '.join(missing)} (its data) is not here"
+    note += _roots_note(cache_dir, trained_roots)
     return HeldOut(
         cache_dir=cache_dir,
         excluded_ids=frozenset(ids),
         note=note,
         excluded_roots=frozenset(trained_roots),
+    )
+
+
+def _without_training_cache(cache_dir: Path | None, *, drafter_dir: Path, inferred: bool) -> HeldOut:
+    """Nothing excluded, and why, when there is no training cache to read (a cache named explicitly that
+    is not one is refused)."""
+    if cache_dir is None:
+        note = (
+            f"held-out not guaranteed: {drafter_dir} is not inside a `dflash train` run and no "
+            "--exclude-cache was given, so no training sample is excluded"
+        )
+    elif inferred:
+        note = (
+            f"held-out not guaranteed: the training run names cache {cache_dir}, which is not "
+            "here; pass --exclude-cache with its new location"
+        )
+    else:
+        raise ConfigError(f"--exclude-cache {cache_dir}: not a dflash cache (no cache.json)")
+    return HeldOut(cache_dir=None, excluded_ids=frozenset(), note=note)
+
+
+def _roots_note(cache_dir: Path, trained_roots: set[str]) -> str:
+    """What the note says about the conversation roots of the trained samples."""
+    from dflash_offline.eval.cache_data import readable_inputs
+
+    _, missing = readable_inputs(cache_dir)
+    if trained_roots:
+        return (
+            f"; nor any record of the {len(trained_roots)} conversations (roots) the trained samples "
+            "belong to"
+        )
+    if missing:
+        return f"; conversation roots not checked: {', '.join(missing)} (its data) is not here"
+    return ""
+
+
+def _never_trained_on(validation: frozenset[str], origin_of: dict[str, str]) -> set[str]:
+    """The validation samples, and the records a regenerated validation sample was answered from
+    (unless a trained sample was answered from the same record)."""
+    trained_from = {src for sample_id, src in origin_of.items() if sample_id not in validation}
+    return set(validation) | (
+        {src for sample_id, src in origin_of.items() if sample_id in validation} - trained_from
     )
 
 

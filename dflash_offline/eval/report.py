@@ -254,6 +254,36 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
 def format_table(report: EvalReport) -> str:
     """The human-readable report: one row per set, the mean row and the pooled row, the accepted-length
     histogram of each set, and every divergence from target-only greedy."""
+    s = report.summary
+    check = report.exactness
+    lines = [
+        f"target {report.target.get('target_id')} ({report.target.get('device')}, "
+        f"{report.target.get('dtype')}), drafter {report.drafter.get('directory')} (B={s.block_size})",
+        report.held_out,
+        *(f"warning: {w}" for w in report.warnings),
+        "",
+        *_aligned(_set_rows(report)),
+        "",
+        "tau = mean accepted+1 over cycles; tok/s = decode only (prefill excluded), same loop and clock for "
+        "both; speedup = target-only / speculative decode time",
+    ]
+    if check:
+        lines.append(
+            f"exactness: speculative vs target-only greedy in {check.get('dtype')}; a first divergence is a "
+            f"near-tie when both tokens are within {check.get('tie_ulps')} ulp of the top logit of a "
+            "full forward over the prefix, else a mismatch"
+        )
+    lines += ["", f"accepted draft tokens per cycle, % of the set's cycles (a = 0..{s.block_size - 1}):"]
+    hist_rows: list[tuple[str, ...]] = [("set", *(str(a) for a in range(s.block_size)))]
+    for summary in report.sets or [report.summary]:
+        total = sum(summary.accepted_histogram) or 1
+        hist_rows.append((summary.name, *(f"{100 * n / total:.0f}" for n in summary.accepted_histogram)))
+    lines += _aligned(hist_rows)
+    return "\n".join(lines + _divergence_lines(report))
+
+
+def _set_rows(report: EvalReport) -> list[tuple[str, ...]]:
+    """The table's header and rows: each set, then (with several sets) their mean and the pooled row."""
     sets = report.sets or [report.summary]
     head = ("set", "questions", "turns", "new tok", "cycles", "tau", "target tok/s", "spec tok/s",
             "speedup", "identical", "near-tie", "mismatch")  # fmt: skip
@@ -283,44 +313,23 @@ def format_table(report: EvalReport) -> str:
              _fmt(m.target_tokens_per_s, ".1f"), _fmt(m.spec_tokens_per_s, ".1f"),
              _fmt(m.speedup, ".2f", "x"), "", "", ""),
         )  # fmt: skip
-    s = report.summary
-    check = report.exactness
-    lines = [
-        f"target {report.target.get('target_id')} ({report.target.get('device')}, "
-        f"{report.target.get('dtype')}), drafter {report.drafter.get('directory')} (B={s.block_size})",
-        report.held_out,
-        *(f"warning: {w}" for w in report.warnings),
-        "",
-        *_aligned(rows),
-        "",
-        "tau = mean accepted+1 over cycles; tok/s = decode only (prefill excluded), same loop and clock for "
-        "both; speedup = target-only / speculative decode time",
-    ]
-    if check:
-        lines.append(
-            f"exactness: speculative vs target-only greedy in {check.get('dtype')}; a first divergence is a "
-            f"near-tie when both tokens are within {check.get('tie_ulps')} ulp of the top logit of a "
-            "full forward over the prefix, else a mismatch"
-        )
-    lines += ["", f"accepted draft tokens per cycle, % of the set's cycles (a = 0..{s.block_size - 1}):"]
-    hist_rows: list[tuple[str, ...]] = [("set", *(str(a) for a in range(s.block_size)))]
-    for summary in sets:
-        total = sum(summary.accepted_histogram) or 1
-        hist_rows.append((summary.name, *(f"{100 * n / total:.0f}" for n in summary.accepted_histogram)))
-    lines += _aligned(hist_rows)
-    diverged = [r for r in report.prompts if not r.identical]
-    if diverged:
-        from dflash_offline.eval.exactness import describe
+    return rows
 
-        lines += ["", "divergences from target-only greedy:"]
-        for r in diverged:
-            what = (
-                describe(r.divergence)
-                if r.divergence is not None
-                else f"differs at new token {r.first_mismatch}"
-            )
-            lines.append(f"  {r.bench} {r.question_id or r.record_id or r.sample_id} turn {r.turn}: {what}")
-    return "\n".join(lines)
+
+def _divergence_lines(report: EvalReport) -> list[str]:
+    """Every prompt whose speculative answer differs from target-only greedy, and how."""
+    diverged = [r for r in report.prompts if not r.identical]
+    if not diverged:
+        return []
+    from dflash_offline.eval.exactness import describe
+
+    lines = ["", "divergences from target-only greedy:"]
+    for r in diverged:
+        what = (
+            describe(r.divergence) if r.divergence is not None else f"differs at new token {r.first_mismatch}"
+        )
+        lines.append(f"  {r.bench} {r.question_id or r.record_id or r.sample_id} turn {r.turn}: {what}")
+    return lines
 
 
 def eval_scalars(report: EvalReport) -> dict[str, float]:

@@ -119,14 +119,8 @@ def _questions(config: EvalConfig, tokenizer: Any, held_out: Any, warnings: list
 
 def run_eval(config: EvalConfig) -> Any:
     """Evaluate and return the ``EvalReport`` (the CLI prints and writes it)."""
-    from tqdm import tqdm
-
-    from dflash_offline.decode.single import SingleSequence
-    from dflash_offline.eval.exactness import EXACTNESS_RULE
     from dflash_offline.eval.prompts import resolve_held_out
-    from dflash_offline.eval.question_decoding import Decoders, decode_question, first_turn_ids
-    from dflash_offline.eval.report import EVAL_REPORT_VERSION, EvalReport, prompt_result, summarize_sets
-    from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller
+    from dflash_offline.eval.question_decoding import first_turn_ids
     from dflash_offline.target_model.loader import load_target
 
     if not config.drafter_dir.is_dir():
@@ -140,8 +134,25 @@ def run_eval(config: EvalConfig) -> Any:
     drafter_model = load_drafter_for(target, config.drafter_dir, dtype=dtype)
     warnings = _consistency_warnings(held_out.cache_dir, target.info, drafter_model)
     questions = _questions(config, target.tokenizer, held_out, warnings)
+    dec = _decoders(config, target, drafter_model)
+    if config.warmup:
+        # Kernel selection and allocator growth happen here, not in the first timed prompt.
+        ids = first_turn_ids(questions[0], target.tokenizer)
+        dec.target_only(ids, WARMUP_TOKENS)
+        dec.speculative(ids, WARMUP_TOKENS)
+    results = _decode_questions(questions, dec, warnings, progress=config.progress)
+    where = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    return _report(config, target.info, where, drafter_model.config, held_out.note, warnings, results)
+
+
+def _decoders(config: EvalConfig, target: Any, drafter_model: Any) -> Any:
+    """Both loops over the loaded target and drafter (``eval/question_decoding.py:Decoders``)."""
+    from dflash_offline.decode.single import SingleSequence
+    from dflash_offline.eval.question_decoding import Decoders
+    from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller
+
     block = drafter_model.config.block_size
-    dec = Decoders(
+    return Decoders(
         caller=TargetCaller(target.model),
         drafter=DFlashBlockDrafter(drafter_model),
         tokenizer=target.tokenizer,
@@ -153,15 +164,20 @@ def run_eval(config: EvalConfig) -> Any:
         # One slot of the longest prompt + answer + a verify block; CUDA graphs on a GPU.
         engine=SingleSequence(target.model, max_len=config.max_prompt_tokens + config.max_new_tokens + block),
     )
+
+
+def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, progress: bool) -> list[Any]:
+    """Every turn of every question through both loops: one ``PromptResult`` each (a skipped turn adds a
+    warning instead)."""
+    from tqdm import tqdm
+
+    from dflash_offline.eval.question_decoding import decode_question
+    from dflash_offline.eval.report import prompt_result
+
     block_size = dec.drafter.block_size
-    if config.warmup:
-        # Kernel selection and allocator growth happen here, not in the first timed prompt.
-        ids = first_turn_ids(questions[0], target.tokenizer)
-        dec.target_only(ids, WARMUP_TOKENS)
-        dec.speculative(ids, WARMUP_TOKENS)
     results = []
     total = sum(q.num_turns for q in questions)
-    bar = tqdm(total=total, desc="eval", unit="turn", file=sys.stderr, disable=not config.progress)
+    bar = tqdm(total=total, desc="eval", unit="turn", file=sys.stderr, disable=not progress)
     for question in questions:
         for done in decode_question(question, dec, on_skip=warnings.append):
             result = prompt_result(
@@ -171,7 +187,7 @@ def run_eval(config: EvalConfig) -> Any:
                 spec=done.speculative,
                 target_only=done.target_only,
                 block_size=block_size,
-                text=target.tokenizer.decode(list(done.speculative.tokens), skip_special_tokens=False),
+                text=dec.tokenizer.decode(list(done.speculative.tokens), skip_special_tokens=False),
                 bench=question.bench,
                 turn=done.turn,
                 question_id=question.question_id,
@@ -181,17 +197,28 @@ def run_eval(config: EvalConfig) -> Any:
             bar.update(1)
             bar.set_postfix(set=question.bench, tau=f"{result.tau or 0:.2f}", refresh=False)
     bar.close()
-    cfg = drafter_model.config
-    sets, mean, summary = summarize_sets(results, block_size=block_size)
+    return results
+
+
+def _report(
+    config: EvalConfig,
+    target_info: Any,
+    where: dict[str, str],
+    cfg: Any,
+    held_out_note: str,
+    warnings: list[str],
+    results: list[Any],
+) -> Any:
+    """The ``EvalReport`` of ``results`` (``where``: the device and dtype the loops ran in; ``cfg``: the
+    drafter's config)."""
+    from dflash_offline.eval.exactness import EXACTNESS_RULE
+    from dflash_offline.eval.report import EVAL_REPORT_VERSION, EvalReport, summarize_sets
+
+    sets, mean, summary = summarize_sets(results, block_size=cfg.block_size)
     return EvalReport(
         version=EVAL_REPORT_VERSION,
         config=config.to_dict(),
-        target={
-            "target_id": target.info.target_id,
-            "weights_hash": target.info.weights_hash,
-            "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."),
-        },
+        target={"target_id": target_info.target_id, "weights_hash": target_info.weights_hash, **where},
         drafter={
             "directory": str(config.drafter_dir),
             "block_size": cfg.block_size,
@@ -199,15 +226,11 @@ def run_eval(config: EvalConfig) -> Any:
             "mask_token_id": cfg.mask_token_id,
             "num_layers": cfg.num_layers,
         },
-        held_out=held_out.note,
+        held_out=held_out_note,
         warnings=warnings,
         prompts=results,
         summary=summary,
         sets=sets,
         mean=mean,
-        exactness={
-            "dtype": str(dtype).removeprefix("torch."),
-            "tie_ulps": config.tie_ulps,
-            "rule": EXACTNESS_RULE,
-        },
+        exactness={"dtype": where["dtype"], "tie_ulps": config.tie_ulps, "rule": EXACTNESS_RULE},
     )

@@ -182,12 +182,7 @@ def speculative_decode(
             accepted.append(a)
             tokens.extend(predictions[: a + 1])
             anchor_1 = predictions_B[a : a + 1]
-            # Positions n+a+1..n+K hold rejected drafts: drop them from the target's cache. A negative
-            # crop removes that many tokens in every transformers version (5.24 refuses a positive
-            # target length; 4.x reads crop(0) as "keep nothing"), hence the guard.
-            if a < K:
-                cache.crop(-(K - a))
-            assert cache.get_seq_length() == n + a + 1, (cache.get_seq_length(), n, a)
+            _drop_rejected(cache, n=n, accepted=a, num_drafts=K)
             new_features_CF = captured.features()[0, : a + 1]  # positions n..n+a
             n += a + 1
         t2 = clock.now()
@@ -200,6 +195,15 @@ def speculative_decode(
         decode_seconds=t2 - t1,
         num_target_forwards=forwards,
     )
+
+
+def _drop_rejected(cache: Any, *, n: int, accepted: int, num_drafts: int) -> None:
+    """Positions n+a+1..n+K of the block verified at n hold rejected drafts: drop them from the target's
+    cache. A negative crop removes that many tokens in every transformers version (5.24 refuses a
+    positive target length; 4.x reads crop(0) as "keep nothing"), hence the guard."""
+    if accepted < num_drafts:
+        cache.crop(-(num_drafts - accepted))
+    assert cache.get_seq_length() == n + accepted + 1, (cache.get_seq_length(), n, accepted)
 
 
 def _check_args(prompt_ids: Sequence[int], max_new_tokens: int) -> None:

@@ -10,11 +10,12 @@ checks its flag every step at no cost.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,6 @@ from torch import nn
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.batch import PackedMicrobatch, StepPlan, schedule_for_rank
 from dflash_offline.train.checkpoint import (
     TrainState,
     list_checkpoints,
@@ -39,15 +39,16 @@ from dflash_offline.train.damaged import DamagedLog
 from dflash_offline.train.determinism import seed_everything
 from dflash_offline.train.dist import all_reduce_sum, barrier
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
+from dflash_offline.train.length_mixing import LengthMixingPlanner
 from dflash_offline.train.metrics import StepMetrics, recorded_loss
+from dflash_offline.train.microbatch import RankSteps
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
-from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, RowReader
-from dflash_offline.train.reporting import FinishedStep, StepReporter
+from dflash_offline.train.reporting import StepReporter
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
-from dflash_offline.train.step import OptimizerStep, anchor_sampler, to_drafter_inputs
-from dflash_offline.train.validation import ValidationSchedule, Validator
+from dflash_offline.train.step import OptimizerStep, anchor_sampler
+from dflash_offline.train.validation import ValidationMetrics, ValidationSchedule, Validator
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,34 +78,6 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int],
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
-
-
-class _StepTracker:
-    """Wraps the planner's step stream so the loop can find each step's plan (for ``step_done`` and
-    the bucket mix) when its microbatches come out of the prefetcher."""
-
-    def __init__(self, steps: Iterator[StepPlan], limit: int) -> None:
-        self._steps = steps
-        self._limit = limit
-        self.by_global_step: dict[int, StepPlan] = {}
-
-    def __iter__(self) -> Iterator[StepPlan]:
-        for step in self._steps:
-            if step.global_step >= self._limit:
-                return
-            self.by_global_step[step.global_step] = step
-            yield step
-
-
-def _steps_of(prefetcher: Prefetcher) -> Iterator[list[PackedMicrobatch]]:
-    """Group the prefetcher's microbatches into this rank's steps."""
-    current: list[PackedMicrobatch] = []
-    for batch in prefetcher:
-        current.append(batch)
-        if batch.step.is_last_in_step:
-            yield current
-            current = []
-    assert not current, "the prefetcher ended inside a step"
 
 
 def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> SplitSnapshots:
@@ -276,49 +249,17 @@ def _train(
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
 ) -> TrainResult:
-    from dflash_offline.drafter.export import export_drafter
-
+    """Set up (or resume) the optimization, train until the end or an early stop, export."""
     opt = _setup_optimization(config, info, setup.model, split.train)
     if config.compile:
         opt.model.compile_training()
     state = _resume(config, info, opt)
-    if state is not None and info.is_main:
-        left = opt.total_steps - state.global_step
-        print(
-            f"dflash train: resumed from the checkpoint of step {state.global_step} of {opt.total_steps}"
-            + (f" ({left} steps to go)" if left > 0 else " (nothing left to train)"),
-            file=sys.stderr,
-            flush=True,
-        )
     if state is None and config.export_initial and info.is_main:
+        from dflash_offline.drafter.export import export_drafter
+
         export_drafter(opt.model, config.out_dir / "drafter-initial")
-    validation = None
-    if split.validation is not None:
-        validator = Validator(
-            split.validation,
-            reader,
-            info=info,
-            tokens_per_microbatch=config.tokens_per_microbatch,
-            prefetch=config.prefetch,
-            loader_threads=config.loader_threads,
-            attention=config.attention,
-            autocast=_autocast(config, info),
-        )
-        validation = ValidationSchedule(
-            validator,
-            state={} if state is None else state.validation,
-            val_every=config.val_every,
-            early_stop=config.early_stop,
-            best_export_dir=config.out_dir / "drafter" if config.export_at_end and info.is_main else None,
-        )
-    stopped_early = validation is not None and validation.should_stop()
-    if stopped_early and info.is_main and validation is not None:
-        print(
-            f"dflash train: {validation.stop_reason()} at step {opt.planner.position.global_step}; nothing "
-            "to do (raise --early-stop, or leave it out, to train on)",
-            file=sys.stderr,
-            flush=True,
-        )
+    validation = _validation_schedule(config, info, split, reader, state)
+    stopped_early = _stopped_before_start(info, opt, validation)
     last_loss = None
     if not stopped_early:
         reporter = StepReporter(config, info, opt.total_steps, opt.planner.position.global_step, on_step)
@@ -339,15 +280,7 @@ def _train(
     if last_loss is None and state is not None and info.is_main:
         # No step ran here (a finished run rerun, or stopped early): the loss the run recorded last.
         last_loss = recorded_loss(config.out_dir / "metrics.jsonl", step=opt.planner.position.global_step)
-
-    export_dir = None
-    if config.export_at_end and info.is_main:
-        if validation is None:
-            export_dir = export_drafter(opt.model, config.out_dir / "drafter")
-        else:
-            # RUN/drafter is the best validation τ's export (written when it was measured).
-            export_drafter(opt.model, config.out_dir / "drafter-last")
-            export_dir = config.out_dir / "drafter"
+    export_dir = _export_at_end(config, info, opt, validation)
     barrier(info)
     tracker = validation.tracker if validation is not None else None
     return TrainResult(
@@ -360,6 +293,60 @@ def _train(
         best_validation_step=0 if tracker is None else tracker.best_step,
         stopped_early=stopped_early,
     )
+
+
+def _validation_schedule(
+    config: TrainConfig, info: DistInfo, split: SplitSnapshots, reader: RowReader, state: TrainState | None
+) -> ValidationSchedule | None:
+    """The run's validation (None without a split), its tracker restored from ``state``."""
+    if split.validation is None:
+        return None
+    validator = Validator(
+        split.validation,
+        reader,
+        info=info,
+        tokens_per_microbatch=config.tokens_per_microbatch,
+        prefetch=config.prefetch,
+        loader_threads=config.loader_threads,
+        attention=config.attention,
+        autocast=_autocast(config, info),
+    )
+    return ValidationSchedule(
+        validator,
+        state={} if state is None else state.validation,
+        val_every=config.val_every,
+        early_stop=config.early_stop,
+        best_export_dir=config.out_dir / "drafter" if config.export_at_end and info.is_main else None,
+    )
+
+
+def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None) -> bool:
+    """True (and said once) when the resumed run had already stopped early: no step is left to run."""
+    if validation is None or not validation.should_stop():
+        return False
+    if info.is_main:
+        print(
+            f"dflash train: {validation.stop_reason()} at step {opt.planner.position.global_step}; nothing "
+            "to do (raise --early-stop, or leave it out, to train on)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return True
+
+
+def _export_at_end(
+    config: TrainConfig, info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None
+) -> Path | None:
+    """Export the drafter (rank 0, unless ``export_at_end`` is off); the directory of the run's drafter."""
+    from dflash_offline.drafter.export import export_drafter
+
+    if not (config.export_at_end and info.is_main):
+        return None
+    if validation is None:
+        return export_drafter(opt.model, config.out_dir / "drafter")
+    # RUN/drafter is the best validation τ's export (written when it was measured).
+    export_drafter(opt.model, config.out_dir / "drafter-last")
+    return config.out_dir / "drafter"
 
 
 def _setup_optimization(
@@ -411,6 +398,14 @@ def _resume(config: TrainConfig, info: DistInfo, opt: _Optimization) -> TrainSta
         group["weight_decay"] = config.weight_decay
     opt.planner.load_state_dict(state.planner, allow_topology_change=config.allow_topology_change)
     set_rng_state(state.rng)
+    if info.is_main:
+        left = opt.total_steps - state.global_step
+        print(
+            f"dflash train: resumed from the checkpoint of step {state.global_step} of {opt.total_steps}"
+            + (f" ({left} steps to go)" if left > 0 else " (nothing left to train)"),
+            file=sys.stderr,
+            flush=True,
+        )
     return state
 
 
@@ -428,9 +423,47 @@ def _run_steps(
     """Run steps from the planner's position to ``total_steps``; True when ``--early-stop`` ended them.
 
     Raises ``TrainInterrupted`` (after a checkpoint) when any rank was asked to stop."""
-    tracker = _StepTracker(opt.planner.iterate(config.epochs), opt.total_steps)
-    jobs = schedule_for_rank(tracker, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)
-    step = OptimizerStep(
+    planned = itertools.takewhile(
+        lambda plan: plan.global_step < opt.total_steps, opt.planner.iterate(config.epochs)
+    )
+    steps = RankSteps(planned, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)
+    step = _optimizer_step(config, info, opt)
+    with Prefetcher(
+        reader,
+        steps.jobs(),
+        device=info.device,
+        prefetch=max(config.prefetch, config.grad_accum),
+        num_threads=config.loader_threads,
+        anchor_fn=anchor_sampler(opt.model.config.num_anchors),
+        loss_block_size=opt.model.config.block_size,
+    ) as prefetcher:
+        step_start = time.perf_counter()
+        for step_plan, batches in steps.regroup(prefetcher):
+            _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
+            outcome = step([b.inputs for b in batches], [b.plan.is_padding for b in batches])
+            opt.planner.step_done(step_plan)
+            tokens_seen += step_plan.num_tokens
+            global_step = step_plan.global_step + 1
+            step_seconds = time.perf_counter() - step_start
+            validated = None
+            if validation is not None and validation.due(global_step, opt.total_steps):
+                validated = validation.run(opt.model, global_step)
+            reporter.report(
+                step_plan,
+                outcome,
+                lr=config.lr * opt.lr_factor(global_step),  # the next step's
+                step_seconds=step_seconds,
+                data_wait_s=sum(b.data_wait_s for b in batches),
+                validation=validated,
+            )
+            if _stops_after(config, info, opt, reporter, validation, global_step, tokens_seen, validated):
+                return True
+            step_start = time.perf_counter()
+    return False
+
+
+def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> OptimizerStep:
+    return OptimizerStep(
         model=opt.model,
         ddp_model=opt.ddp_model,
         params=opt.params,
@@ -441,58 +474,41 @@ def _run_steps(
         attention=config.attention,
         autocast=_autocast(config, info),
     )
-    with Prefetcher(
-        reader,
-        jobs,
-        device=info.device,
-        prefetch=max(config.prefetch, config.grad_accum),
-        num_threads=config.loader_threads,
-        anchor_fn=anchor_sampler(opt.model.config.num_anchors),
-        loss_block_size=opt.model.config.block_size,
-    ) as prefetcher:
-        step_start = time.perf_counter()
-        for batches in _steps_of(prefetcher):
-            step_plan = tracker.by_global_step.pop(batches[0].step.global_step)
-            _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
-            outcome = step([to_drafter_inputs(b) for b in batches], [b.plan.is_padding for b in batches])
-            opt.planner.step_done(step_plan)
-            tokens_seen += step_plan.num_tokens
-            global_step = step_plan.global_step + 1
-            finished = FinishedStep(
-                plan=step_plan,
-                outcome=outcome,
-                lr=config.lr * opt.lr_factor(global_step),  # the next step's
-                step_seconds=time.perf_counter() - step_start,
-                data_wait_s=sum(b.data_wait_s for b in batches),
-            )
-            validated = None
-            if validation is not None and validation.due(global_step, opt.total_steps):
-                validated = validation.run(opt.model, global_step)
-            reporter.report(finished, validated)
-            early_stop = validation is not None and validated is not None and validation.should_stop()
-            # Under DDP the ranks agree on a stop request where the step's results are read anyway.
-            agree = (
-                reporter.is_log_step(global_step)
-                or validated is not None
-                or _is_checkpoint_step(config, opt, global_step)
-            )
-            _checkpoint_or_stop(
-                config,
-                info,
-                opt,
-                global_step,
-                tokens_seen,
-                validation,
-                checkpoint_now=early_stop,
-                check_stop=not early_stop and (agree or not info.distributed),
-            )
-            if early_stop:
-                if info.is_main and validation is not None:
-                    note = f"{validation.stop_reason()}: stopped after step {global_step}, checkpoint written"
-                    print(f"dflash train: {note}", file=sys.stderr, flush=True)
-                return True
-            step_start = time.perf_counter()
-    return False
+
+
+def _stops_after(
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    reporter: StepReporter,
+    validation: ValidationSchedule | None,
+    global_step: int,
+    tokens_seen: int,
+    validated: ValidationMetrics | None,
+) -> bool:
+    """After step ``global_step``: checkpoint when one is due; True (after a checkpoint) when
+    the early stop ends the run here; raises ``TrainInterrupted`` when any rank was asked to stop."""
+    early_stop = validation is not None and validated is not None and validation.should_stop()
+    # Under DDP the ranks agree on a stop request where the step's results are read anyway.
+    agree = (
+        reporter.is_log_step(global_step)
+        or validated is not None
+        or _is_checkpoint_step(config, opt, global_step)
+    )
+    _checkpoint_or_stop(
+        config,
+        info,
+        opt,
+        global_step,
+        tokens_seen,
+        validation,
+        checkpoint_now=early_stop,
+        check_stop=not early_stop and (agree or not info.distributed),
+    )
+    if early_stop and info.is_main and validation is not None:
+        note = f"{validation.stop_reason()}: stopped after step {global_step}, checkpoint written"
+        print(f"dflash train: {note}", file=sys.stderr, flush=True)
+    return early_stop
 
 
 def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContextManager[Any]:

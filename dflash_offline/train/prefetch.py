@@ -40,9 +40,10 @@ import torch
 
 from dflash_offline.cache.fp8 import Fp8Layout, decode_rows
 from dflash_offline.cache.rows import CachedSample
+from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, WorkerError
-from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
+from dflash_offline.train.microbatch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
 from dflash_offline.train.packing import HostBufferPool, pack_into, pack_layout
 
 AnchorFn = Callable[[AnchorRequest], torch.Tensor]
@@ -236,11 +237,9 @@ class Prefetcher:
         if ready.copy_done is not None:
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(ready.copy_done)
-            for name in (*_DEVICE_TENSORS, "loss_rows_N"):
+            for tensor in _device_tensors(batch):
                 # Allocated on the side stream: tell the caching allocator the consumer's stream uses it.
-                tensor = getattr(batch, name)
-                if tensor is not None:
-                    tensor.record_stream(stream)
+                tensor.record_stream(stream)
         waited = time.perf_counter() - start
         self._wait_s += waited
         self._max_wait_s = max(self._max_wait_s, waited)
@@ -341,18 +340,17 @@ class Prefetcher:
         num_bytes = num_tokens * width * 2 + sum(s.input_ids_T.nbytes + s.loss_mask_T.nbytes for s in samples)
         batch = PackedMicrobatch(
             plan=job.plan,
-            step=job.step,
-            num_documents=len(samples),
-            num_tokens=num_tokens,
-            num_bytes=num_bytes,
-            input_ids_T=tensors["input_ids_T"],
-            features_TF=tensors["features_TF"],
-            loss_mask_T=tensors["loss_mask_T"],
-            doc_ids_T=tensors["doc_ids_T"],
-            positions_T=tensors["positions_T"],
+            inputs=DrafterInputs(
+                input_ids_T=tensors["input_ids_T"],
+                features_TF=tensors["features_TF"],
+                loss_mask_T=tensors["loss_mask_T"],
+                doc_ids_T=tensors["doc_ids_T"],
+                positions_T=tensors["positions_T"],
+                anchors_A=tensors["anchors_A"],
+                loss_rows_N=tensors.get("loss_rows_N"),
+            ),
             cu_seqlens_D1=tensors["cu_seqlens_D1"],
-            anchors_A=tensors["anchors_A"],
-            loss_rows_N=tensors.get("loss_rows_N"),
+            num_bytes=num_bytes,
         )
         t2 = time.perf_counter()
         with self._cond:
@@ -392,10 +390,11 @@ class Prefetcher:
     def _anchors_and_loss_rows(
         self, job: ScheduledMicrobatch, host: dict[str, torch.Tensor], num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's anchors (seeded by the step, so every rank and resume draws the same) and loss rows."""
+        """The anchors (seeded by the microbatch's content, so every rank and resume draws the same) and
+        their loss rows."""
         anchors_A = torch.empty(0, dtype=torch.int64)
         if self._anchor_fn is not None:
-            generator = torch.Generator().manual_seed(job.step.anchor_seed)
+            generator = torch.Generator().manual_seed(job.anchor_seed)
             request = AnchorRequest(
                 loss_mask_T=host["loss_mask_T"],
                 doc_ids_T=host["doc_ids_T"],
@@ -456,15 +455,11 @@ class Prefetcher:
         tensors["features_TF"] = decode_rows(stored_TW, self._fp8, features_TF)
 
 
-_DEVICE_TENSORS = (
-    "input_ids_T",
-    "features_TF",
-    "loss_mask_T",
-    "doc_ids_T",
-    "positions_T",
-    "cu_seqlens_D1",
-    "anchors_A",
-)
+def _device_tensors(batch: PackedMicrobatch) -> list[torch.Tensor]:
+    """Every tensor of ``batch`` (on the device it was delivered to)."""
+    x = batch.inputs
+    tensors = [x.input_ids_T, x.features_TF, x.loss_mask_T, x.doc_ids_T, x.positions_T, x.anchors_A]
+    return [*tensors, batch.cu_seqlens_D1, *([] if x.loss_rows_N is None else [x.loss_rows_N])]
 
 
 def _check_against_plan(job: ScheduledMicrobatch, samples: list[Any], num_tokens: int) -> None:

@@ -6,35 +6,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.batch import StepPlan
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.metrics import MetricsLog, StepMetrics, ValidationMetrics
+from dflash_offline.train.microbatch import StepPlan
 from dflash_offline.train.step import StepOutcome
 
 if TYPE_CHECKING:
     from tqdm import tqdm
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FinishedStep:
-    """A step the loop ran: what the host knows, and the outcome still on the device."""
-
-    plan: StepPlan
-    outcome: StepOutcome
-    lr: float
-    """The learning rate after the step (what the next step uses)."""
-    step_seconds: float
-    data_wait_s: float
-    """Seconds this rank waited for the step's microbatches."""
-
-    @property
-    def step(self) -> int:
-        """1-based: optimizer steps completed, this one included."""
-        return self.plan.global_step + 1
 
 
 class StepReporter:
@@ -68,13 +49,26 @@ class StepReporter:
     def is_log_step(self, step: int) -> bool:
         return step % self._log_every == 0 or step == self._total_steps
 
-    def report(self, finished: FinishedStep, validation: ValidationMetrics | None = None) -> None:
+    def report(
+        self,
+        plan: StepPlan,
+        outcome: StepOutcome,
+        *,
+        lr: float,
+        step_seconds: float,
+        data_wait_s: float,
+        validation: ValidationMetrics | None = None,
+    ) -> None:
+        """Step ``plan`` ran and computed ``outcome``; ``lr`` is the learning rate after it (what the next
+        step uses), ``data_wait_s`` the seconds this rank waited for its microbatches."""
         if self._progress is not None:
             self._progress.update(1)
-        due = self.is_log_step(finished.step) or validation is not None
+        due = self.is_log_step(plan.global_step + 1) or validation is not None
         if not due and self._on_step is None:
             return
-        metrics = step_metrics(finished, validation)
+        metrics = step_metrics(
+            plan, outcome, lr=lr, step_seconds=step_seconds, data_wait_s=data_wait_s, validation=validation
+        )
         self.last_loss = metrics.loss
         if self._log is not None and due:
             self._log.write(metrics)
@@ -99,22 +93,29 @@ class StepReporter:
             self._log.close()
 
 
-def step_metrics(finished: FinishedStep, validation: ValidationMetrics | None = None) -> StepMetrics:
+def step_metrics(
+    plan: StepPlan,
+    outcome: StepOutcome,
+    *,
+    lr: float,
+    step_seconds: float,
+    data_wait_s: float,
+    validation: ValidationMetrics | None = None,
+) -> StepMetrics:
     """The step's metrics line (reads the outcome back from the device: a host sync)."""
-    totals, grad_norm = finished.outcome.read()
-    plan, seconds = finished.plan, finished.step_seconds
+    totals, grad_norm = outcome.read()
     return StepMetrics(
-        step=finished.step,
+        step=plan.global_step + 1,
         epoch=plan.epoch,
         loss=totals.loss,
-        lr=finished.lr,
+        lr=lr,
         grad_norm=grad_norm,
         acc_by_position=totals.acc_by_position,
         simulated_tau=totals.simulated_tau,
         tokens=plan.num_tokens,
-        tokens_per_s=plan.num_tokens / seconds,
-        step_seconds=seconds,
-        data_wait_fraction=finished.data_wait_s / seconds,
+        tokens_per_s=plan.num_tokens / step_seconds,
+        step_seconds=step_seconds,
+        data_wait_fraction=data_wait_s / step_seconds,
         buckets=sorted({b for mb in plan.microbatches for b in mb.bucket_ids}),
         num_blocks=totals.num_blocks,
         validation=validation,

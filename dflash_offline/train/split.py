@@ -103,6 +103,14 @@ def split_snapshot(
 def validation_ids_of_run(run_dir: Path) -> frozenset[str] | None:
     """The validation sample ids of a ``dflash train`` run (from its config.json and saved snapshot);
     None when ``run_dir`` is not a run, has no snapshot yet, or holds nothing out."""
+    validation = validation_split_of_run(run_dir)
+    return None if validation is None else frozenset(validation.sample_ids)
+
+
+def validation_split_of_run(run_dir: Path) -> IndexSnapshot | None:
+    """The validation split of a ``dflash train`` run, as the run took it (its config.json, saved snapshot
+    and groups), bound to no reader; None when ``run_dir`` is not a run, has no snapshot yet, or holds
+    nothing out."""
     try:
         config = json.loads((run_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -120,4 +128,4 @@ def validation_ids_of_run(run_dir: Path) -> frozenset[str] | None:
         groups = read_groups(run_dir / GROUPS_FILE)
     snapshot = read_snapshot(run_dir / SNAPSHOT_FILE)
     split = split_snapshot(snapshot, fraction=float(fraction), num_samples=num_samples, groups=groups)
-    return None if split.validation is None else frozenset(split.validation.sample_ids)
+    return split.validation

@@ -9,7 +9,7 @@ therefore compute the same gradient up to float summation order.
 
 Host syncs a step used to make, and where they went: the loss weights' ``w[0] = 0.0`` (twice a
 microbatch: ``drafter.loss.decay_weights`` is cached and built with ``torch.where``); ``torch.nonzero``
-of the positions carrying loss (the prefetcher computes them on the host: ``PackedMicrobatch.loss_rows_N``);
+of the positions carrying loss (the prefetcher computes them on the host: ``DrafterInputs.loss_rows_N``);
 three ``.tolist()`` of the metrics and ``float(grad_norm)`` (``StepOutcome`` keeps them on the device);
 the stop flag's all-reduce under DDP (``train/loop.py`` agrees on it where it reads the metrics).
 
@@ -32,9 +32,9 @@ from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.loss import block_labels, decay_weights
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch
 from dflash_offline.train.dist import all_reduce_sum
 from dflash_offline.train.metrics import StepAccumulator, StepTotals
+from dflash_offline.train.microbatch import AnchorRequest
 
 
 def anchor_sampler(num_anchors: int) -> Callable[[AnchorRequest], torch.Tensor]:
@@ -50,18 +50,6 @@ def anchor_sampler(num_anchors: int) -> Callable[[AnchorRequest], torch.Tensor]:
         )
 
     return anchor_fn
-
-
-def to_drafter_inputs(batch: PackedMicrobatch) -> DrafterInputs:
-    return DrafterInputs(
-        input_ids_T=batch.input_ids_T,
-        features_TF=batch.features_TF,
-        loss_mask_T=batch.loss_mask_T,
-        doc_ids_T=batch.doc_ids_T,
-        positions_T=batch.positions_T,
-        anchors_A=batch.anchors_A,
-        loss_rows_N=batch.loss_rows_N,
-    )
 
 
 def loss_weight(inputs: DrafterInputs, config: DrafterConfig) -> torch.Tensor:

@@ -10,25 +10,41 @@ split's whatever the world size. Loss and accuracies are pooled exactly as the t
 
 ``ValidationTracker`` keeps the best τ for the best-drafter export and ``--early-stop``; it is saved in
 every checkpoint, so a resumed run decides as the uninterrupted one would have.
+
+``acceptance_at_every_anchor`` runs the same forward over a finished run's split with a block at every
+eligible anchor instead of a draw: what each block drafts correctly, where eval's cycles would start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.drafter.anchors import eligible_anchor_mask
 from dflash_offline.drafter.attention import AttentionBackend
+from dflash_offline.drafter.loss import block_labels
 from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.errors import ConfigError
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.batch import MicrobatchPlan, ScheduledMicrobatch, StepContext, anchor_seed
 from dflash_offline.train.metrics import StepAccumulator, ValidationMetrics
+from dflash_offline.train.microbatch import (
+    AnchorRequest,
+    MicrobatchPlan,
+    PackedMicrobatch,
+    ScheduledMicrobatch,
+    anchor_seed,
+)
 from dflash_offline.train.prefetch import Prefetcher, RowReader
-from dflash_offline.train.snapshot import IndexSnapshot
-from dflash_offline.train.step import anchor_sampler, to_drafter_inputs
+from dflash_offline.train.snapshot import IndexSnapshot, bind_snapshot
+from dflash_offline.train.split import validation_split_of_run
+from dflash_offline.train.step import anchor_sampler
 
 VALIDATION_ANCHOR_SEED = 0x7661_6C69
 """The anchor seed of every validation microbatch (with its sample ids): fixed, whatever ``--seed``."""
@@ -65,6 +81,19 @@ def plan_validation(snapshot: IndexSnapshot, *, tokens_per_microbatch: int) -> l
     return plans
 
 
+def validation_jobs(snapshot: IndexSnapshot, plans: list[MicrobatchPlan]) -> list[ScheduledMicrobatch]:
+    """The prefetcher's jobs for ``plans`` of the split ``snapshot`` (bound to the reader), each with
+    the anchor seed fixed by its sample ids."""
+    return [
+        ScheduledMicrobatch(
+            plan=plan,
+            reader_rows=tuple(int(r) for r in snapshot.reader_rows_N[list(plan.rows)]),
+            anchor_seed=anchor_seed(VALIDATION_ANCHOR_SEED, 0, plan.sample_ids),
+        )
+        for plan in plans
+    ]
+
+
 class Validator:
     """Evaluates a drafter on the split (module docstring); one per rank, built once per run."""
 
@@ -94,24 +123,6 @@ class Validator:
     def num_samples(self) -> int:
         return len(self.snapshot)
 
-    def _jobs(self, step: int) -> list[ScheduledMicrobatch]:
-        return [
-            ScheduledMicrobatch(
-                plan=plan,
-                step=StepContext(
-                    epoch=0,
-                    step_in_epoch=0,
-                    global_step=step,
-                    microbatch_in_rank=i,
-                    num_microbatches_in_rank=len(self._mine),
-                    step_num_tokens=0,
-                    anchor_seed=anchor_seed(VALIDATION_ANCHOR_SEED, 0, plan.sample_ids),
-                ),
-                reader_rows=tuple(int(r) for r in self.snapshot.reader_rows_N[list(plan.rows)]),
-            )
-            for i, plan in enumerate(self._mine)
-        ]
-
     @torch.no_grad()
     def evaluate(self, model: DFlashDrafter, step: int) -> ValidationMetrics:
         """The split's metrics for ``model`` now (every rank must call it: the sums are all-reduced)."""
@@ -119,7 +130,7 @@ class Validator:
         accumulator = StepAccumulator(block_size, self._info.device)
         with Prefetcher(
             self._reader,
-            self._jobs(step),
+            validation_jobs(self.snapshot, self._mine),
             device=self._info.device,
             prefetch=self._prefetch,
             num_threads=self._threads,
@@ -128,7 +139,7 @@ class Validator:
         ) as prefetcher:
             for batch in prefetcher:
                 with self._autocast:
-                    accumulator.add(model(to_drafter_inputs(batch), attention=self._attention))
+                    accumulator.add(model(batch.inputs, attention=self._attention))
         totals = accumulator.reduce(self._info)
         return ValidationMetrics(
             step=step,
@@ -220,3 +231,88 @@ class ValidationSchedule:
             f"early stop: {t.evals_since_best} validations without a better simulated τ than "
             f"{t.best_tau:.4f} (step {t.best_step}, the export in OUT/drafter)"
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AnchorAcceptance:
+    """One validation sample under the training forward with a block at every eligible anchor."""
+
+    accepted_by_position: dict[int, int]
+    """Anchor position in the sample → the leading run of correct positions of its block (0..B−1): the
+    drafts a speculative decoder accepts there with the sample's own tokens as its context."""
+    input_ids: list[int]
+    """The sample's cached token ids."""
+    loss_mask: list[bool]
+    """Its cached loss mask (True on the tokens trained on: the answers)."""
+
+
+def acceptance_at_every_anchor(
+    run_dir: Path,
+    model: DFlashDrafter,
+    *,
+    device: torch.device | str = "cpu",
+    attention: AttentionBackend = "auto",
+    anchor_chunk: int | None = None,
+    loader_threads: int = 1,
+) -> dict[str, AnchorAcceptance]:
+    """Sample id → the training forward of ``model`` over run ``run_dir``'s validation split (packed as
+    the validator packs it, from the cached features) with a block at every eligible anchor.
+
+    The validator's ``val_block_tau`` averages a uniform draw of these blocks; at the anchors where
+    ``dflash eval``'s cycles start, they are what eval accepts on the cached answer
+    (tests/eval/test_train_eval_agreement.py; bench/validation_chain_tau.py splits the gap between the
+    two). ``anchor_chunk``: blocks per forward (None: all of a microbatch's at once)."""
+
+    config = json.loads((run_dir / "config.json").read_text())
+    split = validation_split_of_run(run_dir)
+    if split is None:
+        raise ConfigError(f"{run_dir}: not a dflash train run that holds samples out for validation")
+    out: dict[str, AnchorAcceptance] = {}
+    with CacheReader.open(Path(config["cache_dir"])) as reader:
+        validation = bind_snapshot(split, reader)
+        plans = plan_validation(validation, tokens_per_microbatch=config["tokens_per_microbatch"])
+        with Prefetcher(
+            reader,
+            validation_jobs(validation, plans),
+            device=device,
+            anchor_fn=_every_eligible_anchor,
+            num_threads=loader_threads,
+        ) as prefetcher:
+            for batch in prefetcher:
+                out.update(_acceptance(batch, model, attention=attention, anchor_chunk=anchor_chunk))
+    return out
+
+
+def _every_eligible_anchor(request: AnchorRequest) -> torch.Tensor:
+    return torch.nonzero(eligible_anchor_mask(request.loss_mask_T, request.doc_ids_T)).flatten()
+
+
+@torch.no_grad()
+def _acceptance(
+    batch: PackedMicrobatch, model: DFlashDrafter, *, attention: AttentionBackend, anchor_chunk: int | None
+) -> dict[str, AnchorAcceptance]:
+    """``acceptance_at_every_anchor`` of one microbatch's samples."""
+    inputs, block = batch.inputs, model.config.block_size
+    ids, starts = batch.plan.sample_ids, batch.cu_seqlens_D1.tolist()
+    out = {
+        sample_id: AnchorAcceptance(
+            accepted_by_position={},
+            input_ids=inputs.input_ids_T[starts[d] : starts[d + 1]].tolist(),
+            loss_mask=inputs.loss_mask_T[starts[d] : starts[d + 1]].bool().tolist(),
+        )
+        for d, sample_id in enumerate(ids)
+    }
+    chunk = anchor_chunk or max(inputs.num_anchors, 1)
+    for c in range(0, inputs.num_anchors, chunk):
+        anchors_A = inputs.anchors_A[c : c + chunk]
+        hidden_QH = model.forward_hidden(
+            replace(inputs, anchors_A=anchors_A, loss_rows_N=None), attention=attention
+        )
+        proposals_AB = (hidden_QH.view(len(anchors_A), block, -1) @ model.lm_head_VH.T).argmax(-1)
+        labels = block_labels(inputs.input_ids_T, inputs.loss_mask_T, inputs.doc_ids_T, anchors_A, block)
+        correct_AK = ((proposals_AB == labels.label_ids_AB) & labels.valid_AB)[:, 1:]
+        accepted_A = correct_AK.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        for a, accepted in zip(anchors_A.tolist(), accepted_A.tolist(), strict=True):
+            sample = out[ids[int(inputs.doc_ids_T[a])]]
+            sample.accepted_by_position[int(inputs.positions_T[a])] = accepted
+    return out

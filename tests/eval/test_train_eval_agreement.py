@@ -10,7 +10,8 @@ records hold exactly what the drafter trained on, yet they are the run's held-ou
 commands measure the same samples through their supported paths.
 
 The reference is brute force: the training forward (the validation split's packing, the cached features,
-the training masks and positions) run at every eligible anchor of the validation samples. Its leading
+the training masks and positions) run at every eligible anchor of the validation samples
+(``train/validation.py:acceptance_at_every_anchor``). Its leading
 runs of correct block positions reproduce train's reported ``val_block_tau`` exactly (the reference is the
 validator's computation), and at the anchors eval's cycles started from, they equal the accepted drafts
 eval measured, cycle by cycle (float32 on the CPU: both sides are greedy over the same weights). Any
@@ -36,25 +37,17 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline.cache.reader import CacheReader
 from dflash_offline.decode.single import DecodeResult, SingleSequence
-from dflash_offline.drafter.anchors import eligible_anchor_mask
-from dflash_offline.drafter.loss import block_labels
 from dflash_offline.eval.config import EvalConfig
 from dflash_offline.eval.run import load_drafter_for, run_eval
 from dflash_offline.generate.run import run_generate
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.target_model.loader import load_target
-from dflash_offline.train.batch import AnchorRequest, ScheduledMicrobatch, StepContext
-from dflash_offline.train.groups import GROUPS_FILE, read_groups
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
-from dflash_offline.train.prefetch import Prefetcher
-from dflash_offline.train.snapshot import load_snapshot
-from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot, validation_key
-from dflash_offline.train.step import to_drafter_inputs
-from dflash_offline.train.validation import plan_validation
+from dflash_offline.train.split import validation_key
+from dflash_offline.train.validation import acceptance_at_every_anchor
 from tests.eval.helpers import one_thread
 from tests.generate.helpers import tiny_config
 from tests.train.helpers import train_config
@@ -89,61 +82,11 @@ def _record_id(prompt: int, *, held_out: bool) -> str:
 def _reference_runs(run: Path, model: Any) -> tuple[dict[str, dict[int, int]], dict[str, list[int]]]:
     """The training forward over the run's validation split at every eligible anchor: sample id →
     {position in the sample: leading run of correct block positions}, and sample id → cached token ids."""
-    config = json.loads((run / "config.json").read_text())
-    runs: dict[str, dict[int, int]] = {}
-    ids: dict[str, list[int]] = {}
-
-    def every_eligible(request: AnchorRequest) -> torch.Tensor:
-        return torch.nonzero(eligible_anchor_mask(request.loss_mask_T, request.doc_ids_T)).flatten()
-
-    with CacheReader.open(Path(config["cache_dir"])) as reader:
-        split = split_snapshot(
-            load_snapshot(run / SNAPSHOT_FILE, reader),
-            fraction=config["val_fraction"],
-            num_samples=config["val_samples"],
-            groups=read_groups(run / GROUPS_FILE),
-        )
-        validation = split.validation
-        assert validation is not None
-        plans = plan_validation(validation, tokens_per_microbatch=config["tokens_per_microbatch"])
-        jobs = [
-            ScheduledMicrobatch(
-                plan=plan,
-                step=StepContext(
-                    epoch=0,
-                    step_in_epoch=0,
-                    global_step=0,
-                    microbatch_in_rank=i,
-                    num_microbatches_in_rank=len(plans),
-                    step_num_tokens=0,
-                    anchor_seed=0,
-                ),
-                reader_rows=tuple(int(r) for r in validation.reader_rows_N[list(plan.rows)]),
-            )
-            for i, plan in enumerate(plans)
-        ]
-        with Prefetcher(
-            reader, jobs, device="cpu", anchor_fn=every_eligible, loss_block_size=BLOCK, num_threads=1
-        ) as prefetcher:
-            for batch in prefetcher:
-                inputs = to_drafter_inputs(batch)
-                with torch.no_grad():
-                    hidden_QH = model.forward_hidden(inputs, attention="sdpa")
-                    proposals_AB = (
-                        hidden_QH.view(inputs.num_anchors, BLOCK, -1) @ model.lm_head_VH.T
-                    ).argmax(-1)
-                labels = block_labels(
-                    inputs.input_ids_T, inputs.loss_mask_T, inputs.doc_ids_T, inputs.anchors_A, BLOCK
-                )
-                correct_AK = ((proposals_AB == labels.label_ids_AB) & labels.valid_AB)[:, 1:]
-                run_A = correct_AK.to(torch.int64).cumprod(dim=1).sum(dim=1)
-                for a, r in zip(inputs.anchors_A.tolist(), run_A.tolist(), strict=True):
-                    sample_id = batch.plan.sample_ids[int(batch.doc_ids_T[a])]
-                    runs.setdefault(sample_id, {})[int(batch.positions_T[a])] = r
-                starts = batch.cu_seqlens_D1.tolist()
-                for d, sample_id in enumerate(batch.plan.sample_ids):
-                    ids[sample_id] = batch.input_ids_T[starts[d] : starts[d + 1]].tolist()
-    return runs, ids
+    acceptance = acceptance_at_every_anchor(run, model, attention="sdpa")
+    runs = {
+        sample_id: a.accepted_by_position for sample_id, a in acceptance.items() if a.accepted_by_position
+    }
+    return runs, {sample_id: a.input_ids for sample_id, a in acceptance.items()}
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import torch
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.train.batch import PackedMicrobatch
+from dflash_offline.train.microbatch import PackedMicrobatch
 
 EDGES = (16, 32, 64, 128)
 HIDDEN = 8
@@ -105,4 +105,7 @@ PACKED_TENSORS = (
 
 def as_host_dict(batch: PackedMicrobatch) -> dict[str, torch.Tensor]:
     """The batch's tensors on the CPU, by name."""
-    return {name: getattr(batch, name).cpu() for name in PACKED_TENSORS}
+    return {
+        name: (batch.cu_seqlens_D1 if name == "cu_seqlens_D1" else getattr(batch.inputs, name)).cpu()
+        for name in PACKED_TENSORS
+    }

@@ -16,10 +16,10 @@ from dflash_offline.cache.fp8 import Fp8Layout, decode_rows, encode_rows
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.train.batch import ScheduledMicrobatch, schedule_for_rank
 from dflash_offline.train.launch import run_training
+from dflash_offline.train.length_mixing import LengthMixingPlanner
 from dflash_offline.train.metrics import read_metrics
-from dflash_offline.train.planner import LengthMixingPlanner
+from dflash_offline.train.microbatch import ScheduledMicrobatch, schedule_for_rank
 from dflash_offline.train.prefetch import Prefetcher, device_decode_layout
 from dflash_offline.train.snapshot import take_snapshot
 from tests.cache.fp8_reference import CODEC_K, HIDDEN, features, ref_decode, ref_encode
@@ -94,7 +94,7 @@ def delivered(root: Path, device: str, *, decode_on_device: bool | None) -> list
             out = []
             for batch, job in zip(prefetcher, jobs, strict=True):
                 assert batch.plan == job.plan
-                assert batch.features_TF.device.type == torch.device(device).type
+                assert batch.inputs.features_TF.device.type == torch.device(device).type
                 out.append({**as_host_dict(batch), "sample_ids": job.plan.sample_ids})
     return out
 

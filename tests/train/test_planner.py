@@ -8,14 +8,15 @@ exact, because every sample is planned exactly once.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
 import pytest
 
 from dflash_offline.errors import ConfigError, ResumeError
-from dflash_offline.train.batch import StepPlan, anchor_seed, schedule_for_rank
-from dflash_offline.train.planner import LengthMixingPlanner
+from dflash_offline.train.length_mixing import LengthMixingPlanner
+from dflash_offline.train.microbatch import RankSteps, StepPlan, anchor_seed, schedule_for_rank
 from dflash_offline.train.snapshot import IndexSnapshot, snapshot_from_columns
 from tests.train.plan_helpers import bucket_token_shares, epoch_plan, rank_tokens, real_rows
 
@@ -271,16 +272,30 @@ def test_schedule_for_rank_maps_rows_and_derives_anchor_seeds() -> None:
     jobs = [
         list(schedule_for_rank(steps, rank=r, seed=7, reader_rows_N=bound.reader_rows_N)) for r in range(4)
     ]
-    seeds = [j.step.anchor_seed for rank_jobs in jobs for j in rank_jobs]
+    seeds = [j.anchor_seed for rank_jobs in jobs for j in rank_jobs]
     assert len(set(seeds)) == len(seeds) == 3 * 8
     # The seed follows the microbatch's content, not its rank or position (topology-independent).
     for rank_jobs in jobs:
         for job in rank_jobs:
-            assert job.step.anchor_seed == anchor_seed(7, job.step.epoch, job.plan.sample_ids)
+            assert job.anchor_seed == anchor_seed(7, 0, job.plan.sample_ids)
     again = list(schedule_for_rank(steps, rank=1, seed=7, reader_rows_N=bound.reader_rows_N))
     assert again == jobs[1]
     for job in jobs[2]:
         assert job.plan.rank == 2
         assert job.reader_rows == tuple(10 * r for r in job.plan.rows)
-        assert job.step.num_microbatches_in_rank == 2
-    assert [j.step.is_last_in_step for j in jobs[0][:2]] == [False, True]
+    assert [j.plan for j in jobs[2]] == [mb for step in steps for mb in step.for_rank(2)]
+
+
+def test_rank_steps_regroups_what_comes_back_into_the_steps() -> None:
+    """The loop's grouping: the jobs are drawn ahead of the consumer (as the prefetcher's threads draw
+    them), and what comes back, in job order, is cut into the steps they came from."""
+    snap = make_snapshot()
+    steps = epoch_plan(planner(snap, grad_accum=3), 0)
+    assert [s.num_microbatches_per_rank for s in steps[-2:]] == [3, 1], "the last step is shorter"
+    rank_steps = RankSteps(iter(steps), rank=2, seed=7, reader_rows_N=np.arange(len(snap)))
+    jobs = rank_steps.jobs()
+    ahead = [next(jobs) for _ in range(4)]  # into the second step before the consumer takes any
+    regrouped = list(rank_steps.regroup(itertools.chain(ahead, jobs)))
+    assert [step for step, _ in regrouped] == steps
+    for step, group in regrouped:
+        assert [job.plan for job in group] == list(step.for_rank(2))

@@ -17,9 +17,14 @@ import torch
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import CachedSample
 from dflash_offline.errors import CacheFormatError, ConfigError, WorkerError
-from dflash_offline.train.batch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch, schedule_for_rank
+from dflash_offline.train.length_mixing import LengthMixingPlanner
+from dflash_offline.train.microbatch import (
+    AnchorRequest,
+    PackedMicrobatch,
+    ScheduledMicrobatch,
+    schedule_for_rank,
+)
 from dflash_offline.train.packing import HostBufferPool
-from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.prefetch import Prefetcher, in_place_feature_width
 from dflash_offline.train.snapshot import IndexSnapshot, take_snapshot
 from tests.train.cache_helpers import WrittenSample, as_host_dict, make_samples, write_cache
@@ -93,7 +98,6 @@ def assert_matches(
     batch: PackedMicrobatch, job: ScheduledMicrobatch, written: dict[str, WrittenSample]
 ) -> None:
     assert batch.plan == job.plan
-    assert batch.step == job.step
     got = as_host_dict(batch)
     for name, want in expected_batch(job, written).items():
         assert got[name].dtype == want.dtype, name
@@ -123,8 +127,8 @@ def test_batches_arrive_in_plan_order_bit_exact(
     assert len(batches) == len(jobs)
     for batch, job in zip(batches, jobs):
         assert_matches(batch, job, written)
-        assert batch.anchors_A.numel() == 0
-        assert batch.anchors_A.dtype == torch.int64
+        assert batch.inputs.anchors_A.numel() == 0
+        assert batch.inputs.anchors_A.dtype == torch.int64
     assert stats.num_batches == len(jobs)
     assert stats.num_samples == sum(len(j.plan.sample_ids) for j in jobs)
     assert stats.num_tokens == sum(j.plan.num_tokens for j in jobs)
@@ -146,7 +150,7 @@ def test_anchors_do_not_depend_on_thread_timing(cache: tuple[Path, dict[str, Wri
                 num_threads=threads,
                 anchor_fn=simple_anchor_fn,
             ) as prefetcher:
-                runs.append([b.anchors_A for b in prefetcher])
+                runs.append([b.inputs.anchors_A for b in prefetcher])
     for run in runs[1:]:
         assert len(run) == len(runs[0])
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
@@ -293,7 +297,7 @@ def test_rows_that_no_longer_match_the_plan_are_refused(cache: tuple[Path, dict[
         _, jobs = jobs_for(reader)
         shifted = [
             ScheduledMicrobatch(
-                plan=j.plan, step=j.step, reader_rows=tuple((r + 1) % 80 for r in j.reader_rows)
+                plan=j.plan, reader_rows=tuple((r + 1) % 80 for r in j.reader_rows), anchor_seed=j.anchor_seed
             )
             for j in jobs
         ]
@@ -359,17 +363,17 @@ def test_cuda_batches_match_cpu_batches(cache: tuple[Path, dict[str, WrittenSamp
         ) as pf:
             cuda_batches = []
             for batch in pf:
-                assert batch.features_TF.is_cuda
-                assert batch.anchors_A.is_cuda
+                assert batch.inputs.features_TF.is_cuda
+                assert batch.inputs.anchors_A.is_cuda
                 # Work on the consumer's stream right away: it must see the finished copy.
-                checksum = batch.features_TF.view(torch.int16).to(torch.int64).sum()
+                checksum = batch.inputs.features_TF.view(torch.int16).to(torch.int64).sum()
                 cuda_batches.append((batch, checksum))
         with Prefetcher(reader, jobs, device="cpu", anchor_fn=simple_anchor_fn) as pf:
             cpu_batches = list(pf)
     for (batch, checksum), cpu, job in zip(cuda_batches, cpu_batches, jobs):
         assert_matches(batch, job, written)
-        assert torch.equal(batch.anchors_A.cpu(), cpu.anchors_A)
-        assert int(checksum) == int(cpu.features_TF.view(torch.int16).to(torch.int64).sum())
+        assert torch.equal(batch.inputs.anchors_A.cpu(), cpu.inputs.anchors_A)
+        assert int(checksum) == int(cpu.inputs.features_TF.view(torch.int16).to(torch.int64).sum())
 
 
 def test_written_numbers_are_consistent(cache: tuple[Path, dict[str, WrittenSample]]) -> None:
@@ -410,7 +414,9 @@ def test_prefetcher_recycles_buffers_without_corrupting_held_batches(
         with Prefetcher(reader, jobs, device="cpu", prefetch=2, num_threads=2) as prefetcher:
             for i, (batch, job) in enumerate(zip(prefetcher, jobs)):
                 if i in (0, 7, 20):
-                    held.append((batch.features_TF[1:], job))  # a view keeps its buffer out of the pool
+                    held.append(
+                        (batch.inputs.features_TF[1:], job)
+                    )  # a view keeps its buffer out of the pool
             allocations = prefetcher._pool.num_allocations
     assert len(jobs) > 40
     # In use at once: 2 claimed + 1 consumed + the held ones; a few growth steps come on top.

@@ -36,9 +36,8 @@ from dflash_offline.eval.speculative import (
 from dflash_offline.generate.run import run_generate
 from dflash_offline.target_model.capture import FeatureCapture
 from dflash_offline.target_model.loader import LoadedTarget, load_target
-from dflash_offline.train.batch import AnchorRequest, MicrobatchPlan, ScheduledMicrobatch, StepContext
+from dflash_offline.train.microbatch import AnchorRequest, MicrobatchPlan, ScheduledMicrobatch
 from dflash_offline.train.prefetch import Prefetcher
-from dflash_offline.train.step import to_drafter_inputs
 from tests.eval.helpers import one_thread
 from tests.generate.helpers import tiny_config
 
@@ -267,25 +266,16 @@ def test_training_forward_predicts_what_speculative_decoding_proposes(
             bucket_ids=(other.bucket_id, sample.bucket_id),
             num_tokens=other.num_tokens + sample.num_tokens,
         )
-        context = StepContext(
-            epoch=0,
-            step_in_epoch=0,
-            global_step=0,
-            microbatch_in_rank=0,
-            num_microbatches_in_rank=1,
-            step_num_tokens=plan.num_tokens,
-            anchor_seed=0,
-        )
 
         def every_eligible(request: AnchorRequest) -> Tensor:
             return torch.nonzero(eligible_anchor_mask(request.loss_mask_T, request.doc_ids_T)).flatten()
 
-        job = ScheduledMicrobatch(plan=plan, step=context, reader_rows=(rows[0], rows[1]))
+        job = ScheduledMicrobatch(plan=plan, reader_rows=(rows[0], rows[1]), anchor_seed=0)
         with Prefetcher(
             reader, [job], device=device, anchor_fn=every_eligible, loss_block_size=BLOCK
         ) as prefetcher:
             (batch,) = list(prefetcher)
-    inputs = to_drafter_inputs(batch)
+    inputs = batch.inputs
     with torch.no_grad():
         hidden_QH = model.forward_hidden(inputs, attention="auto")  # SDPA on the CPU, flex on CUDA
         logits_AKV = (hidden_QH.view(inputs.num_anchors, BLOCK, -1)[:, 1:] @ model.lm_head_VH.T).float()

@@ -5,18 +5,26 @@ F = features per token (num_layers * hidden_size), A = anchors of the microbatch
 (samples) in the microbatch.
 
 Flow: ``LengthMixingPlanner`` -> ``StepPlan`` (one optimizer step, every rank's microbatches)
--> ``schedule_for_rank`` -> ``ScheduledMicrobatch`` (one rank's microbatch with its step context and
-resolved cache rows) -> ``Prefetcher`` -> ``PackedMicrobatch`` (tensors on the training device).
+-> ``schedule_for_rank`` -> ``ScheduledMicrobatch`` (one rank's microbatch bound to the reader's rows,
+with its anchor seed) -> ``Prefetcher`` -> ``PackedMicrobatch`` (the drafter's ``DrafterInputs`` on the
+training device) -> ``RankSteps.regroup`` -> the loop, one step's microbatches at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
+
+from dflash_offline.drafter.batch import DrafterInputs
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,36 +86,17 @@ class PlannerPosition:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StepContext:
-    """Where a microbatch sits in training; travels with it through the prefetcher."""
-
-    epoch: int
-    step_in_epoch: int
-    global_step: int
-    microbatch_in_rank: int
-    """0 .. num_microbatches_in_rank-1: position among this rank's microbatches of the step."""
-    num_microbatches_in_rank: int
-    """How many microbatches this rank runs in the step (the loop syncs gradients on the last one)."""
-    step_num_tokens: int
-    """Real tokens of the whole step over all ranks (for a step-wide loss normalisation)."""
-    anchor_seed: int
-    """Seed of this microbatch's anchor draw: a pure function of (seed, epoch, the microbatch's sample
-    ids), so the same microbatch gets the same anchors whatever rank or step position runs it."""
-
-    @property
-    def is_last_in_step(self) -> bool:
-        return self.microbatch_in_rank == self.num_microbatches_in_rank - 1
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduledMicrobatch:
-    """A prefetcher job: one microbatch of this rank, with its step context and cache rows."""
+    """A prefetcher job: one microbatch of this rank, bound to the reader's rows, with its anchor seed."""
 
     plan: MicrobatchPlan
-    step: StepContext
     reader_rows: tuple[int, ...]
     """Rows of the samples in the ``CacheReader``'s SampleTable (the snapshot positions mapped through
     ``IndexSnapshot.reader_rows_N``), in packing order."""
+    anchor_seed: int
+    """Seed of this microbatch's anchor draw (``anchor_seed``): a pure function of (seed, epoch, the
+    microbatch's sample ids), so the same microbatch gets the same anchors whatever rank or step position
+    runs it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,8 +110,8 @@ class AnchorRequest:
     positions_T: torch.Tensor
     """int32 [T]: position of each token within its document."""
     generator: torch.Generator
-    """A CPU generator seeded with the microbatch's anchor seed (``StepContext.anchor_seed``): draws
-    made with it do not depend on thread timing."""
+    """A CPU generator seeded with the microbatch's anchor seed (``ScheduledMicrobatch.anchor_seed``):
+    draws made with it do not depend on thread timing."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,34 +119,28 @@ class PackedMicrobatch:
     """A microbatch ready for the drafter: its documents packed in one row, on the training device."""
 
     plan: MicrobatchPlan
-    step: StepContext
-    input_ids_T: torch.Tensor
-    """int64 [T]: token ids, documents concatenated in ``plan.sample_ids`` order."""
-    features_TF: torch.Tensor
-    """bfloat16 [T, F]: the target's captured hidden states."""
-    loss_mask_T: torch.Tensor
-    """bool [T]: True on assistant tokens."""
-    doc_ids_T: torch.Tensor
-    """int32 [T]: document index 0..D-1 of each token."""
-    positions_T: torch.Tensor
-    """int32 [T]: position of each token within its document (RoPE positions restart per document)."""
+    inputs: DrafterInputs
+    """What ``DFlashDrafter.forward_train`` takes: token ids, features (bfloat16 [T, F], the target's
+    captured hidden states), loss mask, document ids and positions (RoPE positions restart per document),
+    the documents concatenated in ``plan.sample_ids`` order; the anchors chosen by the anchor_fn (empty
+    without one) and, when the prefetcher was given the block size, their ``loss_rows_N``, computed on
+    the host so that the forward needs no sync."""
     cu_seqlens_D1: torch.Tensor
     """int32 [D+1]: document start offsets, 0 first and T last (the varlen-attention convention)."""
-    anchors_A: torch.Tensor
-    """int64 [A]: indices into T chosen by the anchor_fn (empty without one)."""
-    loss_rows_N: torch.Tensor | None = None
-    """int64 [N]: the block positions of ``anchors_A`` that carry loss (``drafter.loss.loss_rows``),
-    when the prefetcher was given the block size; computed on the host, so the forward needs no sync."""
-    num_documents: int
-    num_tokens: int
     num_bytes: int
     """Bytes of the three per-token tensors as read from the cache (features, ids, mask)."""
     data_wait_s: float = 0.0
     """Seconds the consumer waited for this microbatch in the prefetcher (0 when it was ready)."""
 
     @property
-    def bucket_ids(self) -> tuple[int, ...]:
-        return self.plan.bucket_ids
+    def num_tokens(self) -> int:
+        """T."""
+        return self.inputs.num_tokens
+
+    @property
+    def num_documents(self) -> int:
+        """D: the plan's samples (the prefetcher checked that the cache returned those)."""
+        return len(self.plan.sample_ids)
 
 
 def anchor_seed(seed: int, epoch: int, sample_ids: tuple[str, ...], *, padding: bool = False) -> int:
@@ -179,17 +162,45 @@ def schedule_for_rank(
     (``IndexSnapshot.reader_rows_N``). Lazy: it consumes ``steps`` one step at a time.
     """
     for step in steps:
-        mine = step.for_rank(rank)
-        step_tokens = step.num_tokens
-        for i, mb in enumerate(mine):
-            context = StepContext(
-                epoch=step.epoch,
-                step_in_epoch=step.step_in_epoch,
-                global_step=step.global_step,
-                microbatch_in_rank=i,
-                num_microbatches_in_rank=len(mine),
-                step_num_tokens=step_tokens,
+        for mb in step.for_rank(rank):
+            yield ScheduledMicrobatch(
+                plan=mb,
+                reader_rows=tuple(int(r) for r in reader_rows_N[list(mb.rows)]),
                 anchor_seed=anchor_seed(seed, step.epoch, mb.sample_ids, padding=mb.is_padding),
             )
-            rows = tuple(int(r) for r in reader_rows_N[list(mb.rows)])
-            yield ScheduledMicrobatch(plan=mb, step=context, reader_rows=rows)
+
+
+class RankSteps:
+    """One rank's share of a stream of steps, and the steps again when their microbatches come back.
+
+    ``jobs()`` gives the prefetcher this rank's microbatches (``schedule_for_rank``) and notes each step as
+    its microbatches are drawn; ``regroup`` takes what the prefetcher returns, in job order, and yields
+    each step's plan with its ``num_microbatches_per_rank`` items. The jobs are drawn in the prefetcher's
+    threads, ahead of the consumer: a step is noted before its first microbatch can come back.
+    """
+
+    def __init__(self, steps: Iterable[StepPlan], *, rank: int, seed: int, reader_rows_N: np.ndarray) -> None:
+        self._steps = steps
+        self._rank = rank
+        self._seed = seed
+        self._reader_rows_N = reader_rows_N
+        self._drawn: deque[StepPlan] = deque()  # appended by a prefetch thread, taken by the consumer
+
+    def jobs(self) -> Iterator[ScheduledMicrobatch]:
+        return schedule_for_rank(
+            self._noted(), rank=self._rank, seed=self._seed, reader_rows_N=self._reader_rows_N
+        )
+
+    def regroup(self, items: Iterable[_T]) -> Iterator[tuple[StepPlan, list[_T]]]:
+        """(step, its microbatches' items) for each step, from ``items`` in job order."""
+        rest = iter(items)
+        for first in rest:
+            step = self._drawn.popleft()
+            group = [first, *itertools.islice(rest, step.num_microbatches_per_rank - 1)]
+            assert len(group) == step.num_microbatches_per_rank, "the prefetcher ended inside a step"
+            yield step, group
+
+    def _noted(self) -> Iterator[StepPlan]:
+        for step in self._steps:
+            self._drawn.append(step)
+            yield step

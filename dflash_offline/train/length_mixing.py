@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from dflash_offline.errors import ConfigError, ResumeError
-from dflash_offline.train.batch import MicrobatchPlan, PlannerPosition, StepPlan
+from dflash_offline.train.microbatch import MicrobatchPlan, PlannerPosition, StepPlan
 from dflash_offline.train.snapshot import IndexSnapshot
 
 PLANNER_STATE_VERSION = 1
