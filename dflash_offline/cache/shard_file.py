@@ -150,74 +150,66 @@ class ShardFile:
                 self._preadv([_bytes_of(piece.out)], base + piece.row0 * rb)
             return
         by_chunk = _pieces_by_chunk(pieces, self.fmt.chunk_rows)
-        # Uncompressed: (file offset, buffers) runs of file-contiguous bytes, each read by one preadv.
-        runs: list[tuple[int, list[np.ndarray]]] = []
+        if self.fmt.codec is None:
+            self._read_uncompressed(by_chunk)
+        else:
+            self._read_compressed(by_chunk, scratch)
+
+    def _read_uncompressed(self, by_chunk: dict[int, list[tuple[Piece, int, int]]]) -> None:
+        """Runs of file-contiguous bytes across the chunks, each read by one preadv into several buffers."""
+        cr, rb = self.fmt.chunk_rows, self.fmt.row_bytes
+        chunk_bytes = cr * rb
+        runs: list[tuple[int, list[np.ndarray]]] = []  # (file offset, buffers)
         run_end = -1
         for c in sorted(by_chunk):
             offset, nbytes = int(self.offsets[c]), int(self.nbytes[c])
             if offset < 0:
-                raise CacheDamageError(f"{self.path}: inner chunk {c} was never written (rows past the data)")
-            if self.fmt.codec is None:
-                run_end = self._add_to_runs(runs, run_end, c, offset, nbytes, by_chunk[c])
-            else:
-                self._read_compressed(c, offset, nbytes, by_chunk[c], scratch)
-        self._read_runs(runs)
-
-    def _add_to_runs(
-        self,
-        runs: list[tuple[int, list[np.ndarray]]],
-        run_end: int,
-        c: int,
-        offset: int,
-        nbytes: int,
-        parts: list[tuple[Piece, int, int]],
-    ) -> int:
-        """Append the destinations of uncompressed chunk ``c`` (at ``offset``) to ``runs``, extending the
-        last run when they continue it in the file; returns the file offset where the last run ends."""
-        cr, rb = self.fmt.chunk_rows, self.fmt.row_bytes
-        if nbytes != cr * rb:
-            raise CacheDamageError(f"{self.path}: chunk {c} has {nbytes} bytes, not {cr * rb}")
-        for piece, a, b in parts:
-            file_offset = offset + (a - c * cr) * rb
-            dest = _bytes_of(piece.out)[(a - piece.row0) * rb : (b - piece.row0) * rb]
-            if file_offset == run_end:
-                runs[-1][1].append(dest)
-            else:
-                runs.append((file_offset, [dest]))
-            run_end = file_offset + len(dest)
-        return run_end
-
-    def _read_compressed(
-        self,
-        c: int,
-        offset: int,
-        nbytes: int,
-        parts: list[tuple[Piece, int, int]],
-        scratch: np.ndarray | None,
-    ) -> None:
-        """Read and decode compressed chunk ``c`` once: straight into the one piece that wants all of it,
-        else into ``scratch`` and copied out to each piece."""
-        cr, rb = self.fmt.chunk_rows, self.fmt.row_bytes
-        chunk_bytes = cr * rb
-        raw = os.pread(self._fd, nbytes, offset)
-        if len(raw) != nbytes:
-            raise CacheDamageError(f"{self.path}: chunk {c} is truncated")
-        piece, a, b = parts[0]
-        if len(parts) == 1 and b - a == cr:  # one piece wants the whole chunk: decode into it
-            self._decode(raw, _bytes_of(piece.out)[(a - piece.row0) * rb : (b - piece.row0) * rb], c)
-            return
-        target = (scratch if scratch is not None else np.empty(chunk_bytes, np.uint8))[:chunk_bytes]
-        self._decode(raw, target, c)
-        for piece, a, b in parts:
-            dest = _bytes_of(piece.out)[(a - piece.row0) * rb : (b - piece.row0) * rb]
-            dest[:] = target[(a - c * cr) * rb : (b - c * cr) * rb]
-
-    def _read_runs(self, runs: list[tuple[int, list[np.ndarray]]]) -> None:
+                raise self._never_written(c)
+            if nbytes != chunk_bytes:
+                raise CacheDamageError(f"{self.path}: chunk {c} has {nbytes} bytes, not {chunk_bytes}")
+            for piece, a, b in by_chunk[c]:
+                file_offset = offset + (a - c * cr) * rb
+                dest = _bytes_of(piece.out)[(a - piece.row0) * rb : (b - piece.row0) * rb]
+                if file_offset == run_end:
+                    runs[-1][1].append(dest)
+                else:
+                    runs.append((file_offset, [dest]))
+                run_end = file_offset + len(dest)
         for file_offset, buffers in runs:
             for start in range(0, len(buffers), _IOV_MAX):
                 batch = buffers[start : start + _IOV_MAX]
                 self._preadv(batch, file_offset)
                 file_offset += sum(len(b) for b in batch)
+
+    def _read_compressed(
+        self, by_chunk: dict[int, list[tuple[Piece, int, int]]], scratch: np.ndarray | None
+    ) -> None:
+        """One pread and one decode per chunk: straight into the one piece that wants all of it, else into
+        ``scratch`` and copied out to each piece."""
+        cr, rb = self.fmt.chunk_rows, self.fmt.row_bytes
+        chunk_bytes = cr * rb
+        for c in sorted(by_chunk):
+            offset, nbytes = int(self.offsets[c]), int(self.nbytes[c])
+            if offset < 0:
+                raise self._never_written(c)
+            raw = os.pread(self._fd, nbytes, offset)
+            if len(raw) != nbytes:
+                raise CacheDamageError(f"{self.path}: chunk {c} is truncated")
+            parts = by_chunk[c]
+            piece, a, b = parts[0]
+            in_place = len(parts) == 1 and b - a == cr  # one piece wants the whole chunk: decode into it
+            if in_place:
+                target = _bytes_of(piece.out)[(a - piece.row0) * rb : (b - piece.row0) * rb]
+            else:
+                target = (scratch if scratch is not None else np.empty(chunk_bytes, np.uint8))[:chunk_bytes]
+            self._decode(raw, target, c)
+            if not in_place:
+                for piece, a, b in parts:
+                    dest = _bytes_of(piece.out)[(a - piece.row0) * rb : (b - piece.row0) * rb]
+                    dest[:] = target[(a - c * cr) * rb : (b - c * cr) * rb]
+
+    def _never_written(self, c: int) -> CacheDamageError:
+        return CacheDamageError(f"{self.path}: inner chunk {c} was never written (rows past the data)")
 
     def _preadv(self, buffers: list[np.ndarray], offset: int) -> None:
         want = sum(b.nbytes for b in buffers)
