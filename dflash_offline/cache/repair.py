@@ -45,6 +45,7 @@ from dflash_offline.cache.shard_meta import MetadataDamage, rebuild
 from dflash_offline.cache.verify import (
     DamagedPart,
     GroupMetadata,
+    ManifestCheck,
     UnreferencedData,
     check_manifest,
     check_metadata,
@@ -278,35 +279,52 @@ def repair_session(root: str | Path, *, progress: bool = True) -> Iterator[Repai
         yield plan_repair(layout.root, progress=progress)
 
 
-def plan_repair(root: Path, *, progress: bool = True) -> RepairPlan:
-    """What a repair would do (call under the cache's writer lock; see ``repair_session``)."""
-    layout = CacheLayout.at(root)
-    manifest = check_manifest(root)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _CommittedRows:
+    """The rows of the intact samples parts, concatenated in part order."""
+
+    parts: list[Path]
+    tables: list[pa.Table]
+    """One per part, as read."""
+    rows: pa.Table
+    """All of ``tables``, one after the other."""
+    part_of: np.ndarray
+    """int64 [rows]: the index in ``parts`` of each row's part."""
+
+
+def _read_committed(manifest: ManifestCheck) -> _CommittedRows:
     parts = manifest.good["samples"]
     tables = [read_parts("samples", [p], legacy_names=True) for p in parts]
-    part_of = np.repeat(np.arange(len(tables), dtype=np.int64), [t.num_rows for t in tables])
-    rows = pa.concat_tables(tables) if tables else read_parts("samples", [])
-    shard_names = rows["shard"].to_numpy(zero_copy_only=False)
-    ends = rows["row_start"].to_numpy() + rows["num_tokens"].to_numpy().astype(np.int64)
-    metadata = check_metadata(root, committed_ends(shard_names, ends), manifest.shard_infos())
-    ranks = _copy_ranks(rows) if rows.num_rows else np.zeros(0, np.int64)
-    bad = _bad_rows(root, rows, ranks, metadata, manifest.damaged_paths, progress) if rows.num_rows else {}
+    return _CommittedRows(
+        parts=parts,
+        tables=tables,
+        rows=pa.concat_tables(tables) if tables else read_parts("samples", []),
+        part_of=np.repeat(np.arange(len(tables), dtype=np.int64), [t.num_rows for t in tables]),
+    )
 
-    # Keep, per sample_id, the earliest good copy.
-    keep = np.zeros(rows.num_rows, dtype=bool)
+
+def _first_good_copies(ids: list[str], ranks: np.ndarray, bad: dict[int, str]) -> np.ndarray:
+    """bool per row: the earliest copy (lowest rank) of each sample_id whose bytes are not bad."""
+    keep = np.zeros(len(ids), dtype=bool)
     kept_ids: set[str] = set()
-    ids = rows["sample_id"].to_pylist()
     for position in np.argsort(ranks, kind="stable").tolist():
         if position not in bad and ids[position] not in kept_ids:
             keep[position] = True
             kept_ids.add(ids[position])
-    dropped_ids = set(ids) - kept_ids
+    return keep
+
+
+def _dropped_samples(
+    rows: pa.Table, ids: list[str], dropped_ids: set[str], ranks: np.ndarray, bad: dict[int, str]
+) -> tuple[DroppedSample, ...]:
+    """The samples no copy of which survives, by id, each described by its first commit."""
+    shard_names = rows["shard"].to_numpy(zero_copy_only=False)
     num_tokens = rows["num_tokens"].to_numpy()
     first_bad = {}
     for position in np.argsort(ranks, kind="stable").tolist():
         if ids[position] in dropped_ids and ids[position] not in first_bad:
             first_bad[ids[position]] = position
-    dropped = tuple(
+    return tuple(
         DroppedSample(
             sample_id=sample_id,
             shard=str(shard_names[position]),
@@ -315,28 +333,55 @@ def plan_repair(root: Path, *, progress: bool = True) -> RepairPlan:
         )
         for sample_id, position in sorted(first_bad.items())
     )
-    copies = Counter(ids)
-    duplicate_rows = int((~keep).sum()) - sum(copies[i] for i in dropped_ids)
-    rewrites = tuple(
-        PartRewrite(path=path, table=table, keep=keep[part_of == index])
-        for index, (path, table) in enumerate(zip(parts, tables, strict=True))
-        if not keep[part_of == index].all()
+
+
+def _part_rewrites(committed: _CommittedRows, keep: np.ndarray) -> tuple[PartRewrite, ...]:
+    """The samples parts that lose at least one row."""
+    return tuple(
+        PartRewrite(path=path, table=table, keep=keep[committed.part_of == index])
+        for index, (path, table) in enumerate(zip(committed.parts, committed.tables, strict=True))
+        if not keep[committed.part_of == index].all()
     )
 
-    # Orphans as they will be once the drops are done; a damaged samples part's shard keeps its files.
-    kept_table = SampleTable.from_arrow(rows.filter(pa.array(keep)))
+
+def _guarded_shards(layout: CacheLayout, manifest: ManifestCheck) -> set[str]:
+    """Shards named by a damaged samples part (found now or moved aside by an earlier repair): such a
+    part may point at their files, so they are not deleted as orphans."""
     aside = layout.damaged_dir / "samples"
     damaged_parts = [d.path for d in manifest.damaged if d.table == "samples"]
     damaged_parts += sorted(aside.iterdir()) if aside.is_dir() else []
     # A part is named <shard>-<part>.<sha256>.parquet (shard names hold no dot).
-    guarded = {path.name.split(".")[0].rsplit("-", 1)[0] for path in damaged_parts}
-    delete, kept_leftovers = [], set()
-    for orphan in unreferenced_data(root, kept_table, metadata.formats):
-        shard = orphan.path.split("/")[1].removesuffix(".zarr") if orphan.path.startswith("shards/") else ""
-        if shard in guarded:
-            kept_leftovers.add(shard)
-        else:
-            delete.append(orphan)
+    return {path.name.split(".")[0].rsplit("-", 1)[0] for path in damaged_parts}
+
+
+def _orphan_shard(orphan: UnreferencedData) -> str:
+    """The shard an orphan belongs to; "" for a file outside ``shards/``."""
+    return orphan.path.split("/")[1].removesuffix(".zarr") if orphan.path.startswith("shards/") else ""
+
+
+def plan_repair(root: Path, *, progress: bool = True) -> RepairPlan:
+    """What a repair would do (call under the cache's writer lock; see ``repair_session``)."""
+    layout = CacheLayout.at(root)
+    manifest = check_manifest(root)
+    committed = _read_committed(manifest)
+    rows = committed.rows
+    shard_names = rows["shard"].to_numpy(zero_copy_only=False)
+    ends = rows["row_start"].to_numpy() + rows["num_tokens"].to_numpy().astype(np.int64)
+    metadata = check_metadata(root, committed_ends(shard_names, ends), manifest.shard_infos())
+    ranks = _copy_ranks(rows) if rows.num_rows else np.zeros(0, np.int64)
+    bad = _bad_rows(root, rows, ranks, metadata, manifest.damaged_paths, progress) if rows.num_rows else {}
+
+    ids = rows["sample_id"].to_pylist()
+    keep = _first_good_copies(ids, ranks, bad)
+    kept_ids = {ids[position] for position in np.flatnonzero(keep).tolist()}
+    dropped_ids = set(ids) - kept_ids
+    dropped = _dropped_samples(rows, ids, dropped_ids, ranks, bad)
+    copies = Counter(ids)
+    duplicate_rows = int((~keep).sum()) - sum(copies[i] for i in dropped_ids)
+
+    # Orphans as they will be once the drops are done; a damaged samples part's shard keeps its files.
+    orphans = unreferenced_data(root, SampleTable.from_arrow(rows.filter(pa.array(keep))), metadata.formats)
+    guarded = _guarded_shards(layout, manifest)
     row_bytes = raw_token_bytes(read_fingerprint(root).feature_width)
     return RepairPlan(
         root=layout.root,
@@ -346,9 +391,9 @@ def plan_repair(root: Path, *, progress: bool = True) -> RepairPlan:
         duplicate_rows=duplicate_rows,
         dropped=dropped,
         dropped_raw_bytes=sum(d.num_tokens for d in dropped) * row_bytes,
-        rewrites=rewrites,
-        delete=tuple(delete),
-        kept_leftovers=tuple(sorted(kept_leftovers)),
+        rewrites=_part_rewrites(committed, keep),
+        delete=tuple(o for o in orphans if _orphan_shard(o) not in guarded),
+        kept_leftovers=tuple(sorted({_orphan_shard(o) for o in orphans} & guarded)),
         samples_before=len(set(ids)),
         rows_in_damaged_parts=sum(d.rows or 0 for d in manifest.damaged if d.table == "samples"),
         samples_after=len(kept_ids),

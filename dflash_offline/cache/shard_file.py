@@ -143,47 +143,59 @@ class ShardFile:
         once however many pieces share it. Pieces must be sorted by ``row0`` (they may overlap).
         ``scratch`` (at least one inner chunk of bytes) holds chunks that no single piece covers;
         None allocates."""
-        fmt = self.fmt
-        cr, rb = fmt.chunk_rows, fmt.row_bytes
-        chunk_bytes = cr * rb
-        for piece in pieces:
-            assert 0 <= piece.row0 < piece.row1 <= fmt.shard_rows, (piece.row0, piece.row1, fmt.shard_rows)
-            assert piece.out.shape[0] == piece.row1 - piece.row0
-            assert piece.out.flags.c_contiguous
+        _check_pieces(pieces, self.fmt.shard_rows)
         if all(piece.row1 <= self.linear_rows for piece in pieces):
-            base = int(self.offsets[0])
+            base, rb = int(self.offsets[0]), self.fmt.row_bytes
             for piece in pieces:
                 self._preadv([_bytes_of(piece.out)], base + piece.row0 * rb)
             return
-        # chunk index -> [(piece, first row, end row)] of the pieces overlapping it, in row order
-        by_chunk: dict[int, list[tuple[Piece, int, int]]] = {}
-        for piece in pieces:
-            for c in range(piece.row0 // cr, (piece.row1 - 1) // cr + 1):
-                a, b = max(piece.row0, c * cr), min(piece.row1, (c + 1) * cr)
-                by_chunk.setdefault(c, []).append((piece, a, b))
-        # Uncompressed: runs of file-contiguous bytes, each read by one preadv into several buffers.
-        runs: list[tuple[int, list[np.ndarray]]] = []
+        by_chunk = _pieces_by_chunk(pieces, self.fmt.chunk_rows)
+        if self.fmt.codec is None:
+            self._read_uncompressed(by_chunk)
+        else:
+            self._read_compressed(by_chunk, scratch)
+
+    def _read_uncompressed(self, by_chunk: dict[int, list[tuple[Piece, int, int]]]) -> None:
+        """Runs of file-contiguous bytes across the chunks, each read by one preadv into several buffers."""
+        cr, rb = self.fmt.chunk_rows, self.fmt.row_bytes
+        chunk_bytes = cr * rb
+        runs: list[tuple[int, list[np.ndarray]]] = []  # (file offset, buffers)
         run_end = -1
         for c in sorted(by_chunk):
             offset, nbytes = int(self.offsets[c]), int(self.nbytes[c])
             if offset < 0:
-                raise CacheDamageError(f"{self.path}: inner chunk {c} was never written (rows past the data)")
-            parts = by_chunk[c]
-            if fmt.codec is None:
-                if nbytes != chunk_bytes:
-                    raise CacheDamageError(f"{self.path}: chunk {c} has {nbytes} bytes, not {chunk_bytes}")
-                for piece, a, b in parts:
-                    file_offset = offset + (a - c * cr) * rb
-                    dest = _bytes_of(piece.out)[(a - piece.row0) * rb : (b - piece.row0) * rb]
-                    if file_offset == run_end:
-                        runs[-1][1].append(dest)
-                    else:
-                        runs.append((file_offset, [dest]))
-                    run_end = file_offset + len(dest)
-                continue
+                raise self._never_written(c)
+            if nbytes != chunk_bytes:
+                raise CacheDamageError(f"{self.path}: chunk {c} has {nbytes} bytes, not {chunk_bytes}")
+            for piece, a, b in by_chunk[c]:
+                file_offset = offset + (a - c * cr) * rb
+                dest = _bytes_of(piece.out)[(a - piece.row0) * rb : (b - piece.row0) * rb]
+                if file_offset == run_end:
+                    runs[-1][1].append(dest)
+                else:
+                    runs.append((file_offset, [dest]))
+                run_end = file_offset + len(dest)
+        for file_offset, buffers in runs:
+            for start in range(0, len(buffers), _IOV_MAX):
+                batch = buffers[start : start + _IOV_MAX]
+                self._preadv(batch, file_offset)
+                file_offset += sum(len(b) for b in batch)
+
+    def _read_compressed(
+        self, by_chunk: dict[int, list[tuple[Piece, int, int]]], scratch: np.ndarray | None
+    ) -> None:
+        """One pread and one decode per chunk: straight into the one piece that wants all of it, else into
+        ``scratch`` and copied out to each piece."""
+        cr, rb = self.fmt.chunk_rows, self.fmt.row_bytes
+        chunk_bytes = cr * rb
+        for c in sorted(by_chunk):
+            offset, nbytes = int(self.offsets[c]), int(self.nbytes[c])
+            if offset < 0:
+                raise self._never_written(c)
             raw = os.pread(self._fd, nbytes, offset)
             if len(raw) != nbytes:
                 raise CacheDamageError(f"{self.path}: chunk {c} is truncated")
+            parts = by_chunk[c]
             piece, a, b = parts[0]
             in_place = len(parts) == 1 and b - a == cr  # one piece wants the whole chunk: decode into it
             if in_place:
@@ -195,11 +207,9 @@ class ShardFile:
                 for piece, a, b in parts:
                     dest = _bytes_of(piece.out)[(a - piece.row0) * rb : (b - piece.row0) * rb]
                     dest[:] = target[(a - c * cr) * rb : (b - c * cr) * rb]
-        for file_offset, buffers in runs:
-            for start in range(0, len(buffers), _IOV_MAX):
-                batch = buffers[start : start + _IOV_MAX]
-                self._preadv(batch, file_offset)
-                file_offset += sum(len(b) for b in batch)
+
+    def _never_written(self, c: int) -> CacheDamageError:
+        return CacheDamageError(f"{self.path}: inner chunk {c} was never written (rows past the data)")
 
     def _preadv(self, buffers: list[np.ndarray], offset: int) -> None:
         want = sum(b.nbytes for b in buffers)
@@ -232,3 +242,20 @@ class Piece:
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
+
+
+def _check_pieces(pieces: Sequence[Piece], shard_rows: int) -> None:
+    for piece in pieces:
+        assert 0 <= piece.row0 < piece.row1 <= shard_rows, (piece.row0, piece.row1, shard_rows)
+        assert piece.out.shape[0] == piece.row1 - piece.row0
+        assert piece.out.flags.c_contiguous
+
+
+def _pieces_by_chunk(pieces: Sequence[Piece], chunk_rows: int) -> dict[int, list[tuple[Piece, int, int]]]:
+    """Inner chunk index -> (piece, first row, end row) of each piece overlapping it, in row order."""
+    by_chunk: dict[int, list[tuple[Piece, int, int]]] = {}
+    for piece in pieces:
+        for c in range(piece.row0 // chunk_rows, (piece.row1 - 1) // chunk_rows + 1):
+            a, b = max(piece.row0, c * chunk_rows), min(piece.row1, (c + 1) * chunk_rows)
+            by_chunk.setdefault(c, []).append((piece, a, b))
+    return by_chunk

@@ -142,50 +142,14 @@ def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> Manifest
     for statement in split_statements(read_schema()):
         con.execute(statement)
     stamps = part_stamps(root)
-    files = {
-        t: current_parts(t, [layout.root / s.file for s in stamps if s.manifest_table == t])
-        for t in MANIFEST_TABLES
-    }
-    for table in MANIFEST_TABLES:
-        # Hashing is ~1 % of the parse; DuckDB then parses the same immutable files, in parallel.
-        check_parts(files[table], legacy_names=legacy_names)
+    files = _checked_part_files(layout, stamps, legacy_names=legacy_names)
     if files["samples"]:
-        con.execute(
-            "CREATE TEMP TABLE _samples AS SELECT *, "
-            f"row_number() OVER (PARTITION BY sample_id {_FIRST_COMMIT}) "
-            f"AS _copy FROM read_parquet({_file_list(files['samples'])})"
-        )
-        con.execute("INSERT INTO samples BY NAME SELECT * EXCLUDE (_copy) FROM _samples WHERE _copy = 1")
-        con.execute(
-            "INSERT INTO duplicates "
-            "SELECT sample_id, shard, row_start, created_at FROM _samples WHERE _copy > 1"
-        )
-        con.execute("DROP TABLE _samples")
+        _load_samples(con, files["samples"])
     for table in ("failures", "shards", "runs"):
         if files[table]:
             con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_file_list(files[table])})")
-    edges = list(fingerprint.bucket_edges)
-    _insert_arrow(
-        con,
-        "buckets",
-        pa.table(
-            {
-                "bucket_id": pa.array(range(len(edges) + 1), pa.int32()),
-                "max_tokens": pa.array([*edges, None], pa.int32()),
-            }
-        ),
-    )
-    _insert_arrow(
-        con,
-        "parts",
-        pa.table(
-            {
-                "manifest_table": [s.manifest_table for s in stamps],
-                "file": [s.file for s in stamps],
-                "mtime_ns": pa.array([s.mtime_ns for s in stamps], pa.int64()),
-            }
-        ),
-    )
+    _insert_buckets(con, list(fingerprint.bucket_edges))
+    _insert_parts(con, stamps)
     duplicates = _count(con, "SELECT count(*) FROM duplicates")
     meta = {
         "format_version": str(read_format_version(root)),
@@ -201,6 +165,53 @@ def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> Manifest
         runs=_count(con, "SELECT count(*) FROM runs"),
         parts=len(stamps),
     )
+
+
+def _checked_part_files(
+    layout: CacheLayout, stamps: list[PartStamp], *, legacy_names: bool
+) -> dict[str, list[Path]]:
+    """table -> its current parts, each checked against the sha256 in its name."""
+    files = {
+        t: current_parts(t, [layout.root / s.file for s in stamps if s.manifest_table == t])
+        for t in MANIFEST_TABLES
+    }
+    for table in MANIFEST_TABLES:
+        # Hashing is ~1 % of the parse; DuckDB then parses the same immutable files, in parallel.
+        check_parts(files[table], legacy_names=legacy_names)
+    return files
+
+
+def _load_samples(con: duckdb.DuckDBPyConnection, files: list[Path]) -> None:
+    """Fill ``samples`` with the first commit of each sample_id and ``duplicates`` with the later ones."""
+    con.execute(
+        "CREATE TEMP TABLE _samples AS SELECT *, "
+        f"row_number() OVER (PARTITION BY sample_id {_FIRST_COMMIT}) "
+        f"AS _copy FROM read_parquet({_file_list(files)})"
+    )
+    con.execute("INSERT INTO samples BY NAME SELECT * EXCLUDE (_copy) FROM _samples WHERE _copy = 1")
+    con.execute(
+        "INSERT INTO duplicates SELECT sample_id, shard, row_start, created_at FROM _samples WHERE _copy > 1"
+    )
+    con.execute("DROP TABLE _samples")
+
+
+def _insert_buckets(con: duckdb.DuckDBPyConnection, edges: list[int]) -> None:
+    """One row per length bucket: its id and its largest length (None for the overflow bucket)."""
+    buckets = {
+        "bucket_id": pa.array(range(len(edges) + 1), pa.int32()),
+        "max_tokens": pa.array([*edges, None], pa.int32()),
+    }
+    _insert_arrow(con, "buckets", pa.table(buckets))
+
+
+def _insert_parts(con: duckdb.DuckDBPyConnection, stamps: list[PartStamp]) -> None:
+    """The parts loaded, as ``index_is_current`` compares them with the parts on disk."""
+    parts = {
+        "manifest_table": [s.manifest_table for s in stamps],
+        "file": [s.file for s in stamps],
+        "mtime_ns": pa.array([s.mtime_ns for s in stamps], pa.int64()),
+    }
+    _insert_arrow(con, "parts", pa.table(parts))
 
 
 def index_is_current(root: str | Path) -> bool:

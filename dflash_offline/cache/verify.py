@@ -266,10 +266,9 @@ def _batches(table: SampleTable, order: np.ndarray, row_bytes: int) -> list[np.n
 def _unreferenced(
     layout: CacheLayout, table: SampleTable, formats: dict[str, dict[str, ArrayFormat]] | None = None
 ) -> tuple[list[UnreferencedData], int]:
-    intervals: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for code, shard in enumerate(table.shard_names):
-        mask = table.shard_code == code
-        intervals[shard] = (table.row_start[mask], table.row_start[mask] + table.num_tokens[mask])
+    """The shard groups and shard files no sample of ``table`` touches, and an estimate of the bytes of
+    unreferenced rows inside the shard files it does touch."""
+    intervals = _committed_intervals(table)
     found: list[UnreferencedData] = []
     slack = 0.0
     groups = sorted(layout.shards_dir.glob("*.zarr")) if layout.shards_dir.is_dir() else []
@@ -296,12 +295,7 @@ def _unreferenced(
         except CacheFormatError:
             continue  # damaged metadata: reported, and its samples with it
         sr = features.shard_rows
-        by_index: dict[int, list[Path]] = defaultdict(list)
-        for p in files:
-            rel = p.relative_to(group).parts  # (array, "c", index[, "0"])
-            if len(rel) >= 3 and rel[0] in ARRAYS and rel[2].isdigit():
-                by_index[int(rel[2])].append(p)
-        for k, paths in sorted(by_index.items()):
+        for k, paths in _files_by_shard_index(group, files):
             lo, hi = k * sr, (k + 1) * sr
             covered = int(np.clip(np.minimum(ends, hi) - np.maximum(starts, lo), 0, None).sum())
             size = sum(p.stat().st_size for p in paths)
@@ -315,15 +309,39 @@ def _unreferenced(
                     )
                 )
                 continue
-            try:
-                shard_file = ShardFile(features, k)
-            except CacheFormatError:
-                continue
-            written_rows = int((shard_file.offsets >= 0).sum()) * features.chunk_rows
-            written_rows = min(written_rows, max(0, features.num_rows - lo))
-            if written_rows > covered:
-                slack += size * (written_rows - covered) / written_rows
+            slack += _slack_bytes(features, k, covered_rows=covered, size=size)
     return found, int(slack)
+
+
+def _committed_intervals(table: SampleTable) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """shard -> (first row, end row) of each of its committed samples."""
+    intervals: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for code, shard in enumerate(table.shard_names):
+        mask = table.shard_code == code
+        intervals[shard] = (table.row_start[mask], table.row_start[mask] + table.num_tokens[mask])
+    return intervals
+
+
+def _files_by_shard_index(group: Path, files: list[Path]) -> list[tuple[int, list[Path]]]:
+    """(shard index, the files of every array for it) of a group's shard files, by index."""
+    by_index: dict[int, list[Path]] = defaultdict(list)
+    for p in files:
+        rel = p.relative_to(group).parts  # (array, "c", index[, "0"])
+        if len(rel) >= 3 and rel[0] in ARRAYS and rel[2].isdigit():
+            by_index[int(rel[2])].append(p)
+    return sorted(by_index.items())
+
+
+def _slack_bytes(features: ArrayFormat, k: int, *, covered_rows: int, size: int) -> float:
+    """Estimated bytes of shard file ``k`` (``size`` bytes over its arrays) that hold no committed row:
+    its written rows (whole inner chunks, up to the array's length) less ``covered_rows``, pro rata."""
+    try:
+        shard_file = ShardFile(features, k)
+    except CacheFormatError:
+        return 0.0
+    written_rows = int((shard_file.offsets >= 0).sum()) * features.chunk_rows
+    written_rows = min(written_rows, max(0, features.num_rows - k * features.shard_rows))
+    return size * (written_rows - covered_rows) / written_rows if written_rows > covered_rows else 0.0
 
 
 def damaged_rows(

@@ -24,6 +24,7 @@ _WHITESPACE = " \t\r\n"
 _WHITESPACE_BYTES = b" \t\r\n"
 _NEAR_END = 16
 """A decode error this close to the end of the buffered text may just mean 'not read yet'."""
+_TOO_DEEP = "invalid JSON: nested too deeply for the JSON parser"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,7 +56,8 @@ def iter_jsonl(f: BinaryIO, *, name: str) -> Iterator[RawRecord]:
 
     Lines are decoded one at a time, so invalid UTF-8 bytes, JSON nested too deeply for Python's
     parser, or a syntax error spoil only their own line. A damaged compressed stream ends the file with
-    a ``truncated`` record after the lines read so far."""
+    a ``truncated`` record after the lines read so far. The loop stays in one function (error records
+    are built by ``_error``): it runs once per line."""
     index = 0
     lineno = 0
     lines = iter(f)
@@ -67,13 +69,8 @@ def iter_jsonl(f: BinaryIO, *, name: str) -> Iterator[RawRecord]:
         except Exception as e:
             if not _stream_error(e):
                 raise
-            yield RawRecord(
-                source_index=index,
-                where=f"line {lineno + 1}",
-                value=None,
-                error=f"the data stream is damaged or cut short here ({type(e).__name__}: {e})",
-                truncated=True,
-            )
+            detail = f"the data stream is damaged or cut short here ({type(e).__name__}: {e})"
+            yield _error(index, f"line {lineno + 1}", detail, truncated=True)
             return
         lineno += 1
         if lineno == 1:
@@ -87,38 +84,26 @@ def iter_jsonl(f: BinaryIO, *, name: str) -> Iterator[RawRecord]:
                 "records or one JSON object per line (JSONL)"
             )
         where = f"line {lineno}"
-        # Only the last line can be cut short; it is the one without a newline.
-        cut = not line_bytes.endswith(b"\n")
         try:
-            text = line_bytes.decode("utf-8")
+            value = json.loads(line_bytes.decode("utf-8"))
         except UnicodeDecodeError as e:
-            yield RawRecord(
-                source_index=index,
-                where=where,
-                value=None,
-                error=f"invalid UTF-8 at byte {e.start} of the line "
-                f"({e.reason}: {e.object[e.start : e.end]!r})",
-                truncated=False,
+            detail = (
+                f"invalid UTF-8 at byte {e.start} of the line ({e.reason}: {e.object[e.start : e.end]!r})"
             )
-            index += 1
-            continue
-        try:
-            value = json.loads(text)
+            yield _error(index, where, detail)
         except json.JSONDecodeError as e:
-            yield RawRecord(
-                source_index=index, where=where, value=None, error=f"invalid JSON: {e}", truncated=cut
-            )
+            # Only the last line can be cut short; it is the one without a newline.
+            yield _error(index, where, f"invalid JSON: {e}", truncated=not line_bytes.endswith(b"\n"))
         except RecursionError:
-            yield RawRecord(
-                source_index=index,
-                where=where,
-                value=None,
-                error="invalid JSON: nested too deeply for the JSON parser",
-                truncated=False,
-            )
+            yield _error(index, where, _TOO_DEEP)
         else:
             yield RawRecord(source_index=index, where=where, value=value, error=None, truncated=False)
         index += 1
+
+
+def _error(index: int, where: str, error: str, *, truncated: bool = False) -> RawRecord:
+    """The record of data that does not decode."""
+    return RawRecord(source_index=index, where=where, value=None, error=error, truncated=truncated)
 
 
 class _Buffer:
@@ -185,7 +170,8 @@ def iter_json_array(f: BinaryIO) -> Iterator[RawRecord]:
 
     Decoded with ``surrogateescape``: an invalid UTF-8 byte inside a string becomes a lone surrogate
     that the record's parser reports (that element fails, the array goes on); one outside a string is
-    a syntax error like any other."""
+    a syntax error like any other. The loop stays in one function (error records are built by the
+    helpers below): it runs once per element."""
     decoder = json.JSONDecoder()
     with io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape") as text_f:
         buf = _Buffer(text_f)
@@ -202,15 +188,7 @@ def iter_json_array(f: BinaryIO) -> Iterator[RawRecord]:
                 return
             if index > 0:
                 if buf.text[pos] != ",":
-                    line = buf.line_at(pos)
-                    yield RawRecord(
-                        source_index=index,
-                        where=f"element {index} (line {line})",
-                        value=None,
-                        error="invalid JSON: expected ',' or ']' between array elements, found "
-                        f"{buf.text[pos]!r}; the rest of the array cannot be read",
-                        truncated=False,
-                    )
+                    yield _missing_comma(buf, pos, index)
                     return
                 pos = buf.skip_ws(pos + 1)
                 if pos >= len(buf.text):
@@ -221,28 +199,13 @@ def iter_json_array(f: BinaryIO) -> Iterator[RawRecord]:
                 try:
                     value, end = decoder.raw_decode(buf.text, pos)
                 except RecursionError:
-                    yield RawRecord(
-                        source_index=index,
-                        where=where,
-                        value=None,
-                        error="invalid JSON: nested too deeply for the JSON parser; the rest of the array "
-                        "cannot be read",
-                        truncated=False,
-                    )
+                    yield _error(index, where, _TOO_DEEP + "; the rest of the array cannot be read")
                     return
                 except json.JSONDecodeError as e:
                     incomplete = _maybe_incomplete(e, len(buf.text))
                     if incomplete and buf.read_more(len(buf.text) - pos):
                         continue
-                    # e.lineno/e.colno count from the buffer start, not the file's: use our line count.
-                    detail = f"invalid JSON: {e.msg} (line {buf.line_at(max(e.pos, pos))})"
-                    if not incomplete:
-                        detail += "; the rest of the array cannot be read"
-                    elif buf.stream_error:
-                        detail += f"; {buf.stream_error}"
-                    yield RawRecord(
-                        source_index=index, where=where, value=None, error=detail, truncated=incomplete
-                    )
+                    yield _undecodable_element(e, buf, pos, index, where, incomplete=incomplete)
                     return
                 break
             yield RawRecord(source_index=index, where=where, value=value, error=None, truncated=False)
@@ -250,13 +213,32 @@ def iter_json_array(f: BinaryIO) -> Iterator[RawRecord]:
             pos = buf.compact(end)
 
 
+def _missing_comma(buf: _Buffer, pos: int, index: int) -> RawRecord:
+    return _error(
+        index,
+        f"element {index} (line {buf.line_at(pos)})",
+        "invalid JSON: expected ',' or ']' between array elements, found "
+        f"{buf.text[pos]!r}; the rest of the array cannot be read",
+    )
+
+
+def _undecodable_element(
+    e: json.JSONDecodeError, buf: _Buffer, pos: int, index: int, where: str, *, incomplete: bool
+) -> RawRecord:
+    """The record of an element that does not decode: cut short (``incomplete``: the text ended inside
+    it) or a syntax error, after which the rest of the array cannot be read."""
+    # e.lineno/e.colno count from the buffer start, not the file's: use our line count.
+    detail = f"invalid JSON: {e.msg} (line {buf.line_at(max(e.pos, pos))})"
+    if not incomplete:
+        detail += "; the rest of the array cannot be read"
+    elif buf.stream_error:
+        detail += f"; {buf.stream_error}"
+    return _error(index, where, detail, truncated=incomplete)
+
+
 def _damaged_tail(buf: _Buffer, index: int) -> Iterator[RawRecord]:
     """A truncated record when the array ended because its compressed stream broke, else nothing."""
     if buf.stream_error is not None:
-        yield RawRecord(
-            source_index=index,
-            where=f"element {index} (line {buf.line_at(len(buf.text))})",
-            value=None,
-            error=buf.stream_error,
-            truncated=True,
+        yield _error(
+            index, f"element {index} (line {buf.line_at(len(buf.text))})", buf.stream_error, truncated=True
         )

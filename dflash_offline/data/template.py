@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dflash_offline.data.conversations import Conversation, SourceFailure, TokenizedSample
+from dflash_offline.data.conversations import Conversation, Message, SourceFailure, TokenizedSample
 from dflash_offline.errors import DataError
 
 TooLong = Literal["truncate", "skip"]
@@ -231,7 +231,33 @@ def _with_answer_ids(
     answered = [m for m in conv.messages if m.role == "assistant" and m.content.strip()]
     if len(spans) != len(answered):
         return whole()
-    splices: list[tuple[int, int, list[int]]] = []
+    splices = _answer_splices(tokenizer, text, answered, spans)
+    if not splices:
+        return whole()
+    spliced = _encode_around(tokenizer, text, splices, max_length)
+    covered = int(spliced.offsets_T2[-1, 1]) if spliced.ids_T.shape[0] else 0
+    if tokenizer.decode(spliced.ids_T.tolist(), skip_special_tokens=False) != text[:covered]:
+        return whole()
+    return spliced
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Splice:
+    """An assistant content that is cached as the target's own ids."""
+
+    start: int
+    end: int
+    """Its characters [start, end) in the rendered conversation."""
+    ids: list[int]
+    """Its ``token_ids``."""
+
+
+def _answer_splices(
+    tokenizer: Any, text: str, answered: list[Message], spans: list[tuple[int, int]]
+) -> list[_Splice]:
+    """The answers (non-blank assistant messages, with their spans in ``text``) whose ``token_ids``
+    decode to their content, found where the render holds that content verbatim."""
+    splices: list[_Splice] = []
     for message, (start, _end) in zip(answered, spans, strict=True):
         if message.token_ids is None or not text.startswith(message.content, start):
             continue
@@ -240,33 +266,37 @@ def _with_answer_ids(
         except Exception:  # ids outside this tokenizer's vocabulary: not this target's tokens
             continue
         if decoded == message.content:
-            splices.append((start, start + len(message.content), list(message.token_ids)))
-    if not splices:
-        return whole()
+            splices.append(
+                _Splice(start=start, end=start + len(message.content), ids=list(message.token_ids))
+            )
+    return splices
+
+
+def _encode_around(tokenizer: Any, text: str, splices: list[_Splice], max_length: int) -> EncodedHead:
+    """The splices' ids with the text before, between and after them tokenized piece by piece, until
+    ``max_length`` tokens are passed."""
     ids: list[np.ndarray] = []
     offsets: list[np.ndarray] = []
     cursor = count = 0
     complete = True
-    for start, end, answer_ids in (*splices, (len(text), len(text), [])):
+    for splice in (*splices, _Splice(start=len(text), end=len(text), ids=[])):
         if count > max_length:  # enough tokens: the rest is cut off anyway
             complete = False
             break
-        piece = encode_head(tokenizer, text[cursor:start], max_length - count)
+        piece = encode_head(tokenizer, text[cursor : splice.start], max_length - count)
         ids.append(piece.ids_T)
         offsets.append(piece.offsets_T2 + cursor)
         count += piece.ids_T.shape[0]
         if not piece.complete:
             complete = False
             break
-        count += len(answer_ids)
-        ids.append(np.asarray(answer_ids, dtype=np.int32))
-        offsets.append(np.tile(np.asarray([[start, end]], dtype=np.int64), (len(answer_ids), 1)))
-        cursor = end
-    spliced_T, spliced_offsets_T2 = np.concatenate(ids), np.concatenate(offsets)
-    covered = int(spliced_offsets_T2[-1, 1]) if spliced_T.shape[0] else 0
-    if tokenizer.decode(spliced_T.tolist(), skip_special_tokens=False) != text[:covered]:
-        return whole()
-    return EncodedHead(ids_T=spliced_T, offsets_T2=spliced_offsets_T2, complete=complete)
+        count += len(splice.ids)
+        ids.append(np.asarray(splice.ids, dtype=np.int32))
+        offsets.append(
+            np.tile(np.asarray([[splice.start, splice.end]], dtype=np.int64), (len(splice.ids), 1))
+        )
+        cursor = splice.end
+    return EncodedHead(ids_T=np.concatenate(ids), offsets_T2=np.concatenate(offsets), complete=complete)
 
 
 def spans_to_token_mask(spans: list[tuple[int, int]], offsets_T2: np.ndarray) -> np.ndarray:

@@ -142,56 +142,43 @@ def plan_jobs(
     failures of samples already recorded as failed are not reported twice."""
     if config.tokens_per_batch <= 0 or config.max_batch_size <= 0 or config.window_records <= 0:
         raise ConfigError("tokens_per_batch, max_batch_size and window_records must be positive")
+    remaining = iter(records)
     seen_ids: set[str] = set()
     next_job_index = 0
-    window: list[PlannedSample] = []
+    for window_index in itertools.count():
+        window = _read_window(remaining, tokenize, config, seen_ids)
+        if not window.records_read:
+            return
+        fresh_failures = tuple(f for f in window.failures if not is_done(f.sample_id))
+        yield PlanEvent(failures=fresh_failures, records_read=window.records_read)
+        batches = _pack_window(window.samples, config)
+        yield from _window_jobs(batches, config, window_index, next_job_index, is_done)
+        next_job_index += len(batches)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Window:
+    """What one window of records became, in record order."""
+
+    samples: list[PlannedSample]
+    failures: list[SourceFailure]
+    """Records that failed to read or tokenize, and repeated records."""
+    records_read: int
+
+
+def _read_window(
+    remaining: Iterator[Conversation | SourceFailure],
+    tokenize: Tokenize,
+    config: PlanConfig,
+    seen_ids: set[str],
+) -> _Window:
+    """Tokenize the next ``window_records`` records (fewer at the end), one at a time as they are read;
+    ``seen_ids`` (updated) holds the ids of every record tokenized so far, of every window."""
+    samples: list[PlannedSample] = []
     failures: list[SourceFailure] = []
-    records_in_window = 0
-    window_index = 0
-
-    def flush_window() -> Iterator[PlanEvent]:
-        nonlocal next_job_index, window_index
-        fresh_failures = tuple(f for f in failures if not is_done(f.sample_id))
-        if fresh_failures or records_in_window:
-            yield PlanEvent(failures=fresh_failures, records_read=records_in_window)
-        by_bucket: dict[int, list[PlannedSample]] = {}
-        for planned in window:
-            by_bucket.setdefault(planned.bucket_id, []).append(planned)
-        batches: list[list[PlannedSample]] = []
-        for bucket_id in sorted(by_bucket):
-            batches.extend(
-                pack_bucket(
-                    by_bucket[bucket_id],
-                    tokens_per_batch=config.tokens_per_batch,
-                    max_batch_size=config.max_batch_size,
-                )
-            )
-        # Shuffle the window's jobs so that workers see lengths mixed (steady memory and throughput)
-        # and so that a partial cache holds a spread of buckets rather than the short ones first.
-        order = np.random.default_rng([config.seed, window_index]).permutation(len(batches))
-        for position in order:
-            batch = batches[int(position)]
-            samples = tuple(p.sample for p in batch)
-            done = tuple(is_done(s.sample_id) for s in samples)
-            job = CaptureJob(
-                job_index=next_job_index,
-                window=window_index,
-                bucket_id=batch[0].bucket_id,
-                samples=samples,
-                already_done=done,
-                padded_length=max(s.num_tokens for s in samples),
-            )
-            next_job_index += 1
-            if all(done):
-                yield PlanEvent(samples_already_done=len(samples))
-            else:
-                yield PlanEvent(job=job)
-        window.clear()
-        failures.clear()
-        window_index += 1
-
-    for record in records:
-        records_in_window += 1
+    records_read = 0
+    for record in itertools.islice(remaining, config.window_records):
+        records_read += 1
         if isinstance(record, SourceFailure):
             failures.append(record)
         elif record.sample_id in seen_ids:
@@ -209,11 +196,54 @@ def plan_jobs(
             if isinstance(result, SourceFailure):
                 failures.append(result)
             else:
-                window.append(
-                    PlannedSample(sample=result, bucket_id=bucket_of(result.num_tokens, config.bucket_edges))
-                )
-        if records_in_window >= config.window_records:
-            yield from flush_window()
-            records_in_window = 0
-    if records_in_window or window or failures:
-        yield from flush_window()
+                bucket_id = bucket_of(result.num_tokens, config.bucket_edges)
+                samples.append(PlannedSample(sample=result, bucket_id=bucket_id))
+    return _Window(samples=samples, failures=failures, records_read=records_read)
+
+
+def _pack_window(samples: list[PlannedSample], config: PlanConfig) -> list[list[PlannedSample]]:
+    """The window's batches, bucket by bucket in bucket order."""
+    by_bucket: dict[int, list[PlannedSample]] = {}
+    for planned in samples:
+        by_bucket.setdefault(planned.bucket_id, []).append(planned)
+    batches: list[list[PlannedSample]] = []
+    for bucket_id in sorted(by_bucket):
+        batches.extend(
+            pack_bucket(
+                by_bucket[bucket_id],
+                tokens_per_batch=config.tokens_per_batch,
+                max_batch_size=config.max_batch_size,
+            )
+        )
+    return batches
+
+
+def _window_jobs(
+    batches: list[list[PlannedSample]],
+    config: PlanConfig,
+    window_index: int,
+    first_job_index: int,
+    is_done: Callable[[str], bool],
+) -> Iterator[PlanEvent]:
+    """The window's batches as jobs, shuffled and numbered from ``first_job_index``; a job whose samples
+    are all done is only counted."""
+    # Shuffle the window's jobs so that workers see lengths mixed (steady memory and throughput)
+    # and so that a partial cache holds a spread of buckets rather than the short ones first.
+    order = np.random.default_rng([config.seed, window_index]).permutation(len(batches))
+    for job_index, position in enumerate(order, start=first_job_index):
+        batch = batches[int(position)]
+        samples = tuple(p.sample for p in batch)
+        done = tuple(is_done(s.sample_id) for s in samples)
+        if all(done):
+            yield PlanEvent(samples_already_done=len(samples))
+            continue
+        yield PlanEvent(
+            job=CaptureJob(
+                job_index=job_index,
+                window=window_index,
+                bucket_id=batch[0].bucket_id,
+                samples=samples,
+                already_done=done,
+                padded_length=max(s.num_tokens for s in samples),
+            )
+        )

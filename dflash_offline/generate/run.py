@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import create_or_open_cache, sweep_partial_files
@@ -45,6 +46,9 @@ from dflash_offline.locking import acquire_lock
 from dflash_offline.workers.group import GroupPolicy, WorkerGroup, watch
 from dflash_offline.workers.records import WorkerFailed, WorkerSpec
 from dflash_offline.workers.spawned import SpawnedWorkers, spawn_context
+
+if TYPE_CHECKING:
+    from dflash_offline.target_model.loader import TargetInfo
 
 DRAIN_SECONDS = 600.0
 """How long a stopped run waits for its workers to finish their current job and commit."""
@@ -88,44 +92,16 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
 
     ``lock``: take the cache's writer lock first (the coordinator; refused with ``LockedError`` while
     another run holds it), kept in ``RunContext.lock`` for the caller to release."""
-    from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec, storage_dtype
-    from dflash_offline.data.sources import first_usable_record, resolve_data_path, source_name
-    from dflash_offline.data.template import chat_template_hash, tokenizer_hash
-    from dflash_offline.target_model.layers import resolve_layer_ids
     from dflash_offline.writable import check_writable_dir
 
     if lock:  # the coordinator: it creates the cache (workers only open it)
         check_writable_dir(config.cache_dir, option="--cache")
     from dflash_offline.target_model.loader import load_tokenizer, resolve_target, target_info
 
-    data_path = resolve_data_path(config.data)  # a missing file fails here, before any worker starts
-    if not (config.cache_dir / "cache.json").is_file():
-        # A file of which no record parses (binary, another schema) fails here, before the cache exists.
-        # (Not on resume: reaching --skip would cost a pass over the skipped records.)
-        first_usable_record(data_path, skip=config.skip, limit=config.limit, data_format=config.data_format)
+    data_path = _checked_data_path(config)
     info = target_info(resolve_target(config.target))
     tokenizer = load_tokenizer(config.target)
-    layer_ids = resolve_layer_ids(
-        info.num_layers, num_features=config.num_features, layer_ids=config.layer_ids
-    )
-    codec = config.codec or DEFAULT_CODEC
-    codec_spec(codec)  # unknown names fail here with the list of known ones
-    fingerprint = CacheFingerprint(
-        target_id=info.target_id,
-        weights_hash=info.weights_hash,
-        num_target_layers=info.num_layers,
-        layer_ids=layer_ids,
-        hidden_size=info.hidden_size,
-        storage_dtype=storage_dtype(codec),
-        codec=codec,
-        tokenizer_hash=tokenizer_hash(tokenizer),
-        chat_template_hash=chat_template_hash(tokenizer),
-        max_length=config.max_length,
-        too_long=config.too_long,
-        bucket_edges=config.bucket_edges,
-        data_source=source_name(data_path),
-        compute_dtype=resolved_compute_dtype(config),
-    )
+    fingerprint = _fingerprint(config, info, tokenizer, data_path)
     held = acquire_lock(config.cache_dir, what="cache") if lock else None
     try:
         create_or_open_cache(config.cache_dir, fingerprint)
@@ -145,6 +121,52 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
         run_id=f"generate-{session}",
         session=session,
         lock=held,
+    )
+
+
+def _checked_data_path(config: GenerateConfig) -> Path:
+    """The data file; a missing one, or (for a new cache) one of which no record parses, fails here,
+    before any worker starts."""
+    from dflash_offline.data.sources import first_usable_record, resolve_data_path
+
+    data_path = resolve_data_path(config.data)
+    if not (config.cache_dir / "cache.json").is_file():
+        # A file of which no record parses (binary, another schema) fails here, before the cache exists.
+        # (Not on resume: reaching --skip would cost a pass over the skipped records.)
+        first_usable_record(data_path, skip=config.skip, limit=config.limit, data_format=config.data_format)
+    return data_path
+
+
+def _fingerprint(
+    config: GenerateConfig, info: TargetInfo, tokenizer: Any, data_path: Path
+) -> CacheFingerprint:
+    """What the cache's samples depend on: the target, its layers, tokenizer and template, the codec,
+    the length rules and the data file's name."""
+    from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec, storage_dtype
+    from dflash_offline.data.sources import source_name
+    from dflash_offline.data.template import chat_template_hash, tokenizer_hash
+    from dflash_offline.target_model.layers import resolve_layer_ids
+
+    layer_ids = resolve_layer_ids(
+        info.num_layers, num_features=config.num_features, layer_ids=config.layer_ids
+    )
+    codec = config.codec or DEFAULT_CODEC
+    codec_spec(codec)  # unknown names fail here with the list of known ones
+    return CacheFingerprint(
+        target_id=info.target_id,
+        weights_hash=info.weights_hash,
+        num_target_layers=info.num_layers,
+        layer_ids=layer_ids,
+        hidden_size=info.hidden_size,
+        storage_dtype=storage_dtype(codec),
+        codec=codec,
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        chat_template_hash=chat_template_hash(tokenizer),
+        max_length=config.max_length,
+        too_long=config.too_long,
+        bucket_edges=config.bucket_edges,
+        data_source=source_name(data_path),
+        compute_dtype=resolved_compute_dtype(config),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -65,23 +66,25 @@ def plot_cache(cache_dir: Path, out: Path) -> list[Path]:
     samples = read_table(cache_dir, "samples", ["num_tokens", "num_loss_tokens"])
     tokens_N = np.asarray(samples.column("num_tokens").to_numpy(), dtype=np.int64)
     loss_N = np.asarray(samples.column("num_loss_tokens").to_numpy(), dtype=np.int64)
-    edges = summary.edges
+    name = cache_dir.resolve().name
+    plt = pyplot()
+    paths = [save(_buckets_figure(plt, summary, name), out / "buckets.png")]
+    lengths = _lengths_figure(plt, tokens_N, loss_N, edges=summary.edges, name=name, max_length=fp.max_length)
+    paths.append(save(lengths, out / "lengths.png"))
+    failures = read_table(cache_dir, "failures", ["reason"])
+    if failures.num_rows:
+        reasons = np.asarray(failures.column("reason").to_pylist(), dtype=object)
+        paths.append(save(_failures_figure(plt, reasons, name), out / "failures.png"))
+    return paths
+
+
+def _buckets_figure(plt: Any, summary: BucketSummary, name: str) -> Any:
+    """Samples and tokens per bucket side by side, each bar labelled with its share."""
     labels = list(summary.labels)
     num_buckets = len(labels)
     counts = np.asarray(summary.samples)
     token_sums = np.asarray(summary.tokens, dtype=np.float64)
-    name = cache_dir.resolve().name
-    plt = pyplot()
-    paths = []
-
-    scale, unit = next(
-        (
-            (f, u)
-            for f, u in ((1e9, " (billions)"), (1e6, " (millions)"), (1e3, " (thousands)"))
-            if token_sums.sum() >= 10 * f
-        ),
-        (1.0, ""),
-    )
+    scale, unit = _token_scale(token_sums.sum())
     fig, (ax_n, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
     x = np.arange(num_buckets)
     for ax, values, what, color in (
@@ -104,8 +107,25 @@ def plot_cache(cache_dir: Path, out: Path) -> list[Path]:
         ax.set_ylabel(what)
     ax_n.set_title(f"{name}: {int(counts.sum()):,} samples per bucket")
     ax_t.set_title(f"{int(token_sums.sum()):,} tokens per bucket")
-    paths.append(save(fig, out / "buckets.png"))
+    return fig
 
+
+def _token_scale(total_tokens: float) -> tuple[float, str]:
+    """(divisor, axis label suffix) that keeps token counts readable."""
+    return next(
+        (
+            (f, u)
+            for f, u in ((1e9, " (billions)"), (1e6, " (millions)"), (1e3, " (thousands)"))
+            if total_tokens >= 10 * f
+        ),
+        (1.0, ""),
+    )
+
+
+def _lengths_figure(
+    plt: Any, tokens_N: np.ndarray, loss_N: np.ndarray, *, edges: tuple[int, ...], name: str, max_length: int
+) -> Any:
+    """Histograms of tokens and trained tokens per sample, with the bucket edges dotted."""
     fig, ax = plt.subplots()
     if tokens_N.size:
         top = max(int(tokens_N.max()), edges[-1])
@@ -119,19 +139,17 @@ def plot_cache(cache_dir: Path, out: Path) -> list[Path]:
         ax.axvline(edge, color="grey", ls=":", lw=1)
     ax.set_xlabel("tokens per sample (dotted: bucket edges)")
     ax.set_ylabel("samples")
-    ax.set_title(f"{name}: sample lengths (fingerprint max length {fp.max_length})")
+    ax.set_title(f"{name}: sample lengths (fingerprint max length {max_length})")
     ax.legend()
-    paths.append(save(fig, out / "lengths.png"))
+    return fig
 
-    failures = read_table(cache_dir, "failures", ["reason"])
-    if failures.num_rows:
-        reasons, per_reason = np.unique(
-            np.asarray(failures.column("reason").to_pylist(), dtype=object), return_counts=True
-        )
-        order = np.argsort(-per_reason)
-        fig, ax = plt.subplots()
-        ax.barh([str(r) for r in reasons[order]][::-1], per_reason[order][::-1], color="tab:red")
-        ax.set_xlabel("samples")
-        ax.set_title(f"{name}: {int(per_reason.sum()):,} failed samples by reason")
-        paths.append(save(fig, out / "failures.png"))
-    return paths
+
+def _failures_figure(plt: Any, reason_N: np.ndarray, name: str) -> Any:
+    """Failed samples per reason, the most frequent on top."""
+    reasons, per_reason = np.unique(reason_N, return_counts=True)
+    order = np.argsort(-per_reason)
+    fig, ax = plt.subplots()
+    ax.barh([str(r) for r in reasons[order]][::-1], per_reason[order][::-1], color="tab:red")
+    ax.set_xlabel("samples")
+    ax.set_title(f"{name}: {int(per_reason.sum()):,} failed samples by reason")
+    return fig
