@@ -22,6 +22,7 @@ from dflash_offline.generate.capture_step import PinnedBufferPool, capture_job
 from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.events import JobDone, WorkerFinished, WorkerStarted, WorkerTimings
 from dflash_offline.generate.writer_thread import BatchWritten, WriterThread
+from dflash_offline.workers.device import bind_device
 from dflash_offline.workers.records import EventSink, StopFlag, WorkerSpec
 
 
@@ -61,7 +62,7 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
     marker or ``stop``, and report on ``events`` (``WorkerStarted``, ``JobDone``, ``WorkerFinished``).
     The entry point of a spawned worker (``workers.spawned``) and of a torchrun rank's (``workers.ranks``)."""
     task = spec.task
-    device = _bind_device(spec)
+    device = bind_device(spec)
     start = time.perf_counter()
     capture = build_capture(task, device)
     # Pinned allocations take seconds at these sizes: part of start-up, before the worker says ready.
@@ -130,18 +131,6 @@ def _job_done(spec: WorkerSpec[CaptureTask], done: BatchWritten, *, stored_bytes
         failures=done.failures,
         stored_bytes=stored_bytes,
     )
-
-
-def _bind_device(spec: WorkerSpec[CaptureTask]) -> torch.device:
-    """This worker's device, made current (or its torch thread count on the CPU)."""
-    device = torch.device(spec.device)
-    if device.type == "cuda":
-        if device.index is None:  # `--device cuda`: the current device (set_device needs an index)
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-    elif spec.cpu_threads is not None:
-        torch.set_num_threads(spec.cpu_threads)
-    return device
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

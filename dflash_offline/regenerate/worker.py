@@ -20,6 +20,7 @@ import torch
 
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver, Tally
+from dflash_offline.workers.device import bind_device
 from dflash_offline.workers.records import EventSink, StopFlag, WorkerSpec
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def run_worker(
 
 def load_worker(spec: WorkerSpec[AnswerTask], emit: Callable[[Any], None]) -> LoadedEngine:
     """Load the target and build the engine on the worker's device, then emit ``WorkerReady``."""
-    device = _bind_device(spec)
+    device = bind_device(spec)
     start = time.perf_counter()
     loaded = _load_engine(spec, device)
     emit(
@@ -99,18 +100,6 @@ def load_worker(spec: WorkerSpec[AnswerTask], emit: Callable[[Any], None]) -> Lo
         )
     )
     return loaded
-
-
-def _bind_device(spec: WorkerSpec[AnswerTask]) -> torch.device:
-    """This worker's device, made current, and its torch thread count."""
-    device = torch.device(spec.device)
-    if device.type == "cuda":
-        if device.index is None:  # `--device cuda`: the current device (set_device needs an index)
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-    if spec.cpu_threads is not None:
-        torch.set_num_threads(spec.cpu_threads)
-    return device
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

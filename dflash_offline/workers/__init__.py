@@ -6,4 +6,5 @@ Modules:
   spawned.SpawnedWorkers             processes spawned by the coordinator (one per GPU or CPU worker)
   ranks.RankWorkers                  the ranks of a ``torchrun``, seen from rank 0 (events over its store)
   lifeline.die_with_parent           a worker dies with its coordinator
+  device.bind_device                 a worker binds its device (or its CPU threads) in its own process
 """
