@@ -16,6 +16,7 @@ from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import dist_info_from_env, init_distributed, shutdown
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint
 from dflash_offline.train.loop import TrainResult, train_rank
+from dflash_offline.workers.device import bind_device
 from dflash_offline.workers.group import GroupPolicy
 from dflash_offline.workers.records import EventSink, StopFlag, WorkerFailed, WorkerSpec, user_error
 from dflash_offline.workers.spawned import ChildPolicy, SpawnedWorkers, WorkerExit, forwarding_sigint
@@ -74,11 +75,7 @@ def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(spec.task.port)
     use_cuda = bool(config.gpus)
-    if use_cuda:
-        # Rank r drives the r-th listed GPU.
-        torch.cuda.set_device(config.gpus[rank])
-    elif spec.cpu_threads is not None:
-        torch.set_num_threads(spec.cpu_threads)
+    bind_device(spec)  # rank r drives the r-th listed GPU (its spec's device), or its CPU threads
     info = init_distributed(
         rank=rank,
         world_size=config.world_size,
