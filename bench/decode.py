@@ -14,6 +14,8 @@ as it exists):
    ``random:smollm2-135m`` and ``random:qwen3-8b``; the engine alone again at 512 new tokens.
 3. eval loops, batch 1 (SmolLM2 shape): target-only tok/s of the engine and of the old HF loop, and the
    speculative cycle (untrained drafter, 5 layers, B = 16) as a multiple of one target decode step.
+   ``long`` (not in the default list): only the 512-new-token runs of the SmolLM2 shape, the engine at
+   batch 256 and 1,024 beside static ``generate`` batches at 256 (a run that follows another pipeline).
 4. ``random:qwen3-8b`` throughput (section 2's engines at batch 1/64/256).
 5. kernel profile of one decode step (batch 256), transformers' (DynamicCache, sdpa) against the engine's.
 
@@ -524,6 +526,16 @@ def main() -> None:
             ]
             plan.append(("slots-full", 256, 128))
         throughput(report, budget, small, prompts, plan, args.limit_s)
+    if "long" in sections:
+        plan = [("slots", 1024, 512), ("slots", 256, 512), ("static", 256, 512)]
+        throughput(
+            report,
+            budget,
+            small,
+            prompts,
+            [(e, 2, 8) for e, _, _ in plan] if args.quick else plan,
+            args.limit_s,
+        )
     if "eval" in sections and budget.left() > 30:
         try:
             eval_loops(report, small, prompts, 16 if args.quick else 128)

@@ -14,6 +14,7 @@
 #               CHAT_LIMIT held-out ShareGPT records and of the run's validation records (two sets)
 #   VAL_GROUP   dflash train --val-group: sample (the eval then splits the validation records by whether a
 #               trained record shares their conversation) or root-id
+#   AFTER       shell commands run at the end if time is left (e.g. bench/decode.py's sections)
 # The regenerated answers come back gzipped in /tmp/q/report/answers-NN.jsonl.gz (≤ 15 MiB each): a later
 # run resumes regenerate from them instead of answering the same conversations again.
 set -uo pipefail
@@ -29,4 +30,5 @@ exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz -
   --eval-args "--bench all --limit 20 --max-new-tokens 256" \
   --chat-eval-args "--bench sharegpt,validation --turns all --limit ${CHAT_LIMIT:-8} --max-new-tokens 256" \
   --eval-s "${EVAL_S:-270}" \
+  --after "${AFTER:-}" \
   --side "timeout 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25"
