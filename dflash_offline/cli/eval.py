@@ -10,6 +10,7 @@ import click
 from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options, progress_option
 from dflash_offline.eval.config import DEFAULT_TIE_ULPS, EvalConfig
+from dflash_offline.interrupt import EXIT_INTERRUPTED
 
 EXIT_MISMATCH = 3
 """Exit status when a speculative output differs from target-only greedy beyond a near-tie."""
@@ -33,7 +34,7 @@ __all__ = ["DEFAULT_TIE_ULPS", "EXIT_MISMATCH", "eval_cmd"]
     help="Also write the τ table as TensorBoard scalars to DIR (pip install 'dflash-offline[tensorboard]').",
 )
 @progress_option
-@ctrl_c_exits_130("interrupted: no report written; rerun the same command")
+@ctrl_c_exits_130("interrupted before any turn was decoded: no report written; rerun the same command")
 def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path | None) -> None:
     """Speculative decoding with the target and the drafter (greedy, batch 1): per question set τ, its
     histogram, decode tok/s of target-only and speculative decoding (prefill excluded) and the speedup,
@@ -72,3 +73,8 @@ def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path |
             err=True,
         )
         raise SystemExit(EXIT_MISMATCH)
+    if report.interrupted:
+        click.echo(
+            f"interrupted: the report covers the {len(report.prompts)} turns decoded before Ctrl-C", err=True
+        )
+        raise SystemExit(EXIT_INTERRUPTED)

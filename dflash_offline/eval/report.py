@@ -127,6 +127,8 @@ class EvalReport:
     """Unweighted mean of the per-set values."""
     exactness: dict[str, Any] = field(default_factory=dict)
     """How the identity check ran: dtype, tie_ulps, rule."""
+    interrupted: bool = False
+    """Stopped by Ctrl-C (or SIGINT) before every turn was decoded: the figures cover the finished turns."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

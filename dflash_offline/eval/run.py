@@ -9,6 +9,7 @@ loops; chat records are decoded the same way with ``--turns all``."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig
+from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.target_model.loader import compute_dtype, resolve_device, stop_token_ids
 
 WARMUP_TOKENS = 8
@@ -140,9 +142,19 @@ def run_eval(config: EvalConfig) -> Any:
         ids = first_turn_ids(questions[0], target.tokenizer)
         dec.target_only(ids, WARMUP_TOKENS)
         dec.speculative(ids, WARMUP_TOKENS)
-    results = _decode_questions(questions, dec, warnings, progress=config.progress)
+    with stop_on_sigint("dflash eval: stopping after this turn (the finished turns are reported)"):
+        decoded = _decode_questions(questions, dec, warnings, progress=config.progress)
+    results, interrupted = decoded.results, decoded.stopped
+    if interrupted:
+        if not results:
+            raise StopRequested
+        warnings.append(
+            f"interrupted after {len(results)} of {decoded.turns} turns: the figures cover the finished "
+            "turns only"
+        )
     where = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
-    return _report(config, target.info, where, drafter_model.config, held_out.note, warnings, results)
+    report = _report(config, target.info, where, drafter_model.config, held_out.note, warnings, results)
+    return dataclasses.replace(report, interrupted=interrupted)
 
 
 def _decoders(config: EvalConfig, target: Any, drafter_model: Any) -> Any:
@@ -166,9 +178,18 @@ def _decoders(config: EvalConfig, target: Any, drafter_model: Any) -> Any:
     )
 
 
-def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, progress: bool) -> list[Any]:
-    """Every turn of every question through both loops: one ``PromptResult`` each (a skipped turn adds a
-    warning instead)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodedTurns:
+    results: list[Any]
+    """One ``PromptResult`` per decoded turn (a skipped turn adds a warning instead)."""
+    turns: int
+    """The turns asked for."""
+    stopped: bool
+    """A stop request (the first Ctrl-C) ended the loop after the turn in flight."""
+
+
+def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, progress: bool) -> DecodedTurns:
+    """Every turn of every question through both loops, until done or a stop request."""
     from tqdm import tqdm
 
     from dflash_offline.eval.question_decoding import decode_question
@@ -178,7 +199,8 @@ def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, pr
     results = []
     total = sum(q.num_turns for q in questions)
     bar = tqdm(total=total, desc="eval", unit="turn", file=sys.stderr, disable=not progress)
-    for question in questions:
+    stopped = False
+    for q, question in enumerate(questions):
         for done in decode_question(question, dec, on_skip=warnings.append):
             result = prompt_result(
                 sample_id=question.sample_id,
@@ -196,8 +218,13 @@ def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, pr
             results.append(result)
             bar.update(1)
             bar.set_postfix(set=question.bench, tau=f"{result.tau or 0:.2f}", refresh=False)
+            if stop_requested() and (done.turn < question.num_turns or q + 1 < len(questions)):
+                stopped = True
+                break
+        if stopped:
+            break
     bar.close()
-    return results
+    return DecodedTurns(results=results, turns=total, stopped=stopped)
 
 
 def _report(

@@ -222,3 +222,47 @@ def test_prompts_behind_regenerated_training_data_are_held_out(
     assert "regenerated" in held.note
     sel = select_prompts(run_dir["data"], load_tokenizer("random:tiny"), held_out=held, limit=3)
     assert [p.record_id for p in sel.prompts] == ["rec-0", "rec-2", "rec-3"]
+
+
+@pytest.mark.parametrize("sigint_after", [0, 2, 4])
+def test_ctrl_c_reports_the_finished_turns(
+    run_dir: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigint_after: int
+) -> None:
+    """A SIGINT after the k-th decoded turn (of 4) stops eval after that turn: exit 130 with the report of
+    the k finished turns marked interrupted (a SIGINT while the first turn decodes: that turn is finished
+    and reported); after the last turn, a complete report and exit 0."""
+    import os
+    import signal
+
+    from dflash_offline.eval import question_decoding
+
+    decode = question_decoding.decode_question
+    seen = [0]
+
+    def interrupting(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        if sigint_after == 0 and seen[0] == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        for done in decode(*args, **kwargs):
+            seen[0] += 1
+            if seen[0] == sigint_after:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield done
+
+    monkeypatch.setattr(question_decoding, "decode_question", interrupting)
+    out = tmp_path / "report.json"
+    args = ["eval", "--target", "random:tiny", "--drafter", str(run_dir["run"] / "drafter"), "--no-warmup",
+            "--data", str(run_dir["data"]), "--limit", "4", "--max-new-tokens", "6", "--json", str(out),
+            "--no-progress"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    if sigint_after == 4:  # after the last turn: nothing left to stop
+        assert result.exit_code == 0, result.output
+        assert json.loads(out.read_text())["interrupted"] is False
+        return
+    assert result.exit_code == 130, result.output
+    finished = max(sigint_after, 1)
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True
+    assert [p["record_id"] for p in report["prompts"]] == ["rec-1", "rec-4", "rec-5", "rec-6"][:finished]
+    assert report["summary"]["num_prompts"] == finished
+    assert any(f"interrupted after {finished} of 4 turns" in w for w in report["warnings"])
+    assert f"the report covers the {finished} turns decoded before Ctrl-C" in result.output
