@@ -227,10 +227,15 @@ def lock_output(config: RegenerateConfig) -> DirLock:
     )
 
 
-def _stop_on_sigint() -> contextlib.AbstractContextManager[None]:
+def _stop_on_sigint(*, rank: int | None = None) -> contextlib.AbstractContextManager[None]:
     """The first Ctrl-C stops at the next decode step: finished conversations are already written (one
-    flushed line each), the ones in flight are redone by the rerun. A second aborts at once."""
-    return stop_on_sigint("dflash regenerate: stopping after this decode step (finished answers are kept)")
+    flushed line each), the ones in flight are redone by the rerun. A second aborts at once, except in a
+    torchrun ``rank``: torchrun passes a Ctrl-C on to every rank, which the terminal's has reached already,
+    and every rank must reach the merge at the end."""
+    announce = "dflash regenerate: stopping after this decode step (finished answers are kept)"
+    if rank is None:
+        return stop_on_sigint(announce)
+    return stop_on_sigint(f"[rank {rank}] {announce}", second_aborts=False)
 
 
 def _run_in_process(
@@ -332,54 +337,31 @@ def _worker_spec(config: RegenerateConfig, *, worker: int, done: frozenset[str])
 
 
 def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
-    """One rank of a ``torchrun`` regenerate: every rank is a worker; rank 0 merges the parts at the end."""
+    """One rank of a ``torchrun`` regenerate: every rank is a worker; rank 0 merges the parts at the end.
+    Stopped by Ctrl-C, every rank stops after its decode step, rank 0 merges what all of them finished,
+    and each raises ``StopRequested`` (exit 130), as the spawned workers' coordinator does."""
     import torch.distributed as dist
 
     dist.init_process_group(backend="gloo")  # for barriers and the summary only: no tensors move
     lock = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        lock = _lock_on_rank_0(config, rank)
-        start = time.perf_counter()
-        repaired = 0
-        if rank == 0:
-            _, repaired = merge_leftover_parts(config)
-        dist.barrier()
-        spec = _rank_spec(config, rank=rank, world=world)
-        # One bar on rank 0 across all ranks: every rank adds its progress to counters in the store.
-        store = dist.distributed_c10d._get_default_store()
-        progress = RegenerateProgress(
-            enabled=config.progress and rank == 0, total=config.limit, num_workers=world
-        )
-        counters = _StoreCounters(store, flush_seconds=0.5)
-        finished = threading.Event()
-        poller = threading.Thread(target=_poll_store, args=(store, progress, finished), daemon=True)
-        if rank == 0:
-            poller.start()
-
-        def emit(event: Any) -> None:
-            if isinstance(event, WorkerProgress):
-                counters.add(event.delta)
-            elif isinstance(event, WorkerReady):
-                store.add(f"{_STORE}/ready", 1)
-            elif isinstance(event, WorkerNote):
-                print(f"[rank {rank}] {event.text}", file=sys.stderr, flush=True)
-
-        try:
-            result = run_worker(spec, emit, lambda: False)
-            counters.flush()
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, result)  # every rank has flushed its counters by now
-        finally:
-            finished.set()
+        with _stop_on_sigint(rank=rank):
+            lock = _lock_on_rank_0(config, rank)
+            start = time.perf_counter()
+            repaired = merge_leftover_parts(config)[1] if rank == 0 else 0
+            dist.barrier()
+            progress = RegenerateProgress(
+                enabled=config.progress and rank == 0, total=config.limit, num_workers=world
+            )
+            gathered = _answer_as_rank(_rank_spec(config, rank=rank, world=world), progress)
             if rank == 0:
-                poller.join(timeout=5)
-            progress.close()
-        if rank == 0:
-            merge_leftover_parts(config)
-        # Leave together: a rank that tears gloo down while a peer still talks to it can abort
-        # ("terminate called without an active exception", seen once in the torchrun test).
-        dist.barrier()
+                merge_leftover_parts(config)
+            # Leave together: a rank that tears gloo down while a peer still talks to it can abort
+            # ("terminate called without an active exception", seen once in the torchrun test).
+            dist.barrier()
+        if not all(done.completed for done in gathered):
+            raise StopRequested  # on every rank, once the finished answers are merged
         if rank != 0:
             return None
         return _summary(
@@ -389,6 +371,40 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
         if lock is not None:
             lock.release()
         dist.destroy_process_group()
+
+
+def _answer_as_rank(spec: WorkerSpec[AnswerTask], progress: RegenerateProgress) -> list[WorkerDone]:
+    """Run this rank's worker until it is done or a stop is requested; every rank's ``WorkerDone``."""
+    import torch.distributed as dist
+
+    rank, world = spec.worker, spec.num_workers
+    # One bar on rank 0 across all ranks: every rank adds its progress to counters in the store.
+    store = dist.distributed_c10d._get_default_store()
+    counters = _StoreCounters(store, flush_seconds=0.5)
+    finished = threading.Event()
+    poller = threading.Thread(target=_poll_store, args=(store, progress, finished), daemon=True)
+    if rank == 0:
+        poller.start()
+
+    def emit(event: Any) -> None:
+        if isinstance(event, WorkerProgress):
+            counters.add(event.delta)
+        elif isinstance(event, WorkerReady):
+            store.add(f"{_STORE}/ready", 1)
+        elif isinstance(event, WorkerNote):
+            print(f"[rank {rank}] {event.text}", file=sys.stderr, flush=True)
+
+    try:
+        result = run_worker(spec, emit, stop_requested)
+        counters.flush()
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)  # every rank has flushed its counters by now
+    finally:
+        finished.set()
+        if rank == 0:
+            poller.join(timeout=5)
+        progress.close()
+    return gathered
 
 
 def _lock_on_rank_0(config: RegenerateConfig, rank: int) -> DirLock | None:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from dflash_offline.errors import NoSpaceError, ResumeError
+from dflash_offline.train.length_mixing import PLANNER_STATE_VERSION
 
 CHECKPOINT_FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -178,7 +179,11 @@ def _write(tmp: Path, state: TrainState) -> None:
 
 def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState | None:
     """The newest checkpoint that loads; unreadable newer ones are set aside (by the main rank) with a
-    note. None when there is no checkpoint; ``ResumeError`` when none of them loads."""
+    note. None when there is no checkpoint; ``ResumeError`` when none of them loads, or when the newest
+    that loads has a format this version does not read (its own, or its planner state's).
+
+    This decides only whether a checkpoint file can be read. Whether this invocation may continue it
+    (the same drafter, plan and samples) is the run's ``ResumeContract`` (train/resume_contract.py)."""
     found = list_checkpoints(run_dir)
     if not found:
         return None
@@ -200,10 +205,12 @@ def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState
                     pass
                 print(with_note + "; trying the previous one", file=sys.stderr, flush=True)
             continue
-        if raw.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+        versions = (raw.get("format_version"), raw.get("planner", {}).get("version"))
+        if versions != (CHECKPOINT_FORMAT_VERSION, PLANNER_STATE_VERSION):
             raise ResumeError(
-                f"checkpoint {path} has format version {raw.get('format_version')!r}, this dflash-offline "
-                f"reads {CHECKPOINT_FORMAT_VERSION}; train into a new --out directory"
+                f"checkpoint {path} has format version {versions[0]!r} (planner state {versions[1]!r}), this "
+                f"dflash-offline reads {CHECKPOINT_FORMAT_VERSION} (planner state {PLANNER_STATE_VERSION}); "
+                "train into a new --out directory"
             )
         if problems and is_main:
             print(

@@ -23,39 +23,8 @@ from dflash_offline.drafter_shape import (
     MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,
 )
-from dflash_offline.errors import ConfigError, ResumeError
+from dflash_offline.errors import ConfigError
 from dflash_offline.placement import parse_gpus
-
-SHAPE_FIELDS = (
-    "target",
-    "num_layers",
-    "block_size",
-    "num_anchors",
-    "gamma",
-    "mask_token_id",
-    "optimizer",
-    "seed",
-    "tokens_per_microbatch",
-    "feature_scale",
-    "val_fraction",
-    "val_samples",
-    "val_group",
-)
-"""Options a resume must not change: they define the drafter's tensors, its loss or the sample plan
-(the validation split decides which samples are trained on)."""
-
-APPLIED_ON_RESUME = (
-    "lr",
-    "weight_decay",
-    "warmup_ratio",
-    "grad_clip",
-    "epochs",
-    "max_steps",
-    "val_every",
-    "early_stop",
-)
-"""Options a resume takes over from the command line (optimizer hyper-parameters and the run length;
-the LR schedule is recomputed from them), each announced when it differs from the previous run."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +126,8 @@ class TrainConfig:
     allow_topology_change: bool = cli_field(
         False, help="Resume with another world size / grad accumulation (the epoch is re-planned)."
     )
-    """Resume even though the world size differs from the checkpoint's (the planner re-plans)."""
+    """Resume even though the world size or grad_accum differs from the checkpoint's
+    (train/resume_contract.py decides; the planner re-plans the rest of the epoch)."""
     attention: Literal["auto", "flex", "sdpa"] = cli_field("auto")
     export_initial: bool = cli_field(
         False, help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval)."
@@ -290,30 +260,3 @@ class TrainConfig:
             values["tensorboard_dir"] = Path(values["tensorboard_dir"])
         values["gpus"] = tuple(values.get("gpus", ()))
         return cls(**values)
-
-
-def check_resume(previous: dict[str, Any], config: TrainConfig) -> list[str]:
-    """Compare the run's saved config with this invocation's: refuse a changed shape option (naming
-    it), return one note per applied change (optimizer options, run length)."""
-    current = config.to_dict()
-    missing = [name for name in SHAPE_FIELDS if name not in previous]
-    if missing:
-        raise ResumeError(
-            f"{config.out_dir / 'config.json'} lacks {missing}: this dflash-offline did not write it; "
-            "train into a new --out (or pass --resume never to start over there)"
-        )
-    for name in SHAPE_FIELDS:
-        before = previous[name]
-        if before != current[name]:
-            flag = "--" + name.replace("_", "-")
-            raise ResumeError(
-                f"{config.out_dir} was trained with {flag} {before!r}, this run asks for "
-                f"{current[name]!r}; resume with the same {flag}, or train into a new --out "
-                "(or pass --resume never to start over there)"
-            )
-    return [
-        f"resuming with --{name.replace('_', '-')} {current[name]!r} (the previous run used "
-        f"{previous[name]!r}): applied from the resumed step on"
-        for name in APPLIED_ON_RESUME
-        if name in previous and previous[name] != current[name]
-    ]

@@ -32,7 +32,10 @@ def export_run(
     eval_report: Path | None = None,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` + ``README.md`` for the checkpoint at ``step`` (default
-    newest); the card's τ table comes from ``eval_report``, else from ``RUN/eval.json`` when it exists."""
+    newest); the card's τ table comes from ``eval_report``, else from ``RUN/eval.json`` when it exists.
+
+    The ``ResumeError`` raised here says a run directory or checkpoint is not there; nothing is resumed, so
+    no resume compatibility is decided (that is train/resume_contract.py's, for ``dflash train``)."""
     from dflash_offline.drafter.export import export_drafter
     from dflash_offline.drafter.model_card import read_eval_report
 

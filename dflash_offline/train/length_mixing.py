@@ -25,10 +25,12 @@ a few integers and every rank computes the same plan without talking to the othe
    gives them zero loss weight). Every sample is then in exactly one real microbatch per epoch.
 
 Resume: ``state_dict()`` records the position after the last step the loop reported done
-(``step_done``). ``load_state_dict`` refuses a different seed, snapshot, token budget or topology,
-naming the field; with ``allow_topology_change`` (another world size or grad_accum) the rest of the
-interrupted epoch is planned, with the new topology, over the samples the old topology had not reached
-yet (replayed from its own plan), so still exactly once.
+(``step_done``), with what the plan was made from (seed, snapshot, token budget, topology).
+``load_state_dict`` only restores the position: whether this planner may continue that state at all is
+the run's ``ResumeContract`` (train/resume_contract.py), compared before. A state made under another
+world size or grad_accum (which the contract admits with ``allow_topology_change``) continues the
+interrupted epoch: its rest is planned, with the new topology, over the samples the old topology had not
+reached yet (replayed from its own plan), so still exactly once.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_offline.errors import ConfigError, ResumeError
+from dflash_offline.errors import ConfigError
 from dflash_offline.train.microbatch import MicrobatchPlan, PlannerPosition, StepPlan
 from dflash_offline.train.snapshot import IndexSnapshot
 
@@ -327,50 +329,23 @@ class LengthMixingPlanner:
             ],
         }
 
-    def load_state_dict(self, d: dict[str, Any], *, allow_topology_change: bool = False) -> None:
-        """Resume at ``d``'s position. Raises ``ResumeError`` naming the field that differs.
-
-        ``allow_topology_change``: continue the interrupted epoch over its remaining samples under the
-        new world size / grad_accum (the token budget shapes the microbatches: it never changes)."""
-        version = d.get("version")
-        if version != PLANNER_STATE_VERSION:
-            raise ResumeError(
-                f"planner state has version {version!r}; this dflash reads version {PLANNER_STATE_VERSION}: "
-                "resume with the dflash version that wrote the checkpoint"
-            )
-        if d["seed"] != self.seed:
-            raise ResumeError(
-                f"the run was started with seed={d['seed']}, this resume has seed={self.seed}: "
-                "pass the original --seed"
-            )
-        epoch, step_in_epoch, global_step = int(d["epoch"]), int(d["step_in_epoch"]), int(d["global_step"])
-        if d["snapshot_id"] != self.snapshot.snapshot_id:
-            raise ResumeError(
-                f"the run trained on index snapshot {d['snapshot_id'][:12]}… ({d['num_samples']} "
-                f"samples), this resume has snapshot {self.snapshot.snapshot_id[:12]}… "
-                f"({len(self.snapshot)} samples): resume with the run directory's saved snapshot"
-            )
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Resume at ``d``'s position. ``d`` was checked against this run before (train/resume_contract.py:
+        the same seed, snapshot and token budget; the version is the checkpoint format's); a ``d`` planned
+        under another world size or grad_accum continues its epoch over that epoch's remaining samples."""
         old = _topology_from_dict(d)
+        assert d["version"] == PLANNER_STATE_VERSION, "load_latest_checkpoint refuses another version"
+        planned = (d["seed"], d["snapshot_id"], old.tokens_per_microbatch)
+        this = (self.seed, self.snapshot.snapshot_id, self.topology.tokens_per_microbatch)
+        assert planned == this, "the resume contract admits only a state of this seed, snapshot and budget"
+        epoch, step_in_epoch, global_step = int(d["epoch"]), int(d["step_in_epoch"]), int(d["global_step"])
         segments = tuple(
             EpochSegment(topology=_topology_from_dict(s), num_steps=int(s["num_steps"]))
             for s in d.get("epoch_segments", [])
         )
-        if old.tokens_per_microbatch != self.topology.tokens_per_microbatch:
-            raise ResumeError(
-                f"the run was planned with tokens_per_microbatch={old.tokens_per_microbatch}, this resume "
-                f"has tokens_per_microbatch={self.topology.tokens_per_microbatch}: use the original value"
-            )
-        if old != self.topology:
-            changed = "world_size" if old.world_size != self.topology.world_size else "grad_accum"
-            if not allow_topology_change:
-                raise ResumeError(
-                    f"the run was planned with {changed}={getattr(old, changed)!r}, this resume has "
-                    f"{changed}={getattr(self.topology, changed)!r}: use the original value, or allow a "
-                    "topology change to plan the rest of the epoch over its remaining samples"
-                )
-            if step_in_epoch > 0:
-                done_before = sum(s.num_steps for s in segments)
-                segments = (*segments, EpochSegment(topology=old, num_steps=step_in_epoch - done_before))
+        if old != self.topology and step_in_epoch > 0:
+            done_before = sum(s.num_steps for s in segments)
+            segments = (*segments, EpochSegment(topology=old, num_steps=step_in_epoch - done_before))
         self._epoch, self._step_in_epoch, self._global_step = epoch, step_in_epoch, global_step
         self._segments = segments
 

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,13 +29,12 @@ from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import (
     TrainState,
-    list_checkpoints,
     load_latest_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from dflash_offline.train.config import TrainConfig, check_resume
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.damaged import DamagedLog
 from dflash_offline.train.determinism import seed_everything
 from dflash_offline.train.dist import all_reduce_sum, barrier
@@ -45,6 +45,7 @@ from dflash_offline.train.microbatch import RankSteps
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
 from dflash_offline.train.prefetch import Prefetcher, RowReader
 from dflash_offline.train.reporting import StepReporter
+from dflash_offline.train.resume_contract import ResumeContract, check_resume
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
 from dflash_offline.train.step import OptimizerStep, anchor_sampler
@@ -177,12 +178,8 @@ def train_rank(
     ``reader`` replaces the cache reader for the features (a test feeds live target features)."""
     start_time = time.perf_counter()
     seed_everything(config.seed, deterministic=config.deterministic)
-    resume_notes = _check_resume(config)
     if info.is_main:
-        for note in resume_notes:
-            print(f"dflash train: {note}", file=sys.stderr, flush=True)
         config.out_dir.mkdir(parents=True, exist_ok=True)
-        (config.out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     on_damaged = DamagedLog(config.out_dir, rank=info.rank) if config.on_damaged == "skip" else None
     # Every sample is re-checksummed as it is read (≈ 12 GB/s a core; bench/RESULTS.md has the cost).
     cache_reader = CacheReader.open(
@@ -191,25 +188,45 @@ def train_rank(
     try:
         with stop_on_sigint(second_aborts=not info.distributed):
             split = _prepare_snapshot(config, cache_reader, info)
+            state = _checkpoint_to_resume(config, info, split.train)
+            if info.is_main:  # after the resume check: a refused resume leaves the run's config as it was
+                _write_config(config)
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
             if config.feature_scale != "none":
                 setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
-            return _train(config, info, setup, split, reader or cache_reader, on_step, start_time)
+            return _train(config, info, setup, split, state, reader or cache_reader, on_step, start_time)
     finally:
         cache_reader.close()
 
 
-def _check_resume(config: TrainConfig) -> list[str]:
-    """Against the previous run's config.json (when there is a checkpoint to resume): refuse a changed
-    shape option, announce applied ones."""
-    previous_path = config.out_dir / "config.json"
-    if config.resume != "auto" or not list_checkpoints(config.out_dir) or not previous_path.is_file():
-        return []
-    try:
-        previous = json.loads(previous_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return []  # written by rank 0 right now, or damaged: the checkpoint's own checks still apply
-    return check_resume(previous, config)
+def _checkpoint_to_resume(
+    config: TrainConfig, info: DistInfo, train_snapshot: IndexSnapshot
+) -> TrainState | None:
+    """With ``resume="auto"``, the newest checkpoint that loads, once the run's ``ResumeContract`` admits
+    this invocation (the one compatibility decision; its applied changes are announced by rank 0). None
+    when starting fresh."""
+    state = load_latest_checkpoint(config.out_dir, is_main=info.is_main) if config.resume == "auto" else None
+    if state is None:
+        return None
+    notes = check_resume(
+        ResumeContract.stored(config.out_dir, state.planner),
+        ResumeContract.of(config, world_size=info.world_size, train_snapshot=train_snapshot),
+        allow_topology_change=config.allow_topology_change,
+        run_dir=config.out_dir,
+    )
+    if info.is_main:
+        for note in notes:
+            print(f"dflash train: {note}", file=sys.stderr, flush=True)
+    return state
+
+
+def _write_config(config: TrainConfig) -> None:
+    """Write ``RUN/config.json`` whole, by a rename: another rank may be reading the previous one for its
+    resume check."""
+    path = config.out_dir / "config.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config.to_dict(), indent=2))
+    os.replace(tmp, path)
 
 
 def _stop_agreed(info: DistInfo) -> bool:
@@ -245,16 +262,19 @@ def _train(
     info: DistInfo,
     setup: DrafterSetup,
     split: SplitSnapshots,
+    state: TrainState | None,
     reader: RowReader,
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
 ) -> TrainResult:
-    """Set up (or resume) the optimization, train until the end or an early stop, export."""
+    """Set up the optimization (from ``state``, the checkpoint resumed, if any), train until the end or an
+    early stop, export."""
     opt = _setup_optimization(config, info, setup.model, split.train)
     if config.compile:
         opt.model.compile_training()
-    state = _resume(config, info, opt)
-    if state is None and config.export_initial and info.is_main:
+    if state is not None:
+        _restore(config, info, opt, state)
+    elif config.export_initial and info.is_main:
         from dflash_offline.drafter.export import export_drafter
 
         export_drafter(opt.model, config.out_dir / "drafter-initial")
@@ -387,16 +407,13 @@ def _setup_optimization(
     )
 
 
-def _resume(config: TrainConfig, info: DistInfo, opt: _Optimization) -> TrainState | None:
-    """Load the latest checkpoint into ``opt`` (with ``--resume auto``); None when starting fresh."""
-    state = load_latest_checkpoint(config.out_dir, is_main=info.is_main) if config.resume == "auto" else None
-    if state is None:
-        return None
+def _restore(config: TrainConfig, info: DistInfo, opt: _Optimization, state: TrainState) -> None:
+    """Load the resumed checkpoint ``state`` (admitted by ``_checkpoint_to_resume``) into ``opt``."""
     opt.model.load_state_dict(state.model)
     opt.optimizer.load_state_dict(state.optimizer)
     for group in opt.optimizer.param_groups:  # the command line's, not the checkpoint's
         group["weight_decay"] = config.weight_decay
-    opt.planner.load_state_dict(state.planner, allow_topology_change=config.allow_topology_change)
+    opt.planner.load_state_dict(state.planner)
     set_rng_state(state.rng)
     if info.is_main:
         left = opt.total_steps - state.global_step
@@ -406,7 +423,6 @@ def _resume(config: TrainConfig, info: DistInfo, opt: _Optimization) -> TrainSta
             file=sys.stderr,
             flush=True,
         )
-    return state
 
 
 def _run_steps(

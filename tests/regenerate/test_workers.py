@@ -1,6 +1,7 @@
 """``dflash regenerate`` with several worker processes: two CPU workers write the same conversations as one;
 SIGKILL of the whole run, then a rerun (with another worker count), leaves every conversation once; Ctrl-C
-stops cleanly (exit 130) and resumes; workers exit when their coordinator is killed."""
+stops cleanly (exit 130) and resumes, spawned workers and torchrun ranks alike; workers exit when their
+coordinator is killed."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from click.testing import CliRunner
 
 from dflash_offline.cli import main
 from dflash_offline.errors import WorkerError
-from dflash_offline.placement import Placement
+from dflash_offline.placement import Placement, free_port
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.regenerate.worker import belongs_to
@@ -173,6 +174,56 @@ def test_torchrun_ranks_write_the_same_conversations_as_one_worker(tmp_path: Pat
     assert "2 worker(s)" in result.stdout
     assert _messages(out) == _messages(one)
     assert not out.with_name(out.name + ".parts").exists()
+
+
+def _torchrun(cmd: list[str], module: str, port: int) -> list[str]:
+    """``cmd`` (a ``python -m dflash_offline ...`` line) as two CPU ranks of torchrun running ``module``."""
+    return [cmd[0], "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+            "-m", module, *cmd[3:]]  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_torchrun_ranks_after_their_decode_step_and_the_rerun_completes(tmp_path: Path) -> None:
+    from tests.regenerate.worker_entry import HOLD_ENV
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 16, turns=2, seed=7)
+    ids = [c.sample_id for c in conversations(data)]
+    assert all(any(belongs_to(i, rank, 2) for i in ids) for rank in (0, 1))  # each rank has records
+    reference = tmp_path / "reference.jsonl"
+    assert CliRunner().invoke(main, _cmd(data, reference, 1)[3:]).exit_code == 0
+    out, held = tmp_path / "out.jsonl", tmp_path / "held"
+    held.mkdir()
+    # Each rank holds after its first written conversation until it is asked to stop (worker_entry.py).
+    cmd = _torchrun(_cmd(data, out, 1), "tests.regenerate.worker_entry", free_port())
+    process = subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", HOLD_ENV: str(held)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(held.glob("w*"))) < 2 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(held.glob("w*"))) == 2, "the ranks did not each write a conversation"
+        # A terminal's Ctrl-C reaches torchrun and the ranks; torchrun passes it on to the ranks again.
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    text = output.decode()
+    for rank in (0, 1):
+        assert f"[rank {rank}] dflash regenerate: stopping after this decode step" in text, text[-3000:]
+        assert (held / f"exit-{rank}").read_text() == "130", text[-3000:]
+    assert not out.with_name(out.name + ".parts").exists()  # merged at the stop, as on the spawned path
+    partial = _messages(out)
+    assert 2 <= len(partial) < 16
+    expected = _messages(reference)
+    assert all(expected[k] == v for k, v in partial.items())
+    rerun = CliRunner().invoke(main, _cmd(data, out, 1)[3:])
+    assert rerun.exit_code == 0, rerun.output
+    assert f"{len(partial)} already done" in rerun.output
+    assert _messages(out) == expected
 
 
 @pytest.mark.timeout(600)

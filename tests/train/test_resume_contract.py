@@ -1,0 +1,244 @@
+"""Whether a run may resume, decided once (train/resume_contract.py): every option of ``dflash train``
+changed alone against a run saved on disk (its config.json and its checkpoint's planner state), with the
+verdict written out here for each; then several at once, a config.json that does not read, and the
+planner version that the checkpoint loader refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dflash_offline.errors import ResumeError
+from dflash_offline.train.checkpoint import TrainState, load_latest_checkpoint, save_checkpoint
+from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.length_mixing import LengthMixingPlanner
+from dflash_offline.train.resume_contract import ResumeContract, check_resume
+from dflash_offline.train.snapshot import IndexSnapshot, snapshot_from_columns
+
+WORLD_SIZE = 4
+
+REFUSED = "refused"
+TOPOLOGY = "refused unless --allow-topology-change"
+ANNOUNCED = "announced"
+FREE = "free"
+
+# (field, another value, the verdict, the flag its message names). ``world_size`` is the launch's, not a
+# field: its row changes the ranks; ``snapshot`` changes the samples trained on.
+CHANGES: list[tuple[str, Any, str, str]] = [
+    ("target", "random:tiny", REFUSED, "--target"),
+    ("num_layers", 2, REFUSED, "--num-layers"),
+    ("block_size", 16, REFUSED, "--block-size"),
+    ("num_anchors", 64, REFUSED, "--num-anchors"),
+    ("gamma", 5.0, REFUSED, "--gamma"),
+    ("mask_token_id", 3, REFUSED, "--mask-token-id"),
+    ("optimizer", "sgd", REFUSED, "--optimizer"),
+    ("feature_scale", "layer", REFUSED, "--feature-scale"),
+    ("val_fraction", 0.3, REFUSED, "--val-fraction"),
+    ("val_samples", 5, REFUSED, "--val-samples"),
+    ("val_group", "root-id", REFUSED, "--val-group"),
+    ("seed", 8, REFUSED, "--seed"),
+    ("tokens_per_microbatch", 5000, REFUSED, "--tokens-per-microbatch"),
+    ("snapshot", None, REFUSED, "index snapshot (snapshot.parquet)"),
+    ("world_size", 2, TOPOLOGY, "--gpus/--workers (world size)"),
+    ("grad_accum", 1, TOPOLOGY, "--grad-accum"),
+    ("lr", 1e-3, ANNOUNCED, "--lr"),
+    ("weight_decay", 0.1, ANNOUNCED, "--weight-decay"),
+    ("warmup_ratio", 0.1, ANNOUNCED, "--warmup-ratio"),
+    ("grad_clip", 0.5, ANNOUNCED, "--grad-clip"),
+    ("epochs", 9, ANNOUNCED, "--epochs"),
+    ("max_steps", 30, ANNOUNCED, "--max-steps"),
+    ("val_every", 5, ANNOUNCED, "--val-every"),
+    ("early_stop", 3, ANNOUNCED, "--early-stop"),
+    ("final_norm_init", 0.1, FREE, ""),
+    ("autocast", "off", FREE, ""),
+    ("prefetch", 8, FREE, ""),
+    ("loader_threads", 1, FREE, ""),
+    ("deterministic", False, FREE, ""),
+    ("checkpoint_every", 7, FREE, ""),
+    ("keep_checkpoints", 5, FREE, ""),
+    ("resume", "never", FREE, ""),
+    ("allow_topology_change", True, FREE, ""),
+    ("attention", "sdpa", FREE, ""),
+    ("export_initial", True, FREE, ""),
+    ("log_every", 4, FREE, ""),
+    ("compile", True, FREE, ""),
+    ("tensorboard_dir", Path("tb-elsewhere"), FREE, ""),
+    ("tensorboard", False, FREE, ""),
+    ("on_damaged", "skip", FREE, ""),
+    ("export_at_end", False, FREE, ""),
+    ("cache_dir", Path("moved-cache"), FREE, ""),  # the samples are the snapshot's row
+    ("out_dir", Path("run"), FREE, ""),
+    ("gpus", (0, 1), FREE, ""),  # the ranks are the world_size row
+    ("num_cpu_workers", 2, FREE, ""),
+    ("threads_per_worker", 3, FREE, ""),
+    ("progress", False, FREE, ""),
+]
+
+
+def snapshot(num_samples: int = 40) -> IndexSnapshot:
+    rng = np.random.default_rng(num_samples)
+    tokens = rng.integers(10, 300, num_samples)
+    return snapshot_from_columns([f"s:{i:03d}" for i in range(num_samples)], tokens, np.zeros(num_samples))
+
+
+def base_config(tmp_path: Path) -> TrainConfig:
+    return TrainConfig(
+        cache_dir=tmp_path / "cache",
+        out_dir=tmp_path / "run",
+        num_layers=1,
+        block_size=8,
+        num_anchors=32,
+        tokens_per_microbatch=4096,
+        grad_accum=2,
+        max_steps=12,
+        deterministic=True,
+    )
+
+
+def saved_run(config: TrainConfig, train_snapshot: IndexSnapshot) -> dict[str, Any]:
+    """Save the run as ``dflash train`` does (its config.json); the planner state of a checkpoint."""
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    (config.out_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    planner = LengthMixingPlanner(
+        train_snapshot,
+        seed=config.seed,
+        tokens_per_microbatch=config.tokens_per_microbatch,
+        grad_accum=config.grad_accum,
+        world_size=WORLD_SIZE,
+    )
+    for step in planner.iterate(1):  # a few steps into the epoch
+        planner.step_done(step)
+        if step.global_step == 1:
+            break
+    return planner.state_dict()
+
+
+def resume_with(tmp_path: Path, field: str, value: Any, *, allow_topology_change: bool = False) -> list[str]:
+    """``check_resume`` of the base run against an invocation with ``field`` set to ``value``."""
+    config = base_config(tmp_path)
+    planner_state = saved_run(config, snapshot())
+    train_snapshot, world_size = snapshot(), WORLD_SIZE
+    if field == "snapshot":
+        train_snapshot = snapshot(41)
+    elif field == "world_size":
+        world_size = value
+    else:
+        config = dataclasses.replace(config, **{field: value})
+    return check_resume(
+        ResumeContract.stored(config.out_dir, planner_state),
+        ResumeContract.of(config, world_size=world_size, train_snapshot=train_snapshot),
+        allow_topology_change=allow_topology_change,
+        run_dir=config.out_dir,
+    )
+
+
+def test_the_same_invocation_resumes_without_a_note(tmp_path: Path) -> None:
+    assert resume_with(tmp_path, "lr", base_config(tmp_path).lr) == []
+
+
+def test_every_option_has_a_verdict() -> None:
+    """A new ``dflash train`` option is classified here (and in RULES when a resume must judge it)."""
+    options = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert options == {field for field, *_ in CHANGES} - {"snapshot", "world_size"}
+
+
+@pytest.mark.parametrize(("field", "value", "verdict", "flag"), CHANGES, ids=[row[0] for row in CHANGES])
+def test_each_change_gets_its_verdict(
+    tmp_path: Path, field: str, value: Any, verdict: str, flag: str
+) -> None:
+    if verdict == FREE:
+        assert resume_with(tmp_path, field, value) == []
+        return
+    if verdict == ANNOUNCED:
+        before = getattr(base_config(tmp_path), field)
+        assert resume_with(tmp_path, field, value) == [
+            f"resuming with {flag} {value!r} (the previous run used {before!r}): applied from the resumed "
+            "step on"
+        ]
+        return
+    with pytest.raises(ResumeError) as refused:
+        resume_with(tmp_path, field, value)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"was trained with {flag} " in message
+    assert f"this run asks for {flag} " in message
+    assert f"resume with the same {flag}," in message
+    if field != "snapshot":  # both values, as the option spells them
+        before = WORLD_SIZE if field == "world_size" else getattr(base_config(tmp_path), field)
+        assert f"{flag} {before!r}, this run asks for {flag} {value!r};" in message
+    else:
+        assert f"{flag} {snapshot().snapshot_id[:12]}… (40 training samples), this run asks for " in message
+        assert f"{flag} {snapshot(41).snapshot_id[:12]}… (41 training samples);" in message
+    allowed = "--allow-topology-change to plan the rest of the epoch" in message
+    assert allowed == (verdict == TOPOLOGY)
+    if verdict == TOPOLOGY:
+        assert resume_with(tmp_path, field, value, allow_topology_change=True) == []
+    else:
+        with pytest.raises(ResumeError, match=re.escape(flag)):
+            resume_with(tmp_path, field, value, allow_topology_change=True)
+
+
+def test_every_refused_change_is_named_in_one_line(tmp_path: Path) -> None:
+    config = base_config(tmp_path)
+    planner_state = saved_run(config, snapshot())
+    changed = dataclasses.replace(config, num_layers=3, seed=5, grad_accum=4, lr=1.0)
+    with pytest.raises(ResumeError) as refused:
+        check_resume(
+            ResumeContract.stored(config.out_dir, planner_state),
+            ResumeContract.of(changed, world_size=2, train_snapshot=snapshot()),
+            allow_topology_change=False,
+            run_dir=config.out_dir,
+        )
+    world = "--gpus/--workers (world size)"
+    assert str(refused.value) == (
+        f"{config.out_dir} was trained with --num-layers 1, --seed 0, {world} 4 and --grad-accum 2, this "
+        f"run asks for --num-layers 3, --seed 5, {world} 2 and --grad-accum 4; resume with the same "
+        f"--num-layers, --seed, {world} and --grad-accum, or train into a new --out (or pass --resume never "
+        "to start over there)"
+    )
+
+
+def test_a_config_json_that_does_not_read_leaves_the_checkpoints_plan_to_compare(tmp_path: Path) -> None:
+    config = base_config(tmp_path)
+    planner_state = saved_run(config, snapshot())
+    (config.out_dir / "config.json").write_text('{"num_layers": 1, "blo')  # cut short
+    stored = ResumeContract.stored(config.out_dir, planner_state)
+    assert stored.options is None
+
+    def check(changed: TrainConfig) -> list[str]:
+        current = ResumeContract.of(changed, world_size=WORLD_SIZE, train_snapshot=snapshot())
+        return check_resume(stored, current, allow_topology_change=False, run_dir=config.out_dir)
+
+    assert check(dataclasses.replace(config, num_layers=3, lr=1.0)) == []  # as before the contract
+    with pytest.raises(ResumeError, match="--seed 0"):
+        check(dataclasses.replace(config, seed=3))
+
+
+def test_an_unknown_planner_state_version_is_refused_when_the_checkpoint_loads(tmp_path: Path) -> None:
+    config = base_config(tmp_path)
+    planner_state = saved_run(config, snapshot())
+    state = TrainState(
+        global_step=2,
+        model={},
+        optimizer={},
+        planner={**planner_state, "version": 99},
+        rng={},
+        tokens_seen=0,
+        world_size=WORLD_SIZE,
+    )
+    save_checkpoint(config.out_dir, state, keep=2)
+    with pytest.raises(
+        ResumeError,
+        match=r"format version 1 \(planner state 99\), this dflash-offline reads 1 \(planner state 1\)",
+    ):
+        load_latest_checkpoint(config.out_dir)
+    save_checkpoint(config.out_dir, dataclasses.replace(state, planner=planner_state), keep=2)
+    loaded = load_latest_checkpoint(config.out_dir)
+    assert loaded is not None
+    assert loaded.planner == planner_state
