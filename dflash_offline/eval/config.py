@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.config_fields import DATA, DATA_FORMAT, DTYPE, TARGET, check_fields, cli_field
+from dflash_offline.config_fields import DATA, DATA_FORMAT, DEVICE, DTYPE, TARGET, check_fields, cli_field
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.benches import BENCHES, BenchName, parse_bench
@@ -74,7 +74,7 @@ class EvalConfig:
     """Records of the data to pass over first."""
     max_new_tokens: int = cli_field(128, min=1)
     max_prompt_tokens: int = cli_field(2048, min=1, help="Longer prompts are passed over.")
-    device: str | None = cli_field(None, help="cpu, cuda or cuda:N (default: cuda when available).")
+    device: str | None = cli_field(None, cli=DEVICE)
     """``cpu``, ``cuda`` or ``cuda:N``; None = cuda when available."""
     dtype: str | None = cli_field(
         None, cli=DTYPE, help="Target and drafter dtype (default: float32 on CPU, bfloat16 on GPU)."

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from dflash_offline.config_fields import (
     DATA,
     DATA_FORMAT,
+    DEVICE,
     DTYPE,
     PLACEMENT,
     PROGRESS,
@@ -136,7 +137,7 @@ class RegenerateConfig:
         help="Conversations in flight per worker (default: 2 x --batch-size; --engine openai: 2 x "
         "--concurrency).",
     )
-    device: str | None = cli_field(None, help="cpu, cuda or cuda:N (default: cuda when available).")
+    device: str | None = cli_field(None, cli=DEVICE)
     dtype: str | None = cli_field(None, cli=DTYPE)
     """``float32`` or ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
     placement: Placement = cli_field(Placement(), cli=PLACEMENT)
