@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from dflash_offline.config_fields import DATA, DATA_FORMAT, DEVICE, DTYPE, TARGET, check_fields, cli_field
+from dflash_offline.config_fields import (
+    DATA,
+    DATA_FORMAT,
+    DEVICE,
+    DTYPE,
+    TARGET,
+    check_fields,
+    cli_field,
+    flag,
+)
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.benches import BENCHES, BenchName, parse_bench
-from dflash_offline.eval.prompts import Turns
 
 DEFAULT_TIE_ULPS = 8.0
 """Default tolerance in ulps of the top logit (bench/RESULTS.md, "Eval near-tie tolerance": the rounding
 spread it was chosen against)."""
+
+Turns = Literal["first", "all"]
+"""Which user turns of a chat record are decoded (``eval/prompts.py``)."""
 
 EVAL_DTYPES = ("float32", "bfloat16")
 """The keys of ``target_model/loader.py:DTYPES`` (a test checks), spelled here without importing torch."""
@@ -98,11 +109,14 @@ class EvalConfig:
         if self.bench is not None:
             unknown = [b for b in self.bench if b not in BENCHES]
             if unknown or not self.bench:
-                raise ConfigError(f"--bench {list(self.bench)}: expected sets among {list(BENCHES)}")
-            if self.data is not None and "sharegpt" not in self.bench:
                 raise ConfigError(
-                    f"--data {self.data} is only read by the sharegpt set; add it (--bench sharegpt or "
-                    "all) or leave --data out"
+                    f"{flag(EvalConfig, 'bench')} {list(self.bench)}: expected sets among {list(BENCHES)}"
+                )
+            if self.data is not None and "sharegpt" not in self.bench:
+                bench, data = flag(EvalConfig, "bench"), flag(EvalConfig, "data")
+                raise ConfigError(
+                    f"{data} {self.data} is only read by the sharegpt set; add it ({bench} sharegpt or "
+                    f"all) or leave {data} out"
                 )
 
     def to_dict(self) -> dict[str, Any]:
