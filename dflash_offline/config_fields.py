@@ -2,10 +2,10 @@
 spelling and help (``cli_field``); ``cli/options.py`` derives the click option from it.
 
 The library never imports click: a field's ``Cli`` is plain data. Options shared by several commands
-(``--cache``, ``--seed``, ``--gpus``/``--workers``/``--threads``, ``--progress``, ``--device``…) are the
-``Cli`` constants below, used by every config that has them and by the shared decorators of
-``cli/options.py``. Messages name an option with ``flag(Config, "field")`` or ``flag(SHARED)``, never by
-typing its spelling."""
+(``--cache``, ``--seed``, ``--gpus``/``--workers``/``--threads``, ``--progress``, ``--skip``/``--limit``,
+``--device``…) are the ``Cli`` constants below, used by every config that has them and by the shared
+decorators of ``cli/options.py``. Messages name an option with ``flag(Config, "field")`` or
+``flag(SHARED)``, never by typing its spelling."""
 
 from __future__ import annotations
 
@@ -204,6 +204,8 @@ DATA_FORMAT = Cli(
     help="Record schema: sharegpt (conversations of from/value), messages (role/content), "
     "prompt-response, alpaca (instruction/input/output); auto picks per record.",
 )
+SKIP = Cli(flag="--skip", min=0, help="Records to skip first.")
+LIMIT = Cli(flag="--limit", min=0, help=f"Records to read after {flag(SKIP)}.")
 DEVICE = Cli(flag="--device", help="cpu, cuda or cuda:N (default: cuda when available).")
 DTYPE = Cli(
     flag="--dtype",

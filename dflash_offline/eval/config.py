@@ -11,6 +11,8 @@ from dflash_offline.config_fields import (
     DATA_FORMAT,
     DEVICE,
     DTYPE,
+    LIMIT,
+    SKIP,
     TARGET,
     check_fields,
     cli_field,
@@ -76,12 +78,13 @@ class EvalConfig:
     """Training cache whose committed samples are excluded; None = inferred from the drafter's run."""
     limit: int = cli_field(
         20,
+        cli=LIMIT,
         min=1,
         help="Questions per set: evenly spaced over MT-Bench (two turns each) and HumanEval, the first "
         "held-out ones of ShareGPT / --data.",
     )
     """Questions per set (an MT-Bench question decodes two turns)."""
-    skip: int = cli_field(0, min=0, help="Records to pass over first.")
+    skip: int = cli_field(0, cli=SKIP, help="Records to pass over first.")
     """Records of the data to pass over first."""
     max_new_tokens: int = cli_field(128, min=1)
     max_prompt_tokens: int = cli_field(2048, min=1, help="Longer prompts are passed over.")

@@ -12,9 +12,11 @@ from dflash_offline.config_fields import (
     DEVICE,
     DTYPE,
     GPUS,
+    LIMIT,
     PLACEMENT,
     PROGRESS,
     SEED,
+    SKIP,
     TARGET,
     check_fields,
     cli_field,
@@ -45,8 +47,8 @@ class RegenerateConfig:
         "<out>.failures.jsonl (records listed there are skipped on rerun: delete their lines to retry them).",
     )
     """Chat JSONL to write (appended to; rerunning the same command resumes)."""
-    skip: int = cli_field(0, min=0, help="Records to skip first.")
-    limit: int | None = cli_field(None, min=0, help="Records to read after --skip.")
+    skip: int = cli_field(0, cli=SKIP)
+    limit: int | None = cli_field(None, cli=LIMIT)
     """Records to read after ``skip`` (None: all)."""
     decontaminate: bool = cli_field(
         True,
