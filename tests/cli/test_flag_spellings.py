@@ -180,10 +180,16 @@ def resolve(module: Any, imports: dict[str, tuple[str, str]], arg: ast.expr) -> 
     return getattr(module, arg.id, UNRESOLVED)
 
 
+CALLS_CHECKED_ELSEWHERE = {
+    "dflash_offline/demo.py": "tests/test_demo.py parses every stage of the recipe with the real commands",
+}
+"""Modules whose ``flag()`` of a variable, inside a function, another test runs."""
+
+
 def test_every_flag_call_in_the_package_names_an_option() -> None:
     """Each ``flag(...)`` of the package, called as written: a field renamed or without a ``Cli``
     raises here, before any user meets the message. A call with a variable argument must run at import
-    (at module level), where importing the module checks it."""
+    (at module level), where importing the module checks it, or be run by a test of its own."""
     called = 0
     for path in package_files(with_cli=True):
         if path.name == "__main__.py":  # importing it runs the command line
@@ -202,7 +208,10 @@ def test_every_flag_call_in_the_package_names_an_option() -> None:
         for line, args, in_function in visitor.calls:
             values = [resolve(module, imports, a) for a in args]
             if any(v is UNRESOLVED for v in values):
-                assert not in_function, f"{path}:{line}: flag() of a variable inside a function"
+                where = path.relative_to(PACKAGE.parent).as_posix()
+                assert not in_function or where in CALLS_CHECKED_ELSEWHERE, (
+                    f"{where}:{line}: flag() of a variable inside a function"
+                )
                 continue
             spelled = flag(*values)
             assert spelled in any_option(), f"{path}:{line}: {spelled}"
