@@ -2,8 +2,10 @@
 spelling and help (``cli_field``); ``cli/options.py`` derives the click option from it.
 
 The library never imports click: a field's ``Cli`` is plain data. Options shared by several commands
-(``--cache``, ``--seed``, ``--gpus``/``--workers``/``--threads``, ``--progress``) are the ``Cli`` constants
-below, used by every config that has them and by the shared decorators of ``cli/options.py``."""
+(``--cache``, ``--seed``, ``--gpus``/``--workers``/``--threads``, ``--progress``, ``--skip``/``--limit``,
+``--device``…) are the ``Cli`` constants below, used by every config that has them and by the shared
+decorators of ``cli/options.py``. Messages name an option with ``flag(Config, "field")`` or
+``flag(SHARED)``, never by typing its spelling."""
 
 from __future__ import annotations
 
@@ -76,6 +78,26 @@ def cli_spec(f: dataclasses.Field[Any]) -> Cli | None:
 
 def flag_of(name: str, spec: Cli) -> str:
     return spec.flag or "--" + name.replace("_", "-")
+
+
+def flag(owner: type[Any] | Cli, name: str | None = None) -> str:
+    """How ``dflash`` spells an option, for a message that names it: ``flag(TrainConfig, "max_steps")``
+    is ``--max-steps`` (a field of a config dataclass), ``flag(SEED)`` is ``--seed`` (a shared option).
+    A field that does not exist, has no ``Cli`` or is several options (a ``Placement``) raises
+    ``ValueError``: a renamed option breaks every message naming it (a test calls every use)."""
+    if isinstance(owner, Cli):
+        if name is not None or owner.flag is None:
+            raise ValueError(f"flag(shared option) takes a Cli with a flag and no name, not {owner!r}")
+        return owner.flag
+    if name is None:
+        raise ValueError(f"flag({owner.__name__}) needs the name of one of its option fields")
+    fields = {f.name: f for f in dataclasses.fields(owner)}
+    spec = cli_spec(fields[name]) if name in fields else None
+    if spec is None or spec.kind != "value":
+        raise ValueError(
+            f"{owner.__name__}.{name} is not a command-line option (no such field, or no one flag)"
+        )
+    return flag_of(name, spec)
 
 
 def literal_choices(hint: Any) -> tuple[Any, ...] | None:
@@ -157,26 +179,39 @@ def check_fields(config: Any) -> None:
 
 # Options shared by several commands (one spelling, one help text).
 CACHE = Cli(flag="--cache", path="dir", required=True, help="The cache directory.")
-SEED = Cli(help="Seed of every random choice.")
+SEED = Cli(flag="--seed", help="Seed of every random choice.")
 PROGRESS = Cli(flag="--progress", secondary="--no-progress", help="Show a progress bar.")
-GPUS = Cli(help="GPUs to use, one worker process each: all, 0,1,2 or 0-7. Default: the CPU.")
+GPUS = Cli(flag="--gpus", help="GPUs to use, one worker process each: all, 0,1,2 or 0-7. Default: the CPU.")
 WORKERS = Cli(
-    flag="--workers", min=1, max=1024, help="Worker processes on the CPU (used when --gpus is not given)."
+    flag="--workers",
+    min=1,
+    max=1024,
+    help=f"Worker processes on the CPU (used when {flag(GPUS)} is not given).",
 )
 PLACEMENT = Cli(kind="placement")
 TARGET = Cli(
+    flag="--target",
     help="default (embedded SmolLM2-135M-Instruct), a Hugging Face model directory, a .gguf file, "
-    "or random:<preset> (random:tiny, random:smollm2-135m, random:qwen3-8b)."
+    "or random:<preset> (random:tiny, random:smollm2-135m, random:qwen3-8b).",
 )
 DATA = Cli(
+    flag="--data",
     help="Chat data: JSON or JSONL, optionally .gz/.zst; a Parquet file or directory; a Hugging Face "
-    "datasets save_to_disk directory. Default: the embedded ShareGPT V3 file."
+    "datasets save_to_disk directory. Default: the embedded ShareGPT V3 file.",
 )
 DATA_FORMAT = Cli(
+    flag="--data-format",
     help="Record schema: sharegpt (conversations of from/value), messages (role/content), "
-    "prompt-response, alpaca (instruction/input/output); auto picks per record."
+    "prompt-response, alpaca (instruction/input/output); auto picks per record.",
 )
-DTYPE = Cli(choices=("float32", "bfloat16"), help="Compute dtype (default: float32 on CPU, bfloat16 on GPU).")
+SKIP = Cli(flag="--skip", min=0, help="Records to skip first.")
+LIMIT = Cli(flag="--limit", min=0, help=f"Records to read after {flag(SKIP)}.")
+DEVICE = Cli(flag="--device", help="cpu, cuda or cuda:N (default: cuda when available).")
+DTYPE = Cli(
+    flag="--dtype",
+    choices=("float32", "bfloat16"),
+    help="Compute dtype (default: float32 on CPU, bfloat16 on GPU).",
+)
 THREADS = Cli(
     flag="--threads",
     min=0,

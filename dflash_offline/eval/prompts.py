@@ -17,16 +17,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from dflash_offline.config_fields import flag
 from dflash_offline.data.conversations import Conversation, Message
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.data.sources import conversation_root, iter_records, source_name
 from dflash_offline.data.user_groups import user_groups
 from dflash_offline.errors import ConfigError
-
-Turns = Literal["first", "all"]
-TURNS: tuple[Turns, ...] = ("first", "all")
+from dflash_offline.eval.config import EvalConfig, Turns
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,7 +131,7 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
             origin_of[sample_id] = record.origin
         if sample_id in trained:
             trained_roots.add(record.root)
-    how = "inferred from the drafter's training run" if inferred else "--exclude-cache"
+    how = "inferred from the drafter's training run" if inferred else flag(EvalConfig, "exclude_cache")
     note = f"excluding {len(committed)} samples of training cache {cache_dir} ({how})"
     ids = set(committed) | all_origins
     if all_origins:
@@ -164,15 +163,17 @@ def _without_training_cache(cache_dir: Path | None, *, drafter_dir: Path, inferr
     if cache_dir is None:
         note = (
             f"held-out not guaranteed: {drafter_dir} is not inside a `dflash train` run and no "
-            "--exclude-cache was given, so no training sample is excluded"
+            f"{flag(EvalConfig, 'exclude_cache')} was given, so no training sample is excluded"
         )
     elif inferred:
         note = (
             f"held-out not guaranteed: the training run names cache {cache_dir}, which is not "
-            "here; pass --exclude-cache with its new location"
+            f"here; pass {flag(EvalConfig, 'exclude_cache')} with its new location"
         )
     else:
-        raise ConfigError(f"--exclude-cache {cache_dir}: not a dflash cache (no cache.json)")
+        raise ConfigError(
+            f"{flag(EvalConfig, 'exclude_cache')} {cache_dir}: not a dflash cache (no cache.json)"
+        )
     return HeldOut(cache_dir=None, excluded_ids=frozenset(), note=note)
 
 
@@ -258,7 +259,7 @@ def select_prompts(
 ) -> PromptSelection:
     """The first ``limit`` usable, held-out prompts of ``data`` from record ``skip`` on."""
     if limit < 1:
-        raise ConfigError(f"--limit must be >= 1, got {limit}")
+        raise ConfigError(f"{flag(EvalConfig, 'limit')} must be >= 1, got {limit}")
     prompts: list[EvalPrompt] = []
     read = excluded = unusable = 0
     for item in iter_records(data, skip=skip, data_format=data_format):

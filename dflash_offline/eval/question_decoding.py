@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_offline.config_fields import flag
 from dflash_offline.data.conversations import Message
 from dflash_offline.decode.single import SingleSequence
 from dflash_offline.eval.benches import BenchQuestion
+from dflash_offline.eval.config import EvalConfig
 from dflash_offline.eval.exactness import Divergence, classify
 from dflash_offline.eval.prompts import EvalPrompt, render_prompt_ids
 from dflash_offline.eval.speculative import (
@@ -168,7 +170,8 @@ def decode_question(
                 if on_skip is not None and question.question_id:
                     on_skip(
                         f"{question.bench} {question.question_id} turn {t + 1}: prompt of {len(prompt_ids)} "
-                        f"tokens > --max-prompt-tokens {dec.max_prompt_tokens}, not decoded"
+                        f"tokens > {flag(EvalConfig, 'max_prompt_tokens')} {dec.max_prompt_tokens}, not "
+                        "decoded"
                     )
                 return
         base = dec.target_only(prompt_ids)

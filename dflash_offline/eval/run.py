@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dflash_offline.config_fields import flag
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
@@ -108,7 +109,7 @@ def _questions(config: EvalConfig, tokenizer: Any, held_out: Any, warnings: list
                 raise ConfigError(
                     f"no usable held-out prompt among {selection.records_read} records "
                     f"({selection.excluded} in the training cache, {selection.unusable} unusable): "
-                    "use other --data or a larger --skip"
+                    f"use other {flag(EvalConfig, 'data')} or a larger {flag(EvalConfig, 'skip')}"
                 )
             if len(selection.prompts) < config.limit:
                 warnings.append(
@@ -126,7 +127,10 @@ def run_eval(config: EvalConfig) -> Any:
     from dflash_offline.target_model.loader import load_target
 
     if not config.drafter_dir.is_dir():
-        raise ConfigError(f"--drafter {config.drafter_dir}: not a directory (an export: RUN/drafter)")
+        raise ConfigError(
+            f"{flag(EvalConfig, 'drafter_dir')} {config.drafter_dir}: not a directory (an export: "
+            "RUN/drafter)"
+        )
     device = resolve_device(config.device)
     dtype = compute_dtype(config.dtype, device)
     held_out = resolve_held_out(

@@ -18,9 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_offline.config_fields import flag
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.errors import ConfigError
-from dflash_offline.eval.prompts import EvalPrompt, Turns, chat_prompt, run_dir_of, training_cache_of
+from dflash_offline.eval.config import EvalConfig, Turns
+from dflash_offline.eval.prompts import EvalPrompt, chat_prompt, run_dir_of, training_cache_of
+from dflash_offline.train.config import TrainConfig
+
+THIS_SET = f"{flag(EvalConfig, 'bench')} validation"
+"""How messages name this set."""
 
 UNSEEN_ROOT = "validation"
 TRAINED_ROOT = "validation-trained-root"
@@ -51,16 +57,17 @@ def select_validation_prompts(
     cache_dir = training_cache_of(drafter_dir)
     if run_dir is None or cache_dir is None:
         raise ConfigError(
-            f"--bench validation: {drafter_dir} is not the export of a `dflash train` run (RUN/drafter); "
+            f"{THIS_SET}: {drafter_dir} is not the export of a `dflash train` run (RUN/drafter); "
             "the set is the run's validation records"
         )
     validation = validation_ids_of_run(run_dir)
     if not validation:
         raise ConfigError(
-            f"--bench validation: the run {run_dir} holds no sample out for validation (--val-fraction 0?)"
+            f"{THIS_SET}: the run {run_dir} holds no sample out for validation "
+            f"({flag(TrainConfig, 'val_fraction')} 0?)"
         )
     if not (cache_dir / "cache.json").is_file():
-        raise ConfigError(f"--bench validation: the run's cache {cache_dir} is not here")
+        raise ConfigError(f"{THIS_SET}: the run's cache {cache_dir} is not here")
     trained = committed_sample_ids(cache_dir) - validation
     trained_roots: set[str] = set()
     candidates: list[tuple[Conversation, str]] = []
@@ -75,7 +82,7 @@ def select_validation_prompts(
         where = ", ".join(str(p) for p, _ in files) or "no file"
         gone = f" ({', '.join(missing)} not here)" if missing else ""
         raise ConfigError(
-            f"--bench validation: none of the run's {len(validation)} validation samples is in the data "
+            f"{THIS_SET}: none of the run's {len(validation)} validation samples is in the data "
             f"its cache {cache_dir} was generated from: read {where}{gone}"
         )
     unseen: list[EvalPrompt] = []

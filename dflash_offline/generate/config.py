@@ -12,12 +12,15 @@ from dflash_offline.config_fields import (
     DATA,
     DATA_FORMAT,
     DTYPE,
+    LIMIT,
     PLACEMENT,
     PROGRESS,
     SEED,
+    SKIP,
     TARGET,
     check_fields,
     cli_field,
+    flag,
 )
 from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
@@ -41,8 +44,8 @@ class GenerateConfig:
     """Chat data set (any container of ``data/containers.py``); None = the embedded ShareGPT file."""
     data_format: DataFormat = cli_field("auto", cli=DATA_FORMAT)
     """Record schema (``data/schemas.py``); ``auto`` picks one per record."""
-    skip: int = cli_field(0, min=0, help="Records to skip first.")
-    limit: int | None = cli_field(None, min=0, help="Records to read after --skip.")
+    skip: int = cli_field(0, cli=SKIP)
+    limit: int | None = cli_field(None, cli=LIMIT)
     decontaminate: bool = cli_field(
         True,
         secondary="--no-decontaminate",
@@ -100,9 +103,10 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.num_features is not None and self.layer_ids is not None:
+            layer_ids = flag(GenerateConfig, "layer_ids")
             raise ConfigError(
-                f"--num-features {self.num_features} and --layer-ids "
-                f"{','.join(map(str, self.layer_ids))} both given: --layer-ids already says how many "
+                f"{flag(GenerateConfig, 'num_features')} {self.num_features} and {layer_ids} "
+                f"{','.join(map(str, self.layer_ids))} both given: {layer_ids} already says how many "
                 f"features; give one of them"
             )
         if self.writer_queue_depth < 1:

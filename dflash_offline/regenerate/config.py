@@ -9,13 +9,18 @@ from typing import Any, Literal
 from dflash_offline.config_fields import (
     DATA,
     DATA_FORMAT,
+    DEVICE,
     DTYPE,
+    GPUS,
+    LIMIT,
     PLACEMENT,
     PROGRESS,
     SEED,
+    SKIP,
     TARGET,
     check_fields,
     cli_field,
+    flag,
 )
 from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
@@ -42,8 +47,8 @@ class RegenerateConfig:
         "<out>.failures.jsonl (records listed there are skipped on rerun: delete their lines to retry them).",
     )
     """Chat JSONL to write (appended to; rerunning the same command resumes)."""
-    skip: int = cli_field(0, min=0, help="Records to skip first.")
-    limit: int | None = cli_field(None, min=0, help="Records to read after --skip.")
+    skip: int = cli_field(0, cli=SKIP)
+    limit: int | None = cli_field(None, cli=LIMIT)
     """Records to read after ``skip`` (None: all)."""
     decontaminate: bool = cli_field(
         True,
@@ -59,7 +64,7 @@ class RegenerateConfig:
     )
     """A prompt longer than this ends its conversation there (fails it when it is the first)."""
     temperature: float = cli_field(
-        0.0, min=0, help="0: greedy; > 0: sampling at this temperature (with --seed)."
+        0.0, min=0, help=f"0: greedy; > 0: sampling at this temperature (with {flag(SEED)})."
     )
     top_p: float = cli_field(
         1.0,
@@ -78,8 +83,8 @@ class RegenerateConfig:
     engine: Literal["auto", "slots", "openai"] = cli_field(
         "auto",
         help="auto or slots: the project's decode engine (slot KV cache, chunked prefill, CUDA graphs); "
-        "openai: an OpenAI-compatible server at --base-url answers (--target then gives only the tokenizer "
-        "and chat template).",
+        f"openai: an OpenAI-compatible server at --base-url answers ({flag(TARGET)} then gives only the "
+        "tokenizer and chat template).",
     )
     base_url: str | None = cli_field(
         None,
@@ -136,7 +141,7 @@ class RegenerateConfig:
         help="Conversations in flight per worker (default: 2 x --batch-size; --engine openai: 2 x "
         "--concurrency).",
     )
-    device: str | None = cli_field(None, help="cpu, cuda or cuda:N (default: cuda when available).")
+    device: str | None = cli_field(None, cli=DEVICE)
     dtype: str | None = cli_field(None, cli=DTYPE)
     """``float32`` or ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
     placement: Placement = cli_field(Placement(), cli=PLACEMENT)
@@ -148,30 +153,40 @@ class RegenerateConfig:
         parse_data_format(self.data_format)
         self._check_server_options()
         if self.kv_tokens is not None and self.max_prompt_tokens + self.max_new_tokens > self.kv_tokens:
+            kv_tokens = flag(RegenerateConfig, "kv_tokens")
             raise ConfigError(
-                f"--max-prompt-tokens {self.max_prompt_tokens} + --max-new-tokens {self.max_new_tokens} "
-                f"does not fit in --kv-tokens {self.kv_tokens} (one conversation's KV cache): "
-                "raise --kv-tokens or lower them"
+                f"{flag(RegenerateConfig, 'max_prompt_tokens')} {self.max_prompt_tokens} + "
+                f"{flag(RegenerateConfig, 'max_new_tokens')} {self.max_new_tokens} "
+                f"does not fit in {kv_tokens} {self.kv_tokens} (one conversation's KV cache): "
+                f"raise {kv_tokens} or lower them"
             )
         if self.out.suffix != ".jsonl":
-            raise ConfigError(f"--out {self.out}: name a .jsonl file (the chat JSONL that generate reads)")
+            raise ConfigError(
+                f"{flag(RegenerateConfig, 'out')} {self.out}: name a .jsonl file (the chat JSONL that "
+                "generate reads)"
+            )
 
     def _check_server_options(self) -> None:
-        server_only = {"--base-url": self.base_url, "--model": self.model, "--api-key-env": self.api_key_env}
+        engine, base_url = flag(RegenerateConfig, "engine"), flag(RegenerateConfig, "base_url")
+        server_only = {
+            base_url: self.base_url,
+            flag(RegenerateConfig, "model"): self.model,
+            flag(RegenerateConfig, "api_key_env"): self.api_key_env,
+        }
         if self.engine != "openai":
-            given = [flag for flag, value in server_only.items() if value is not None]
+            given = [option for option, value in server_only.items() if value is not None]
             if given:
                 raise ConfigError(
-                    f"{', '.join(given)} only apply to --engine openai (got --engine {self.engine})"
+                    f"{', '.join(given)} only apply to {engine} openai (got {engine} {self.engine})"
                 )
             return
         if self.base_url is None:
-            raise ConfigError("--engine openai needs --base-url (the server, e.g. http://localhost:8000)")
+            raise ConfigError(f"{engine} openai needs {base_url} (the server, e.g. http://localhost:8000)")
         if not self.base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--base-url {self.base_url!r}: give an http:// or https:// URL")
+            raise ConfigError(f"{base_url} {self.base_url!r}: give an http:// or https:// URL")
         if self.placement.gpus:
             raise ConfigError(
-                "--engine openai runs no model here: leave out --gpus (the server has the GPUs)"
+                f"{engine} openai runs no model here: leave out {flag(GPUS)} (the server has the GPUs)"
             )
 
     @property

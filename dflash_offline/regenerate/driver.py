@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_offline.config_fields import flag
 from dflash_offline.data.conversations import Conversation, SourceFailure
 from dflash_offline.data.template import encode_head
+from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.engine_protocol import Engine
 from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
@@ -174,7 +176,8 @@ class Driver:
         if len(ids) > self.max_prompt_tokens:
             if not p.answers:
                 detail = (
-                    f"prompt of at least {len(ids)} tokens > --max-prompt-tokens {self.max_prompt_tokens}"
+                    f"prompt of at least {len(ids)} tokens > {flag(RegenerateConfig, 'max_prompt_tokens')} "
+                    f"{self.max_prompt_tokens}"
                 )
                 self.sink.fail_conv(p, "too_long", detail)
                 return

@@ -10,12 +10,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from dflash_offline.config_fields import flag
 from dflash_offline.errors import DflashError
+from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.generation import GeneratedTokens
 
 EngineName = Literal["slots", "openai"]
 
-KV_FIX = "--kv-tokens (KV-cache size), --batch-size, --max-batch-tokens or --max-new-tokens"
+KV_FIX = (
+    f"{flag(RegenerateConfig, 'kv_tokens')} (KV-cache size), {flag(RegenerateConfig, 'batch_size')}, "
+    f"{flag(RegenerateConfig, 'max_batch_tokens')} or {flag(RegenerateConfig, 'max_new_tokens')}"
+)
+"""The options that size the KV cache, for a message saying it does not fit."""
 
 
 class EngineError(DflashError):

@@ -30,7 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dflash_offline.config_fields import TARGET, flag
 from dflash_offline.errors import DflashError
+from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.engine_protocol import EngineName, Finished, RequestFailure
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings
 from dflash_offline.regenerate.http_client import (
@@ -116,9 +118,15 @@ def _api_key(options: ServerOptions) -> str | None:
     key = os.environ.get(options.api_key_env)
     if not key:
         raise ServerError(
-            f"--api-key-env {options.api_key_env}: ${options.api_key_env} is not set (or empty)"
+            f"{flag(RegenerateConfig, 'api_key_env')} {options.api_key_env}: ${options.api_key_env} is not "
+            "set (or empty)"
         )
     return key
+
+
+def _server(options: ServerOptions) -> str:
+    """The option that named the server, for the start of a message: ``--base-url URL``."""
+    return f"{flag(RegenerateConfig, 'base_url')} {options.base_url}"
 
 
 def make_client(options: ServerOptions, root: str, *, policy: RetryPolicy | None = None) -> JsonClient:
@@ -147,21 +155,22 @@ def probe_server(options: ServerOptions, tokenizer: Any) -> ServedModel:
         answer = client.post("/v1/completions", {**body, "prompt": ids})
     except HttpStatusError as e:
         if e.status not in (400, 422):
-            raise ServerError(f"--base-url {options.base_url}: /v1/completions answered {e}") from None
+            raise ServerError(f"{_server(options)}: /v1/completions answered {e}") from None
         form = "text"  # a server that takes only strings (the text is re-tokenized there: checked below)
         answer = _probe_post(client, options, {**body, "prompt": text})
     except HttpError as e:
-        raise ServerError(f"--base-url {options.base_url}: /v1/completions failed ({e})") from None
+        raise ServerError(f"{_server(options)}: /v1/completions failed ({e})") from None
     seen = _usage(answer).get("prompt_tokens")
     if not isinstance(seen, int):
         raise ServerError(
-            f"--base-url {options.base_url}: the completion has no usage.prompt_tokens; dflash regenerate "
+            f"{_server(options)}: the completion has no usage.prompt_tokens; dflash regenerate "
             "needs it to check that the server sees the prompt's tokens"
         )
     if seen != len(ids):
+        target = flag(TARGET)
         raise ServerError(
-            f"the server read the probe prompt ({form}) as {seen} tokens, --target's tokenizer makes "
-            f"{len(ids)}: serve the model whose tokenizer --target has (and no extra BOS on text prompts)"
+            f"the server read the probe prompt ({form}) as {seen} tokens, {target}'s tokenizer makes "
+            f"{len(ids)}: serve the model whose tokenizer {target} has (and no extra BOS on text prompts)"
         )
     return ServedModel(root_url=root, model=model, prompt_form=form)
 
@@ -170,32 +179,34 @@ def _probe_post(client: JsonClient, options: ServerOptions, payload: dict[str, A
     try:
         return client.post("/v1/completions", payload)
     except HttpError as e:
-        raise ServerError(f"--base-url {options.base_url}: /v1/completions failed ({e})") from None
+        raise ServerError(f"{_server(options)}: /v1/completions failed ({e})") from None
 
 
 def _served_model(client: JsonClient, options: ServerOptions, root: str) -> str:
     try:
         listing = client.get("/v1/models")
     except HttpStatusError as e:
-        hint = "; check --api-key-env" if e.status in (401, 403) else ""
-        raise ServerError(f"--base-url {options.base_url}: {root}/v1/models answered {e}{hint}") from None
+        hint = f"; check {flag(RegenerateConfig, 'api_key_env')}" if e.status in (401, 403) else ""
+        raise ServerError(f"{_server(options)}: {root}/v1/models answered {e}{hint}") from None
     except (ConnectionLostError, RequestTimeoutError, BadResponseError) as e:
         raise ServerError(
-            f"--base-url {options.base_url}: no OpenAI-compatible server answers at {root}/v1/models ({e})"
+            f"{_server(options)}: no OpenAI-compatible server answers at {root}/v1/models ({e})"
         ) from None
     data = listing.get("data") if isinstance(listing, dict) else None
     names = [str(m["id"]) for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
     if not names:
-        raise ServerError(f"--base-url {options.base_url}: {root}/v1/models lists no model")
+        raise ServerError(f"{_server(options)}: {root}/v1/models lists no model")
     if options.model is None:
         if len(names) > 1:
             raise ServerError(
-                f"the server serves {len(names)} models ({', '.join(names)}): choose one with --model"
+                f"the server serves {len(names)} models ({', '.join(names)}): choose one with "
+                f"{flag(RegenerateConfig, 'model')}"
             )
         return str(names[0])
     if options.model not in names:
         raise ServerError(
-            f"--model {options.model!r} is not served at {root} (it serves: {', '.join(names)})"
+            f"{flag(RegenerateConfig, 'model')} {options.model!r} is not served at {root} (it serves: "
+            f"{', '.join(names)})"
         )
     return options.model
 

@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dflash_offline.config_fields import flag
 from dflash_offline.errors import ConfigError
 from dflash_offline.regenerate.config import RegenerateConfig
 
-CHECKED = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature"}
+CHECKED = {field: flag(RegenerateConfig, field) for field in ("max_new_tokens", "temperature")}
 """``regenerated_by`` fields a resume must repeat, and their flags."""
 
 
@@ -43,9 +44,10 @@ def check_resume_settings(config: RegenerateConfig) -> None:
         recorded = first_settings(path)
         if recorded is None:
             continue
-        for field, flag in CHECKED.items():
+        for field, option in CHECKED.items():
             if field in recorded and recorded[field] != getattr(config, field):
                 raise ConfigError(
-                    f"{flag} {getattr(config, field)} differs from the {flag} {recorded[field]} that wrote "
-                    f"{path}: resume with {flag} {recorded[field]}, or write to another --out"
+                    f"{option} {getattr(config, field)} differs from the {option} {recorded[field]} that "
+                    f"wrote {path}: resume with {option} {recorded[field]}, or write to another "
+                    f"{flag(RegenerateConfig, 'out')}"
                 )

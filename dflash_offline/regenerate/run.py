@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_offline.config_fields import flag
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.locking import DirLock, LockedError, acquire_lock_beside
 from dflash_offline.placement import torchrun_device, under_torchrun
@@ -203,7 +204,7 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
     from dflash_offline.data.sources import resolve_data_path
 
     resolve_data_path(config.data)  # a missing file fails here, before any worker starts
-    check_writable_file(config.out, option="--out")
+    check_writable_file(config.out, option=flag(RegenerateConfig, "out"))
     if config.engine == "openai":
         from dflash_offline.regenerate.openai_engine import probe_for_config
 

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from dflash_offline.config_fields import flag
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
 from dflash_offline.decode.slot_cache import kv_bytes_per_token
+from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.engine_protocol import KV_FIX, EngineError, EngineName, EngineOptions, Finished
 from dflash_offline.regenerate.generation import GenerationSettings, split_at_stop
 
@@ -42,9 +44,10 @@ def slot_count(model: Any, options: EngineOptions, max_len: int) -> int:
         budget = usable // kv_bytes_per_token(model.config, param.dtype)
     slots = min(options.batch_size, budget // per_slot)
     if slots < 1:
+        prompt, answer = flag(RegenerateConfig, "max_prompt_tokens"), flag(RegenerateConfig, "max_new_tokens")
         raise EngineError(
             f"the KV budget ({budget} tokens) cannot hold one slot of {per_slot} positions "
-            f"(--max-prompt-tokens + --max-new-tokens + 1); lower {KV_FIX}"
+            f"({prompt} + {answer} + 1); lower {KV_FIX}"
         )
     return slots
 
@@ -79,7 +82,7 @@ class SlotEngine:
         try:
             self._engine.submit(key, prompt)
         except DecodeError as e:
-            raise EngineError(f"{e}; raise --max-prompt-tokens") from None
+            raise EngineError(f"{e}; raise {flag(RegenerateConfig, 'max_prompt_tokens')}") from None
 
     def pending(self) -> int:
         return self._engine.pending()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dflash_offline.config_fields import DEVICE, flag
 from dflash_offline.errors import ConfigError, TargetError
 from dflash_offline.target_model.presets import fill_random_weights
 from dflash_offline.target_model.source import (
@@ -210,9 +211,9 @@ def resolve_device(device: str | None) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError as e:
-        raise ConfigError(f"--device {device!r}: {e}") from e
+        raise ConfigError(f"{flag(DEVICE)} {device!r}: {e}") from e
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")
+        raise ConfigError(f"{flag(DEVICE)} {device}: CUDA is not available here; use {flag(DEVICE)} cpu")
     return resolved
 
 

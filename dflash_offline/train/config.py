@@ -15,6 +15,7 @@ from dflash_offline.config_fields import (
     WORKERS,
     check_fields,
     cli_field,
+    flag,
 )
 from dflash_offline.drafter_shape import (
     DEFAULT_BLOCK_SIZE,
@@ -210,20 +211,25 @@ class TrainConfig:
         """--out inside the cache would mix the run's files (and its ``lock``) into the cache's."""
         cache, out = Path(self.cache_dir).resolve(), Path(self.out_dir).resolve()
         if out == cache or cache in out.parents:
+            out_flag = flag(TrainConfig, "out_dir")
             raise ConfigError(
-                f"--out {self.out_dir} is inside --cache {self.cache_dir}: the run directory and the cache "
-                "would share files (both hold a `lock`); choose an --out outside the cache"
+                f"{out_flag} {self.out_dir} is inside {flag(CACHE)} {self.cache_dir}: the run directory and "
+                f"the cache would share files (both hold a `lock`); choose an {out_flag} outside the cache"
             )
 
     def __post_init__(self) -> None:
         check_fields(self)
         self._check_out_beside_cache()
         if self.tensorboard_dir is not None:
+            tensorboard_dir = flag(TrainConfig, "tensorboard_dir")
             if not self.tensorboard:
-                raise ConfigError("--tensorboard DIR and --no-tensorboard contradict each other: give one")
+                raise ConfigError(
+                    f"{tensorboard_dir} DIR and {flag(TrainConfig, 'tensorboard')} contradict each other: "
+                    "give one"
+                )
             from dflash_offline.tensorboard import require_tensorboard
 
-            require_tensorboard()
+            require_tensorboard(tensorboard_dir)
 
     def resolved_tensorboard_dir(self) -> Path | None:
         """Where event files go: the explicit directory, RUN/tb when tensorboard is installed, or None."""

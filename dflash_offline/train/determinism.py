@@ -10,7 +10,9 @@ import random
 import numpy as np
 import torch
 
+from dflash_offline.config_fields import flag
 from dflash_offline.errors import ConfigError
+from dflash_offline.train.config import TrainConfig
 
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
@@ -32,7 +34,7 @@ def seed_everything(seed: int, *, deterministic: bool) -> None:
     cublas = os.environ.setdefault(CUBLAS_ENV, DETERMINISTIC_CUBLAS[0])
     if cublas not in DETERMINISTIC_CUBLAS:
         raise DeterminismError(
-            f"--deterministic: ${CUBLAS_ENV}={cublas!r} makes cuBLAS non-deterministic; "
+            f"{flag(TrainConfig, 'deterministic')}: ${CUBLAS_ENV}={cublas!r} makes cuBLAS non-deterministic; "
             f"unset it or set it to {' or '.join(DETERMINISTIC_CUBLAS)}"
         )
     torch.use_deterministic_algorithms(True)

@@ -24,8 +24,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_offline.config_fields import flag
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import CacheFormatError, ConfigError
+from dflash_offline.train.config import TrainConfig
 
 GROUPS_FILE = "validation_groups.parquet"
 _META_VERSION = b"dflash_groups_version"
@@ -100,11 +102,12 @@ def conversation_groups(
         example = next(s for s in sample_ids if s not in roots)
         read = ", ".join(str(i.data or "default") for i in inputs) or "none (no generate run is recorded)"
         gone = f"; not readable: {'; '.join(unreadable)}" if unreadable else ""
+        val_group = flag(TrainConfig, "val_group")
         raise ConfigError(
-            f"--val-group root-id needs the record id of every sample, read from the data files the "
+            f"{val_group} root-id needs the record id of every sample, read from the data files the "
             f"cache's generate runs read ({read}{gone}); {missing} of {len(wanted)} samples (first: "
             f"{example!r}) are in none of them. Put the file generate read back in place (unchanged), "
-            "or use --val-group sample"
+            f"or use {val_group} sample"
         )
     return roots
 

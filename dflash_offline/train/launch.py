@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_offline.config_fields import flag
 from dflash_offline.locking import acquire_lock, hold_lock
 from dflash_offline.placement import DistInfo, free_port, under_torchrun
 from dflash_offline.train.config import TrainConfig
@@ -159,9 +160,9 @@ def run_training(config: TrainConfig) -> TrainResult | None:
 
     One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
     second run into the same directory is refused naming the holder (``LockedError``)."""
-    check_writable_dir(config.out_dir, option="--out")
+    check_writable_dir(config.out_dir, option=flag(TrainConfig, "out_dir"))
     if config.tensorboard_dir is not None:
-        check_writable_dir(config.tensorboard_dir, option="--tensorboard")
+        check_writable_dir(config.tensorboard_dir, option=flag(TrainConfig, "tensorboard_dir"))
     if under_torchrun():
         info = dist_info_from_env(use_cuda=torch.cuda.is_available())
         if info.device.type == "cpu" and config.threads_per_worker > 0:

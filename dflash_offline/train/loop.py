@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dflash_offline.cache.reader import CacheReader
+from dflash_offline.config_fields import flag
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import (
@@ -101,7 +102,8 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
             )
             if groups is not None:
                 roots = {groups[s] for s in v.sample_ids}
-                note += f"; whole conversations: {len(roots)} roots (--val-group root-id)"
+                val_group = flag(TrainConfig, "val_group")
+                note += f"; whole conversations: {len(roots)} roots ({val_group} root-id)"
         print(f"dflash train: {note}", file=sys.stderr, flush=True)
     return split
 
@@ -347,7 +349,7 @@ def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: Valida
     if info.is_main:
         print(
             f"dflash train: {validation.stop_reason()} at step {opt.planner.position.global_step}; nothing "
-            "to do (raise --early-stop, or leave it out, to train on)",
+            f"to do (raise {flag(TrainConfig, 'early_stop')}, or leave it out, to train on)",
             file=sys.stderr,
             flush=True,
         )

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from dflash_offline import tensorboard as tb
+from dflash_offline.config_fields import flag
 from dflash_offline.drafter.loss import simulated_acceptance_length
 from dflash_offline.drafter.model import DrafterOutput
 from dflash_offline.errors import DataError
 from dflash_offline.placement import DistInfo
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import all_reduce_sum
 
 
@@ -243,7 +245,7 @@ def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 break
             raise DataError(
                 f"{path}:{number} is not valid JSON ({e}): not a metrics file dflash train wrote; "
-                "move it aside or train into another --out"
+                f"move it aside or train into another {flag(TrainConfig, 'out_dir')}"
             ) from e
         if isinstance(record, dict):
             out.append((line, record))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.config_fields import flag
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.mask_token import resolve_mask_token_id
 from dflash_offline.drafter.model import DFlashDrafter
@@ -33,14 +34,16 @@ def target_spec_for(config_target: str | None, fingerprint: CacheFingerprint) ->
         if fingerprint.target_id == "default" or fingerprint.target_id.startswith("random:"):
             return fingerprint.target_id
         raise ConfigError(
-            f"the cache was generated with target {fingerprint.target_id!r}; pass --target with its "
-            "model directory or .gguf file so that the drafter can borrow its embedding and LM head"
+            f"the cache was generated with target {fingerprint.target_id!r}; pass "
+            f"{flag(TrainConfig, 'target')} with its model directory or .gguf file so that the drafter can "
+            "borrow its embedding and LM head"
         )
     info = target_info(resolve_target(config_target))
     if info.weights_hash != fingerprint.weights_hash:
         raise ConfigError(
-            f"--target {config_target!r} has weights hash {info.weights_hash}, the cache was generated "
-            f"with {fingerprint.weights_hash} ({fingerprint.target_id}): use the cache's target"
+            f"{flag(TrainConfig, 'target')} {config_target!r} has weights hash {info.weights_hash}, the "
+            f"cache was generated with {fingerprint.weights_hash} ({fingerprint.target_id}): use the cache's "
+            "target"
         )
     return config_target
 

@@ -40,9 +40,11 @@ import torch
 
 from dflash_offline.cache.fp8 import Fp8Layout, decode_rows
 from dflash_offline.cache.rows import CachedSample
+from dflash_offline.config_fields import flag
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, WorkerError
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.microbatch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
 from dflash_offline.train.packing import HostBufferPool, pack_into, pack_layout
 
@@ -155,7 +157,8 @@ class Prefetcher:
     ) -> None:
         if prefetch < 1 or num_threads < 1:
             raise ConfigError(
-                f"--prefetch and prefetch threads must be ≥ 1, got {prefetch} and {num_threads}"
+                f"{flag(TrainConfig, 'prefetch')} and prefetch threads must be ≥ 1, got {prefetch} and "
+                f"{num_threads}"
             )
         self._reader = reader
         self._jobs: Iterator[ScheduledMicrobatch] = iter(jobs)

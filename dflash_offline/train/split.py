@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_offline.config_fields import flag
 from dflash_offline.errors import CacheFormatError, ConfigError
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.groups import GROUPS_FILE, read_groups
 from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, subset_snapshot
 
@@ -90,7 +92,11 @@ def split_snapshot(
         return SplitSnapshots(train=snapshot, validation=None)
     mask = validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples, groups=groups)
     if mask.all():
-        what = f"--val-samples {num_samples}" if num_samples is not None else f"--val-fraction {fraction}"
+        what = (
+            f"{flag(TrainConfig, 'val_samples')} {num_samples}"
+            if num_samples is not None
+            else f"{flag(TrainConfig, 'val_fraction')} {fraction}"
+        )
         raise ConfigError(
             f"{what} holds out all {len(snapshot)} samples of the cache, leaving none to train on: "
             "hold out fewer, or generate more samples"
