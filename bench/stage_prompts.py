@@ -15,7 +15,9 @@ against MT-Bench and HumanEval, with their counts printed.
 
 Records that fail to parse, have no human turn to answer, or hold an evaluation question are left out (the
 counts say how many).
-Each output is read back with dflash's own reader to count what ``dflash regenerate`` will see.
+Each output is read back with dflash's own reader to count what ``dflash regenerate`` will see. The
+SmolLM2 tokenizer is saved beside them (``tokenizer/``: what the random presets use on a GPU machine that has
+no GGUF).
 
   python bench/stage_prompts.py --out .device/stage
 """
@@ -184,6 +186,12 @@ def main() -> None:
             print(f"  contaminated: {example}")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    # The random presets' tokenizer (bench/decode.py's targets) for a GPU machine without SmolLM2's GGUF:
+    # bench/h200_quality_run.sh points $DFLASH_PRESET_TOKENIZER at it.
+    from dflash_offline.target_model.loader import load_tokenizer
+
+    load_tokenizer("default").save_pretrained(str(args.out / "tokenizer"))
+    print(f"tokenizer saved to {args.out / 'tokenizer'}")
 
 
 if __name__ == "__main__":
