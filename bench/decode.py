@@ -15,7 +15,10 @@ as it exists):
 3. eval loops, batch 1 (SmolLM2 shape): target-only tok/s of the engine and of the old HF loop, and the
    speculative cycle (untrained drafter, 5 layers, B = 16) as a multiple of one target decode step.
    ``long`` (not in the default list): only the 512-new-token runs of the SmolLM2 shape, the engine at
-   batch 256 and 1,024 beside static ``generate`` batches at 256 (a run that follows another pipeline).
+   batch 256 and 1,024 beside static ``generate`` batches at 256 (a run that follows another pipeline);
+   ``ramp`` (not in the default list): the 1,024 × 512 run with the decode width at full while prompts
+   wait against growing with the live rows, alternated, then once under the profiler (device and host
+   time by op over the whole run).
 4. ``random:qwen3-8b`` throughput (section 2's engines at batch 1/64/256).
 5. kernel profile of one decode step (batch 256), transformers' (DynamicCache, sdpa) against the engine's.
 
@@ -351,6 +354,55 @@ def eval_loops(report: Report, target_spec: str, prompts: list[list[int]], new: 
     free_memory()
 
 
+# ----- ramp: where a 1,024-row run's time goes ---------------------------------------------------------
+
+
+def _grow_rows(engine: Any) -> int:
+    """The decode width before the full-width ramp: the bucket covering the highest live slot."""
+    from dflash_offline.decode.engine import row_bucket
+
+    return row_bucket(max(engine._decoding) + 1, engine.settings.num_slots)
+
+
+def ramp(
+    report: Report, target_spec: str, prompts: list[list[int]], batch: int, new: int, limit_s: float
+) -> None:
+    """One wave of ``batch`` prompts (the 1,024 × 512 run that lost speed), three ways in one process: the
+    engine as it is, with the decode width growing with the live rows instead of full width while prompts
+    wait, and as it is under the profiler (the ops that take the device and host time of the whole run)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from dflash_offline.decode.engine import DecodeEngine
+
+    cuda = torch.cuda.is_available()
+    target = load_target(target_spec, device="cuda" if cuda else "cpu")
+    run_engine("slots", target.model, prompts[:2], 8, 2, 60)  # library initialisation, untimed
+    full_width = DecodeEngine._decode_rows
+    rows = []
+    for rule in ("full-width", "grow", "full-width", "grow"):
+        DecodeEngine._decode_rows = full_width if rule == "full-width" else _grow_rows  # type: ignore[method-assign]
+        try:
+            row = run_engine("slots", target.model, prompts[:batch], new, batch, limit_s)
+        finally:
+            DecodeEngine._decode_rows = full_width  # type: ignore[method-assign]
+        row.update(target=target_spec, ramp_rule=rule)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        profiled = run_engine("slots", target.model, prompts[:batch], new, batch, limit_s)
+    events = prof.key_averages()
+    by_device = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=20)
+    by_host = events.table(sort_by="self_cpu_time_total", row_limit=20)
+    report.data["ramp"] = {"runs": rows, "profiled_run": profiled, "by_device": by_device, "by_host": by_host}
+    report.save()
+    print(by_device)
+    print(by_host, flush=True)
+    del target
+    free_memory()
+
+
 # ----- 4. profile -------------------------------------------------------------------------------------
 
 
@@ -536,6 +588,11 @@ def main() -> None:
             [(e, 2, 8) for e, _, _ in plan] if args.quick else plan,
             args.limit_s,
         )
+    if "ramp" in sections:
+        try:
+            ramp(report, small, prompts, 4 if args.quick else 1024, 8 if args.quick else 512, args.limit_s)
+        except Exception as e:
+            report.note(f"ramp failed: {type(e).__name__}: {e}")
     if "eval" in sections and budget.left() > 30:
         try:
             eval_loops(report, small, prompts, 16 if args.quick else 128)

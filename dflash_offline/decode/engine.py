@@ -183,10 +183,7 @@ class DecodeEngine:
         first_M, completed = self._prefill_chunk() if self._prefilling else (None, [])
         num_rows = 0
         if self._decoding:
-            # While prompts wait, the batch is about to fill: decode at full width at once rather than
-            # capturing a graph for every bucket on the way up.
-            top = self.settings.num_slots if self._waiting or self._prefilling else max(self._decoding) + 1
-            num_rows = row_bucket(top, self.settings.num_slots)
+            num_rows = self._decode_rows()
             attend_len = self.cache.attend_len(max(r.length for r in self._decoding.values()) + 1)
             n = num_rows
             self.graphs.run(
@@ -209,6 +206,13 @@ class DecodeEngine:
             req.length += 1
             if self._done(req):
                 self._finish(req)
+
+    def _decode_rows(self) -> int:
+        """Rows of this step's decode: while prompts wait the batch is about to fill, so decode at full
+        width at once rather than capturing a graph for every bucket on the way up; else the bucket
+        covering the highest live slot."""
+        top = self.settings.num_slots if self._waiting or self._prefilling else max(self._decoding) + 1
+        return row_bucket(top, self.settings.num_slots)
 
     def _done(self, req: _Request) -> bool:
         return req.generated[-1] in self.settings.stop_ids or len(req.generated) >= req.max_new
