@@ -15,11 +15,17 @@
 #   VAL_GROUP   dflash train --val-group: sample (the eval then splits the validation records by whether a
 #               trained record shares their conversation) or root-id
 #   AFTER       shell commands run at the end if time is left (e.g. bench/decode.py's sections)
-# The regenerated answers come back gzipped in /tmp/q/report/answers-NN.jsonl.gz (≤ 15 MiB each): a later
-# run resumes regenerate from them instead of answering the same conversations again.
+# The regenerated answers come back gzipped in /tmp/q/report/answers-NN.jsonl.gz (≤ 15 MiB each): staged
+# into /tmp/stage/ for a later run, regenerate resumes from them instead of answering them again.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_PRESET_TOKENIZER=/tmp/stage/tokenizer
 export DFLASH_CACHE_DIR=/tmp/dflash-user-cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Answers of an earlier run staged beside the prompts (its report's answers-NN.jsonl.gz): regenerate resumes
+# from them and answers only the conversations they lack, so the data grows from run to run.
+if compgen -G "/tmp/stage/answers-*.jsonl.gz" > /dev/null && [ ! -s /tmp/q/answers.jsonl ]; then
+  mkdir -p /tmp/q && cat /tmp/stage/answers-*.jsonl.gz | gunzip > /tmp/q/answers.jsonl
+  echo "regenerate resumes from $(wc -l < /tmp/q/answers.jsonl) staged conversations"
+fi
 exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --work /tmp/q --report /tmp/q/report \
   --budget-s "${BUDGET_S:-1320}" --regen-bench-s 0 \
   --regen-args "--max-new-tokens 512 --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens 8192" \
