@@ -9,7 +9,9 @@ the one output JSONL at the end (and by the next run if this one was killed), so
 set for ``dflash generate --data``. One run at a time per output: ``<out>.lock`` (rank 0 holds it under
 ``torchrun``); a second run is refused naming the holder. Rerunning skips every record whose
 ``source_sample_id`` is in the output or in ``<out>.failures.jsonl`` (delete a failure line to retry
-that record).
+that record). A stop (the first Ctrl-C) keeps the answered turns of the conversations in progress in
+``<out>.partial`` (worker parts ``<out>.parts/w<k>.partial``, merged likewise), and the rerun continues
+each at its next turn (``partial_out.py``).
 
 Output line: ``{"id", "messages": [{"role", "content"}...], "source", "source_sample_id",
 "source_index", "regenerated_by": {...}, "finish_reasons": [...], "dropped_turns"}``; ``id`` is the
@@ -27,16 +29,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dflash_offline.config_fields import flag
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.locking import DirLock, LockedError, acquire_lock_beside
 from dflash_offline.placement import torchrun_device, under_torchrun
-from dflash_offline.regenerate.config import RegenerateConfig
+from dflash_offline.regenerate.config import PARTIAL_SUFFIX, RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
+from dflash_offline.regenerate.partial_out import compact_partials
 from dflash_offline.regenerate.recorded import check_resume_settings
 from dflash_offline.regenerate.worker import (
     AnswerTask,
@@ -54,7 +56,7 @@ from dflash_offline.workers.records import WorkerFailed, WorkerSpec
 from dflash_offline.workers.spawned import SpawnedWorkers
 from dflash_offline.writable import check_writable_file
 
-__all__ = ["RegenerateSummary", "render_prompt", "run_regenerate"]
+__all__ = ["RegenerateStopped", "RegenerateSummary", "render_prompt", "run_regenerate"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,10 +84,26 @@ class RegenerateSummary:
     engine: str = ""
     """``slots`` or ``openai`` (the workers' engine)."""
     workers: int = 1
+    resumed: int = 0
+    """Conversations continued from the answers an earlier run kept at its stop (``<out>.partial``)."""
+    resumed_answers: int = 0
+    """Their answers taken from ``<out>.partial`` instead of being generated again."""
+    kept: int = 0
+    """Conversations in progress when this run stopped, kept in ``<out>.partial`` for the rerun."""
+    kept_answers: int = 0
+    """Their answered turns."""
 
     @property
     def new_tokens_per_second(self) -> float:
         return self.new_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
+
+
+class RegenerateStopped(StopRequested):
+    """A stop request (the first Ctrl-C) ended the run cleanly: ``summary`` says what it wrote and kept."""
+
+    def __init__(self, summary: RegenerateSummary) -> None:
+        super().__init__()
+        self.summary = summary
 
 
 class RegenerateProgress:
@@ -159,22 +177,36 @@ class RegenerateProgress:
             self._bar.close()
 
 
-def _part_paths(config: RegenerateConfig, worker: int) -> tuple[Path, Path]:
-    return config.parts_dir / f"w{worker}.jsonl", config.parts_dir / f"w{worker}.failures.jsonl"
+def _part_task(config: RegenerateConfig, *, worker: int, done: frozenset[str]) -> AnswerTask:
+    """What worker ``worker`` of several answers: its parts ``w<worker>.jsonl``, ``.failures.jsonl`` and
+    ``.partial`` in ``<out>.parts/``, merged by the coordinator (``merge_leftover_parts``)."""
+    parts = config.parts_dir
+    return AnswerTask(
+        config=config,
+        out=parts / f"w{worker}.jsonl",
+        failures=parts / f"w{worker}.failures.jsonl",
+        partial=parts / f"w{worker}{PARTIAL_SUFFIX}",
+        done=done,
+    )
 
 
 def merge_leftover_parts(config: RegenerateConfig) -> tuple[frozenset[str], int]:
-    """Merge every worker part into the output and failures files; returns the done ids and repaired bytes."""
+    """Merge every worker part into the output and failures files, then the kept conversations in progress
+    into ``<out>.partial`` (less those written or failed by now); returns the done ids and repaired bytes."""
+    parts = config.parts_dir
     with (
         ResumableJsonl(config.out, key=KEY) as out,
         ResumableJsonl(config.failures_path, key=KEY) as failures,
     ):
-        if config.parts_dir.is_dir():
-            merge_parts(
-                out, sorted(p for p in config.parts_dir.glob("w*.jsonl") if ".failures." not in p.name)
-            )
-            merge_parts(failures, sorted(config.parts_dir.glob("w*.failures.jsonl")))
-            config.parts_dir.rmdir()
+        if parts.is_dir():
+            merge_parts(out, sorted(p for p in parts.glob("w*.jsonl") if ".failures." not in p.name))
+            merge_parts(failures, sorted(parts.glob("w*.failures.jsonl")))
+        partial_parts = sorted(parts.glob(f"w*{PARTIAL_SUFFIX}")) if parts.is_dir() else []
+        if partial_parts or config.partial_path.exists():
+            done = out.keys | failures.keys
+            compact_partials(config.partial_path, partial_parts, done=done.__contains__)
+        if parts.is_dir():
+            parts.rmdir()
         return frozenset(out.keys | failures.keys), out.repaired_bytes
 
 
@@ -195,6 +227,10 @@ def _summary(
         generation_seconds=end - first_ready if first_ready is not None else 0.0,
         engine=",".join(sorted({d.engine for d in dones})),
         workers=workers,
+        resumed=total.resumed,
+        resumed_answers=total.resumed_answers,
+        kept=total.kept,
+        kept_answers=total.kept_answers,
     )
 
 
@@ -230,7 +266,8 @@ def lock_output(config: RegenerateConfig) -> DirLock:
 
 def _stop_on_sigint(*, rank: int | None = None) -> contextlib.AbstractContextManager[None]:
     """The first Ctrl-C stops at the next decode step: finished conversations are already written (one
-    flushed line each), the ones in flight are redone by the rerun. A second aborts at once, except in a
+    flushed line each), the answered turns of those in flight are kept in ``<out>.partial`` and the rerun
+    continues them. A second aborts at once (keeping them too where it can), except in a
     torchrun ``rank``: torchrun passes a Ctrl-C on to every rank, which the terminal's has reached already,
     and every rank must reach the merge at the end."""
     announce = "dflash regenerate: stopping after this decode step (finished answers are kept)"
@@ -245,7 +282,9 @@ def _run_in_process(
     placement = config.placement
     device = placement.device_of(0) if placement.gpus else _default_device(config)
     threads = placement.threads_per_worker or None
-    task = AnswerTask(config=config, out=config.out, failures=config.failures_path, done=done)
+    task = AnswerTask(
+        config=config, out=config.out, failures=config.failures_path, partial=config.partial_path, done=done
+    )
     spec = WorkerSpec(worker=0, num_workers=1, device=device, cpu_threads=threads, task=task)
     progress = RegenerateProgress(enabled=config.progress, total=config.limit, num_workers=1)
     emit = functools.partial(_apply, progress)
@@ -253,11 +292,12 @@ def _run_in_process(
         loaded = load_worker(spec, emit)  # Ctrl-C while loading: KeyboardInterrupt, nothing to keep
         with _stop_on_sigint():
             result = answer_records(spec, loaded, emit, stop_requested)
-            if not result.completed:
-                raise StopRequested
     finally:
         progress.close()
-    return _summary([result], repaired=repaired, start=start, first_ready=progress.first_ready, workers=1)
+    summary = _summary([result], repaired=repaired, start=start, first_ready=progress.first_ready, workers=1)
+    if not result.completed:
+        raise RegenerateStopped(summary)
+    return summary
 
 
 def _default_device(config: RegenerateConfig) -> str:
@@ -304,36 +344,36 @@ def _run_spawned(
         elif not isinstance(event, WorkerFailed):  # a failure stops the run (``watch`` raises it)
             _apply(progress, event)
 
+    def summary() -> RegenerateSummary:
+        first_ready = progress.first_ready
+        return _summary(list(dones.values()), repaired=repaired, start=start, first_ready=first_ready,
+                        workers=num_workers)  # fmt: skip
+
     try:
         with _stop_on_sigint():
             watch(group, on_event)
-    except BaseException:
+    except BaseException as e:
         group.stop()
         group.drain_and_join(on_event)
         progress.close()
-        merge_leftover_parts(config)  # what the workers wrote is kept: the rerun resumes after it
+        merge_leftover_parts(config)  # what the workers wrote and kept: the rerun resumes after it
+        if isinstance(e, StopRequested):
+            raise RegenerateStopped(summary()) from None
         raise
     group.drain_and_join(on_event)
     progress.close()
     merge_leftover_parts(config)
-    return _summary(
-        list(dones.values()),
-        repaired=repaired,
-        start=start,
-        first_ready=progress.first_ready,
-        workers=num_workers,
-    )
+    return summary()
 
 
 def _worker_spec(config: RegenerateConfig, *, worker: int, done: frozenset[str]) -> WorkerSpec[AnswerTask]:
     placement = config.placement
-    out, failures = _part_paths(config, worker)
     return WorkerSpec(
         worker=worker,
         num_workers=placement.num_workers,
         device=placement.device_of(worker),
         cpu_threads=None if placement.gpus else placement.cpu_threads(),
-        task=AnswerTask(config=config, out=out, failures=failures, done=done),
+        task=_part_task(config, worker=worker, done=done),
     )
 
 
@@ -361,13 +401,13 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
             # Leave together: a rank that tears gloo down while a peer still talks to it can abort
             # ("terminate called without an active exception", seen once in the torchrun test).
             dist.barrier()
-        if not all(done.completed for done in gathered):
-            raise StopRequested  # on every rank, once the finished answers are merged
-        if rank != 0:
-            return None
-        return _summary(
+        summary = _summary(
             gathered, repaired=repaired, start=start, first_ready=progress.first_ready, workers=world
         )
+        if not all(done.completed for done in gathered):
+            # On every rank, once the finished answers are merged; rank 0 says what was kept.
+            raise RegenerateStopped(summary) if rank == 0 else StopRequested
+        return summary if rank == 0 else None
     finally:
         if lock is not None:
             lock.release()
@@ -438,8 +478,7 @@ def _rank_spec(config: RegenerateConfig, *, rank: int, world: int) -> WorkerSpec
     ):
         done = frozenset(out.keys | failures.keys)
     config.parts_dir.mkdir(parents=True, exist_ok=True)
-    out_part, failures_part = _part_paths(config, rank)
-    task = AnswerTask(config=config, out=out_part, failures=failures_part, done=done)
+    task = _part_task(config, worker=rank, done=done)
     threads = config.placement.threads_per_worker or None
     return WorkerSpec(
         worker=rank, num_workers=world, device=torchrun_device(), cpu_threads=threads, task=task
