@@ -2,28 +2,51 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options
+from dflash_offline.config_fields import flag
 from dflash_offline.regenerate.config import RegenerateConfig
+
+if TYPE_CHECKING:
+    from dflash_offline.regenerate.run import RegenerateSummary
 
 
 @click.command()
 @config_options(RegenerateConfig)
-@ctrl_c_exits_130("interrupted: finished conversations are kept; rerun the same command to resume")
+@ctrl_c_exits_130("interrupted: every finished answer is kept; rerun the same command to resume")
 def regenerate(config: RegenerateConfig) -> None:
     """Replace the assistant turns of chat data with the target's own answers (greedy by default)."""
-    from dflash_offline.regenerate.run import run_regenerate
+    from dflash_offline.regenerate.run import RegenerateStopped, run_regenerate
 
-    summary = run_regenerate(config)
-    if summary is None:  # a torchrun rank other than 0
-        return
-    s = summary
+    try:
+        summary = run_regenerate(config)
+    except RegenerateStopped as stopped:  # the first Ctrl-C: what was written and kept, then exit 130
+        _report(stopped.summary, config)
+        raise
+    if summary is not None:  # None: a torchrun rank other than 0
+        _report(summary, config)
+
+
+def _report(s: RegenerateSummary, config: RegenerateConfig) -> None:
+    max_new_tokens = flag(RegenerateConfig, "max_new_tokens")
     click.echo(
         f"regenerate: {s.written} conversations written ({s.answers} answers, {s.truncated_answers} cut at "
-        f"--max-new-tokens), {s.failed} failed, {s.skipped} already done -> {config.out}"
+        f"{max_new_tokens}), {s.failed} failed, {s.skipped} already done -> {config.out}"
     )
+    if s.resumed:
+        click.echo(
+            f"regenerate: continued {s.resumed} conversations from the {s.resumed_answers} answers that an "
+            f"earlier run kept in {config.partial_path}"
+        )
+    if s.kept:
+        click.echo(
+            f"regenerate: kept {s.kept} conversations in progress ({s.kept_answers} turns) for the rerun "
+            f"-> {config.partial_path}"
+        )
     click.echo(
         f"regenerate: throughput: {s.written} conversations, {s.answers} answers, {s.new_tokens} new tokens, "
         f"{s.new_tokens_per_second:,.0f} new tok/s over {s.generation_seconds:.1f} s of generation "

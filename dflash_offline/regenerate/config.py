@@ -27,6 +27,7 @@ from dflash_offline.errors import ConfigError
 from dflash_offline.placement import Placement
 
 FAILURES_SUFFIX = ".failures.jsonl"
+PARTIAL_SUFFIX = ".partial"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,7 +44,8 @@ class RegenerateConfig:
     out: Path = cli_field(
         path="file",
         required=True,
-        help="Chat JSONL to write; rerunning the same command resumes it. Failures go to "
+        help="Chat JSONL to write; rerunning the same command resumes it, continuing the conversations a "
+        "stop left in progress (their answered turns are kept in <out>.partial). Failures go to "
         "<out>.failures.jsonl (records listed there are skipped on rerun: delete their lines to retry them).",
     )
     """Chat JSONL to write (appended to; rerunning the same command resumes)."""
@@ -193,6 +195,12 @@ class RegenerateConfig:
     def failures_path(self) -> Path:
         """``<out>.failures.jsonl``: one line per record that yields no conversation, with the reason."""
         return self.out.with_name(self.out.name.removesuffix(".jsonl") + FAILURES_SUFFIX)
+
+    @property
+    def partial_path(self) -> Path:
+        """``<out>.partial``: the answered turns of the conversations a stop left in progress, from which
+        the rerun continues them (``partial_out.py``); not chat data (``dflash generate`` reads ``out``)."""
+        return self.out.with_name(self.out.name + PARTIAL_SUFFIX)
 
     @property
     def parts_dir(self) -> Path:

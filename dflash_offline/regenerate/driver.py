@@ -5,13 +5,16 @@ A conversation has at most one turn in the engine: turn k is submitted when the 
 arrives (its prompt holds the target's own earlier answers), so a conversation waits for its previous
 turn while the other conversations' turns keep the batch full. A finished conversation is written at
 once (one flushed line) and a new record takes its place in the window, so memory stays bounded by the
-window whatever the data set size, and a kill loses only the conversations in flight.
+window whatever the data set size. At a stop the answered turns of the conversations in flight are kept
+(``in_progress``, written by ``ConversationSink.keep`` to the partial file), and the rerun admits each
+with them restored (``restored``) at its next turn; a kill loses the conversations in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from dflash_offline.config_fields import flag
@@ -20,10 +23,11 @@ from dflash_offline.data.template import encode_head
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.engine_protocol import Engine
 from dflash_offline.regenerate.generation import GeneratedTokens
-from dflash_offline.regenerate.jsonl_out import ResumableJsonl
+from dflash_offline.regenerate.jsonl_out import KEY, ResumableJsonl
+from dflash_offline.regenerate.partial_out import PartialConversation, append_partials
 from dflash_offline.regenerate.pending_conversation import Answer, PendingConversation
 
-KEY = "source_sample_id"
+__all__ = ["KEY", "ConversationSink", "Driver", "Tally", "render_prompt"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,16 +45,17 @@ class Tally:
     """Of those, answers cut at --max-new-tokens."""
     new_tokens: int = 0
     """Tokens the target generated (every answer, stop tokens excluded)."""
+    resumed: int = 0
+    """Conversations continued from the answers an earlier run kept at its stop (the partial file)."""
+    resumed_answers: int = 0
+    """Their answers taken from the partial file (turns not answered again)."""
+    kept: int = 0
+    """Conversations in progress at a stop whose answered turns went to the partial file."""
+    kept_answers: int = 0
+    """Their answered turns."""
 
     def __add__(self, other: Tally) -> Tally:
-        return Tally(
-            written=self.written + other.written,
-            failed=self.failed + other.failed,
-            skipped=self.skipped + other.skipped,
-            answers=self.answers + other.answers,
-            truncated=self.truncated + other.truncated,
-            new_tokens=self.new_tokens + other.new_tokens,
-        )
+        return Tally(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(Tally)})
 
     @property
     def records(self) -> int:
@@ -74,6 +79,7 @@ class ConversationSink:
         *,
         out: ResumableJsonl,
         failures: ResumableJsonl,
+        partial: Path,
         source: str,
         regenerated_by: dict[str, Any],
         on_tally: Callable[[Tally], None],
@@ -81,6 +87,8 @@ class ConversationSink:
     ) -> None:
         self.out = out
         self.failures = failures
+        self.partial = partial
+        """Where ``keep`` appends the conversations in progress (the partial file, or a worker's part)."""
         self.source = source
         self.regenerated_by = regenerated_by
         self._on_tally = on_tally
@@ -119,6 +127,15 @@ class ConversationSink:
     def skip(self) -> None:
         self._count(Tally(skipped=1))
 
+    def resume(self, p: PendingConversation) -> None:
+        self._count(Tally(resumed=1, resumed_answers=len(p.answers)))
+
+    def keep(self, in_progress: Sequence[PendingConversation]) -> None:
+        """At a stop: append the answered turns of ``in_progress`` to the partial file (fsynced on return)."""
+        entries = [PartialConversation.of(p, regenerated_by=self.regenerated_by) for p in in_progress]
+        append_partials(self.partial, entries)
+        self._count(Tally(kept=len(entries), kept_answers=sum(len(e.answers) for e in entries)))
+
     def tokens(self, n: int) -> None:
         self._count(Tally(new_tokens=n))
 
@@ -153,6 +170,7 @@ class Driver:
         window: int,
         done: Callable[[str], bool],
         mine: Callable[[str], bool] = lambda _sid: True,
+        restored: Mapping[str, Sequence[Answer]] | None = None,
     ) -> None:
         self.engine = engine
         self.sink = sink
@@ -163,7 +181,11 @@ class Driver:
         """Whether a sample id was already written or failed (resume)."""
         self.mine = mine
         """Whether a sample id belongs to this worker's partition."""
+        self.restored = dict(restored or {})
+        """Answers an earlier run kept for conversations it left in progress, by sample id (taken at
+        admission)."""
         self.live: dict[str, PendingConversation] = {}
+        """The conversations in flight, by the key of their turn in the engine (one each)."""
 
     def _submit_next(self, p: PendingConversation) -> None:
         """Submit the conversation's next turn, or finish it here (a failure, or its prompt is too long)."""
@@ -205,8 +227,12 @@ class Driver:
             p = PendingConversation(item)
             if not p.groups:
                 self.sink.fail_conv(p, "empty_conversation", "no user turn to answer")
-            else:
-                self._submit_next(p)
+                return
+            answers = self.restored.pop(item.sample_id, ())
+            if 0 < len(answers) < len(p.groups):  # else (the record's turns are cut otherwise) answered anew
+                p.restore(answers)
+                self.sink.resume(p)
+            self._submit_next(p)
 
     def _answered(self, key: str, tokens: GeneratedTokens) -> None:
         p = self.live.pop(key)
@@ -230,10 +256,15 @@ class Driver:
         else:
             self._submit_next(p)
 
+    def in_progress(self) -> list[PendingConversation]:
+        """The conversations in flight with at least one answer (after a stop: what the rerun continues)."""
+        return [p for p in self.live.values() if p.answers]
+
     def run(
         self, records: Iterator[Conversation | SourceFailure], *, should_stop: Callable[[], bool]
     ) -> bool:
-        """Answer every record; False when ``should_stop`` ended it early (in-flight ones are dropped)."""
+        """Answer every record; False when ``should_stop`` ended it early (the conversations in flight stay
+        in ``live``: ``in_progress``)."""
         exhausted = False
         while True:
             if should_stop():

@@ -16,6 +16,9 @@ from dflash_offline.config_fields import flag
 from dflash_offline.errors import DataError
 from dflash_offline.regenerate.config import RegenerateConfig
 
+KEY = "source_sample_id"
+"""The key field of regenerate's JSONL files (output, failures, partial file): the record's sample id."""
+
 
 class ResumableJsonl:
     """Keys of the complete lines of ``path`` (created when missing), and an appender for new lines."""

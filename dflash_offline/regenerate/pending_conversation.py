@@ -8,6 +8,7 @@ what another model said).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +35,36 @@ class Answer:
     """The ids the target generated (stop token excluded), written beside the text so that ``dflash
     generate`` caches them rather than its own split of the text; None when the engine had text only."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """The answer as a JSON object (the partial file, ``partial_out.py``); ``from_dict`` reads it back."""
+        d: dict[str, Any] = {
+            "content": self.text,
+            "finish_reason": self.finish_reason,
+            "num_tokens": self.num_tokens,
+        }
+        if self.token_ids is not None:
+            d[TOKEN_IDS_FIELD] = list(self.token_ids)
+        return d
+
+    @staticmethod
+    def from_dict(d: Any) -> Answer:
+        """``to_dict``'s object as an ``Answer``; ValueError naming what is wrong."""
+        if not isinstance(d, dict):
+            raise ValueError(f"an answer is a JSON object, got {type(d).__name__}")
+        text, reason, num_tokens, ids = d.get("content"), d.get("finish_reason"), d.get("num_tokens"), None
+        if not isinstance(text, str):
+            raise ValueError("an answer has no string 'content'")
+        if reason not in ("stop", "length"):
+            raise ValueError(f"an answer's finish_reason {reason!r} is neither 'stop' nor 'length'")
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ValueError(f"an answer's num_tokens {num_tokens!r} is no count")
+        if TOKEN_IDS_FIELD in d:
+            raw = d[TOKEN_IDS_FIELD]
+            if not isinstance(raw, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in raw):
+                raise ValueError(f"an answer's {TOKEN_IDS_FIELD!r} is not a list of token ids")
+            ids = tuple(raw)
+        return Answer(text=text, finish_reason=reason, num_tokens=num_tokens, token_ids=ids)
+
 
 class PendingConversation:
     """A conversation being regenerated, one answer per generation round (owned by one thread)."""
@@ -54,6 +85,13 @@ class PendingConversation:
         k = len(self.answers)
         assert k < len(self.groups), "the conversation is complete"
         return self.chat(upto=k + 1)
+
+    def restore(self, answers: Sequence[Answer]) -> None:
+        """Take the answers an earlier run gave to the first turns (kept at its stop): the next prompt is
+        then turn ``len(answers)``'s, built from them as if they had just been generated."""
+        assert not self.answers, "answers are restored before the first turn is submitted"
+        assert len(answers) < len(self.groups), "a complete conversation is written, not restored"
+        self.answers = list(answers)
 
     def add_answer(self, answer: Answer) -> None:
         assert not self.done

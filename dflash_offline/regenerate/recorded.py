@@ -1,9 +1,10 @@
 """What an existing regenerate output says about the settings that wrote it, checked before a resume.
 
 Every output line records its ``regenerated_by`` settings; a resume with another answer length or
-temperature would append answers of another kind to the same data set without a word. The first
-line of the output and of each worker part left by a killed run is read (one line each: cheap at any
-output size), and a difference is refused naming both values.
+temperature would append answers of another kind to the same data set without a word (or continue a
+conversation kept in progress with them). The first line of the output, of the partial file and of each
+worker part left by a killed run is read (one line each: cheap at any output size), and a difference is
+refused naming both values.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from dflash_offline.config_fields import flag
 from dflash_offline.errors import ConfigError
-from dflash_offline.regenerate.config import RegenerateConfig
+from dflash_offline.regenerate.config import PARTIAL_SUFFIX, RegenerateConfig
 
 CHECKED = {field: flag(RegenerateConfig, field) for field in ("max_new_tokens", "temperature")}
 """``regenerated_by`` fields a resume must repeat, and their flags."""
@@ -36,10 +37,12 @@ def first_settings(path: Path) -> dict[str, Any] | None:
 
 
 def check_resume_settings(config: RegenerateConfig) -> None:
-    """Refuse to resume an output written with another --max-new-tokens or --temperature."""
-    outputs = [config.out]
+    """Refuse to resume an output (or its conversations in progress) written with another --max-new-tokens
+    or --temperature."""
+    outputs = [config.out, config.partial_path]
     if config.parts_dir.is_dir():
         outputs += sorted(p for p in config.parts_dir.glob("w*.jsonl") if ".failures." not in p.name)
+        outputs += sorted(config.parts_dir.glob(f"w*{PARTIAL_SUFFIX}"))
     for path in outputs:
         recorded = first_settings(path)
         if recorded is None:

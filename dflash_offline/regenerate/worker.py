@@ -2,16 +2,19 @@
 
 A worker answers the records whose sample id hashes to it (``crc32(sample_id) % num_workers``: disjoint,
 stable across reruns with the same worker count) and writes them to its own JSONL (the output itself
-for a single worker, ``<out>.parts/w<k>.jsonl`` otherwise). Spawned workers (``--gpus`` / ``--workers``,
+for a single worker, ``<out>.parts/w<k>.jsonl`` otherwise). It continues its own conversations that an
+earlier run left in progress (``<out>.partial``, ``partial_out.py``) and, stopped, keeps its own there (a
+single worker) or in ``<out>.parts/w<k>.partial``. Spawned workers (``--gpus`` / ``--workers``,
 ``workers.spawned``) report through an event queue, ignore SIGINT (the coordinator decides), and die with
 their coordinator.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +27,8 @@ from dflash_offline.workers.device import bind_device
 from dflash_offline.workers.records import EventSink, StopFlag, WorkerSpec
 
 if TYPE_CHECKING:
+    from dflash_offline.data.conversations import Conversation, SourceFailure
+    from dflash_offline.data.decontaminate import Decontaminator
     from dflash_offline.regenerate.engine_protocol import Engine
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
     from dflash_offline.target_model.loader import TargetInfo
@@ -37,6 +42,9 @@ class AnswerTask:
     out: Path
     """This worker's JSONL: the output itself for a single worker, else its part ``w<worker>.jsonl``."""
     failures: Path
+    partial: Path
+    """Where a stop keeps this worker's conversations in progress: ``<out>.partial`` itself for a single
+    worker, else its part ``w<worker>.partial`` (it continues those of ``config.partial_path``)."""
     done: frozenset[str]
     """Sample ids written or failed by earlier runs (in the merged output)."""
 
@@ -190,11 +198,13 @@ def answer_records(
     should_stop: Callable[[], bool],
 ) -> WorkerDone:
     """Drive this worker's share of the records through the engine into its own JSONL files."""
-    from dflash_offline.data.decontaminate import Decontaminator, screen_records
-    from dflash_offline.data.sources import iter_records, source_name
+    from dflash_offline.data.decontaminate import Decontaminator
+    from dflash_offline.data.sources import source_name
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
+    from dflash_offline.regenerate.partial_out import read_partials
 
     config, engine = spec.task.config, loaded.engine
+    mine = functools.partial(belongs_to, worker=spec.worker, num_workers=spec.num_workers)
     window = config.window or loaded.batch_size * 2
     completed = False
     gen_start = time.perf_counter()
@@ -208,6 +218,7 @@ def answer_records(
     ):
         own = out.keys | failures.keys
         sink = _sink(spec, loaded, emit, out=out, failures=failures, source=source)
+        restored = read_partials([config.partial_path], mine=mine)
         driver = Driver(
             engine=engine,
             sink=sink,
@@ -215,24 +226,19 @@ def answer_records(
             max_prompt_tokens=config.max_prompt_tokens,
             window=window,
             done=lambda sid: sid in spec.task.done or sid in own,
-            mine=lambda sid: belongs_to(sid, spec.worker, spec.num_workers),
+            mine=mine,
+            restored={sid: entry.answers for sid, entry in restored.items()},
         )
+
+        def finished(sid: str) -> bool:
+            """Written or failed by now, by this run (its keys grow as it writes) or an earlier one."""
+            return sid in spec.task.done or sid in out.keys or sid in failures.keys
+
         try:
-            records = screen_records(
-                iter_records(
-                    config.data,
-                    skip=config.skip,
-                    limit=config.limit,
-                    data_format=config.data_format,
-                    source=source,
-                ),
-                decontaminator,
-                # Each worker screens its own records only (the others pass through: it never admits them).
-                checked=lambda sid: belongs_to(sid, spec.worker, spec.num_workers),
-            )
+            records = _records(config, source=source, decontaminator=decontaminator, mine=mine)
             completed = driver.run(records, should_stop=should_stop)
         finally:
-            engine.close(abort=not completed)
+            _end_run(spec, driver, engine, completed=completed, finished=finished)
     return WorkerDone(
         worker=spec.worker,
         device=spec.device,
@@ -241,6 +247,48 @@ def answer_records(
         generation_seconds=time.perf_counter() - gen_start,
         completed=completed,
     )
+
+
+def _records(
+    config: RegenerateConfig,
+    *,
+    source: str,
+    decontaminator: Decontaminator | None,
+    mine: Callable[[str], bool],
+) -> Iterator[Conversation | SourceFailure]:
+    """The records of --data (from --skip, up to --limit), screened against the evaluation questions."""
+    from dflash_offline.data.decontaminate import screen_records
+    from dflash_offline.data.sources import iter_records
+
+    records = iter_records(
+        config.data, skip=config.skip, limit=config.limit, data_format=config.data_format, source=source
+    )
+    # Each worker screens its own records only (the others pass through: it never admits them).
+    return screen_records(records, decontaminator, checked=mine)
+
+
+def _end_run(
+    spec: WorkerSpec[AnswerTask],
+    driver: Driver,
+    engine: Engine,
+    *,
+    completed: bool,
+    finished: Callable[[str], bool],
+) -> None:
+    """Keep the answered turns of the conversations in progress when the run ends early (a stop, or an
+    engine that gave up: they are the target's answers all the same), close the engine, and, for a worker
+    that writes the output itself, fold its kept conversations into ``<out>.partial``, dropping the ones it
+    has written or failed by now, ``finished`` (several workers: their coordinator does it as it merges)."""
+    from dflash_offline.regenerate.partial_out import compact_partials
+
+    task = spec.task
+    try:
+        if not completed:
+            driver.sink.keep(driver.in_progress())
+    finally:
+        engine.close(abort=not completed)
+    if task.partial == task.config.partial_path and task.partial.exists():
+        compact_partials(task.partial, [], done=finished)
 
 
 def _sink(
@@ -262,6 +310,7 @@ def _sink(
     sink = ConversationSink(
         out=out,
         failures=failures,
+        partial=spec.task.partial,
         source=source,
         regenerated_by={
             "target": info.target_id,

@@ -114,7 +114,7 @@ def test_a_stop_request_ends_the_decode_engine_between_two_steps(tmp_path: Path,
         ResumableJsonl(tmp_path / "f.jsonl", key=key) as fails,
     ):
         sink = ConversationSink(
-            out=out, failures=fails, source="t", regenerated_by={},
+            out=out, failures=fails, partial=tmp_path / "o.jsonl.partial", source="t", regenerated_by={},
             on_tally=lambda t: written.append(t.written), on_failure=lambda s: None,
         )  # fmt: skip
         driver = Driver(
@@ -181,8 +181,8 @@ def test_driver_keeps_one_turn_per_conversation_and_the_window_full(
         ResumableJsonl(tmp_path / "f.jsonl", key=key) as fails,
     ):
         sink = ConversationSink(
-            out=out, failures=fails, source="t", regenerated_by={}, on_tally=lambda t: None,
-            on_failure=lambda s: None,
+            out=out, failures=fails, partial=tmp_path / "o.jsonl.partial", source="t", regenerated_by={},
+            on_tally=lambda t: None, on_failure=lambda s: None,
         )  # fmt: skip
         driver = Driver(
             engine=engine, sink=sink, tokenizer=tiny.tokenizer, max_prompt_tokens=4096, window=3,

@@ -2,7 +2,8 @@
 random target behind the OpenAI protocol): the greedy answers equal the built-in decode engine's while
 429s, 500s and timeouts are injected, a request that keeps failing is a failure row and the run goes on,
 a server killed mid-run stops the run and a rerun against a live server finishes it with every
-conversation once, a server that takes only text gets the templated text, and a wrong URL, model, key
+conversation once, a stop keeps the answered turns of the conversations in progress and the rerun continues
+them at their next turn, a server that takes only text gets the templated text, and a wrong URL, model, key
 or tokenizer is a one-line error before anything is written."""
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
+from dflash_offline.regenerate import run as run_module
 from dflash_offline.regenerate.config import RegenerateConfig
-from dflash_offline.regenerate.openai_engine import ServerError, server_target
-from dflash_offline.regenerate.run import run_regenerate
+from dflash_offline.regenerate.openai_engine import OpenAIEngine, ServerError, server_target
+from dflash_offline.regenerate.run import RegenerateStopped, run_regenerate
 from dflash_offline.target_model.loader import load_target, stop_token_ids
 from tests.eval.helpers import one_thread, write_chat_jsonl
+from tests.regenerate.turns import answered_before_stop, turn_keys
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON: dict[str, Any] = {
@@ -176,6 +179,58 @@ def test_a_server_killed_mid_run_stops_it_and_a_rerun_finishes_it(
         0,
     )
     assert _conversations(out) == reference  # every conversation once, the greedy answers
+
+
+def test_a_stop_keeps_the_conversations_in_progress_and_the_rerun_continues_them(
+    tmp_path: Path, data: Path, reference: dict[str, Any], server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver is the built-in engine's: stopped after 5 answers, the answered turns of the conversations
+    in progress are kept with the server's text and ids, and the rerun sends only the turns not answered."""
+    submitted: list[str] = []
+    answers = [0]
+    stop_after = [5]
+    submit, poll = OpenAIEngine.submit, OpenAIEngine.poll
+
+    def logged_submit(engine: OpenAIEngine, key: str, prompt: Any) -> None:
+        submitted.append(key)
+        submit(engine, key, prompt)
+
+    def counted_poll(engine: OpenAIEngine, timeout: float) -> Any:
+        finished = poll(engine, timeout)
+        answers[0] += len(finished)
+        return finished
+
+    monkeypatch.setattr(OpenAIEngine, "submit", logged_submit)
+    monkeypatch.setattr(OpenAIEngine, "poll", counted_poll)
+    monkeypatch.setattr(run_module, "stop_requested", lambda: answers[0] >= stop_after[0])
+    out = tmp_path / "served.jsonl"
+    partial = tmp_path / "served.jsonl.partial"
+    with pytest.raises(RegenerateStopped) as stopped:
+        run_regenerate(_config(out, data, server.url))
+    written = _conversations(out) if out.exists() else {}
+    answered = answered_before_stop(submitted, set(written))
+    kept = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert {k["source_sample_id"]: len(k["answers"]) for k in kept} == {
+        sid: n for sid, n in answered.items() if n and sid not in written
+    }
+    assert len(kept) == stopped.value.summary.kept >= 1
+    for k in kept:  # the server's text and token ids, as the decode engine's
+        want = [m for m in reference[k["source_sample_id"]] if m["role"] == "assistant"]
+        got = [
+            {"role": "assistant", "content": a["content"], "token_ids": a["token_ids"]} for a in k["answers"]
+        ]
+        assert got == want[: len(got)]
+
+    stop_after[0] = 10**9
+    submitted.clear()
+    summary = run_regenerate(_config(out, data, server.url))
+    assert summary is not None
+    assert summary.resumed == len(kept)
+    every_turn = {f"{sid}#{t}" for sid in reference for t in range(2)}  # the data's 2 turns each
+    assert len(submitted) == len(set(submitted))
+    assert set(submitted) == every_turn - turn_keys(answered)  # not one turn answered twice
+    assert _conversations(out) == reference
+    assert not partial.exists()
 
 
 def test_a_server_that_takes_only_text_gets_the_templated_text(
