@@ -503,14 +503,22 @@ def main() -> None:
     if args.answers_part_mib > 0 and n_answers:
         # The answers are the slowest data to make: they go back with the report, so that a later run
         # resumes regenerate from them (in the background: generate does not wait for it).
-        keeper = threading.Thread(
-            target=lambda: report.data.update(
+        def keep_answers() -> None:
+            report.data.update(
                 answers_parts=save_answers_parts(
                     answers, args.report, args.answers_part_mib, args.answers_parts
                 )
-            ),
-            daemon=True,
-        )
+            )
+            # The conversations a stop left in progress (their answered turns): the next run continues them.
+            partial = answers.with_name(answers.name + ".partial")
+            if partial.is_file():
+                with (
+                    open(partial, "rb") as src,
+                    gzip.open(args.report / "answers-partial.jsonl.gz", "wb") as dst,
+                ):
+                    dst.write(src.read())
+
+        keeper = threading.Thread(target=keep_answers, daemon=True)
         keeper.start()
     if n_answers == 0:
         report.note("no regenerated answers: stopping")

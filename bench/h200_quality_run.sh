@@ -21,10 +21,15 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_PRESET_TOKENIZER=/tmp/stage/tokenizer
 export DFLASH_CACHE_DIR=/tmp/dflash-user-cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Answers of an earlier run staged beside the prompts (its report's answers-NN.jsonl.gz): regenerate resumes
-# from them and answers only the conversations they lack, so the data grows from run to run.
-if compgen -G "/tmp/stage/answers-*.jsonl.gz" > /dev/null && [ ! -s /tmp/q/answers.jsonl ]; then
-  mkdir -p /tmp/q && cat /tmp/stage/answers-*.jsonl.gz | gunzip > /tmp/q/answers.jsonl
+# from them and answers only the conversations they lack (continuing those in answers-partial.jsonl.gz, the
+# conversations its stop left in progress), so the data grows from run to run.
+if compgen -G "/tmp/stage/answers-[0-9]*.jsonl.gz" > /dev/null && [ ! -s /tmp/q/answers.jsonl ]; then
+  mkdir -p /tmp/q && cat /tmp/stage/answers-[0-9]*.jsonl.gz | gunzip > /tmp/q/answers.jsonl
   echo "regenerate resumes from $(wc -l < /tmp/q/answers.jsonl) staged conversations"
+  if [ -f /tmp/stage/answers-partial.jsonl.gz ]; then
+    gunzip -c /tmp/stage/answers-partial.jsonl.gz > /tmp/q/answers.jsonl.partial
+    echo "and continues $(wc -l < /tmp/q/answers.jsonl.partial) conversations in progress"
+  fi
 fi
 exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --work /tmp/q --report /tmp/q/report \
   --budget-s "${BUDGET_S:-1320}" --regen-bench-s 0 \
