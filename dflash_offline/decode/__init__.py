@@ -5,7 +5,8 @@ layer, per-row lengths, GQA keys read in place by one SDPA call, ``attention``);
 model's layers over it, ``steps`` holds the decode step and the chunked prefill, ``graphs`` replays a step
 as a CUDA graph, ``sampling`` picks tokens (greedy, or seeded per request), ``engine`` is continuous
 batching for regenerate, and ``single`` the batch-1 target-only and speculative loops of eval (with
-``drafting``: the drafter over a static context cache).
+``drafting``: the drafter over a static context cache). ``parked`` keeps a finished request's slot for the
+request that continues it (a conversation's next turn prefills only what its prompt adds).
 """
 
 from dflash_offline.decode.engine import DecodedRequest, DecodeEngine, DecodeError, EngineSettings

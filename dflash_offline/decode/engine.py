@@ -9,6 +9,12 @@ at a stop token or at its ``max_new_tokens``; its slot takes the next waiting pr
 When the queue has drained and the live rows are scattered over the slots, the highest ones are moved
 down (one copy of their keys and values) so that the decode steps shrink to a smaller bucket.
 
+A conversation's next turn can reuse the keys and values its previous turn left in its slot
+(``parked.py``): ``submit(..., keep_slot=True)`` parks the slot when the answer ends, and ``submit(...,
+continues=key)`` takes it and prefills only the prompt after the common prefix. A continuation needs no
+free slot, so it starts at the next step whatever waits before it; parked slots whose continuation never
+comes are freed by ``release`` or, oldest first, when the free slots run out while prompts wait.
+
 ``poll`` runs steps until an answer is finished (or its timeout passes), so the caller keeps control
 between steps: ``close(abort=True)`` from the same thread returns at once, dropping the rows in flight.
 """
@@ -27,6 +33,7 @@ from torch import Tensor
 
 from dflash_offline.decode.forward import SlotForward
 from dflash_offline.decode.graphs import StepGraphs
+from dflash_offline.decode.parked import ParkedSlot, ParkedSlots, common_prefix_len
 from dflash_offline.decode.sampling import Sampler, Sampling, request_key_hash
 from dflash_offline.decode.slot_cache import SlotCache, shape_for
 from dflash_offline.decode.steps import PrefillChunk, SlotState, decode_step, prefill
@@ -79,12 +86,14 @@ class DecodedRequest:
 class _Request:
     """A request's host-side state (this module only)."""
 
-    __slots__ = ("generated", "key", "length", "max_new", "prefilled", "prompt", "slot")
+    __slots__ = ("generated", "keep_slot", "key", "length", "max_new", "prefilled", "prompt", "slot")
 
-    def __init__(self, key: str, prompt: tuple[int, ...], max_new: int) -> None:
+    def __init__(self, key: str, prompt: tuple[int, ...], max_new: int, keep_slot: bool) -> None:
         self.key = key
         self.prompt = prompt
         self.max_new = max_new
+        self.keep_slot = keep_slot
+        """Park the slot when the request ends (``parked.py``)."""
         self.slot = -1
         self.prefilled = 0
         """Prompt tokens already in the cache."""
@@ -118,21 +127,43 @@ class DecodeEngine:
         self.sampler = Sampler(settings.sampling)
         self.graphs = StepGraphs(param.device, enabled=settings.cuda_graphs)
         self._waiting: deque[_Request] = deque()
+        self._resuming: list[_Request] = []
+        """Continuations holding their parked slot, admitted at the next step."""
         self._free = list(range(settings.num_slots))
+        self._parked = ParkedSlots()
         self._prefilling: list[_Request] = []
         self._decoding: dict[int, _Request] = {}
         self._finished: list[DecodedRequest] = []
         self._to_idle: list[int] = []
-        self._keys: set[str] = set()
+        self._requests: dict[str, _Request] = {}
+        """Every request submitted and not yet finished, by key."""
         self._closed = False
         self.num_steps = 0
         self.num_prefills = 0
+        self.num_prefill_tokens = 0
+        """Prompt tokens run through the target by prefill (padding excluded)."""
+        self.num_reused_tokens = 0
+        """Prompt tokens whose keys and values a continuation found in its parked slot."""
+        self.num_evictions = 0
+        """Parked slots freed for waiting prompts before their continuation came."""
         self.num_moves = 0
         """Rows moved to a lower slot by compaction."""
 
     # ----- the Engine surface ---------------------------------------------------------------------
 
-    def submit(self, key: str, prompt: Sequence[int], *, max_new_tokens: int | None = None) -> None:
+    def submit(
+        self,
+        key: str,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int | None = None,
+        keep_slot: bool = False,
+        continues: str | None = None,
+    ) -> None:
+        """Queue a request. ``keep_slot``: park its slot when it ends, for a request that continues it
+        (free it with ``release`` if none will). ``continues``: the key of an ended request whose parked
+        slot this one takes, prefilling only the prompt after their common prefix; when that slot is not
+        parked (never kept, released or evicted) the prompt is prefilled whole, with the same answer."""
         if self._closed:
             raise DecodeError("the decode engine is closed")
         max_new = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -143,12 +174,40 @@ class DecodeEngine:
                 f"request {key}: {len(prompt)} prompt tokens + {max_new} new tokens exceed the "
                 f"{self.settings.max_len} positions of a slot"
             )
-        assert key not in self._keys, f"request {key} submitted twice"
-        self._keys.add(key)
-        self._waiting.append(_Request(key, tuple(int(t) for t in prompt), max_new))
+        assert key not in self._requests, f"request {key} submitted twice"
+        assert key not in self._parked, f"request {key} submitted twice"
+        req = _Request(key, tuple(int(t) for t in prompt), max_new, keep_slot)
+        self._requests[key] = req
+        parked = self._parked.take(continues) if continues is not None else None
+        if parked is None:
+            self._waiting.append(req)
+            return
+        req.slot = parked.slot
+        # The last prompt token always runs: its logits give the answer's first token.
+        req.prefilled = min(common_prefix_len(parked.token_ids, req.prompt), len(req.prompt) - 1)
+        self.num_reused_tokens += req.prefilled
+        self._resuming.append(req)
+
+    def release(self, key: str) -> None:
+        """No request will continue ``key``: free its parked slot (if it is still in flight, it will not
+        park). A key neither parked nor in flight (continued, evicted, never kept) is ignored."""
+        parked = self._parked.take(key)
+        if parked is not None:
+            heapq.heappush(self._free, parked.slot)
+        elif key in self._requests:
+            self._requests[key].keep_slot = False
 
     def pending(self) -> int:
-        return len(self._waiting) + len(self._prefilling) + len(self._decoding)
+        return len(self._waiting) + len(self._resuming) + len(self._prefilling) + len(self._decoding)
+
+    @property
+    def num_parked(self) -> int:
+        """Slots parked for a continuation."""
+        return len(self._parked)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
 
     def poll(self, timeout: float) -> list[DecodedRequest]:
         """Answers finished since the last call; runs steps for up to ``timeout`` s until one is."""
@@ -166,6 +225,9 @@ class DecodeEngine:
         """Drop every request in flight and free the cache (returns at once)."""
         self._closed = True
         self._waiting.clear()
+        self._resuming.clear()
+        self._parked.clear()
+        self._requests.clear()
         self._prefilling.clear()
         self._decoding.clear()
         self.graphs.clear()
@@ -219,9 +281,15 @@ class DecodeEngine:
 
     def _finish(self, req: _Request) -> None:
         del self._decoding[req.slot]
-        heapq.heappush(self._free, req.slot)
+        del self._requests[req.key]
         self._to_idle.append(req.slot)
-        self._keys.discard(req.key)
+        if req.keep_slot:
+            # The last generated token was sampled, never fed: its keys and values are not in the slot.
+            held = req.prompt + tuple(req.generated[:-1])
+            assert len(held) == req.length, (len(held), req.length)
+            self._parked.park(req.key, ParkedSlot(slot=req.slot, token_ids=held))
+        else:
+            heapq.heappush(self._free, req.slot)
         stopped = req.generated[-1] in self.settings.stop_ids
         self._finished.append(DecodedRequest(key=req.key, token_ids=tuple(req.generated), stopped=stopped))
 
@@ -232,12 +300,15 @@ class DecodeEngine:
             self._to_idle.clear()
 
     def _admit(self) -> None:
-        admitted: list[_Request] = []
-        while self._waiting and self._free:
+        admitted, self._resuming = self._resuming, []  # continuations come with their slots
+        while self._waiting and (self._free or self._parked):
+            if not self._free:  # a prompt waits: the oldest parked slot gives way
+                heapq.heappush(self._free, self._parked.take_oldest().slot)
+                self.num_evictions += 1
             req = self._waiting.popleft()
             req.slot = heapq.heappop(self._free)
-            self._prefilling.append(req)
             admitted.append(req)
+        self._prefilling += admitted
         if admitted:
             slots = torch.tensor([r.slot for r in admitted], dtype=torch.int64, device=self.device)
             keys = torch.tensor([request_key_hash(r.key) for r in admitted], dtype=torch.int64)
@@ -273,6 +344,7 @@ class DecodeEngine:
         completed = []
         for req, chunk in zip(reqs, chunks, strict=True):
             req.prefilled += len(chunk.token_ids)
+            self.num_prefill_tokens += len(chunk.token_ids)
             if chunk.completes:
                 req.length = len(req.prompt)
                 self._decoding[req.slot] = req
@@ -282,12 +354,12 @@ class DecodeEngine:
 
     def _compact(self) -> None:
         """Move the highest decoding rows into the lowest free slots when that shrinks the decode bucket
-        (only once nothing waits: a waiting prompt would fill the free slots anyway)."""
-        if self._waiting or self._prefilling or not self._decoding:
+        (only once nothing waits: a waiting prompt would fill the free slots anyway). Parked slots stay
+        where they are: the rows move around them, into a bucket that holds both."""
+        if self._waiting or self._resuming or self._prefilling or not self._decoding:
             return
-        slots = self.settings.num_slots
-        target = row_bucket(len(self._decoding), slots)
-        if row_bucket(max(self._decoding) + 1, slots) <= target:
+        target = self._compact_target()
+        if target is None:
             return
         s = self.state
         for src in sorted(self._decoding, reverse=True):
@@ -304,3 +376,16 @@ class DecodeEngine:
             self._decoding[dst] = req
             heapq.heappush(self._free, src)
             self.num_moves += 1
+
+    def _compact_target(self) -> int | None:
+        """The smallest decode bucket below the current one whose slots can hold every decoding row beside
+        the parked slots in it (None: none)."""
+        slots = self.settings.num_slots
+        current = row_bucket(max(self._decoding) + 1, slots)
+        parked = self._parked.slots()
+        bucket = row_bucket(len(self._decoding), slots)
+        while bucket < current:
+            if len(self._decoding) + sum(p < bucket for p in parked) <= bucket:
+                return bucket
+            bucket = row_bucket(bucket + 1, slots)
+        return None

@@ -4,7 +4,8 @@ Legend: N rows of one forward, S new tokens per row, Hk key/value heads, D head 
 (positions, the last one a scratch position), Lb positions a forward attends over (``attend_len``).
 
 Per layer, K and V are preallocated ``[num_slots, Hk, L, D]`` once: their addresses never change, so a
-decode step can be replayed as a CUDA graph. A request owns a slot from its prefill to its last token;
+decode step can be replayed as a CUDA graph. A request owns a slot from its prefill to its last token
+(or, parked, until the request continuing it takes the slot over with its keys: ``parked.py``);
 its live length lives with the scheduler (a device tensor for the steps, a host mirror for planning),
 never here: a finished row's slot is reused at once by overwriting, and a speculative rollback is a
 shorter length, never a copy.

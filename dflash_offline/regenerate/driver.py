@@ -71,6 +71,11 @@ def render_prompt(tokenizer: Any, chat: list[dict[str, str]], *, max_tokens: int
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
+def _turn_key(p: PendingConversation, turn: int) -> str:
+    """The engine's key of a conversation's turn."""
+    return f"{p.conv.sample_id}#{turn}"
+
+
 class ConversationSink:
     """Writes finished conversations and failures; reports progress through ``on_tally`` / ``on_failure``."""
 
@@ -188,14 +193,21 @@ class Driver:
         """The conversations in flight, by the key of their turn in the engine (one each)."""
 
     def _submit_next(self, p: PendingConversation) -> None:
-        """Submit the conversation's next turn, or finish it here (a failure, or its prompt is too long)."""
+        """Submit the conversation's next turn, or finish it here (a failure, or its prompt is too long).
+
+        A turn with another after it asks the engine to keep its slot, and the next turn continues it (the
+        engine prefills only what the prompt adds, ``decode/parked.py``); a conversation finished here
+        releases what was kept for this turn."""
         turn = len(p.answers)
+        previous = _turn_key(p, turn - 1) if turn else None
         try:
             ids = render_prompt(self.tokenizer, p.next_prompt(), max_tokens=self.max_prompt_tokens)
         except Exception as e:  # a chat template may raise anything (jinja's raise_exception, ...)
+            self._release(previous)
             self.sink.fail_conv(p, "template_error", f"turn {turn}: {type(e).__name__}: {e}")
             return
         if len(ids) > self.max_prompt_tokens:
+            self._release(previous)
             if not p.answers:
                 detail = (
                     f"prompt of at least {len(ids)} tokens > {flag(RegenerateConfig, 'max_prompt_tokens')} "
@@ -206,9 +218,13 @@ class Driver:
             p.stop_early()  # keep the turns answered so far
             self.sink.write(p)
             return
-        key = f"{p.conv.sample_id}#{turn}"
+        key = _turn_key(p, turn)
         self.live[key] = p
-        self.engine.submit(key, ids)
+        self.engine.submit(key, ids, keep_slot=turn + 1 < len(p.groups), continues=previous)
+
+    def _release(self, key: str | None) -> None:
+        if key is not None:
+            self.engine.release(key)
 
     def _admit(self, item: Conversation | SourceFailure) -> None:
         if not self.mine(item.sample_id):
@@ -240,6 +256,7 @@ class Driver:
         self.sink.tokens(len(token_ids))
         text = self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
         if not text.strip():
+            self.engine.release(key)
             self.sink.fail_conv(
                 p, "empty_response", f"turn {len(p.answers)}: the target answered nothing ({finish_reason})"
             )

@@ -70,7 +70,18 @@ class Finished:
 class Engine(Protocol):
     name: EngineName
 
-    def submit(self, key: str, prompt: Sequence[int]) -> None: ...
+    def submit(
+        self, key: str, prompt: Sequence[int], *, keep_slot: bool = False, continues: str | None = None
+    ) -> None:
+        """Queue a request. ``keep_slot``: a request continuing this one will follow (its prompt starts
+        with this prompt and answer), so an engine may keep what it computed for it; ``continues``: the
+        key of that earlier request. Hints only: the answer is the same without them. A request reported
+        failed keeps nothing."""
+        ...
+
+    def release(self, key: str) -> None:
+        """No request will continue ``key``: drop what was kept for it (nothing when nothing was)."""
+        ...
 
     def poll(self, timeout: float) -> list[Finished]:
         """Answers finished since the last call (waits up to ``timeout`` s for one when none is ready)."""

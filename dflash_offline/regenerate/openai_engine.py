@@ -255,7 +255,10 @@ class OpenAIEngine:
         self._error: BaseException | None = None
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
 
-    def submit(self, key: str, prompt: Sequence[int]) -> None:
+    def submit(
+        self, key: str, prompt: Sequence[int], *, keep_slot: bool = False, continues: str | None = None
+    ) -> None:
+        """``keep_slot`` and ``continues`` are left to the server (its own prefix cache, if any)."""
         assert key not in self._pending
         self._pending.add(key)
         self._jobs.put(_Job(key=key, prompt=tuple(int(t) for t in prompt)))
@@ -266,6 +269,9 @@ class OpenAIEngine:
 
     def pending(self) -> int:
         return len(self._pending)
+
+    def release(self, key: str) -> None:
+        pass  # nothing is kept here
 
     def poll(self, timeout: float) -> list[Finished]:
         if self._error is not None:

@@ -6,7 +6,9 @@ and 1,656 for transformers' continuous batching; bench/regenerate.py measures th
 A slot holds one conversation turn: its prompt (at most --max-prompt-tokens) and its answer (at most
 --max-new-tokens). The number of slots is --batch-size, or fewer when --kv-tokens (by default the free GPU
 memory after loading, on the CPU --batch-size slots) cannot hold that many. Prompts wait in the engine
-until a slot is free; a finished answer frees its slot for the next one at once.
+until a slot is free; a finished answer frees its slot for the next one at once, or, when the
+conversation has another turn, keeps it with its keys and values for that turn, which then prefills only
+what follows the common prefix (``decode/parked.py``).
 """
 
 from __future__ import annotations
@@ -78,11 +80,16 @@ class SlotEngine:
                 f"({type(e).__name__}); lower {KV_FIX}"
             ) from None
 
-    def submit(self, key: str, prompt: Sequence[int]) -> None:
+    def submit(
+        self, key: str, prompt: Sequence[int], *, keep_slot: bool = False, continues: str | None = None
+    ) -> None:
         try:
-            self._engine.submit(key, prompt)
+            self._engine.submit(key, prompt, keep_slot=keep_slot, continues=continues)
         except DecodeError as e:
             raise EngineError(f"{e}; raise {flag(RegenerateConfig, 'max_prompt_tokens')}") from None
+
+    def release(self, key: str) -> None:
+        self._engine.release(key)
 
     def pending(self) -> int:
         return self._engine.pending()

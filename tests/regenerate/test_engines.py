@@ -6,6 +6,7 @@ conversation in flight while other conversations fill the batch."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -148,8 +149,11 @@ class _OneAtATimeEngine:
         self.polls: list[tuple[int, list[str]]] = []
         """(records read so far, keys in flight) at each poll."""
 
-    def submit(self, key: str, prompt: Sequence[int]) -> None:
+    def submit(self, key: str, prompt: Sequence[int], **hints: Any) -> None:
         self.queue.append((key, tuple(prompt)))
+
+    def release(self, key: str) -> None:
+        pass
 
     def pending(self) -> int:
         return len(self.queue)
@@ -202,6 +206,180 @@ def test_driver_keeps_one_turn_per_conversation_and_the_window_full(
         [m["content"] for m in ln["messages"] if m["role"] == "assistant"] == ["fine thanks"] * 3
         for ln in lines
     )
+
+
+PAST_ANSWERS_MARKED = (
+    "{% for m in messages %}{% if 'boom' in m['content'] %}{{ raise_exception('boom') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}{{ '(earlier) ' }}{% endif %}"
+    "{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML that renders a past answer with a mark the answer did not have (as Qwen3's template drops an
+earlier turn's thinking), and refuses any message holding ``boom``."""
+
+
+class _Hints:
+    """A ``SlotEngine`` whose reuse hints are recorded, or dropped (``reuse=False``: every prompt
+    prefilled whole), and whose answers to ``silent`` keys are emptied (the target said nothing)."""
+
+    name = "slots"
+
+    def __init__(self, engine: SlotEngine, *, reuse: bool, silent: frozenset[str] = frozenset()) -> None:
+        self.engine = engine
+        self.reuse = reuse
+        self.silent = silent
+        self.prompts: dict[str, list[int]] = {}
+        self.answers: dict[str, GeneratedTokens] = {}
+        self.released: list[str] = []
+
+    def submit(
+        self, key: str, prompt: Sequence[int], *, keep_slot: bool = False, continues: str | None = None
+    ) -> None:
+        self.prompts[key] = list(prompt)
+        if self.reuse:
+            self.engine.submit(key, prompt, keep_slot=keep_slot, continues=continues)
+        else:
+            self.engine.submit(key, prompt)
+
+    def release(self, key: str) -> None:
+        self.released.append(key)
+        self.engine.release(key)
+
+    def pending(self) -> int:
+        return self.engine.pending()
+
+    def poll(self, timeout: float) -> list[Finished]:
+        done = self.engine.poll(timeout)
+        self.answers |= {f.key: f.tokens for f in done}
+        silence = GeneratedTokens(token_ids=(), finish_reason="stop")
+        return [Finished(key=f.key, tokens=silence) if f.key in self.silent else f for f in done]
+
+    def close(self, *, abort: bool = False) -> None:
+        self.engine.close(abort=abort)
+
+
+def _write(tmp_path: Path, records: list[dict[str, Any]]) -> Path:
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return data
+
+
+def _drive(
+    tmp_path: Path, engine: _Hints, data: Path, *, tokenizer: Any, max_prompt_tokens: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Regenerate ``data`` through ``engine``: the output lines and the failure lines."""
+    out, failed = tmp_path / f"o-{engine.reuse}.jsonl", tmp_path / f"f-{engine.reuse}.jsonl"
+    key = "source_sample_id"
+    with ResumableJsonl(out, key=key) as o, ResumableJsonl(failed, key=key) as f:
+        sink = ConversationSink(
+            out=o,
+            failures=f,
+            source="t",
+            regenerated_by={},
+            on_tally=lambda t: None,
+            on_failure=lambda s: None,
+        )
+        driver = Driver(
+            engine=engine, sink=sink, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, window=6,
+            done=lambda s: False,
+        )  # fmt: skip
+        assert driver.run(iter(conversations(data)), should_stop=lambda: False)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    failures = failed.read_text().splitlines() if failed.exists() else []
+    return lines, [json.loads(x) for x in failures]
+
+
+def _prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _chat_records(n: int, turns: int) -> list[dict[str, Any]]:
+    rng = torch.Generator().manual_seed(3)
+    words = "red green blue cat dog sun moon tree river stone".split()  # noqa: SIM905
+    records = []
+    for i in range(n):
+        messages = []
+        for _ in range(turns):
+            picks = torch.randint(
+                0, len(words), (int(torch.randint(3, 9, (1,), generator=rng)),), generator=rng
+            )
+            messages += [
+                {"role": "user", "content": " ".join(words[int(j)] for j in picks)},
+                {"role": "assistant", "content": "old answer"},
+            ]
+        records.append({"id": f"r{i}", "messages": messages})
+    return records
+
+
+@pytest.mark.parametrize("template", ["own", "past_answers_marked"])
+def test_the_driver_reuses_each_turns_slot_with_the_same_answers(
+    tmp_path: Path, tiny: LoadedTarget, template: str
+) -> None:
+    """7 conversations of 3 turns through 3 slots: with the previous turn's slot kept for the next, the
+    output equals a run that prefills every prompt whole, every answer is batch-1 ``generate``'s on its
+    turn's whole prompt, and the tokens prefilled are exactly each turn's prompt past its common prefix
+    with the previous prompt and answer; with a template that re-renders past answers the prefix ends
+    before the answer. No slot is left parked."""
+    tokenizer = copy.deepcopy(tiny.tokenizer)
+    if template != "own":
+        tokenizer.chat_template = PAST_ANSWERS_MARKED
+    firsts = [render_prompt(tokenizer, [m]) for m in (r["messages"][0] for r in _chat_records(7, 3))]
+    free = generate_greedy(tiny.model, firsts[0], 10, frozenset())
+    settings = _settings(tiny, max_new_tokens=10, more_stops=frozenset({free[5]}))
+    options = EngineOptions(batch_size=3, kv_tokens=None, max_batch_tokens=32, max_prompt_tokens=256)
+    data = _write(tmp_path, _chat_records(7, 3))
+    runs = {}
+    for reuse in (True, False):
+        engine = _Hints(SlotEngine(tiny.model, settings, options), reuse=reuse)
+        runs[reuse] = engine, _drive(tmp_path, engine, data, tokenizer=tokenizer, max_prompt_tokens=256)
+    (reused, (lines, failures)), (whole, (lines_whole, _)) = runs[True], runs[False]
+    assert (len(lines), failures) == (7, [])
+    assert lines == lines_whole
+    raw = {k: generate_greedy(tiny.model, p, 10, settings.stop_ids) for k, p in reused.prompts.items()}
+    expected = 0
+    for key, prompt in reused.prompts.items():
+        assert reused.answers[key] == _as_answer(raw[key], settings.stop_ids), key
+        conv, turn = key.rsplit("#", 1)
+        if turn == "0":
+            expected += len(prompt)
+            continue
+        previous = f"{conv}#{int(turn) - 1}"
+        # The previous turn's slot: its prompt and its answer but the last token (never fed back).
+        common = _prefix_len(reused.prompts[previous] + raw[previous][:-1], prompt)
+        if template != "own":
+            assert common <= len(reused.prompts[previous])  # the re-rendered answer is not reused
+        expected += len(prompt) - min(common, len(prompt) - 1)
+    decode = reused.engine._engine
+    assert decode.num_prefill_tokens == expected
+    assert whole.engine._engine.num_prefill_tokens == sum(len(p) for p in whole.prompts.values()) > expected
+    assert {a.finish_reason for a in reused.answers.values()} == {"stop", "length"}
+    assert (decode.num_parked, decode.num_free_slots, decode.num_evictions) == (0, 3, 0)
+
+
+def test_a_conversation_that_ends_early_releases_its_kept_slot(tmp_path: Path, tiny: LoadedTarget) -> None:
+    """Three conversations end before their last turn: the next prompt is refused by the template, too
+    long, or the target answered nothing; each releases the slot kept for its next turn, and no slot is
+    left parked (none had to be evicted either)."""
+    tokenizer = copy.deepcopy(tiny.tokenizer)
+    tokenizer.chat_template = PAST_ANSWERS_MARKED
+    records = _chat_records(5, 2)
+    records[0]["messages"][2]["content"] = "boom"
+    records[1]["messages"][2]["content"] = "word " * 300
+    settings = _settings(tiny, max_new_tokens=8)
+    options = EngineOptions(batch_size=2, kv_tokens=None, max_batch_tokens=32, max_prompt_tokens=200)
+    data = _write(tmp_path, records)
+    ids = [c.sample_id for c in conversations(data)]
+    engine = _Hints(SlotEngine(tiny.model, settings, options), reuse=True, silent=frozenset({f"{ids[2]}#0"}))
+    lines, failures = _drive(tmp_path, engine, data, tokenizer=tokenizer, max_prompt_tokens=200)
+    assert {ln["id"]: ln["dropped_turns"] for ln in lines} == {"r1": 1, "r3": 0, "r4": 0}
+    assert {f["record_id"]: f["reason"] for f in failures} == {"r0": "template_error", "r2": "empty_response"}
+    decode = engine.engine._engine
+    assert (decode.num_parked, decode.num_free_slots, decode.num_evictions) == (0, 2, 0)
+    assert sorted(engine.released) == sorted(f"{ids[i]}#0" for i in range(3))
+    assert decode.num_reused_tokens > 0
 
 
 def test_merge_parts_adds_each_line_once(tmp_path: Path) -> None:

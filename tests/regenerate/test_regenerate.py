@@ -203,10 +203,10 @@ def test_failures_are_reported_and_skipped_on_rerun(
     # The target answers "say nothing" with its end-of-turn token at once.
     real_submit, real_poll, silent_keys = SlotEngine.submit, SlotEngine.poll, set()
 
-    def submit(engine: SlotEngine, key: str, prompt: Any) -> None:
+    def submit(engine: SlotEngine, key: str, prompt: Any, **hints: Any) -> None:
         if "say nothing" in tiny.tokenizer.decode(prompt):
             silent_keys.add(key)
-        real_submit(engine, key, prompt)
+        real_submit(engine, key, prompt, **hints)
 
     def poll(engine: SlotEngine, timeout: float) -> list[Finished]:
         silent = GeneratedTokens(token_ids=(), finish_reason="stop")

@@ -1,0 +1,215 @@
+"""Multi-turn regenerate with and without the previous turn's KV cache reused, side by side in one run.
+
+``dflash regenerate`` answers every human turn of a conversation, each prompt holding the conversation
+so far; with reuse (``decode/parked.py``) a turn keeps its slot for the next turn, which prefills only what
+its prompt adds. Both modes run the real ``Driver`` over ``SlotEngine`` on the same conversations (the
+first ``--limit`` records of ``--data`` with at least ``--min-turns`` human turns; the embedded ShareGPT
+file by default); "whole" drops the reuse hints, so every prompt is prefilled from its first token, which
+is what regenerate did before. The modes alternate (``--repeats`` rounds, the order flipped each round);
+each row gives the prefill tokens per conversation (the engine's count, padding excluded), conversations/s
+and new tok/s (driver start to last line written; engine set-up apart), and the outputs of the two modes
+are compared line for line (equal on the CPU in float32).
+
+  python bench/regenerate_turns.py --target random:tiny --limit 24 --max-new-tokens 32 --batch-size 8
+  python bench/regenerate_turns.py --target default --limit 512 --max-new-tokens 256 --batch-size 256 \\
+      --max-prompt-tokens 1536 --repeats 2 --json out.json                                  # one H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_offline.data.conversations import Conversation  # noqa: E402
+from dflash_offline.data.sources import iter_records  # noqa: E402
+from dflash_offline.data.user_groups import user_groups  # noqa: E402
+from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver  # noqa: E402
+from dflash_offline.regenerate.engine_protocol import EngineOptions, Finished  # noqa: E402
+from dflash_offline.regenerate.generation import GenerationSettings  # noqa: E402
+from dflash_offline.regenerate.jsonl_out import ResumableJsonl  # noqa: E402
+from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
+from dflash_offline.target_model.loader import (  # noqa: E402
+    compute_dtype,
+    load_target,
+    resolve_device,
+    stop_token_ids,
+)
+
+
+class WholePrompts:
+    """``SlotEngine`` without the reuse hints: every turn's prompt prefilled from its first token."""
+
+    name = "slots"
+
+    def __init__(self, engine: SlotEngine) -> None:
+        self.engine = engine
+
+    def submit(
+        self, key: str, prompt: Sequence[int], *, keep_slot: bool = False, continues: str | None = None
+    ) -> None:
+        self.engine.submit(key, prompt)
+
+    def release(self, key: str) -> None:
+        self.engine.release(key)
+
+    def pending(self) -> int:
+        return self.engine.pending()
+
+    def poll(self, timeout: float) -> list[Finished]:
+        return self.engine.poll(timeout)
+
+    def close(self, *, abort: bool = False) -> None:
+        self.engine.close(abort=abort)
+
+
+def multi_turn(data: str | None, *, limit: int, min_turns: int) -> list[Conversation]:
+    """The first ``limit`` conversations with at least ``min_turns`` human turns."""
+    out: list[Conversation] = []
+    for item in iter_records(data):
+        if len(out) >= limit:
+            break
+        if isinstance(item, Conversation) and len(user_groups(item.messages)) >= min_turns:
+            out.append(item)
+    return out
+
+
+def run_mode(
+    reuse: bool,
+    target: Any,
+    convs: list[Conversation],
+    settings: GenerationSettings,
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One pass over ``convs``: its figures and its output lines."""
+    options = EngineOptions(
+        batch_size=args.batch_size, kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, cuda_graphs=args.cuda_graphs == "on",
+    )  # fmt: skip
+    device = next(target.model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    slots = SlotEngine(target.model, settings, options)
+    setup = time.perf_counter() - t0
+    engine = slots if reuse else WholePrompts(slots)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, failed = Path(tmp) / "o.jsonl", Path(tmp) / "f.jsonl"
+        with ResumableJsonl(out, key=KEY) as o, ResumableJsonl(failed, key=KEY) as f:
+            sink = ConversationSink(
+                out=o, failures=f, source="bench", regenerated_by={}, on_tally=lambda t: None,
+                on_failure=lambda s: None,
+            )  # fmt: skip
+            driver = Driver(
+                engine=engine, sink=sink, tokenizer=target.tokenizer,
+                max_prompt_tokens=args.max_prompt_tokens, window=2 * slots.num_slots, done=lambda s: False,
+            )  # fmt: skip
+            start = time.perf_counter()
+            driver.run(iter(convs), should_stop=lambda: False)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        # The order lines are written in depends on the schedule; the lines themselves must not.
+        lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda d: d[KEY])
+    decode = slots._engine
+    total = sink.total
+    row = {
+        "mode": "reuse" if reuse else "whole",
+        "conversations": total.written,
+        "failed": total.failed,
+        "answers": total.answers,
+        "new_tokens": total.new_tokens,
+        "prefill_tokens": decode.num_prefill_tokens,
+        "reused_tokens": decode.num_reused_tokens,
+        "prefill_tokens_per_conversation": round(decode.num_prefill_tokens / max(1, total.written), 1),
+        "prefill_forwards": decode.num_prefills,
+        "steps": decode.num_steps,
+        "evictions": decode.num_evictions,
+        "left_parked": decode.num_parked,
+        "seconds": round(seconds, 3),
+        "setup_seconds": round(setup, 3),
+        "conversations_per_second": round(total.written / seconds, 3),
+        "new_tokens_per_second": round(total.new_tokens / seconds, 1),
+    }
+    slots.close()
+    return row, lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="random:tiny")
+    ap.add_argument("--data", default=None, help="chat data (default: the embedded ShareGPT file)")
+    ap.add_argument("--limit", type=int, default=24, help="conversations")
+    ap.add_argument("--min-turns", type=int, default=2, help="human turns a conversation needs")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--kv-tokens", type=int, default=None)
+    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds; each runs both modes, order flipped")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    device = resolve_device(args.device)
+    dtype = compute_dtype(args.dtype, device)
+    target = load_target(args.target, device=device, dtype=dtype)
+    convs = multi_turn(args.data, limit=args.limit, min_turns=args.min_turns)
+    turns = [len(user_groups(c.messages)) for c in convs]
+    stop = stop_token_ids(target.tokenizer, target.model)
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop)
+    print(
+        f"target {args.target} on {device} ({dtype}), {args.threads} thread(s); {len(convs)} conversations "
+        f"of {statistics.mean(turns):.1f} human turns on average (max {max(turns)}), "
+        f"{args.max_new_tokens} new tokens, batch {args.batch_size}, max prompt {args.max_prompt_tokens}",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    outputs: dict[str, list[dict[str, Any]]] = {}
+    for r in range(args.repeats):
+        for reuse in (True, False) if r % 2 == 0 else (False, True):
+            row, lines = run_mode(reuse, target, convs, settings, args)
+            row["round"] = r
+            rows.append(row)
+            outputs.setdefault(row["mode"], lines)
+            print(json.dumps(row), flush=True)
+    same = outputs["reuse"] == outputs["whole"]
+    summary: dict[str, Any] = {"identical_outputs": same}
+    for mode in ("reuse", "whole"):
+        mine = [r for r in rows if r["mode"] == mode]
+        summary[mode] = {
+            "prefill_tokens_per_conversation": mine[0]["prefill_tokens_per_conversation"],
+            "median_conversations_per_second": statistics.median(r["conversations_per_second"] for r in mine),
+            "median_new_tokens_per_second": statistics.median(r["new_tokens_per_second"] for r in mine),
+        }
+    reuse, whole = summary["reuse"], summary["whole"]
+    summary["prefill_ratio"] = round(
+        reuse["prefill_tokens_per_conversation"] / whole["prefill_tokens_per_conversation"], 3
+    )
+    summary["speedup"] = round(
+        reuse["median_conversations_per_second"] / whole["median_conversations_per_second"], 3
+    )
+    print(json.dumps(summary), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "summary": summary}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
