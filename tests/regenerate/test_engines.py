@@ -274,6 +274,7 @@ def _drive(
         sink = ConversationSink(
             out=o,
             failures=f,
+            partial=tmp_path / f"o-{engine.reuse}.jsonl.partial",
             source="t",
             regenerated_by={},
             on_tally=lambda t: None,

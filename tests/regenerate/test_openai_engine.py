@@ -191,9 +191,9 @@ def test_a_stop_keeps_the_conversations_in_progress_and_the_rerun_continues_them
     stop_after = [5]
     submit, poll = OpenAIEngine.submit, OpenAIEngine.poll
 
-    def logged_submit(engine: OpenAIEngine, key: str, prompt: Any) -> None:
+    def logged_submit(engine: OpenAIEngine, key: str, prompt: Any, **hints: Any) -> None:
         submitted.append(key)
-        submit(engine, key, prompt)
+        submit(engine, key, prompt, **hints)
 
     def counted_poll(engine: OpenAIEngine, timeout: float) -> Any:
         finished = poll(engine, timeout)

@@ -89,9 +89,9 @@ class Submits:
         self.stop_after = stop_after
         submit, poll = SlotEngine.submit, SlotEngine.poll
 
-        def logged_submit(engine: SlotEngine, key: str, prompt: Any) -> None:
+        def logged_submit(engine: SlotEngine, key: str, prompt: Any, **hints: Any) -> None:
             self.keys.append(key)
-            submit(engine, key, prompt)
+            submit(engine, key, prompt, **hints)
 
         def counted_poll(engine: SlotEngine, timeout: float) -> Any:
             finished = poll(engine, timeout)

@@ -85,10 +85,10 @@ def log_submits(log: Path) -> None:
 
     submit = SlotEngine.submit
 
-    def logged(engine: SlotEngine, key: str, prompt: Any) -> None:
+    def logged(engine: SlotEngine, key: str, prompt: Any, **hints: Any) -> None:
         with open(log, "a") as f:
             f.write(key + "\n")
-        submit(engine, key, prompt)
+        submit(engine, key, prompt, **hints)
 
     SlotEngine.submit = logged  # type: ignore[method-assign]
 
