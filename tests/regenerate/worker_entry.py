@@ -95,29 +95,35 @@ def log_submits(log: Path) -> None:
 
 def recording_worker_process(spec: WorkerSpec[worker.AnswerTask], events: Any, stop: Any) -> None:
     """``worker.worker_process`` that logs its submits to ``$DFLASH_TEST_SUBMITS_DIR/submits-w<worker>`` and,
-    with ``$DFLASH_TEST_HOLD_AFTER_ANSWERS`` = k, after its k-th answer writes ``answered-w<worker>`` there
-    and holds until its stop flag (or 10 minutes): a test can stop the run while each worker has answers
-    and conversations in progress, however fast the machine."""
+    with ``$DFLASH_TEST_HOLD_AFTER_ANSWERS`` = k, once it has k answers and a conversation in progress
+    (answered turns and a turn in the engine) writes ``answered-w<worker>`` there and holds until its stop
+    flag (or 10 minutes): a test can stop the run while each worker has answers and conversations in
+    progress, however fast the machine and whichever order the engine answers in."""
+    from dflash_offline.regenerate.driver import Driver
+
     directory = Path(os.environ[SUBMITS_ENV])
     log_submits(directory / f"submits-w{spec.worker}")
     hold_after = int(os.environ.get(HOLD_AFTER_ENV, "0"))
     run_worker = worker.run_worker
+    answered = Driver._answered
 
     def run_held(held_spec: Any, emit: Callable[[Any], None], should_stop: Callable[[], bool]) -> Any:
         answers = 0
+        held = False
 
-        def counting_emit(event: Any) -> None:
-            nonlocal answers
-            emit(event)
-            if isinstance(event, worker.WorkerProgress) and event.delta.new_tokens:
-                answers += 1  # one event per answer (``ConversationSink.tokens``)
-                if answers == hold_after:
-                    (directory / f"answered-w{spec.worker}").touch()
-                    deadline = time.monotonic() + 600
-                    while not should_stop() and time.monotonic() < deadline:
-                        time.sleep(0.05)
+        def held_answered(driver: Driver, key: str, tokens: Any) -> None:
+            nonlocal answers, held
+            answered(driver, key, tokens)  # the answer is added and the conversation's next turn submitted
+            answers += 1
+            if hold_after and not held and answers >= hold_after and driver.in_progress():
+                held = True
+                (directory / f"answered-w{spec.worker}").touch()
+                deadline = time.monotonic() + 600
+                while not should_stop() and time.monotonic() < deadline:
+                    time.sleep(0.05)
 
-        return run_worker(held_spec, counting_emit, should_stop)
+        Driver._answered = held_answered  # type: ignore[method-assign]
+        return run_worker(held_spec, emit, should_stop)
 
     worker.run_worker = run_held  # type: ignore[assignment]
     worker.worker_process(spec, events, stop)
