@@ -152,6 +152,22 @@ def linear_cross_entropy(
     return total, preds
 
 
+@torch.no_grad()
+def linear_argmax(hidden_NH: Tensor, head_VH: Tensor, *, chunk_rows: int = 1024) -> Tensor:
+    """int64 [N]: argmax of h_i·Wᵀ, computed as ``linear_cross_entropy``'s predictions are (``hidden_NH``
+    cast to the head's dtype, float32 logits, autocast off) and, like them, ``chunk_rows`` rows at a time:
+    [chunk, V] logits at most."""
+    N = hidden_NH.shape[0]
+    dev = hidden_NH.device
+    preds_N = torch.empty(N, dtype=torch.int64, device=dev)
+    with torch.autocast(dev.type, enabled=False):
+        h = hidden_NH.to(head_VH.dtype)
+        for s in range(0, N, chunk_rows):
+            e = min(s + chunk_rows, N)
+            preds_N[s:e] = (h[s:e] @ head_VH.T).float().argmax(dim=-1)
+    return preds_N
+
+
 def position_accuracy(correct_K: Tensor, total_K: Tensor) -> Tensor:
     """float64 [K]: acc_k = correct_k / total_k (NaN where no position k carried loss); sum the
     counts over microbatches and ranks first."""

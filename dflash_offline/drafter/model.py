@@ -35,7 +35,7 @@ from dflash_offline.drafter.attention import (
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.layers import DecoderLayer, RMSNorm, rope_cos_sin
-from dflash_offline.drafter.loss import block_labels, decay_weights, linear_cross_entropy
+from dflash_offline.drafter.loss import block_labels, decay_weights, linear_argmax, linear_cross_entropy
 from dflash_offline.errors import ConfigError, DataError
 
 
@@ -346,6 +346,38 @@ class DFlashDrafter(nn.Module):
             num_blocks=inputs.num_anchors,
             num_loss_tokens=total_K.sum(),
         )
+
+    @torch.no_grad()
+    def block_runs(
+        self, inputs: DrafterInputs, *, attention: AttentionBackend = "auto", chunk_rows: int = 1024
+    ) -> Tensor:
+        """int64 [A]: the leading run of correct positions (0..B−1) of each block of ``inputs`` under the
+        training forward: the drafts a speculative decoder accepts at that anchor when the context is the
+        row's own tokens. Predicted as ``forward_train`` predicts (the LM head ``chunk_rows`` rows at a
+        time, in the autocast dtype under autocast), so the mean over a draw of anchors is its per-block
+        τ − 1; a position past the anchor's document or loss mask counts as wrong.
+
+        The LM head, the largest product here, runs position by position over the blocks still correct
+        so far: Σ (run + 1) rows instead of A·(B−1). Each position waits for the device once."""
+        B = self.config.block_size
+        dev = inputs.anchors_A.device
+        runs_A = torch.zeros(inputs.num_anchors, dtype=torch.int64, device=dev)
+        if inputs.num_anchors == 0:
+            return runs_A
+        hidden_ABH = self.forward_hidden(inputs, attention=attention).view(inputs.num_anchors, B, -1)
+        head_VH = self.lm_head_VH
+        if torch.is_autocast_enabled(dev.type):
+            head_VH = self._head_in(torch.get_autocast_dtype(dev.type))
+        labels = block_labels(inputs.input_ids_T, inputs.loss_mask_T, inputs.doc_ids_T, inputs.anchors_A, B)
+        running = torch.nonzero(labels.valid_AB[:, 1]).flatten()  # blocks whose run may reach position 1
+        for k in range(1, B):
+            if running.numel() == 0:
+                break
+            proposals = linear_argmax(hidden_ABH[running, k], head_VH, chunk_rows=chunk_rows)
+            hit = (proposals == labels.label_ids_AB[running, k]) & labels.valid_AB[running, k]
+            running = running[hit]
+            runs_A[running] += 1
+        return runs_A
 
     def _output_without_blocks(self, dev: torch.device) -> DrafterOutput:
         """The output of a row without anchors: zeros, with a gradient path to every parameter (DDP's
