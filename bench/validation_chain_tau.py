@@ -13,6 +13,9 @@ reports, on the same teacher-forced drafts:
   token, the next one where the previous ended (n ← n + run + 1), until ``--max-new-tokens``; τ = mean
   over cycles of run + 1. ``tests/eval/test_train_eval_agreement.py`` checks that eval accepts exactly
   these runs at these anchors when the context is the cached answer;
+- ``chain_every_turn``: the same rule over the first ``--max-new-tokens`` tokens of every assistant turn:
+  ``dflash train``'s ``val_chain_tau`` with ``--val-chain-tokens`` M, the best export's criterion (the
+  validator draws these blocks from the cached features itself; here they come from the exported drafter);
 - ``chain_all``: the same rule over every assistant turn, whole.
 
 uniform → uniform_first is the positions eval covers; uniform_first → chain_first the anchor selection;
@@ -34,21 +37,8 @@ import torch
 
 from dflash_offline.eval.run import load_drafter_for
 from dflash_offline.target_model.loader import load_target
+from dflash_offline.train.chain_tau import answer_turns, chain_window, walk_chain
 from dflash_offline.train.validation import acceptance_at_every_anchor
-
-
-def turn_starts(mask: list[bool]) -> list[int]:
-    """Positions where an assistant span (loss mask run) begins."""
-    return [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
-
-
-def chain(runs: dict[int, int], start: int, stop: int) -> list[int]:
-    """Eval's cycles over teacher-forced drafts: runs at n = start, n + run + 1, … while n < stop."""
-    cycles, n = [], start
-    while n < stop and n in runs:
-        cycles.append(runs[n])
-        n += runs[n] + 1
-    return cycles
 
 
 def main() -> None:
@@ -72,32 +62,34 @@ def main() -> None:
     per_sample = acceptance_at_every_anchor(
         args.run, model, device=args.device, anchor_chunk=args.anchor_chunk, loader_threads=2
     )
-    uniform, uniform_first, chain_first, chain_all = [], [], [], []
+    uniform, uniform_first, chain_first, chain_every_turn, chain_all = [], [], [], [], []
     M = args.max_new_tokens
     for sample in per_sample.values():
-        runs, mask = sample.accepted_by_position, sample.loss_mask
+        runs = sample.accepted_by_position
         uniform += list(runs.values())
-        starts = turn_starts(mask)
-        if not starts:
+        turns = answer_turns(sample.loss_mask)
+        if not turns:
             continue
-        first = starts[0]
-        # eval's loop runs while fewer than M tokens are out: the first comes from the prefill.
-        uniform_first += [r for n, r in runs.items() if first <= n < first + M - 1]
-        chain_first += chain(runs, first, first + M - 1)
-        for s in starts:
-            end = s
-            while end < len(mask) and mask[end]:
-                end += 1
-            chain_all += chain(runs, s, end)
+        first = chain_window(turns[0], M)
+        uniform_first += [r for n, r in runs.items() if n in first]
+        chain_first += walk_chain(runs, first)
+        for turn in turns:
+            chain_every_turn += walk_chain(runs, chain_window(turn, M))
+            chain_all += walk_chain(runs, turn)
     result = {
         "samples": len(per_sample),
         "max_new_tokens": M,
         "uniform": 1 + float(np.mean(uniform)),
         "uniform_first": 1 + float(np.mean(uniform_first)),
         "chain_first": 1 + float(np.mean(chain_first)),
+        "chain_every_turn": 1 + float(np.mean(chain_every_turn)),
         "chain_all": 1 + float(np.mean(chain_all)),
         "anchors": {"uniform": len(uniform), "uniform_first": len(uniform_first)},
-        "cycles": {"chain_first": len(chain_first), "chain_all": len(chain_all)},
+        "cycles": {
+            "chain_first": len(chain_first),
+            "chain_every_turn": len(chain_every_turn),
+            "chain_all": len(chain_all),
+        },
     }
     print(json.dumps(result, indent=2))
 

@@ -6,6 +6,7 @@ import click
 
 from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options
+from dflash_offline.config_fields import flag
 from dflash_offline.train.config import TrainConfig
 
 
@@ -44,11 +45,13 @@ def train(config: TrainConfig) -> None:
         click.echo(f"tensorboard: tensorboard --logdir {tb_dir}")
     if result.export_dir is not None and result.best_validation_tau is not None:
         click.echo(
-            f"drafter (z-lab DFlash layout): {result.export_dir}, the best validation simulated τ "
-            f"({result.best_validation_tau:.3f}, step {result.best_validation_step}); the last weights: "
+            f"drafter (z-lab DFlash layout): {result.export_dir}, the best validation chain τ "
+            f"({result.best_validation_tau:.3f} over {flag(TrainConfig, 'val_chain_tokens')} "
+            f"{config.val_chain_tokens}, step {result.best_validation_step}); the last weights: "
             f"{config.out_dir / 'drafter-last'}"
         )
         if result.stopped_early:
-            click.echo("stopped early: no better validation τ in --early-stop validations")
+            patience = flag(TrainConfig, "early_stop")
+            click.echo(f"stopped early: no better validation chain τ in {patience} validations")
     elif result.export_dir is not None:
         click.echo(f"drafter (z-lab DFlash layout): {result.export_dir}")

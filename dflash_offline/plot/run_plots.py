@@ -1,7 +1,7 @@
 """Plots of a training run (``RUN/metrics.jsonl``): loss, accuracy per block position, simulated τ,
 throughput. Block position k = 1..B−1 predicts the token k after the anchor. Where the run evaluated
 its validation split (the lines with ``val_*`` fields), the loss and τ figures draw the validation
-curve on the training one."""
+curves on the training one (τ: simulated, per block and eval's chain, which picks RUN/drafter)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from dflash_offline.errors import ConfigError
 from dflash_offline.plot.common import pyplot, save, smooth
 
 METRICS_FILE = "metrics.jsonl"
+
+CHAIN_LABEL = "validation, eval's cycles (chain τ)"
+"""The legend of ``val_chain_tau``: ``dflash eval``'s anchor rule over the first --val-chain-tokens
+answer tokens of each turn, the τ that picks RUN/drafter."""
 
 
 def read_run_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -137,6 +141,9 @@ def plot_tau(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
         ax.plot(val_steps, val_tau, color="tab:red", marker="o", ms=4, lw=1.8, label="validation")
         block_steps, block_tau = _validation(rows, "val_block_tau")
         ax.plot(block_steps, block_tau, color="tab:red", ls="--", lw=1.2, label="validation, per block")
+        chain_steps, chain_tau = _validation(rows, "val_chain_tau")
+        if chain_steps.size:  # runs trained before chain τ existed lack it
+            ax.plot(chain_steps, chain_tau, color="tab:green", marker="s", ms=4, lw=1.8, label=CHAIN_LABEL)
         ax.legend(loc="center right", fontsize=8)
     block = max((len(r.get("acc_by_position") or []) for r in rows), default=0) + 1
     ax.axhline(block, color="grey", ls=":", lw=1)
@@ -146,6 +153,9 @@ def plot_tau(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
     ax.set_ylabel("simulated τ = 1 + Σ_k Π_{i≤k} acc_i")
     last = smooth(tau)[-1]
     best = f", best validation {np.nanmax(val_tau):.2f}" if val_steps.size else ""
+    chain_steps, chain_tau = _validation(rows, "val_chain_tau")
+    if chain_steps.size:
+        best += f", best chain {np.nanmax(chain_tau):.2f} (RUN/drafter)"
     ax.set_title(
         _title(run_dir, "simulated acceptance length")
         + (f"  (smoothed last {last:.2f}{best})" if np.isfinite(last) else "")

@@ -166,15 +166,25 @@ class TrainConfig:
     val_every: int = cli_field(
         200,
         min=1,
-        help="Validate every N steps and at the end: loss, accuracy per position, simulated τ; "
-        "OUT/drafter is the export of the best validation τ, OUT/drafter-last the last weights.",
+        help="Validate every N steps and at the end: loss, accuracy per position, simulated, per-block and "
+        "chain τ; OUT/drafter is the export of the best validation chain τ, OUT/drafter-last the last "
+        "weights.",
     )
+    val_chain_tokens: int = cli_field(
+        256,
+        min=1,
+        help="Validation chain τ (the best export's and --early-stop's criterion) walks `dflash eval`'s "
+        "draft-verify cycles over the first N answer tokens of every assistant turn: as "
+        "`dflash eval --max-new-tokens N` decodes them.",
+    )
+    """Answer tokens per assistant turn that ``val_chain_tau`` covers (train/chain_tau.py): eval's
+    ``--max-new-tokens`` for the τ to compare with ``dflash eval``'s."""
     early_stop: int | None = cli_field(
         None,
         min=1,
-        help="Stop (checkpointed, a clean end) after K validations without a better simulated τ.",
+        help="Stop (checkpointed, a clean end) after K validations without a better validation chain τ.",
     )
-    """Stop after this many validations in a row without a better validation τ (a clean end)."""
+    """Stop after this many validations in a row without a better validation chain τ (a clean end)."""
     compile: bool = cli_field(
         False,
         help="torch.compile the drafter's layers around attention (fused kernels; numbers close to, "

@@ -196,14 +196,15 @@ def _run_training_locked(config: TrainConfig) -> TrainResult | None:
     metrics = read_metrics(metrics_path) if metrics_path.exists() else []
     last = metrics[-1] if metrics else {}
     step = int(last.get("step", 0))  # type: ignore[call-overload]
-    validated = validation_records(metrics)
-    best = max(validated, key=lambda r: float(r["val_simulated_tau"]), default=None)  # type: ignore[arg-type]
+    # The tracker's criterion; lines of a run resumed from before chain τ do not carry it.
+    validated = [r for r in validation_records(metrics) if "val_chain_tau" in r]
+    best = max(validated, key=lambda r: float(r["val_chain_tau"]), default=None)  # type: ignore[arg-type]
     return TrainResult(
         global_step=step,
         total_steps=step,
         final_loss=float(last["loss"]) if "loss" in last else None,  # type: ignore[arg-type]
         export_dir=config.out_dir / "drafter" if config.export_at_end else None,
         seconds=time.perf_counter() - start,
-        best_validation_tau=None if best is None else float(best["val_simulated_tau"]),  # type: ignore[arg-type]
+        best_validation_tau=None if best is None else float(best["val_chain_tau"]),  # type: ignore[arg-type]
         best_validation_step=0 if best is None else int(best["step"]),  # type: ignore[call-overload]
     )

@@ -63,7 +63,7 @@ class TrainResult:
     export_dir: Path | None
     seconds: float
     best_validation_tau: float | None = None
-    """The best validation simulated τ (the export in ``export_dir``); None without validation."""
+    """The best validation chain τ (the export in ``export_dir``); None without validation."""
     best_validation_step: int = 0
     stopped_early: bool = False
     """``--early-stop`` ended the run (after a checkpoint)."""
@@ -331,15 +331,19 @@ def _validation_schedule(
         prefetch=config.prefetch,
         loader_threads=config.loader_threads,
         attention=config.attention,
+        chain_tokens=config.val_chain_tokens,
         autocast=_autocast(config, info),
     )
-    return ValidationSchedule(
+    schedule = ValidationSchedule(
         validator,
         state={} if state is None else state.validation,
         val_every=config.val_every,
         early_stop=config.early_stop,
         best_export_dir=config.out_dir / "drafter" if config.export_at_end and info.is_main else None,
     )
+    if schedule.tracker.restarted is not None and info.is_main:
+        print(f"dflash train: {schedule.tracker.restarted}", file=sys.stderr, flush=True)
+    return schedule
 
 
 def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None) -> bool:
@@ -366,7 +370,7 @@ def _export_at_end(
         return None
     if validation is None:
         return export_drafter(opt.model, config.out_dir / "drafter")
-    # RUN/drafter is the best validation τ's export (written when it was measured).
+    # RUN/drafter is the best validation chain τ's export (written when it was measured).
     export_drafter(opt.model, config.out_dir / "drafter-last")
     return config.out_dir / "drafter"
 

@@ -2,7 +2,8 @@
 and, with a TensorBoard directory, as scalars with these tags:
   train/loss, train/lr, train/grad_norm, train/simulated_tau, train/tokens_per_s, train/step_seconds,
   train/data_wait_fraction, train/acc/pos_01 .. pos_{B−1}       (step = optimizer step)
-  val/loss, val/simulated_tau, val/block_tau, val/acc/pos_01 ..  (steps where validation ran)
+  val/loss, val/simulated_tau, val/block_tau, val/chain_tau, val/acc/pos_01 ..
+                                                                (steps where validation ran)
 
 Shape legend: K = B − 1 block positions that carry loss.
 """
@@ -40,7 +41,13 @@ class ValidationMetrics:
     """1 + Σ_k Π_{i≤k} acc_i of those accuracies (the training metric's definition)."""
     block_tau: float
     """1 + the mean over blocks of the leading run of correct positions (within the document): the
-    acceptance length of the blocks themselves, closest to what ``dflash eval`` measures."""
+    acceptance length of the blocks themselves over every answer position."""
+    chain_tau: float
+    """Mean over cycles of (accepted + 1) of ``dflash eval``'s anchor rule walked over the drafts at every
+    anchor of each turn's first ``--val-chain-tokens`` tokens (train/chain_tau.py): what eval measures
+    where its target reproduces the cached answers (1.0 without a cycle). The best export's criterion."""
+    chain_cycles: int
+    """The cycles ``chain_tau`` averages, over the whole split."""
     num_blocks: int
     num_samples: int
     num_tokens: int
@@ -52,6 +59,8 @@ class ValidationMetrics:
             "val_acc_by_position": self.acc_by_position,
             "val_simulated_tau": self.simulated_tau,
             "val_block_tau": self.block_tau,
+            "val_chain_tau": self.chain_tau,
+            "val_chain_cycles": self.chain_cycles,
             "val_num_blocks": self.num_blocks,
             "val_num_samples": self.num_samples,
             "val_num_tokens": self.num_tokens,
@@ -176,7 +185,12 @@ def step_scalars(metrics: StepMetrics) -> dict[str, float]:
     val = metrics.validation
     if val is not None:
         scalars.update(
-            {"val/loss": val.loss, "val/simulated_tau": val.simulated_tau, "val/block_tau": val.block_tau}
+            {
+                "val/loss": val.loss,
+                "val/simulated_tau": val.simulated_tau,
+                "val/block_tau": val.block_tau,
+                "val/chain_tau": val.chain_tau,
+            }
         )
         for k, acc in enumerate(val.acc_by_position, start=1):
             scalars[f"val/acc/pos_{k:02d}"] = float(acc)

@@ -81,7 +81,7 @@ class StepReporter:
                 "wait": f"{metrics.data_wait_fraction:.1%}",
             }
             if validation is not None:
-                postfix["val_tau"] = f"{validation.simulated_tau:.2f}"
+                postfix["val_chain_tau"] = f"{validation.chain_tau:.2f}"
             self._progress.set_postfix(postfix, refresh=False)
         if self._on_step is not None:
             self._on_step(metrics)

@@ -73,6 +73,7 @@ APPLIED_OPTIONS = (
     "epochs",
     "max_steps",
     "val_every",
+    "val_chain_tokens",
     "early_stop",
 )
 """``TrainConfig`` options a resume takes over (the LR schedule is recomputed from them)."""

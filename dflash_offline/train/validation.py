@@ -8,8 +8,12 @@ rank r evaluates microbatches r, r + world, …; the sums are all-reduced, so th
 split's whatever the world size. Loss and accuracies are pooled exactly as the training step's are
 (Σ w·CE / Σ w, correct / total per position): one number over the whole split, not a mean of means.
 
-``ValidationTracker`` keeps the best τ for the best-drafter export and ``--early-stop``; it is saved in
-every checkpoint, so a resumed run decides as the uninterrupted one would have.
+Each microbatch is also run with a block at every anchor of its turns' first ``--val-chain-tokens``
+tokens, and ``dflash eval``'s anchor rule walks those drafts (train/chain_tau.py): ``val_chain_tau``, the
+τ eval would measure where its target reproduces the cached answers. The uniform draw overstates it (late
+answer positions are easier, and eval's anchors sit right after a rejection), so
+``ValidationTracker`` keeps the best chain τ for the best-drafter export and ``--early-stop``; it is saved
+in every checkpoint, so a resumed run decides as the uninterrupted one would have.
 
 ``acceptance_at_every_anchor`` runs the same forward over a finished run's split with a block at every
 eligible anchor instead of a draw: what each block drafts correctly, where eval's cycles would start.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +31,15 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.reader import CacheReader
+from dflash_offline.config_fields import flag
 from dflash_offline.drafter.anchors import eligible_anchor_mask
 from dflash_offline.drafter.attention import AttentionBackend
-from dflash_offline.drafter.loss import block_labels
 from dflash_offline.drafter.model import DFlashDrafter
-from dflash_offline.errors import ConfigError
+from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
+from dflash_offline.train.chain_tau import block_runs_at, row_chain_cycles
+from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.dist import all_reduce_sum
 from dflash_offline.train.metrics import StepAccumulator, ValidationMetrics
 from dflash_offline.train.microbatch import (
     AnchorRequest,
@@ -107,9 +114,12 @@ class Validator:
         prefetch: int,
         loader_threads: int,
         attention: AttentionBackend,
+        chain_tokens: int,
         autocast: contextlib.AbstractContextManager[Any] | None = None,
     ) -> None:
+        """``chain_tokens``: the answer tokens per turn that chain τ covers (eval's --max-new-tokens)."""
         self.snapshot = snapshot
+        self.chain_tokens = chain_tokens
         self._reader = reader
         self._info = info
         self._prefetch = prefetch
@@ -128,6 +138,7 @@ class Validator:
         """The split's metrics for ``model`` now (every rank must call it: the sums are all-reduced)."""
         block_size = model.config.block_size
         accumulator = StepAccumulator(block_size, self._info.device)
+        chain_tokens = chain_cycles = 0
         with Prefetcher(
             self._reader,
             validation_jobs(self.snapshot, self._mine),
@@ -140,31 +151,59 @@ class Validator:
             for batch in prefetcher:
                 with self._autocast:
                     accumulator.add(model(batch.inputs, attention=self._attention))
+                    # As many blocks per forward as a training microbatch holds: its memory bound.
+                    chain = row_chain_cycles(
+                        model,
+                        batch.inputs,
+                        max_new_tokens=self.chain_tokens,
+                        attention=self._attention,
+                        anchor_chunk=model.config.num_anchors,
+                    )
+                chain_tokens += chain.tokens
+                chain_cycles += chain.num_cycles
         totals = accumulator.reduce(self._info)
+        chain_sums = all_reduce_sum(
+            torch.tensor([chain_tokens, chain_cycles], dtype=torch.float64, device=self._info.device),
+            self._info,
+        ).tolist()
         return ValidationMetrics(
             step=step,
             loss=totals.loss,
             acc_by_position=totals.acc_by_position,
             simulated_tau=totals.simulated_tau,
             block_tau=totals.block_tau,
+            chain_tau=chain_sums[0] / chain_sums[1] if chain_sums[1] > 0 else 1.0,
+            chain_cycles=int(chain_sums[1]),
             num_blocks=totals.num_blocks,
             num_samples=len(self.snapshot),
             num_tokens=self.snapshot.total_tokens,
         )
 
 
-class ValidationTracker:
-    """The best validation τ so far and the evaluations since (for the best export and early stop)."""
+TRACKER_STATE_VERSION = 2
+"""``ValidationTracker.state_dict``'s version: 2 tracks chain τ; 1 (before it) tracked simulated τ."""
 
-    def __init__(self) -> None:
+
+class ValidationTracker:
+    """The best validation chain τ so far and the evaluations since (for the best export and early stop).
+
+    Chain τ over ``chain_tokens`` answer tokens per turn is the criterion (module docstring). A checkpoint
+    tracking another one (simulated τ, before chain τ existed, or chain τ over another
+    ``--val-chain-tokens``) holds a best of other units: its state is set aside and the next evaluation
+    is the best so far (``restarted`` says why)."""
+
+    def __init__(self, *, chain_tokens: int) -> None:
+        self.chain_tokens = chain_tokens
         self.best_tau: float | None = None
         self.best_step = 0
         self.evals_since_best = 0
+        self.restarted: str | None = None
+        """Why a resumed state was set aside (None: restored, or a fresh run)."""
 
     def update(self, metrics: ValidationMetrics) -> bool:
-        """Record an evaluation; True when its simulated τ is the best so far (strictly)."""
-        if self.best_tau is None or metrics.simulated_tau > self.best_tau:
-            self.best_tau, self.best_step, self.evals_since_best = metrics.simulated_tau, metrics.step, 0
+        """Record an evaluation; True when its chain τ is the best so far (strictly)."""
+        if self.best_tau is None or metrics.chain_tau > self.best_tau:
+            self.best_tau, self.best_step, self.evals_since_best = metrics.chain_tau, metrics.step, 0
             return True
         self.evals_since_best += 1
         return False
@@ -174,7 +213,8 @@ class ValidationTracker:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": 1,
+            "version": TRACKER_STATE_VERSION,
+            "chain_tokens": self.chain_tokens,
             "best_tau": self.best_tau,
             "best_step": self.best_step,
             "evals_since_best": self.evals_since_best,
@@ -182,6 +222,20 @@ class ValidationTracker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:  # a fresh run: nothing to restore
+            return
+        version = state.get("version")
+        if version not in (1, TRACKER_STATE_VERSION):
+            raise ResumeError(
+                f"the checkpoint's validation tracker has version {version!r}, this dflash-offline reads "
+                f"{TRACKER_STATE_VERSION}; train into a new {flag(TrainConfig, 'out_dir')} directory"
+            )
+        tracked = "simulated τ" if version == 1 else f"chain τ over {state['chain_tokens']} tokens per turn"
+        if version == 1 or int(state["chain_tokens"]) != self.chain_tokens:
+            self.restarted = (
+                f"the checkpoint's best validation {tracked} (step {int(state['best_step'])}) is not "
+                f"comparable with chain τ over {self.chain_tokens} tokens: the next validation starts the "
+                "best export and the early-stop count afresh"
+            )
             return
         self.best_tau = None if state["best_tau"] is None else float(state["best_tau"])
         self.best_step = int(state["best_step"])
@@ -204,7 +258,7 @@ class ValidationSchedule:
         """``state``: the tracker's state from the checkpoint resumed ({} when fresh);
         ``best_export_dir``: where the best drafter is exported (None: nowhere, e.g. on other ranks)."""
         self.validator = validator
-        self.tracker = ValidationTracker()
+        self.tracker = ValidationTracker(chain_tokens=validator.chain_tokens)
         self.tracker.load_state_dict(state)
         self._val_every = val_every
         self._early_stop = early_stop
@@ -214,7 +268,7 @@ class ValidationSchedule:
         return global_step % self._val_every == 0 or global_step == total_steps
 
     def run(self, model: DFlashDrafter, global_step: int) -> ValidationMetrics:
-        """Evaluate (every rank must), and export the drafter when its τ is the best so far."""
+        """Evaluate (every rank must), and export the drafter when its chain τ is the best so far."""
         metrics = self.validator.evaluate(model, global_step)
         if self.tracker.update(metrics) and self._best_export_dir is not None:
             from dflash_offline.drafter.export import export_drafter
@@ -228,7 +282,7 @@ class ValidationSchedule:
     def stop_reason(self) -> str:
         t = self.tracker
         return (
-            f"early stop: {t.evals_since_best} validations without a better simulated τ than "
+            f"early stop: {t.evals_since_best} validations without a better chain τ than "
             f"{t.best_tau:.4f} (step {t.best_step}, the export in OUT/drafter)"
         )
 
@@ -292,7 +346,7 @@ def _acceptance(
     batch: PackedMicrobatch, model: DFlashDrafter, *, attention: AttentionBackend, anchor_chunk: int | None
 ) -> dict[str, AnchorAcceptance]:
     """``acceptance_at_every_anchor`` of one microbatch's samples."""
-    inputs, block = batch.inputs, model.config.block_size
+    inputs = batch.inputs
     ids, starts = batch.plan.sample_ids, batch.cu_seqlens_D1.tolist()
     out = {
         sample_id: AnchorAcceptance(
@@ -302,17 +356,11 @@ def _acceptance(
         )
         for d, sample_id in enumerate(ids)
     }
-    chunk = anchor_chunk or max(inputs.num_anchors, 1)
-    for c in range(0, inputs.num_anchors, chunk):
-        anchors_A = inputs.anchors_A[c : c + chunk]
-        hidden_QH = model.forward_hidden(
-            replace(inputs, anchors_A=anchors_A, loss_rows_N=None), attention=attention
-        )
-        proposals_AB = (hidden_QH.view(len(anchors_A), block, -1) @ model.lm_head_VH.T).argmax(-1)
-        labels = block_labels(inputs.input_ids_T, inputs.loss_mask_T, inputs.doc_ids_T, anchors_A, block)
-        correct_AK = ((proposals_AB == labels.label_ids_AB) & labels.valid_AB)[:, 1:]
-        accepted_A = correct_AK.to(torch.int64).cumprod(dim=1).sum(dim=1)
-        for a, accepted in zip(anchors_A.tolist(), accepted_A.tolist(), strict=True):
-            sample = out[ids[int(inputs.doc_ids_T[a])]]
-            sample.accepted_by_position[int(inputs.positions_T[a])] = accepted
+    anchors_A = inputs.anchors_A
+    runs_A = block_runs_at(
+        model, inputs, anchors_A, attention=attention, anchor_chunk=anchor_chunk or max(len(anchors_A), 1)
+    )
+    for a, accepted in zip(anchors_A.tolist(), runs_A.tolist(), strict=True):
+        sample = out[ids[int(inputs.doc_ids_T[a])]]
+        sample.accepted_by_position[int(inputs.positions_T[a])] = accepted
     return out

@@ -87,7 +87,10 @@ def test_plot_run_draws_the_validation_curve_on_the_training_one(
     for line in lines:
         if line["step"] in val_steps:
             line.update(
-                val_loss=9.0 - line["step"] / 10, val_simulated_tau=1 + line["step"] / 30, val_block_tau=1.5
+                val_loss=9.0 - line["step"] / 10,
+                val_simulated_tau=1 + line["step"] / 30,
+                val_block_tau=1.5,
+                val_chain_tau=1 + line["step"] / 60,
             )
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     drawn: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
@@ -109,6 +112,7 @@ def test_plot_run_draws_the_validation_curve_on_the_training_one(
     assert len(loss["loss"][0]) == 30  # the training curve is there too
     assert tau["validation"] == (val_steps, [1 + s / 30 for s in val_steps])
     assert tau["validation, per block"] == (val_steps, [1.5, 1.5, 1.5])
+    assert tau[run_plots.CHAIN_LABEL] == (val_steps, [1 + s / 60 for s in val_steps])
     assert len(tau["training batches"][0]) == 30
 
 

@@ -45,7 +45,19 @@ def features(local_T: np.ndarray) -> torch.Tensor:
     return feats.reshape(n, -1)
 
 
-def write_cache(root: Path, *, zero_features: bool, num_samples: int = 400, seed: int = 0) -> Path:
+def write_cache(
+    root: Path,
+    *,
+    zero_features: bool,
+    num_samples: int = 400,
+    seed: int = 0,
+    two_turns: bool = False,
+    common_token_share: float = 0.0,
+) -> Path:
+    """A cache of ``num_samples`` i.i.d. token sequences: one "prompt" token, then the "answer" (with
+    ``two_turns``, two answers: two "user" tokens in the middle carry no loss). ``common_token_share``:
+    the share of positions that hold token 0 instead of a uniform draw (a drafter learns to propose it
+    within a few steps, so that its blocks accept runs of every length)."""
     fp = CacheFingerprint(
         target_id="synthetic",
         weights_hash="0" * 16,
@@ -67,9 +79,12 @@ def write_cache(root: Path, *, zero_features: bool, num_samples: int = 400, seed
         for i in range(num_samples):
             n = int(rng.integers(MIN_LEN, MAX_LEN + 1))
             local = rng.integers(0, TOKENS, n)  # i.i.d.: without the features nothing is predictable
+            local[rng.random(n) < common_token_share] = 0
             feats = features(local) * (0.0 if zero_features else 1.0)
             mask = np.zeros(n, dtype=np.uint8)
             mask[1:] = 1  # a short "prompt", then the "answer"
+            if two_turns:
+                mask[n // 2 : n // 2 + 2] = 0
             writer.add(
                 SampleToWrite(
                     sample_id=f"learn:{i:04d}",

@@ -54,6 +54,7 @@ CHANGES: list[tuple[str, Any, str, str]] = [
     ("epochs", 9, ANNOUNCED, "--epochs"),
     ("max_steps", 30, ANNOUNCED, "--max-steps"),
     ("val_every", 5, ANNOUNCED, "--val-every"),
+    ("val_chain_tokens", 64, ANNOUNCED, "--val-chain-tokens"),
     ("early_stop", 3, ANNOUNCED, "--early-stop"),
     ("final_norm_init", 0.1, FREE, ""),
     ("autocast", "off", FREE, ""),

@@ -105,6 +105,8 @@ def test_validation_fields_go_to_val_tags(tmp_path: Path) -> None:
                 acc_by_position=acc,
                 simulated_tau=1.0 + float(np.sum(np.cumprod(acc))),
                 block_tau=1.0 + float(rng.random()),
+                chain_tau=1.0 + float(rng.random()),
+                chain_cycles=17,
                 num_blocks=40,
                 num_samples=3,
                 num_tokens=500,
@@ -117,7 +119,7 @@ def test_validation_fields_go_to_val_tags(tmp_path: Path) -> None:
     for m in lines:
         if "val_loss" not in m:
             continue
-        for name in ("loss", "simulated_tau", "block_tau"):
+        for name in ("loss", "simulated_tau", "block_tau", "chain_tau"):
             expected.setdefault(f"val/{name}", []).append((m["step"], m[f"val_{name}"]))  # type: ignore[arg-type]
         for k, a in enumerate(m["val_acc_by_position"], start=1):  # type: ignore[arg-type]
             expected.setdefault(f"val/acc/pos_{k:02d}", []).append((m["step"], a))  # type: ignore[arg-type]

@@ -248,15 +248,16 @@ def _assert_same_weights(export: Path, checkpoint: Path) -> None:
 
 
 def test_best_export_and_early_stop(cache: Path, tmp_path: Path) -> None:
-    """RUN/drafter holds the weights of the best validation τ's step (RUN/drafter-last the last step's);
-    --early-stop K ends the run K validations after its best, checkpointed, and a rerun trains nothing."""
+    """RUN/drafter holds the weights of the best validation chain τ's step (RUN/drafter-last the last
+    step's); --early-stop K ends the run K validations after its best, checkpointed, and a rerun trains
+    nothing."""
     full = tmp_path / "full"
     steps = 14
     config = _config(cache, full, max_steps=steps, val_every=1, checkpoint_every=1, keep_checkpoints=100)
     result = run_training(config)
     assert result is not None
     records = validation_records(read_metrics(full / "metrics.jsonl"))  # type: ignore[arg-type]
-    taus = [float(r["val_simulated_tau"]) for r in records]  # type: ignore[arg-type]
+    taus = [float(r["val_chain_tau"]) for r in records]  # type: ignore[arg-type]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     best_step = 1 + int(np.argmax(taus))  # the first of equal maxima: an improvement must be strict
     assert result.best_validation_step == best_step
