@@ -19,6 +19,7 @@ from dflash_offline.cache.reader import CacheReader
 from dflash_offline.drafter.export import load_exported_drafter
 from dflash_offline.errors import ResumeError
 from dflash_offline.train import loop
+from dflash_offline.train.chain_tau import answer_turns, chain_window, walk_chain
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.launch import run_training
@@ -31,6 +32,23 @@ from tests.train.learnable_task import write_cache as learnability_cache
 CHAIN_TOKENS = 5
 """--val-chain-tokens of the runs here: shorter than most turns of the two-turn cache (3 to 11 answer
 tokens each), longer than some."""
+
+
+def test_turns_windows_and_the_walk_on_a_hand_made_sample() -> None:
+    """Two prompt tokens, a 7-token answer, a user token, a 3-token answer; runs written out by hand."""
+    mask = [False, False] + [True] * 7 + [False] + [True] * 3
+    first, second = answer_turns(mask)
+    assert (first, second) == (range(2, 9), range(10, 13))
+    runs = {2: 1, 3: 0, 4: 2, 5: 0, 6: 0, 7: 1, 10: 0, 11: 1}  # an anchor needs a next answer token
+    # eval --max-new-tokens M: the prefill gives the answer's first token, cycles follow while < M out.
+    assert walk_chain(runs, chain_window(first, 1)) == []  # the prefill's token is all
+    assert walk_chain(runs, chain_window(first, 2)) == [1]  # 1 + 2 tokens
+    assert walk_chain(runs, chain_window(first, 4)) == [1, 2]  # 3, then 6 tokens: the last block overruns
+    assert walk_chain(runs, first) == [1, 2, 1]  # positions 2, 4, 7; then 9 ends the turn
+    assert walk_chain(runs, chain_window(first, 100)) == [1, 2, 1]
+    assert walk_chain(runs, chain_window(second, 256)) == [0, 1]
+    # In a packed row, a turn ends where its document does.
+    assert answer_turns([True] * 4 + [False], doc_ids=[0, 0, 1, 1, -1]) == [range(0, 2), range(2, 4)]
 
 
 def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
