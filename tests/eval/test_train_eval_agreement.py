@@ -1,4 +1,4 @@
-"""Train's validation τ and ``dflash eval``'s measured τ agree on the same records, end to end.
+"""Train's validation chain τ and ``dflash eval``'s measured τ are equal on the same records, end to end.
 
 The production chain on the random:tiny target: ``dflash regenerate`` writes the target's own greedy
 answers to a few prompts, ``dflash generate`` caches them, ``dflash train`` trains a drafter on them
@@ -21,9 +21,14 @@ mask token one id off, block positions one off, or context features written one 
 2 to 29 cycles differ. A memorised drafter is the wrong probe: 100 steps gave simulated τ 4.0 and eval
 τ 4.0 (B = 4), and it still drafted every block whole with the wrong mask token.
 
-Excluded from the per-cycle comparison (and counted): a cycle whose block runs past the answer's cached
-tokens. Eval verifies those drafts against the target's own continuation past ``--max-new-tokens``; the
-cache ends the answer there with the template's end-of-turn token, so the two see different labels there.
+Train's ``val_chain_tau`` walks eval's anchor rule over the same teacher-forced drafts, so with
+``--val-chain-tokens`` = eval's ``--max-new-tokens`` it equals eval's measured τ, and its cycle count eval's,
+exactly. That needs the cached answers to cover every block eval verifies: eval's last cycle may draft up
+to B − 1 tokens past ``--max-new-tokens`` and verifies them against the target's own continuation, where a
+cache cut at ``--max-new-tokens`` holds the end-of-turn token instead. Regenerate therefore writes B more
+tokens than eval decodes, and no cycle is excluded. The prompts are one user turn each, so eval's
+``--turns all`` (the validation τ's every turn) decodes the same as ``--turns first``; a second turn would
+follow eval's answer cut at ``--max-new-tokens`` in eval and the longer cached answer in the cache.
 """
 
 from __future__ import annotations
@@ -58,8 +63,10 @@ tokens are not always the tokenizer's own split of their text (regenerate writes
 and the cache holds those, ``tests/regenerate/test_answer_ids.py``; this test keeps to answers where
 both agree)."""
 NEW_TOKENS = 24
-"""Regenerate's and eval's --max-new-tokens."""
+"""Eval's --max-new-tokens and train's --val-chain-tokens."""
 BLOCK = 4
+REGENERATED_TOKENS = NEW_TOKENS + BLOCK
+"""Regenerate's --max-new-tokens: the cached answers cover every block of eval's last cycle."""
 VAL_FRACTION = 0.5
 STEPS = 80
 
@@ -109,7 +116,7 @@ def test_eval_tau_equals_the_training_forward_at_evals_anchors(
             target="random:tiny",
             data=str(prompts),
             out=answers,
-            max_new_tokens=NEW_TOKENS,
+            max_new_tokens=REGENERATED_TOKENS,
             batch_size=2 * len(PROMPTS),
             decontaminate=False,
             progress=False,
@@ -143,6 +150,7 @@ def test_eval_tau_equals_the_training_forward_at_evals_anchors(
             checkpoint_every=10 * STEPS,
             val_group="root-id",
             val_fraction=VAL_FRACTION,
+            val_chain_tokens=NEW_TOKENS,
             loader_threads=1,
             tensorboard=False,
         )
@@ -164,6 +172,7 @@ def test_eval_tau_equals_the_training_forward_at_evals_anchors(
             target="random:tiny",
             drafter_dir=run / "drafter",
             bench=("validation",),
+            turns="all",
             max_new_tokens=NEW_TOKENS,
             device="cpu",
             warmup=False,
@@ -183,7 +192,6 @@ def test_eval_tau_equals_the_training_forward_at_evals_anchors(
     assert len(every_run) == validation["val_num_blocks"]
     assert 1 + np.mean(every_run) == pytest.approx(validation["val_block_tau"], abs=1e-12)
 
-    compared = past_the_answer = 0
     eval_accepted: list[int] = []
     for prompt, (prompt_ids, result) in zip(report.prompts, decoded, strict=True):
         ids, P = cached[prompt.sample_id], len(prompt_ids)
@@ -192,19 +200,20 @@ def test_eval_tau_equals_the_training_forward_at_evals_anchors(
         assert ids[P : P + len(result.tokens)] == list(result.tokens), f"{prompt.record_id}: answer differs"
         assert len(result.tokens) == NEW_TOKENS
         assert prompt.tau == result.tau
+        assert len(ids) > P + REGENERATED_TOKENS  # the whole regenerated answer is cached
         n = P
         for cycle, accepted in enumerate(result.accepted_per_cycle):
-            if n + BLOCK - 1 < P + NEW_TOKENS:
-                expected = runs[prompt.sample_id][n]
-                assert accepted == expected, f"{prompt.record_id} cycle {cycle} at answer token {n - P}"
-                compared += 1
-            else:
-                past_the_answer += 1
+            assert n + BLOCK - 1 < P + REGENERATED_TOKENS  # every block's labels are cached answer tokens
+            expected = runs[prompt.sample_id][n]
+            assert accepted == expected, f"{prompt.record_id} cycle {cycle} at answer token {n - P}"
             eval_accepted.append(accepted)
             n += accepted + 1
     eval_tau = 1 + float(np.mean(eval_accepted))
     assert eval_tau == pytest.approx(report.mean.tau)
-    assert compared >= 4 * len(PROMPTS)
+    assert len(eval_accepted) >= 4 * len(PROMPTS)
+    # Train's own number, computed by the validator over the cached features: eval's τ, cycle for cycle.
+    assert validation["val_chain_cycles"] == len(eval_accepted)
+    assert validation["val_chain_tau"] == pytest.approx(eval_tau, abs=1e-12)
     # Trained, not saturated: a drafter that drafts every block whole would hide a small mismatch (a
     # memorised drafter still drafts right with a wrong mask token), so some cycles must accept part.
     partial = sum(0 < a < BLOCK - 1 for a in eval_accepted)
