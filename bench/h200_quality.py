@@ -2,8 +2,9 @@
 regenerate bench → regenerate (the target's own answers) → generate caches → train variants concurrently
 → export → eval on MT-Bench, HumanEval and held-out ShareGPT (and, with ``--chat-eval-args``, a second eval
 beside it: e.g. every turn of held-out ShareGPT and of the run's own validation records) → optional
-benches. Each variant's report puts its best validation τ (``dflash train``'s held-out split; RUN/drafter
-is that step's export, the drafter eval runs) beside eval's τ per question set and per turn (1, 2, 3+).
+benches. Each variant's report puts its best validation chain τ (``dflash train``'s held-out split walked
+with eval's anchor rule over each turn's first ``--val-chain-tokens``; RUN/drafter is that step's export,
+the drafter eval runs) beside eval's τ per question set and per turn (1, 2, 3+).
 Run detached (setsid) and follow its log; everything it learns goes to ``--report`` as few files (a GPU
 machine may hand back only a few):
 ``summary.md``, ``summary.json`` and ``logs.txt`` (the tail of every stage's log).
@@ -181,18 +182,26 @@ class Report:
                 )
             for row in v.get("validation", []):
                 acc = " ".join(f"{a:.2f}" for a in row["acc"][:6])
+                chain = "" if row.get("chain_tau") is None else f"chain τ {row['chain_tau']:.2f}, "
                 out.append(
-                    f"- validation at step {row['step']}: loss {row['loss']:.3f}, "
+                    f"- validation at step {row['step']}: loss {row['loss']:.3f}, {chain}"
                     f"simulated τ {row['tau']:.2f}, per-block τ {row['block_tau']:.2f}, acc[1..6] {acc}"
                 )
             if "tau_compare" in v:
                 c = v["tau_compare"]
                 sets = ", ".join(f"{k} {t:.2f}" for k, t in c["eval_sets"].items() if t is not None)
                 if c["validation_tau"] is not None and c["eval_mean"] is not None:
+                    chain, tau = c.get("validation_chain_tau"), c["validation_tau"]
+                    # Chain τ (eval's anchor rule, RUN/drafter's criterion) beside eval's τ; runs before it
+                    # have the simulated τ alone.
+                    val = (
+                        f"validation {tau:.2f} (per block"
+                        if chain is None
+                        else f"validation chain {chain:.2f} (simulated {tau:.2f}, per block"
+                    )
                     out.append(
-                        f"- **τ: validation {c['validation_tau']:.2f} (per block "
-                        f"{c['validation_block_tau']:.2f}, step {c['validation_step']}, RUN/drafter) vs eval "
-                        f"{c['eval_mean']:.2f} ({sets})**"
+                        f"- **τ: {val} {c['validation_block_tau']:.2f}, step {c['validation_step']}, "
+                        f"RUN/drafter) vs eval {c['eval_mean']:.2f} ({sets})**"
                     )
                 else:
                     out.append(f"- τ: validation {c['validation_tau']} vs eval {c['eval_mean']}")
@@ -240,6 +249,7 @@ def validation_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "loss": r["val_loss"],
             "tau": r["val_simulated_tau"],
             "block_tau": r["val_block_tau"],
+            "chain_tau": r.get("val_chain_tau"),  # absent from runs before chain τ
             "acc": r["val_acc_by_position"],
         }
         for r in rows
@@ -269,15 +279,22 @@ def tau_by_turn(prompts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def tau_compare(v: dict[str, Any]) -> dict[str, Any]:
-    """The best validation τ (the drafter eval ran: RUN/drafter) beside eval's τ per set (both evals)."""
+    """The best validation τ (the drafter eval ran: RUN/drafter, chosen by chain τ; by simulated τ in runs
+    before it) beside eval's τ per set (both evals)."""
     val = v.get("validation") or []
-    best = max(val, key=lambda r: r["tau"]) if val else None
+    chained = [r for r in val if r.get("chain_tau") is not None]
+    best = (
+        max(chained, key=lambda r: r["chain_tau"])
+        if chained
+        else max(val, key=lambda r: r["tau"], default=None)
+    )
     ev = v.get("eval") or {}
     sets = {s.get("name") or f"set{i}": s.get("tau") for i, s in enumerate(ev.get("sets") or [])}
     chat = v.get("chat_eval") or {}
     chat_sets = {f"{s.get('name')} (all turns)": s.get("tau") for s in chat.get("sets") or []}
     return {
         "validation_tau": None if best is None else best["tau"],
+        "validation_chain_tau": None if best is None else best.get("chain_tau"),
         "validation_block_tau": None if best is None else best["block_tau"],
         "validation_step": None if best is None else best["step"],
         "eval_sets": {**sets, **chat_sets},
@@ -370,6 +387,16 @@ def save_answers_parts(answers: Path, out: Path, part_mib: float, max_parts: int
     for part in parts:
         part["bytes"] = (out / part["file"]).stat().st_size
     return parts
+
+
+def chain_tokens_of(eval_args: str) -> list[str]:
+    """Train's ``--val-chain-tokens`` = this eval's ``--max-new-tokens``, so that the validation chain τ
+    covers what eval decodes (none when the eval leaves it at its default; a variant's flags may still
+    set it: the last occurrence wins)."""
+    argv = shlex.split(eval_args)
+    if "--max-new-tokens" not in argv:
+        return []
+    return ["--val-chain-tokens", argv[argv.index("--max-new-tokens") + 1]]
 
 
 def reads_data(eval_args: str) -> bool:
@@ -599,6 +626,7 @@ def main() -> None:
                 str(run),
                 "--target",
                 args.target,
+                *chain_tokens_of(args.eval_args),
                 *shlex.split(args.train_args),
                 *shlex.split(flags),
                 "--max-steps",
