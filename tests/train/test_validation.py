@@ -330,7 +330,8 @@ def test_resume_keeps_the_split_and_refuses_another(cache: Path, tmp_path: Path)
 @pytest.mark.timeout(600)
 def test_two_ddp_cpu_processes_validate_the_same_split_as_one(cache: Path, tmp_path: Path) -> None:
     """Each rank evaluates its part, the sums are reduced: the same metrics as one process (the blocks
-    counted once: a rank evaluating everything, or nothing, would change val_num_blocks)."""
+    and chain cycles counted once: a rank evaluating everything, or nothing, would change
+    val_num_blocks and val_chain_cycles)."""
     common = {"max_steps": 4, "val_every": 2, "optimizer": "sgd", "lr": 0.05, "export_at_end": False}
     one, two = tmp_path / "one", tmp_path / "two"
     run_training(_config(cache, one, grad_accum=2, **common))  # type: ignore[arg-type]
@@ -343,3 +344,5 @@ def test_two_ddp_cpu_processes_validate_the_same_split_as_one(cache: Path, tmp_p
         assert x["val_num_samples"] == y["val_num_samples"]
         assert float(x["val_loss"]) == pytest.approx(float(y["val_loss"]), rel=1e-5)  # type: ignore[arg-type]
         assert x["val_acc_by_position"] == pytest.approx(y["val_acc_by_position"], abs=1e-9)
+        assert x["val_chain_cycles"] == y["val_chain_cycles"]
+        assert float(x["val_chain_tau"]) == pytest.approx(float(y["val_chain_tau"]), rel=1e-9)  # type: ignore[arg-type]
