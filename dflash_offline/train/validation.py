@@ -138,7 +138,7 @@ class Validator:
         """The split's metrics for ``model`` now (every rank must call it: the sums are all-reduced)."""
         block_size = model.config.block_size
         accumulator = StepAccumulator(block_size, self._info.device)
-        chain_tokens = chain_cycles = 0
+        chain_sum = chain_cycles = 0  # Σ (run + 1) over this rank's cycles, and their count
         with Prefetcher(
             self._reader,
             validation_jobs(self.snapshot, self._mine),
@@ -159,11 +159,11 @@ class Validator:
                         attention=self._attention,
                         anchor_chunk=model.config.num_anchors,
                     )
-                chain_tokens += chain.tokens
+                chain_sum += chain.tokens
                 chain_cycles += chain.num_cycles
         totals = accumulator.reduce(self._info)
         chain_sums = all_reduce_sum(
-            torch.tensor([chain_tokens, chain_cycles], dtype=torch.float64, device=self._info.device),
+            torch.tensor([chain_sum, chain_cycles], dtype=torch.float64, device=self._info.device),
             self._info,
         ).tolist()
         return ValidationMetrics(
