@@ -79,7 +79,8 @@ def write_cache(
         for i in range(num_samples):
             n = int(rng.integers(MIN_LEN, MAX_LEN + 1))
             local = rng.integers(0, TOKENS, n)  # i.i.d.: without the features nothing is predictable
-            local[rng.random(n) < common_token_share] = 0
+            if common_token_share:  # drawn only when asked: the default keeps other tests' calibrated stream
+                local[rng.random(n) < common_token_share] = 0
             feats = features(local) * (0.0 if zero_features else 1.0)
             mask = np.zeros(n, dtype=np.uint8)
             mask[1:] = 1  # a short "prompt", then the "answer"
