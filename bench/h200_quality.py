@@ -29,6 +29,7 @@ import gzip
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -543,7 +544,7 @@ def main() -> None:
                     open(partial, "rb") as src,
                     gzip.open(args.report / "answers-partial.jsonl.gz", "wb") as dst,
                 ):
-                    dst.write(src.read())
+                    shutil.copyfileobj(src, dst)
 
         keeper = threading.Thread(target=keep_answers, daemon=True)
         keeper.start()
