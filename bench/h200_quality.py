@@ -390,6 +390,21 @@ def save_answers_parts(answers: Path, out: Path, part_mib: float, max_parts: int
     return parts
 
 
+def concatenate_answers(parts: list[Path], out: Path) -> int:
+    """Writes the chat JSONL files (plain or gzipped) one after the other into ``out``; returns the number
+    of lines taken from all but the first."""
+    extra = 0
+    with open(out, "wb") as dst:
+        for i, part in enumerate(parts):
+            opener = gzip.open if part.suffix == ".gz" else open
+            with opener(part, "rb") as src:
+                for line in src:
+                    if line.strip():
+                        dst.write(line if line.endswith(b"\n") else line + b"\n")
+                        extra += i > 0
+    return extra
+
+
 def chain_tokens_of(eval_args: str) -> list[str]:
     """Train's ``--val-chain-tokens`` = this eval's ``--max-new-tokens``, so that the validation chain τ
     covers what eval decodes (none when the eval leaves it at its default; a variant's flags may still
@@ -429,6 +444,21 @@ def main() -> None:
     ap.add_argument("--regen-bench-s", type=float, default=200)
     ap.add_argument("--regen-args", default="--max-new-tokens 512 --max-prompt-tokens 1024")
     ap.add_argument("--regen-limit", type=int, default=11000)
+    ap.add_argument(
+        "--regen-skip",
+        type=int,
+        default=0,
+        help="records of --data that regenerate skips (answered by an earlier run with other settings, "
+        "passed as --extra-answers); the held-out eval prompts start after them and the new answers",
+    )
+    ap.add_argument(
+        "--extra-answers",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="chat JSONL(.gz) of an earlier run's regenerated conversations (other settings: not resumed): "
+        "cached and trained on beside this run's answers",
+    )
     ap.add_argument("--regen-s", type=float, default=300)
     ap.add_argument(
         "--answers-part-mib",
@@ -494,6 +524,8 @@ def main() -> None:
             args.target,
             "--data",
             args.data,
+            "--skip",
+            str(args.regen_skip),
             "--limit",
             str(args.regen_limit),
             *shlex.split(args.regen_args),
@@ -552,7 +584,12 @@ def main() -> None:
         report.note("no regenerated answers: stopping")
         return
 
-    # 3. caches, concurrently.
+    # 3. caches, concurrently: this run's answers and any earlier run's (--extra-answers).
+    train_data = answers
+    if args.extra_answers:
+        train_data = work / "train-data.jsonl"
+        n_extra = concatenate_answers([answers, *args.extra_answers], train_data)
+        report.note(f"training data: {n_answers} conversations of this run + {n_extra} of --extra-answers")
     caches: dict[str, Path] = {}
     gens = []
     for codec in [c for c in args.codecs.split(",") if c]:
@@ -569,7 +606,7 @@ def main() -> None:
                     "--target",
                     args.target,
                     "--data",
-                    str(answers),
+                    str(train_data),
                     *shlex.split(args.gen_args),
                     *codec_args,
                     *dev,
@@ -698,7 +735,9 @@ def main() -> None:
 
     # 5. eval every variant concurrently (batch 1 is latency-bound; the speeds are measured side by side).
     evals = []
-    held_out = ["--data", args.data, "--skip", str(n_answers)]
+    # Held-out prompts start after the records regenerate read (at least): --exclude-cache then drops any
+    # the cache holds all the same.
+    held_out = ["--data", args.data, "--skip", str(args.regen_skip + n_answers)]
     kinds = [("eval", args.eval_args)] + ([("chat_eval", args.chat_eval_args)] if args.chat_eval_args else [])
     for name in trains:
         drafter = work / f"run-{name}" / "drafter"

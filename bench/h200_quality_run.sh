@@ -15,6 +15,11 @@
 #   VAL_GROUP   dflash train --val-group: sample (the eval then splits the validation records by whether a
 #               trained record shares their conversation) or root-id
 #   AFTER       shell commands run at the end if time is left (e.g. bench/decode.py's sections)
+#   MAX_NEW     regenerate's --max-new-tokens (256: the length `dflash eval` decodes, so every trained
+#               answer and every earlier answer in a later turn's prompt is as long as eval's)
+#   REGEN_SKIP  records of the prompt file that regenerate skips: those answered by an earlier run with other
+#               settings, staged as /tmp/stage/extra-answers-*.jsonl.gz and trained on beside the new answers
+#   VAL_SAMPLES dflash train --val-samples (validation records, whatever the data size)
 # The regenerated answers come back gzipped in /tmp/q/report/answers-NN.jsonl.gz (≤ 15 MiB each): staged
 # into /tmp/stage/ for a later run, regenerate resumes from them instead of answering them again.
 set -uo pipefail
@@ -31,12 +36,17 @@ if compgen -G "/tmp/stage/answers-[0-9]*.jsonl.gz" > /dev/null && [ ! -s /tmp/q/
     echo "and continues $(wc -l < /tmp/q/answers.jsonl.partial) conversations in progress"
   fi
 fi
+extra=()
+if compgen -G "/tmp/stage/extra-answers-*.jsonl.gz" > /dev/null; then
+  extra=(--extra-answers /tmp/stage/extra-answers-*.jsonl.gz)
+  echo "trains beside the new answers on $(cat /tmp/stage/extra-answers-*.jsonl.gz | gunzip | wc -l) earlier conversations"
+fi
 exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --work /tmp/q --report /tmp/q/report \
   --budget-s "${BUDGET_S:-1320}" --regen-bench-s 0 \
-  --regen-args "--max-new-tokens 512 --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens 8192" \
-  --regen-limit "${REGEN_LIMIT:-12000}" --regen-s "${REGEN_S:-360}" \
+  --regen-args "--max-new-tokens ${MAX_NEW:-256} --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens 8192" \
+  --regen-skip "${REGEN_SKIP:-0}" --regen-limit "${REGEN_LIMIT:-12000}" --regen-s "${REGEN_S:-360}" "${extra[@]}" \
   --gen-args "--max-len 2048 --too-long truncate" --gen-s "${GEN_S:-140}" --codecs default \
-  --variants '{"landed": ""}' --train-args "--val-every 100 --log-every 10 --val-group ${VAL_GROUP:-sample}" \
+  --variants '{"landed": ""}' --train-args "--val-every 100 --log-every 10 --val-group ${VAL_GROUP:-root-id} --val-samples ${VAL_SAMPLES:-200}" \
   --train-s "${TRAIN_S:-440}" --calibrate-s 120 \
   --eval-args "--bench all --limit 20 --max-new-tokens 256" \
   --chat-eval-args "--bench sharegpt,validation --turns all --limit ${CHAT_LIMIT:-8} --max-new-tokens 256" \
