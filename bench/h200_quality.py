@@ -258,6 +258,12 @@ def validation_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def best_chain_tau(validation: list[dict[str, Any]]) -> float | None:
+    """The best validation chain τ of a run (what its RUN/drafter export was chosen by)."""
+    taus = [r["chain_tau"] for r in validation if r.get("chain_tau") is not None]
+    return max(taus) if taus else None
+
+
 def tau_by_turn(prompts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per set: τ (Σ (accepted + 1) ÷ cycles, as eval pools it) over its turns 1, 2 and 3+, with counts."""
     out: dict[str, dict[str, Any]] = {}
@@ -495,6 +501,13 @@ def main() -> None:
         'the same), e.g. "--bench sharegpt,validation --turns all --limit 8": its own table and τ by turn',
     )
     ap.add_argument("--eval-s", type=float, default=260)
+    ap.add_argument(
+        "--eval-variants",
+        choices=["all", "best"],
+        default="all",
+        help="evaluate every variant, or only the one of best validation chain τ (concurrent evals at "
+        "batch 1 share the GPU: each runs at a fraction of its speed alone)",
+    )
     ap.add_argument("--side", default="", help="shell command run beside the generate stage (GPU tests)")
     ap.add_argument("--after", default="", help="shell commands run at the end if time is left")
     ap.add_argument("--smoke", action="store_true", help="CPU: the same pipeline, tiny sizes")
@@ -739,7 +752,14 @@ def main() -> None:
     # the cache holds all the same.
     held_out = ["--data", args.data, "--skip", str(args.regen_skip + n_answers)]
     kinds = [("eval", args.eval_args)] + ([("chat_eval", args.chat_eval_args)] if args.chat_eval_args else [])
-    for name in trains:
+    to_eval = list(trains)
+    if args.eval_variants == "best" and len(to_eval) > 1:
+        best_chain = {n: best_chain_tau(report.data["variants"][n].get("validation") or []) for n in to_eval}
+        scored = {n: t for n, t in best_chain.items() if t is not None}
+        if scored:
+            to_eval = [max(scored, key=lambda n: scored[n])]
+            report.note(f"best validation chain τ: {best_chain}; evaluating {to_eval[0]} alone")
+    for name in to_eval:
         drafter = work / f"run-{name}" / "drafter"
         if not (drafter / "config.json").is_file():
             report.note(f"variant {name}: no exported drafter")
