@@ -108,7 +108,8 @@ def run_mode(
         out, failed = Path(tmp) / "o.jsonl", Path(tmp) / "f.jsonl"
         with ResumableJsonl(out, key=KEY) as o, ResumableJsonl(failed, key=KEY) as f:
             sink = ConversationSink(
-                out=o, failures=f, source="bench", regenerated_by={}, on_tally=lambda t: None,
+                out=o, failures=f, partial=Path(tmp) / "p.jsonl", source="bench", regenerated_by={},
+                on_tally=lambda t: None,
                 on_failure=lambda s: None,
             )  # fmt: skip
             driver = Driver(
