@@ -45,6 +45,9 @@ class EngineOptions:
     """Replay decode steps as CUDA graphs (on a GPU)."""
     seed: int = 0
     """Sampling seed (with the request and the token's index)."""
+    reuse_kv: bool | None = None
+    """Keep a turn's slot for the conversation's next turn, which then prefills only what its prompt adds
+    (``decode/parked.py``). None: where it was measured faster, the CPU (``slot_engine.reuses_kv``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,7 +8,7 @@ A slot holds one conversation turn: its prompt (at most --max-prompt-tokens) and
 memory after loading, on the CPU --batch-size slots) cannot hold that many. Prompts wait in the engine
 until a slot is free; a finished answer frees its slot for the next one at once, or, when the
 conversation has another turn, keeps it with its keys and values for that turn, which then prefills only
-what follows the common prefix (``decode/parked.py``).
+what follows the common prefix (``decode/parked.py``), where that is the faster choice (``reuses_kv``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,18 @@ def slot_count(model: Any, options: EngineOptions, max_len: int) -> int:
     return slots
 
 
+def reuses_kv(options: EngineOptions, device: torch.device) -> bool:
+    """Whether turns keep their slot for the next turn (``EngineOptions.reuse_kv``; None decides by device).
+
+    Measured (bench/RESULTS.md, "Multi-turn regenerate"): on the CPU reuse is 1.12–1.3× the conversations/s
+    of prefilling every prompt whole; on an H200 it was 0.55× (7.3 against 13.2 conversations/s, random
+    SmolLM2-135M weights, 256 conversations) although it prefilled 0.16× the tokens, so CUDA prefills whole
+    until the continuation prefill is measured faster there."""
+    if options.reuse_kv is not None:
+        return options.reuse_kv
+    return device.type != "cuda"
+
+
 class SlotEngine:
     """``DecodeEngine`` behind regenerate's ``Engine`` protocol."""
 
@@ -63,6 +75,8 @@ class SlotEngine:
         max_len = options.max_prompt_tokens + settings.max_new_tokens
         self.num_slots = slot_count(model, options, max_len)
         self._settings = settings
+        self.reuses_kv = reuses_kv(options, next(model.parameters()).device)
+        """Whether a turn's reuse hints are passed on (else every prompt is prefilled whole)."""
         engine_settings = EngineSettings(
             num_slots=self.num_slots,
             max_len=max_len,
@@ -83,6 +97,8 @@ class SlotEngine:
     def submit(
         self, key: str, prompt: Sequence[int], *, keep_slot: bool = False, continues: str | None = None
     ) -> None:
+        if not self.reuses_kv:
+            keep_slot, continues = False, None
         try:
             self._engine.submit(key, prompt, keep_slot=keep_slot, continues=continues)
         except DecodeError as e:

@@ -21,7 +21,7 @@ from dflash_offline.regenerate.driver import ConversationSink, Driver, render_pr
 from dflash_offline.regenerate.engine_protocol import EngineError, EngineOptions, Finished
 from dflash_offline.regenerate.generation import GeneratedTokens, GenerationSettings
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
-from dflash_offline.regenerate.slot_engine import SlotEngine
+from dflash_offline.regenerate.slot_engine import SlotEngine, reuses_kv
 from dflash_offline.target_model.loader import LoadedTarget, load_target, stop_token_ids
 from tests.decode.test_engine import generate_greedy, random_prompts
 from tests.eval.helpers import conversations, one_thread, write_chat_jsonl
@@ -358,6 +358,31 @@ def test_the_driver_reuses_each_turns_slot_with_the_same_answers(
     assert whole.engine._engine.num_prefill_tokens == sum(len(p) for p in whole.prompts.values()) > expected
     assert {a.finish_reason for a in reused.answers.values()} == {"stop", "length"}
     assert (decode.num_parked, decode.num_free_slots, decode.num_evictions) == (0, 3, 0)
+
+
+def test_reuse_off_prefills_every_prompt_whole_whatever_the_hints(tmp_path: Path, tiny: LoadedTarget) -> None:
+    """With ``reuse_kv=False`` the engine ignores the driver's hints: it prefills every turn's prompt whole
+    (the prefill count is the prompts' total), keeps no slot, and answers as with reuse. By default it
+    reuses on the CPU and not on CUDA (where reuse measured slower)."""
+    settings = _settings(tiny, max_new_tokens=8)
+    data = _write(tmp_path, _chat_records(4, 3))
+    runs = {}
+    for reuse_kv in (True, False):
+        options = EngineOptions(
+            batch_size=2, kv_tokens=None, max_batch_tokens=32, max_prompt_tokens=256, reuse_kv=reuse_kv
+        )
+        engine = _Hints(SlotEngine(tiny.model, settings, options), reuse=True)
+        runs[reuse_kv] = engine, _drive(tmp_path / str(reuse_kv), engine, data, tokenizer=tiny.tokenizer,
+                                        max_prompt_tokens=256)  # fmt: skip
+    (kept, (lines_kept, _)), (whole, (lines_whole, failures)) = runs[True], runs[False]
+    assert (len(lines_whole), failures) == (4, [])
+    assert lines_whole == lines_kept
+    decode = whole.engine._engine
+    assert decode.num_prefill_tokens == sum(len(p) for p in whole.prompts.values())
+    assert decode.num_reused_tokens == 0 < kept.engine._engine.num_reused_tokens
+    assert (decode.num_parked, decode.num_free_slots) == (0, 2)
+    default = EngineOptions(batch_size=2, kv_tokens=None, max_batch_tokens=32, max_prompt_tokens=256)
+    assert reuses_kv(default, torch.device("cpu")) and not reuses_kv(default, torch.device("cuda"))
 
 
 def test_a_conversation_that_ends_early_releases_its_kept_slot(tmp_path: Path, tiny: LoadedTarget) -> None:
