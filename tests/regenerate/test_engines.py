@@ -382,7 +382,8 @@ def test_reuse_off_prefills_every_prompt_whole_whatever_the_hints(tmp_path: Path
     assert decode.num_reused_tokens == 0 < kept.engine._engine.num_reused_tokens
     assert (decode.num_parked, decode.num_free_slots) == (0, 2)
     default = EngineOptions(batch_size=2, kv_tokens=None, max_batch_tokens=32, max_prompt_tokens=256)
-    assert reuses_kv(default, torch.device("cpu")) and not reuses_kv(default, torch.device("cuda"))
+    assert reuses_kv(default, torch.device("cpu"))
+    assert not reuses_kv(default, torch.device("cuda"))
 
 
 def test_a_conversation_that_ends_early_releases_its_kept_slot(tmp_path: Path, tiny: LoadedTarget) -> None:
