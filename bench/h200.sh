@@ -66,7 +66,8 @@ train)
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][5:]  # skip warm-up (compilation, allocator)
 n = len(rows)
-print(f"steps {n}: tokens/s {sum(r['tokens'] for r in rows) / sum(r['step_seconds'] for r in rows):,.0f}, "
+# tokens_per_s × step_seconds: a line's window's tokens a step (its own step's tokens with --log-every 1).
+print(f"steps {n}: tokens/s {sum(r['tokens_per_s'] * r['step_seconds'] for r in rows) / sum(r['step_seconds'] for r in rows):,.0f}, "
       f"data-wait {sum(r['data_wait_fraction'] * r['step_seconds'] for r in rows) / sum(r['step_seconds'] for r in rows):.2%}, "
       f"step {sum(r['step_seconds'] for r in rows) / n * 1000:.0f} ms, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
 EOF

@@ -459,28 +459,26 @@ def _run_steps(
         anchor_fn=anchor_sampler(opt.model.config.num_anchors),
         loss_block_size=opt.model.config.block_size,
     ) as prefetcher:
-        step_start = time.perf_counter()
+        reporter.start()
         for step_plan, batches in steps.regroup(prefetcher):
             _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
             outcome = step([b.inputs for b in batches], [b.plan.is_padding for b in batches])
             opt.planner.step_done(step_plan)
             tokens_seen += step_plan.num_tokens
             global_step = step_plan.global_step + 1
-            step_seconds = time.perf_counter() - step_start
             validated = None
             if validation is not None and validation.due(global_step, opt.total_steps):
-                validated = validation.run(opt.model, global_step)
+                with reporter.paused():
+                    validated = validation.run(opt.model, global_step)
             reporter.report(
                 step_plan,
                 outcome,
                 lr=config.lr * opt.lr_factor(global_step),  # the next step's
-                step_seconds=step_seconds,
                 data_wait_s=sum(b.data_wait_s for b in batches),
                 validation=validated,
             )
             if _stops_after(config, info, opt, reporter, validation, global_step, tokens_seen, validated):
                 return True
-            step_start = time.perf_counter()
     return False
 
 
@@ -521,6 +519,7 @@ def _stops_after(
         config,
         info,
         opt,
+        reporter,
         global_step,
         tokens_seen,
         validation,
@@ -547,6 +546,7 @@ def _checkpoint_or_stop(
     config: TrainConfig,
     info: DistInfo,
     opt: _Optimization,
+    reporter: StepReporter,
     global_step: int,
     tokens_seen: int,
     validation: ValidationSchedule | None,
@@ -556,13 +556,14 @@ def _checkpoint_or_stop(
 ) -> None:
     """Checkpoint every ``checkpoint_every`` steps, at the end and when ``checkpoint_now``; with
     ``check_stop``, when any rank was asked to stop, checkpoint (if this step did not) and raise
-    ``TrainInterrupted``."""
+    ``TrainInterrupted``. A checkpoint's time is left out of the ``reporter``'s throughput."""
     saved = checkpoint_now or _is_checkpoint_step(config, opt, global_step)
     if saved:
-        _checkpoint(config, info, opt, global_step, tokens_seen, validation)
+        with reporter.paused():
+            _checkpoint(config, info, opt, global_step, tokens_seen, validation)
     if check_stop and global_step < opt.total_steps and _stop_agreed(info):
         if not saved:
-            _checkpoint(config, info, opt, global_step, tokens_seen, validation)
+            _checkpoint(config, info, opt, global_step, tokens_seen, validation)  # the run ends: no pause
         raise TrainInterrupted(global_step)
 
 

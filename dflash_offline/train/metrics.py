@@ -86,9 +86,18 @@ class StepMetrics:
     tokens: int
     """Real tokens of the step over all ranks."""
     tokens_per_s: float
+    """Training throughput in wall-clock time over the window since the previous read-back of the step
+    results (the previous line, or every step with an ``on_step`` caller): the real tokens of the
+    window's steps over all ranks ÷ the wall seconds from the end of the previous read-back's sync (the
+    first window: the first step's start) to the end of this one's, validation and checkpoints excluded
+    (train/throughput.py). Under DDP the tokens are every rank's and the seconds this rank's (rank 0's
+    in the file): the whole run's throughput, not one GPU's."""
     step_seconds: float
+    """Mean wall seconds a step over the same window (its seconds ÷ its steps), not one step's host time:
+    on a GPU the host only queues a step, and the device's time shows at the read-back."""
     data_wait_fraction: float
-    """Share of this rank's step time spent waiting for the prefetcher (rank 0's view)."""
+    """Share of the window's wall seconds (``step_seconds`` × its steps) that this rank waited for the
+    prefetcher (rank 0's view): data wait as a share of the training time it could have cost."""
     buckets: list[int]
     """Bucket ids of the step's samples (all ranks)."""
     num_blocks: int

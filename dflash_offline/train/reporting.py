@@ -1,18 +1,21 @@
 """Where a training step's numbers go: ``RUN/metrics.jsonl`` (and TensorBoard), the progress bar and a
 caller's ``on_step``. The step's results stay on the device until a line is due: a log step
-(``--log-every``), a validation, the last step, or every step when someone asked for ``on_step``."""
+(``--log-every``), a validation, the last step, or every step when someone asked for ``on_step``. The
+throughput of a line is that of the steps since the previous read-back (train/throughput.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.metrics import MetricsLog, StepMetrics, ValidationMetrics
+from dflash_offline.train.metrics import MetricsLog, StepMetrics, StepTotals, ValidationMetrics
 from dflash_offline.train.microbatch import StepPlan
 from dflash_offline.train.step import StepOutcome
+from dflash_offline.train.throughput import ThroughputWindow, WindowThroughput
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -20,7 +23,9 @@ if TYPE_CHECKING:
 
 class StepReporter:
     """Writes metrics lines on rank 0 (every ``log_every`` steps, at validations and at the last step),
-    moves the progress bar, and calls ``on_step`` on every rank (which reads every step)."""
+    moves the progress bar, and calls ``on_step`` on every rank (which reads every step). Owns the
+    throughput window: the loop calls ``start`` before the first step and runs validations and
+    checkpoints inside ``paused()``."""
 
     def __init__(
         self,
@@ -43,11 +48,20 @@ class StepReporter:
             else None
         )
         self._progress = _progress_bar(config, info, total_steps, global_step)
+        self._window = ThroughputWindow(info.device)
         self.last_loss: float | None = None
         """The loss of the last step read back."""
 
     def is_log_step(self, step: int) -> bool:
         return step % self._log_every == 0 or step == self._total_steps
+
+    def start(self) -> None:
+        """The first step starts now (the first throughput window opens)."""
+        self._window.start()
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Time spent inside (a validation, a checkpoint) is left out of the throughput."""
+        return self._window.paused()
 
     def report(
         self,
@@ -55,7 +69,6 @@ class StepReporter:
         outcome: StepOutcome,
         *,
         lr: float,
-        step_seconds: float,
         data_wait_s: float,
         validation: ValidationMetrics | None = None,
     ) -> None:
@@ -63,11 +76,13 @@ class StepReporter:
         step uses), ``data_wait_s`` the seconds this rank waited for its microbatches."""
         if self._progress is not None:
             self._progress.update(1)
+        self._window.add_step(tokens=plan.num_tokens, data_wait_s=data_wait_s)
         due = self.is_log_step(plan.global_step + 1) or validation is not None
         if not due and self._on_step is None:
             return
+        totals, grad_norm = outcome.read()  # the host sync that ends the window
         metrics = step_metrics(
-            plan, outcome, lr=lr, step_seconds=step_seconds, data_wait_s=data_wait_s, validation=validation
+            plan, totals, grad_norm=grad_norm, lr=lr, window=self._window.close(), validation=validation
         )
         self.last_loss = metrics.loss
         if self._log is not None and due:
@@ -95,15 +110,15 @@ class StepReporter:
 
 def step_metrics(
     plan: StepPlan,
-    outcome: StepOutcome,
+    totals: StepTotals,
     *,
+    grad_norm: float,
     lr: float,
-    step_seconds: float,
-    data_wait_s: float,
+    window: WindowThroughput,
     validation: ValidationMetrics | None = None,
 ) -> StepMetrics:
-    """The step's metrics line (reads the outcome back from the device: a host sync)."""
-    totals, grad_norm = outcome.read()
+    """The metrics line of step ``plan`` (its ``totals`` read back), with the throughput of ``window``,
+    the steps since the previous read-back up to this one."""
     return StepMetrics(
         step=plan.global_step + 1,
         epoch=plan.epoch,
@@ -113,9 +128,9 @@ def step_metrics(
         acc_by_position=totals.acc_by_position,
         simulated_tau=totals.simulated_tau,
         tokens=plan.num_tokens,
-        tokens_per_s=plan.num_tokens / step_seconds,
-        step_seconds=step_seconds,
-        data_wait_fraction=data_wait_s / step_seconds,
+        tokens_per_s=window.tokens_per_s,
+        step_seconds=window.step_seconds,
+        data_wait_fraction=window.data_wait_fraction,
         buckets=sorted({b for mb in plan.microbatches for b in mb.bucket_ids}),
         num_blocks=totals.num_blocks,
         validation=validation,
