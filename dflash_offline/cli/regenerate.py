@@ -47,10 +47,12 @@ def _report(s: RegenerateSummary, config: RegenerateConfig) -> None:
             f"regenerate: kept {s.kept} conversations in progress ({s.kept_answers} turns) for the rerun "
             f"-> {config.partial_path}"
         )
+    # The engine's steps say why the tok/s is what it is: idle slots, prefill, or host time between steps.
+    engine = f"; engine: {s.engine_stats.describe()}" if s.engine_stats is not None else ""
     click.echo(
         f"regenerate: throughput: {s.written} conversations, {s.answers} answers, {s.new_tokens} new tokens, "
         f"{s.new_tokens_per_second:,.0f} new tok/s over {s.generation_seconds:.1f} s of generation "
-        f"({s.seconds:.1f} s in all; engine {s.engine}, {s.workers} worker(s))"
+        f"({s.seconds:.1f} s in all; engine {s.engine}, {s.workers} worker(s)){engine}"
     )
     if s.repaired_bytes:
         click.echo(f"regenerate: cut a partial last line ({s.repaired_bytes} bytes) left by an earlier run")

@@ -1,5 +1,6 @@
 """What every regenerate engine shares: the ``Engine`` protocol the conversation driver calls, the records
-across it (``EngineOptions`` in, ``Finished`` / ``RequestFailure`` out) and ``EngineError``. The engines
+across it (``EngineOptions`` in, ``Finished`` / ``RequestFailure`` out, ``EngineStats`` at the end) and
+``EngineError``. The engines
 themselves are ``slot_engine.py`` (the project's decode engine, ``--engine auto|slots``) and
 ``openai_engine.py`` (a server, ``--engine openai``).
 """
@@ -7,7 +8,7 @@ themselves are ``slot_engine.py`` (the project's decode engine, ``--engine auto|
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, Protocol
 
 from dflash_offline.config_fields import flag
@@ -70,6 +71,63 @@ class Finished:
     the conversation as a failure row."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineStats:
+    """What an engine's steps did over a run (the decode engine's counters), summed across workers: whether
+    its slots were busy, how much prefill its answers took and how much of the run was spent in its steps.
+
+    The split of ``step_seconds`` between prefill forwards and decode steps is not measured: a step runs
+    both and ends in one host sync, and timing either apart needs CUDA events inside the step."""
+
+    engines: int = 1
+    """Engines summed into this record (one per worker)."""
+    slots: int
+    """Rows of the engines' largest decode step (``SlotEngine.num_slots``)."""
+    steps: int
+    """Engine steps: each at most one prefill forward and one decode step, then one host sync."""
+    slot_steps: int
+    """Steps × slots: the tokens the steps could have decoded with every slot busy."""
+    decoded_tokens: int
+    """Tokens of finished answers that decode steps produced (stop tokens included; each answer's first
+    token comes from its prefill forward instead). A stop drops the rows in flight, uncounted."""
+    prefills: int
+    """Prefill forwards."""
+    prefill_tokens: int
+    """Prompt tokens run through the target by prefill (padding excluded)."""
+    reused_tokens: int
+    """Prompt tokens a turn found in the slot its conversation's previous turn kept (not prefilled)."""
+    evictions: int
+    """Slots kept for a conversation's next turn that a waiting prompt took first."""
+    step_seconds: float
+    """Wall time in the engines' steps; on a GPU their forwards too (each step ends in a host sync).
+    Generation time outside it is host work: prompts rendered and tokenized, answers decoded and written."""
+
+    def __add__(self, other: EngineStats) -> EngineStats:
+        return EngineStats(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(EngineStats)}
+        )
+
+    def describe(self) -> str:
+        """E.g. "12,345 steps decoding a mean 612.0 of 1,024 slots (60 % busy) in 30.1 s, 2,345 prefill
+        forwards of 3,100,000 prompt tokens (900,000 reused, 0 kept slots evicted)"."""
+        mean_rows = self.decoded_tokens / self.steps if self.steps else 0.0
+        mean_slots = self.slot_steps / self.steps if self.steps else self.slots / self.engines
+        busy = self.decoded_tokens / self.slot_steps if self.slot_steps else 0.0
+        per_worker = " per worker" if self.engines > 1 else ""
+        return (
+            f"{self.steps:,} steps decoding a mean {mean_rows:,.1f} of {mean_slots:,.0f} slots "
+            f"({100 * busy:.0f} % busy) in {self.step_seconds / self.engines:.1f} s{per_worker}, "
+            f"{self.prefills:,} prefill forwards of {self.prefill_tokens:,} prompt tokens "
+            f"({self.reused_tokens:,} reused, {self.evictions:,} kept slots evicted)"
+        )
+
+
+def sum_stats(stats: Sequence[EngineStats | None]) -> EngineStats | None:
+    """The workers' stats summed; None when no engine reported any (a server engine)."""
+    reported = [s for s in stats if s is not None]
+    return sum(reported[1:], reported[0]) if reported else None
+
+
 class Engine(Protocol):
     name: EngineName
 
@@ -93,3 +151,8 @@ class Engine(Protocol):
     def pending(self) -> int: ...
 
     def close(self, *, abort: bool = False) -> None: ...
+
+    def stats(self) -> EngineStats | None:
+        """What the engine's steps did so far (also after ``close``); None: an engine that cannot tell (a
+        server)."""
+        ...

@@ -301,6 +301,10 @@ class OpenAIEngine:
             self._jobs.put(None)
         self._pending.clear()
 
+    def stats(self) -> None:
+        """A server does not say what its batches did."""
+        return None
+
     def _work(self) -> None:
         while True:
             job = self._jobs.get()

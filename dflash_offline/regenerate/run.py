@@ -37,6 +37,7 @@ from dflash_offline.locking import DirLock, LockedError, acquire_lock_beside
 from dflash_offline.placement import torchrun_device, under_torchrun
 from dflash_offline.regenerate.config import PARTIAL_SUFFIX, RegenerateConfig
 from dflash_offline.regenerate.driver import KEY, Tally, render_prompt
+from dflash_offline.regenerate.engine_protocol import EngineStats, sum_stats
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl, merge_parts
 from dflash_offline.regenerate.partial_out import compact_partials
 from dflash_offline.regenerate.recorded import check_resume_settings
@@ -93,6 +94,8 @@ class RegenerateSummary:
     """Conversations in progress when this run stopped, kept in ``<out>.partial`` for the rerun."""
     kept_answers: int = 0
     """Their answered turns."""
+    engine_stats: EngineStats | None = None
+    """What the workers' engine steps did, summed (None: a server engine, or no worker finished)."""
 
     @property
     def new_tokens_per_second(self) -> float:
@@ -232,6 +235,7 @@ def _summary(
         resumed_answers=total.resumed_answers,
         kept=total.kept,
         kept_answers=total.kept_answers,
+        engine_stats=sum_stats([d.engine_stats for d in dones]),
     )
 
 

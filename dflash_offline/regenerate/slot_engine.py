@@ -13,6 +13,7 @@ what follows the common prefix (``decode/parked.py``), where that is the faster 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,14 @@ from dflash_offline.config_fields import flag
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
 from dflash_offline.decode.slot_cache import kv_bytes_per_token
 from dflash_offline.regenerate.config import RegenerateConfig
-from dflash_offline.regenerate.engine_protocol import KV_FIX, EngineError, EngineName, EngineOptions, Finished
+from dflash_offline.regenerate.engine_protocol import (
+    KV_FIX,
+    EngineError,
+    EngineName,
+    EngineOptions,
+    EngineStats,
+    Finished,
+)
 from dflash_offline.regenerate.generation import GenerationSettings, split_at_stop
 
 KV_MEMORY_FRACTION = 0.85
@@ -86,6 +94,10 @@ class SlotEngine:
             prefill_tokens=options.max_batch_tokens,
             cuda_graphs=options.cuda_graphs,
         )
+        self._decoded_tokens = 0
+        """Tokens of the finished answers that decode steps produced (``EngineStats.decoded_tokens``)."""
+        self._step_seconds = 0.0
+        """Wall time in ``DecodeEngine.poll``, which runs the steps (``EngineStats.step_seconds``)."""
         try:
             self._engine = DecodeEngine(model, engine_settings)
         except torch.OutOfMemoryError as e:
@@ -111,11 +123,30 @@ class SlotEngine:
         return self._engine.pending()
 
     def poll(self, timeout: float) -> list[Finished]:
+        start = time.perf_counter()
         try:
             done = self._engine.poll(timeout)
         except torch.OutOfMemoryError as e:
             raise EngineError(f"the target ran out of memory ({e}); lower {KV_FIX}") from None
+        finally:
+            self._step_seconds += time.perf_counter() - start
+        # An answer's first token comes from its prefill forward, every later one from a decode step.
+        self._decoded_tokens += sum(len(d.token_ids) - 1 for d in done)
         return [Finished(key=d.key, tokens=split_at_stop(d.token_ids, self._settings)) for d in done]
 
     def close(self, *, abort: bool = False) -> None:
         self._engine.close(abort=abort)
+
+    def stats(self) -> EngineStats:
+        engine = self._engine
+        return EngineStats(
+            slots=self.num_slots,
+            steps=engine.num_steps,
+            slot_steps=engine.num_steps * self.num_slots,
+            decoded_tokens=self._decoded_tokens,
+            prefills=engine.num_prefills,
+            prefill_tokens=engine.num_prefill_tokens,
+            reused_tokens=engine.num_reused_tokens,
+            evictions=engine.num_evictions,
+            step_seconds=self._step_seconds,
+        )

@@ -29,7 +29,7 @@ from dflash_offline.workers.records import EventSink, StopFlag, WorkerSpec
 if TYPE_CHECKING:
     from dflash_offline.data.conversations import Conversation, SourceFailure
     from dflash_offline.data.decontaminate import Decontaminator
-    from dflash_offline.regenerate.engine_protocol import Engine
+    from dflash_offline.regenerate.engine_protocol import Engine, EngineStats
     from dflash_offline.regenerate.jsonl_out import ResumableJsonl
     from dflash_offline.target_model.loader import TargetInfo
 
@@ -81,6 +81,8 @@ class WorkerDone:
     """From the engine being ready to the last answer."""
     completed: bool
     """False when a stop request ended it early."""
+    engine_stats: EngineStats | None
+    """What the engine's steps did (None: a server engine)."""
 
 
 def belongs_to(sample_id: str, worker: int, num_workers: int) -> bool:
@@ -246,6 +248,7 @@ def answer_records(
         total=sink.total,
         generation_seconds=time.perf_counter() - gen_start,
         completed=completed,
+        engine_stats=engine.stats(),
     )
 
 

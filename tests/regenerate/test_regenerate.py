@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from dflash_offline.errors import ConfigError, DataError
 from dflash_offline.eval.speculative import TargetCaller, target_only_decode
 from dflash_offline.locking import acquire_lock_beside
 from dflash_offline.regenerate.config import RegenerateConfig
-from dflash_offline.regenerate.engine_protocol import Finished
+from dflash_offline.regenerate.engine_protocol import EngineStats, Finished, sum_stats
 from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import ResumableJsonl
 from dflash_offline.regenerate.run import render_prompt, run_regenerate
@@ -107,6 +108,59 @@ def test_answers_are_the_targets_greedy_decode(tmp_path: Path, tiny: LoadedTarge
     # generate's reader takes the output as it is.
     parsed = [c for c in iter_records(out) if isinstance(c, Conversation)]
     assert [c.record_id for c in parsed] == [line["id"] for line in lines]
+
+
+def test_the_throughput_line_says_what_the_engine_steps_did(tmp_path: Path, tiny: LoadedTarget) -> None:
+    """One slot, 5 conversations of 2 turns, 12 new tokens per answer (random weights never stop this soon):
+    a turn is prefilled in one forward that also gives its first token, then 11 decode steps (the one
+    after its prefill included) give the rest, and the next turn (a conversation's next, or another's
+    first, already waiting) takes the slot at the next step. So 10 × 11 steps with the slot always busy,
+    10 prefill forwards, and each turn's prompt (rendered here from the output) either prefilled or found
+    in the slot its conversation's previous turn kept (the CPU keeps it: ``slot_engine.reuses_kv``)."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 5, turns=2)
+    out = tmp_path / "regen.jsonl"
+    result = CliRunner().invoke(
+        main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
+               "--max-new-tokens", "12", "--batch-size", "1", "--no-progress"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = _lines(out)
+    assert {r for line in lines for r in line["finish_reasons"]} == {"length"}
+    prompts = [
+        render_prompt(tiny.tokenizer, line["messages"][:k])
+        for line in lines
+        for k, m in enumerate(line["messages"])
+        if m["role"] == "assistant"
+    ]
+    assert len(prompts) == 10
+    (throughput,) = [line for line in result.output.splitlines() if "throughput:" in line]
+    engine = re.search(
+        r"; engine: 110 steps decoding a mean 1\.0 of 1 slots \(100 % busy\) in [0-9.]+ s, 10 prefill "
+        r"forwards of ([0-9,]+) prompt tokens \(([0-9,]+) reused, 0 kept slots evicted\)$",
+        throughput,
+    )
+    assert engine is not None, throughput
+    prefilled, reused = (int(n.replace(",", "")) for n in engine.groups())
+    assert prefilled + reused == sum(len(p) for p in prompts)
+    assert reused > 0  # the second turns continue the first's slot
+
+
+def test_the_workers_engine_stats_sum() -> None:
+    """Counts add up; the busy share and the seconds are over all workers' steps (per worker)."""
+    a = EngineStats(slots=3, steps=10, slot_steps=30, decoded_tokens=20, prefills=4, prefill_tokens=100,
+                    reused_tokens=7, evictions=1, step_seconds=2.0)  # fmt: skip
+    b = EngineStats(slots=3, steps=5, slot_steps=15, decoded_tokens=15, prefills=2, prefill_tokens=50,
+                    reused_tokens=0, evictions=0, step_seconds=4.0)  # fmt: skip
+    total = sum_stats([a, b])
+    assert total == EngineStats(
+        engines=2, slots=6, steps=15, slot_steps=45, decoded_tokens=35, prefills=6, prefill_tokens=150,
+        reused_tokens=7, evictions=1, step_seconds=6.0,
+    )  # fmt: skip
+    assert total.describe() == (
+        "15 steps decoding a mean 2.3 of 3 slots (78 % busy) in 3.0 s per worker, 6 prefill forwards of 150 "
+        "prompt tokens (7 reused, 1 kept slots evicted)"
+    )
+    assert sum_stats([None, None]) is None  # server engines report none
 
 
 def test_resume_after_a_partial_last_line(tmp_path: Path) -> None:

@@ -59,6 +59,30 @@ def test_two_cpu_workers_write_the_same_conversations_as_one(tmp_path: Path) -> 
     shares = [sum(belongs_to(i, w, 2) for i in ids) for w in (0, 1)]
     assert sum(shares) == 12
     assert min(shares) > 0
+    # The engine stats are each worker's own, summed: the slots of both, every answer's decoded tokens
+    # (its tokens, the stop token included, less the first, which its prefill gave) and every prompt token
+    # prefilled or reused once, as in the one worker's run.
+    one_stats, two_stats = one.engine_stats, two.engine_stats
+    assert one_stats is not None
+    assert two_stats is not None
+    assert (one_stats.engines, one_stats.slots, two_stats.engines, two_stats.slots) == (1, 3, 2, 6)
+    assert two_stats.slot_steps == 3 * two_stats.steps
+    decoded = _decoded_tokens(tmp_path / "one.jsonl")
+    assert (one_stats.decoded_tokens, two_stats.decoded_tokens) == (decoded, decoded)
+    prompt_tokens = one_stats.prefill_tokens + one_stats.reused_tokens
+    assert two_stats.prefill_tokens + two_stats.reused_tokens == prompt_tokens
+
+
+def _decoded_tokens(path: Path) -> int:
+    """Tokens decode steps gave the answers of the output at ``path``: each answer's ids and its stop token,
+    less its first token (its prefill's)."""
+    total = 0
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        answers = [m for m in record["messages"] if m["role"] == "assistant"]
+        for m, reason in zip(answers, record["finish_reasons"], strict=True):
+            total += len(m["token_ids"]) + (reason == "stop") - 1
+    return total
 
 
 def _cmd(data: Path, out: Path, workers: int) -> list[str]:
