@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
+from dflash_offline.decode.steps import PrefillShape  # noqa: E402
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver  # noqa: E402
 from dflash_offline.regenerate.engine_protocol import EngineOptions, Finished  # noqa: E402
 from dflash_offline.regenerate.generation import GenerationSettings  # noqa: E402
@@ -91,8 +92,10 @@ def run_mode(
     convs: list[Conversation],
     settings: GenerationSettings,
     args: argparse.Namespace,
+    seen_masked: set[PrefillShape],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One pass over ``convs``: its figures and its output lines."""
+    """One pass over ``convs``: its figures and its output lines. ``seen_masked``: the shapes of prefill
+    forwards over the cache run before in this process (updated)."""
     options = EngineOptions(
         batch_size=args.batch_size, kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
         max_prompt_tokens=args.max_prompt_tokens, cuda_graphs=args.cuda_graphs == "on",
@@ -125,6 +128,10 @@ def run_mode(
         lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda d: d[KEY])
     decode = slots._engine
     total = sink.total
+    shapes = decode.prefill_shapes
+    masked = {k for k in shapes if not k.fresh}
+    new_masked = masked - seen_masked
+    seen_masked |= masked
     row = {
         "mode": "reuse" if reuse else "whole",
         "conversations": total.written,
@@ -136,7 +143,18 @@ def run_mode(
         "prefill_tokens_per_conversation": round(decode.num_prefill_tokens / max(1, total.written), 1),
         "prefill_forwards": decode.num_prefills,
         "steps": decode.num_steps,
+        # What the GPU pays that the counts above do not show (see bench/RESULTS.md, "reuse on the GPU"):
+        # a forward attending over the cache may cost the kernel a plan for each (rows, width, attended
+        # length) not seen before in the process; a decode graph is captured per (rows, attended length).
+        "masked_prefill_forwards": sum(n for k, n in shapes.items() if not k.fresh),
+        "masked_prefill_shapes": len(masked),
+        "new_masked_prefill_shapes": len(new_masked),
+        "fresh_prefill_shapes": len(shapes) - len(masked),
+        "decode_shapes": len(decode.decode_shapes),
+        "graphs_captured": decode.graphs.num_captured,
+        "decode_rows_live_share": round(decode.num_live_rows / max(1, decode.num_decoded_rows), 3),
         "evictions": decode.num_evictions,
+        "moves": decode.num_moves,
         "left_parked": decode.num_parked,
         "seconds": round(seconds, 3),
         "setup_seconds": round(setup, 3),
@@ -160,6 +178,10 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     ap.add_argument("--repeats", type=int, default=2, help="rounds; each runs both modes, order flipped")
+    ap.add_argument(
+        "--warmup", type=int, default=8,
+        help="conversations after the timed ones that each mode runs once, untimed, first (0: none)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
@@ -170,7 +192,8 @@ def main() -> None:
     device = resolve_device(args.device)
     dtype = compute_dtype(args.dtype, device)
     target = load_target(args.target, device=device, dtype=dtype)
-    convs = multi_turn(args.data, limit=args.limit, min_turns=args.min_turns)
+    found = multi_turn(args.data, limit=args.limit + args.warmup, min_turns=args.min_turns)
+    convs, warm = found[: args.limit], found[args.limit :]
     turns = [len(user_groups(c.messages)) for c in convs]
     stop = stop_token_ids(target.tokenizer, target.model)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop)
@@ -180,11 +203,18 @@ def main() -> None:
         f"{args.max_new_tokens} new tokens, batch {args.batch_size}, max prompt {args.max_prompt_tokens}",
         flush=True,
     )
+    seen_masked: set[PrefillShape] = set()
+    if warm:
+        # Untimed: the first mode timed must not pay the process's first-use costs (CUDA context, cuBLAS
+        # and cuDNN handles, kernel loading) that the other then finds paid.
+        for reuse in (True, False):
+            row, _ = run_mode(reuse, target, warm, settings, args, seen_masked)
+            print(f"warm-up {row['mode']} on {len(warm)} other conversations: {row['seconds']} s", flush=True)
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.repeats):
         for reuse in (True, False) if r % 2 == 0 else (False, True):
-            row, lines = run_mode(reuse, target, convs, settings, args)
+            row, lines = run_mode(reuse, target, convs, settings, args, seen_masked)
             row["round"] = r
             rows.append(row)
             outputs.setdefault(row["mode"], lines)

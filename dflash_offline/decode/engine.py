@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +36,14 @@ from dflash_offline.decode.graphs import StepGraphs
 from dflash_offline.decode.parked import ParkedSlot, ParkedSlots, common_prefix_len
 from dflash_offline.decode.sampling import Sampler, Sampling, request_key_hash
 from dflash_offline.decode.slot_cache import SlotCache, shape_for
-from dflash_offline.decode.steps import PrefillChunk, SlotState, decode_step, prefill
+from dflash_offline.decode.steps import (
+    PrefillChunk,
+    PrefillShape,
+    SlotState,
+    decode_step,
+    prefill,
+    prefill_shape,
+)
 from dflash_offline.errors import DflashError
 
 GREEDY = Sampling()
@@ -148,6 +155,15 @@ class DecodeEngine:
         """Parked slots freed for waiting prompts before their continuation came."""
         self.num_moves = 0
         """Rows moved to a lower slot by compaction."""
+        self.prefill_shapes: Counter[PrefillShape] = Counter()
+        """Prefill forwards by shape: on CUDA each new shape of a forward that attends over the cache may
+        cost the attention kernel a new plan."""
+        self.decode_shapes: Counter[tuple[int, int]] = Counter()
+        """Decode steps by (rows, attended length): on CUDA one graph capture per key."""
+        self.num_decoded_rows = 0
+        """Rows run by the decode steps, idle rows included (Σ of the bucket widths)."""
+        self.num_live_rows = 0
+        """Rows of the decode steps that decoded a token."""
 
     # ----- the Engine surface ---------------------------------------------------------------------
 
@@ -248,6 +264,9 @@ class DecodeEngine:
             num_rows = self._decode_rows()
             attend_len = self.cache.attend_len(max(r.length for r in self._decoding.values()) + 1)
             n = num_rows
+            self.decode_shapes[n, attend_len] += 1
+            self.num_decoded_rows += n
+            self.num_live_rows += len(self._decoding)
             self.graphs.run(
                 ("decode", n, attend_len),
                 lambda: decode_step(self.fwd, self.state, self.sampler, n, attend_len),
@@ -341,6 +360,7 @@ class DecodeEngine:
             reqs.append(req)
         first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks)
         self.num_prefills += 1
+        self.prefill_shapes[prefill_shape(self.cache, chunks)] += 1
         completed = []
         for req, chunk in zip(reqs, chunks, strict=True):
             req.prefilled += len(chunk.token_ids)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dflash_offline.decode.forward import SlotForward
 from dflash_offline.decode.sampling import Sampler
-from dflash_offline.decode.slot_cache import ForwardRows
+from dflash_offline.decode.slot_cache import ForwardRows, SlotCache
 
 
 class SlotState:
@@ -90,6 +90,31 @@ class PrefillChunk:
     prompt_len: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefillShape:
+    """The shape of one prefill forward's attention (what a kernel may plan per shape for)."""
+
+    rows: int
+    """N."""
+    width: int
+    """S: tokens per row, padding included."""
+    attend_len: int
+    """Lb: the bucket of positions the rows attend over (unused when ``fresh``: they attend over their own
+    S keys)."""
+    fresh: bool
+    """Every row starts at position 0: causal over its own keys, no mask, no gather of the cache."""
+
+
+def prefill_shape(cache: SlotCache, chunks: Sequence[PrefillChunk]) -> PrefillShape:
+    """The shape ``prefill`` runs ``chunks`` at."""
+    return PrefillShape(
+        rows=len(chunks),
+        width=max(len(c.token_ids) for c in chunks),
+        attend_len=cache.attend_len(max(c.start + len(c.token_ids) for c in chunks)),
+        fresh=all(c.start == 0 for c in chunks),
+    )
+
+
 def prefill(
     fwd: SlotForward,
     state: SlotState,
@@ -104,7 +129,8 @@ def prefill(
     completes). With ``capture``, also the features [N, S, F] of every chunk token (padding rows too)."""
     device = state.tokens.device
     cache = fwd.cache
-    width = max(len(c.token_ids) for c in chunks)
+    shape = prefill_shape(cache, chunks)
+    width = shape.width
     ids = torch.zeros((len(chunks), width), dtype=torch.int64)
     for r, c in enumerate(chunks):
         ids[r, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.int64)
@@ -114,12 +140,12 @@ def prefill(
     q_S = torch.arange(width, device=device)
     positions_NS = start_N[:, None] + q_S[None, :]
     write_NS = torch.where(q_S[None, :] < length_N[:, None], positions_NS, cache.scratch)
-    attend_len = cache.attend_len(max(c.start + len(c.token_ids) for c in chunks))
-    fresh = all(c.start == 0 for c in chunks)  # causal over the chunk itself: no mask, no gather
+    fresh = shape.fresh  # causal over the chunk itself: no mask, no gather
     rows = ForwardRows(
-        num_rows=len(chunks), slots_N=slots_N, write_NS=write_NS, attend_len=attend_len, own_keys_only=fresh
-    )
-    mask = None if fresh else block_mask(start_N, width, attend_len)
+        num_rows=len(chunks), slots_N=slots_N, write_NS=write_NS, attend_len=shape.attend_len,
+        own_keys_only=fresh,
+    )  # fmt: skip
+    mask = None if fresh else block_mask(start_N, width, shape.attend_len)
     hidden, features = fwd.hidden(ids.to(device), positions_NS, mask, rows, capture=capture)
     done = [r for r, c in enumerate(chunks) if c.completes]
     if not done:
