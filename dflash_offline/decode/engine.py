@@ -25,7 +25,7 @@ import heapq
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -115,6 +115,19 @@ def row_bucket(rows: int, num_slots: int) -> int:
     while n < rows:
         n *= 2
     return min(n, num_slots)
+
+
+MIN_PADDED_WIDTH = 16
+"""Narrowest width a prefill over the cache is padded to (the attention kernels' tiles are wider)."""
+
+
+def padded_width(width: int, max_tokens: int) -> int:
+    """Tokens per row a prefill over the cache runs at: the next power of two (at least
+    ``MIN_PADDED_WIDTH``), at most ``max_tokens`` unless ``width`` itself is more."""
+    n = MIN_PADDED_WIDTH
+    while n < width:
+        n *= 2
+    return min(n, max(max_tokens, width))
 
 
 class DecodeEngine:
@@ -345,9 +358,9 @@ class DecodeEngine:
             if (req.prefilled == 0) != fresh:
                 continue
             take = min(len(req.prompt) - req.prefilled, budget)
-            if chunks and (len(chunks) + 1) * max(width, take) > budget:
+            if chunks and self._prefill_tokens(len(chunks) + 1, max(width, take), fresh) > budget:
                 take = min(take, width)  # pad no wider than the rows already in
-                if (len(chunks) + 1) * width > budget:
+                if self._prefill_tokens(len(chunks) + 1, width, fresh) > budget:
                     break
             width = max(width, take)
             end = req.prefilled + take
@@ -358,9 +371,10 @@ class DecodeEngine:
                 )
             )  # fmt: skip
             reqs.append(req)
-        first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks)
+        shape = self._run_shape(chunks)
+        first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks, shape=shape)
         self.num_prefills += 1
-        self.prefill_shapes[prefill_shape(self.cache, chunks)] += 1
+        self.prefill_shapes[shape] += 1
         completed = []
         for req, chunk in zip(reqs, chunks, strict=True):
             req.prefilled += len(chunk.token_ids)
@@ -371,6 +385,24 @@ class DecodeEngine:
                 completed.append(req)
         self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt)]
         return first_M, completed
+
+    def _run_shape(self, chunks: Sequence[PrefillChunk]) -> PrefillShape:
+        """The shape a prefill forward of ``chunks`` runs at. One that attends over the cache (a
+        continuation, a long prompt's later chunk) is padded to buckets of rows and width, so that its
+        shapes repeat: on CUDA its masked attention (cuDNN) builds an execution plan for every new shape,
+        which costs more than the forward itself. Fresh prompts (causal, flash: no plan) run as they are."""
+        exact = prefill_shape(self.cache, chunks)
+        if exact.fresh:
+            return exact
+        rows = row_bucket(exact.rows, self.settings.num_slots)
+        return replace(exact, rows=rows, width=padded_width(exact.width, self.settings.prefill_tokens))
+
+    def _prefill_tokens(self, rows: int, width: int, fresh: bool) -> int:
+        """Tokens a prefill forward of ``rows`` chunks at most ``width`` long runs, padding included
+        (``_run_shape``)."""
+        if fresh:
+            return rows * width
+        return row_bucket(rows, self.settings.num_slots) * padded_width(width, self.settings.prefill_tokens)
 
     def _compact(self) -> None:
         """Move the highest decoding rows into the lowest free slots when that shrinks the decode bucket
