@@ -5,10 +5,14 @@ so far; with reuse (``decode/parked.py``) a turn keeps its slot for the next tur
 its prompt adds. Both modes run the real ``Driver`` over ``SlotEngine`` on the same conversations (the
 first ``--limit`` records of ``--data`` with at least ``--min-turns`` human turns; the embedded ShareGPT
 file by default); "whole" drops the reuse hints, so every prompt is prefilled from its first token, which
-is what regenerate did before. The modes alternate (``--repeats`` rounds, the order flipped each round);
-each row gives the prefill tokens per conversation (the engine's count, padding excluded), conversations/s
-and new tok/s (driver start to last line written; engine set-up apart), and the outputs of the two modes
-are compared line for line (equal on the CPU in float32).
+is what regenerate did before. First each mode runs once, untimed, on ``--warmup`` other conversations (so
+that the first mode timed does not pay the process's first-use costs); then the modes alternate
+(``--repeats`` rounds, the order flipped each round). Each row gives the prefill tokens per conversation
+(the engine's count, padding excluded), conversations/s and new tok/s (driver start to last line
+written; engine set-up apart), and what costs on a GPU beyond the tokens: the prefill forwards that attend
+over the cache and their distinct shapes (those new to the process each cost cuDNN a plan), the decode
+graphs captured, the share of decode rows that were live; the outputs of the two modes are compared line
+for line (equal on the CPU in float32).
 
   python bench/regenerate_turns.py --target random:tiny --limit 24 --max-new-tokens 32 --batch-size 8
   python bench/regenerate_turns.py --target default --limit 512 --max-new-tokens 256 --batch-size 256 \\
@@ -160,6 +164,10 @@ def run_mode(
         "setup_seconds": round(setup, 3),
         "conversations_per_second": round(total.written / seconds, 3),
         "new_tokens_per_second": round(total.new_tokens / seconds, 1),
+        # --json only: [rows, width, attended length, fresh, forwards] of every prefill shape.
+        "prefill_shape_counts": sorted(
+            [s.rows, s.width, s.attend_len, s.fresh, n] for s, n in shapes.items()
+        ),
     }
     slots.close()
     return row, lines
@@ -218,7 +226,7 @@ def main() -> None:
             row["round"] = r
             rows.append(row)
             outputs.setdefault(row["mode"], lines)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "prefill_shape_counts"}), flush=True)
     same = outputs["reuse"] == outputs["whole"]
     summary: dict[str, Any] = {"identical_outputs": same}
     for mode in ("reuse", "whole"):
