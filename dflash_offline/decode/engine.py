@@ -2,7 +2,8 @@
 
 Each ``step``: slots freed by the last step are marked idle; waiting prompts take the lowest free slots;
 one prefill forward runs a chunk of the prompts in prefill (at most ``prefill_tokens`` tokens, padding
-included, so a long prompt is spread over several steps instead of stalling the decoding rows); then one
+included, so a long prompt is spread over several steps instead of stalling the decoding rows; a forward
+that attends over the cache runs at rows and width rounded up to powers of two, ``_run_shape``); then one
 decode step (a CUDA graph per bucket of rows and attended length) gives every decoding slot its next
 token; then the tokens of both come to the host in one read, the only host sync of the step. A row ends
 at a stop token or at its ``max_new_tokens``; its slot takes the next waiting prompt in the next step.
