@@ -5,10 +5,14 @@ so far; with reuse (``decode/parked.py``) a turn keeps its slot for the next tur
 its prompt adds. Both modes run the real ``Driver`` over ``SlotEngine`` on the same conversations (the
 first ``--limit`` records of ``--data`` with at least ``--min-turns`` human turns; the embedded ShareGPT
 file by default); "whole" drops the reuse hints, so every prompt is prefilled from its first token, which
-is what regenerate did before. The modes alternate (``--repeats`` rounds, the order flipped each round);
-each row gives the prefill tokens per conversation (the engine's count, padding excluded), conversations/s
-and new tok/s (driver start to last line written; engine set-up apart), and the outputs of the two modes
-are compared line for line (equal on the CPU in float32).
+is what regenerate did before. First each mode runs once, untimed, on ``--warmup`` other conversations (so
+that the first mode timed does not pay the process's first-use costs); then the modes alternate
+(``--repeats`` rounds, the order flipped each round). Each row gives the prefill tokens per conversation
+(the engine's count, padding excluded), conversations/s and new tok/s (driver start to last line
+written; engine set-up apart), and what costs on a GPU beyond the tokens: the prefill forwards that attend
+over the cache and their distinct shapes (those new to the process each cost cuDNN a plan), the decode
+graphs captured, the share of decode rows that were live; the outputs of the two modes are compared line
+for line (equal on the CPU in float32).
 
   python bench/regenerate_turns.py --target random:tiny --limit 24 --max-new-tokens 32 --batch-size 8
   python bench/regenerate_turns.py --target default --limit 512 --max-new-tokens 256 --batch-size 256 \\
@@ -35,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
+from dflash_offline.decode.steps import PrefillShape  # noqa: E402
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver  # noqa: E402
 from dflash_offline.regenerate.engine_protocol import EngineOptions, Finished  # noqa: E402
 from dflash_offline.regenerate.generation import GenerationSettings  # noqa: E402
@@ -91,11 +96,14 @@ def run_mode(
     convs: list[Conversation],
     settings: GenerationSettings,
     args: argparse.Namespace,
+    seen_masked: set[PrefillShape],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One pass over ``convs``: its figures and its output lines."""
+    """One pass over ``convs``: its figures and its output lines. ``seen_masked``: the shapes of prefill
+    forwards over the cache run before in this process (updated)."""
     options = EngineOptions(
         batch_size=args.batch_size, kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
         max_prompt_tokens=args.max_prompt_tokens, cuda_graphs=args.cuda_graphs == "on",
+        reuse_kv=True,  # regenerate's default drops the hints on CUDA; this bench measures them
     )  # fmt: skip
     device = next(target.model.parameters()).device
     if device.type == "cuda":
@@ -125,6 +133,10 @@ def run_mode(
         lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda d: d[KEY])
     decode = slots._engine
     total = sink.total
+    shapes = decode.prefill_shapes
+    masked = {k for k in shapes if not k.fresh}
+    new_masked = masked - seen_masked
+    seen_masked |= masked
     row = {
         "mode": "reuse" if reuse else "whole",
         "conversations": total.written,
@@ -136,12 +148,27 @@ def run_mode(
         "prefill_tokens_per_conversation": round(decode.num_prefill_tokens / max(1, total.written), 1),
         "prefill_forwards": decode.num_prefills,
         "steps": decode.num_steps,
+        # What the GPU pays that the counts above do not show (bench/RESULTS.md, "KV reuse on the GPU"):
+        # a forward attending over the cache may cost the kernel a plan for each (rows, width, attended
+        # length) not seen before in the process; a decode graph is captured per (rows, attended length).
+        "masked_prefill_forwards": sum(n for k, n in shapes.items() if not k.fresh),
+        "masked_prefill_shapes": len(masked),
+        "new_masked_prefill_shapes": len(new_masked),
+        "fresh_prefill_shapes": len(shapes) - len(masked),
+        "decode_shapes": len(decode.decode_shapes),
+        "graphs_captured": decode.graphs.num_captured,
+        "decode_rows_live_share": round(decode.num_live_rows / max(1, decode.num_decoded_rows), 3),
         "evictions": decode.num_evictions,
+        "moves": decode.num_moves,
         "left_parked": decode.num_parked,
         "seconds": round(seconds, 3),
         "setup_seconds": round(setup, 3),
         "conversations_per_second": round(total.written / seconds, 3),
         "new_tokens_per_second": round(total.new_tokens / seconds, 1),
+        # --json only: [rows, width, attended length, fresh, forwards] of every prefill shape.
+        "prefill_shape_counts": sorted(
+            [s.rows, s.width, s.attend_len, s.fresh, n] for s, n in shapes.items()
+        ),
     }
     slots.close()
     return row, lines
@@ -160,6 +187,10 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     ap.add_argument("--repeats", type=int, default=2, help="rounds; each runs both modes, order flipped")
+    ap.add_argument(
+        "--warmup", type=int, default=8,
+        help="conversations after the timed ones that each mode runs once, untimed, first (0: none)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
@@ -170,7 +201,8 @@ def main() -> None:
     device = resolve_device(args.device)
     dtype = compute_dtype(args.dtype, device)
     target = load_target(args.target, device=device, dtype=dtype)
-    convs = multi_turn(args.data, limit=args.limit, min_turns=args.min_turns)
+    found = multi_turn(args.data, limit=args.limit + args.warmup, min_turns=args.min_turns)
+    convs, warm = found[: args.limit], found[args.limit :]
     turns = [len(user_groups(c.messages)) for c in convs]
     stop = stop_token_ids(target.tokenizer, target.model)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stop)
@@ -180,15 +212,22 @@ def main() -> None:
         f"{args.max_new_tokens} new tokens, batch {args.batch_size}, max prompt {args.max_prompt_tokens}",
         flush=True,
     )
+    seen_masked: set[PrefillShape] = set()
+    if warm:
+        # Untimed: the first mode timed must not pay the process's first-use costs (CUDA context, cuBLAS
+        # and cuDNN handles, kernel loading) that the other then finds paid.
+        for reuse in (True, False):
+            row, _ = run_mode(reuse, target, warm, settings, args, seen_masked)
+            print(f"warm-up {row['mode']} on {len(warm)} other conversations: {row['seconds']} s", flush=True)
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.repeats):
         for reuse in (True, False) if r % 2 == 0 else (False, True):
-            row, lines = run_mode(reuse, target, convs, settings, args)
+            row, lines = run_mode(reuse, target, convs, settings, args, seen_masked)
             row["round"] = r
             rows.append(row)
             outputs.setdefault(row["mode"], lines)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "prefill_shape_counts"}), flush=True)
     same = outputs["reuse"] == outputs["whole"]
     summary: dict[str, Any] = {"identical_outputs": same}
     for mode in ("reuse", "whole"):

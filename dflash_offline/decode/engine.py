@@ -2,7 +2,8 @@
 
 Each ``step``: slots freed by the last step are marked idle; waiting prompts take the lowest free slots;
 one prefill forward runs a chunk of the prompts in prefill (at most ``prefill_tokens`` tokens, padding
-included, so a long prompt is spread over several steps instead of stalling the decoding rows); then one
+included, so a long prompt is spread over several steps instead of stalling the decoding rows; a forward
+that attends over the cache runs at rows and width rounded up to powers of two, ``_run_shape``); then one
 decode step (a CUDA graph per bucket of rows and attended length) gives every decoding slot its next
 token; then the tokens of both come to the host in one read, the only host sync of the step. A row ends
 at a stop token or at its ``max_new_tokens``; its slot takes the next waiting prompt in the next step.
@@ -23,9 +24,9 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,7 +37,14 @@ from dflash_offline.decode.graphs import StepGraphs
 from dflash_offline.decode.parked import ParkedSlot, ParkedSlots, common_prefix_len
 from dflash_offline.decode.sampling import Sampler, Sampling, request_key_hash
 from dflash_offline.decode.slot_cache import SlotCache, shape_for
-from dflash_offline.decode.steps import PrefillChunk, SlotState, decode_step, prefill
+from dflash_offline.decode.steps import (
+    PrefillChunk,
+    PrefillShape,
+    SlotState,
+    decode_step,
+    prefill,
+    prefill_shape,
+)
 from dflash_offline.errors import DflashError
 
 GREEDY = Sampling()
@@ -110,6 +118,19 @@ def row_bucket(rows: int, num_slots: int) -> int:
     return min(n, num_slots)
 
 
+MIN_PADDED_WIDTH = 16
+"""Narrowest width a prefill over the cache is padded to (the attention kernels' tiles are wider)."""
+
+
+def padded_width(width: int, max_tokens: int) -> int:
+    """Tokens per row a prefill over the cache runs at: the next power of two (at least
+    ``MIN_PADDED_WIDTH``), at most ``max_tokens`` unless ``width`` itself is more."""
+    n = MIN_PADDED_WIDTH
+    while n < width:
+        n *= 2
+    return min(n, max(max_tokens, width))
+
+
 class DecodeEngine:
     """Continuous batching over a ``SlotCache``: ``submit`` prompts, ``poll`` finished answers."""
 
@@ -148,6 +169,15 @@ class DecodeEngine:
         """Parked slots freed for waiting prompts before their continuation came."""
         self.num_moves = 0
         """Rows moved to a lower slot by compaction."""
+        self.prefill_shapes: Counter[PrefillShape] = Counter()
+        """Prefill forwards by shape: on CUDA each new shape of a forward that attends over the cache may
+        cost the attention kernel a new plan."""
+        self.decode_shapes: Counter[tuple[int, int]] = Counter()
+        """Decode steps by (rows, attended length): on CUDA one graph capture per key."""
+        self.num_decoded_rows = 0
+        """Rows run by the decode steps, idle rows included (Σ of the bucket widths)."""
+        self.num_live_rows = 0
+        """Rows of the decode steps that decoded a token."""
 
     # ----- the Engine surface ---------------------------------------------------------------------
 
@@ -248,6 +278,9 @@ class DecodeEngine:
             num_rows = self._decode_rows()
             attend_len = self.cache.attend_len(max(r.length for r in self._decoding.values()) + 1)
             n = num_rows
+            self.decode_shapes[n, attend_len] += 1
+            self.num_decoded_rows += n
+            self.num_live_rows += len(self._decoding)
             self.graphs.run(
                 ("decode", n, attend_len),
                 lambda: decode_step(self.fwd, self.state, self.sampler, n, attend_len),
@@ -326,9 +359,9 @@ class DecodeEngine:
             if (req.prefilled == 0) != fresh:
                 continue
             take = min(len(req.prompt) - req.prefilled, budget)
-            if chunks and (len(chunks) + 1) * max(width, take) > budget:
+            if chunks and self._prefill_tokens(len(chunks) + 1, max(width, take), fresh) > budget:
                 take = min(take, width)  # pad no wider than the rows already in
-                if (len(chunks) + 1) * width > budget:
+                if self._prefill_tokens(len(chunks) + 1, width, fresh) > budget:
                     break
             width = max(width, take)
             end = req.prefilled + take
@@ -339,8 +372,10 @@ class DecodeEngine:
                 )
             )  # fmt: skip
             reqs.append(req)
-        first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks)
+        shape = self._run_shape(chunks)
+        first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks, shape=shape)
         self.num_prefills += 1
+        self.prefill_shapes[shape] += 1
         completed = []
         for req, chunk in zip(reqs, chunks, strict=True):
             req.prefilled += len(chunk.token_ids)
@@ -351,6 +386,24 @@ class DecodeEngine:
                 completed.append(req)
         self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt)]
         return first_M, completed
+
+    def _run_shape(self, chunks: Sequence[PrefillChunk]) -> PrefillShape:
+        """The shape a prefill forward of ``chunks`` runs at. One that attends over the cache (a
+        continuation, a long prompt's later chunk) is padded to buckets of rows and width, so that its
+        shapes repeat: on CUDA its masked attention (cuDNN) builds an execution plan for every new shape,
+        which costs more than the forward itself. Fresh prompts (causal, flash: no plan) run as they are."""
+        exact = prefill_shape(self.cache, chunks)
+        if exact.fresh:
+            return exact
+        rows = row_bucket(exact.rows, self.settings.num_slots)
+        return replace(exact, rows=rows, width=padded_width(exact.width, self.settings.prefill_tokens))
+
+    def _prefill_tokens(self, rows: int, width: int, fresh: bool) -> int:
+        """Tokens a prefill forward of ``rows`` chunks at most ``width`` long runs, padding included
+        (``_run_shape``)."""
+        if fresh:
+            return rows * width
+        return row_bucket(rows, self.settings.num_slots) * padded_width(width, self.settings.prefill_tokens)
 
     def _compact(self) -> None:
         """Move the highest decoding rows into the lowest free slots when that shrinks the decode bucket

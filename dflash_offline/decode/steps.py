@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dflash_offline.decode.forward import SlotForward
 from dflash_offline.decode.sampling import Sampler
-from dflash_offline.decode.slot_cache import ForwardRows
+from dflash_offline.decode.slot_cache import ForwardRows, SlotCache
 
 
 class SlotState:
@@ -90,36 +90,70 @@ class PrefillChunk:
     prompt_len: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefillShape:
+    """The shape of one prefill forward's attention (what a kernel may plan per shape for)."""
+
+    rows: int
+    """N, idle rows included."""
+    width: int
+    """S: tokens per row, padding included."""
+    attend_len: int
+    """Lb: the bucket of positions the rows attend over (unused when ``fresh``: they attend over their own
+    S keys)."""
+    fresh: bool
+    """Every row starts at position 0: causal over its own keys, no mask, no gather of the cache."""
+
+
+def prefill_shape(cache: SlotCache, chunks: Sequence[PrefillChunk]) -> PrefillShape:
+    """The shape ``prefill`` runs ``chunks`` at."""
+    return PrefillShape(
+        rows=len(chunks),
+        width=max(len(c.token_ids) for c in chunks),
+        attend_len=cache.attend_len(max(c.start + len(c.token_ids) for c in chunks)),
+        fresh=all(c.start == 0 for c in chunks),
+    )
+
+
 def prefill(
     fwd: SlotForward,
     state: SlotState,
     sampler: Sampler,
     chunks: Sequence[PrefillChunk],
     *,
+    shape: PrefillShape | None = None,
     capture: Sequence[int] = (),
 ) -> tuple[Tensor | None, Tensor | None]:
     """Run the chunks (right-padded into one forward; padding comes after each row's tokens, so a causal
-    query never sees it). The prompts they complete become live: their first
+    query never sees it). ``shape``: run at these rows and width, at least the chunks' own
+    (``prefill_shape``, the default); idle rows after the chunks' write nothing and see position 0 of the
+    first chunk's slot, like a decode step's idle rows. The prompts they complete become live: their first
     token is sampled into ``state.tokens`` and returned (int64 [M], in chunk order; None when none
-    completes). With ``capture``, also the features [N, S, F] of every chunk token (padding rows too)."""
+    completes). With ``capture``, also the features [N, S, F] of every token run (padding too)."""
     device = state.tokens.device
     cache = fwd.cache
-    width = max(len(c.token_ids) for c in chunks)
-    ids = torch.zeros((len(chunks), width), dtype=torch.int64)
+    exact = prefill_shape(cache, chunks)
+    shape = exact if shape is None else shape
+    assert shape.rows >= exact.rows, (shape, exact)
+    assert shape.width >= exact.width, (shape, exact)
+    assert (shape.attend_len, shape.fresh) == (exact.attend_len, exact.fresh), (shape, exact)
+    width, idle = shape.width, [0] * (shape.rows - exact.rows)
+    ids = torch.zeros((shape.rows, width), dtype=torch.int64)
     for r, c in enumerate(chunks):
         ids[r, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.int64)
-    start_N = torch.tensor([c.start for c in chunks], dtype=torch.int64, device=device)
-    length_N = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64, device=device)
-    slots_N = torch.tensor([c.slot for c in chunks], dtype=torch.int64, device=device)
+    start_N = torch.tensor([c.start for c in chunks] + idle, dtype=torch.int64, device=device)
+    length_N = torch.tensor([len(c.token_ids) for c in chunks] + idle, dtype=torch.int64, device=device)
+    slot_list = [c.slot for c in chunks]
+    slots_N = torch.tensor(slot_list + [slot_list[0]] * len(idle), dtype=torch.int64, device=device)
     q_S = torch.arange(width, device=device)
     positions_NS = start_N[:, None] + q_S[None, :]
     write_NS = torch.where(q_S[None, :] < length_N[:, None], positions_NS, cache.scratch)
-    attend_len = cache.attend_len(max(c.start + len(c.token_ids) for c in chunks))
-    fresh = all(c.start == 0 for c in chunks)  # causal over the chunk itself: no mask, no gather
+    fresh = shape.fresh  # causal over the chunk itself: no mask, no gather
     rows = ForwardRows(
-        num_rows=len(chunks), slots_N=slots_N, write_NS=write_NS, attend_len=attend_len, own_keys_only=fresh
-    )
-    mask = None if fresh else block_mask(start_N, width, attend_len)
+        num_rows=shape.rows, slots_N=slots_N, write_NS=write_NS, attend_len=shape.attend_len,
+        own_keys_only=fresh,
+    )  # fmt: skip
+    mask = None if fresh else block_mask(start_N, width, shape.attend_len)
     hidden, features = fwd.hidden(ids.to(device), positions_NS, mask, rows, capture=capture)
     done = [r for r, c in enumerate(chunks) if c.completes]
     if not done:

@@ -76,6 +76,12 @@ def earlier_turn_rewritten(prev: list[int], answer: list[int], user: list[int]) 
 RULES = [as_generated, end_marker, answer_rewritten, earlier_turn_rewritten]
 
 
+def short_or_long(prev: list[int], answer: list[int], user: list[int]) -> NextPrompt:
+    """Continuations of many widths: the user turn alone after an odd-length prompt, else half the
+    conversation (``earlier_turn_rewritten``)."""
+    return (as_generated if len(prev) % 2 else earlier_turn_rewritten)(prev, answer, user)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Conversations:
     """What ``converse`` saw: every turn's prompt and answer, and the prefill the design predicts."""
@@ -161,6 +167,43 @@ def test_multi_turn_reuse_equals_no_reuse_and_generate(
         assert runs[True].answers[c, k] == generate_greedy(model, prompt, max_new(c, k), stop), (c, k)
         stopped += runs[True].answers[c, k][-1] in stop
     assert stopped >= 1
+
+
+def test_prefills_over_the_cache_run_at_few_padded_shapes(target: LoadedTarget) -> None:
+    """8 conversations of 3 turns through 6 slots, continuations of many widths side by side (one forward
+    of 3 of them runs with an idle row): every prefill that attends over the cache runs at a power-of-two
+    number of rows and a power-of-two width of at least 16 tokens, within the prefill budget, so that its
+    shapes repeat (on CUDA each new one costs the masked attention kernel a plan); the answers stay those
+    without reuse and of ``generate``."""
+    model = target.model
+    firsts = random_prompts(8, seed=9, vocab=target.info.vocab_size, lengths=(4, 40))
+
+    def max_new(c: int, k: int) -> int:
+        return 2 + (3 * c + k) % 7
+
+    runs, engines = {}, {}
+    for reuse in (True, False):
+        settings = EngineSettings(
+            num_slots=6, max_len=200, max_new_tokens=8, stop_ids=frozenset(), prefill_tokens=128,
+            attend_granule=8,
+        )  # fmt: skip
+        engines[reuse] = DecodeEngine(model, settings)
+        engine = engines[reuse]
+        runs[reuse] = converse(engine, firsts, turns=3, rule=short_or_long, reuse=reuse, max_new=max_new)
+    assert runs[True].answers == runs[False].answers
+    for (c, k), prompt in runs[True].prompts.items():
+        assert runs[True].answers[c, k] == generate_greedy(model, prompt, max_new(c, k), frozenset()), (c, k)
+    over_cache = [s for s in engines[True].prefill_shapes if not s.fresh]
+    assert len(over_cache) >= 2
+    assert max(s.rows for s in over_cache) == 4
+    powers = {2**i for i in range(8)}
+    for s in over_cache:
+        assert s.rows in powers, s
+        assert s.width in powers, s
+        assert s.width >= 16, s
+        assert s.rows * s.width <= 128, s
+    # Fresh prompts (causal over their own keys, no per-shape plan) keep their exact shapes.
+    assert any(s.width not in powers for s in engines[True].prefill_shapes if s.fresh)
 
 
 def run_to_end(engine: DecodeEngine) -> dict[str, list[int]]:
