@@ -148,7 +148,8 @@ def run_mode(
         "prefill_tokens_per_conversation": round(decode.num_prefill_tokens / max(1, total.written), 1),
         "prefill_forwards": decode.num_prefills,
         "steps": decode.num_steps,
-        # What the GPU pays that the counts above do not show (bench/RESULTS.md, "KV reuse on the GPU"):
+        # What the GPU pays that the counts above do not show (bench/RESULTS.md, "Multi-turn regenerate",
+        # "Why, counted"):
         # a forward attending over the cache may cost the kernel a plan for each (rows, width, attended
         # length) not seen before in the process; a decode graph is captured per (rows, attended length).
         "masked_prefill_forwards": sum(n for k, n in shapes.items() if not k.fresh),

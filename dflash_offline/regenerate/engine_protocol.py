@@ -88,8 +88,8 @@ class EngineStats:
     slot_steps: int
     """Steps × slots: the tokens the steps could have decoded with every slot busy."""
     decoded_tokens: int
-    """Tokens of finished answers that decode steps produced (stop tokens included; each answer's first
-    token comes from its prefill forward instead). A stop drops the rows in flight, uncounted."""
+    """Tokens the decode steps produced (``DecodeEngine.num_live_rows``: stop tokens included, and the rows
+    a stop dropped; each answer's first token comes from its prefill forward instead)."""
     prefills: int
     """Prefill forwards."""
     prefill_tokens: int

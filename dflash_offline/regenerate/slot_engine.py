@@ -94,8 +94,6 @@ class SlotEngine:
             prefill_tokens=options.max_batch_tokens,
             cuda_graphs=options.cuda_graphs,
         )
-        self._decoded_tokens = 0
-        """Tokens of the finished answers that decode steps produced (``EngineStats.decoded_tokens``)."""
         self._step_seconds = 0.0
         """Wall time in ``DecodeEngine.poll``, which runs the steps (``EngineStats.step_seconds``)."""
         try:
@@ -130,8 +128,6 @@ class SlotEngine:
             raise EngineError(f"the target ran out of memory ({e}); lower {KV_FIX}") from None
         finally:
             self._step_seconds += time.perf_counter() - start
-        # An answer's first token comes from its prefill forward, every later one from a decode step.
-        self._decoded_tokens += sum(len(d.token_ids) - 1 for d in done)
         return [Finished(key=d.key, tokens=split_at_stop(d.token_ids, self._settings)) for d in done]
 
     def close(self, *, abort: bool = False) -> None:
@@ -143,7 +139,7 @@ class SlotEngine:
             slots=self.num_slots,
             steps=engine.num_steps,
             slot_steps=engine.num_steps * self.num_slots,
-            decoded_tokens=self._decoded_tokens,
+            decoded_tokens=engine.num_live_rows,
             prefills=engine.num_prefills,
             prefill_tokens=engine.num_prefill_tokens,
             reused_tokens=engine.num_reused_tokens,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +14,11 @@ import torch
 
 from dflash_offline.placement import DistInfo
 from dflash_offline.train import loop
-from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.step import OptimizerStep, StepOutcome
 from dflash_offline.train.validation import ValidationSchedule
 from tests.tiny_caches import TinyCaches
+from tests.train.helpers import train_config
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
 
@@ -79,25 +78,12 @@ def test_logged_tokens_per_s_is_the_wall_throughput_of_the_window(
     monkeypatch.setattr(ValidationSchedule, "run", validate)
     monkeypatch.setattr(loop, "save_checkpoint", checkpoint)
 
-    config = TrainConfig(
-        cache_dir=tiny_caches.get(records=60, seed=11).root,
-        out_dir=tmp_path / "run",
-        num_layers=1,
-        block_size=8,
-        num_anchors=32,
-        tokens_per_microbatch=600,
-        grad_accum=1,
-        epochs=100,
-        loader_threads=2,
-        prefetch=2,
-        progress=False,
-        threads_per_worker=1,
-        tensorboard=False,
-        val_fraction=0.15,
-    )
     # Read-backs at the log steps 3 and 6, the validation of step 5 and the last step, 7 (validated
     # too); checkpoints after steps 4 and 7.
-    config = replace(config, max_steps=7, log_every=3, val_every=5, checkpoint_every=4)
+    config = train_config(
+        tiny_caches.get(records=60, seed=11).root, tmp_path / "run", max_steps=7, log_every=3, val_every=5,
+        checkpoint_every=4, tensorboard=False, val_fraction=0.15,
+    )  # fmt: skip
     loop.train_rank(config, CPU)
 
     lines = read_metrics(config.out_dir / "metrics.jsonl")
