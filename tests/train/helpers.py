@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from dflash_offline.train.config import TrainConfig
 
 
@@ -28,3 +30,20 @@ def train_config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
         threads_per_worker=1,
     )
     return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def assert_export_equals_checkpoint(
+    exported: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor]
+) -> None:
+    """An export holds a checkpoint's weights, with the feature scale (``--feature-scale``, on by default)
+    folded into fc by hand here: fc(x·s) = (W·diag(s)) x, so column j of fc.weight is multiplied by s[j]."""
+    expected = dict(model_state)
+    scale_F = expected.pop("feature_scale_F", None)
+    if scale_F is not None:
+        expected["fc.weight"] = expected["fc.weight"].float() * scale_F.float()[None, :]
+    assert exported.keys() == expected.keys()
+    for name, tensor in exported.items():
+        if name == "fc.weight" and scale_F is not None:
+            torch.testing.assert_close(tensor.float(), expected[name], rtol=1e-6, atol=0, msg=name)
+        else:
+            assert torch.equal(tensor, expected[name]), name

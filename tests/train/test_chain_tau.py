@@ -25,6 +25,7 @@ from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import ValidationMetrics, read_metrics, validation_records
 from dflash_offline.train.validation import ValidationTracker, acceptance_at_every_anchor
+from tests.train.helpers import assert_export_equals_checkpoint
 from tests.train.learnable_task import embedding as learnability_embedding
 from tests.train.learnable_task import synthetic_setup as learnability_setup
 from tests.train.learnable_task import write_cache as learnability_cache
@@ -267,6 +268,4 @@ def test_resume_from_a_checkpoint_before_chain_tau(
     checkpoint = torch.load(
         dict(list_checkpoints(run))[best_step] / "state.pt", map_location="cpu", weights_only=False
     )
-    assert exported.keys() == checkpoint["model"].keys()
-    for name, tensor in exported.items():
-        assert torch.equal(tensor, checkpoint["model"][name]), name
+    assert_export_equals_checkpoint(exported, checkpoint["model"])

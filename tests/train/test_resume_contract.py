@@ -56,7 +56,7 @@ CHANGES: list[tuple[str, Any, str, str]] = [
     ("val_every", 5, ANNOUNCED, "--val-every"),
     ("val_chain_tokens", 64, ANNOUNCED, "--val-chain-tokens"),
     ("early_stop", 3, ANNOUNCED, "--early-stop"),
-    ("final_norm_init", 0.1, FREE, ""),
+    ("final_norm_init", 0.5, FREE, ""),
     ("autocast", "off", FREE, ""),
     ("prefetch", 8, FREE, ""),
     ("loader_threads", 1, FREE, ""),

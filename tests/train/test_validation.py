@@ -36,6 +36,7 @@ from dflash_offline.train.metrics import StepMetrics, read_metrics, validation_r
 from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
 from dflash_offline.train.split import split_snapshot
 from tests.tiny_caches import TinyCaches
+from tests.train.helpers import assert_export_equals_checkpoint
 from tests.train.learnable_task import embedding as learnability_embedding
 from tests.train.learnable_task import synthetic_setup as learnability_setup
 from tests.train.learnable_task import write_cache as learnability_cache
@@ -241,10 +242,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _assert_same_weights(export: Path, checkpoint: Path) -> None:
-    a, b = _weights(export), _weights(checkpoint / "state.pt")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_export_equals_checkpoint(_weights(export), _weights(checkpoint / "state.pt"))
 
 
 def test_best_export_and_early_stop(cache: Path, tmp_path: Path) -> None:
