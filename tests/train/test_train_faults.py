@@ -134,7 +134,8 @@ def test_skip_damaged_trains_on_the_rest_and_records_them(cache: Path, tmp_path:
     # One line per read of the damaged sample (module docstring of train/damaged.py): the feature scale's
     # statistics pass reads it too, before training does.
     lines = (run / DAMAGED_FILE).read_text().splitlines()
-    assert lines and {json.loads(line)["sample_id"] for line in lines} == damaged
+    assert lines
+    assert {json.loads(line)["sample_id"] for line in lines} == damaged
     assert all(math.isfinite(loss) for loss in losses(run))
     clean = tmp_path / "clean"
     run_training(_config(cache, clean, epochs=1, max_steps=None))
