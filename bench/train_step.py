@@ -9,8 +9,10 @@ as the prefetcher does, random bf16 features of 5 target layers. A step is ``--g
 eight distinct microbatches are cycled so that shapes vary as in real data.
 
 Modes, each timed over ``--steps`` steps after ``--warmup`` (compilation happens in the warm-up):
-  eager          the step as ``dflash train`` runs it: results stay on the device, read at the end
-  compiled       the same with ``--compile`` (``DFlashDrafter.compile_training``, inductor)
+  eager          the step as ``dflash train --compile off`` runs it: results stay on the device, read at
+                 the end
+  compiled       the same compiled, as ``dflash train`` runs it on CUDA by default (``--compile auto``:
+                 ``DFlashDrafter.compile_training``, inductor)
   eager+sync     (``--sync-every-step``) every step's metrics read back at once (``--log-every 1``)
   eager+old-syncs (``--sync-every-step``) also the host syncs the step made before: ``nonzero`` in the
                  forward (no precomputed loss rows), two blocking syncs before each microbatch (the loss

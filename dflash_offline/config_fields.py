@@ -157,13 +157,13 @@ def invalid_values(cls: type[Any], values: dict[str, Any]) -> list[str]:
     for f in dataclasses.fields(cls):
         spec = cli_spec(f)
         value = values.get(f.name)
-        if spec is None or spec.kind != "value" or value is None or isinstance(value, bool):
+        if spec is None or spec.kind != "value" or value is None:
             continue
         flag = flag_of(f.name, spec)
         choices = literal_choices(hints[f.name]) or spec.choices
-        if choices is not None and value not in choices:
+        if choices is not None and value not in choices:  # a bool too: an option once a flag
             bad.append(f"{flag} {value!r}: expected {_one_of(choices)}")
-        elif isinstance(value, int | float) and not _within(value, spec):
+        elif isinstance(value, int | float) and not isinstance(value, bool) and not _within(value, spec):
             integer = int in (hints[f.name], *typing.get_args(hints[f.name]))
             bad.append(f"{flag} {value}: expected {bounds_text(spec, integer=integer)}")
     return bad

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_offline.errors import ConfigError
+from dflash_offline.interrupt import stop_requested
 
 AttentionBackend = Literal["auto", "flex", "sdpa"]
 
@@ -222,7 +223,9 @@ class FlexFallbackWarning(RuntimeWarning):
 class FlexFallback:
     """One model's record of a compiled flex_attention failure. The failing forward and every later
     forward of that model run dense SDPA (the same mask, more memory), and a ``FlexFallbackWarning``
-    says so once, naming the error. Per model, not per process: another model tries flex afresh."""
+    says so once, naming the error. Per model, not per process: another model tries flex afresh. A
+    failure while a stop is requested (``dflash_offline/interrupt.py``) is not recorded: only its forward
+    runs SDPA (see ``TrainingAttention.__call__``)."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
@@ -304,7 +307,11 @@ class TrainingAttention:
             except Exception as exc:  # a torch.compile/Triton failure must not kill the run
                 if self.fallback is None or not self.fallback.covers(q.device):
                     raise
-                self.fallback.record(exc)
+                if not stop_requested():
+                    self.fallback.record(exc)
+                # else: a Ctrl-C (or a deadline's SIGINT) reaches the compiler's subprocesses too, and
+                # ptxas dying of it says nothing about flex: this forward finishes on SDPA so that the
+                # step can end and the run stop, checkpointed, and the model keeps flex.
                 self.backend = "sdpa"
         return sdpa_attend(q, k, v, self.dense())[:, :, :Q]
 

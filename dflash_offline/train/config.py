@@ -188,11 +188,19 @@ class TrainConfig:
         help="Stop (checkpointed, a clean end) after K validations without a better validation chain τ.",
     )
     """Stop after this many validations in a row without a better validation chain τ (a clean end)."""
-    compile: bool = cli_field(
-        False,
-        help="torch.compile the drafter's layers around attention (fused kernels; numbers close to, "
-        "not equal to, eager ones).",
+    compile: Literal["auto", "on", "off"] = cli_field(
+        "auto",
+        help="torch.compile the drafter's layers around attention (fused kernels; numbers close to, not "
+        "equal to, eager ones): auto = on GPUs (1.23–1.29× a training step's tokens/s on an H200, "
+        "bench/train_step.py), off on a CPU and under --deterministic (its loss curve stays eager's).",
     )
+    """torch.compile of the drafter's per-layer work around attention (``DFlashDrafter.compile_training``),
+    resolved by ``train/loop.py:compiles``: auto = on CUDA unless ``deterministic``. On one H200 a training
+    step made 1.29× the tokens/s at SmolLM2 width and 1.23× at Qwen3-8B width, in less memory
+    (docs/facts.md, "Training throughput"). Off on the CPU: nothing measured says it helps there. Off by
+    default under ``deterministic``: a deterministic run keeps the eager loss curve it had before compile
+    became the default (``on`` still compiles it). An older run's config.json holds true/false
+    (``from_dict`` reads them as on/off)."""
     tensorboard_dir: Path | None = cli_field(
         None,
         flag="--tensorboard",
@@ -278,4 +286,6 @@ class TrainConfig:
         if values.get("tensorboard_dir") is not None:
             values["tensorboard_dir"] = Path(values["tensorboard_dir"])
         values["gpus"] = tuple(values.get("gpus", ()))
+        if isinstance(values.get("compile"), bool):  # written before compile took auto/on/off
+            values["compile"] = "on" if values["compile"] else "off"
         return cls(**values)

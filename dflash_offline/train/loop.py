@@ -272,7 +272,7 @@ def _train(
     """Set up the optimization (from ``state``, the checkpoint resumed, if any), train until the end or an
     early stop, export."""
     opt = _setup_optimization(config, info, setup.model, split.train)
-    if config.compile:
+    if compiles(config, info.device):
         opt.model.compile_training()
     if state is not None:
         _restore(config, info, opt, state)
@@ -536,6 +536,14 @@ def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContext
     """bf16 autocast with ``--autocast bf16``, or ``auto`` on CUDA; otherwise none (float32)."""
     use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and info.device.type == "cuda")
     return torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+
+def compiles(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the run compiles the drafter's layers: ``--compile on``, or ``auto`` on CUDA without
+    ``--deterministic`` (whose loss curve stays the eager one; see ``TrainConfig.compile``)."""
+    if config.compile == "auto":
+        return device.type == "cuda" and not config.deterministic
+    return config.compile == "on"
 
 
 def _is_checkpoint_step(config: TrainConfig, opt: _Optimization, global_step: int) -> bool:

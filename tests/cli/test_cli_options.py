@@ -121,6 +121,27 @@ def test_train_cli_builds_the_config_a_caller_builds(monkeypatch: pytest.MonkeyP
     )
 
 
+def test_train_compile_takes_auto_on_or_off_and_refuses_anything_else(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--compile`` takes a value now (it was a flag): the value reaches the config; another value, or
+    the old bare flag, is click's one-line refusal naming the choices, before any run."""
+    _capture(monkeypatch, "dflash_offline.train.launch", "run_training")
+    base = ["train", "--cache", str(tmp_path / "c"), "--out", str(tmp_path / "run")]
+    for value in ("auto", "on", "off"):
+        assert _invoked_with([*base, "--compile", value]).compile == value
+    invalid = "Error: Invalid value for '--compile': {!r} is not one of 'auto', 'on', 'off'."
+    for args, error in [
+        (["--compile", "yes"], invalid.format("yes")),
+        (["--compile", "--lr", "0.1"], invalid.format("--lr")),
+        (["--compile"], "Error: Option '--compile' requires an argument."),
+    ]:
+        result = CliRunner().invoke(main, [*base, *args])
+        assert result.exit_code == 2, result.output
+        assert not isinstance(result.exception, _Captured)
+        assert [line for line in result.output.splitlines() if line.startswith("Error:")] == [error]
+
+
 def test_train_help_reads_the_drafter_defaults_without_importing_torch() -> None:
     """The drafter's shape defaults have one home (``drafter_shape.py``) that ``dflash train --help``
     reads without the drafter package, which imports torch."""

@@ -1,13 +1,17 @@
 """A failing compiled flex_attention falls back to SDPA explicitly: a warning once, the model's own
-record (not a process-global flag), the same result as SDPA; off CUDA or without a record it raises."""
+record (not a process-global flag), the same result as SDPA; off CUDA or without a record it raises;
+while a stop is requested the failing forward runs SDPA and nothing is recorded."""
 
 from __future__ import annotations
 
+import os
+import signal
 import warnings
 
 import pytest
 import torch
 
+from dflash_offline import interrupt
 from dflash_offline.drafter import attention
 from dflash_offline.drafter.attention import (
     FlexFallback,
@@ -65,3 +69,24 @@ def test_a_flex_failure_without_a_record_or_off_cuda_raises(monkeypatch: pytest.
     with pytest.raises(RuntimeError, match="triton boom"):  # a CPU failure is a bug, not a fallback
         TrainingAttention(index, "flex", fallback)(q, k, v)
     assert not fallback.failed
+
+
+def test_a_flex_failure_while_a_stop_is_requested_leaves_the_model_on_flex(broken_flex: None) -> None:
+    """A Ctrl-C (or a deadline's SIGINT) reaches the compiler's subprocesses too (ptxas dies of it): a
+    flex failure then is no verdict on flex. That forward still runs SDPA, so the step can finish and
+    the run stop; the model records nothing, warns nothing, and its next forward tries flex again."""
+    row = random_row([7, 12, 5], seed=0, pad=6, num_anchors=3)
+    model = tiny_drafter(seed=0)
+    with torch.no_grad():
+        expected = model.forward_hidden(row, attention="sdpa")
+        with interrupt.stop_on_sigint("stopping"):
+            os.kill(os.getpid(), signal.SIGINT)  # the real first Ctrl-C: a stop request
+            assert interrupt.stop_requested()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no FlexFallbackWarning
+                got = model.forward_hidden(row, attention="flex")
+        assert not model.flex_fallback.failed
+        with pytest.warns(FlexFallbackWarning, match="triton boom"):  # flex tried again: fails for real
+            model.forward_hidden(row, attention="flex")
+    torch.testing.assert_close(got, expected)
+    assert model.flex_fallback.failed

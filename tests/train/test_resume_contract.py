@@ -68,7 +68,7 @@ CHANGES: list[tuple[str, Any, str, str]] = [
     ("attention", "sdpa", FREE, ""),
     ("export_initial", True, FREE, ""),
     ("log_every", 4, FREE, ""),
-    ("compile", True, FREE, ""),
+    ("compile", "on", FREE, ""),
     ("tensorboard_dir", Path("tb-elsewhere"), FREE, ""),
     ("tensorboard", False, FREE, ""),
     ("on_damaged", "skip", FREE, ""),
