@@ -166,6 +166,16 @@ class TrainConfig:
     )
     """``sample``: each sample is its own group; ``root-id``: the records of one conversation are held out
     (or trained on) together (train/split.py, train/groups.py)."""
+    train_samples: int | None = cli_field(
+        None,
+        min=1,
+        help="Train on N of the samples not held out for validation (default: all): those of smallest hash "
+        "of the sample id (with --val-group root-id, of the conversation root: whole conversations, so at "
+        "least N). The validation split does not depend on N; the same N takes the same samples on every "
+        "resume and world size, and a larger N a superset of a smaller N's (nested data-scaling runs).",
+    )
+    """Train on this many of the samples not held out (train/split.py: the smallest training keys, whole
+    groups); None: all of them. More than there are is refused."""
     val_every: int = cli_field(
         200,
         min=1,

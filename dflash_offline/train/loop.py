@@ -84,14 +84,23 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int],
 
 def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> SplitSnapshots:
     """The run's sample set (taken at the first start by rank 0 and saved; reloaded on resume), split
-    into training and validation samples (announced by rank 0)."""
+    into training and validation samples, the training ones cut to ``--train-samples`` (announced by rank
+    0)."""
     snapshot = _saved_snapshot(config, reader, info)
     holds_out = config.val_fraction > 0 or config.val_samples is not None
-    groups = _validation_groups(config, reader, snapshot, info) if holds_out else None
+    subsets = config.train_samples is not None
+    groups = _validation_groups(config, reader, snapshot, info) if holds_out or subsets else None
     split = split_snapshot(
-        snapshot, fraction=config.val_fraction, num_samples=config.val_samples, groups=groups
+        snapshot,
+        fraction=config.val_fraction,
+        num_samples=config.val_samples,
+        groups=groups,
+        train_samples=config.train_samples,
     )
-    if info.is_main and holds_out:
+    if not info.is_main:
+        return split
+    notes = []
+    if holds_out:
         if split.validation is None:
             note = f"no sample of {len(snapshot)} fell into the validation split: no validation"
         else:
@@ -104,7 +113,18 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
                 roots = {groups[s] for s in v.sample_ids}
                 val_group = flag(TrainConfig, "val_group")
                 note += f"; whole conversations: {len(roots)} roots ({val_group} root-id)"
-        print(f"dflash train: {note}", file=sys.stderr, flush=True)
+        notes.append(note)
+    if subsets:
+        t = split.train
+        note = (
+            f"training on {len(t)} of {split.num_not_held_out} samples ({t.total_tokens:,} tokens; "
+            f"{flag(TrainConfig, 'train_samples')} {config.train_samples}, those of smallest hash"
+        )
+        if groups is not None:
+            note += f", whole conversations: {len({groups[s] for s in t.sample_ids})} roots"
+        notes.append(note + ")")
+    if notes:
+        print(f"dflash train: {'; '.join(notes)}", file=sys.stderr, flush=True)
     return split
 
 

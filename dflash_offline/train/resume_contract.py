@@ -5,7 +5,8 @@ ask for the same tensors, loss and samples. ``ResumeContract`` holds everything 
 ``RULES`` says what each of its fields allows:
 
 - ``FIXED``: the options that define the drafter's tensors or its loss, the seed and token budget that shape
-  the sample plan, the validation split and the training samples themselves: a change is refused;
+  the sample plan, the validation split, the training subset (``--train-samples``) and the training samples
+  themselves: a change is refused;
 - ``TOPOLOGY``: the world size and ``grad_accum``: changed only with ``allow_topology_change`` (the
   planner then plans the rest of the interrupted epoch over its remaining samples, each still once);
 - ``APPLIED``: the optimizer hyper-parameters, the run length and the validation schedule: taken over from
@@ -61,9 +62,14 @@ FIXED_OPTIONS = (
     "val_fraction",
     "val_samples",
     "val_group",
+    "train_samples",
 )
 """``TrainConfig`` options that define the drafter's tensors or its loss, or which samples are trained on
-(the validation split)."""
+(the validation split, the training subset)."""
+
+ADDED_OPTIONS: Mapping[str, Any] = {"train_samples": None}
+"""Options of ``FIXED_OPTIONS`` newer than some runs' config.json, by the value that means what those runs
+did (``train_samples`` None: every sample not held out): a config.json without one is read with it."""
 
 APPLIED_OPTIONS = (
     "lr",
@@ -151,6 +157,8 @@ class ResumeContract:
             if isinstance(saved, dict)
             else None
         )
+        if options is not None:
+            options = {**ADDED_OPTIONS, **options}
         return cls(
             options=options,
             seed=int(planner_state["seed"]),

@@ -9,6 +9,13 @@ nothing else (not the seed, the world size, the step or the order of the cache):
 world size holds out the same samples, and runs over the same cache are validated on the same ones. The
 run's training snapshot is the rest; the planner never sees a validation sample. ``dflash eval`` reads
 the split back (``validation_ids_of_run``): the prompts of validation samples were not trained on.
+
+``--train-samples N`` then trains on part of the rest, chosen the same way under a second key (another
+salt, so the choice does not lean on the validation key): the groups of smallest training key, whole, until
+they hold at least N samples (exactly N with ``--val-group sample``). The validation split is taken first and
+does not depend on N; the subset depends only on the ids and groups, so it is the same on every resume and
+world size, and a larger N takes a superset of a smaller N's samples (a data-scaling curve compares nested
+training sets against one validation split).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dflash_offline.train.groups import GROUPS_FILE, read_groups
 from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, subset_snapshot
 
 _SALT = b"dflash-validation-split-v1\x00"
+_TRAIN_SALT = b"dflash-training-subset-v1\x00"
 SNAPSHOT_FILE = "snapshot.parquet"
 
 
@@ -37,8 +45,39 @@ VAL_GROUPS = ("sample", "root-id")
 
 def validation_key(group: str) -> float:
     """The group's place in [0, 1) (64 bits of a keyed blake2b of its name: a sample id or a root)."""
-    digest = hashlib.blake2b(_SALT + group.encode("utf-8"), digest_size=8).digest()
+    return _key(_SALT, group)
+
+
+def training_key(group: str) -> float:
+    """The group's place in [0, 1) in the training order of ``--train-samples`` (``validation_key``'s rule
+    under another salt)."""
+    return _key(_TRAIN_SALT, group)
+
+
+def _key(salt: bytes, group: str) -> float:
+    digest = hashlib.blake2b(salt + group.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2.0**64
+
+
+def _group_names(sample_ids: Sequence[str], groups: Mapping[str, str] | None) -> Sequence[str]:
+    """Each sample's group name (its own id when ``groups`` is None)."""
+    if groups is None:
+        return sample_ids
+    missing = [s for s in sample_ids if s not in groups]
+    if missing:
+        raise CacheFormatError(
+            f"{len(missing)} samples of the run (first: {missing[0]!r}) have no validation group; "
+            "the run's validation_groups.parquet does not belong to its snapshot"
+        )
+    return [groups[s] for s in sample_ids]
+
+
+def _smallest(keys_N: np.ndarray, num_samples: int) -> np.ndarray:
+    """bool [N]: the smallest keys up to the ``num_samples``-th sample's, whole groups (a group's samples
+    share its key); all of them when there are no more."""
+    if num_samples >= len(keys_N):
+        return np.ones(len(keys_N), dtype=bool)
+    return keys_N <= np.sort(keys_N)[num_samples - 1]
 
 
 def validation_mask(
@@ -50,23 +89,27 @@ def validation_mask(
 ) -> np.ndarray:
     """bool [N]: which of ``sample_ids`` are validation samples (module docstring); ``groups`` maps each
     sample id to its group (None: every sample is its own)."""
-    if groups is None:
-        names: Sequence[str] = sample_ids
-    else:
-        missing = [s for s in sample_ids if s not in groups]
-        if missing:
-            raise CacheFormatError(
-                f"{len(missing)} samples of the run (first: {missing[0]!r}) have no validation group; "
-                "the run's validation_groups.parquet does not belong to its snapshot"
-            )
-        names = [groups[s] for s in sample_ids]
+    names = _group_names(sample_ids, groups)
     keys_N = np.fromiter((validation_key(g) for g in names), dtype=np.float64, count=len(sample_ids))
     if num_samples is None:
         return keys_N < fraction
-    if num_samples >= len(sample_ids):
-        return np.ones(len(sample_ids), dtype=bool)
-    # The smallest keys up to the N-th sample's, whole groups (a group's samples share its key).
-    return keys_N <= np.sort(keys_N)[num_samples - 1]
+    return _smallest(keys_N, num_samples)
+
+
+def training_mask(
+    sample_ids: Sequence[str], *, num_samples: int, groups: Mapping[str, str] | None = None
+) -> np.ndarray:
+    """bool [N]: the ``--train-samples`` subset of ``sample_ids`` (the samples not held out; module
+    docstring); refuses ``num_samples`` beyond them."""
+    if num_samples > len(sample_ids):
+        raise ConfigError(
+            f"{flag(TrainConfig, 'train_samples')} {num_samples} asks for more samples than the run has to "
+            f"train on: {len(sample_ids)} (the snapshot's samples less the validation split); ask for at "
+            f"most {len(sample_ids)}, or generate more samples and train into a new run"
+        )
+    names = _group_names(sample_ids, groups)
+    keys_N = np.fromiter((training_key(g) for g in names), dtype=np.float64, count=len(sample_ids))
+    return _smallest(keys_N, num_samples)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,9 +117,12 @@ class SplitSnapshots:
     """A run's snapshot split in two."""
 
     train: IndexSnapshot
-    """What the planner plans over (the whole snapshot when nothing is held out)."""
+    """What the planner plans over: the samples not held out (the whole snapshot when nothing is), or their
+    ``--train-samples`` subset."""
     validation: IndexSnapshot | None
     """The held-out samples; None when the split is off or empty."""
+    num_not_held_out: int
+    """How many samples are not held out (``train`` is all of them without ``--train-samples``)."""
 
 
 def split_snapshot(
@@ -85,11 +131,31 @@ def split_snapshot(
     fraction: float,
     num_samples: int | None,
     groups: Mapping[str, str] | None = None,
+    train_samples: int | None = None,
 ) -> SplitSnapshots:
-    """Split ``snapshot`` (``groups``: sample id → group, None: by sample); refuses a split that leaves
-    nothing to train on."""
+    """Split ``snapshot`` (``groups``: sample id → group, None: by sample), then keep ``train_samples`` of
+    the rest to train on (None: all); refuses a split that leaves nothing to train on, and more training
+    samples than the split leaves."""
+    split = _split_validation(snapshot, fraction=fraction, num_samples=num_samples, groups=groups)
+    if train_samples is None:
+        return split
+    keep = training_mask(split.train.sample_ids, num_samples=train_samples, groups=groups)
+    if keep.all():
+        return split
+    return SplitSnapshots(
+        train=subset_snapshot(split.train, keep),
+        validation=split.validation,
+        num_not_held_out=split.num_not_held_out,
+    )
+
+
+def _split_validation(
+    snapshot: IndexSnapshot, *, fraction: float, num_samples: int | None, groups: Mapping[str, str] | None
+) -> SplitSnapshots:
+    """The validation split alone (``split_snapshot``)."""
+    everything = SplitSnapshots(train=snapshot, validation=None, num_not_held_out=len(snapshot))
     if num_samples is None and fraction <= 0.0:
-        return SplitSnapshots(train=snapshot, validation=None)
+        return everything
     mask = validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples, groups=groups)
     if mask.all():
         what = (
@@ -102,8 +168,11 @@ def split_snapshot(
             "hold out fewer, or generate more samples"
         )
     if not mask.any():
-        return SplitSnapshots(train=snapshot, validation=None)
-    return SplitSnapshots(train=subset_snapshot(snapshot, ~mask), validation=subset_snapshot(snapshot, mask))
+        return everything
+    train = subset_snapshot(snapshot, ~mask)
+    return SplitSnapshots(
+        train=train, validation=subset_snapshot(snapshot, mask), num_not_held_out=len(train)
+    )
 
 
 def validation_ids_of_run(run_dir: Path) -> frozenset[str] | None:

@@ -42,6 +42,7 @@ CHANGES: list[tuple[str, Any, str, str]] = [
     ("val_fraction", 0.3, REFUSED, "--val-fraction"),
     ("val_samples", 5, REFUSED, "--val-samples"),
     ("val_group", "root-id", REFUSED, "--val-group"),
+    ("train_samples", 20, REFUSED, "--train-samples"),
     ("seed", 8, REFUSED, "--seed"),
     ("tokens_per_microbatch", 5000, REFUSED, "--tokens-per-microbatch"),
     ("snapshot", None, REFUSED, "index snapshot (snapshot.parquet)"),
