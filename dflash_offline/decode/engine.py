@@ -3,7 +3,10 @@
 Each ``step``: slots freed by the last step are marked idle; waiting prompts take the lowest free slots;
 one prefill forward runs a chunk of the prompts in prefill (at most ``prefill_tokens`` tokens, padding
 included, so a long prompt is spread over several steps instead of stalling the decoding rows; a forward
-that attends over the cache runs at rows and width rounded up to powers of two, ``_run_shape``); then one
+that attends over the cache runs at rows and width rounded up to powers of two, ``_run_shape``), or, with
+``prefill_wait_steps`` K > 0, only once it is due (``_prefill_due``: the prompts fill it, no row decodes,
+a prompt's later chunk, or the oldest prompt admitted K steps ago), so that a few freed slots idle for a
+few steps rather than every step paying a mostly empty forward's fixed cost; then one
 decode step (a CUDA graph per bucket of rows and attended length) gives every decoding slot its next
 token; then the tokens of both come to the host in one read, the only host sync of the step. A row ends
 at a stop token or at its ``max_new_tokens``; its slot takes the next waiting prompt in the next step.
@@ -69,6 +72,9 @@ class EngineSettings:
     sampling: Sampling = GREEDY
     prefill_tokens: int = 2048
     """Tokens (padding included) per prefill forward."""
+    prefill_wait_steps: int = 0
+    """While rows decode, a prefill forward that its prompts do not fill waits until the oldest of them
+    was admitted this many steps ago (0: a prefill forward in every step with a prompt to prefill)."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (CUDA only)."""
     attend_granule: int | None = None
@@ -76,7 +82,8 @@ class EngineSettings:
     the CPU."""
 
     def __post_init__(self) -> None:
-        if self.num_slots < 1 or self.max_len < 2 or self.max_new_tokens < 1 or self.prefill_tokens < 1:
+        sizes = (self.num_slots, self.max_len - 1, self.max_new_tokens, self.prefill_tokens)
+        if min(sizes) < 1 or self.prefill_wait_steps < 0:
             raise DecodeError(f"engine settings out of range: {self}")
 
 
@@ -94,7 +101,10 @@ class DecodedRequest:
 class _Request:
     """A request's host-side state (this module only)."""
 
-    __slots__ = ("generated", "keep_slot", "key", "length", "max_new", "prefilled", "prompt", "slot")
+    __slots__ = (
+        "admitted_step", "generated", "keep_slot", "key", "length", "max_new", "prefilled", "prompt", "slot",
+        "started",
+    )  # fmt: skip
 
     def __init__(self, key: str, prompt: tuple[int, ...], max_new: int, keep_slot: bool) -> None:
         self.key = key
@@ -105,9 +115,24 @@ class _Request:
         self.slot = -1
         self.prefilled = 0
         """Prompt tokens already in the cache."""
+        self.admitted_step = 0
+        """``num_steps`` when the request took its slot (``_prefill_due``)."""
+        self.started = False
+        """A chunk of its prompt was prefilled: the rest follows in the next steps (``_prefill_due``)."""
         self.length = 0
         """Positions in the cache once decoding (mirror of ``SlotState.lens``)."""
         self.generated: list[int] = []
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _PrefillPlan:
+    """The chunks the next prefill forward would run (this module only)."""
+
+    chunks: list[PrefillChunk]
+    reqs: list[_Request]
+    """The request of each chunk."""
+    full: bool
+    """The forward is full: a prompt left out or cut for room, or ``prefill_tokens`` reached."""
 
 
 def row_bucket(rows: int, num_slots: int) -> int:
@@ -272,7 +297,11 @@ class DecodeEngine:
         self._idle_freed_slots()
         self._admit()
         self._compact()
-        first_M, completed = self._prefill_chunk() if self._prefilling else (None, [])
+        first_M, completed = None, []
+        if self._prefilling:
+            plan = self._plan_prefill()
+            if self._prefill_due(plan):
+                first_M, completed = self._prefill_chunk(plan)
         num_rows = 0
         if self._decoding:
             num_rows = self._decode_rows()
@@ -341,18 +370,21 @@ class DecodeEngine:
             req = self._waiting.popleft()
             req.slot = heapq.heappop(self._free)
             admitted.append(req)
+        for req in admitted:
+            req.admitted_step = self.num_steps
         self._prefilling += admitted
         if admitted:
             slots = torch.tensor([r.slot for r in admitted], dtype=torch.int64, device=self.device)
             keys = torch.tensor([request_key_hash(r.key) for r in admitted], dtype=torch.int64)
             self.state.keys.index_copy_(0, slots, keys.to(self.device))
 
-    def _prefill_chunk(self) -> tuple[Tensor | None, list[_Request]]:
-        """One prefill forward over the oldest prompts in prefill, within ``prefill_tokens``."""
+    def _plan_prefill(self) -> _PrefillPlan:
+        """The next prefill forward: chunks of the oldest prompts in prefill, within ``prefill_tokens``."""
         budget = self.settings.prefill_tokens
         chunks: list[PrefillChunk] = []
         reqs: list[_Request] = []
         width = 0
+        full = False
         # Fresh prompts and continuations go in separate forwards: fresh ones attend only to themselves.
         fresh = self._prefilling[0].prefilled == 0
         for req in self._prefilling:
@@ -362,6 +394,7 @@ class DecodeEngine:
             if chunks and self._prefill_tokens(len(chunks) + 1, max(width, take), fresh) > budget:
                 take = min(take, width)  # pad no wider than the rows already in
                 if self._prefill_tokens(len(chunks) + 1, width, fresh) > budget:
+                    full = True  # a prompt is left out for room
                     break
             width = max(width, take)
             end = req.prefilled + take
@@ -372,13 +405,40 @@ class DecodeEngine:
                 )
             )  # fmt: skip
             reqs.append(req)
+        full = (
+            full
+            or not all(c.completes for c in chunks)  # a prompt is cut for room
+            or self._prefill_tokens(len(chunks), width, fresh) >= budget
+        )
+        return _PrefillPlan(chunks=chunks, reqs=reqs, full=full)
+
+    def _prefill_due(self, plan: _PrefillPlan) -> bool:
+        """Whether this step runs ``plan``: always with ``prefill_wait_steps`` 0; else when the prompts fill
+        the forward, when no row decodes (nothing to overlap with), when a prompt has its later chunks to
+        go (started prompts finish in consecutive steps), or when the oldest prompt in prefill (the first:
+        ``_admit`` appends in order, and every plan starts with it) was admitted ``prefill_wait_steps``
+        steps ago. The last bounds every prompt's wait: from then on a forward runs every step, each
+        taking the oldest prompt, until the prompts admitted since are younger."""
+        wait = self.settings.prefill_wait_steps
+        return (
+            wait == 0
+            or plan.full
+            or not self._decoding
+            or any(r.started for r in self._prefilling)
+            or self.num_steps - self._prefilling[0].admitted_step >= wait
+        )
+
+    def _prefill_chunk(self, plan: _PrefillPlan) -> tuple[Tensor | None, list[_Request]]:
+        """One prefill forward of ``plan``."""
+        chunks = plan.chunks
         shape = self._run_shape(chunks)
         first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks, shape=shape)
         self.num_prefills += 1
         self.prefill_shapes[shape] += 1
         completed = []
-        for req, chunk in zip(reqs, chunks, strict=True):
+        for req, chunk in zip(plan.reqs, chunks, strict=True):
             req.prefilled += len(chunk.token_ids)
+            req.started = True
             self.num_prefill_tokens += len(chunk.token_ids)
             if chunk.completes:
                 req.length = len(req.prompt)
