@@ -297,7 +297,8 @@ class DecodeEngine:
         self._idle_freed_slots()
         self._admit()
         self._compact()
-        first_M, completed = None, []
+        first_M: Tensor | None = None
+        completed: list[_Request] = []
         if self._prefilling:
             plan = self._plan_prefill()
             if self._prefill_due(plan):

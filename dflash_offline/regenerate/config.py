@@ -134,6 +134,14 @@ class RegenerateConfig:
         min=1,
         help="Prompt tokens per prefill forward (a longer prompt is prefilled over several decode steps).",
     )
+    prefill_wait: int = cli_field(
+        0,
+        min=0,
+        help="While rows decode, a prefill forward waits up to this many steps for prompts to fill "
+        "--max-batch-tokens: fewer, fuller forwards, a freed slot idling meanwhile (0: a forward in "
+        "every step with a prompt to prefill). Not yet measured on a GPU.",
+    )
+    """Steps a prefill forward its prompts do not fill waits (``EngineSettings.prefill_wait_steps``)."""
     cuda_graphs: Literal["on", "off"] = cli_field(
         "on", help="Decode steps replayed as CUDA graphs on a GPU (off: eager steps)."
     )

@@ -40,6 +40,9 @@ class EngineOptions:
     memory holds after loading (on the CPU: ``batch_size`` slots)."""
     max_batch_tokens: int
     """Prompt tokens per prefill forward (a longer prompt is prefilled over several steps)."""
+    prefill_wait: int = 0
+    """Steps a prefill forward its prompts do not fill waits while rows decode
+    (``EngineSettings.prefill_wait_steps``)."""
     max_prompt_tokens: int
     """The longest prompt a slot holds (with the new tokens)."""
     cuda_graphs: bool = True

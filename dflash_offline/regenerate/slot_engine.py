@@ -92,6 +92,7 @@ class SlotEngine:
             stop_ids=settings.stop_ids,
             sampling=Sampling(temperature=settings.temperature, top_p=settings.top_p, seed=options.seed),
             prefill_tokens=options.max_batch_tokens,
+            prefill_wait_steps=options.prefill_wait,
             cuda_graphs=options.cuda_graphs,
         )
         self._step_seconds = 0.0

@@ -207,8 +207,10 @@ def test_regenerate_and_eval_cli_build_the_config_a_caller_builds(
     _capture(monkeypatch, "dflash_offline.regenerate.run", "run_regenerate")
     out = tmp_path / "a.jsonl"
     assert _invoked_with(["regenerate", "--out", str(out)]) == RegenerateConfig(out=out)
-    got = _invoked_with(["regenerate", "--out", str(out), "--temperature", "0.5", "--engine", "slots"])
-    assert got == RegenerateConfig(out=out, temperature=0.5, engine="slots")
+    got = _invoked_with(
+        ["regenerate", "--out", str(out), "--temperature", "0.5", "--engine", "slots", "--prefill-wait", "8"]
+    )
+    assert got == RegenerateConfig(out=out, temperature=0.5, engine="slots", prefill_wait=8)
 
     _capture(monkeypatch, "dflash_offline.eval.run", "run_eval")
     drafter = tmp_path / "drafter"

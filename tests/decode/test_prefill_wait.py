@@ -7,14 +7,14 @@ came, a long prompt's later chunk in the next step), and 0 runs one in every ste
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.decode.test_engine import generate_greedy, random_prompts, run_all
-from tests.decode.test_parked_slots import as_generated, converse, earlier_turn_rewritten
+from tests.decode.test_parked_slots import NextPrompt, as_generated, converse, earlier_turn_rewritten
 from tests.eval.helpers import one_thread
 
 
@@ -29,7 +29,10 @@ def target(request: pytest.FixtureRequest) -> LoadedTarget:
     return load_target(request.param, device="cpu")
 
 
-def scripted(engine: DecodeEngine, vocab: int) -> tuple[list[int], dict[str, list[int]], dict[str, list[int]]]:
+Answers = dict[str, list[int]]
+
+
+def scripted(engine: DecodeEngine, vocab: int) -> tuple[list[int], Answers, Answers]:
     """Step 0: one prompt of 10 tokens (20 new tokens: it decodes through step 18). Before each of steps
     1–9: two more prompts of 10 tokens (2 to 9 new tokens). Then steps until every answer is in. Returns
     the prefill forwards of each step, the prompts and the answers."""
@@ -52,8 +55,8 @@ def scripted(engine: DecodeEngine, vocab: int) -> tuple[list[int], dict[str, lis
         step += 1
     for done in engine.poll(timeout=0.0):  # nothing pending: no step runs, every answer comes
         answers[done.key] = list(done.token_ids)
-    for key, prompt in prompts.items():
-        assert len(answers[key]) == max_new[key], key
+    for key, n in max_new.items():
+        assert len(answers[key]) == n, key
     return per_step, prompts, answers
 
 
@@ -134,7 +137,9 @@ def test_waiting_answers_equal_generate(target: LoadedTarget) -> None:
 
 
 @pytest.mark.parametrize("rule", [as_generated, earlier_turn_rewritten], ids=lambda r: r.__name__)
-def test_waiting_continuations_of_parked_slots_equal_no_waiting(target: LoadedTarget, rule) -> None:  # type: ignore[no-untyped-def]
+def test_waiting_continuations_of_parked_slots_equal_no_waiting(
+    target: LoadedTarget, rule: Callable[[list[int], list[int], list[int]], NextPrompt]
+) -> None:
     """5 conversations of 3 turns through 3 slots with their slots kept for the next turn: a wait of 3 steps
     gives the answers and the prefilled tokens of no waiting, and fewer forwards."""
     model = target.model

@@ -421,6 +421,43 @@ def test_reuse_off_prefills_every_prompt_whole_whatever_the_hints(tmp_path: Path
     assert not reuses_kv(default, torch.device("cuda"))
 
 
+def _by_id(line: dict[str, Any]) -> str:
+    return str(line["id"])
+
+
+def test_prefill_wait_gives_the_same_lines_in_fewer_prefill_forwards(
+    tmp_path: Path, tiny: LoadedTarget
+) -> None:
+    """``prefill_wait`` reaches the decode engine (``EngineStats.prefills``): 8 conversations of 3 turns
+    through 4 slots, every prompt prefilled whole (CUDA's default), a forward of 256 tokens holding several
+    prompts: waiting up to 4 steps writes the same lines as not waiting, each turn's answer batch-1
+    ``generate``'s, in fewer prefill forwards."""
+    records = _chat_records(8, 3)
+    first = render_prompt(tiny.tokenizer, [records[0]["messages"][0]])
+    free = generate_greedy(tiny.model, first, 8, frozenset())
+    settings = _settings(tiny, max_new_tokens=8, more_stops=frozenset({free[3]}))  # answers of many lengths
+    data = _write(tmp_path, records)
+    runs = {}
+    for wait in (0, 4):
+        options = EngineOptions(
+            batch_size=4, kv_tokens=None, max_batch_tokens=256, max_prompt_tokens=256, reuse_kv=False,
+            prefill_wait=wait,
+        )  # fmt: skip
+        engine = _Hints(SlotEngine(tiny.model, settings, options), reuse=False)
+        runs[wait] = engine, _drive(tmp_path / str(wait), engine, data, tokenizer=tiny.tokenizer,
+                                    max_prompt_tokens=256)  # fmt: skip
+    (waited, (lines_waited, failures)), (_, (lines_eager, _)) = runs[4], runs[0]
+    assert (len(lines_waited), failures) == (8, [])
+    assert sorted(lines_waited, key=_by_id) == sorted(lines_eager, key=_by_id)  # written as they end
+    for key, prompt in waited.prompts.items():
+        raw = generate_greedy(tiny.model, prompt, 8, settings.stop_ids)
+        assert waited.answers[key] == _as_answer(raw, settings.stop_ids), key
+    assert waited.engine._engine.settings.prefill_wait_steps == 4
+    stats = {w: engine.engine.stats() for w, (engine, _) in runs.items()}
+    assert stats[4].prefill_tokens == stats[0].prefill_tokens
+    assert stats[4].prefills < stats[0].prefills
+
+
 def test_a_conversation_that_ends_early_releases_its_kept_slot(tmp_path: Path, tiny: LoadedTarget) -> None:
     """Three conversations end before their last turn: the next prompt is refused by the template, too
     long, or the target answered nothing; each releases the slot kept for its next turn, and no slot is
