@@ -8,15 +8,24 @@ file by default); "whole" drops the reuse hints, so every prompt is prefilled fr
 is what regenerate did before. First each mode runs once, untimed, on ``--warmup`` other conversations (so
 that the first mode timed does not pay the process's first-use costs); then the modes alternate
 (``--repeats`` rounds, the order flipped each round). Each row gives the prefill tokens per conversation
-(the engine's count, padding excluded), conversations/s and new tok/s (driver start to last line
+(the engine's count, padding excluded), prefill forwards and steps, conversations/s and new tok/s (driver
+start to last line
 written; engine set-up apart), and what costs on a GPU beyond the tokens: the prefill forwards that attend
 over the cache and their distinct shapes (those new to the process each cost cuDNN a plan), the decode
-graphs captured, the share of decode rows that were live; the outputs of the two modes are compared line
+graphs captured, the share of decode rows that were live; the outputs of the modes are compared line
 for line (equal on the CPU in float32).
+
+``--kv reuse|whole`` runs one of the two modes only; ``--prefill-wait-steps 0 8`` runs each mode once per
+value of the engine's ``prefill_wait_steps`` (``dflash regenerate --prefill-wait``: a prefill forward its
+prompts do not fill waits up to K steps while rows decode), named ``whole+wait8`` etc., and the summary
+gives each value's conversations/s and prefill forwards as a ratio to the first value's.
 
   python bench/regenerate_turns.py --target random:tiny --limit 24 --max-new-tokens 32 --batch-size 8
   python bench/regenerate_turns.py --target default --limit 512 --max-new-tokens 256 --batch-size 256 \\
       --max-prompt-tokens 1536 --repeats 2 --json out.json                                  # one H200
+  python bench/regenerate_turns.py --target default --data sharegpt.jsonl --min-turns 1 --limit 2048 \\
+      --max-new-tokens 256 --batch-size 1024 --max-batch-tokens 8192 --max-prompt-tokens 1536 \\
+      --kv whole --prefill-wait-steps 0 8 --repeats 1 --warmup 64 --json wait.json   # prefill waits, one H200
 """
 
 from __future__ import annotations
@@ -90,8 +99,13 @@ def multi_turn(data: str | None, *, limit: int, min_turns: int) -> list[Conversa
     return out
 
 
+def mode_name(reuse: bool, wait: int) -> str:
+    return ("reuse" if reuse else "whole") + (f"+wait{wait}" if wait else "")
+
+
 def run_mode(
     reuse: bool,
+    wait: int,
     target: Any,
     convs: list[Conversation],
     settings: GenerationSettings,
@@ -102,7 +116,7 @@ def run_mode(
     forwards over the cache run before in this process (updated)."""
     options = EngineOptions(
         batch_size=args.batch_size, kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
-        max_prompt_tokens=args.max_prompt_tokens, cuda_graphs=args.cuda_graphs == "on",
+        max_prompt_tokens=args.max_prompt_tokens, cuda_graphs=args.cuda_graphs == "on", prefill_wait=wait,
         reuse_kv=True,  # regenerate's default drops the hints on CUDA; this bench measures them
     )  # fmt: skip
     device = next(target.model.parameters()).device
@@ -138,7 +152,8 @@ def run_mode(
     new_masked = masked - seen_masked
     seen_masked |= masked
     row = {
-        "mode": "reuse" if reuse else "whole",
+        "mode": mode_name(reuse, wait),
+        "prefill_wait_steps": wait,
         "conversations": total.written,
         "failed": total.failed,
         "answers": total.answers,
@@ -147,6 +162,7 @@ def run_mode(
         "reused_tokens": decode.num_reused_tokens,
         "prefill_tokens_per_conversation": round(decode.num_prefill_tokens / max(1, total.written), 1),
         "prefill_forwards": decode.num_prefills,
+        "prompt_tokens_per_prefill_forward": round(decode.num_prefill_tokens / max(1, decode.num_prefills)),
         "steps": decode.num_steps,
         # What the GPU pays that the counts above do not show (bench/RESULTS.md, "Multi-turn regenerate",
         # "Why, counted"):
@@ -187,7 +203,12 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=None)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
-    ap.add_argument("--repeats", type=int, default=2, help="rounds; each runs both modes, order flipped")
+    ap.add_argument("--kv", choices=["both", "reuse", "whole"], default="both", help="modes run")
+    ap.add_argument(
+        "--prefill-wait-steps", type=int, nargs="+", default=[0],
+        help="the engine's prefill_wait_steps: each mode runs once per value (ratios to the first)",
+    )  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=2, help="rounds; each runs every mode, order flipped")
     ap.add_argument(
         "--warmup", type=int, default=8,
         help="conversations after the timed ones that each mode runs once, untimed, first (0: none)",
@@ -214,37 +235,53 @@ def main() -> None:
         flush=True,
     )
     seen_masked: set[PrefillShape] = set()
+    kv_modes = {"both": (True, False), "reuse": (True,), "whole": (False,)}[args.kv]
+    modes = [(reuse, wait) for reuse in kv_modes for wait in args.prefill_wait_steps]
     if warm:
         # Untimed: the first mode timed must not pay the process's first-use costs (CUDA context, cuBLAS
         # and cuDNN handles, kernel loading) that the other then finds paid.
-        for reuse in (True, False):
-            row, _ = run_mode(reuse, target, warm, settings, args, seen_masked)
+        for reuse, wait in modes:
+            row, _ = run_mode(reuse, wait, target, warm, settings, args, seen_masked)
             print(f"warm-up {row['mode']} on {len(warm)} other conversations: {row['seconds']} s", flush=True)
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.repeats):
-        for reuse in (True, False) if r % 2 == 0 else (False, True):
-            row, lines = run_mode(reuse, target, convs, settings, args, seen_masked)
+        for reuse, wait in modes if r % 2 == 0 else modes[::-1]:
+            row, lines = run_mode(reuse, wait, target, convs, settings, args, seen_masked)
             row["round"] = r
             rows.append(row)
             outputs.setdefault(row["mode"], lines)
             print(json.dumps({k: v for k, v in row.items() if k != "prefill_shape_counts"}), flush=True)
-    same = outputs["reuse"] == outputs["whole"]
-    summary: dict[str, Any] = {"identical_outputs": same}
-    for mode in ("reuse", "whole"):
-        mine = [r for r in rows if r["mode"] == mode]
-        summary[mode] = {
+    names = [mode_name(reuse, wait) for reuse, wait in modes]
+    first = outputs[names[0]]
+    summary: dict[str, Any] = {"identical_outputs": all(outputs[n] == first for n in names)}
+    for name in names:
+        mine = [r for r in rows if r["mode"] == name]
+        summary[name] = {
             "prefill_tokens_per_conversation": mine[0]["prefill_tokens_per_conversation"],
+            "prefill_forwards": mine[0]["prefill_forwards"],
+            "steps": mine[0]["steps"],
             "median_conversations_per_second": statistics.median(r["conversations_per_second"] for r in mine),
             "median_new_tokens_per_second": statistics.median(r["new_tokens_per_second"] for r in mine),
         }
-    reuse, whole = summary["reuse"], summary["whole"]
-    summary["prefill_ratio"] = round(
-        reuse["prefill_tokens_per_conversation"] / whole["prefill_tokens_per_conversation"], 3
-    )
-    summary["speedup"] = round(
-        reuse["median_conversations_per_second"] / whole["median_conversations_per_second"], 3
-    )
+    if len(kv_modes) == 2:
+        reuse, whole = summary[names[0]], summary[mode_name(False, args.prefill_wait_steps[0])]
+        summary["prefill_ratio"] = round(
+            reuse["prefill_tokens_per_conversation"] / whole["prefill_tokens_per_conversation"], 3
+        )
+        summary["speedup"] = round(
+            reuse["median_conversations_per_second"] / whole["median_conversations_per_second"], 3
+        )
+    for reuse in kv_modes:
+        base = summary[mode_name(reuse, args.prefill_wait_steps[0])]
+        for wait in args.prefill_wait_steps[1:]:
+            mine = summary[mode_name(reuse, wait)]
+            mine["speedup_vs_first_wait"] = round(
+                mine["median_conversations_per_second"] / base["median_conversations_per_second"], 3
+            )
+            mine["prefill_forwards_vs_first_wait"] = round(
+                mine["prefill_forwards"] / base["prefill_forwards"], 3
+            )
     print(json.dumps(summary), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
