@@ -130,11 +130,17 @@ def _last_step(run: Path) -> int:
     return int(rows[-1]["step"]) if rows else 0
 
 
+LOG_LINE_CHARS = 2000
+"""A stage log line copied into the report is cut here: regenerate's throughput line, which carries the
+engine's statistics, runs to ≈ 1,500 characters (300 cut its end off); a runaway line still cannot
+swell logs.txt."""
+
+
 def tail(path: Path, n: int = 25) -> str:
     if not path.is_file():
         return "(no log)"
     lines = path.read_text(errors="replace").replace("\r", "\n").splitlines()
-    return "\n".join(line[:300] for line in lines[-n:])
+    return "\n".join(line[:LOG_LINE_CHARS] for line in lines[-n:])
 
 
 class Report:
@@ -184,9 +190,19 @@ class Report:
             for row in v.get("validation", []):
                 acc = " ".join(f"{a:.2f}" for a in row["acc"][:6])
                 chain = "" if row.get("chain_tau") is None else f"chain τ {row['chain_tau']:.2f}, "
+                secs = "" if row.get("seconds") is None else f" ({row['seconds']:.1f} s)"
                 out.append(
-                    f"- validation at step {row['step']}: loss {row['loss']:.3f}, {chain}"
+                    f"- validation at step {row['step']}{secs}: loss {row['loss']:.3f}, {chain}"
                     f"simulated τ {row['tau']:.2f}, per-block τ {row['block_tau']:.2f}, acc[1..6] {acc}"
+                )
+            timing = v.get("timing") or {}
+            if timing.get("startup_seconds") or timing.get("validations"):
+                startups = ", ".join(f"{t:.1f}" for t in timing["startup_seconds"]) or "n/a"
+                step_s = timing.get("step_seconds_mean")
+                out.append(
+                    f"- train wall time: start-up {startups} s (each start, to its first step's end); "
+                    f"{timing['validations']} validations, {timing['validation_seconds']:.1f} s in all"
+                    + ("" if step_s is None else f"; logged step_seconds mean {step_s:.3f} s")
                 )
             if "tau_compare" in v:
                 c = v["tau_compare"]
@@ -252,10 +268,23 @@ def validation_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "block_tau": r["val_block_tau"],
             "chain_tau": r.get("val_chain_tau"),  # absent from runs before chain τ
             "acc": r["val_acc_by_position"],
+            "seconds": r.get("val_seconds"),  # absent from runs before the wall-time accounting
         }
         for r in rows
         if "val_simulated_tau" in r
     ]
+
+
+def train_timing(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where a run's wall time went, as far as metrics.jsonl says: each invocation's start-up (its first
+    line carries ``startup_seconds``; a resume logs one again) and the validation passes' seconds."""
+    val_seconds = [r["val_seconds"] for r in rows if "val_seconds" in r]
+    return {
+        "startup_seconds": [r["startup_seconds"] for r in rows if "startup_seconds" in r],
+        "validations": len(val_seconds),
+        "validation_seconds": sum(val_seconds),
+        "step_seconds_mean": sum(r["step_seconds"] for r in rows) / len(rows) if rows else None,
+    }
 
 
 def best_chain_tau(validation: list[dict[str, Any]]) -> float | None:
@@ -733,6 +762,7 @@ def main() -> None:
         v = report.data["variants"][name]
         v["curve"] = curve(rows, points)
         v["validation"] = validation_curve(rows)
+        v["timing"] = train_timing(rows)
         v["steps"] = rows[-1]["step"] if rows else 0
         report.stage(st)
         drafter = work / f"run-{name}" / "drafter"

@@ -18,13 +18,16 @@ from dflash_offline.train.config import TrainConfig
 )
 def train(config: TrainConfig) -> None:
     """Train the DFlash drafter on the samples the cache has committed."""
+    import time
+
+    started_at = time.time()  # the start-up counts from here: the train command's first line
     from dflash_offline.interrupt import EXIT_INTERRUPTED
     from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
     from dflash_offline.train.interrupt import TrainInterrupted
     from dflash_offline.train.launch import run_training
 
     try:
-        result = run_training(config)
+        result = run_training(config, started_at=started_at)
     except TrainInterrupted as e:
         click.echo(str(e), err=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
@@ -39,6 +42,8 @@ def train(config: TrainConfig) -> None:
         return
     loss = "n/a" if result.final_loss is None else f"{result.final_loss:.4f}"
     click.echo(f"trained {result.global_step} steps; final loss {loss}")
+    if result.wall is not None:
+        click.echo(result.wall.describe())
     click.echo(f"metrics: {config.out_dir / 'metrics.jsonl'}")
     tb_dir = config.resolved_tensorboard_dir()
     if tb_dir is not None:

@@ -17,6 +17,7 @@ from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import dist_info_from_env, init_distributed, shutdown
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint
 from dflash_offline.train.loop import TrainResult, train_rank
+from dflash_offline.train.wall_time import WallSplit
 from dflash_offline.workers.device import bind_device
 from dflash_offline.workers.group import GroupPolicy
 from dflash_offline.workers.records import EventSink, StopFlag, WorkerFailed, WorkerSpec, user_error
@@ -50,6 +51,8 @@ class RankTask:
     config: TrainConfig
     port: int
     """The rendezvous port on 127.0.0.1 (``MASTER_PORT``)."""
+    started_at: float
+    """``time.time()`` when the command started: where the ranks count their start-up from."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,18 +63,28 @@ class RankInterrupted:
     step: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankFinished:
+    """Rank 0 finished training: where its wall time went (the launcher's summary reports it)."""
+
+    worker: int
+    wall: WallSplit | None
+
+
 def _rank_main(spec: WorkerSpec[RankTask], events: EventSink, stop: StopFlag) -> None:
     """Entry point of a spawned rank (``workers.spawned``: it dies with its launcher, and any exception
     reaches the launcher as ``WorkerFailed``)."""
     # A terminal's Ctrl-C reaches every rank (and the launcher forwards it): stop at the step boundary.
     with stop_on_sigint(second_aborts=False):
         try:
-            _run_spawned_rank(spec)
+            result = _run_spawned_rank(spec)
+            if spec.worker == 0:
+                events.put(RankFinished(worker=spec.worker, wall=result.wall))
         except TrainInterrupted as e:
             events.put(RankInterrupted(worker=spec.worker, step=e.step))
 
 
-def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> None:
+def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> TrainResult:
     config, rank = spec.task.config, spec.worker
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(spec.task.port)
@@ -84,13 +97,13 @@ def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> None:
         use_cuda=use_cuda,
     )
     try:
-        train_rank(config, info)
+        return train_rank(config, info, started_at=spec.task.started_at)
     finally:
         shutdown(info)
 
 
-def _rank_specs(config: TrainConfig) -> list[WorkerSpec[RankTask]]:
-    task = RankTask(config=config, port=free_port())
+def _rank_specs(config: TrainConfig, started_at: float) -> list[WorkerSpec[RankTask]]:
+    task = RankTask(config=config, port=free_port(), started_at=started_at)
     return [
         WorkerSpec(
             worker=rank,
@@ -103,10 +116,12 @@ def _rank_specs(config: TrainConfig) -> list[WorkerSpec[RankTask]]:
     ]
 
 
-def _spawn(config: TrainConfig) -> None:
+def _spawn(config: TrainConfig, started_at: float) -> WallSplit | None:
     """One spawned process per rank; a rank's DflashError or Ctrl-C reaches the caller as itself, a rank's
-    bug or death as the error torch's ``mp.spawn`` raised (with the rank's traceback)."""
-    group = SpawnedWorkers(_rank_main, _rank_specs(config), policy=RANK_GROUP, child=RANK_PROCESS)
+    bug or death as the error torch's ``mp.spawn`` raised (with the rank's traceback). Returns rank 0's
+    wall split."""
+    specs = _rank_specs(config, started_at)
+    group = SpawnedWorkers(_rank_main, specs, policy=RANK_GROUP, child=RANK_PROCESS)
     events: list[object] = []
     group.start()
     # The launcher only waits: it passes a Ctrl-C on (a kill -INT of the launcher alone must stop the
@@ -126,6 +141,7 @@ def _spawn(config: TrainConfig) -> None:
             raise error  # one line at the CLI
     if exited is not None:
         raise _spawn_error(exited, failures.get(exited.worker))
+    return next((e.wall for e in events if isinstance(e, RankFinished)), None)
 
 
 def _spawn_error(exited: WorkerExit, failed: WorkerFailed | None) -> Exception:
@@ -155,11 +171,15 @@ def _spawn_error(exited: WorkerExit, failed: WorkerFailed | None) -> Exception:
     )
 
 
-def run_training(config: TrainConfig) -> TrainResult | None:
+def run_training(config: TrainConfig, *, started_at: float | None = None) -> TrainResult | None:
     """Train; returns the result in the main process (None in a torchrun rank other than 0).
+
+    ``started_at``: ``time.time()`` when the command started, where the start-up is counted from (None:
+    now; under torchrun each rank counts from its own call).
 
     One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
     second run into the same directory is refused naming the holder (``LockedError``)."""
+    started_at = time.time() if started_at is None else started_at
     check_writable_dir(config.out_dir, option=flag(TrainConfig, "out_dir"))
     if config.tensorboard_dir is not None:
         check_writable_dir(config.tensorboard_dir, option=flag(TrainConfig, "tensorboard_dir"))
@@ -169,26 +189,26 @@ def run_training(config: TrainConfig) -> TrainResult | None:
             torch.set_num_threads(config.threads_per_worker)  # --threads, as for spawned workers
         lock = acquire_lock(config.out_dir, what="training run") if info.is_main else None
         try:
-            result = train_rank(config, info)
+            result = train_rank(config, info, started_at=started_at)
         finally:
             shutdown(info)
             if lock is not None:
                 lock.release()
         return result if info.is_main else None
     with hold_lock(config.out_dir, what="training run"):
-        return _run_training_locked(config)
+        return _run_training_locked(config, started_at)
 
 
-def _run_training_locked(config: TrainConfig) -> TrainResult | None:
+def _run_training_locked(config: TrainConfig, started_at: float) -> TrainResult | None:
     if config.world_size == 1:
         if config.gpus:
             info = init_distributed(rank=0, world_size=1, local_rank=config.gpus[0], use_cuda=True)
         else:
             torch.set_num_threads(_cpu_threads(config))
             info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
-        return train_rank(config, info)
+        return train_rank(config, info, started_at=started_at)
     start = time.perf_counter()
-    _spawn(config)
+    wall = _spawn(config, started_at)
     # The ranks ran in other processes: read what rank 0 logged.
     from dflash_offline.train.metrics import read_metrics, validation_records
 
@@ -207,4 +227,5 @@ def _run_training_locked(config: TrainConfig) -> TrainResult | None:
         seconds=time.perf_counter() - start,
         best_validation_tau=None if best is None else float(best["val_chain_tau"]),  # type: ignore[arg-type]
         best_validation_step=0 if best is None else int(best["step"]),  # type: ignore[call-overload]
+        wall=wall,
     )

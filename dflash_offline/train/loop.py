@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_sna
 from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
 from dflash_offline.train.step import OptimizerStep, anchor_sampler
 from dflash_offline.train.validation import ValidationMetrics, ValidationSchedule, Validator
+from dflash_offline.train.wall_time import WallClock, WallSplit
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +68,8 @@ class TrainResult:
     best_validation_step: int = 0
     stopped_early: bool = False
     """``--early-stop`` ended the run (after a checkpoint)."""
+    wall: WallSplit | None = None
+    """Where rank 0's wall time went (None where the ranks ran in other processes and sent none)."""
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
@@ -194,11 +197,14 @@ def train_rank(
     *,
     reader: RowReader | None = None,
     on_step: Callable[[StepMetrics], None] | None = None,
+    started_at: float | None = None,
 ) -> TrainResult:
     """Train on this rank until ``max_steps`` or the end of ``epochs``; checkpoint and export on rank 0.
 
-    ``reader`` replaces the cache reader for the features (a test feeds live target features)."""
+    ``reader`` replaces the cache reader for the features (a test feeds live target features);
+    ``started_at``: ``time.time()`` when the command started, where start-up is counted from (None: now)."""
     start_time = time.perf_counter()
+    clock = WallClock(started_at=time.time() if started_at is None else started_at, device=info.device)
     seed_everything(config.seed, deterministic=config.deterministic)
     if info.is_main:
         config.out_dir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +222,9 @@ def train_rank(
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
             if config.feature_scale != "none":
                 setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
-            return _train(config, info, setup, split, state, reader or cache_reader, on_step, start_time)
+            return _train(
+                config, info, setup, split, state, reader or cache_reader, on_step, start_time, clock
+            )
     finally:
         cache_reader.close()
 
@@ -288,6 +296,7 @@ def _train(
     reader: RowReader,
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
+    clock: WallClock,
 ) -> TrainResult:
     """Set up the optimization (from ``state``, the checkpoint resumed, if any), train until the end or an
     early stop, export."""
@@ -304,7 +313,9 @@ def _train(
     stopped_early = _stopped_before_start(info, opt, validation)
     last_loss = None
     if not stopped_early:
-        reporter = StepReporter(config, info, opt.total_steps, opt.planner.position.global_step, on_step)
+        reporter = StepReporter(
+            config, info, opt.total_steps, opt.planner.position.global_step, on_step, clock
+        )
         try:
             stopped_early = _run_steps(
                 config,
@@ -317,12 +328,14 @@ def _train(
                 tokens_seen=0 if state is None else state.tokens_seen,
             )
         finally:
+            clock.steps_ended()
             reporter.close()
         last_loss = reporter.last_loss
     if last_loss is None and state is not None and info.is_main:
         # No step ran here (a finished run rerun, or stopped early): the loss the run recorded last.
         last_loss = recorded_loss(config.out_dir / "metrics.jsonl", step=opt.planner.position.global_step)
-    export_dir = _export_at_end(config, info, opt, validation)
+    with clock.timed("checkpoint"):
+        export_dir = _export_at_end(config, info, opt, validation)
     barrier(info)
     tracker = validation.tracker if validation is not None else None
     return TrainResult(
@@ -334,6 +347,7 @@ def _train(
         best_validation_tau=None if tracker is None else tracker.best_tau,
         best_validation_step=0 if tracker is None else tracker.best_step,
         stopped_early=stopped_early,
+        wall=clock.split(),
     )
 
 
@@ -483,13 +497,17 @@ def _run_steps(
         for step_plan, batches in steps.regroup(prefetcher):
             _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
             outcome = step([b.inputs for b in batches], [b.plan.is_padding for b in batches])
+            reporter.clock.step_done()
             opt.planner.step_done(step_plan)
             tokens_seen += step_plan.num_tokens
             global_step = step_plan.global_step + 1
             validated = None
             if validation is not None and validation.due(global_step, opt.total_steps):
-                with reporter.paused():
-                    validated = validation.run(opt.model, global_step)
+                with reporter.paused("validation") as lap:
+                    validated = validation.evaluate(opt.model, global_step)
+                validated = replace(validated, seconds=lap.seconds)
+                with reporter.paused("checkpoint"):
+                    validation.keep_best(opt.model, validated)
             reporter.report(
                 step_plan,
                 outcome,
@@ -587,7 +605,7 @@ def _checkpoint_or_stop(
     ``TrainInterrupted``. A checkpoint's time is left out of the ``reporter``'s throughput."""
     saved = checkpoint_now or _is_checkpoint_step(config, opt, global_step)
     if saved:
-        with reporter.paused():
+        with reporter.paused("checkpoint"):
             _checkpoint(config, info, opt, global_step, tokens_seen, validation)
     if check_stop and global_step < opt.total_steps and _stop_agreed(info):
         if not saved:

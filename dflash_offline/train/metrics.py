@@ -51,9 +51,13 @@ class ValidationMetrics:
     num_blocks: int
     num_samples: int
     num_tokens: int
+    seconds: float | None = None
+    """Wall seconds of the pass, the device synchronized before and after (train/wall_time.py); None where
+    the caller did not time it (``val_seconds`` is then left out of the line)."""
 
     def fields(self) -> dict[str, Any]:
         """The ``val_*`` fields of this evaluation's line in metrics.jsonl."""
+        timed = {} if self.seconds is None else {"val_seconds": self.seconds}
         return {
             "val_loss": self.loss,
             "val_acc_by_position": self.acc_by_position,
@@ -64,7 +68,7 @@ class ValidationMetrics:
             "val_num_blocks": self.num_blocks,
             "val_num_samples": self.num_samples,
             "val_num_tokens": self.num_tokens,
-        }
+        } | timed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,9 +109,17 @@ class StepMetrics:
     validation: ValidationMetrics | None = None
     """The evaluation of the validation split after this step, when one ran (its ``val_*`` fields
     join the line: readers of the training fields see the line they always saw)."""
+    startup_seconds: float | None = None
+    """On the first line an invocation writes (a resumed run writes one again): wall seconds from the
+    command's start to the end of its first optimizer step (``WallSplit.startup_seconds``). None (left
+    out of the line) on every other line."""
 
     def to_json(self) -> str:
-        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "validation"}
+        record = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "validation" and not (f.name == "startup_seconds" and self.startup_seconds is None)
+        }
         if self.validation is not None:
             record.update(self.validation.fields())
         return json.dumps(record)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dflash_offline.placement import DistInfo
@@ -16,6 +17,7 @@ from dflash_offline.train.metrics import MetricsLog, StepMetrics, StepTotals, Va
 from dflash_offline.train.microbatch import StepPlan
 from dflash_offline.train.step import StepOutcome
 from dflash_offline.train.throughput import ThroughputWindow, WindowThroughput
+from dflash_offline.train.wall_time import Lap, Part, WallClock
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -24,8 +26,8 @@ if TYPE_CHECKING:
 class StepReporter:
     """Writes metrics lines on rank 0 (every ``log_every`` steps, at validations and at the last step),
     moves the progress bar, and calls ``on_step`` on every rank (which reads every step). Owns the
-    throughput window: the loop calls ``start`` before the first step and runs validations and
-    checkpoints inside ``paused()``."""
+    throughput window and the run's ``WallClock``: the loop calls ``start`` before the first step and runs
+    validations and checkpoints inside ``paused()``, which also times them on the clock."""
 
     def __init__(
         self,
@@ -34,6 +36,7 @@ class StepReporter:
         total_steps: int,
         global_step: int,
         on_step: Callable[[StepMetrics], None] | None,
+        clock: WallClock,
     ) -> None:
         self._log_every = config.log_every
         self._total_steps = total_steps
@@ -49,6 +52,8 @@ class StepReporter:
         )
         self._progress = _progress_bar(config, info, total_steps, global_step)
         self._window = ThroughputWindow(info.device)
+        self.clock = clock
+        self._startup_logged = False
         self.last_loss: float | None = None
         """The loss of the last step read back."""
 
@@ -59,9 +64,12 @@ class StepReporter:
         """The first step starts now (the first throughput window opens)."""
         self._window.start()
 
-    def paused(self) -> contextlib.AbstractContextManager[None]:
-        """Time spent inside (a validation, a checkpoint) is left out of the throughput."""
-        return self._window.paused()
+    @contextlib.contextmanager
+    def paused(self, part: Part) -> Iterator[Lap]:
+        """Time spent inside (a validation, a checkpoint) is left out of the throughput and counted as
+        ``part`` on the clock; the ``Lap`` holds its seconds after."""
+        with self._window.paused(), self.clock.timed(part) as lap:
+            yield lap
 
     def report(
         self,
@@ -86,6 +94,9 @@ class StepReporter:
         )
         self.last_loss = metrics.loss
         if self._log is not None and due:
+            if not self._startup_logged:  # the invocation's first line: when its start-up ended
+                metrics = replace(metrics, startup_seconds=self.clock.startup_seconds)
+                self._startup_logged = True
             self._log.write(metrics)
         if self._progress is not None:
             postfix: dict[str, str] = {

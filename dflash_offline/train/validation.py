@@ -267,14 +267,17 @@ class ValidationSchedule:
     def due(self, global_step: int, total_steps: int) -> bool:
         return global_step % self._val_every == 0 or global_step == total_steps
 
-    def run(self, model: DFlashDrafter, global_step: int) -> ValidationMetrics:
-        """Evaluate (every rank must), and export the drafter when its chain τ is the best so far."""
-        metrics = self.validator.evaluate(model, global_step)
+    def evaluate(self, model: DFlashDrafter, global_step: int) -> ValidationMetrics:
+        """The split's metrics now (every rank must call it); ``keep_best`` records them."""
+        return self.validator.evaluate(model, global_step)
+
+    def keep_best(self, model: DFlashDrafter, metrics: ValidationMetrics) -> None:
+        """Track ``metrics`` (``model``'s), and export the drafter when its chain τ is the best so far
+        (timed apart from the evaluation: an export is a checkpoint's kind of cost)."""
         if self.tracker.update(metrics) and self._best_export_dir is not None:
             from dflash_offline.drafter.export import export_drafter
 
             export_drafter(model, self._best_export_dir)
-        return metrics
 
     def should_stop(self) -> bool:
         return self.tracker.should_stop(self._early_stop)

@@ -53,7 +53,7 @@ def test_logged_tokens_per_s_is_the_wall_throughput_of_the_window(
     monkeypatch.setattr(time, "perf_counter", clock)
     step_tokens: list[int] = []
     real_step, real_read = OptimizerStep.__call__, StepOutcome.read
-    real_validation, real_checkpoint = ValidationSchedule.run, loop.save_checkpoint
+    real_validation, real_checkpoint = ValidationSchedule.evaluate, loop.save_checkpoint
 
     def step(self: OptimizerStep, inputs: Sequence[Any], padding: Sequence[bool]) -> StepOutcome:
         outcome = real_step(self, inputs, padding)
@@ -75,7 +75,7 @@ def test_logged_tokens_per_s_is_the_wall_throughput_of_the_window(
 
     monkeypatch.setattr(OptimizerStep, "__call__", step)
     monkeypatch.setattr(StepOutcome, "read", read)
-    monkeypatch.setattr(ValidationSchedule, "run", validate)
+    monkeypatch.setattr(ValidationSchedule, "evaluate", validate)
     monkeypatch.setattr(loop, "save_checkpoint", checkpoint)
 
     # Read-backs at the log steps 3 and 6, the validation of step 5 and the last step, 7 (validated

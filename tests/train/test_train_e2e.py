@@ -71,7 +71,12 @@ def test_two_ddp_cpu_processes_equal_one_process_with_the_same_global_batch(
     # on near-zero elements into full-size updates; SGD keeps the comparison about the gradients.
     common = dict(max_steps=6, export_at_end=False, optimizer="sgd", lr=0.05)
     run_training(train_config(tiny_cache, one, grad_accum=2, **common))
-    run_training(train_config(tiny_cache, two, grad_accum=1, num_cpu_workers=2, **common))
+    result = run_training(train_config(tiny_cache, two, grad_accum=1, num_cpu_workers=2, **common))
+    # Rank 0's wall split reaches the launcher (its summary line) from the spawned process.
+    assert result is not None
+    assert result.wall is not None
+    assert result.wall.num_steps == 6
+    assert result.wall.startup_seconds is not None
     metrics_one, metrics_two = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
     assert [m["buckets"] for m in metrics_one] == [m["buckets"] for m in metrics_two]  # same samples
     assert [m["tokens"] for m in metrics_one] == [m["tokens"] for m in metrics_two]
