@@ -14,7 +14,7 @@ FAULT_TEXT = "injected fault in rank 1"
 
 
 def _rank_1_raises(error: BaseException) -> Callable[..., Any]:
-    def train_rank(config: Any, info: Any) -> None:
+    def train_rank(config: Any, info: Any, **_: Any) -> None:
         if info.rank == 1:
             raise error
         time.sleep(600)  # rank 0 is still training when rank 1 fails: the launcher must end it
