@@ -11,9 +11,10 @@ machine may hand back only a few):
 
 A stage that overruns its deadline gets SIGINT (our commands stop cleanly on it: regenerate merges its
 parts, train checkpoints), then SIGKILL; the pipeline goes on with what exists. Train variants share the
-GPU (a SmolLM2-width drafter does not fill an H200); their step count is calibrated: each starts with a
-large ``--max-steps``, after ``--calibrate-s`` the measured step rate sets the ``--max-steps`` that fills
-the training budget, and each is stopped and resumed with it (a resume applies a new ``--max-steps``;
+GPU (a SmolLM2-width drafter does not fill an H200); their step count is calibrated: each starts with the
+``--max-steps`` that ``--expected-steps-per-s`` fits in the budget, after ``--calibrate-s`` the measured step
+rate says how many fit, and a variant more than 10 % off is stopped and resumed with that number (a resume
+applies a new ``--max-steps``;
 the cosine schedule is recomputed from it).
 
   python3 bench/h200_quality.py --data /tmp/stage/sharegpt-first-turns.jsonl.gz --work /tmp/q \\
@@ -521,6 +522,14 @@ def main() -> None:
     ap.add_argument(
         "--calibrate-s", type=float, default=90, help="longest wait for every variant's first logged step"
     )
+    ap.add_argument(
+        "--expected-steps-per-s",
+        type=float,
+        default=2.5,
+        help="each variant's step rate expected before calibration (2.50 measured for two compiled "
+        "SmolLM2-width variants side by side on one H200): its first --max-steps, so that the warm-up and "
+        "the cosine are planned for a run of about the right length from step 1",
+    )
     ap.add_argument("--curve-points", default="250,500,1000,1500,2000,3000,4000,6000,8000")
     ap.add_argument("--eval-args", default="--bench all --limit 8 --max-new-tokens 128")
     ap.add_argument(
@@ -691,6 +700,9 @@ def main() -> None:
     report.data["variants"] = {}
     trains: dict[str, Stage] = {}
     train_end = time.time() + args.train_s
+    # Planned from step 1 for about the budget (start-up ≈ 60 s): a placeholder of 100,000 steps left the
+    # learning rate in a warm-up of 4,000 steps until the restart (1.5e-5 at step 100 on 2026-12-04).
+    first_max_steps = max(20, int(args.expected_steps_per_s * max(0.0, args.train_s - 60)))
 
     def train_stage(name: str, spec: str, max_steps: int) -> Stage:
         flags, _, cache_name = spec.partition("@")
@@ -727,26 +739,41 @@ def main() -> None:
             report.note(f"variant {name}: cache {cache_name!r} missing, skipped")
             continue
         report.data["variants"][name] = {"args": spec}
-        trains[name] = train_stage(name, spec, 100000).start()
+        trains[name] = train_stage(name, spec, first_max_steps).start()
     # The step rate in wall time over 30 s once every variant has logged a step (start-up excluded: on
-    # the H200 a SmolLM2 run logged its first line only after ≈ 40 s, and a fixed wait measured nothing,
-    # leaving --max-steps at 100,000 and the learning rate in its warm-up for the whole run).
+    # the H200 a SmolLM2 run logged its first line only after ≈ 40 s, and a fixed wait measured nothing).
+    # A variant whose planned length is within 10 % of what the rate allows runs on as started (its
+    # deadline's SIGINT ends it, checkpointed, if it is a little long); another is stopped and resumed with
+    # the --max-steps that fills the budget: the restart costs start-up and compile again.
     rates = _step_rates(trains, work, args.calibrate_s)
+    replan: dict[str, int] = {}
     for name, st in list(trains.items()):
         if name not in rates:
             report.note(
                 f"variant {name}: no step rate after {args.calibrate_s:.0f} s; left to run to the deadline"
             )
             continue
+        steps_now = _last_step(work / f"run-{name}")
+        fits = int(steps_now + rates[name] * max(0.0, train_end - time.time() - 10))
+        report.data["variants"][name].update(steps_per_s_calibrated=round(rates[name], 3))
+        if abs(fits - first_max_steps) <= 0.1 * first_max_steps:
+            report.data["variants"][name].update(max_steps=first_max_steps)
+            report.note(
+                f"variant {name}: {rates[name]:.2f} steps/s measured; {fits} steps fit, "
+                f"--max-steps {first_max_steps} kept (no restart)"
+            )
+            continue
+        replan[name] = fits
         st.interrupt()
-    run_all([trains[n] for n in rates], time.time() + 60, grace=20)
-    for name, rate in rates.items():
+    run_all([trains[n] for n in replan], time.time() + 60, grace=20)
+    for name in replan:
+        rate = rates[name]
         done = read_metrics(work / f"run-{name}" / "metrics.jsonl")
         steps_done = done[-1]["step"] if done else 0
         # The restart costs start-up again (≈ 20–40 s); the step rate was measured with all variants running.
         remaining = max(0.0, train_end - time.time() - 45)
         total = max(steps_done + 10, int(steps_done + rate * remaining))
-        report.data["variants"][name].update(steps_per_s_calibrated=round(rate, 3), max_steps=total)
+        report.data["variants"][name].update(max_steps=total)
         report.note(
             f"variant {name}: {rate:.2f} steps/s measured, resumed at step {steps_done} → --max-steps {total}"
         )

@@ -15,6 +15,8 @@
 #   VAL_GROUP   dflash train --val-group: sample (the eval then splits the validation records by whether a
 #               trained record shares their conversation) or root-id
 #   AFTER       shell commands run at the end if time is left (e.g. bench/decode.py's sections)
+#   STEPS_PER_S each variant's expected step rate, for its first --max-steps (2.5: two compiled SmolLM2
+#               variants side by side; one alone makes more)
 #   PREFILL_WAIT, MAX_BATCH_TOKENS  regenerate's --prefill-wait (0) and --max-batch-tokens (8192): fewer,
 #               fuller prefill forwards (bench/regenerate_turns.py --prefill-wait-steps measures them)
 #   MAX_NEW     regenerate's --max-new-tokens (256: the length `dflash eval` decodes, so every trained
@@ -51,7 +53,7 @@ exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz -
   --regen-skip "${REGEN_SKIP:-0}" --regen-limit "${REGEN_LIMIT:-12000}" --regen-s "${REGEN_S:-360}" "${extra[@]}" \
   --gen-args "--max-len 2048 --too-long truncate" --gen-s "${GEN_S:-140}" --codecs default \
   --variants "${VARIANTS:-{\"landed\": \"\"\}}" --eval-variants best --train-args "--val-every 100 --log-every 10 --val-group ${VAL_GROUP:-root-id} --val-samples ${VAL_SAMPLES:-200}" \
-  --train-s "${TRAIN_S:-440}" --calibrate-s 120 \
+  --train-s "${TRAIN_S:-440}" --calibrate-s 120 --expected-steps-per-s "${STEPS_PER_S:-2.5}" \
   --eval-args "--bench all --limit 20 --max-new-tokens 256" \
   --chat-eval-args "--bench sharegpt,validation --turns all --limit ${CHAT_LIMIT:-8} --max-new-tokens 256" \
   --eval-s "${EVAL_S:-270}" \
