@@ -5,7 +5,7 @@ real SmolLM2 target too. Sampling: the same seed gives the same answers whatever
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -15,18 +15,6 @@ from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sam
 from dflash_offline.decode.sampling import Sampler, request_key_hash
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.embedded_assets import smollm2_gguf_available
-from tests.eval.helpers import one_thread
-
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module", params=["random:tiny", "random:tiny-llama"])
-def target(request: pytest.FixtureRequest) -> LoadedTarget:
-    return load_target(request.param, device="cpu")
 
 
 def generate_greedy(model: Any, prompt: Sequence[int], max_new: int, stop_ids: frozenset[int]) -> list[int]:

@@ -7,7 +7,7 @@ slot is free again at the end (release, eviction oldest first)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,21 +17,9 @@ import torch
 from dflash_offline.decode import DecodeEngine, EngineSettings
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.decode.test_engine import generate_greedy, random_prompts
-from tests.eval.helpers import one_thread
 
 USER_TURN = 5
 """Tokens each later user turn adds."""
-
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module", params=["random:tiny", "random:tiny-llama"])
-def target(request: pytest.FixtureRequest) -> LoadedTarget:
-    return load_target(request.param, device="cpu")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

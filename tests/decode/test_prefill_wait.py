@@ -7,27 +7,14 @@ came, a long prompt's later chunk in the next step), and 0 runs one in every ste
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings
-from dflash_offline.target_model.loader import LoadedTarget, load_target
+from dflash_offline.target_model.loader import LoadedTarget
 from tests.decode.test_engine import generate_greedy, random_prompts, run_all
 from tests.decode.test_parked_slots import NextPrompt, as_generated, converse, earlier_turn_rewritten
-from tests.eval.helpers import one_thread
-
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module", params=["random:tiny", "random:tiny-llama"])
-def target(request: pytest.FixtureRequest) -> LoadedTarget:
-    return load_target(request.param, device="cpu")
-
 
 Answers = dict[str, list[int]]
 

@@ -4,8 +4,6 @@ against a hand count over a manual clock that only the test moves."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,75 +11,44 @@ import pytest
 import torch
 
 from dflash_offline.drafter import export
-from dflash_offline.placement import DistInfo
 from dflash_offline.train import loop
 from dflash_offline.train.metrics import read_metrics
-from dflash_offline.train.step import OptimizerStep, StepOutcome
 from dflash_offline.train.validation import Validator
 from dflash_offline.train.wall_time import WallClock, WallSplit
 from tests.tiny_caches import TinyCaches
-from tests.train.helpers import train_config
-
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+from tests.train.manual_clock import (
+    CHECKPOINT_S,
+    CPU,
+    SYNC_S,
+    ManualClock,
+    clocked_config,
+    clocked_run,
+    host_seconds,
+)
 
 COMMAND_START = 500.0
 """``started_at``: the command's start, before ``train_rank`` (the clock reads 1,000 when it is called)."""
 SETUP_S = 7.0
 """The model's build inside ``train_rank``."""
-SYNC_S = 2.0
 VALIDATION_S = 100.0
-CHECKPOINT_S = 1000.0
 EXPORT_S = 10_000.0
-
-
-def _host_seconds(step: int) -> float:
-    """Host seconds of step ``step`` (1-based): distinct per step, so that no other rule matches."""
-    return 0.25 * step
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_wall_time_is_split_by_what_it_was_spent_on(
     tiny_caches: TinyCaches, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = ManualClock()
-    # Both clocks: the throughput window reads perf_counter, the wall clock time.time. Nothing on this
-    # path waits for either to pass a deadline (those use time.monotonic).
-    monkeypatch.setattr(time, "perf_counter", clock)
-    monkeypatch.setattr(time, "time", clock)
-    real_step, real_read = OptimizerStep.__call__, StepOutcome.read
-    real_evaluate, real_checkpoint = Validator.evaluate, loop.save_checkpoint
+    clock = clocked_run(monkeypatch)
+    real_evaluate = Validator.evaluate
     real_setup, real_export = loop.build_drafter_setup, export.export_drafter
-    steps_run: list[int] = []
     exports: list[str] = []
 
     def setup(*args: Any, **kwargs: Any) -> Any:
         clock.now += SETUP_S
         return real_setup(*args, **kwargs)
 
-    def step(self: OptimizerStep, inputs: Sequence[Any], padding: Sequence[bool]) -> StepOutcome:
-        outcome = real_step(self, inputs, padding)
-        steps_run.append(len(steps_run) + 1)
-        clock.now += _host_seconds(len(steps_run))
-        return outcome
-
-    def read(self: StepOutcome) -> Any:
-        clock.now += SYNC_S
-        return real_read(self)
-
     def evaluate(self: Validator, *args: Any, **kwargs: Any) -> Any:
         clock.now += VALIDATION_S
         return real_evaluate(self, *args, **kwargs)
-
-    def checkpoint(*args: Any, **kwargs: Any) -> Any:
-        clock.now += CHECKPOINT_S
-        return real_checkpoint(*args, **kwargs)
 
     def export_drafter(model: Any, out: Path, *args: Any, **kwargs: Any) -> Any:
         clock.now += EXPORT_S
@@ -89,26 +56,20 @@ def test_wall_time_is_split_by_what_it_was_spent_on(
         return real_export(model, out, *args, **kwargs)
 
     monkeypatch.setattr(loop, "build_drafter_setup", setup)
-    monkeypatch.setattr(OptimizerStep, "__call__", step)
-    monkeypatch.setattr(StepOutcome, "read", read)
     monkeypatch.setattr(Validator, "evaluate", evaluate)
-    monkeypatch.setattr(loop, "save_checkpoint", checkpoint)
     monkeypatch.setattr(export, "export_drafter", export_drafter)
 
     # Read-backs at the log steps 3 and 6, the validations of steps 5 and 7 (the last); checkpoints after
     # steps 4 and 7; the best drafter's export after each better validation, drafter-last at the end.
-    config = train_config(
-        tiny_caches.get(records=60, seed=11).root, tmp_path / "run", max_steps=7, log_every=3, val_every=5,
-        checkpoint_every=4, tensorboard=False, val_fraction=0.15,
-    )  # fmt: skip
+    config = clocked_config(tiny_caches, tmp_path / "run")
     result = loop.train_rank(config, CPU, started_at=COMMAND_START)
     end = clock.now
 
     lines = read_metrics(config.out_dir / "metrics.jsonl")
     assert [line["step"] for line in lines] == [3, 5, 6, 7]
-    assert steps_run == list(range(1, 8))
+    assert len(clock.step_tokens) == 7
     # The start-up, on the first line only: the time before train_rank, the set-up, the first step.
-    startup = 1_000.0 - COMMAND_START + SETUP_S + _host_seconds(1)
+    startup = 1_000.0 - COMMAND_START + SETUP_S + host_seconds(1)
     assert [line.get("startup_seconds") for line in lines] == [startup, None, None, None]
     # val_seconds on the validation lines only: the pass itself, not the best drafter's export after it.
     assert [line.get("val_seconds") for line in lines] == [None, VALIDATION_S, None, VALIDATION_S]
@@ -116,7 +77,7 @@ def test_wall_time_is_split_by_what_it_was_spent_on(
 
     assert exports[-1] == "drafter-last"
     assert set(exports[:-1]) == {"drafter"}
-    steps = sum(_host_seconds(s) for s in range(2, 8)) + 4 * SYNC_S  # after the first; 4 read-backs
+    steps = sum(host_seconds(s) for s in range(2, 8)) + 4 * SYNC_S  # after the first; 4 read-backs
     assert result.wall == WallSplit(
         total_seconds=end - COMMAND_START,
         startup_seconds=startup,
