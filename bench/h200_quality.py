@@ -608,7 +608,7 @@ def main() -> None:
             cwd=ROOT,
             check=False,
         )
-    n_answers = len(answers.read_text().splitlines()) if answers.is_file() else 0
+    n_answers = answers.read_bytes().count(b"\n") if answers.is_file() else 0  # not splitlines: U+2028
     report.stage(s, conversations=n_answers, throughput=tail(s.log, 3))
     keeper = None
     if args.answers_part_mib > 0 and n_answers:

@@ -144,7 +144,9 @@ def run_mode(
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
         # The order lines are written in depends on the schedule; the lines themselves must not.
-        lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda d: d[KEY])
+        # "\n" only: str.splitlines also breaks at U+2028 / U+0085, which the answers hold raw.
+        written = out.read_text(encoding="utf-8").split("\n")
+        lines = sorted((json.loads(x) for x in written if x), key=lambda d: d[KEY])
     decode = slots._engine
     total = sink.total
     shapes = decode.prefill_shapes

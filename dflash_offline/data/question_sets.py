@@ -48,7 +48,9 @@ def package_file(package: str, relative: str) -> Path:
 
 def _jsonl(path: Path, text: str) -> list[dict[str, object]]:
     rows = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # Split at "\n" only: str.splitlines also breaks at U+2028, U+0085 and the like, which JSON keeps raw
+    # inside strings.
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
