@@ -376,8 +376,8 @@ def _fastest_engine(bench_json: Path, report: Report) -> list[str]:
 
 
 def _step_rates(trains: dict[str, Stage], work: Path, calibrate_s: float) -> dict[str, float]:
-    """Steps per second of each running variant: from its first logged step, over 30 s; a variant with no
-    logged step within ``calibrate_s`` gets none."""
+    """Steps per second of each running variant, validations apart: from its first logged step, over 30 s;
+    a variant with no logged step within ``calibrate_s`` gets none."""
     give_up = time.time() + calibrate_s
     first: dict[str, tuple[float, int]] = {}
     while time.time() < give_up and len(first) < len(trains):
@@ -389,10 +389,27 @@ def _step_rates(trains: dict[str, Stage], work: Path, calibrate_s: float) -> dic
     time.sleep(30)
     rates = {}
     for name, (t1, s1) in first.items():
-        s2 = _last_step(work / f"run-{name}")
+        rows = read_metrics(work / f"run-{name}" / "metrics.jsonl")
+        s2 = int(rows[-1]["step"]) if rows else 0
+        # Validations inside the window are left out: steps_that_fit plans them on their own.
+        val_s = sum(r.get("val_seconds", 0.0) for r in rows if s1 < r["step"] <= s2)
         if s2 > s1 and not trains[name].poll():
-            rates[name] = (s2 - s1) / (time.time() - t1)
+            rates[name] = (s2 - s1) / max(1.0, time.time() - t1 - val_s)
     return rates
+
+
+def steps_that_fit(rate: float, seconds: float, val_every: int, val_s: float) -> int:
+    """Steps that ``seconds`` hold at ``rate`` steps/s of training alone, with a validation of ``val_s`` every
+    ``val_every`` steps (one run on 2026-12-04 validated every 100 steps for 6–9 s at 2.5 steps/s: ≈ 25 % of
+    its time, which the 30 s calibration window rarely sees)."""
+    per_step = 1.0 / rate + (val_s / val_every if val_every > 0 else 0.0)
+    return int(max(0.0, seconds) / per_step)
+
+
+def flag_value(args: str, flag: str, default: int) -> int:
+    """The integer value of ``flag`` in a flag string (``--val-every 100``), or ``default``."""
+    tokens = shlex.split(args)
+    return int(tokens[tokens.index(flag) + 1]) if flag in tokens[:-1] else default
 
 
 def save_answers_parts(answers: Path, out: Path, part_mib: float, max_parts: int) -> list[dict[str, Any]]:
@@ -529,6 +546,12 @@ def main() -> None:
         help="each variant's step rate expected before calibration (2.50 measured for two compiled "
         "SmolLM2-width variants side by side on one H200): its first --max-steps, so that the warm-up and "
         "the cosine are planned for a run of about the right length from step 1",
+    )
+    ap.add_argument(
+        "--expected-val-s",
+        type=float,
+        default=8.0,
+        help="seconds of one validation of 200 records (6–9 s on the H200): planned into --max-steps",
     )
     ap.add_argument("--curve-points", default="250,500,1000,1500,2000,3000,4000,6000,8000")
     ap.add_argument("--eval-args", default="--bench all --limit 8 --max-new-tokens 128")
@@ -702,7 +725,10 @@ def main() -> None:
     train_end = time.time() + args.train_s
     # Planned from step 1 for about the budget (start-up ≈ 60 s): a placeholder of 100,000 steps left the
     # learning rate in a warm-up of 4,000 steps until the restart (1.5e-5 at step 100 on 2026-12-04).
-    first_max_steps = max(20, int(args.expected_steps_per_s * max(0.0, args.train_s - 60)))
+    val_every = flag_value(args.train_args, "--val-every", 0)
+    first_max_steps = max(
+        20, steps_that_fit(args.expected_steps_per_s, args.train_s - 60, val_every, args.expected_val_s)
+    )
 
     def train_stage(name: str, spec: str, max_steps: int) -> Stage:
         flags, _, cache_name = spec.partition("@")
@@ -754,7 +780,9 @@ def main() -> None:
             )
             continue
         steps_now = _last_step(work / f"run-{name}")
-        fits = int(steps_now + rates[name] * max(0.0, train_end - time.time() - 10))
+        fits = steps_now + steps_that_fit(
+            rates[name], train_end - time.time() - 10, val_every, args.expected_val_s
+        )
         report.data["variants"][name].update(steps_per_s_calibrated=round(rates[name], 3))
         if abs(fits - first_max_steps) <= 0.1 * first_max_steps:
             report.data["variants"][name].update(max_steps=first_max_steps)
@@ -772,7 +800,9 @@ def main() -> None:
         steps_done = done[-1]["step"] if done else 0
         # The restart costs start-up again (≈ 20–40 s); the step rate was measured with all variants running.
         remaining = max(0.0, train_end - time.time() - 45)
-        total = max(steps_done + 10, int(steps_done + rate * remaining))
+        total = max(
+            steps_done + 10, steps_done + steps_that_fit(rate, remaining, val_every, args.expected_val_s)
+        )
         report.data["variants"][name].update(max_steps=total)
         report.note(
             f"variant {name}: {rate:.2f} steps/s measured, resumed at step {steps_done} → --max-steps {total}"
