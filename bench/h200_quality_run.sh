@@ -17,7 +17,7 @@
 #   AFTER       shell commands run at the end if time is left (e.g. bench/decode.py's sections)
 #   STEPS_PER_S each variant's expected step rate, for its first --max-steps (2.5: two compiled SmolLM2
 #               variants side by side; one alone makes more)
-#   PREFILL_WAIT, MAX_BATCH_TOKENS  regenerate's --prefill-wait (0) and --max-batch-tokens (8192): fewer,
+#   PREFILL_WAIT, MAX_BATCH_TOKENS  regenerate's --prefill-wait (its default: 8 on a GPU) and --max-batch-tokens (8192): fewer,
 #               fuller prefill forwards (bench/regenerate_turns.py --prefill-wait-steps measures them)
 #   MAX_NEW     regenerate's --max-new-tokens (256: the length `dflash eval` decodes, so every trained
 #               answer and every earlier answer in a later turn's prompt is as long as eval's)
@@ -50,7 +50,7 @@ if compgen -G "/tmp/stage/extra-answers-*.jsonl.gz" > /dev/null; then
 fi
 exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --work /tmp/q --report /tmp/q/report \
   --budget-s "${BUDGET_S:-1320}" --regen-bench-s 0 \
-  --regen-args "--max-new-tokens ${MAX_NEW:-256} --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens ${MAX_BATCH_TOKENS:-8192} --prefill-wait ${PREFILL_WAIT:-0}" \
+  --regen-args "--max-new-tokens ${MAX_NEW:-256} --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens ${MAX_BATCH_TOKENS:-8192}${PREFILL_WAIT:+ --prefill-wait $PREFILL_WAIT}" \
   --regen-skip "${REGEN_SKIP:-0}" --regen-limit "${REGEN_LIMIT:-12000}" --regen-s "${REGEN_S:-360}" "${extra[@]}" \
   --gen-args "--max-len 2048 --too-long truncate" --gen-s "${GEN_S:-140}" --codecs default \
   --variants "${VARIANTS:-{\"landed\": \"\"\}}" --eval-variants best --train-args "--val-every ${VAL_EVERY:-100} --log-every 10 --val-group ${VAL_GROUP:-root-id} --val-samples ${VAL_SAMPLES:-200}" \

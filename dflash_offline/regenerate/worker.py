@@ -147,7 +147,7 @@ def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEn
         batch_size=batch_size,
         kv_tokens=config.kv_tokens,
         max_batch_tokens=config.max_batch_tokens,
-        prefill_wait=config.prefill_wait,
+        prefill_wait=config.prefill_wait_for(device.type),
         max_prompt_tokens=config.max_prompt_tokens,
         cuda_graphs=config.cuda_graphs == "on",
         seed=config.seed,

@@ -211,6 +211,11 @@ def test_regenerate_and_eval_cli_build_the_config_a_caller_builds(
         ["regenerate", "--out", str(out), "--temperature", "0.5", "--engine", "slots", "--prefill-wait", "8"]
     )
     assert got == RegenerateConfig(out=out, temperature=0.5, engine="slots", prefill_wait=8)
+    # --prefill-wait: 8 steps on a GPU and 0 on the CPU unless given; an explicit 0 holds on a GPU too.
+    default = RegenerateConfig(out=out)
+    assert (default.prefill_wait_for("cuda"), default.prefill_wait_for("cpu")) == (8, 0)
+    zero = _invoked_with(["regenerate", "--out", str(out), "--prefill-wait", "0"])
+    assert (zero.prefill_wait_for("cuda"), zero.prefill_wait_for("cpu")) == (0, 0)
 
     _capture(monkeypatch, "dflash_offline.eval.run", "run_eval")
     drafter = tmp_path / "drafter"
