@@ -27,6 +27,11 @@ from dflash_offline.drafter_shape import (
 from dflash_offline.errors import ConfigError
 from dflash_offline.placement import parse_gpus
 
+OPTIONS_ADDED_SINCE: dict[str, Any] = {"train_samples": None, "feature_scale": "none", "final_norm_init": 1.0}
+"""Options newer than some runs' config.json, each by the value that means what those runs did (every sample
+not held out trained on; features fed to fc unscaled; the final norm's weight initialised to 1.0, the
+defaults before the recipe change): a run read back (resume, export) gets these, not today's defaults."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
@@ -290,7 +295,7 @@ class TrainConfig:
         unknown = set(d) - names
         if unknown:
             raise ConfigError(f"run config has unknown fields {sorted(unknown)}: written by another version?")
-        values = dict(d)
+        values = {**OPTIONS_ADDED_SINCE, **d}
         values["cache_dir"] = Path(values["cache_dir"])
         values["out_dir"] = Path(values["out_dir"])
         if values.get("tensorboard_dir") is not None:

@@ -37,7 +37,7 @@ from typing import Any
 
 from dflash_offline.config_fields import cli_spec, flag_of
 from dflash_offline.errors import ResumeError
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import OPTIONS_ADDED_SINCE, TrainConfig
 from dflash_offline.train.snapshot import IndexSnapshot
 from dflash_offline.train.split import SNAPSHOT_FILE
 
@@ -67,9 +67,9 @@ FIXED_OPTIONS = (
 """``TrainConfig`` options that define the drafter's tensors or its loss, or which samples are trained on
 (the validation split, the training subset)."""
 
-ADDED_OPTIONS: Mapping[str, Any] = {"train_samples": None}
-"""Options of ``FIXED_OPTIONS`` newer than some runs' config.json, by the value that means what those runs
-did (``train_samples`` None: every sample not held out): a config.json without one is read with it."""
+ADDED_OPTIONS: Mapping[str, Any] = {k: v for k, v in OPTIONS_ADDED_SINCE.items() if k in FIXED_OPTIONS}
+"""The options of ``FIXED_OPTIONS`` that some runs' config.json lacks, by the value that means what those
+runs did (config.py: ``OPTIONS_ADDED_SINCE``): a config.json without one is read with it."""
 
 APPLIED_OPTIONS = (
     "lr",

@@ -31,7 +31,8 @@ def test_a_line_separator_inside_a_question_stays_in_that_question(tmp_path, mon
 
 def test_a_broken_line_is_named_by_its_number(tmp_path, monkeypatch):
     path = tmp_path / "question.jsonl"
-    path.write_text('{"question_id": 1, "turns": ["a"]}\n{"question_id": 2, "turns": ["b"\n', encoding="utf-8")
+    broken = '{"question_id": 1, "turns": ["a"]}\n{"question_id": 2, "turns": ["b"\n'
+    path.write_text(broken, encoding="utf-8")
     monkeypatch.setattr(question_sets, "package_file", lambda *a: path)
     with pytest.raises(DataError, match=r"question\.jsonl:2: not JSON"):
         question_sets.read_mt_bench()

@@ -244,3 +244,29 @@ def test_an_unknown_planner_state_version_is_refused_when_the_checkpoint_loads(t
     loaded = load_latest_checkpoint(config.out_dir)
     assert loaded is not None
     assert loaded.planner == planner_state
+
+
+def test_a_config_json_from_before_feature_scale_reads_as_the_unscaled_run_it_was(tmp_path: Path) -> None:
+    """A run written before ``--feature-scale`` existed trained on unscaled features: it resumes with
+    ``--feature-scale none``, and the default (``dim``) is refused naming the value to pass."""
+    config = base_config(tmp_path)
+    planner_state = saved_run(dataclasses.replace(config, feature_scale="none"), snapshot())
+    saved = json.loads((config.out_dir / "config.json").read_text())
+    del saved["feature_scale"]
+    (config.out_dir / "config.json").write_text(json.dumps(saved))
+    stored = ResumeContract.stored(config.out_dir, planner_state)
+
+    def resume(feature_scale: str) -> list[str]:
+        current = ResumeContract.of(
+            dataclasses.replace(config, feature_scale=feature_scale),  # type: ignore[arg-type]
+            world_size=WORLD_SIZE,
+            train_snapshot=snapshot(),
+        )
+        return check_resume(stored, current, allow_topology_change=False, run_dir=config.out_dir)
+
+    assert resume("none") == []
+    assert config.feature_scale == "dim"  # the default since
+    with pytest.raises(
+        ResumeError, match=r"trained with --feature-scale 'none'.*resume with the same --feature-scale"
+    ):
+        resume("dim")
