@@ -94,7 +94,8 @@ def test_the_cached_weights_are_the_gguf_loads_in_every_dtype_and_truncated(
 
     head = load_embedding_and_head("default")  # from the cache now
     assert torch.equal(head.embed_VH, want32.model.model.embed_tokens.weight)
-    assert head.tied and torch.equal(head.lm_head_VH, want32.model.lm_head.weight)
+    assert head.tied
+    assert torch.equal(head.lm_head_VH, want32.model.lm_head.weight)
 
 
 def test_an_unwritable_cache_or_a_model_over_the_cap_loads_from_the_gguf(
