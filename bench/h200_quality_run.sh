@@ -27,8 +27,9 @@
 #   VAL_EVERY   dflash train --val-every (100; a validation of 200 records costs 6–9 s, planned into the steps)
 #   VARIANTS    JSON {name: "train flags"} trained side by side on the same cache and validation split;
 #               only the one of best validation chain τ is evaluated (--eval-variants best)
-# The regenerated answers come back gzipped in /tmp/q/report/answers-NN.jsonl.gz (≤ 15 MiB each): staged
-# into /tmp/stage/ for a later run, regenerate resumes from them instead of answering them again.
+# The regenerated answers come back gzipped in /tmp/q/report/answers-NN.jsonl.gz (≤ 15 MiB each): kept in
+# bench/answers/ (bench/stage_prompts.py stages them into /tmp/stage/), regenerate resumes from them
+# instead of answering them again.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_PRESET_TOKENIZER=/tmp/stage/tokenizer
 export DFLASH_CACHE_DIR=/tmp/dflash-user-cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
