@@ -1,6 +1,6 @@
 """What an existing regenerate output says about the settings that wrote it, checked before a resume.
 
-Every output line records its ``regenerated_by`` settings; a resume with another answer length or
+Every output line records its ``regenerated_by`` settings; a resume with another target, answer length or
 temperature would append answers of another kind to the same data set without a word (or continue a
 conversation kept in progress with them). The first line of the output, of the partial file and of each
 worker part left by a killed run is read (one line each: cheap at any output size), and a difference is
@@ -37,8 +37,9 @@ def first_settings(path: Path) -> dict[str, Any] | None:
 
 
 def check_resume_settings(config: RegenerateConfig) -> None:
-    """Refuse to resume an output (or its conversations in progress) written with another --max-new-tokens
-    or --temperature."""
+    """Refuse to resume an output (or its conversations in progress) written by another target (its
+    ``target_id``: ``default``, ``random:<preset>``, the model folder's or GGUF file's name) or with another
+    --max-new-tokens or --temperature."""
     outputs = [config.out, config.partial_path]
     if config.parts_dir.is_dir():
         outputs += sorted(p for p in config.parts_dir.glob("w*.jsonl") if ".failures." not in p.name)
@@ -54,3 +55,18 @@ def check_resume_settings(config: RegenerateConfig) -> None:
                     f"wrote {path}: resume with {option} {recorded[field]}, or write to another "
                     f"{flag(RegenerateConfig, 'out')}"
                 )
+        if "target" in recorded:
+            _check_target(config, recorded["target"], path)
+
+
+def _check_target(config: RegenerateConfig, recorded: object, path: Path) -> None:
+    """The target that wrote ``path`` (its recorded ``target_id``) must be the one resuming it."""
+    from dflash_offline.target_model.source import resolve_target
+
+    target_id = resolve_target(config.target).target_id
+    if recorded != target_id:
+        option = flag(RegenerateConfig, "target")
+        raise ConfigError(
+            f"{option} {config.target} (target {target_id}) is not the target {recorded} that wrote {path}: "
+            f"resume with that target, or write to another {flag(RegenerateConfig, 'out')}"
+        )

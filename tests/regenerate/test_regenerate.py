@@ -210,6 +210,34 @@ def test_a_resume_with_another_answer_length_is_refused_naming_both(tmp_path: Pa
         run_regenerate(_config(out2, data, max_new_tokens=20))
 
 
+def test_a_resume_by_another_target_is_refused_before_it_loads(tmp_path: Path) -> None:
+    """Answers of two targets in one data set would train a drafter on a mix without a word: the target
+    recorded in the output's first line must be the one resuming it (the answers in progress too)."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)
+    out = tmp_path / "regen.jsonl"
+    first = run_regenerate(_config(out, data, limit=2))
+    assert first is not None
+    assert _lines(out)[0]["regenerated_by"]["target"] == "random:tiny"
+    before = out.read_bytes()
+    with pytest.raises(ConfigError) as refused:
+        run_regenerate(_config(out, data, target="random:tiny-llama"))
+    assert str(refused.value) == (
+        f"--target random:tiny-llama (target random:tiny-llama) is not the target random:tiny that wrote "
+        f"{out}: resume with that target, or write to another --out"
+    )
+    assert out.read_bytes() == before  # nothing appended
+    # Only the conversations in progress were written (a run stopped early): they are checked as well.
+    out2 = tmp_path / "only-partial.jsonl"
+    partial = out2.with_name(out2.name + ".partial")
+    partial.write_text(json.dumps({"regenerated_by": _lines(out)[0]["regenerated_by"]}) + "\n")
+    with pytest.raises(ConfigError, match="is not the target random:tiny that wrote"):
+        run_regenerate(_config(out2, data, target="random:tiny-llama"))
+    # The same target resumes.
+    second = run_regenerate(_config(out, data))
+    assert second is not None
+    assert (second.written, second.skipped) == (2, 2)
+
+
 def test_a_second_run_on_one_out_is_refused_in_one_line(tmp_path: Path) -> None:
     """Two runs appending to one output would write conversations twice: the second is refused, naming
     the first's pid, before it writes anything."""
