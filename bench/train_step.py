@@ -191,6 +191,17 @@ def measure(
     }
 
 
+def parse_layouts(text: str) -> list[tuple[int, int, int]]:
+    """``--layouts``: (grad_accum, tokens, anchors) of each ``GxTxA`` item."""
+    layouts = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"--layouts: {item!r} is not GRAD_ACCUMxTOKENSxANCHORS of positive integers")
+        layouts.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return layouts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--widths", default="smollm2,qwen3-8b")
@@ -203,6 +214,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch")
     ap.add_argument("--grad-accum", type=int, default=4)
     ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help="microbatch layouts measured side by side, GRAD_ACCUMxTOKENSxANCHORS each, comma-separated "
+        "(e.g. 4x8192x512,1x32768x2048: one step's tokens and blocks in 4 microbatches or in 1); default: "
+        "--grad-accum x --tokens x --anchors",
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -211,34 +229,48 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.tokens, args.grad_accum, args.anchors = 3, 1, 512, 2, 32
+    layouts = parse_layouts(args.layouts) if args.layouts else [(args.grad_accum, args.tokens, args.anchors)]
     device = torch.device(args.device)
     modes = [m for m in args.modes.split(",") if m]
     if args.sync_every_step:
         modes += ["eager+sync", "eager+old-syncs"]
     rows = []
     for width in [w for w in args.widths.split(",") if w]:
-        shape = Shape(
-            width=width,
-            num_layers=args.layers,
-            block_size=args.block_size,
-            anchors=args.anchors,
-            tokens=args.tokens,
-            grad_accum=args.grad_accum,
-        )
-        for mode in modes:
-            try:
-                row = measure(
-                    shape, mode=mode, device=device, steps=args.steps, warmup=args.warmup, smoke=args.smoke
-                )
-            except Exception as e:  # one failing mode (a compiler error, memory) must not lose the others
-                row = {"width": width, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    eager = {r["width"]: r["tokens_per_s"] for r in rows if r["mode"] == "eager" and "tokens_per_s" in r}
+        for grad_accum, tokens, anchors in layouts:
+            shape = Shape(
+                width=width,
+                num_layers=args.layers,
+                block_size=args.block_size,
+                anchors=anchors,
+                tokens=tokens,
+                grad_accum=grad_accum,
+            )
+            layout = f"{grad_accum}x{tokens}x{anchors}"
+            for mode in modes:
+                try:
+                    row = measure(
+                        shape,
+                        mode=mode,
+                        device=device,
+                        steps=args.steps,
+                        warmup=args.warmup,
+                        smoke=args.smoke,
+                    )
+                except Exception as e:  # one failing mode (a compiler error, memory) must not lose the others
+                    row = {"width": width, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                row["layout"] = layout
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    done = [r for r in rows if "tokens_per_s" in r]
+    eager = {(r["width"], r["layout"]): r["tokens_per_s"] for r in done if r["mode"] == "eager"}
+    first = layouts[0]
+    first_layout = f"{first[0]}x{first[1]}x{first[2]}"
+    by_first = {(r["width"], r["mode"]): r["tokens_per_s"] for r in done if r["layout"] == first_layout}
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "shape": {k: getattr(args, k) for k in ("tokens", "grad_accum", "anchors", "block_size", "layers")},
+        "shape": {k: getattr(args, k) for k in ("block_size", "layers")},
+        "layouts": [f"{g}x{t}x{a}" for g, t, a in layouts],
         "steps": args.steps,
         "rows": rows,
     }
@@ -246,15 +278,20 @@ def main() -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\n{'width':<10} {'mode':<16} {'tokens/s':>12} {'step ms':>9} {'× eager':>8} {'peak GiB':>9}")
+    print(
+        f"\n{'width':<10} {'layout':<14} {'mode':<16} {'tokens/s':>12} {'step ms':>9} {'× eager':>8} "
+        f"{'× ' + first_layout:>16} {'peak GiB':>9}"
+    )
+    nan = float("nan")
     for r in rows:
         if "error" in r:
-            print(f"{r['width']:<10} {r['mode']:<16} {r['error'][:60]}")
+            print(f"{r['width']:<10} {r['layout']:<14} {r['mode']:<16} {r['error'][:60]}")
             continue
-        ratio = r["tokens_per_s"] / eager[r["width"]] if r["width"] in eager else float("nan")
+        ratio = r["tokens_per_s"] / eager.get((r["width"], r["layout"]), nan)
+        vs_first = r["tokens_per_s"] / by_first.get((r["width"], r["mode"]), nan)
         print(
-            f"{r['width']:<10} {r['mode']:<16} {r['tokens_per_s']:>12,.0f} {r['step_ms']:>9.1f} "
-            f"{ratio:>8.2f} {r['peak_gib']:>9.1f}"
+            f"{r['width']:<10} {r['layout']:<14} {r['mode']:<16} {r['tokens_per_s']:>12,.0f} "
+            f"{r['step_ms']:>9.1f} {ratio:>8.2f} {vs_first:>16.2f} {r['peak_gib']:>9.1f}"
         )
     if out is not None:
         print(f"report: {out}")

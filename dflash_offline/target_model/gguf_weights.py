@@ -4,9 +4,9 @@ transformers dequantizes a GGUF on the CPU at every load: ≈ 8 s for SmolLM2-13
 most of it in the ``gguf`` reader and its tensor-name maps, paid by every stage that loads the target
 (regenerate, generate, train, each eval) and by every test that does. The float32 tensors it produces are
 written once into the GGUF's asset directory (source.py: ``gguf_assets_dir``, keyed by the GGUF's weights
-hash and the transformers version) as ``model.safetensors``; later loads read that file, memory-mapped
-(≈ 0.05 s), with the config beside it, like any model directory: the same tensors bit for bit, in every
-dtype (tests/target_model/test_gguf_weights.py). The target's identity stays the GGUF's weights hash.
+hash and the transformers and gguf versions) as ``model.safetensors``; later loads read that file,
+memory-mapped (≈ 0.05 s), with the config beside it, like any model directory: the same tensors bit for bit,
+in every dtype (tests/target_model/test_gguf_weights.py). The target's identity stays the GGUF's weights hash.
 
 A float32 copy is 32/4.5 ≈ 7× a 4.5-bit GGUF (≈ 0.5 GB for SmolLM2-135M): above ``MAX_CACHED_BYTES`` nothing
 is kept and every load reads the GGUF, as does a load whose cache directory cannot be written. Delete the

@@ -153,6 +153,15 @@ def user_cache_dir() -> Path:
     return Path(base) / "dflash-offline"
 
 
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:  # transformers then refuses the GGUF itself, naming the package
+        return "none"
+
+
 def gguf_assets_dir(gguf_path: Path, gguf_weights_hash: str) -> Path:
     """A directory holding the GGUF's tokenizer (with chat template) and config.json, built once.
 
@@ -160,7 +169,9 @@ def gguf_assets_dir(gguf_path: Path, gguf_weights_hash: str) -> Path:
     import transformers
     from transformers import AutoConfig, AutoTokenizer
 
-    key = f"{gguf_weights_hash.split(':')[-1][:24]}-tf{transformers.__version__}"
+    # The dequantized weights kept here (gguf_weights.py) are what this transformers and this gguf reader
+    # made of the file: another version of either gets a directory of its own.
+    key = f"{gguf_weights_hash.split(':')[-1][:24]}-tf{transformers.__version__}-gguf{_gguf_version()}"
     final = user_cache_dir() / "gguf" / key
     if (final / "config.json").is_file():
         return final

@@ -121,3 +121,21 @@ def test_an_unwritable_cache_or_a_model_over_the_cap_loads_from_the_gguf(
     assert gguf_weights.float32_bytes(full_disk.model.config) == 4 * sum(
         p.numel() for p in full_disk.model.parameters()
     )
+
+
+def test_weights_cached_under_another_gguf_reader_are_not_read(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cached tensors are what one transformers and one gguf version made of the file: under another
+    gguf version the assets (and so the weights) live in a directory of their own, built afresh."""
+    from dflash_offline.target_model import source as source_module
+
+    source = resolve_target("default")
+    assert source.path is not None
+    here = gguf_assets_dir(source.path, weights_hash(source))
+    monkeypatch.setattr(source_module, "_gguf_version", lambda: "0.0.1")
+    other = gguf_assets_dir(source.path, weights_hash(source))
+    assert other != here
+    assert other.parent == here.parent
+    assert (other / "config.json").is_file()
+    assert not (other / gguf_weights.WEIGHTS_FILE).exists()  # nothing of the other version's is reused
