@@ -29,6 +29,9 @@ from dflash_offline.regenerate.pending_conversation import Answer, PendingConver
 
 __all__ = ["KEY", "ConversationSink", "Driver", "Tally", "render_prompt"]
 
+PRINTED_FAILURES = 10
+"""Failed records a worker prints a line for; the rest are counted (the failures file lists every one)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Tally:
@@ -98,6 +101,7 @@ class ConversationSink:
         self.regenerated_by = regenerated_by
         self._on_tally = on_tally
         self._on_failure = on_failure
+        self._printed_failures = 0
         self.total = Tally()
 
     def _count(self, t: Tally) -> None:
@@ -114,9 +118,19 @@ class ConversationSink:
                 "detail": detail,
             }
         )
-        self._on_failure(
-            f"regenerate: record {source_index} ({record_id or sample_id}) failed: {reason}: {detail}"
-        )
+        # One line per failure while they are few; a data set whose prompts run long fails hundreds of
+        # records (336 of 12,000 ShareGPT records over --max-prompt-tokens 1536), which would bury every
+        # other line: after PRINTED_FAILURES, one line says where the rest are (the summary counts them).
+        if self._printed_failures < PRINTED_FAILURES:
+            self._on_failure(
+                f"regenerate: record {source_index} ({record_id or sample_id}) failed: {reason}: {detail}"
+            )
+        elif self._printed_failures == PRINTED_FAILURES:
+            self._on_failure(
+                f"regenerate: more records fail; the first {PRINTED_FAILURES} were printed, the end of the "
+                "run counts them all and names the failures file that lists each with its reason"
+            )
+        self._printed_failures += 1
         self._count(Tally(failed=1))
 
     def fail_conv(self, p: PendingConversation, reason: str, detail: str) -> None:

@@ -316,6 +316,30 @@ def test_failures_are_reported_and_skipped_on_rerun(
     assert (again.written, again.failed, again.skipped) == (0, 0, 5)
 
 
+def test_many_failures_print_ten_lines_and_list_every_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hundreds of over-long prompts must not bury the run's other lines: the first 10 failures are
+    printed, then one line; the failures file lists all of them and the summary counts them."""
+    data = tmp_path / "chat.jsonl"
+    long = [{"role": "user", "content": "word " * 300}]
+    records = [{"id": f"long{i}", "messages": long} for i in range(14)]
+    records.append({"id": "ok", "messages": [{"role": "user", "content": "hello"}]})
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "regen.jsonl"
+    summary = run_regenerate(_config(out, data, max_prompt_tokens=100, batch_size=4))
+    assert (summary.written, summary.failed) == (1, 14)
+    listed = _lines(tmp_path / "regen.failures.jsonl")
+    assert sorted(f["record_id"] for f in listed) == sorted(f"long{i}" for i in range(14))
+    err = capsys.readouterr().err.splitlines()
+    printed = [line for line in err if "failed: too_long" in line]
+    assert len(printed) == 10
+    assert [line for line in err if "more records fail" in line] == [
+        "regenerate: more records fail; the first 10 were printed, the end of the run counts them all and "
+        "names the failures file that lists each with its reason"
+    ]
+
+
 def test_sampling_is_seeded(tmp_path: Path) -> None:
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 3)
     texts = []
