@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_offline.config_fields import flag
 from dflash_offline.data.conversations import Conversation, Message
@@ -26,6 +26,9 @@ from dflash_offline.data.sources import conversation_root, iter_records, source_
 from dflash_offline.data.user_groups import user_groups
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig, Turns
+
+if TYPE_CHECKING:
+    from dflash_offline.train.split import SplitSnapshots
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,7 +111,7 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
     from dflash_offline.cache.layout import read_fingerprint
     from dflash_offline.cache.manifest import committed_sample_ids
     from dflash_offline.eval.cache_data import iter_cache_records
-    from dflash_offline.train.split import validation_ids_of_run
+    from dflash_offline.train.split import split_of_run
 
     inferred = exclude_cache is None
     cache_dir = exclude_cache if exclude_cache is not None else training_cache_of(drafter_dir)
@@ -118,8 +121,13 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
     committed = committed_sample_ids(cache_dir)
     source = source_name(data)
     run_dir = run_dir_of(drafter_dir)
-    validation = (validation_ids_of_run(run_dir) if run_dir is not None else None) or frozenset()
-    trained = committed - validation
+    split = split_of_run(run_dir) if run_dir is not None else None
+    # Samples of the cache the drafter's run never trained on: its validation split, the samples its
+    # --train-samples left out, and those committed after it took its snapshot. Without the run: none.
+    never_trained: frozenset[str] = frozenset()
+    if split is not None:
+        never_trained = frozenset(committed - set(split.train.sample_ids))
+    trained = committed - never_trained
     # One pass over the cache's data files: the records behind the samples.
     origin_of: dict[str, str] = {}
     all_origins: set[str] = set()
@@ -141,11 +149,11 @@ def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str
             f"; that cache was generated from {fingerprint.data_source!r}, these prompts come from "
             f"{source!r}, so no id can match: held out by source"
         )
-    if validation:
-        kept = ids - _never_trained_on(validation, origin_of)
+    if never_trained and split is not None:
+        kept = ids - _never_trained_on(never_trained, origin_of)
         note += (
-            f"; not excluded: the {len(ids) - len(kept)} of them the drafter's run {run_dir} held out for "
-            "validation (never trained on)"
+            f"; not excluded: the {len(ids) - len(kept)} of them the drafter's run {run_dir} never trained "
+            f"on ({_never_trained_note(never_trained, split)})"
         )
         ids = kept
     note += _roots_note(cache_dir, trained_roots)
@@ -192,12 +200,31 @@ def _roots_note(cache_dir: Path, trained_roots: set[str]) -> str:
     return ""
 
 
-def _never_trained_on(validation: frozenset[str], origin_of: dict[str, str]) -> set[str]:
-    """The validation samples, and the records a regenerated validation sample was answered from
-    (unless a trained sample was answered from the same record)."""
-    trained_from = {src for sample_id, src in origin_of.items() if sample_id not in validation}
-    return set(validation) | (
-        {src for sample_id, src in origin_of.items() if sample_id in validation} - trained_from
+def _never_trained_note(never_trained: frozenset[str], split: SplitSnapshots) -> str:
+    """Why the run never trained on ``never_trained`` (its validation split, its --train-samples, or a
+    commit after its snapshot), counted by cause."""
+    from dflash_offline.train.config import TrainConfig
+
+    validation = frozenset(split.validation.sample_ids) if split.validation is not None else frozenset()
+    held = len(never_trained & validation)
+    # What --train-samples left out is the rest of the snapshot (still committed, unless a repair dropped
+    # some); whatever else the run never trained on was committed after it took its snapshot.
+    cut = min(split.num_not_held_out - len(split.train), len(never_trained) - held)
+    later = len(never_trained) - held - cut
+    parts = [f"{held} held out for validation"] if held else []
+    if cut:
+        parts.append(f"{cut} left out by its {flag(TrainConfig, 'train_samples')}")
+    if later:
+        parts.append(f"{later} committed after its start")
+    return ", ".join(parts)
+
+
+def _never_trained_on(never_trained: frozenset[str], origin_of: dict[str, str]) -> set[str]:
+    """The samples never trained on, and the records a regenerated one was answered from (unless a
+    trained sample was answered from the same record)."""
+    trained_from = {src for sample_id, src in origin_of.items() if sample_id not in never_trained}
+    return set(never_trained) | (
+        {src for sample_id, src in origin_of.items() if sample_id in never_trained} - trained_from
     )
 
 

@@ -8,7 +8,7 @@ conversation are held out together, or trained on together; train/groups.py). Th
 nothing else (not the seed, the world size, the step or the order of the cache): every resume and every
 world size holds out the same samples, and runs over the same cache are validated on the same ones. The
 run's training snapshot is the rest; the planner never sees a validation sample. ``dflash eval`` reads
-the split back (``validation_ids_of_run``): the prompts of validation samples were not trained on.
+the split back (``training_ids_of_run``): the prompts of samples the run did not train on are held out.
 
 ``--train-samples N`` then trains on part of the rest, chosen the same way under a second key (another
 salt, so the choice does not lean on the validation key): the groups of smallest training key, whole, until
@@ -186,6 +186,21 @@ def validation_split_of_run(run_dir: Path) -> IndexSnapshot | None:
     """The validation split of a ``dflash train`` run, as the run took it (its config.json, saved snapshot
     and groups), bound to no reader; None when ``run_dir`` is not a run, has no snapshot yet, or holds
     nothing out."""
+    split = split_of_run(run_dir)
+    return None if split is None else split.validation
+
+
+def training_ids_of_run(run_dir: Path) -> frozenset[str] | None:
+    """The sample ids a ``dflash train`` run trains on: its snapshot less the validation split, cut to its
+    ``--train-samples``. A sample committed to the cache after the run started is not among them (the
+    snapshot is taken once, at the first start). None when ``run_dir`` is not a run or has no snapshot."""
+    split = split_of_run(run_dir)
+    return None if split is None else frozenset(split.train.sample_ids)
+
+
+def split_of_run(run_dir: Path) -> SplitSnapshots | None:
+    """A ``dflash train`` run's split, recomputed as the run computed it (config.json, the saved snapshot
+    and groups); None when ``run_dir`` is not a run or has no snapshot yet."""
     try:
         config = json.loads((run_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -194,7 +209,10 @@ def validation_split_of_run(run_dir: Path) -> IndexSnapshot | None:
         return None
     fraction = config.get("val_fraction")
     num_samples = config.get("val_samples")
+    train_samples = config.get("train_samples")
     if not isinstance(fraction, int | float) or not (num_samples is None or isinstance(num_samples, int)):
+        return None
+    if not (train_samples is None or isinstance(train_samples, int)):
         return None
     groups = None
     if config.get("val_group") == "root-id":
@@ -202,5 +220,13 @@ def validation_split_of_run(run_dir: Path) -> IndexSnapshot | None:
             return None
         groups = read_groups(run_dir / GROUPS_FILE)
     snapshot = read_snapshot(run_dir / SNAPSHOT_FILE)
-    split = split_snapshot(snapshot, fraction=float(fraction), num_samples=num_samples, groups=groups)
-    return split.validation
+    try:
+        return split_snapshot(
+            snapshot,
+            fraction=float(fraction),
+            num_samples=num_samples,
+            groups=groups,
+            train_samples=train_samples,
+        )
+    except ConfigError:  # not a split the run could have taken (its files were changed): no answer
+        return None

@@ -8,6 +8,8 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import numpy as np
+
 from dflash_offline.cache.manifest import record_run
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import RunRow
@@ -15,7 +17,7 @@ from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import iter_records
 from dflash_offline.eval.prompts import resolve_held_out, select_prompts
 from dflash_offline.target_model.loader import load_tokenizer
-from dflash_offline.train.snapshot import save_snapshot, take_snapshot
+from dflash_offline.train.snapshot import save_snapshot, subset_snapshot, take_snapshot
 from dflash_offline.train.split import split_snapshot
 from tests.eval.helpers import write_chat_jsonl, write_tiny_cache
 
@@ -105,3 +107,42 @@ def test_records_behind_regenerated_validation_samples_are_held_out(tmp_path: Pa
     assert held.excluded_ids == trained | {origin_of[s] for s in trained}
     selection = select_prompts(data, load_tokenizer("random:tiny"), held_out=held, limit=14)
     assert {p.sample_id for p in selection.prompts} == {origin_of[s] for s in validation}
+
+
+def test_samples_the_run_never_trained_on_are_held_out_whatever_the_cause(tmp_path: Path) -> None:
+    """Besides its validation split, a run never trained on what its --train-samples left out nor on
+    samples committed after it took its snapshot: their prompts are held out too; the trained ones, and
+    only they, stay excluded."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 20)
+    records = [c for c in iter_records(data) if isinstance(c, Conversation)]
+    cached = [c.sample_id for c in records[:18]]
+    cache = write_tiny_cache(tmp_path / "cache", cached, data_source="chat")
+    run = tmp_path / "run"
+    (run / "drafter").mkdir(parents=True)
+    (run / "config.json").write_text(
+        json.dumps(
+            {"cache_dir": str(cache), "val_fraction": FRACTION, "val_samples": None, "train_samples": 5}
+        )
+    )
+    with CacheReader.open(cache) as reader:
+        everything = take_snapshot(reader)
+    # The run started when 15 of the 18 samples were committed (a generate run still writing).
+    later = set(cached[15:])
+    keep = np.array([s not in later for s in everything.sample_ids])
+    snapshot = subset_snapshot(everything, keep)
+    save_snapshot(snapshot, run / "snapshot.parquet")
+    split = split_snapshot(snapshot, fraction=FRACTION, num_samples=None, train_samples=5)
+    assert split.validation is not None
+    trained = set(split.train.sample_ids)
+    validation = set(split.validation.sample_ids)
+    assert len(trained) == 5
+    assert 0 < len(validation) < 10
+    cut = set(snapshot.sample_ids) - trained - validation
+    held = resolve_held_out(exclude_cache=None, drafter_dir=run / "drafter", data=data)
+    assert held.excluded_ids == trained
+    assert (
+        f"never trained on ({len(validation)} held out for validation, {len(cut)} left out by its "
+        f"--train-samples, {len(later)} committed after its start)"
+    ) in held.note
+    selection = select_prompts(data, load_tokenizer("random:tiny"), held_out=held, limit=20)
+    assert {p.sample_id for p in selection.prompts} == {c.sample_id for c in records} - trained
