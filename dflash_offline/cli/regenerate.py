@@ -49,10 +49,15 @@ def _report(s: RegenerateSummary, config: RegenerateConfig) -> None:
         )
     # The engine's steps say why the tok/s is what it is: idle slots, prefill, or host time between steps.
     engine = f"; engine: {s.engine_stats.describe()}" if s.engine_stats is not None else ""
+    # The start-up (everything before the first worker was ready) beside the workers' own share of it:
+    # the rest is this process's (imports, reading what is done) and, with several, spawning the workers.
+    startup = f"{s.seconds - s.generation_seconds:.1f} s of start-up"
+    if s.load_seconds > 0:
+        startup += f", {s.load_seconds:.1f} s of it loading the target and building the engine"
     click.echo(
         f"regenerate: throughput: {s.written} conversations, {s.answers} answers, {s.new_tokens} new tokens, "
         f"{s.new_tokens_per_second:,.0f} new tok/s over {s.generation_seconds:.1f} s of generation "
-        f"({s.seconds:.1f} s in all; engine {s.engine}, {s.workers} worker(s)){engine}"
+        f"({s.seconds:.1f} s in all: {startup}; engine {s.engine}, {s.workers} worker(s)){engine}"
     )
     if s.repaired_bytes:
         click.echo(f"regenerate: cut a partial last line ({s.repaired_bytes} bytes) left by an earlier run")

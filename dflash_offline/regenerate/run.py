@@ -83,6 +83,8 @@ class RegenerateSummary:
     """Wall time of the run, loading included."""
     generation_seconds: float = 0.0
     """From the first worker being ready to the end."""
+    load_seconds: float = 0.0
+    """The slowest worker's own start-up: loading the target and building its engine (0: not reported)."""
     engine: str = ""
     """``slots`` or ``openai`` (the workers' engine)."""
     workers: int = 1
@@ -116,6 +118,8 @@ class RegenerateProgress:
     def __init__(self, *, enabled: bool, total: int | None, num_workers: int) -> None:
         self.tally = Tally()
         self.first_ready: float | None = None
+        self.load_seconds = 0.0
+        """The slowest worker's target load and engine build so far."""
         self._num_workers = num_workers
         self._ready = 0
         self._last = 0.0
@@ -137,6 +141,7 @@ class RegenerateProgress:
 
     def ready(self, event: WorkerReady) -> None:
         self._ready += 1
+        self.load_seconds = max(self.load_seconds, event.load_seconds)
         if self.first_ready is None:
             self.first_ready = time.perf_counter()
         if self._bar is not None:
@@ -215,7 +220,13 @@ def merge_leftover_parts(config: RegenerateConfig) -> tuple[frozenset[str], int]
 
 
 def _summary(
-    dones: list[WorkerDone], *, repaired: int, start: float, first_ready: float | None, workers: int
+    dones: list[WorkerDone],
+    *,
+    repaired: int,
+    start: float,
+    first_ready: float | None,
+    workers: int,
+    load_seconds: float = 0.0,
 ) -> RegenerateSummary:
     total = sum((d.total for d in dones), Tally())
     end = time.perf_counter()
@@ -229,6 +240,7 @@ def _summary(
         new_tokens=total.new_tokens,
         seconds=end - start,
         generation_seconds=end - first_ready if first_ready is not None else 0.0,
+        load_seconds=load_seconds,
         engine=",".join(sorted({d.engine for d in dones})),
         workers=workers,
         resumed=total.resumed,
@@ -299,7 +311,14 @@ def _run_in_process(
             result = answer_records(spec, loaded, emit, stop_requested)
     finally:
         progress.close()
-    summary = _summary([result], repaired=repaired, start=start, first_ready=progress.first_ready, workers=1)
+    summary = _summary(
+        [result],
+        repaired=repaired,
+        start=start,
+        first_ready=progress.first_ready,
+        workers=1,
+        load_seconds=progress.load_seconds,
+    )
     if not result.completed:
         raise RegenerateStopped(summary)
     return summary
@@ -352,7 +371,7 @@ def _run_spawned(
     def summary() -> RegenerateSummary:
         first_ready = progress.first_ready
         return _summary(list(dones.values()), repaired=repaired, start=start, first_ready=first_ready,
-                        workers=num_workers)  # fmt: skip
+                        workers=num_workers, load_seconds=progress.load_seconds)  # fmt: skip
 
     try:
         with _stop_on_sigint():

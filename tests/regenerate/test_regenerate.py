@@ -143,6 +143,15 @@ def test_the_throughput_line_says_what_the_engine_steps_did(tmp_path: Path, tiny
     prefilled, reused = (int(n.replace(",", "")) for n in engine.groups())
     assert prefilled + reused == sum(len(p) for p in prompts)
     assert reused > 0  # the second turns continue the first's slot
+    # The start-up, and the worker's share of it (loading the target, building the engine), within it.
+    timing = re.search(
+        r"\(([0-9.]+) s in all: ([0-9.]+) s of start-up, ([0-9.]+) s of it loading the target and building "
+        r"the engine; engine slots, 1 worker\(s\)\)",
+        throughput,
+    )
+    assert timing is not None, throughput
+    total, startup, load = (float(g) for g in timing.groups())
+    assert 0 <= load <= startup < total  # the phrase itself is printed only for a load time above 0
 
 
 def test_the_workers_engine_stats_sum() -> None:
