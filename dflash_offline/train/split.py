@@ -8,7 +8,7 @@ conversation are held out together, or trained on together; train/groups.py). Th
 nothing else (not the seed, the world size, the step or the order of the cache): every resume and every
 world size holds out the same samples, and runs over the same cache are validated on the same ones. The
 run's training snapshot is the rest; the planner never sees a validation sample. ``dflash eval`` reads
-the split back (``training_ids_of_run``): the prompts of samples the run did not train on are held out.
+the split back (``split_of_run``): the prompts of samples the run did not train on are held out.
 
 ``--train-samples N`` then trains on part of the rest, chosen the same way under a second key (another
 salt, so the choice does not lean on the validation key): the groups of smallest training key, whole, until
@@ -188,14 +188,6 @@ def validation_split_of_run(run_dir: Path) -> IndexSnapshot | None:
     nothing out."""
     split = split_of_run(run_dir)
     return None if split is None else split.validation
-
-
-def training_ids_of_run(run_dir: Path) -> frozenset[str] | None:
-    """The sample ids a ``dflash train`` run trains on: its snapshot less the validation split, cut to its
-    ``--train-samples``. A sample committed to the cache after the run started is not among them (the
-    snapshot is taken once, at the first start). None when ``run_dir`` is not a run or has no snapshot."""
-    split = split_of_run(run_dir)
-    return None if split is None else frozenset(split.train.sample_ids)
 
 
 def split_of_run(run_dir: Path) -> SplitSnapshots | None:
