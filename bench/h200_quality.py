@@ -191,6 +191,9 @@ class Report:
             for row in v.get("validation", []):
                 acc = " ".join(f"{a:.2f}" for a in row["acc"][:6])
                 chain = "" if row.get("chain_tau") is None else f"chain τ {row['chain_tau']:.2f}, "
+                if row.get("chain_tau_by_turn"):  # as eval's "by turn" line: turns 1 / 2 / 3+
+                    turns = " / ".join("–" if t is None else f"{t:.2f}" for t in row["chain_tau_by_turn"])
+                    chain += f"by turn {turns}, "
                 secs = "" if row.get("seconds") is None else f" ({row['seconds']:.1f} s)"
                 out.append(
                     f"- validation at step {row['step']}{secs}: loss {row['loss']:.3f}, {chain}"
@@ -268,6 +271,7 @@ def validation_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tau": r["val_simulated_tau"],
             "block_tau": r["val_block_tau"],
             "chain_tau": r.get("val_chain_tau"),  # absent from runs before chain τ
+            "chain_tau_by_turn": r.get("val_chain_tau_by_turn"),  # turns 1, 2, 3+ (absent before them)
             "acc": r["val_acc_by_position"],
             "seconds": r.get("val_seconds"),  # absent from runs before the wall-time accounting
         }

@@ -32,7 +32,7 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
         [sys.executable, "bench/h200_quality.py", "--smoke", "--data", str(data), "--work", str(work),
          "--report", str(report), "--budget-s", "800", "--regen-s", "240", "--gen-s", "90",
          "--train-s", "90", "--eval-s", "240", "--codecs", "default", "--variants", '{"all": ""}',
-         "--side", "sleep 5; echo side-done"],
+         "--side", "sleep 5; echo side-done", "--train-args", "--log-every 10 --val-samples 2"],
         cwd=ROOT, capture_output=True, text=True, timeout=880,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -49,6 +49,11 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     assert len(answered) == 8
     assert all(m["content"] for a in answered for m in a["messages"] if m["role"] == "assistant")
     assert summary["variants"]["all"]["steps"] > 0
+    # Validation chain τ by turn, beside eval's τ by turn (two-turn conversations: turns 1 and 2).
+    (last,) = summary["variants"]["all"]["validation"][-1:]
+    assert last["chain_tau_by_turn"][0] is not None
+    assert last["chain_tau_by_turn"][1] is not None
+    assert "by turn " in (report / "summary.md").read_text()
     evaluated = json.loads((work / "eval-all.json").read_text())
     assert evaluated["drafter"]["directory"] == str(work / "run-all" / "drafter")
     assert evaluated["drafter"]["num_layers"] == 1

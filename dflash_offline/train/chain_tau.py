@@ -75,6 +75,16 @@ def walk_chain(runs: Mapping[int, int], window: range) -> list[int]:
     return cycles
 
 
+TURN_GROUPS = ("1", "2", "3+")
+"""The turns chain τ is also reported by, as ``dflash eval`` reports its τ: a sample's first assistant turn
+(no earlier answer of the target in its prompt), its second, and every later one."""
+
+
+def turn_group(ordinal: int) -> int:
+    """The index in ``TURN_GROUPS`` of a sample's ``ordinal``-th assistant turn (1-based)."""
+    return min(ordinal, len(TURN_GROUPS)) - 1
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChainCycles:
     """The cycles of one packed row's chains (every turn of every document)."""
@@ -83,6 +93,10 @@ class ChainCycles:
     """Draft–verify cycles eval's rule makes over the row's chain windows."""
     tokens: int
     """Σ (run + 1) over those cycles: the tokens they produce."""
+    cycles_by_turn: tuple[int, ...]
+    """``num_cycles`` split by ``TURN_GROUPS`` (the turn's ordinal within its document)."""
+    tokens_by_turn: tuple[int, ...]
+    """``tokens`` split the same way."""
 
 
 def block_runs_at(
@@ -115,9 +129,15 @@ def row_chain_cycles(
     """Eval's cycles over the first ``max_new_tokens`` tokens of every turn of the row ``inputs``: the
     training forward at every anchor of those windows, then one chain walk per turn (a host sync)."""
     loss_mask_T, doc_ids_T = inputs.loss_mask_T.cpu(), inputs.doc_ids_T.cpu()
-    windows = [
-        chain_window(turn, max_new_tokens) for turn in answer_turns(loss_mask_T.numpy(), doc_ids_T.numpy())
-    ]
+    turns = answer_turns(loss_mask_T.numpy(), doc_ids_T.numpy())
+    windows = [chain_window(turn, max_new_tokens) for turn in turns]
+    # Each turn's TURN_GROUPS index, from its ordinal within its document.
+    groups: list[int] = []
+    seen_in_doc: dict[int, int] = {}
+    for turn in turns:
+        doc = int(doc_ids_T[turn.start])
+        seen_in_doc[doc] = seen_in_doc.get(doc, 0) + 1
+        groups.append(turn_group(seen_in_doc[doc]))
     in_window_T = torch.zeros_like(loss_mask_T, dtype=torch.bool)
     for window in windows:
         in_window_T[window.start : window.stop] = True
@@ -126,5 +146,14 @@ def row_chain_cycles(
         model, inputs, anchors_A.to(inputs.anchors_A.device), attention=attention, anchor_chunk=anchor_chunk
     )
     runs = dict(zip(anchors_A.tolist(), runs_A.tolist(), strict=True))
-    cycles = [run for window in windows for run in walk_chain(runs, window)]
-    return ChainCycles(num_cycles=len(cycles), tokens=sum(run + 1 for run in cycles))
+    cycles_by_turn, tokens_by_turn = [0] * len(TURN_GROUPS), [0] * len(TURN_GROUPS)
+    for window, group in zip(windows, groups, strict=True):
+        cycles = walk_chain(runs, window)
+        cycles_by_turn[group] += len(cycles)
+        tokens_by_turn[group] += sum(run + 1 for run in cycles)
+    return ChainCycles(
+        num_cycles=sum(cycles_by_turn),
+        tokens=sum(tokens_by_turn),
+        cycles_by_turn=tuple(cycles_by_turn),
+        tokens_by_turn=tuple(tokens_by_turn),
+    )

@@ -48,6 +48,9 @@ class ValidationMetrics:
     where its target reproduces the cached answers (1.0 without a cycle). The best export's criterion."""
     chain_cycles: int
     """The cycles ``chain_tau`` averages, over the whole split."""
+    chain_tau_by_turn: tuple[float | None, ...] = ()
+    """``chain_tau`` of each group of ``chain_tau.TURN_GROUPS`` (a sample's first assistant turn, its second,
+    the later ones), as eval reports τ by turn; None for a group without a cycle."""
     num_blocks: int
     num_samples: int
     num_tokens: int
@@ -65,6 +68,7 @@ class ValidationMetrics:
             "val_block_tau": self.block_tau,
             "val_chain_tau": self.chain_tau,
             "val_chain_cycles": self.chain_cycles,
+            "val_chain_tau_by_turn": list(self.chain_tau_by_turn),
             "val_num_blocks": self.num_blocks,
             "val_num_samples": self.num_samples,
             "val_num_tokens": self.num_tokens,
@@ -215,6 +219,9 @@ def step_scalars(metrics: StepMetrics) -> dict[str, float]:
         )
         for k, acc in enumerate(val.acc_by_position, start=1):
             scalars[f"val/acc/pos_{k:02d}"] = float(acc)
+        for k, tau in enumerate(val.chain_tau_by_turn, start=1):
+            if tau is not None:  # turn 1, 2, 3 and later (chain_tau.TURN_GROUPS)
+                scalars[f"val/chain_tau_turn_{k}"] = tau
     return scalars
 
 

@@ -37,7 +37,7 @@ from dflash_offline.drafter.attention import AttentionBackend
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.chain_tau import block_runs_at, row_chain_cycles
+from dflash_offline.train.chain_tau import TURN_GROUPS, block_runs_at, row_chain_cycles
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import all_reduce_sum
 from dflash_offline.train.metrics import StepAccumulator, ValidationMetrics
@@ -138,7 +138,8 @@ class Validator:
         """The split's metrics for ``model`` now (every rank must call it: the sums are all-reduced)."""
         block_size = model.config.block_size
         accumulator = StepAccumulator(block_size, self._info.device)
-        chain_sum = chain_cycles = 0  # Σ (run + 1) over this rank's cycles, and their count
+        # Σ (run + 1) over this rank's cycles and their count, then both by turn (chain_tau.TURN_GROUPS).
+        chain_counts = [0] * (2 + 2 * len(TURN_GROUPS))
         with Prefetcher(
             self._reader,
             validation_jobs(self.snapshot, self._mine),
@@ -159,13 +160,14 @@ class Validator:
                         attention=self._attention,
                         anchor_chunk=model.config.num_anchors,
                     )
-                chain_sum += chain.tokens
-                chain_cycles += chain.num_cycles
+                counts = (chain.tokens, chain.num_cycles, *chain.tokens_by_turn, *chain.cycles_by_turn)
+                chain_counts = [a + b for a, b in zip(chain_counts, counts, strict=True)]
         totals = accumulator.reduce(self._info)
         chain_sums = all_reduce_sum(
-            torch.tensor([chain_sum, chain_cycles], dtype=torch.float64, device=self._info.device),
-            self._info,
+            torch.tensor(chain_counts, dtype=torch.float64, device=self._info.device), self._info
         ).tolist()
+        groups = len(TURN_GROUPS)
+        tokens_by_turn, cycles_by_turn = chain_sums[2 : 2 + groups], chain_sums[2 + groups :]
         return ValidationMetrics(
             step=step,
             loss=totals.loss,
@@ -174,6 +176,9 @@ class Validator:
             block_tau=totals.block_tau,
             chain_tau=chain_sums[0] / chain_sums[1] if chain_sums[1] > 0 else 1.0,
             chain_cycles=int(chain_sums[1]),
+            chain_tau_by_turn=tuple(
+                t / c if c > 0 else None for t, c in zip(tokens_by_turn, cycles_by_turn, strict=True)
+            ),
             num_blocks=totals.num_blocks,
             num_samples=len(self.snapshot),
             num_tokens=self.snapshot.total_tokens,

@@ -117,18 +117,22 @@ def _runs_by_inference(model: Any, cache: Path, sample_ids: list[str]) -> dict[s
     return out
 
 
-def _eval_cycles_by_hand(runs: dict[int, int], mask: list[bool], max_new_tokens: int) -> list[int]:
+def _eval_cycles_by_hand(
+    runs: dict[int, int], mask: list[bool], max_new_tokens: int
+) -> list[tuple[int, int]]:
     """Each answer (a run of the loss mask) decoded as ``dflash eval --max-new-tokens M`` decodes one: the
     prefill gives its first token; a cycle at token n accepts runs[n] drafts and the target's next token,
     and the next cycle starts at the last token out, until M tokens are out or the answer (its drafts)
-    ends."""
+    ends. Each cycle as (the answer's ordinal in the sample, 1-based; its accepted drafts)."""
     cycles = []
+    ordinal = 0
     for start in range(len(mask)):
         if not mask[start] or (start > 0 and mask[start - 1]):
             continue  # not an answer's first token
+        ordinal += 1
         out, n = 1, start
         while out < max_new_tokens and n in runs:
-            cycles.append(runs[n])
+            cycles.append((ordinal, runs[n]))
             out += runs[n] + 1
             n += runs[n] + 1
     return cycles
@@ -146,13 +150,25 @@ def test_val_chain_tau_equals_evals_rule_walked_by_hand(two_turn_cache: Path, tm
     acceptance = acceptance_at_every_anchor(run, model)
     runs = {sample_id: a.accepted_by_position for sample_id, a in acceptance.items()}
     assert runs == _runs_by_inference(model, two_turn_cache, sorted(runs))
-    cycles = [
+    by_turn = [
         c
         for sample_id, a in acceptance.items()
         for c in _eval_cycles_by_hand(runs[sample_id], a.loss_mask, CHAIN_TOKENS)
     ]
+    cycles = [run for _, run in by_turn]
     assert last["val_chain_cycles"] == len(cycles)
     assert float(last["val_chain_tau"]) == pytest.approx(1 + np.mean(cycles), abs=1e-12)  # type: ignore[arg-type]
+    # By turn, as eval reports it: each sample's first answer, its second (these samples have two).
+    first = [run for ordinal, run in by_turn if ordinal == 1]
+    second = [run for ordinal, run in by_turn if ordinal == 2]
+    assert first
+    assert second
+    assert len(first) + len(second) == len(cycles)
+    assert last["val_chain_tau_by_turn"] == [
+        pytest.approx(1 + np.mean(first), abs=1e-12),
+        pytest.approx(1 + np.mean(second), abs=1e-12),
+        None,
+    ]
 
     # What the walk must get right is there: accepted drafts, turns past M tokens and turns shorter
     # than M, second turns.
