@@ -54,6 +54,23 @@ def _validation(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.nd
     return _column(val, "step"), _column(val, key)
 
 
+TURN_LABELS = ("chain τ, first turns", "chain τ, second turns", "chain τ, later turns")
+"""The legends of ``val_chain_tau_by_turn`` (train/chain_tau.py: TURN_GROUPS)."""
+
+
+def _chain_by_turn(rows: list[dict[str, Any]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(steps, chain τ) of each turn group, over the lines that carry it."""
+    curves = []
+    for k in range(len(TURN_LABELS)):
+        points = [
+            (r["step"], float(v[k]))
+            for r in rows
+            if isinstance(v := r.get("val_chain_tau_by_turn"), list) and len(v) > k and v[k] is not None
+        ]
+        curves.append((np.array([p[0] for p in points]), np.array([p[1] for p in points])))
+    return curves
+
+
 def _title(run_dir: Path, what: str) -> str:
     return f"{what}: {run_dir.resolve().name}"
 
@@ -144,6 +161,11 @@ def plot_tau(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
         chain_steps, chain_tau = _validation(rows, "val_chain_tau")
         if chain_steps.size:  # runs trained before chain τ existed lack it
             ax.plot(chain_steps, chain_tau, color="tab:green", marker="s", ms=4, lw=1.8, label=CHAIN_LABEL)
+        for label, (turn_steps, turn_tau), style in zip(
+            TURN_LABELS, _chain_by_turn(rows), (":", "-.", (0, (5, 1))), strict=True
+        ):
+            if turn_steps.size:  # runs trained before chain τ by turn lack it
+                ax.plot(turn_steps, turn_tau, color="tab:green", ls=style, lw=1.0, alpha=0.8, label=label)
         ax.legend(loc="center right", fontsize=8)
     block = max((len(r.get("acc_by_position") or []) for r in rows), default=0) + 1
     ax.axhline(block, color="grey", ls=":", lw=1)

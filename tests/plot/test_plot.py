@@ -91,6 +91,7 @@ def test_plot_run_draws_the_validation_curve_on_the_training_one(
                 val_simulated_tau=1 + line["step"] / 30,
                 val_block_tau=1.5,
                 val_chain_tau=1 + line["step"] / 60,
+                val_chain_tau_by_turn=[1 + line["step"] / 90, 2.0, None if line["step"] == 10 else 3.0],
             )
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     drawn: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
@@ -113,6 +114,10 @@ def test_plot_run_draws_the_validation_curve_on_the_training_one(
     assert tau["validation"] == (val_steps, [1 + s / 30 for s in val_steps])
     assert tau["validation, per block"] == (val_steps, [1.5, 1.5, 1.5])
     assert tau[run_plots.CHAIN_LABEL] == (val_steps, [1 + s / 60 for s in val_steps])
+    first, second, later = run_plots.TURN_LABELS
+    assert tau[first] == (val_steps, [1 + s / 90 for s in val_steps])
+    assert tau[second] == (val_steps, [2.0, 2.0, 2.0])
+    assert tau[later] == ([20, 30], [3.0, 3.0])  # no cycle of a later turn at step 10
     assert len(tau["training batches"][0]) == 30
 
 
