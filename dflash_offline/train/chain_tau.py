@@ -87,16 +87,21 @@ def turn_group(ordinal: int) -> int:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChainCycles:
-    """The cycles of one packed row's chains (every turn of every document)."""
+    """The cycles of one packed row's chains (every turn of every document), by ``TURN_GROUPS`` (the turn's
+    ordinal within its document)."""
 
-    num_cycles: int
-    """Draft–verify cycles eval's rule makes over the row's chain windows."""
-    tokens: int
-    """Σ (run + 1) over those cycles: the tokens they produce."""
     cycles_by_turn: tuple[int, ...]
-    """``num_cycles`` split by ``TURN_GROUPS`` (the turn's ordinal within its document)."""
+    """Draft–verify cycles eval's rule makes over the row's chain windows."""
     tokens_by_turn: tuple[int, ...]
-    """``tokens`` split the same way."""
+    """Σ (run + 1) over those cycles: the tokens they produce."""
+
+    @property
+    def num_cycles(self) -> int:
+        return sum(self.cycles_by_turn)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.tokens_by_turn)
 
 
 def block_runs_at(
@@ -151,9 +156,4 @@ def row_chain_cycles(
         cycles = walk_chain(runs, window)
         cycles_by_turn[group] += len(cycles)
         tokens_by_turn[group] += sum(run + 1 for run in cycles)
-    return ChainCycles(
-        num_cycles=sum(cycles_by_turn),
-        tokens=sum(tokens_by_turn),
-        cycles_by_turn=tuple(cycles_by_turn),
-        tokens_by_turn=tuple(tokens_by_turn),
-    )
+    return ChainCycles(cycles_by_turn=tuple(cycles_by_turn), tokens_by_turn=tuple(tokens_by_turn))

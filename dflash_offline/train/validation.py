@@ -138,8 +138,8 @@ class Validator:
         """The split's metrics for ``model`` now (every rank must call it: the sums are all-reduced)."""
         block_size = model.config.block_size
         accumulator = StepAccumulator(block_size, self._info.device)
-        # Σ (run + 1) over this rank's cycles and their count, then both by turn (chain_tau.TURN_GROUPS).
-        chain_counts = [0] * (2 + 2 * len(TURN_GROUPS))
+        # Σ (run + 1) over this rank's cycles by turn (chain_tau.TURN_GROUPS), then their counts by turn.
+        chain_counts = [0] * (2 * len(TURN_GROUPS))
         with Prefetcher(
             self._reader,
             validation_jobs(self.snapshot, self._mine),
@@ -160,22 +160,22 @@ class Validator:
                         attention=self._attention,
                         anchor_chunk=model.config.num_anchors,
                     )
-                counts = (chain.tokens, chain.num_cycles, *chain.tokens_by_turn, *chain.cycles_by_turn)
+                counts = (*chain.tokens_by_turn, *chain.cycles_by_turn)
                 chain_counts = [a + b for a, b in zip(chain_counts, counts, strict=True)]
         totals = accumulator.reduce(self._info)
         chain_sums = all_reduce_sum(
             torch.tensor(chain_counts, dtype=torch.float64, device=self._info.device), self._info
         ).tolist()
-        groups = len(TURN_GROUPS)
-        tokens_by_turn, cycles_by_turn = chain_sums[2 : 2 + groups], chain_sums[2 + groups :]
+        tokens_by_turn, cycles_by_turn = chain_sums[: len(TURN_GROUPS)], chain_sums[len(TURN_GROUPS) :]
+        tokens, cycles = sum(tokens_by_turn), sum(cycles_by_turn)  # integers: exact in float64
         return ValidationMetrics(
             step=step,
             loss=totals.loss,
             acc_by_position=totals.acc_by_position,
             simulated_tau=totals.simulated_tau,
             block_tau=totals.block_tau,
-            chain_tau=chain_sums[0] / chain_sums[1] if chain_sums[1] > 0 else 1.0,
-            chain_cycles=int(chain_sums[1]),
+            chain_tau=tokens / cycles if cycles > 0 else 1.0,
+            chain_cycles=int(cycles),
             chain_tau_by_turn=tuple(
                 t / c if c > 0 else None for t, c in zip(tokens_by_turn, cycles_by_turn, strict=True)
             ),
