@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import itertools
 import json
 import os
 import shlex
@@ -409,6 +410,7 @@ def apply_smoke(args: argparse.Namespace) -> None:
     args.device_args = ""
     args.regen_bench_s = 0
     args.regen_limit = min(args.regen_limit, 8)
+    args.code_limit = min(args.code_limit, 2)
     args.regen_args = f"{args.regen_args} --max-new-tokens 32 --max-prompt-tokens 512"
     args.train_args = (
         f"{args.train_args} --num-layers 1 --tokens-per-microbatch 1024 --grad-accum 1 --num-anchors 32 "
@@ -479,6 +481,23 @@ def concatenate_answers(parts: list[Path], out: Path) -> int:
     return extra
 
 
+def combine_prompts(data: Path, skip: int, limit: int, code: Path, code_limit: int, out: Path) -> int:
+    """The prompt file regenerate reads when code problems join the chat data: records ``skip`` to
+    ``skip + limit`` of ``data`` (what ``--skip``/``--limit`` would take: one record a line, as
+    bench/stage_prompts.py writes them), then the first ``code_limit`` of ``code``. Returns the code
+    records taken."""
+    taken = 0
+    with open(out, "wb") as dst:
+        with gzip.open(data, "rb") if data.suffix == ".gz" else open(data, "rb") as src:
+            for line in itertools.islice((x for x in src if x.strip()), skip, skip + limit):
+                dst.write(line if line.endswith(b"\n") else line + b"\n")
+        with gzip.open(code, "rb") if code.suffix == ".gz" else open(code, "rb") as src:
+            for line in itertools.islice((x for x in src if x.strip()), code_limit):
+                dst.write(line if line.endswith(b"\n") else line + b"\n")
+                taken += 1
+    return taken
+
+
 def chain_tokens_of(eval_args: str) -> list[str]:
     """Train's ``--val-chain-tokens`` = this eval's ``--max-new-tokens``, so that the validation chain τ
     covers what eval decodes (none when the eval leaves it at its default; a variant's flags may still
@@ -533,6 +552,14 @@ def main() -> None:
         help="chat JSONL(.gz) of an earlier run's regenerated conversations (other settings: not resumed): "
         "cached and trained on beside this run's answers",
     )
+    ap.add_argument(
+        "--code-data",
+        type=Path,
+        default=None,
+        help="code problems as chat JSONL(.gz) (bench/stage_prompts.py's code-prompts.jsonl.gz): the first "
+        "--code-limit of them are regenerated after --data's records, in the same regenerate",
+    )
+    ap.add_argument("--code-limit", type=int, default=0, help="code problems taken from --code-data")
     ap.add_argument("--regen-s", type=float, default=300)
     ap.add_argument(
         "--answers-part-mib",
@@ -613,6 +640,21 @@ def main() -> None:
         engine_args = _fastest_engine(bench_json, report)
 
     # 2. regenerate: the target's own answers, until its deadline (SIGINT keeps what is done).
+    regen_data, regen_skip, regen_limit = Path(args.data), args.regen_skip, args.regen_limit
+    if args.code_data is not None and args.code_limit > 0:
+        # One regenerate over both (one start-up): the chat records it would read, then the code problems.
+        # Named as --data (less .gz): a record's sample id hashes its source's name, so the chat records
+        # keep theirs and regenerate resumes the answers kept from runs that read --data itself.
+        regen_data = work / "prompts" / Path(args.data).name.removesuffix(".gz")
+        regen_data.parent.mkdir(parents=True, exist_ok=True)
+        n_code = combine_prompts(
+            Path(args.data), args.regen_skip, args.regen_limit, args.code_data, args.code_limit, regen_data
+        )
+        regen_skip, regen_limit = 0, args.regen_limit + n_code
+        report.note(
+            f"regenerate reads records {args.regen_skip}–{args.regen_skip + args.regen_limit} of "
+            f"{args.data} and {n_code} code problems of {args.code_data}"
+        )
     s = Stage(
         name="regenerate",
         argv=dflash(
@@ -620,11 +662,11 @@ def main() -> None:
             "--target",
             args.target,
             "--data",
-            args.data,
+            str(regen_data),
             "--skip",
-            str(args.regen_skip),
+            str(regen_skip),
             "--limit",
-            str(args.regen_limit),
+            str(regen_limit),
             *shlex.split(args.regen_args),
             *engine_args,
             *dev,
@@ -643,7 +685,7 @@ def main() -> None:
                 "--target",
                 args.target,
                 "--data",
-                args.data,
+                str(regen_data),
                 "--limit",
                 "0",
                 "--out",
@@ -876,7 +918,9 @@ def main() -> None:
     evals = []
     # Held-out prompts start after the records regenerate read (at least): --exclude-cache then drops any
     # the cache holds all the same.
-    held_out = ["--data", args.data, "--skip", str(args.regen_skip + n_answers)]
+    # With code problems in the answers, count the chat records by what regenerate read of them.
+    chat_read = args.regen_limit if regen_data != Path(args.data) else n_answers
+    held_out = ["--data", args.data, "--skip", str(args.regen_skip + chat_read)]
     kinds = [("eval", args.eval_args)] + ([("chat_eval", args.chat_eval_args)] if args.chat_eval_args else [])
     to_eval = list(trains)
     if args.eval_variants == "best" and len(to_eval) > 1:

@@ -21,6 +21,9 @@
 #               fuller prefill forwards (bench/regenerate_turns.py --prefill-wait-steps measures them)
 #   MAX_NEW     regenerate's --max-new-tokens (256: the length `dflash eval` decodes, so every trained
 #               answer and every earlier answer in a later turn's prompt is as long as eval's)
+#   CODE_LIMIT  code problems (/tmp/stage/code-prompts.jsonl.gz, bench/stage_prompts.py: functions of the Python
+#               code installed with the interpreter, in HumanEval's form) regenerated after the chat records,
+#               in the same regenerate, and trained on beside them (default 0: none)
 #   REGEN_SKIP  records of the prompt file that regenerate skips: those answered by an earlier run with other
 #               settings, staged as /tmp/stage/extra-answers-*.jsonl.gz and trained on beside the new answers
 #   VAL_SAMPLES dflash train --val-samples (validation records, whatever the data size)
@@ -46,6 +49,11 @@ if compgen -G "/tmp/stage/answers-[0-9]*.jsonl.gz" > /dev/null && [ ! -s /tmp/q/
     echo "and continues $(wc -l < /tmp/q/answers.jsonl.partial) conversations in progress"
   fi
 fi
+code=()
+if [ "${CODE_LIMIT:-0}" -gt 0 ]; then
+  [ -f /tmp/stage/code-prompts.jsonl.gz ] || { echo "CODE_LIMIT=$CODE_LIMIT: /tmp/stage/code-prompts.jsonl.gz is not staged" >&2; exit 2; }
+  code=(--code-data /tmp/stage/code-prompts.jsonl.gz --code-limit "$CODE_LIMIT")
+fi
 extra=()
 if compgen -G "/tmp/stage/extra-answers-*.jsonl.gz" > /dev/null; then
   extra=(--extra-answers /tmp/stage/extra-answers-*.jsonl.gz)
@@ -54,7 +62,7 @@ fi
 exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --work /tmp/q --report /tmp/q/report \
   --budget-s "${BUDGET_S:-1320}" --regen-bench-s 0 \
   --regen-args "--max-new-tokens ${MAX_NEW:-256} --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens ${MAX_BATCH_TOKENS:-8192}${PREFILL_WAIT:+ --prefill-wait $PREFILL_WAIT}" \
-  --regen-skip "${REGEN_SKIP:-0}" --regen-limit "${REGEN_LIMIT:-12000}" --regen-s "${REGEN_S:-360}" "${extra[@]}" \
+  --regen-skip "${REGEN_SKIP:-0}" --regen-limit "${REGEN_LIMIT:-12000}" --regen-s "${REGEN_S:-360}" "${code[@]}" "${extra[@]}" \
   --gen-args "--max-len 2048 --too-long truncate" --gen-s "${GEN_S:-140}" --codecs "${CODECS:-default}" \
   --variants "${VARIANTS:-{\"landed\": \"\"\}}" --eval-variants best --train-args "--val-every ${VAL_EVERY:-100} --log-every 10 --val-group ${VAL_GROUP:-root-id} --val-samples ${VAL_SAMPLES:-200}" \
   --train-s "${TRAIN_S:-440}" --calibrate-s 120 --expected-steps-per-s "${STEPS_PER_S:-2.5}" \

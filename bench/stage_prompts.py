@@ -11,7 +11,16 @@ against MT-Bench and HumanEval, with their counts printed.
     ``--chitchat DATASET.json``): two people chatting; the first speaker's messages become the human
     turns (each run of messages by one speaker is one turn), the second speaker's the answers that
     regenerate replaces; at most ``--chitchat-turns`` human turns per conversation (a chat has ≈ 10), and
-    none of fewer than 2 (half the chats are one unanswered "hi there").
+    none of fewer than 2 (half the chats are one unanswered "hi there");
+  * ``code-prompts.jsonl.gz``: code problems in HumanEval's form (a function's signature and docstring,
+    to be written) taken from the Python code installed with this interpreter: the standard library and
+    the packages of ``--code-packages`` (default: numpy, pandas, sympy, networkx, setuptools, pip, click,
+    jinja2, which the development environment installs), every public function and method with a
+    docstring of 40 to 1,500 characters, read with ``ast`` (nothing imported), their tests and duplicated
+    docstrings left out, the packages taking turns (so that a limit takes from each alike); each asked in
+    one of three wordings (HumanEval's as ``dflash eval`` asks it, "Complete the following Python
+    function", "Implement the function below as its docstring describes"). ShareGPT holds little code and
+    ``dflash eval``'s HumanEval is where the drafters are weakest.
 
 Records that fail to parse, have no human turn to answer, or hold an evaluation question are left out (the
 counts say how many).
@@ -27,10 +36,15 @@ grows from one GPU session to the next instead of starting from nothing each tim
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
+import hashlib
 import importlib.util
+import itertools
 import json
 import sys
+import sysconfig
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,8 +56,38 @@ from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.decontaminate import Decontaminator  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
+from dflash_offline.eval.benches import HUMANEVAL_TEMPLATE  # noqa: E402
 
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
+
+CODE_PACKAGES = ("numpy", "pandas", "sympy", "networkx", "setuptools", "pip", "click", "jinja2")
+CODE_TEMPLATES = (
+    HUMANEVAL_TEMPLATE,
+    "Complete the following Python function:\n```python\n{prompt}\n```",
+    "Implement the function below as its docstring describes.\n```python\n{prompt}\n```",
+)
+CODE_SKIPPED_PARTS = frozenset(
+    {
+        "test",
+        "tests",
+        "testing",
+        "idlelib",
+        "lib2to3",
+        "tkinter",
+        "turtledemo",
+        "ensurepip",
+        "site-packages",
+        "dist-packages",
+        "pydoc_data",
+        "distutils",
+        "_vendor",
+        "__pycache__",
+    }
+)
+"""Folders whose functions are not problems: test suites, GUI demos, vendored copies of other packages
+(pip's and setuptools' ``_vendor``), and the packages installed inside the standard library's folder."""
+CODE_DOC_CHARS = (40, 1500)
+CODE_PROMPT_CHARS = 2500
 
 
 def answers_replaced(conv: Conversation) -> dict[str, Any]:
@@ -81,6 +125,77 @@ def chitchat_records(
             turns.append({"from": "gpt", "value": "."})
         if sum(t["from"] == "human" for t in turns) >= min_turns:
             yield {"id": f"chitchat-{key}", "conversations": turns}
+
+
+def code_roots(packages: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """(name, folder) of the standard library and of each installed package of ``packages``."""
+    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            print(f"code: package {name} not installed: skipped", file=sys.stderr)
+            continue
+        roots.append((name, Path(next(iter(spec.submodule_search_locations)))))
+    return roots
+
+
+def code_problems(name: str, root: Path) -> Iterator[tuple[str, str, str]]:
+    """(qualified name, docstring, problem) of every public function and method under ``root`` with a
+    docstring of ``CODE_DOC_CHARS``: its source from the ``def`` line to the docstring's end, dedented."""
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if CODE_SKIPPED_PARTS & set(rel.parts) or rel.name.startswith("test_"):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        module = ".".join((name, *rel.with_suffix("").parts)).removesuffix(".__init__")
+        found: list[tuple[str, ast.FunctionDef]] = []
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                found.append((node.name, node))
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                found += [(f"{node.name}.{m.name}", m) for m in node.body if isinstance(m, ast.FunctionDef)]
+        for qualname, fn in found:
+            doc = ast.get_docstring(fn)
+            if (
+                fn.name.startswith("_")
+                or doc is None
+                or not CODE_DOC_CHARS[0] <= len(doc) <= CODE_DOC_CHARS[1]
+            ):
+                continue
+            end = fn.body[0].end_lineno or fn.body[0].lineno
+            problem = textwrap.dedent("\n".join(lines[fn.lineno - 1 : end]))
+            if len(problem) <= CODE_PROMPT_CHARS:
+                yield f"{module}.{qualname}", doc, problem
+
+
+def code_records(packages: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    """The code problems as one-turn ShareGPT records (module docstring): each package's in an order seeded
+    by a hash of their names, the packages taking turns (so that a ``--limit`` takes from each alike, not in
+    proportion to their sizes: sympy alone has as many as the standard library and numpy together)."""
+    seen: set[str] = set()
+    queues: list[list[tuple[str, str, str]]] = []
+    for name, root in code_roots(packages):
+        problems = []
+        for qualname, doc, problem in code_problems(name, root):
+            if doc not in seen:
+                seen.add(doc)
+                problems.append((hashlib.sha1(qualname.encode()).hexdigest(), qualname, problem))
+        queues.append(sorted(problems))
+    for turn in itertools.zip_longest(*queues):
+        for digest, qualname, problem in (p for p in turn if p is not None):
+            template = CODE_TEMPLATES[int(digest[:8], 16) % len(CODE_TEMPLATES)]
+            yield {
+                "id": f"code-{qualname}",
+                "conversations": [
+                    {"from": "human", "value": template.format(prompt=problem)},
+                    {"from": "gpt", "value": "."},
+                ],
+            }
 
 
 def chitchat_path(given: str | None) -> Path | None:
@@ -149,6 +264,13 @@ def main() -> None:
     ap.add_argument(
         "--chitchat-turns", type=int, default=4, help="human turns kept per chit-chat conversation"
     )
+    ap.add_argument(
+        "--code-packages",
+        default=",".join(CODE_PACKAGES),
+        help="installed packages whose functions become code problems beside the standard library's "
+        "(comma-separated; empty: the standard library alone)",
+    )
+    ap.add_argument("--no-code", action="store_true", help="no code-prompts.jsonl.gz")
     ap.add_argument("--no-decontaminate", action="store_true")
     ap.add_argument(
         "--answers",
@@ -184,6 +306,9 @@ def main() -> None:
                 "chitchat", chitchat_records(dataset, max_turns=args.chitchat_turns), args.out, decontaminator
             )
         )
+    if not args.no_code:
+        packages = tuple(p for p in args.code_packages.split(",") if p)
+        rows.append(write_set("code", code_records(packages), args.out, decontaminator))
     print(f"{'set':<10} {'conversations':>13} {'answers':>8} {'contaminated':>12} {'MB':>6}  file")
     for r in rows:
         print(
@@ -207,7 +332,9 @@ def stage_answers(folder: Path, out: Path) -> None:
     """Copy the earlier runs' regenerated answers (``answers-*.jsonl.gz``) into the stage, counted."""
     import shutil
 
-    files = sorted(folder.glob("answers-*.jsonl.gz")) if folder.is_dir() else []
+    # answers-*: what regenerate resumes; extra-answers-*: trained on beside them (bench/h200_quality_run.sh).
+    patterns = ("answers-*.jsonl.gz", "extra-answers-*.jsonl.gz")
+    files = sorted(p for pattern in patterns for p in folder.glob(pattern)) if folder.is_dir() else []
     if not files:
         print(f"no earlier answers in {folder}: regenerate starts from nothing")
         return
@@ -215,7 +342,9 @@ def stage_answers(folder: Path, out: Path) -> None:
         shutil.copyfile(path, out / path.name)
         with gzip.open(path, "rb") as f:
             lines = sum(1 for _ in f)
-        kind = "in progress" if path.name == "answers-partial.jsonl.gz" else "answered"
+        kind = {"answers-partial.jsonl.gz": "in progress"}.get(
+            path.name, "trained on beside them" if path.name.startswith("extra-") else "answered"
+        )
         print(f"staged {path.name}: {lines:,} conversations {kind}")
 
 

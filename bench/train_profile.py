@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,14 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraph
 def summarize(prof: Any, active: int, wall_s: list[float]) -> dict[str, Any]:
     """The profile's figures a step (``wall_s``: the wall seconds of the profiled steps)."""
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events)
+    # The kernels' own events only, as the table's "Self CUDA time total" counts them: an operator's row
+    # also carries the self time of the kernels it launched, so a sum over every row counts them twice
+    # (the first H200 profile with this sum gave a device busy 1.93 times the wall time).
+    device_us = sum(
+        e.self_device_time_total
+        for e in events
+        if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+    )
     calls = {e.key: e.count for e in events}
     wall = sum(wall_s) / len(wall_s) if wall_s else None
     device_s = device_us / 1e6 / active if torch.cuda.is_available() else None

@@ -27,10 +27,26 @@ pytestmark = [
 @pytest.mark.timeout(900)
 def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -> None:
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 12, turns=2)
+    code = tmp_path / "code-prompts.jsonl"
+    problem = 'Complete:\n```python\ndef f{i}(x):\n    """Return x + {i}."""\n```'
+    turns = [{"from": "human", "value": problem}, {"from": "gpt", "value": "."}]
+    code.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"code-m.f{i}",
+                    "conversations": [{**t, "value": t["value"].format(i=i)} for t in turns],
+                }
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
     work, report = tmp_path / "q", tmp_path / "report"
     proc = subprocess.run(
         [sys.executable, "bench/h200_quality.py", "--smoke", "--data", str(data), "--work", str(work),
-         "--report", str(report), "--budget-s", "800", "--regen-s", "240", "--gen-s", "90",
+         "--report", str(report), "--code-data", str(code), "--code-limit", "3",
+         "--budget-s", "800", "--regen-s", "240", "--gen-s", "90",
          "--train-s", "90", "--eval-s", "240", "--codecs", "default", "--variants", '{"all": ""}',
          "--side", "sleep 5; echo side-done", "--train-args", "--log-every 10 --val-samples 2"],
         cwd=ROOT, capture_output=True, text=True, timeout=880,
@@ -42,11 +58,13 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     assert list(stages) == ["regenerate", "generate_default", "train_all", "side", "eval_all"]
     assert {name: s["rc"] for name, s in stages.items()} == dict.fromkeys(stages, 0)
     assert "side-done" in stages["side"]["log_tail"]
-    # --smoke keeps 8 records; their answers come back in the report for the next run to resume from.
-    assert stages["regenerate"]["conversations"] == 8
+    # --smoke keeps 8 records and 2 code problems, regenerated together; their answers come back in the
+    # report for the next run to resume from.
+    assert stages["regenerate"]["conversations"] == 10
     with gzip.open(report / "answers-00.jsonl.gz", "rt") as f:
         answered = [json.loads(line) for line in f]
-    assert len(answered) == 8
+    assert len(answered) == 10
+    assert sorted(a["id"] for a in answered if a["id"].startswith("code-")) == ["code-m.f0", "code-m.f1"]
     assert all(m["content"] for a in answered for m in a["messages"] if m["role"] == "assistant")
     assert summary["variants"]["all"]["steps"] > 0
     # Validation chain τ by turn, beside eval's τ by turn (two-turn conversations: turns 1 and 2).
@@ -58,3 +76,5 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     assert evaluated["drafter"]["directory"] == str(work / "run-all" / "drafter")
     assert evaluated["drafter"]["num_layers"] == 1
     assert {s["name"] for s in evaluated["sets"]} >= {"mt-bench", "humaneval", "sharegpt"}
+    # The held-out chat prompts start after the 8 chat records regenerate read, whatever the code added.
+    assert "--skip 8 " in (report / "logs.txt").read_text()

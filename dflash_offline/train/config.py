@@ -19,7 +19,6 @@ from dflash_offline.config_fields import (
 )
 from dflash_offline.drafter_shape import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_NUM_ANCHORS,
     DEFAULT_NUM_LAYERS,
     MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,
@@ -31,6 +30,30 @@ OPTIONS_ADDED_SINCE: dict[str, Any] = {"train_samples": None, "feature_scale": "
 """Options newer than some runs' config.json, each by the value that means what those runs did (every sample
 not held out trained on; features fed to fc unscaled; the final norm's weight initialised to 1.0, the
 defaults before the recipe change): a run read back (resume, export) gets these, not today's defaults."""
+
+
+@dataclass(frozen=True, slots=True)
+class MicrobatchLayout:
+    """How a step's tokens are cut into microbatches when ``--grad-accum`` and ``--tokens-per-microbatch``
+    are left to their default (0): one large microbatch a step on GPUs, four smaller ones on CPU workers."""
+
+    grad_accum: int
+    tokens_per_microbatch: int
+
+
+GPU_LAYOUT = MicrobatchLayout(grad_accum=1, tokens_per_microbatch=32768)
+"""On a GPU the step is host-bound (Python, autograd and kernel launches per microbatch): one microbatch of
+32k tokens and 2,048 blocks trains the same tokens and blocks a step as four of 8k and 512 in half the time
+at SmolLM2 width on an H200 (1.93× the tokens/s, side by side) and as fast at Qwen3-8B width (0.99×, with
+58.5 against 34.5 GiB at peak); bench/RESULTS.md, "H200 quality run: one microbatch a step"."""
+
+CPU_LAYOUT = MicrobatchLayout(grad_accum=4, tokens_per_microbatch=8192)
+"""On CPU workers the step is compute-bound and the dense attention grows with the square of a
+microbatch's tokens: the larger microbatch ran 0.46× the tokens/s on the development CPU."""
+
+TOKENS_PER_ANCHOR = 16
+"""``--num-anchors`` left to its default (0): one block per this many tokens of ``--tokens-per-microbatch``
+(512 for 8,192, 2,048 for 32,768)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,8 +89,15 @@ class TrainConfig:
         why="a block is drafted in one forward and its attention grows with num_anchors × block_size; "
         "DFlash uses 8–16",
     )
-    num_anchors: int = cli_field(DEFAULT_NUM_ANCHORS, min=1, max=65536, help="Blocks per microbatch row.")
-    """Anchors per microbatch row (the packed row is one 'sequence')."""
+    num_anchors: int = cli_field(
+        0,
+        min=0,
+        max=65536,
+        help=f"Blocks per microbatch row (default 0: one per {TOKENS_PER_ANCHOR} tokens of "
+        "--tokens-per-microbatch).",
+    )
+    """Anchors per microbatch row (the packed row is one 'sequence'); 0 = ``tokens_per_microbatch //
+    TOKENS_PER_ANCHOR``, resolved when the config is built."""
     gamma: float | None = cli_field(
         None, min=0, min_open=True, help="Loss decay γ (default: 7 for B=16, 5 for 10, 4 for 8)."
     )
@@ -114,13 +144,23 @@ class TrainConfig:
     )
     """Stop after this many optimizer steps, or at the end of ``epochs``: whichever comes first."""
     grad_accum: int = cli_field(
-        4,
-        min=1,
-        help="Microbatches per GPU and step (a step mixes grad-accum × GPUs microbatches of all lengths).",
+        0,
+        min=0,
+        help=f"Microbatches per GPU and step (a step mixes grad-accum × GPUs microbatches of all lengths; "
+        f"default 0: {GPU_LAYOUT.grad_accum} on GPUs, {CPU_LAYOUT.grad_accum} on CPU workers).",
     )
     """Microbatches per rank and step: a step draws grad_accum × world_size microbatches across
-    buckets, so with one GPU and grad_accum 1 every step would hold a single length bucket."""
-    tokens_per_microbatch: int = cli_field(8192, min=2, max=1 << 24)
+    buckets, so with one GPU and grad_accum 1 each step holds a single length bucket (the buckets still
+    take turns in proportion to their tokens, train/length_mixing.py). 0 = by device, ``GPU_LAYOUT`` or
+    ``CPU_LAYOUT``, resolved when the config is built."""
+    tokens_per_microbatch: int = cli_field(
+        0,
+        min=0,
+        max=1 << 24,
+        help=f"Tokens packed into one microbatch (default 0: {GPU_LAYOUT.tokens_per_microbatch} on GPUs, "
+        f"{CPU_LAYOUT.tokens_per_microbatch} on CPU workers).",
+    )
+    """0 = by device, ``GPU_LAYOUT`` or ``CPU_LAYOUT``, resolved when the config is built."""
     # Data path.
     prefetch: int = cli_field(4, min=1, max=1024, help="Microbatches prepared ahead.")
     loader_threads: int = cli_field(4, min=1, max=256)
@@ -253,7 +293,24 @@ class TrainConfig:
                 f"the cache would share files (both hold a `lock`); choose an {out_flag} outside the cache"
             )
 
+    def _resolve_layout(self) -> None:
+        """Replace the 0 (by device) of grad_accum, tokens_per_microbatch and num_anchors by values, so that
+        config.json, the resume contract and every reader see numbers."""
+        layout = GPU_LAYOUT if self.gpus else CPU_LAYOUT
+        if self.grad_accum == 0:
+            object.__setattr__(self, "grad_accum", layout.grad_accum)
+        if self.tokens_per_microbatch == 0:
+            object.__setattr__(self, "tokens_per_microbatch", layout.tokens_per_microbatch)
+        if self.tokens_per_microbatch == 1:
+            raise ConfigError(
+                f"{flag(TrainConfig, 'tokens_per_microbatch')} 1: a microbatch needs an anchor and the token "
+                "it drafts (≥ 2; 0 = the device's default)"
+            )
+        if self.num_anchors == 0:
+            object.__setattr__(self, "num_anchors", max(1, self.tokens_per_microbatch // TOKENS_PER_ANCHOR))
+
     def __post_init__(self) -> None:
+        self._resolve_layout()
         check_fields(self)
         self._check_out_beside_cache()
         if self.tensorboard_dir is not None:

@@ -1,0 +1,105 @@
+"""The quality run's prompt files: code problems staged from installed Python code, and the prompt file the
+harness builds when they join the chat records. The chat records must keep their sample ids there (a
+record's sample id hashes its source's name), or regenerate would answer again every conversation kept
+from the runs before."""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from dflash_offline.data.conversations import Conversation
+from dflash_offline.data.sources import iter_records
+from tests.eval.helpers import write_chat_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench_module(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_code(path: Path, n: int) -> Path:
+    with gzip.open(path, "wt") as f:
+        for i in range(n):
+            turns = [
+                {"from": "human", "value": f"def f{i}():\n    '''Return {i}.'''"},
+                {"from": "gpt", "value": "."},
+            ]
+            f.write(json.dumps({"id": f"code-m.f{i}", "conversations": turns}) + "\n")
+    return path
+
+
+def test_chat_records_keep_their_sample_ids_in_the_combined_prompt_file(tmp_path: Path) -> None:
+    quality = _bench_module("h200_quality")
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 10, turns=2)
+    code = _write_code(tmp_path / "code-prompts.jsonl.gz", 5)
+    combined = tmp_path / "prompts" / "chat.jsonl"
+    combined.parent.mkdir()
+    assert quality.combine_prompts(data, 3, 4, code, 2, combined) == 2
+    original = [c for c in iter_records(data) if isinstance(c, Conversation)]
+    read = [c for c in iter_records(combined) if isinstance(c, Conversation)]
+    # Records 3..6 of the chat file (what --skip 3 --limit 4 reads), same sample ids, then two code problems.
+    assert [c.sample_id for c in read[:4]] == [c.sample_id for c in original[3:7]]
+    assert [c.record_id for c in read[4:]] == ["code-m.f0", "code-m.f1"]
+    # A code limit larger than the file takes what there is.
+    assert quality.combine_prompts(data, 8, 100, code, 50, combined) == 5
+    assert len([c for c in iter_records(combined) if isinstance(c, Conversation)]) == 2 + 5
+
+
+def test_code_problems_are_signatures_and_docstrings_of_public_functions(tmp_path: Path) -> None:
+    stage = _bench_module("stage_prompts")
+    package = tmp_path / "pkg"
+    (package / "tests").mkdir(parents=True)
+    (package / "mod.py").write_text(
+        "import os\n\n"
+        "@staticmethod\n"
+        "def add(a: int, b: int = 2) -> int:\n"
+        '    """Return the sum of a and b, which are two integers given by the caller."""\n'
+        "    return a + b\n\n"
+        "def _private(x):\n"
+        '    """A private helper that is long enough to count as a documented function."""\n\n'
+        "def short(x):\n"
+        '    """Too short."""\n\n'
+        "class Box:\n"
+        "    def size(self):\n"
+        '        """How many things the box holds, counted one by one from the first."""\n'
+        "        return 0\n"
+    )
+    (package / "tests" / "test_mod.py").write_text(
+        'def helper():\n    """A helper of the tests, long enough to count as a documented function."""\n'
+    )
+    problems = {name: problem for name, _, problem in stage.code_problems("pkg", package)}
+    assert problems == {
+        "pkg.mod.add": "def add(a: int, b: int = 2) -> int:\n"
+        '    """Return the sum of a and b, which are two integers given by the caller."""',
+        "pkg.mod.Box.size": "def size(self):\n"
+        '    """How many things the box holds, counted one by one from the first."""',
+    }
+    for problem in problems.values():
+        ast.parse(problem + "\n    pass\n")  # each problem is the head of a valid function
+
+
+def test_staged_code_records_parse_as_one_turn_conversations_and_alternate_packages(tmp_path: Path) -> None:
+    stage = _bench_module("stage_prompts")
+    records = list(stage.code_records(("click",)))
+    assert records, "the standard library alone has thousands of documented functions"
+    path = tmp_path / "code-prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:50]))
+    read = [c for c in iter_records(path) if isinstance(c, Conversation)]
+    assert len(read) == 50
+    assert all([m.role for m in c.messages] == ["user", "assistant"] for c in read)
+    assert all("```python\n" in c.messages[0].content for c in read)
+    # The packages take turns: stdlib, click, stdlib, click, … while both last.
+    assert [r["id"].split("-", 1)[1].split(".")[0] for r in records[:4]] == ["stdlib", "click"] * 2
+    assert len({r["id"] for r in records}) == len(records)

@@ -1,0 +1,51 @@
+"""The microbatch layout left to its default (0) is resolved by device when the config is built, so that
+config.json, the resume contract and every reader see numbers, and an explicit value is never replaced."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dflash_offline.errors import ConfigError
+from dflash_offline.train.config import TrainConfig
+
+
+def _config(tmp_path: Path, **fields: object) -> TrainConfig:
+    return TrainConfig(cache_dir=tmp_path / "cache", out_dir=tmp_path / "run", **fields)  # type: ignore[arg-type]
+
+
+def _layout(config: TrainConfig) -> tuple[int, int, int]:
+    return config.grad_accum, config.tokens_per_microbatch, config.num_anchors
+
+
+def test_cpu_workers_get_four_microbatches_of_8k_tokens_and_512_blocks(tmp_path: Path) -> None:
+    assert _layout(_config(tmp_path)) == (4, 8192, 512)
+    assert _layout(_config(tmp_path, num_cpu_workers=3)) == (4, 8192, 512)
+
+
+def test_gpus_get_one_microbatch_of_32k_tokens_and_2048_blocks(tmp_path: Path) -> None:
+    assert _layout(_config(tmp_path, gpus=(0,))) == (1, 32768, 2048)
+    assert _layout(_config(tmp_path, gpus=(0, 1, 2, 3))) == (1, 32768, 2048)
+
+
+def test_blocks_follow_the_given_tokens_and_explicit_values_stay(tmp_path: Path) -> None:
+    assert _layout(_config(tmp_path, gpus=(0,), tokens_per_microbatch=16384)) == (1, 16384, 1024)
+    assert _layout(_config(tmp_path, tokens_per_microbatch=100)) == (4, 100, 6)
+    assert _layout(_config(tmp_path, tokens_per_microbatch=8)) == (4, 8, 1)
+    assert _layout(_config(tmp_path, gpus=(0,), grad_accum=2, num_anchors=300)) == (2, 32768, 300)
+
+
+def test_the_saved_config_holds_the_resolved_numbers(tmp_path: Path) -> None:
+    config = _config(tmp_path, gpus=(0,))
+    saved = config.to_dict()
+    assert (saved["grad_accum"], saved["tokens_per_microbatch"], saved["num_anchors"]) == (1, 32768, 2048)
+    # Read back on a machine whose default would differ (no GPUs named): the run keeps its numbers.
+    assert _layout(TrainConfig.from_dict({**saved, "gpus": []})) == (1, 32768, 2048)
+    assert _layout(dataclasses.replace(config, gpus=())) == (1, 32768, 2048)
+
+
+def test_a_one_token_microbatch_is_refused_naming_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--tokens-per-microbatch 1"):
+        _config(tmp_path, tokens_per_microbatch=1)
