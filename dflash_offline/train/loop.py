@@ -27,6 +27,7 @@ from torch import nn
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.errors import ConfigError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import (
     TrainState,
@@ -496,14 +497,18 @@ def _run_steps(
         reporter.start()
         for step_plan, batches in steps.regroup(prefetcher):
             _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
-            outcome = step([b.inputs for b in batches], [b.plan.is_padding for b in batches])
+            with _out_of_memory_named(config, info, "a training step"):
+                outcome = step([b.inputs for b in batches], [b.plan.is_padding for b in batches])
             reporter.clock.step_done()
             opt.planner.step_done(step_plan)
             tokens_seen += step_plan.num_tokens
             global_step = step_plan.global_step + 1
             validated = None
             if validation is not None and validation.due(global_step, opt.total_steps):
-                with reporter.paused("validation") as lap:
+                with (
+                    reporter.paused("validation") as lap,
+                    _out_of_memory_named(config, info, f"the validation after step {global_step}"),
+                ):
                     validated = validation.evaluate(opt.model, global_step)
                 validated = replace(validated, seconds=lap.seconds)
                 with reporter.paused("checkpoint"):
@@ -518,6 +523,33 @@ def _run_steps(
             if _stops_after(config, info, opt, reporter, validation, global_step, tokens_seen, validated):
                 return True
     return False
+
+
+@contextlib.contextmanager
+def _out_of_memory_named(config: TrainConfig, info: DistInfo, during: str) -> Any:
+    """An out-of-memory error becomes one that names the options setting a microbatch's size and what to
+    give instead: the same tokens and blocks a step in more, smaller microbatches. The defaults on GPUs
+    (one microbatch of 32k tokens and 2,048 blocks) need ≈ 6 GiB at SmolLM2 width and ≈ 59 GiB at
+    Qwen3-8B width (bench/RESULTS.md)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        tokens_flag = flag(TrainConfig, "tokens_per_microbatch")
+        anchors_flag = flag(TrainConfig, "num_anchors")
+        accum_flag = flag(TrainConfig, "grad_accum")
+        tokens, anchors, accum = config.tokens_per_microbatch, config.num_anchors, config.grad_accum
+        smaller = (
+            f"{tokens_flag} {max(2, tokens // 4)} {anchors_flag} {max(1, anchors // 4)} "
+            f"{accum_flag} {accum * 4}"
+        )
+        said = str(e).splitlines()[0] if str(e) else "out of memory"
+        raise ConfigError(
+            f"{during} ran out of memory on {info.device} with {tokens_flag} {tokens}, "
+            f"{anchors_flag} {anchors} and {accum_flag} {accum}: a microbatch holds too much; start the "
+            f"run again with smaller microbatches, e.g. {smaller} (the same tokens and blocks a step; a "
+            f"resume keeps {anchors_flag}, so give a new {flag(TrainConfig, 'out_dir')} or "
+            f"{flag(TrainConfig, 'resume')} never). The allocator said: {said}"
+        ) from None
 
 
 def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> OptimizerStep:

@@ -363,3 +363,32 @@ def test_disk_full_while_checkpointing_is_one_line_and_the_run_resumes(
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True, timeout=30)
     run_training(_config(cache, run))
     assert_same_run(run, reference, steps=STEPS)
+
+
+def test_out_of_memory_in_a_step_or_a_validation_names_the_microbatch_options(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A raw allocator error says nothing of the options; this one says which to lower, and by how much."""
+    import dflash_offline.train.loop as loop
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+
+    monkeypatch.setattr(loop.OptimizerStep, "__call__", out_of_memory)
+    with pytest.raises(ConfigError) as caught:
+        train_rank(
+            _config(cache, tmp_path / "run"),
+            DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"),
+        )
+    message = str(caught.value)
+    assert message.startswith("a training step ran out of memory on cpu with --tokens-per-microbatch 600, ")
+    assert "e.g. --tokens-per-microbatch 150 --num-anchors 8 --grad-accum 4 " in message
+    assert message.endswith("The allocator said: CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.undo()
+    monkeypatch.setattr(loop.ValidationSchedule, "evaluate", out_of_memory)
+    config = _config(cache, tmp_path / "run-val", val_every=2)
+    with pytest.raises(ConfigError, match=r"^the validation after step 2 ran out of memory on cpu with "):
+        train_rank(
+            config, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+        )
