@@ -42,13 +42,18 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
             for i in range(3)
         )
     )
+    # Answers of an earlier run trained on beside this run's (as bench/answers/extra-answers-*.jsonl.gz are).
+    extra = tmp_path / "extra-answers-code-1.jsonl.gz"
+    with gzip.open(extra, "wb") as f:
+        f.write(write_chat_jsonl(tmp_path / "extra.jsonl", 4, seed=1).read_bytes())
     work, report = tmp_path / "q", tmp_path / "report"
     proc = subprocess.run(
         [sys.executable, "bench/h200_quality.py", "--smoke", "--data", str(data), "--work", str(work),
          "--report", str(report), "--code-data", str(code), "--code-limit", "3",
-         "--budget-s", "800", "--regen-s", "240", "--gen-s", "90",
+         "--extra-answers", str(extra), "--budget-s", "800", "--regen-s", "240", "--gen-s", "90",
          "--train-s", "90", "--eval-s", "240", "--codecs", "default", "--variants", '{"all": ""}',
-         "--side", "sleep 5; echo side-done", "--train-args", "--log-every 10 --val-samples 2"],
+         "--side", "sleep 5; echo side-done",
+         "--train-args", "--log-every 10 --val-samples 2 --val-group root-id"],
         cwd=ROOT, capture_output=True, text=True, timeout=880,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -67,6 +72,9 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     assert sorted(a["id"] for a in answered if a["id"].startswith("code-")) == ["code-m.f0", "code-m.f1"]
     assert all(m["content"] for a in answered for m in a["messages"] if m["role"] == "assistant")
     assert summary["variants"]["all"]["steps"] > 0
+    # The earlier answers are cached and trained on with this run's (the whole conversations grouped).
+    assert "training data: 10 conversations of this run + 4 of --extra-answers" in summary["notes"]
+    assert "committed 14 samples" in stages["generate_default"]["log_tail"]
     # Validation chain τ by turn, beside eval's τ by turn (two-turn conversations: turns 1 and 2).
     (last,) = summary["variants"]["all"]["validation"][-1:]
     assert last["chain_tau_by_turn"][0] is not None

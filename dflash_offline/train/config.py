@@ -277,6 +277,10 @@ class TrainConfig:
     """A sample failing its crc32c when read: ``stop`` the run naming it, or ``skip`` it (recorded in
     RUN/damaged_samples.jsonl, announced at the end)."""
     export_at_end: bool = True
+    layout_by_device: tuple[str, ...] = ()
+    """The fields of grad_accum, tokens_per_microbatch and num_anchors that were left to the device's
+    default (0) and resolved here: a resume takes the run's own values for those instead (a run started
+    before the default changed, or on another kind of device, continues as it began)."""
     # Placement.
     gpus: tuple[int, ...] = cli_field((), cli=GPUS, parse=parse_gpus)
     num_cpu_workers: int = cli_field(1, cli=WORKERS)
@@ -297,6 +301,13 @@ class TrainConfig:
         """Replace the 0 (by device) of grad_accum, tokens_per_microbatch and num_anchors by values, so that
         config.json, the resume contract and every reader see numbers."""
         layout = GPU_LAYOUT if self.gpus else CPU_LAYOUT
+        by_device = tuple(
+            name
+            for name in ("grad_accum", "tokens_per_microbatch", "num_anchors")
+            if getattr(self, name) == 0
+        )
+        if by_device:
+            object.__setattr__(self, "layout_by_device", by_device)
         if self.grad_accum == 0:
             object.__setattr__(self, "grad_accum", layout.grad_accum)
         if self.tokens_per_microbatch == 0:
@@ -344,6 +355,7 @@ class TrainConfig:
         d["out_dir"] = str(self.out_dir)
         d["tensorboard_dir"] = None if self.tensorboard_dir is None else str(self.tensorboard_dir)
         d["gpus"] = list(self.gpus)
+        d["layout_by_device"] = list(self.layout_by_device)
         return d
 
     @classmethod
@@ -358,6 +370,7 @@ class TrainConfig:
         if values.get("tensorboard_dir") is not None:
             values["tensorboard_dir"] = Path(values["tensorboard_dir"])
         values["gpus"] = tuple(values.get("gpus", ()))
+        values["layout_by_device"] = tuple(values.get("layout_by_device", ()))
         if isinstance(values.get("compile"), bool):  # written before compile took auto/on/off
             values["compile"] = "on" if values["compile"] else "off"
         return cls(**values)

@@ -4,12 +4,16 @@ config.json, the resume contract and every reader see numbers, and an explicit v
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
-from dflash_offline.errors import ConfigError
+from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.launch import run_training
+from dflash_offline.train.metrics import read_metrics
+from tests.train.helpers import train_config
 
 
 def _config(tmp_path: Path, **fields: object) -> TrainConfig:
@@ -49,3 +53,30 @@ def test_the_saved_config_holds_the_resolved_numbers(tmp_path: Path) -> None:
 def test_a_one_token_microbatch_is_refused_naming_the_option(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--tokens-per-microbatch 1"):
         _config(tmp_path, tokens_per_microbatch=1)
+
+
+def test_a_resume_takes_the_runs_own_layout_where_this_invocation_left_it_to_the_default(
+    tiny_cache: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A run begun with other numbers (an older default, or another kind of device) resumes with the same
+    command: the fields left to the default take the run's values, said in a note; a field given explicitly
+    and different is still refused by the resume contract."""
+    run = tmp_path / "run"
+    began = train_config(tiny_cache, run, max_steps=4, checkpoint_every=2)
+    assert began.layout_by_device == ()
+    run_training(began)
+    # The same run, its layout left to the default (0 = the CPU workers' 4 × 8,192 × 512 here).
+    resumed = dataclasses.replace(began, max_steps=6, grad_accum=0, tokens_per_microbatch=0, num_anchors=0)
+    assert _layout(resumed) == (4, 8192, 512)
+    assert resumed.layout_by_device == ("grad_accum", "tokens_per_microbatch", "num_anchors")
+    capfd.readouterr()
+    run_training(resumed)
+    err = capfd.readouterr().err
+    assert "resuming with the run's own --num-anchors 32 (left to the device's default, 512 here)" in err
+    assert "resuming with the run's own --tokens-per-microbatch 600" in err
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")][-1] == 6
+    saved = json.loads((run / "config.json").read_text())
+    assert (saved["grad_accum"], saved["tokens_per_microbatch"], saved["num_anchors"]) == (1, 600, 32)
+    # Given explicitly, another value is a change the contract refuses.
+    with pytest.raises(ResumeError, match="--num-anchors"):
+        run_training(dataclasses.replace(began, max_steps=8, num_anchors=16))
