@@ -1,0 +1,100 @@
+"""Profile a real ``dflash`` command over a few calls of one of its methods (an optimizer step, a decode
+step): torch.profiler with a schedule of ``skip`` calls, then ``active`` profiled ones, the command run
+in this process with its own arguments. What ``bench/train_profile.py`` and ``bench/regenerate_profile.py``
+share: how the method is wrapped, and the figures of a call (device kernel time against wall time, kernel
+launches, compiled-graph calls, the largest kernels and host ops)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, schedule
+
+COMPILED = ("CompiledFunction", "CompiledFunctionBackward")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def summarize(prof: Any, active: int, wall_s: list[float]) -> dict[str, Any]:
+    """The profile's figures a call (``wall_s``: the wall seconds of the profiled calls)."""
+    events = prof.key_averages()
+    # The kernels' own events only, as the table's "Self CUDA time total" counts them: an operator's row
+    # also carries the self time of the kernels it launched, so a sum over every row counts them twice
+    # (the first H200 profile with this sum gave a device busy 1.93 times the wall time).
+    device_us = sum(
+        e.self_device_time_total
+        for e in events
+        if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+    )
+    calls = {e.key: e.count for e in events}
+    wall = sum(wall_s) / len(wall_s) if wall_s else None
+    device_s = device_us / 1e6 / active if torch.cuda.is_available() else None
+    return {
+        "calls": active,
+        "wall_s_per_call": wall,
+        "device_kernel_s_per_call": device_s,
+        "device_busy_fraction": device_s / wall if device_s is not None and wall else None,
+        "launches_per_call": sum(calls.get(k, 0) for k in LAUNCHES) / active,
+        "compiled_calls_per_call": sum(calls.get(k, 0) for k in COMPILED) / active,
+        "dynamo_guard_us_per_call": next(
+            (e.self_cpu_time_total / active for e in events if e.key == "TorchDynamo Cache Lookup"), 0.0
+        ),
+        "aten_ops_per_call": sum(e.count for e in events if e.key.startswith("aten::")) / active,
+    }
+
+
+def profile_command(
+    owner: type, method: str, argv: list[str], *, skip: int, active: int, rows: int, out: Path | None
+) -> None:
+    """Run ``dflash *argv`` in this process with ``owner.method`` wrapped: its calls ``skip`` + 1 (warm-up)
+    to ``skip`` + 1 + ``active`` are profiled, then the tables and figures are printed (and written to
+    ``out`` as JSON)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    call_ends: list[float] = []
+
+    def report(prof: Any) -> None:
+        # Called when the active calls end, inside the command: the CLI may exit the process at its end
+        # without returning here.
+        walls = [b - a for a, b in zip(call_ends[-active - 1 :], call_ends[-active:])]
+        figures = summarize(prof, active, walls)
+        events = prof.key_averages()
+        print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=55))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=55))
+        print(json.dumps(figures, indent=1), flush=True)
+        if out is not None:
+            out.write_text(json.dumps(figures, indent=1) + "\n")
+
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=skip, warmup=1, active=active, repeat=1),
+        on_trace_ready=report,
+    )
+    original = getattr(owner, method)
+
+    def profiled(self: Any, *a: Any, **k: Any) -> Any:
+        result = original(self, *a, **k)
+        # No sync: the host runs ahead as in a run, and is timed so. Appended before prof.step(), which
+        # calls report() after the last profiled call: its end must be counted already.
+        call_ends.append(time.perf_counter())
+        prof.step()
+        return result
+
+    setattr(owner, method, profiled)
+    from dflash_offline.cli import main as cli
+
+    prof.start()
+    try:
+        cli.main(argv, standalone_mode=False)
+    finally:
+        prof.stop()
+        setattr(owner, method, original)
+
+
+def default_json(name: str) -> Path | None:
+    """``$OUT/<name>`` on the GPU machine (its files come back), else None."""
+    return Path(os.environ["OUT"]) / name if os.environ.get("OUT") else None
