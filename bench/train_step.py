@@ -46,6 +46,7 @@ from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.placement import DistInfo
 from dflash_offline.target_model.layers import default_layer_ids
 from dflash_offline.target_model.presets import RANDOM_PRESETS
+from dflash_offline.train.config import CPU_LAYOUT, GPU_LAYOUT, TOKENS_PER_ANCHOR
 from dflash_offline.train.step import OptimizerStep, StepOutcome
 
 WIDTHS = {"smollm2": "smollm2-135m", "qwen3-8b": "qwen3-8b"}
@@ -211,9 +212,9 @@ def main() -> None:
     )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch")
-    ap.add_argument("--grad-accum", type=int, default=4)
-    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per microbatch; default: dflash train's")
+    ap.add_argument("--grad-accum", type=int, default=None, help="default: dflash train's on --device")
+    ap.add_argument("--anchors", type=int, default=None, help="default: dflash train's for --tokens")
     ap.add_argument(
         "--layouts",
         default=None,
@@ -229,6 +230,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.tokens, args.grad_accum, args.anchors = 3, 1, 512, 2, 32
+    # dflash train's defaults on this device (train/config.py), where not given.
+    layout = GPU_LAYOUT if str(args.device).startswith("cuda") else CPU_LAYOUT
+    args.tokens = args.tokens or layout.tokens_per_microbatch
+    args.grad_accum = args.grad_accum or layout.grad_accum
+    args.anchors = args.anchors or max(1, args.tokens // TOKENS_PER_ANCHOR)
     layouts = parse_layouts(args.layouts) if args.layouts else [(args.grad_accum, args.tokens, args.anchors)]
     device = torch.device(args.device)
     modes = [m for m in args.modes.split(",") if m]
