@@ -161,6 +161,17 @@ class TrainConfig:
         f"{CPU_LAYOUT.tokens_per_microbatch} on CPU workers).",
     )
     """0 = by device, ``GPU_LAYOUT`` or ``CPU_LAYOUT``, resolved when the config is built."""
+    fuse_microbatches: bool = cli_field(
+        False,
+        help="Pack this GPU's --grad-accum microbatches of a step into one row: one forward of their tokens "
+        "and blocks (--num-anchors each), their length buckets mixed within the step.",
+    )
+    """One forward of a rank's microbatches of a step, packed one after the other (``microbatch.fuse_step``):
+    the step of ``--grad-accum 4 --tokens-per-microbatch 8192 --fuse-microbatches`` has the tokens, blocks
+    and shapes of ``--grad-accum 1 --tokens-per-microbatch 32768`` (so its speed on a GPU) while each step
+    still draws from every bucket, as several microbatches do. Documents never attend to each other within
+    a row, so a fused row trains as its microbatches would, up to the anchors drawn (one draw over the row,
+    seeded by its samples). Not measured on a GPU yet: off by default."""
     # Data path.
     prefetch: int = cli_field(4, min=1, max=1024, help="Microbatches prepared ahead.")
     loader_threads: int = cli_field(4, min=1, max=256)

@@ -513,7 +513,14 @@ def _run_steps(
     planned = itertools.takewhile(
         lambda plan: plan.global_step < opt.total_steps, opt.planner.iterate(config.epochs)
     )
-    steps = RankSteps(planned, rank=info.rank, seed=config.seed, reader_rows_N=snapshot.reader_rows_N)
+    steps = RankSteps(
+        planned,
+        rank=info.rank,
+        seed=config.seed,
+        reader_rows_N=snapshot.reader_rows_N,
+        fuse=config.fuse_microbatches,
+    )
+    per_row = opt.model.config.num_anchors * (config.grad_accum if config.fuse_microbatches else 1)
     step = _optimizer_step(config, info, opt)
     with Prefetcher(
         reader,
@@ -521,7 +528,7 @@ def _run_steps(
         device=info.device,
         prefetch=max(config.prefetch, config.grad_accum),
         num_threads=config.loader_threads,
-        anchor_fn=anchor_sampler(opt.model.config.num_anchors),
+        anchor_fn=anchor_sampler(opt.model.config.num_anchors, per_row=per_row),
         loss_block_size=opt.model.config.block_size,
     ) as prefetcher:
         reporter.start()

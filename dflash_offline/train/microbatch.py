@@ -16,7 +16,7 @@ import hashlib
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
@@ -29,7 +29,8 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MicrobatchPlan:
-    """One microbatch of one optimizer step: samples of one bucket packed under the token budget."""
+    """One microbatch of one optimizer step: samples of one bucket packed under the token budget (or, fused,
+    a rank's microbatches of the step one after the other in one row: ``fuse_step``)."""
 
     index_in_step: int
     """Position of this microbatch among the step's ``grad_accum × world_size`` microbatches."""
@@ -41,7 +42,7 @@ class MicrobatchPlan:
     sample_ids: tuple[str, ...]
     """The samples' ids, in packing order (the order of the documents in the packed row)."""
     bucket_ids: tuple[int, ...]
-    """Bucket of each sample (all equal: a microbatch packs one bucket)."""
+    """Bucket of each sample (all equal: a microbatch packs one bucket; several buckets when fused)."""
     num_tokens: int
     """Sum of the samples' token counts (≤ tokens_per_microbatch)."""
     is_padding: bool = False
@@ -143,6 +144,30 @@ class PackedMicrobatch:
         return len(self.plan.sample_ids)
 
 
+def fuse_step(step: StepPlan) -> StepPlan:
+    """The step with each rank's microbatches packed one after the other into one (``--fuse-microbatches``):
+    one forward of their tokens and blocks instead of ``num_microbatches_per_rank``, the buckets they hold
+    mixed within the step. The same samples in the same order, so an epoch still trains each exactly once;
+    a rank's padding microbatches (an epoch's last step) are left out of its fused one, or stand for it
+    when it has nothing else (every rank still runs one backward pass)."""
+    fused: list[MicrobatchPlan] = []
+    for rank in sorted({mb.rank for mb in step.microbatches}):
+        mine = step.for_rank(rank)
+        parts = [mb for mb in mine if not mb.is_padding] or [mine[0]]
+        fused.append(
+            MicrobatchPlan(
+                index_in_step=len(fused),
+                rank=rank,
+                rows=tuple(r for mb in parts for r in mb.rows),
+                sample_ids=tuple(i for mb in parts for i in mb.sample_ids),
+                bucket_ids=tuple(b for mb in parts for b in mb.bucket_ids),
+                num_tokens=sum(mb.num_tokens for mb in parts),
+                is_padding=parts[0].is_padding,
+            )
+        )
+    return replace(step, num_microbatches_per_rank=1, microbatches=tuple(fused))
+
+
 def anchor_seed(seed: int, epoch: int, sample_ids: tuple[str, ...], *, padding: bool = False) -> int:
     """A 63-bit seed derived from the run seed, the epoch and the microbatch's content.
 
@@ -179,8 +204,16 @@ class RankSteps:
     threads, ahead of the consumer: a step is noted before its first microbatch can come back.
     """
 
-    def __init__(self, steps: Iterable[StepPlan], *, rank: int, seed: int, reader_rows_N: np.ndarray) -> None:
-        self._steps = steps
+    def __init__(
+        self,
+        steps: Iterable[StepPlan],
+        *,
+        rank: int,
+        seed: int,
+        reader_rows_N: np.ndarray,
+        fuse: bool = False,
+    ) -> None:
+        self._steps = (fuse_step(step) for step in steps) if fuse else steps
         self._rank = rank
         self._seed = seed
         self._reader_rows_N = reader_rows_N

@@ -37,8 +37,11 @@ from dflash_offline.train.metrics import StepAccumulator, StepTotals
 from dflash_offline.train.microbatch import AnchorRequest
 
 
-def anchor_sampler(num_anchors: int) -> Callable[[AnchorRequest], torch.Tensor]:
-    """The prefetcher's anchor function: ``num_anchors`` block starts per microbatch row."""
+def anchor_sampler(
+    num_anchors: int, *, per_row: int | None = None
+) -> Callable[[AnchorRequest], torch.Tensor]:
+    """The prefetcher's anchor function: up to ``num_anchors`` block starts per document and ``per_row``
+    (default ``num_anchors``) per microbatch row (a fused row of k microbatches: k × ``num_anchors``)."""
 
     def anchor_fn(request: AnchorRequest) -> torch.Tensor:
         return sample_anchors(
@@ -46,7 +49,7 @@ def anchor_sampler(num_anchors: int) -> Callable[[AnchorRequest], torch.Tensor]:
             request.doc_ids_T,
             num_anchors=num_anchors,
             generator=request.generator,
-            max_total=num_anchors,
+            max_total=per_row or num_anchors,
         )
 
     return anchor_fn

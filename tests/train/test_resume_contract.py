@@ -75,6 +75,7 @@ CHANGES: list[tuple[str, Any, str, str]] = [
     ("on_damaged", "skip", FREE, ""),
     ("export_at_end", False, FREE, ""),
     ("layout_by_device", ("num_anchors",), FREE, ""),
+    ("fuse_microbatches", True, FREE, ""),
     ("cache_dir", Path("moved-cache"), FREE, ""),  # the samples are the snapshot's row
     ("out_dir", Path("run"), FREE, ""),
     ("gpus", (0, 1), FREE, ""),  # the ranks are the world_size row
