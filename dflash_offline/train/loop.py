@@ -579,6 +579,8 @@ def _out_of_memory_named(config: TrainConfig, info: DistInfo, during: str) -> An
             f"{tokens_flag} {max(2, tokens // 4)} {anchors_flag} {max(1, anchors // 4)} "
             f"{accum_flag} {accum * 4}"
         )
+        if config.fuse_microbatches:  # its rows hold the whole step: smaller ones need it off
+            smaller += f" without {flag(TrainConfig, 'fuse_microbatches')}"
         said = str(e).splitlines()[0] if str(e) else "out of memory"
         raise ConfigError(
             f"{during} ran out of memory on {info.device} with {tokens_flag} {tokens}, "

@@ -385,6 +385,12 @@ def test_out_of_memory_in_a_step_or_a_validation_names_the_microbatch_options(
     assert "e.g. --tokens-per-microbatch 150 --num-anchors 8 --grad-accum 4 " in message
     assert message.endswith("The allocator said: CUDA out of memory. Tried to allocate 2.00 GiB")
 
+    with pytest.raises(ConfigError, match="--grad-accum 4 without --fuse-microbatches"):
+        train_rank(
+            replace(_config(cache, tmp_path / "run-fused"), fuse_microbatches=True),
+            DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"),
+        )
+
     monkeypatch.undo()
     monkeypatch.setattr(loop.ValidationSchedule, "evaluate", out_of_memory)
     config = _config(cache, tmp_path / "run-val", val_every=2)
