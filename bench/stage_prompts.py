@@ -45,6 +45,7 @@ import json
 import sys
 import sysconfig
 import textwrap
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,11 +187,14 @@ def code_records(packages: tuple[str, ...]) -> Iterator[dict[str, Any]]:
                 seen.add(doc)
                 problems.append((hashlib.sha1(qualname.encode()).hexdigest(), qualname, problem))
         queues.append(sorted(problems))
+    named: Counter[str] = Counter()
     for turn in itertools.zip_longest(*queues):
         for digest, qualname, problem in (p for p in turn if p is not None):
             template = CODE_TEMPLATES[int(digest[:8], 16) % len(CODE_TEMPLATES)]
+            named[qualname] += 1  # a property's getter and setter share a name: the second gets "#2"
+            suffix = f"#{named[qualname]}" if named[qualname] > 1 else ""
             yield {
-                "id": f"code-{qualname}",
+                "id": f"code-{qualname}{suffix}",
                 "conversations": [
                     {"from": "human", "value": template.format(prompt=problem)},
                     {"from": "gpt", "value": "."},
