@@ -4,6 +4,7 @@ after a resume), the eval τ table as scalars, and a clear error when the packag
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,11 @@ def test_metrics_log_writes_the_jsonl_values_to_tensorboard_and_a_resume_rewrite
         log.write(_metrics(step, rng))
     log.close()
     _assert_same(_load(tb_dir), _expected(read_metrics(path)))  # type: ignore[arg-type]
+    # A resume comes from a later process; here the same one, so start its event file in a later second:
+    # files are read in name order, "…<seconds>.<host>.<pid>.<n>" with n a per-process count, not padded, so
+    # within one second the 10th file of a process sorts before its 9th and TensorBoard reads the resume's
+    # events first (a flaky failure of this test under xdist, whose workers open many files).
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)
     # Resume from the checkpoint at step 3: steps 4-5 are written again with other values.
     log = MetricsLog(path, resume_from_step=3, tensorboard_dir=tb_dir)
     for step in range(4, 7):
