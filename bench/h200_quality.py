@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -466,18 +467,23 @@ def save_answers_parts(answers: Path, out: Path, part_mib: float, max_parts: int
     return parts
 
 
+def jsonl_lines(path: Path) -> Iterator[bytes]:
+    """The non-blank lines of a chat JSONL file (plain or gzipped), each ending in a newline."""
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as src:
+        for line in src:
+            if line.strip():
+                yield line if line.endswith(b"\n") else line + b"\n"
+
+
 def concatenate_answers(parts: list[Path], out: Path) -> int:
     """Writes the chat JSONL files (plain or gzipped) one after the other into ``out``; returns the number
     of lines taken from all but the first."""
     extra = 0
     with open(out, "wb") as dst:
         for i, part in enumerate(parts):
-            opener = gzip.open if part.suffix == ".gz" else open
-            with opener(part, "rb") as src:
-                for line in src:
-                    if line.strip():
-                        dst.write(line if line.endswith(b"\n") else line + b"\n")
-                        extra += i > 0
+            for line in jsonl_lines(part):
+                dst.write(line)
+                extra += i > 0
     return extra
 
 
@@ -486,16 +492,11 @@ def combine_prompts(data: Path, skip: int, limit: int, code: Path, code_limit: i
     ``skip + limit`` of ``data`` (what ``--skip``/``--limit`` would take: one record a line, as
     bench/stage_prompts.py writes them), then the first ``code_limit`` of ``code``. Returns the code
     records taken."""
-    taken = 0
     with open(out, "wb") as dst:
-        with gzip.open(data, "rb") if data.suffix == ".gz" else open(data, "rb") as src:
-            for line in itertools.islice((x for x in src if x.strip()), skip, skip + limit):
-                dst.write(line if line.endswith(b"\n") else line + b"\n")
-        with gzip.open(code, "rb") if code.suffix == ".gz" else open(code, "rb") as src:
-            for line in itertools.islice((x for x in src if x.strip()), code_limit):
-                dst.write(line if line.endswith(b"\n") else line + b"\n")
-                taken += 1
-    return taken
+        dst.writelines(itertools.islice(jsonl_lines(data), skip, skip + limit))
+        taken = list(itertools.islice(jsonl_lines(code), code_limit))
+        dst.writelines(taken)
+    return len(taken)
 
 
 def chain_tokens_of(eval_args: str) -> list[str]:

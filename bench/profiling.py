@@ -6,6 +6,7 @@ launches, compiled-graph calls, the largest kernels and host ops)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -95,6 +96,25 @@ def profile_command(
         setattr(owner, method, original)
 
 
-def default_json(name: str) -> Path | None:
-    """``$OUT/<name>`` on the GPU machine (its files come back), else None."""
-    return Path(os.environ["OUT"]) / name if os.environ.get("OUT") else None
+def main(
+    doc: str | None, owner: type, method: str, command: str, *, skip: int, active: int, what: str
+) -> None:
+    """The command line of a profile script: ``--skip``/``--active`` calls of ``owner.method`` (``what``,
+    plural, names them in the help), ``--rows``, ``--json`` (default ``$OUT/<command>_profile.json`` on the
+    GPU machine, whose files come back), then ``--`` and ``dflash <command>``'s own arguments."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip", type=int, default=skip, help=f"{what} before the profile")
+    ap.add_argument("--active", type=int, default=active, help=f"{what} profiled")
+    ap.add_argument("--rows", type=int, default=20, help="rows of each table")
+    ap.add_argument("--json", type=Path, default=None, help=f"default: $OUT/{command}_profile.json")
+    ap.add_argument("command_args", nargs=argparse.REMAINDER, help=f"-- then dflash {command}'s arguments")
+    args = ap.parse_args()
+    command_args = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    if not command_args:
+        ap.error(f"give dflash {command}'s arguments after --")
+    out = args.json
+    if out is None and os.environ.get("OUT"):
+        out = Path(os.environ["OUT"]) / f"{command}_profile.json"
+    profile_command(
+        owner, method, [command, *command_args], skip=args.skip, active=args.active, rows=args.rows, out=out
+    )

@@ -18,38 +18,14 @@ Runs on the CPU too (no device kernels there: the host-op table alone).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.profiling import default_json, profile_command  # noqa: E402
+from bench import profiling  # noqa: E402
 from dflash_offline.decode.engine import DecodeEngine  # noqa: E402
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--skip", type=int, default=300, help="engine steps before the profile")
-    ap.add_argument("--active", type=int, default=20, help="engine steps profiled")
-    ap.add_argument("--rows", type=int, default=20, help="rows of each table")
-    ap.add_argument("--json", type=Path, default=None, help="default: $OUT/regenerate_profile.json")
-    ap.add_argument("regen_args", nargs=argparse.REMAINDER, help="-- then dflash regenerate's arguments")
-    args = ap.parse_args()
-    regen_args = args.regen_args[1:] if args.regen_args[:1] == ["--"] else args.regen_args
-    if not regen_args:
-        ap.error("give dflash regenerate's arguments after --")
-    profile_command(
-        DecodeEngine,
-        "step",
-        ["regenerate", *regen_args],
-        skip=args.skip,
-        active=args.active,
-        rows=args.rows,
-        out=args.json or default_json("regenerate_profile.json"),
-    )
-
-
 if __name__ == "__main__":
-    main()
+    profiling.main(__doc__, DecodeEngine, "step", "regenerate", skip=300, active=20, what="engine steps")

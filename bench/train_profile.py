@@ -12,7 +12,6 @@ Runs on the CPU too (no device kernels there: the host-op table alone).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,30 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dflash_offline.train.step as train_step  # noqa: E402
-from bench.profiling import default_json, profile_command  # noqa: E402
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--skip", type=int, default=140, help="optimizer steps before the profile")
-    ap.add_argument("--active", type=int, default=10, help="optimizer steps profiled")
-    ap.add_argument("--rows", type=int, default=20, help="rows of each table")
-    ap.add_argument("--json", type=Path, default=None, help="default: $OUT/train_profile.json")
-    ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then dflash train's arguments")
-    args = ap.parse_args()
-    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    if not train_args:
-        ap.error("give dflash train's arguments after --")
-    profile_command(
-        train_step.OptimizerStep,
-        "__call__",
-        ["train", *train_args],
-        skip=args.skip,
-        active=args.active,
-        rows=args.rows,
-        out=args.json or default_json("train_profile.json"),
-    )
-
+from bench import profiling  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    step = train_step.OptimizerStep
+    profiling.main(__doc__, step, "__call__", "train", skip=140, active=10, what="optimizer steps")

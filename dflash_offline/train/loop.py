@@ -27,11 +27,9 @@ from torch import nn
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.model import DFlashDrafter
-from dflash_offline.errors import ConfigError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import (
     TrainState,
-    load_latest_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -45,9 +43,10 @@ from dflash_offline.train.length_mixing import LengthMixingPlanner
 from dflash_offline.train.metrics import StepMetrics, recorded_loss
 from dflash_offline.train.microbatch import RankSteps
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
+from dflash_offline.train.out_of_memory import out_of_memory_named
 from dflash_offline.train.prefetch import Prefetcher, RowReader
 from dflash_offline.train.reporting import StepReporter
-from dflash_offline.train.resume_contract import ResumeContract, check_resume
+from dflash_offline.train.resume import checkpoint_to_resume
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
 from dflash_offline.train.step import OptimizerStep, anchor_sampler
@@ -217,7 +216,7 @@ def train_rank(
     try:
         with stop_on_sigint(second_aborts=not info.distributed):
             split = _prepare_snapshot(config, cache_reader, info)
-            config, state = _checkpoint_to_resume(config, info, split.train)
+            config, state = checkpoint_to_resume(config, info, split.train)
             if info.is_main:  # after the resume check: a refused resume leaves the run's config as it was
                 _write_config(config)
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
@@ -228,57 +227,6 @@ def train_rank(
             )
     finally:
         cache_reader.close()
-
-
-def _checkpoint_to_resume(
-    config: TrainConfig, info: DistInfo, train_snapshot: IndexSnapshot
-) -> tuple[TrainConfig, TrainState | None]:
-    """With ``resume="auto"``, the newest checkpoint that loads, once the run's ``ResumeContract`` admits
-    this invocation (the one compatibility decision; its applied changes are announced by rank 0), and the
-    config to go on with: the run's own microbatch layout where this invocation left it to the device's
-    default. (config, None) when starting fresh."""
-    state = load_latest_checkpoint(config.out_dir, is_main=info.is_main) if config.resume == "auto" else None
-    if state is None:
-        return config, None
-    stored = ResumeContract.stored(config.out_dir, state.planner)
-    config, adopted = _run_layout(config, stored)
-    notes = check_resume(
-        stored,
-        ResumeContract.of(config, world_size=info.world_size, train_snapshot=train_snapshot),
-        allow_topology_change=config.allow_topology_change,
-        run_dir=config.out_dir,
-    )
-    if info.is_main:
-        for note in [*adopted, *notes]:
-            print(f"dflash train: {note}", file=sys.stderr, flush=True)
-    return config, state
-
-
-def _run_layout(config: TrainConfig, stored: ResumeContract) -> tuple[TrainConfig, list[str]]:
-    """The fields of the microbatch layout left to the device's default take the resumed run's values (the
-    default may have changed since, or the run began on another kind of device); a note for each."""
-    anchors = (stored.options or {}).get("num_anchors")
-    run_values: dict[str, int | None] = {
-        "grad_accum": stored.grad_accum,
-        "tokens_per_microbatch": stored.tokens_per_microbatch,
-        "num_anchors": None if anchors is None else int(anchors),
-    }
-    changed: dict[str, Any] = {
-        name: run_values[name]
-        for name in config.layout_by_device
-        if run_values[name] is not None and run_values[name] != getattr(config, name)
-    }
-    flags = {
-        "grad_accum": flag(TrainConfig, "grad_accum"),
-        "tokens_per_microbatch": flag(TrainConfig, "tokens_per_microbatch"),
-        "num_anchors": flag(TrainConfig, "num_anchors"),
-    }
-    notes = [
-        f"resuming with the run's own {flags[name]} {value} (left to the device's default, "
-        f"{getattr(config, name)} here)"
-        for name, value in changed.items()
-    ]
-    return (replace(config, **changed) if changed else config), notes
 
 
 def _write_config(config: TrainConfig) -> None:
@@ -479,7 +427,7 @@ def _setup_optimization(
 
 
 def _restore(config: TrainConfig, info: DistInfo, opt: _Optimization, state: TrainState) -> None:
-    """Load the resumed checkpoint ``state`` (admitted by ``_checkpoint_to_resume``) into ``opt``."""
+    """Load the resumed checkpoint ``state`` (admitted by ``resume.checkpoint_to_resume``) into ``opt``."""
     opt.model.load_state_dict(state.model)
     opt.optimizer.load_state_dict(state.optimizer)
     for group in opt.optimizer.param_groups:  # the command line's, not the checkpoint's
@@ -534,7 +482,7 @@ def _run_steps(
         reporter.start()
         for step_plan, batches in steps.regroup(prefetcher):
             _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
-            with _out_of_memory_named(config, info, "a training step"):
+            with out_of_memory_named(config, info, "a training step"):
                 outcome = step([b.inputs for b in batches], [b.plan.is_padding for b in batches])
             reporter.clock.step_done()
             opt.planner.step_done(step_plan)
@@ -544,7 +492,7 @@ def _run_steps(
             if validation is not None and validation.due(global_step, opt.total_steps):
                 with (
                     reporter.paused("validation") as lap,
-                    _out_of_memory_named(config, info, f"the validation after step {global_step}"),
+                    out_of_memory_named(config, info, f"the validation after step {global_step}"),
                 ):
                     validated = validation.evaluate(opt.model, global_step)
                 validated = replace(validated, seconds=lap.seconds)
@@ -560,35 +508,6 @@ def _run_steps(
             if _stops_after(config, info, opt, reporter, validation, global_step, tokens_seen, validated):
                 return True
     return False
-
-
-@contextlib.contextmanager
-def _out_of_memory_named(config: TrainConfig, info: DistInfo, during: str) -> Any:
-    """An out-of-memory error becomes one that names the options setting a microbatch's size and what to
-    give instead: the same tokens and blocks a step in more, smaller microbatches. The defaults on GPUs
-    (one microbatch of 32k tokens and 2,048 blocks) need ≈ 6 GiB at SmolLM2 width and ≈ 59 GiB at
-    Qwen3-8B width (bench/RESULTS.md)."""
-    try:
-        yield
-    except torch.OutOfMemoryError as e:
-        tokens_flag = flag(TrainConfig, "tokens_per_microbatch")
-        anchors_flag = flag(TrainConfig, "num_anchors")
-        accum_flag = flag(TrainConfig, "grad_accum")
-        tokens, anchors, accum = config.tokens_per_microbatch, config.num_anchors, config.grad_accum
-        smaller = (
-            f"{tokens_flag} {max(2, tokens // 4)} {anchors_flag} {max(1, anchors // 4)} "
-            f"{accum_flag} {accum * 4}"
-        )
-        if config.fuse_microbatches:  # its rows hold the whole step: smaller ones need it off
-            smaller += f" without {flag(TrainConfig, 'fuse_microbatches')}"
-        said = str(e).splitlines()[0] if str(e) else "out of memory"
-        raise ConfigError(
-            f"{during} ran out of memory on {info.device} with {tokens_flag} {tokens}, "
-            f"{anchors_flag} {anchors} and {accum_flag} {accum}: a microbatch holds too much; start the "
-            f"run again with smaller microbatches, e.g. {smaller} (the same tokens and blocks a step; a "
-            f"resume keeps {anchors_flag}, so give a new {flag(TrainConfig, 'out_dir')} or "
-            f"{flag(TrainConfig, 'resume')} never). The allocator said: {said}"
-        ) from None
 
 
 def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> OptimizerStep:
