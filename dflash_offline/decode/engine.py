@@ -1,14 +1,15 @@
 """The continuous-batching decode engine: prompts join whenever they come, finished rows leave at once.
 
 Each ``step``: slots freed by the last step are marked idle; waiting prompts take the lowest free slots;
-one prefill forward runs a chunk of the prompts in prefill (at most ``prefill_tokens`` tokens, padding
-included, so a long prompt is spread over several steps instead of stalling the decoding rows; a forward
-that attends over the cache runs at rows and width rounded up to powers of two, ``_run_shape``), or, with
-``prefill_wait_steps`` K > 0, only once it is due (``_prefill_due``: the prompts fill it, no row decodes,
-a prompt's later chunk, or the oldest prompt admitted K steps ago), so that a few freed slots idle for a
-few steps rather than every step paying a mostly empty forward's fixed cost; then one
-decode step (a CUDA graph per bucket of rows and attended length) gives every decoding slot its next
-token; then the tokens of both come to the host in one read, the only host sync of the step. A row ends
+one decode step (a CUDA graph per bucket of rows and attended length) gives every decoding slot its next
+token; while the device runs it, the host builds and launches one prefill forward of a chunk of the
+prompts in prefill (at most ``prefill_tokens`` tokens, padding included, so a long prompt is spread over
+several steps instead of stalling the decoding rows; a forward that attends over the cache runs at rows
+and width rounded up to powers of two, ``_run_shape``), or, with ``prefill_wait_steps`` K > 0, only once
+it is due (``_prefill_due``: the prompts fill it, no row decodes, a prompt's later chunk, or the oldest
+prompt admitted K steps ago), so that a few freed slots idle for a few steps rather than every step
+paying a mostly empty forward's fixed cost; then the tokens of both come to the host in one read, the
+only host sync of the step. A row ends
 at a stop token or at its ``max_new_tokens``; its slot takes the next waiting prompt in the next step.
 When the queue has drained and the live rows are scattered over the slots, the highest ones are moved
 down (one copy of their keys and values) so that the decode steps shrink to a smaller bucket.
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from dflash_offline.decode.forward import SlotForward
 from dflash_offline.decode.graphs import StepGraphs
+from dflash_offline.decode.host_copy import int64_on
 from dflash_offline.decode.parked import ParkedSlot, ParkedSlots, common_prefix_len
 from dflash_offline.decode.sampling import Sampler, Sampling, request_key_hash
 from dflash_offline.decode.slot_cache import SlotCache, shape_for
@@ -293,42 +295,48 @@ class DecodeEngine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Prefill a chunk of the waiting prompts, decode one token for every live row, read both."""
+        """Decode one token for every live row, prefill a chunk of the waiting prompts, read both.
+
+        The decode step is queued first (one graph launch) and the prefill forward is built and launched
+        on the host while the device runs it: the prefill's Python and kernel launches, the larger part of
+        a step's host time, overlap the decode instead of preceding it (host copies are queued without
+        waiting, ``host_copy.py``). Rows that complete their prompt in this step's prefill decode from the
+        next step on (their first token comes from the prefill)."""
         self._idle_freed_slots()
         self._admit()
         self._compact()
+        decoding = list(self._decoding.items())  # the rows this step decodes, by slot
+        num_rows = 0
+        if decoding:
+            num_rows = self._decode_rows()
+            attend_len = self.cache.attend_len(max(r.length for _, r in decoding) + 1)
+            n = num_rows
+            self.decode_shapes[n, attend_len] += 1
+            self.num_decoded_rows += n
+            self.num_live_rows += len(decoding)
+            self.graphs.run(
+                ("decode", n, attend_len),
+                lambda: decode_step(self.fwd, self.state, self.sampler, n, attend_len),
+                self.state.mutated(),
+            )
         first_M: Tensor | None = None
         completed: list[_Request] = []
         if self._prefilling:
             plan = self._plan_prefill()
             if self._prefill_due(plan):
                 first_M, completed = self._prefill_chunk(plan)
-        num_rows = 0
-        if self._decoding:
-            num_rows = self._decode_rows()
-            attend_len = self.cache.attend_len(max(r.length for r in self._decoding.values()) + 1)
-            n = num_rows
-            self.decode_shapes[n, attend_len] += 1
-            self.num_decoded_rows += n
-            self.num_live_rows += len(self._decoding)
-            self.graphs.run(
-                ("decode", n, attend_len),
-                lambda: decode_step(self.fwd, self.state, self.sampler, n, attend_len),
-                self.state.mutated(),
-            )
-        parts = ([first_M] if first_M is not None else []) + (
-            [self.state.sampled[:num_rows]] if num_rows else []
+        parts = ([self.state.sampled[:num_rows]] if num_rows else []) + (
+            [first_M] if first_M is not None else []
         )
         values = torch.cat(parts).tolist() if parts else []  # the step's one host sync
         self.num_steps += 1
-        for i, req in enumerate(completed):
-            req.generated.append(values[i])
+        for slot, req in decoding:
+            req.generated.append(values[slot])
+            req.length += 1
             if self._done(req):
                 self._finish(req)
-        offset = len(completed)
-        for slot, req in list(self._decoding.items()):
-            req.generated.append(values[offset + slot])
-            req.length += 1
+        for i, req in enumerate(completed):
+            req.generated.append(values[num_rows + i])
             if self._done(req):
                 self._finish(req)
 
@@ -358,7 +366,7 @@ class DecodeEngine:
 
     def _idle_freed_slots(self) -> None:
         if self._to_idle:
-            slots = torch.tensor(self._to_idle, dtype=torch.int64, device=self.device)
+            slots = int64_on(self._to_idle, self.device)
             self.state.live.index_fill_(0, slots, False)
             self._to_idle.clear()
 
@@ -375,9 +383,9 @@ class DecodeEngine:
             req.admitted_step = self.num_steps
         self._prefilling += admitted
         if admitted:
-            slots = torch.tensor([r.slot for r in admitted], dtype=torch.int64, device=self.device)
-            keys = torch.tensor([request_key_hash(r.key) for r in admitted], dtype=torch.int64)
-            self.state.keys.index_copy_(0, slots, keys.to(self.device))
+            slots = int64_on([r.slot for r in admitted], self.device)
+            keys = int64_on([request_key_hash(r.key) for r in admitted], self.device)
+            self.state.keys.index_copy_(0, slots, keys)
 
     def _plan_prefill(self) -> _PrefillPlan:
         """The next prefill forward: chunks of the oldest prompts in prefill, within ``prefill_tokens``."""

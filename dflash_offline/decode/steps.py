@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from dflash_offline.decode.forward import SlotForward
+from dflash_offline.decode.host_copy import int64_on, to_device
 from dflash_offline.decode.sampling import Sampler
 from dflash_offline.decode.slot_cache import ForwardRows, SlotCache
 
@@ -141,10 +142,10 @@ def prefill(
     ids = torch.zeros((shape.rows, width), dtype=torch.int64)
     for r, c in enumerate(chunks):
         ids[r, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.int64)
-    start_N = torch.tensor([c.start for c in chunks] + idle, dtype=torch.int64, device=device)
-    length_N = torch.tensor([len(c.token_ids) for c in chunks] + idle, dtype=torch.int64, device=device)
+    start_N = int64_on([c.start for c in chunks] + idle, device)
+    length_N = int64_on([len(c.token_ids) for c in chunks] + idle, device)
     slot_list = [c.slot for c in chunks]
-    slots_N = torch.tensor(slot_list + [slot_list[0]] * len(idle), dtype=torch.int64, device=device)
+    slots_N = int64_on(slot_list + [slot_list[0]] * len(idle), device)
     q_S = torch.arange(width, device=device)
     positions_NS = start_N[:, None] + q_S[None, :]
     write_NS = torch.where(q_S[None, :] < length_N[:, None], positions_NS, cache.scratch)
@@ -154,15 +155,15 @@ def prefill(
         own_keys_only=fresh,
     )  # fmt: skip
     mask = None if fresh else block_mask(start_N, width, shape.attend_len)
-    hidden, features = fwd.hidden(ids.to(device), positions_NS, mask, rows, capture=capture)
+    hidden, features = fwd.hidden(to_device(ids, device), positions_NS, mask, rows, capture=capture)
     done = [r for r, c in enumerate(chunks) if c.completes]
     if not done:
         return None, features
-    done_M = torch.tensor(done, dtype=torch.int64, device=device)
+    done_M = int64_on(done, device)
     last_M = length_N[done_M] - 1
     slot_M = slots_N[done_M]
     first_M = sampler(fwd.logits(hidden[done_M, last_M]), state.keys[slot_M], torch.zeros_like(slot_M))
-    prompt_len_M = torch.tensor([chunks[r].prompt_len for r in done], dtype=torch.int64, device=device)
+    prompt_len_M = int64_on([chunks[r].prompt_len for r in done], device)
     state.tokens.index_copy_(0, slot_M, first_M)
     state.lens.index_copy_(0, slot_M, prompt_len_M)
     state.steps.index_fill_(0, slot_M, 1)

@@ -90,12 +90,12 @@ def test_the_decode_engine_greedy_equals_generate(tiny: LoadedTarget) -> None:
 
 
 def test_the_slot_engine_counts_its_steps_and_prefill(tiny: LoadedTarget) -> None:
-    """Two slots, three prompts of 4 new tokens each (random weights: no stop this soon). A step prefills
-    what waits, then decodes a token for every row whose prompt is in (the one just prefilled included):
-    an answer's first token comes from its prefill forward, the other 3 from 3 decode steps. The first
-    two prompts share one prefill forward and end after step 3; the third takes a slot at step 4 and
-    ends after step 6. So 6 steps, 9 decoded tokens of 6 × 2 slot-steps (75 % busy), 2 prefill forwards
-    of every prompt token once, nothing reused or evicted."""
+    """Two slots, three prompts of 4 new tokens each (random weights: no stop this soon). A step decodes a
+    token for every row already decoding, then prefills what waits (the rows it completes decode from the
+    next step): an answer's first token comes from its prefill forward, the other 3 from the 3 decode
+    steps after it. The first two prompts share one prefill forward (step 1) and end after step 4; the
+    third takes a slot at step 5 and ends after step 8. So 8 steps, 9 decoded tokens of 8 × 2 slot-steps
+    (56 % busy), 2 prefill forwards of every prompt token once, nothing reused or evicted."""
     prompts = random_prompts(3, seed=4, vocab=tiny.info.vocab_size, lengths=(5, 20))
     settings = _settings(tiny, max_new_tokens=4)
     options = EngineOptions(batch_size=2, kv_tokens=None, max_batch_tokens=64, max_prompt_tokens=30)
@@ -106,8 +106,8 @@ def test_the_slot_engine_counts_its_steps_and_prefill(tiny: LoadedTarget) -> Non
     assert (stats.engines, stats.slots, stats.steps, stats.slot_steps, stats.decoded_tokens) == (
         1,
         2,
-        6,
-        12,
+        8,
+        16,
         9,
     )
     prompt_tokens = sum(len(p) for p in prompts)
@@ -119,7 +119,7 @@ def test_the_slot_engine_counts_its_steps_and_prefill(tiny: LoadedTarget) -> Non
     )
     assert stats.step_seconds > 0
     assert stats.describe() == (
-        f"6 steps decoding a mean 1.5 of 2 slots (75 % busy) in {stats.step_seconds:.1f} s, 2 prefill "
+        f"8 steps decoding a mean 1.1 of 2 slots (56 % busy) in {stats.step_seconds:.1f} s, 2 prefill "
         f"forwards of {prompt_tokens} prompt tokens (0 reused, 0 kept slots evicted)"
     )
 

@@ -112,11 +112,12 @@ def test_answers_are_the_targets_greedy_decode(tmp_path: Path, tiny: LoadedTarge
 
 def test_the_throughput_line_says_what_the_engine_steps_did(tmp_path: Path, tiny: LoadedTarget) -> None:
     """One slot, 5 conversations of 2 turns, 12 new tokens per answer (random weights never stop this soon):
-    a turn is prefilled in one forward that also gives its first token, then 11 decode steps (the one
-    after its prefill included) give the rest, and the next turn (a conversation's next, or another's
-    first, already waiting) takes the slot at the next step. So 10 × 11 steps with the slot always busy,
-    10 prefill forwards, and each turn's prompt (rendered here from the output) either prefilled or found
-    in the slot its conversation's previous turn kept (the CPU keeps it: ``slot_engine.reuses_kv``)."""
+    a turn is prefilled in one forward that also gives its first token (a step whose decode has no row:
+    the slot decodes from the next step), then 11 decode steps give the rest, and the next turn (a
+    conversation's next, or another's first, already waiting) takes the slot at the step after its last.
+    So 10 × 12 steps, the slot decoding in 110 of them, 10 prefill forwards, and each turn's prompt
+    (rendered here from the output) either prefilled or found in the slot its conversation's previous
+    turn kept (the CPU keeps it: ``slot_engine.reuses_kv``)."""
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 5, turns=2)
     out = tmp_path / "regen.jsonl"
     result = CliRunner().invoke(
@@ -135,7 +136,7 @@ def test_the_throughput_line_says_what_the_engine_steps_did(tmp_path: Path, tiny
     assert len(prompts) == 10
     (throughput,) = [line for line in result.output.splitlines() if "throughput:" in line]
     engine = re.search(
-        r"; engine: 110 steps decoding a mean 1\.0 of 1 slots \(100 % busy\) in [0-9.]+ s, 10 prefill "
+        r"; engine: 120 steps decoding a mean 0\.9 of 1 slots \(92 % busy\) in [0-9.]+ s, 10 prefill "
         r"forwards of ([0-9,]+) prompt tokens \(([0-9,]+) reused, 0 kept slots evicted\)$",
         throughput,
     )
