@@ -3,9 +3,9 @@ decode engine, its prefill forwards and CUDA graphs, the writer), with torch.pro
 engine steps after ``--skip`` (start-up, graph captures and the ramp left out), and the driver's host work
 between the steps timed over the whole run.
 
-A step is one ``DecodeEngine.step``: one decode step of every decoding slot, and at most one prefill
-forward built while the device runs it. Prints the device kernel time a step against the wall time a step
-(the device's busy fraction), the kernel launches a step, and the largest kernels and host ops. At the end
+A step is one decode step of every decoding slot and at most one prefill forward built while the device
+runs it, launched and then read back (``DecodeEngine._launch``, ``_collect``). Prints the device kernel time
+a step against the wall time from one step's read-back to the next (the device's busy fraction), the kernel launches a step, and the largest kernels and host ops. At the end
 (a SIGINT included: regenerate stops cleanly) the driver's seconds: inside the engine's steps (``poll``),
 rendering and tokenizing prompts (``render_prompt``: every turn's prompt whole), taking finished answers
 (``Driver._answered``: decoding, the next turn's prompt, writing), admitting records (``Driver._admit``:
@@ -105,4 +105,7 @@ if __name__ == "__main__":
         driver_json = Path(os.environ["OUT"]) / "regenerate_driver.json"
     time_the_driver()
     atexit.register(driver_report, driver_json)
-    profiling.main(__doc__, DecodeEngine, "step", "regenerate", skip=300, active=20, what="engine steps")
+    # One call a step: ``poll`` runs its steps as ``_launch`` then ``_collect`` (an engine before that
+    # split ran ``step``); the time between two calls' ends is a step's period, the caller's work included.
+    method = "_collect" if hasattr(DecodeEngine, "_collect") else "step"
+    profiling.main(__doc__, DecodeEngine, method, "regenerate", skip=300, active=20, what="engine steps")

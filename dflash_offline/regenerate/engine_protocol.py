@@ -87,7 +87,7 @@ class EngineStats:
     slots: int
     """Rows of the engines' largest decode step (``SlotEngine.num_slots``)."""
     steps: int
-    """Engine steps: each at most one prefill forward and one decode step, then one host sync."""
+    """Engine steps: each one decode step and at most one prefill forward, then one host sync."""
     slot_steps: int
     """Steps × slots: the tokens the steps could have decoded with every slot busy."""
     decoded_tokens: int
