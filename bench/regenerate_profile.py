@@ -4,14 +4,15 @@ engine steps after ``--skip`` (start-up, graph captures and the ramp left out), 
 between the steps timed over the whole run.
 
 A step is one decode step of every decoding slot and at most one prefill forward built while the device
-runs it, launched and then read back (``DecodeEngine._launch``, ``_collect``). Prints the device kernel time
-a step against the wall time from one step's read-back to the next (the device's busy fraction), the kernel launches a step, and the largest kernels and host ops. At the end
-(a SIGINT included: regenerate stops cleanly) the driver's seconds: inside the engine's steps (``poll``),
-rendering and tokenizing prompts (``render_prompt``: every turn's prompt whole), taking finished answers
-(``Driver._answered``: decoding, the next turn's prompt, writing), admitting records (``Driver._admit``:
-its first turn's prompt), writing conversations, and the rest (reading and parsing the records, the
-loop). On one H200 a quarter of the generation time was outside the steps (bench/RESULTS.md, "Regenerate
-on the H200"). Everything after ``--`` is ``dflash regenerate``'s own arguments (one worker: ``--gpus 0``
+runs it, launched and then read back (``DecodeEngine._launch``, ``_collect``). Prints the device kernel
+time a step against the wall time from one step's read-back to the next (the device's busy fraction), the
+kernel launches a step, and the largest kernels and host ops. At the end (a SIGINT included: regenerate
+stops cleanly) the driver's seconds: inside the engine's steps (``poll``), rendering and tokenizing
+prompts (``render_prompt``: every turn's prompt whole), taking finished answers (``Driver._answered``:
+decoding, the next turn's prompt, writing), admitting records (``Driver._admit``: its first turn's
+prompt), writing conversations, and the rest (reading and parsing the records, the loop). On one H200 a
+quarter of the generation time was outside the steps (bench/RESULTS.md, "Regenerate on the H200").
+Everything after ``--`` is ``dflash regenerate``'s own arguments (one worker: ``--gpus 0``
 or the CPU):
 
     python bench/regenerate_profile.py --skip 300 --active 20 -- --target default --data PROMPTS \\
