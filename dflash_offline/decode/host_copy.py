@@ -2,7 +2,7 @@
 
 On CUDA a copy from ordinary (pageable) host memory may wait for the work already queued on the stream;
 the engine queues a decode step and then builds the next prefill forward on the host while the device
-runs it (``DecodeEngine.step``), so such a copy would put the two back in sequence. Through pinned memory
+runs it (``DecodeEngine._launch``), so such a copy would put the two back in sequence. Through pinned memory
 the copy is queued like a kernel and the host goes on; PyTorch's pinned allocator keeps the buffer until
 the copy has run. On the CPU a plain copy.
 """
