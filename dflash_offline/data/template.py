@@ -117,6 +117,11 @@ def _encode(tokenizer: Any, text: str) -> tuple[np.ndarray, np.ndarray]:
     return ids_T, np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
 
 
+def head_chars(max_tokens: int) -> int:
+    """The longest text ``encode_head`` tokenizes whole at once (a longer one is tokenized by prefixes)."""
+    return (max_tokens + HEAD_MARGIN_TOKENS) * HEAD_CHARS_PER_TOKEN
+
+
 def encode_head(tokenizer: Any, text: str, max_tokens: int) -> EncodedHead:
     """The tokens of ``text``, at least the first ``max_tokens`` + 1 of them when it has more.
 
@@ -127,7 +132,7 @@ def encode_head(tokenizer: Any, text: str, max_tokens: int) -> EncodedHead:
     first tokens are kept once the prefix twice as long agrees on them, else the text is tokenized
     whole."""
     need = max_tokens + HEAD_MARGIN_TOKENS
-    chars = need * HEAD_CHARS_PER_TOKEN
+    chars = head_chars(max_tokens)
     while chars < len(text):
         ids_T, offsets_T2 = _encode(tokenizer, text[:chars])
         if ids_T.shape[0] > need:

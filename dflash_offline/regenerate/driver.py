@@ -19,7 +19,7 @@ from typing import Any
 
 from dflash_offline.config_fields import flag
 from dflash_offline.data.conversations import Conversation, SourceFailure
-from dflash_offline.data.template import encode_head
+from dflash_offline.data.template import encode_head, head_chars
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.engine_protocol import Engine
 from dflash_offline.regenerate.generation import GeneratedTokens
@@ -69,6 +69,12 @@ def render_prompt(tokenizer: Any, chat: list[dict[str, str]], *, max_tokens: int
     """The prompt's token ids; with ``max_tokens``, a longer prompt's first ``max_tokens`` + 1 or more
     (enough to refuse it, without tokenizing megabytes: ``data.template.encode_head``)."""
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and (max_tokens is None or len(text) <= head_chars(max_tokens)):
+        # A text ``encode_head`` would tokenize whole: the fast tokenizer's own encoder, which
+        # ``tokenizer(text)`` calls too, without the offsets and the BatchEncoding around it (0.55× the
+        # time a prompt; the driver renders every turn's prompt whole, between the engine's steps).
+        return list(backend.encode(text, add_special_tokens=False).ids)
     if max_tokens is not None:
         return [int(i) for i in encode_head(tokenizer, text, max_tokens).ids_T]
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
