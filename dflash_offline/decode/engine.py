@@ -8,8 +8,9 @@ several steps instead of stalling the decoding rows; a forward that attends over
 and width rounded up to powers of two, ``_run_shape``), or, with ``prefill_wait_steps`` K > 0, only once
 it is due (``_prefill_due``: the prompts fill it, no row decodes, a prompt's later chunk, or the oldest
 prompt admitted K steps ago), so that a few freed slots idle for a few steps rather than every step
-paying a mostly empty forward's fixed cost; then the tokens of both come to the host in one read, the
-only host sync of the step. A row ends
+paying a mostly empty forward's fixed cost (with ``prefill_graphs``, fresh prompts' forwards are padded
+too and replayed as CUDA graphs, ``_fresh_prefill``); then the tokens of both come to the host in one
+read, the only host sync of the step. A row ends
 at a stop token or at its ``max_new_tokens``; its slot takes the next waiting prompt in the next step.
 When the queue has drained and the live rows are scattered over the slots, the highest ones are moved
 down (one copy of their keys and values) so that the decode steps shrink to a smaller bucket.
@@ -43,17 +44,20 @@ from torch import Tensor
 
 from dflash_offline.decode.forward import SlotForward
 from dflash_offline.decode.graphs import StepGraphs
-from dflash_offline.decode.host_copy import int64_on
+from dflash_offline.decode.host_copy import copy_into, int64_on
 from dflash_offline.decode.parked import ParkedSlot, ParkedSlots, common_prefix_len
 from dflash_offline.decode.sampling import Sampler, Sampling, request_key_hash
 from dflash_offline.decode.slot_cache import SlotCache, shape_for
 from dflash_offline.decode.steps import (
+    FreshPrefillBuffers,
     PrefillChunk,
     PrefillShape,
     SlotState,
     decode_step,
+    fresh_prefill_step,
     prefill,
     prefill_shape,
+    start_decoding,
 )
 from dflash_offline.errors import DflashError
 
@@ -84,6 +88,10 @@ class EngineSettings:
     was admitted this many steps ago (0: a prefill forward in every step with a prompt to prefill)."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (CUDA only)."""
+    prefill_graphs: bool = False
+    """Run prefill forwards of fresh prompts at rows and width rounded up to powers of two, replayed as
+    CUDA graphs with ``cuda_graphs`` on CUDA (one per shape): the eager forward's Python and launches were
+    most of a regenerate step's host time on an H200. On the CPU the same padded forwards run eagerly."""
     attend_granule: int | None = None
     """Smallest attended length (steps attend over granule × 2^k positions); None: 256 on CUDA, 32 on
     the CPU."""
@@ -204,6 +212,8 @@ class DecodeEngine:
         self._to_idle: list[int] = []
         self._requests: dict[str, _Request] = {}
         """Every request submitted and not yet finished, by key."""
+        self._fresh_buffers: dict[tuple[int, int], FreshPrefillBuffers] = {}
+        """Per padded shape [rows, width]: the static tensors of ``settings.prefill_graphs``."""
         self._launched: _LaunchedStep | None = None
         """The step ``poll`` left running on the device while its caller takes the answers."""
         self._closed = False
@@ -311,6 +321,7 @@ class DecodeEngine:
         """Drop every request in flight and free the cache (returns at once)."""
         self._closed = True
         self._launched = None  # its device work ends on its own; nothing reads it back
+        self._fresh_buffers.clear()
         self._waiting.clear()
         self._resuming.clear()
         self._parked.clear()
@@ -488,7 +499,10 @@ class DecodeEngine:
         """One prefill forward of ``plan``."""
         chunks = plan.chunks
         shape = self._run_shape(chunks)
-        first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks, shape=shape)
+        if shape.fresh and self.settings.prefill_graphs:
+            first_M = self._fresh_prefill(chunks, shape)
+        else:
+            first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks, shape=shape)
         self.num_prefills += 1
         self.prefill_shapes[shape] += 1
         completed = []
@@ -503,13 +517,41 @@ class DecodeEngine:
         self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt)]
         return first_M, completed
 
+    def _fresh_prefill(self, chunks: Sequence[PrefillChunk], shape: PrefillShape) -> Tensor | None:
+        """A prefill of fresh prompts at the static ``shape`` (``settings.prefill_graphs``): the chunks'
+        tokens into the shape's buffers, the forward (a CUDA graph per shape), then the completed prompts'
+        slots start decoding. Their first tokens (int64 [M], chunk order; None when none completes)."""
+        key = (shape.rows, shape.width)
+        buf = self._fresh_buffers.get(key)
+        if buf is None:
+            buf = self._fresh_buffers[key] = FreshPrefillBuffers(shape.rows, shape.width, self.device)
+        idle = shape.rows - len(chunks)
+        ids = torch.zeros(key, dtype=torch.int64)
+        for r, c in enumerate(chunks):
+            ids[r, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.int64)
+        copy_into(buf.ids_RW, ids)
+        copy_into(buf.length_R, torch.tensor([len(c.token_ids) for c in chunks] + [0] * idle))
+        copy_into(buf.slots_R, torch.tensor([c.slot for c in chunks] + [chunks[0].slot] * idle))
+        self.graphs.run(
+            ("prefill", *key), lambda: fresh_prefill_step(self.fwd, self.state, self.sampler, buf), []
+        )
+        done = [r for r, c in enumerate(chunks) if c.completes]
+        if not done:
+            return None
+        done_M = int64_on(done, self.device)
+        first_M = buf.first_R[done_M]  # a gather: a copy the shape's next run does not overwrite
+        prompt_len_M = int64_on([chunks[r].prompt_len for r in done], self.device)
+        start_decoding(self.state, buf.slots_R[done_M], first_M, prompt_len_M)
+        return first_M
+
     def _run_shape(self, chunks: Sequence[PrefillChunk]) -> PrefillShape:
         """The shape a prefill forward of ``chunks`` runs at. One that attends over the cache (a
         continuation, a long prompt's later chunk) is padded to buckets of rows and width, so that its
         shapes repeat: on CUDA its masked attention (cuDNN) builds an execution plan for every new shape,
-        which costs more than the forward itself. Fresh prompts (causal, flash: no plan) run as they are."""
+        which costs more than the forward itself. Fresh prompts (causal, flash: no plan) run as they are,
+        or padded the same way with ``settings.prefill_graphs`` (a CUDA graph per shape)."""
         exact = prefill_shape(self.cache, chunks)
-        if exact.fresh:
+        if exact.fresh and not self.settings.prefill_graphs:
             return exact
         rows = row_bucket(exact.rows, self.settings.num_slots)
         return replace(exact, rows=rows, width=padded_width(exact.width, self.settings.prefill_tokens))
@@ -517,7 +559,7 @@ class DecodeEngine:
     def _prefill_tokens(self, rows: int, width: int, fresh: bool) -> int:
         """Tokens a prefill forward of ``rows`` chunks at most ``width`` long runs, padding included
         (``_run_shape``)."""
-        if fresh:
+        if fresh and not self.settings.prefill_graphs:
             return rows * width
         return row_bucket(rows, self.settings.num_slots) * padded_width(width, self.settings.prefill_tokens)
 

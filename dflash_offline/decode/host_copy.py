@@ -25,3 +25,12 @@ def to_device(host: Tensor, device: torch.device) -> Tensor:
 def int64_on(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> Tensor:
     """int64 ``values`` on ``device`` (``to_device``)."""
     return to_device(torch.tensor(values, dtype=torch.int64), device)
+
+
+def copy_into(dst: Tensor, host: Tensor) -> None:
+    """Fill the device tensor ``dst`` from ``host`` (a CPU tensor of its shape), queued without a host
+    wait on CUDA."""
+    if dst.device.type != "cuda":
+        dst.copy_(host)
+        return
+    dst.copy_(host.pin_memory(), non_blocking=True)

@@ -163,9 +163,53 @@ def prefill(
     last_M = length_N[done_M] - 1
     slot_M = slots_N[done_M]
     first_M = sampler(fwd.logits(hidden[done_M, last_M]), state.keys[slot_M], torch.zeros_like(slot_M))
-    prompt_len_M = int64_on([chunks[r].prompt_len for r in done], device)
+    start_decoding(state, slot_M, first_M, int64_on([chunks[r].prompt_len for r in done], device))
+    return first_M, features
+
+
+def start_decoding(state: SlotState, slot_M: Tensor, first_M: Tensor, prompt_len_M: Tensor) -> None:
+    """The slots whose prompts a prefill completed decode from the next step: their first token is the
+    next input, at position ``prompt_len``."""
     state.tokens.index_copy_(0, slot_M, first_M)
     state.lens.index_copy_(0, slot_M, prompt_len_M)
     state.steps.index_fill_(0, slot_M, 1)
     state.live.index_fill_(0, slot_M, True)
-    return first_M, features
+
+
+class FreshPrefillBuffers:
+    """The inputs and output of a prefill of fresh prompts at one static shape [R, W] (persistent: the
+    shape's CUDA graph reads and writes these very tensors; the caller fills the inputs before each run)."""
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.ids_RW = torch.zeros((rows, width), dtype=torch.int64, device=device)
+        """Each row's prompt tokens from position 0, padding after them."""
+        self.length_R = torch.zeros((rows,), dtype=torch.int64, device=device)
+        """Real tokens per row (0: an idle row, which writes only the scratch position)."""
+        self.slots_R = torch.zeros((rows,), dtype=torch.int64, device=device)
+        """The slot each row writes (an idle row: any real row's slot)."""
+        self.first_R = torch.zeros((rows,), dtype=torch.int64, device=device)
+        """Output: the token sampled after each row's last real token (meaningless for idle rows and for
+        rows whose prompt goes on in a later chunk)."""
+
+
+def fresh_prefill_step(
+    fwd: SlotForward, state: SlotState, sampler: Sampler, buf: FreshPrefillBuffers
+) -> None:
+    """A prefill forward of fresh prompts (every row from position 0, causal over its own keys) whose
+    shapes are fixed by ``buf``, so that it can be replayed as a CUDA graph: writes the rows' keys and
+    values into their slots and samples a token after each row's last real token into ``buf.first_R``.
+    The slot state is left to the caller (``start_decoding`` for the rows that complete their prompt)."""
+    rows, width = buf.ids_RW.shape
+    cache = fwd.cache
+    q_W = torch.arange(width, device=buf.ids_RW.device)
+    positions_RW = q_W[None, :].expand(rows, width)
+    write_RW = torch.where(q_W[None, :] < buf.length_R[:, None], positions_RW, cache.scratch)
+    forward_rows = ForwardRows(
+        num_rows=rows, slots_N=buf.slots_R, write_NS=write_RW,
+        attend_len=cache.attend_len(min(width, cache.max_len + 1)), own_keys_only=True,
+    )  # fmt: skip
+    hidden, _ = fwd.hidden(buf.ids_RW, positions_RW, None, forward_rows)
+    last_R = (buf.length_R - 1).clamp(min=0)
+    hidden_RH = hidden[torch.arange(rows, device=q_W.device), last_R]
+    keys_R2 = state.keys[buf.slots_R]
+    buf.first_R.copy_(sampler(fwd.logits(hidden_RH), keys_R2, torch.zeros_like(buf.slots_R)))

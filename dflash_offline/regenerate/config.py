@@ -146,6 +146,12 @@ class RegenerateConfig:
     cuda_graphs: Literal["on", "off"] = cli_field(
         "on", help="Decode steps replayed as CUDA graphs on a GPU (off: eager steps)."
     )
+    prefill_graphs: Literal["on", "off"] = cli_field(
+        "off",
+        help="Prefill forwards of new prompts run at rows and width rounded up to powers of two, replayed "
+        "as CUDA graphs with --cuda-graphs on (one per shape): less host work a step, more padding.",
+    )
+    """``EngineSettings.prefill_graphs``; off until it is measured faster on a GPU (bench/RESULTS.md)."""
     window: int | None = cli_field(
         None,
         min=1,

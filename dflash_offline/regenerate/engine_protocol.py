@@ -47,6 +47,9 @@ class EngineOptions:
     """The longest prompt a slot holds (with the new tokens)."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (on a GPU)."""
+    prefill_graphs: bool = False
+    """Prefill new prompts at padded static shapes, as CUDA graphs with ``cuda_graphs``
+    (``EngineSettings.prefill_graphs``)."""
     seed: int = 0
     """Sampling seed (with the request and the token's index)."""
     reuse_kv: bool | None = None

@@ -94,6 +94,7 @@ class SlotEngine:
             prefill_tokens=options.max_batch_tokens,
             prefill_wait_steps=options.prefill_wait,
             cuda_graphs=options.cuda_graphs,
+            prefill_graphs=options.prefill_graphs,
         )
         self._step_seconds = 0.0
         """Wall time in ``DecodeEngine.poll``, which runs the steps (``EngineStats.step_seconds``)."""

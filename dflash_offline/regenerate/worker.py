@@ -150,6 +150,7 @@ def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEn
         prefill_wait=config.prefill_wait_for(device.type),
         max_prompt_tokens=config.max_prompt_tokens,
         cuda_graphs=config.cuda_graphs == "on",
+        prefill_graphs=config.prefill_graphs == "on",
         seed=config.seed,
     )
     engine = SlotEngine(target.model, settings, options)  # --engine auto and slots alike

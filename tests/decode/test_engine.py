@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
+from dflash_offline.decode import engine as engine_module
 from dflash_offline.decode.sampling import Sampler, request_key_hash
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.embedded_assets import smollm2_gguf_available
@@ -68,6 +69,41 @@ def test_continuous_batching_equals_generate(target: LoadedTarget) -> None:
         stopped += got[f"p{i}"].stopped
     assert 0 < stopped < len(prompts)  # rows ended by the stop token and by their budget alike
     assert engine.pending() == 0
+
+
+def test_fresh_prefills_at_padded_static_shapes_equal_generate(
+    target: LoadedTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``prefill_graphs``: fresh prompts prefill at rows and width rounded up to powers of two through the
+    static-shape forward (a CUDA graph per shape on CUDA; eager here). A 70-token prompt fills the first
+    forward (64 tokens) and ends over the cache; four short prompts run side by side, then three with an
+    idle row, at the same shape; every answer is ``generate``'s."""
+    exact: list[tuple[int, bool]] = []
+    real_shape = engine_module.prefill_shape
+
+    def spy(cache: Any, chunks: Any) -> Any:
+        shape = real_shape(cache, chunks)
+        exact.append((shape.rows, shape.fresh))
+        return shape
+
+    monkeypatch.setattr(engine_module, "prefill_shape", spy)
+    model, vocab = target.model, target.info.vocab_size
+    prompts = random_prompts(1, seed=4, vocab=vocab, lengths=(70, 71)) + random_prompts(
+        7, seed=3, vocab=vocab, lengths=(3, 14)
+    )
+    max_new = [5, 4, 4, 4, 4, 6, 4, 4]
+    settings = EngineSettings(
+        num_slots=5, max_len=90, max_new_tokens=8, stop_ids=frozenset(), prefill_tokens=64, attend_granule=8,
+        prefill_graphs=True,
+    )  # fmt: skip
+    engine = DecodeEngine(model, settings)
+    got = run_all(engine, prompts, max_new)
+    for i, p in enumerate(prompts):
+        assert list(got[f"p{i}"].token_ids) == generate_greedy(model, p, max_new[i], frozenset()), i
+    assert exact == [(1, True), (1, False), (4, True), (3, True)]
+    shapes = {(s.rows, s.width, s.fresh): n for s, n in engine.prefill_shapes.items()}
+    assert shapes == {(1, 64, True): 1, (1, 16, False): 1, (4, 16, True): 2}  # 3 rows ran at 4 × 16
+    assert sorted(engine._fresh_buffers) == [(1, 64), (4, 16)]  # one set of static buffers per shape
 
 
 def test_a_lone_row_is_moved_down_and_still_exact(target: LoadedTarget) -> None:
@@ -203,17 +239,20 @@ def test_the_sampler_draws_from_softmax_and_top_p_keeps_the_nucleus() -> None:
 
 
 @pytest.mark.gpu
-def test_on_cuda_with_graphs_equals_generate() -> None:
-    """float32 on CUDA, decode steps replayed as CUDA graphs (cuDNN refuses float32: the math kernel)."""
+@pytest.mark.parametrize("prefill_graphs", [False, True])
+def test_on_cuda_with_graphs_equals_generate(prefill_graphs: bool) -> None:
+    """float32 on CUDA, decode steps replayed as CUDA graphs (cuDNN refuses float32: the math kernel); with
+    ``prefill_graphs`` the fresh prompts' prefill forwards too."""
     cuda = load_target("random:tiny", device="cuda", dtype=torch.float32)
     prompts = random_prompts(6, seed=5, vocab=cuda.info.vocab_size)
     max_new = [4, 12, 7, 12, 3, 9]
     settings = EngineSettings(
-        num_slots=2, max_len=80, max_new_tokens=12, stop_ids=frozenset(), prefill_tokens=32, attend_granule=16
-    )
+        num_slots=2, max_len=80, max_new_tokens=12, stop_ids=frozenset(), prefill_tokens=32,
+        attend_granule=16, prefill_graphs=prefill_graphs,
+    )  # fmt: skip
     engine = DecodeEngine(cuda.model, settings)
     got = run_all(engine, prompts, max_new)
-    assert engine.graphs.num_captured >= 1
+    assert engine.graphs.num_captured >= 1 + prefill_graphs
     for i, p in enumerate(prompts):
         ids = torch.tensor([p], device="cuda")
         ref = cuda.model.generate(

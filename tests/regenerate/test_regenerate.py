@@ -155,6 +155,23 @@ def test_the_throughput_line_says_what_the_engine_steps_did(tmp_path: Path, tiny
     assert 0 <= load <= startup < total  # the phrase itself is printed only for a load time above 0
 
 
+def test_prefill_graphs_on_answers_as_off(tmp_path: Path) -> None:
+    """``--prefill-graphs on`` (new prompts prefilled at padded static shapes: CUDA graphs on a GPU, the
+    same forwards eagerly here) writes the same conversations as the default."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 6, turns=2)
+    outputs = {}
+    for mode in ("off", "on"):
+        out = tmp_path / f"regen-{mode}.jsonl"
+        result = CliRunner().invoke(
+            main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
+                   "--max-new-tokens", "10", "--batch-size", "3", "--prefill-graphs", mode, "--no-progress"],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        outputs[mode] = sorted((line["id"], line["messages"]) for line in _lines(out))
+    assert len(outputs["on"]) == 6
+    assert outputs["on"] == outputs["off"]
+
+
 def test_the_workers_engine_stats_sum() -> None:
     """Counts add up; the busy share and the seconds are over all workers' steps (per worker)."""
     a = EngineStats(slots=3, steps=10, slot_steps=30, decoded_tokens=20, prefills=4, prefill_tokens=100,
