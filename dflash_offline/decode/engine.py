@@ -55,6 +55,7 @@ from dflash_offline.decode.steps import (
     SlotState,
     decode_step,
     fresh_prefill_step,
+    padded_ids,
     prefill,
     prefill_shape,
     start_decoding,
@@ -526,10 +527,7 @@ class DecodeEngine:
         if buf is None:
             buf = self._fresh_buffers[key] = FreshPrefillBuffers(shape.rows, shape.width, self.device)
         idle = shape.rows - len(chunks)
-        ids = torch.zeros(key, dtype=torch.int64)
-        for r, c in enumerate(chunks):
-            ids[r, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.int64)
-        copy_into(buf.ids_RW, ids)
+        copy_into(buf.ids_RW, padded_ids(chunks, *key))
         copy_into(buf.length_R, torch.tensor([len(c.token_ids) for c in chunks] + [0] * idle))
         copy_into(buf.slots_R, torch.tensor([c.slot for c in chunks] + [chunks[0].slot] * idle))
         self.graphs.run(

@@ -116,6 +116,15 @@ def prefill_shape(cache: SlotCache, chunks: Sequence[PrefillChunk]) -> PrefillSh
     )
 
 
+def padded_ids(chunks: Sequence[PrefillChunk], rows: int, width: int) -> Tensor:
+    """int64 [rows, width] on the host: each chunk's tokens from the row's start, zeros after them and in
+    the rows past the chunks."""
+    ids = torch.zeros((rows, width), dtype=torch.int64)
+    for r, c in enumerate(chunks):
+        ids[r, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.int64)
+    return ids
+
+
 def prefill(
     fwd: SlotForward,
     state: SlotState,
@@ -139,9 +148,7 @@ def prefill(
     assert shape.width >= exact.width, (shape, exact)
     assert (shape.attend_len, shape.fresh) == (exact.attend_len, exact.fresh), (shape, exact)
     width, idle = shape.width, [0] * (shape.rows - exact.rows)
-    ids = torch.zeros((shape.rows, width), dtype=torch.int64)
-    for r, c in enumerate(chunks):
-        ids[r, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.int64)
+    ids = padded_ids(chunks, shape.rows, width)
     start_N = int64_on([c.start for c in chunks] + idle, device)
     length_N = int64_on([len(c.token_ids) for c in chunks] + idle, device)
     slot_list = [c.slot for c in chunks]

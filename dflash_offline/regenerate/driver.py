@@ -72,8 +72,8 @@ def render_prompt(tokenizer: Any, chat: list[dict[str, str]], *, max_tokens: int
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and (max_tokens is None or len(text) <= head_chars(max_tokens)):
         # A text ``encode_head`` would tokenize whole: the fast tokenizer's own encoder, which
-        # ``tokenizer(text)`` calls too, without the offsets and the BatchEncoding around it (0.55× the
-        # time a prompt; the driver renders every turn's prompt whole, between the engine's steps).
+        # ``tokenizer(text)`` calls too, without the offsets and the BatchEncoding around it (0.60× the
+        # time a prompt, bench/RESULTS.md; the driver renders every turn's prompt whole, between steps).
         return list(backend.encode(text, add_special_tokens=False).ids)
     if max_tokens is not None:
         return [int(i) for i in encode_head(tokenizer, text, max_tokens).ids_T]
