@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SLOT_ATTENTION = "dflash_slots"
 """The name of ``slot_attention`` in transformers' AttentionInterface."""
+
+LIVE_KEYS_KWARG = "slot_live_keys"
+"""The keyword that carries a forward's ``LiveKeys`` from the decoder layers to ``slot_attention``
+(transformers hands a layer's extra keywords on to its attention function)."""
 
 
 def sdpa_backends(device: torch.device, dtype: torch.dtype) -> list[SDPBackend]:
@@ -68,6 +73,98 @@ def attend(
         )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LiveKeys:
+    """How many keys each row of a one-token-per-row forward attends over, laid out for the flash kernel's
+    variable-length call (``attend_live``): built once a step, read by every layer. Each (row, K/V head)
+    pair is one sequence of the call, its query heads that head's group (GQA read in place), its keys the
+    row's slot at that head: positions 0..count−1, nothing past them (no attention over padding)."""
+
+    seqused_k: Tensor
+    """int32 [N·Hk]: keys of each (row, head) sequence (the row's count, repeated per head)."""
+    cu_seqlens_q: Tensor
+    """int32 [N·Hk + 1]: one query a sequence."""
+    cu_seqlens_k: Tensor
+    """int32 [N·Hk + 1]: where each sequence's keys start, in positions of the flattened cache view."""
+    max_keys: int
+    """The most keys a row may attend over (the forward's attended bucket)."""
+
+
+def live_keys(key_counts_N: Tensor, *, num_kv_heads: int, positions_per_head: int, max_keys: int) -> LiveKeys:
+    """``LiveKeys`` of rows attending over positions 0..count−1 of a cache whose (row, head) planes are
+    ``positions_per_head`` positions apart (a slot cache's capacity)."""
+    n = key_counts_N.shape[0]
+    device = key_counts_N.device
+    starts = torch.arange(n * num_kv_heads + 1, device=device, dtype=torch.int32)
+    return LiveKeys(
+        seqused_k=key_counts_N.to(torch.int32).repeat_interleave(num_kv_heads),
+        cu_seqlens_q=starts,
+        cu_seqlens_k=starts * positions_per_head,
+        max_keys=max_keys,
+    )
+
+
+def grouped_layout(q_NHSD: Tensor, k_NHLD: Tensor, v_NHLD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The flash kernel's variable-length layout of one query a row over a slot cache, with no copy of K/V:
+    queries [N·Hk, G, D] (row n's query heads of K/V head h: transformers' GQA pairs query head j with
+    K/V head j // G), keys and values [T, 1, D] views of the cache planes (T = N·Hk·L, L the positions
+    between one plane and the next: ``k_NHLD.stride(1) // D``)."""
+    n, hq, s, d = q_NHSD.shape
+    hk = k_NHLD.shape[1]
+    assert s == 1, "one query a row"
+    assert k_NHLD.stride() == v_NHLD.stride(), (k_NHLD.stride(), v_NHLD.stride())
+    plane = k_NHLD.stride(1)
+    assert k_NHLD.stride(3) == 1, k_NHLD.stride()
+    assert k_NHLD.stride(2) == d, k_NHLD.stride()
+    assert k_NHLD.stride(0) == hk * plane, k_NHLD.stride()
+    rows = n * hk * (plane // d)
+    q = q_NHSD.reshape(n * hk, hq // hk, d)
+    k = k_NHLD.as_strided((rows, 1, d), (d, d, 1))
+    v = v_NHLD.as_strided((rows, 1, d), (d, d, 1))
+    return q, k, v
+
+
+def attend_live(
+    q_NHSD: Tensor, k_NHLD: Tensor, v_NHLD: Tensor, live: LiveKeys, *, scale: float | None = None
+) -> Tensor:
+    """[N, Hq, 1, D]: each row's query over its own live keys alone, K/V read in place (CUDA, half
+    precision: the flash kernel's variable-length forward with per-sequence used key counts)."""
+    n, hq, _, d = q_NHSD.shape
+    q, k, v = grouped_layout(q_NHSD, k_NHLD, v_NHLD)
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, live.cu_seqlens_q, live.cu_seqlens_k, 1, live.max_keys, 0.0, False, False,
+        scale=scale, seqused_k=live.seqused_k,
+    )[0]  # fmt: skip
+    return out.view(n, hq, 1, d)
+
+
+def flash_reads_live_lengths(
+    device: torch.device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether ``attend_live`` runs here and agrees with the masked kernel on a small case (CUDA in half
+    precision with a torch whose flash forward takes ``seqused_k``); else the padded path."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    slots, cap = 3, 256
+    q = torch.randn((slots, num_heads, 1, head_dim), generator=gen, device=device, dtype=dtype)
+    k = torch.randn((slots + 1, num_kv_heads, cap, head_dim), generator=gen, device=device, dtype=dtype)
+    v = torch.randn((slots + 1, num_kv_heads, cap, head_dim), generator=gen, device=device, dtype=dtype)
+    counts = torch.tensor([1, 70, 200], device=device)
+    mask = (torch.arange(128, device=device)[None, :] < counts[:, None])[:, None, None, :]
+    try:
+        live = live_keys(counts, num_kv_heads=num_kv_heads, positions_per_head=cap, max_keys=128)
+        got = attend_live(q, k[:slots, :, :128], v[:slots, :, :128], live)
+    except (RuntimeError, TypeError):
+        return False
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = F.scaled_dot_product_attention(
+            q.float(), k[:slots, :, :128].float(), v[:slots, :, :128].float(), attn_mask=mask,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # fmt: skip
+    return bool(torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2))
+
+
 def cudnn_reads_slices(
     device: torch.device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> bool:
@@ -102,6 +199,10 @@ def slot_attention(
     """The ``AttentionInterface`` entry: ``attention_mask`` is the slot forward's boolean mask (None: a
     prefill of fresh prompts, causal over their own keys), ``key`` and ``value`` what ``SlotCache.update``
     returned. Output [N, S, Hq, D], as transformers' own functions."""
+    live = kwargs.get(LIVE_KEYS_KWARG)
+    if live is not None:
+        out = attend_live(query, key, value, live, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
     assert attention_mask is None or attention_mask.dtype == torch.bool, attention_mask.dtype
     out = attend(query, key, value, attention_mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None

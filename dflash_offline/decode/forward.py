@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash_offline.decode.attention import attention_configs, slot_attention_enabled
+from dflash_offline.decode.attention import LIVE_KEYS_KWARG, attention_configs, slot_attention_enabled
 from dflash_offline.decode.slot_cache import ForwardRows, SlotCache
 from dflash_offline.errors import TargetError
 from dflash_offline.target_model.capture import backbone_of
@@ -65,11 +65,12 @@ class SlotForward:
         """Pre-norm hidden states [N, S, H] of the last layer, and the residual stream after each layer in
         ``capture`` concatenated [N, S, F] (None without ``capture``). Writes the tokens' K/V at
         ``rows.write_NS`` of their slots. ``mask_N1SL`` None: causal over the rows' own tokens
-        (``rows.own_keys_only``)."""
+        (``rows.own_keys_only``), or each row over its live keys (``rows.live_keys``)."""
         assert list(capture) == sorted(set(capture)), capture
         wanted = set(capture)
         captured: list[Tensor] = []
         self.cache.rows = rows
+        live = {} if rows.live_keys is None else {LIVE_KEYS_KWARG: rows.live_keys}
         try:
             with slot_attention_enabled(self._configs):
                 h = self.embed(ids_NS)
@@ -82,6 +83,7 @@ class SlotForward:
                         position_embeddings=position_embeddings,
                         use_cache=True,
                         **{self._cache_kwarg: self.cache},
+                        **live,
                     )
                     h = out if isinstance(out, Tensor) else out[0]
                     if i in wanted:

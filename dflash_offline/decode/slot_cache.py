@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash_offline.decode.attention import cudnn_reads_slices
+from dflash_offline.decode.attention import LiveKeys, cudnn_reads_slices, flash_reads_live_lengths, live_keys
 
 CUDA_ATTEND_GRANULE = 256
 """Smallest attended length on CUDA; buckets double from it up to the capacity (each one a CUDA graph)."""
@@ -55,6 +55,9 @@ class ForwardRows:
     own_keys_only: bool = False
     """Every row starts at position 0 (a prefill of fresh prompts): the rows attend causally over their own
     new keys, handed back as they are (no gather of the cache)."""
+    live_keys: LiveKeys | None = None
+    """One token a row, attending over each row's live keys alone (``SlotCache.live_keys``): no mask, no
+    attention over the bucket's padding."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,7 +123,9 @@ def shape_for(
 class SlotCache:
     """Per-layer K/V of every slot, in place; the ``update`` target of the model's attention modules."""
 
-    def __init__(self, shape: CacheShape, *, attend_granule: int | None = None) -> None:
+    def __init__(
+        self, shape: CacheShape, *, attend_granule: int | None = None, live_attention: bool = False
+    ) -> None:
         self.shape = shape
         s = shape
         dims = (s.num_slots, s.num_kv_heads, s.capacity, s.head_dim)
@@ -133,6 +138,12 @@ class SlotCache:
         # A kernel that refuses a strided slice of the cache reads all of it (still a view, no copy).
         granule = default_attend_granule(s.device) if attend_granule is None else attend_granule
         self.attend_granule = granule if self.reads_slices else s.capacity
+        self.reads_live_lengths = live_attention and flash_reads_live_lengths(
+            s.device, s.dtype, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim
+        )
+        """Decode steps attend over each row's live keys alone (the flash kernel, ``attend_live``); else
+        over the step's whole bucket with a mask. Asked for with ``live_attention``, and only where the
+        kernel runs and agrees with the masked one (CUDA, half precision)."""
         self.rows: ForwardRows | None = None
         """Set by the caller before each forward (``SlotForward``)."""
 
@@ -157,6 +168,13 @@ class SlotCache:
         while bucket < needed:
             bucket *= 2
         return min(bucket, self.capacity)
+
+    def live_keys(self, key_counts_N: Tensor, attend_len: int) -> LiveKeys:
+        """``LiveKeys`` of decode rows 0..N−1 seeing positions 0..count−1 of their slots."""
+        return live_keys(
+            key_counts_N, num_kv_heads=self.shape.num_kv_heads, positions_per_head=self.capacity,
+            max_keys=attend_len,
+        )  # fmt: skip
 
     def update(
         self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any

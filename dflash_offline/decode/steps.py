@@ -68,8 +68,15 @@ def decode_step(fwd: SlotForward, state: SlotState, sampler: Sampler, num_rows: 
     n = num_rows
     live_N, lens_N = state.live[:n], state.lens[:n]
     write_N1 = torch.where(live_N, lens_N, fwd.cache.scratch)[:, None]
-    rows = ForwardRows(num_rows=n, slots_N=None, write_NS=write_N1, attend_len=attend_len)
-    hidden, _ = fwd.hidden(state.tokens[:n, None], write_N1, decode_mask(lens_N, live_N, attend_len), rows)
+    if fwd.cache.reads_live_lengths:
+        # A live row sees positions 0..lens (its new token included), an idle one position 0 alone.
+        live = fwd.cache.live_keys(torch.where(live_N, lens_N + 1, 1), attend_len)
+        rows = ForwardRows(num_rows=n, slots_N=None, write_NS=write_N1, attend_len=attend_len, live_keys=live)
+        mask = None
+    else:
+        rows = ForwardRows(num_rows=n, slots_N=None, write_NS=write_N1, attend_len=attend_len)
+        mask = decode_mask(lens_N, live_N, attend_len)
+    hidden, _ = fwd.hidden(state.tokens[:n, None], write_N1, mask, rows)
     next_N = sampler(fwd.logits(hidden[:, -1]), state.keys[:n], state.steps[:n])
     state.sampled[:n].copy_(next_N)
     state.tokens[:n].copy_(torch.where(live_N, next_N, state.tokens[:n]))

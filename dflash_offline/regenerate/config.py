@@ -152,6 +152,12 @@ class RegenerateConfig:
         "as CUDA graphs with --cuda-graphs on (one per shape): less host work a step, more padding.",
     )
     """``EngineSettings.prefill_graphs``; off until it is measured faster on a GPU (bench/RESULTS.md)."""
+    decode_attention: Literal["padded", "live"] = cli_field(
+        "padded",
+        help="Decode steps' attention: over each row's live keys alone (live: the flash kernel, on a GPU in "
+        "half precision) or over the step's bucket of positions with a mask (padded).",
+    )
+    """``EngineSettings.live_attention``; padded until live is measured faster on a GPU (bench/RESULTS.md)."""
     window: int | None = cli_field(
         None,
         min=1,

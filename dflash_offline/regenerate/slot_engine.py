@@ -95,6 +95,7 @@ class SlotEngine:
             prefill_wait_steps=options.prefill_wait,
             cuda_graphs=options.cuda_graphs,
             prefill_graphs=options.prefill_graphs,
+            live_attention=options.live_attention,
         )
         self._step_seconds = 0.0
         """Wall time in ``DecodeEngine.poll``, which runs the steps (``EngineStats.step_seconds``)."""

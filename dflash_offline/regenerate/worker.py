@@ -151,6 +151,7 @@ def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEn
         max_prompt_tokens=config.max_prompt_tokens,
         cuda_graphs=config.cuda_graphs == "on",
         prefill_graphs=config.prefill_graphs == "on",
+        live_attention=config.decode_attention == "live",
         seed=config.seed,
     )
     engine = SlotEngine(target.model, settings, options)  # --engine auto and slots alike
