@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from bench.regenerate_variants import parse_throughput
 from dflash_offline.cli import main
 from dflash_offline.data.conversations import Conversation, Message
 from dflash_offline.data.sources import iter_records
@@ -153,6 +154,11 @@ def test_the_throughput_line_says_what_the_engine_steps_did(tmp_path: Path, tiny
     assert timing is not None, throughput
     total, startup, load = (float(g) for g in timing.groups())
     assert 0 <= load <= startup < total  # the phrase itself is printed only for a load time above 0
+    # bench/regenerate_variants.py reads the same line for its side by sides.
+    figures = parse_throughput(result.output)
+    assert figures is not None, throughput
+    assert (figures["conversations"], figures["new_tokens"], figures["steps"]) == (5, 120, 120)
+    assert figures["mean_decoding_slots"] == 0.9
 
 
 def test_prefill_graphs_on_answers_as_off(tmp_path: Path) -> None:
