@@ -7,7 +7,8 @@ A variant is a name and regenerate flags; ``--tree NAME=DIR`` runs that variant 
 (e.g. an earlier commit's ``dflash_offline`` and ``bench``: ``git archive COMMIT dflash_offline bench``),
 with today's ``regenerate_profile.py`` copied in (its timers detect an engine without ``_collect``). Each
 variant stops with a SIGINT after ``--seconds`` (regenerate keeps every finished answer) and writes its own
-answers file, so each variant starts from the same records. Everything after ``--`` is regenerate's own arguments, ``--out`` excepted:
+answers file, so each variant starts from the same records. Everything after ``--`` is regenerate's own
+arguments, ``--out`` excepted:
 
     python bench/regenerate_variants.py --seconds 72 --out-dir /tmp/ab --tree before=/tmp/before \\
       --variants '{"before": "", "now": "", "graphs": "--prefill-graphs on",
