@@ -20,6 +20,9 @@ as it exists):
    wait against growing with the live rows, alternated, then once under the profiler (device and host
    time by op over the whole run).
 4. ``random:qwen3-8b`` throughput (section 2's engines at batch 1/64/256).
+   ``live`` (not in the default list): the engine with ``live_attention`` (decode steps attend over each
+   row's live keys alone, the flash kernel) beside the default (over the step's bucket with a mask), at
+   SmolLM2's shape (batch 256 and 1,024, 256 new tokens) and Qwen3-8B's (batch 64 and 256, 128 new).
 5. kernel profile of one decode step (batch 256), transformers' (DynamicCache, sdpa) against the engine's.
 
     python bench/decode.py --data chat.jsonl --json out.json          # one H200 (about 4 minutes)
@@ -206,8 +209,9 @@ def run_engine(
     engine: Any
     if name == "slots":
         options = EngineOptions(
-            batch_size=batch, kv_tokens=None, max_batch_tokens=max_batch_tokens, max_prompt_tokens=longest
-        )
+            batch_size=batch, kv_tokens=None, max_batch_tokens=max_batch_tokens, max_prompt_tokens=longest,
+            live_attention=extra.get("live_attention", False),
+        )  # fmt: skip
         engine = SlotEngine(model, settings, options)
     else:
         reference = ReferenceOptions(
@@ -244,6 +248,7 @@ def run_engine(
                 "prefills": inner.num_prefills,
                 "graphs": inner.graphs.num_captured,
                 "reads_slices": inner.cache.reads_slices,
+                "reads_live_lengths": inner.cache.reads_live_lengths,
             }
     finally:
         engine.close(abort=timed_out)
@@ -283,7 +288,7 @@ def throughput(
     report.note(f"{target_spec}: loaded in {time.perf_counter() - t0:.1f} s ({target.dtype})")
     # One untimed tiny run per engine first: library initialisation (cuBLAS, cuDNN plans, allocator
     # growth) is paid there, not by whichever engine happens to run first.
-    for name in sorted({n.removesuffix("-full") for n, _, _ in plan}):
+    for name in sorted({n.removesuffix("-full").removesuffix("-live") for n, _, _ in plan}):
         try:
             run_engine(name, target.model, prompts[:2], 8, 2, 60)
         except Exception as e:
@@ -295,6 +300,8 @@ def throughput(
         extra: dict[str, Any] = {}
         if name == "slots-full":
             name, extra = "slots", {"attend_granule": 1 << 20}
+        if name == "slots-live":
+            name, extra = "slots", {"live_attention": True}
         try:
             row = run_engine(
                 name, target.model, prompts[:batch], new, batch, min(limit_s, budget.left() - 10), **extra
@@ -505,7 +512,11 @@ def summary(report: Report) -> None:
         if "error" in r:
             print(f"{r['target']:22s} {r['engine']:8s} {r['batch']:5d}  error: {r['error'][:60]}")
             continue
-        name = r["engine"] + ("-full" if "attend_granule" in r else "")
+        name = (
+            r["engine"]
+            + ("-full" if "attend_granule" in r else "")
+            + ("-live" if r.get("reads_live_lengths") else "")
+        )
         flag = " (timed out)" if r["timed_out"] else ""
         print(
             f"{r['target']:22s} {name:8s} {r['batch']:5d} {r['new_tokens_per_answer']:4d} "
@@ -604,6 +615,15 @@ def main() -> None:
         if args.quick:
             plan = [("slots", 2, 8), ("static", 2, 8)]
         throughput(report, budget, big, prompts, plan, args.limit_s)
+    if "live" in sections:
+        # The decode steps' attention over each row's live keys (the flash kernel) against over the step's
+        # bucket with a mask, alternated at each shape; SmolLM2's at 256 new tokens (regenerate's answers).
+        pairs = [(small, 256, 256), (small, 1024, 256), (big, 64, 128), (big, 256, 128)]
+        if args.quick:
+            pairs = [(small, 2, 8)]
+        for spec in dict.fromkeys(t for t, _, _ in pairs):
+            plan = [(e, b, n) for t, b, n in pairs if t == spec for e in ("slots", "slots-live")]
+            throughput(report, budget, spec, prompts, plan, args.limit_s)
     if "profile" in sections and budget.left() > 30:
         try:
             profile(report, small, 8 if args.quick else 256, 64 if args.quick else 512)
