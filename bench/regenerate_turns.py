@@ -15,10 +15,13 @@ over the cache and their distinct shapes (those new to the process each cost cuD
 graphs captured, the share of decode rows that were live; the outputs of the modes are compared line
 for line (equal on the CPU in float32).
 
-``--kv reuse|whole`` runs one of the two modes only; ``--prefill-wait-steps 0 8`` runs each mode once per
-value of the engine's ``prefill_wait_steps`` (``dflash regenerate --prefill-wait``: a prefill forward its
-prompts do not fill waits up to K steps while rows decode), named ``whole+wait8`` etc., and the summary
-gives each value's conversations/s and prefill forwards as a ratio to the first value's.
+``--kv reuse|whole`` runs one of the two modes only; ``--decode-attention padded live`` runs each mode
+once per attention over the cache (``+live``: each row's live keys read in place, the flash kernel, on a
+GPU in half precision), with each value's conversations/s as a ratio to the first's;
+``--prefill-wait-steps 0 8`` runs each mode once per value of the engine's ``prefill_wait_steps`` (``dflash
+regenerate --prefill-wait``: a prefill forward its prompts do not fill waits up to K steps while rows decode),
+named ``whole+wait8`` etc., and the summary gives each value's conversations/s and prefill forwards as a ratio
+to the first value's.
 
   python bench/regenerate_turns.py --target random:tiny --limit 24 --max-new-tokens 32 --batch-size 8
   python bench/regenerate_turns.py --target default --limit 512 --max-new-tokens 256 --batch-size 256 \\
@@ -99,13 +102,18 @@ def multi_turn(data: str | None, *, limit: int, min_turns: int) -> list[Conversa
     return out
 
 
-def mode_name(reuse: bool, wait: int) -> str:
-    return ("reuse" if reuse else "whole") + (f"+wait{wait}" if wait else "")
+def mode_name(reuse: bool, wait: int, attention: str = "padded") -> str:
+    return (
+        ("reuse" if reuse else "whole")
+        + (f"+wait{wait}" if wait else "")
+        + ("+live" if attention == "live" else "")
+    )
 
 
 def run_mode(
     reuse: bool,
     wait: int,
+    attention: str,
     target: Any,
     convs: list[Conversation],
     settings: GenerationSettings,
@@ -118,6 +126,7 @@ def run_mode(
         batch_size=args.batch_size, kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
         max_prompt_tokens=args.max_prompt_tokens, cuda_graphs=args.cuda_graphs == "on", prefill_wait=wait,
         reuse_kv=True,  # regenerate's default drops the hints on CUDA; this bench measures them
+        live_attention=attention == "live",
     )  # fmt: skip
     device = next(target.model.parameters()).device
     if device.type == "cuda":
@@ -154,8 +163,9 @@ def run_mode(
     new_masked = masked - seen_masked
     seen_masked |= masked
     row = {
-        "mode": mode_name(reuse, wait),
+        "mode": mode_name(reuse, wait, attention),
         "prefill_wait_steps": wait,
+        "reads_live_lengths": decode.cache.reads_live_lengths,
         "conversations": total.written,
         "failed": total.failed,
         "answers": total.answers,
@@ -210,6 +220,11 @@ def main() -> None:
         "--prefill-wait-steps", type=int, nargs="+", default=[0],
         help="the engine's prefill_wait_steps: each mode runs once per value (ratios to the first)",
     )  # fmt: skip
+    ap.add_argument(
+        "--decode-attention", nargs="+", choices=["padded", "live"], default=["padded"],
+        help="the engine's attention over the cache (regenerate --decode-attention): each mode runs once per "
+        "value (ratios to the first)",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=2, help="rounds; each runs every mode, order flipped")
     ap.add_argument(
         "--warmup", type=int, default=8,
@@ -238,23 +253,28 @@ def main() -> None:
     )
     seen_masked: set[PrefillShape] = set()
     kv_modes = {"both": (True, False), "reuse": (True,), "whole": (False,)}[args.kv]
-    modes = [(reuse, wait) for reuse in kv_modes for wait in args.prefill_wait_steps]
+    modes = [
+        (reuse, wait, attention)
+        for reuse in kv_modes
+        for wait in args.prefill_wait_steps
+        for attention in args.decode_attention
+    ]
     if warm:
         # Untimed: the first mode timed must not pay the process's first-use costs (CUDA context, cuBLAS
         # and cuDNN handles, kernel loading) that the other then finds paid.
-        for reuse, wait in modes:
-            row, _ = run_mode(reuse, wait, target, warm, settings, args, seen_masked)
+        for reuse, wait, attention in modes:
+            row, _ = run_mode(reuse, wait, attention, target, warm, settings, args, seen_masked)
             print(f"warm-up {row['mode']} on {len(warm)} other conversations: {row['seconds']} s", flush=True)
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.repeats):
-        for reuse, wait in modes if r % 2 == 0 else modes[::-1]:
-            row, lines = run_mode(reuse, wait, target, convs, settings, args, seen_masked)
+        for reuse, wait, attention in modes if r % 2 == 0 else modes[::-1]:
+            row, lines = run_mode(reuse, wait, attention, target, convs, settings, args, seen_masked)
             row["round"] = r
             rows.append(row)
             outputs.setdefault(row["mode"], lines)
             print(json.dumps({k: v for k, v in row.items() if k != "prefill_shape_counts"}), flush=True)
-    names = [mode_name(reuse, wait) for reuse, wait in modes]
+    names = [mode_name(*mode) for mode in modes]
     first = outputs[names[0]]
     summary: dict[str, Any] = {"identical_outputs": all(outputs[n] == first for n in names)}
     for name in names:
@@ -267,7 +287,11 @@ def main() -> None:
             "median_new_tokens_per_second": statistics.median(r["new_tokens_per_second"] for r in mine),
         }
     if len(kv_modes) == 2:
-        reuse, whole = summary[names[0]], summary[mode_name(False, args.prefill_wait_steps[0])]
+        first_attention = args.decode_attention[0]
+        reuse, whole = (
+            summary[names[0]],
+            summary[mode_name(False, args.prefill_wait_steps[0], first_attention)],
+        )
         summary["prefill_ratio"] = round(
             reuse["prefill_tokens_per_conversation"] / whole["prefill_tokens_per_conversation"], 3
         )
@@ -284,6 +308,14 @@ def main() -> None:
             mine["prefill_forwards_vs_first_wait"] = round(
                 mine["prefill_forwards"] / base["prefill_forwards"], 3
             )
+    for reuse in kv_modes:
+        for wait in args.prefill_wait_steps:
+            base = summary[mode_name(reuse, wait, args.decode_attention[0])]
+            for attention in args.decode_attention[1:]:
+                mine = summary[mode_name(reuse, wait, attention)]
+                mine["speedup_vs_first_attention"] = round(
+                    mine["median_conversations_per_second"] / base["median_conversations_per_second"], 3
+                )
     print(json.dumps(summary), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -75,94 +75,116 @@ def attend(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LiveKeys:
-    """How many keys each row of a one-token-per-row forward attends over, laid out for the flash kernel's
-    variable-length call (``attend_live``): built once a step, read by every layer. Each (row, K/V head)
-    pair is one sequence of the call, its query heads that head's group (GQA read in place), its keys the
-    row's slot at that head: positions 0..count−1, nothing past them (no attention over padding)."""
+    """Which keys each row of a forward over the slot cache attends over, laid out for the flash kernel's
+    variable-length call (``attend_live``): built once a forward, read by every layer. Each (row, K/V head)
+    pair is one sequence of the call: its queries the row's S tokens, its heads that K/V head's group of
+    query heads (GQA read in place), its keys the plane of the row's slot at that head, positions
+    0..count−1 and nothing past them (no attention over padding, no gather of the cache). With S > 1 the
+    queries are causal and aligned to the end of the keys: query s sees positions 0..count−S+s."""
 
     seqused_k: Tensor
     """int32 [N·Hk]: keys of each (row, head) sequence (the row's count, repeated per head)."""
     cu_seqlens_q: Tensor
-    """int32 [N·Hk + 1]: one query a sequence."""
+    """int32 [N·Hk + 1]: S queries a sequence."""
     cu_seqlens_k: Tensor
-    """int32 [N·Hk + 1]: where each sequence's keys start, in positions of the flattened cache view."""
+    """int32 [N·Hk + 1]: where each sequence's plane starts in the cache flattened to positions (in any
+    order: the kernel reads a sequence's start and ``seqused_k``, never the next start)."""
+    queries: int
+    """S."""
     max_keys: int
-    """The most keys a row may attend over (the forward's attended bucket)."""
+    """No count is larger (the slot capacity L)."""
 
 
-def live_keys(key_counts_N: Tensor, *, num_kv_heads: int, positions_per_head: int, max_keys: int) -> LiveKeys:
-    """``LiveKeys`` of rows attending over positions 0..count−1 of a cache whose (row, head) planes are
-    ``positions_per_head`` positions apart (a slot cache's capacity)."""
-    n = key_counts_N.shape[0]
+def live_keys(
+    slots_N: Tensor | None, key_counts_N: Tensor, *, queries: int, num_kv_heads: int, capacity: int
+) -> LiveKeys:
+    """``LiveKeys`` of rows reading slots ``slots_N`` (None: row n is slot n) over positions 0..count−1,
+    in a cache of ``capacity`` positions a (slot, head) plane."""
+    n, hk = key_counts_N.shape[0], num_kv_heads
     device = key_counts_N.device
-    starts = torch.arange(n * num_kv_heads + 1, device=device, dtype=torch.int32)
+    slot_N = torch.arange(n, device=device) if slots_N is None else slots_N
+    plane_T = (slot_N[:, None] * hk + torch.arange(hk, device=device)[None, :]).reshape(-1)
+    end = torch.full((1,), 0, device=device, dtype=plane_T.dtype)
     return LiveKeys(
-        seqused_k=key_counts_N.to(torch.int32).repeat_interleave(num_kv_heads),
-        cu_seqlens_q=starts,
-        cu_seqlens_k=starts * positions_per_head,
-        max_keys=max_keys,
+        seqused_k=key_counts_N.to(torch.int32).repeat_interleave(hk),
+        cu_seqlens_q=torch.arange(n * hk + 1, device=device, dtype=torch.int32) * queries,
+        cu_seqlens_k=(torch.cat([plane_T, end]) * capacity).to(torch.int32),
+        queries=queries,
+        max_keys=capacity,
     )
 
 
-def grouped_layout(q_NHSD: Tensor, k_NHLD: Tensor, v_NHLD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The flash kernel's variable-length layout of one query a row over a slot cache, with no copy of K/V:
-    queries [N·Hk, G, D] (row n's query heads of K/V head h: transformers' GQA pairs query head j with
-    K/V head j // G), keys and values [T, 1, D] views of the cache planes (T = N·Hk·L, L the positions
-    between one plane and the next: ``k_NHLD.stride(1) // D``)."""
+def grouped_layout(q_NHSD: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The flash kernel's variable-length layout of the rows' queries over a whole slot cache, with no copy
+    of K/V: queries [N·Hk·S, G, D] (sequence (n, h) holds row n's S tokens, its heads the query heads of K/V
+    head h: transformers' GQA pairs query head j with K/V head j // G), keys and values the cache
+    [slots, Hk, L, D] viewed as [slots·Hk·L, 1, D] (``LiveKeys.cu_seqlens_k`` picks the planes)."""
     n, hq, s, d = q_NHSD.shape
-    hk = k_NHLD.shape[1]
-    assert s == 1, "one query a row"
-    assert k_NHLD.stride() == v_NHLD.stride(), (k_NHLD.stride(), v_NHLD.stride())
-    plane = k_NHLD.stride(1)
-    assert k_NHLD.stride(3) == 1, k_NHLD.stride()
-    assert k_NHLD.stride(2) == d, k_NHLD.stride()
-    assert k_NHLD.stride(0) == hk * plane, k_NHLD.stride()
-    rows = n * hk * (plane // d)
-    q = q_NHSD.reshape(n * hk, hq // hk, d)
-    k = k_NHLD.as_strided((rows, 1, d), (d, d, 1))
-    v = v_NHLD.as_strided((rows, 1, d), (d, d, 1))
-    return q, k, v
+    hk = k_cache.shape[1]
+    assert k_cache.is_contiguous(), k_cache.stride()
+    assert v_cache.is_contiguous(), v_cache.stride()
+    q = q_NHSD.reshape(n, hk, hq // hk, s, d).transpose(2, 3).reshape(n * hk * s, hq // hk, d)
+    return q, k_cache.view(-1, 1, d), v_cache.view(-1, 1, d)
 
 
 def attend_live(
-    q_NHSD: Tensor, k_NHLD: Tensor, v_NHLD: Tensor, live: LiveKeys, *, scale: float | None = None
+    q_NHSD: Tensor, k_cache: Tensor, v_cache: Tensor, live: LiveKeys, *, scale: float | None = None
 ) -> Tensor:
-    """[N, Hq, 1, D]: each row's query over its own live keys alone, K/V read in place (CUDA, half
-    precision: the flash kernel's variable-length forward with per-sequence used key counts)."""
-    n, hq, _, d = q_NHSD.shape
-    q, k, v = grouped_layout(q_NHSD, k_NHLD, v_NHLD)
+    """[N, S, Hq, D] (transformers' attention output layout): each row's queries over its own live keys
+    alone, K/V read in place from the whole cache (CUDA, half precision: the flash kernel's
+    variable-length forward with per-sequence used key counts)."""
+    n, hq, s, d = q_NHSD.shape
+    hk = k_cache.shape[1]
+    q, k, v = grouped_layout(q_NHSD, k_cache, v_cache)
     out = torch.ops.aten._flash_attention_forward(
-        q, k, v, live.cu_seqlens_q, live.cu_seqlens_k, 1, live.max_keys, 0.0, False, False,
+        q, k, v, live.cu_seqlens_q, live.cu_seqlens_k, s, live.max_keys, 0.0, s > 1, False,
         scale=scale, seqused_k=live.seqused_k,
     )[0]  # fmt: skip
-    return out.view(n, hq, 1, d)
+    return out.view(n, hk, s, hq // hk, d).transpose(1, 2).reshape(n, s, hq, d)
 
 
 def flash_reads_live_lengths(
     device: torch.device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> bool:
-    """Whether ``attend_live`` runs here and agrees with the masked kernel on a small case (CUDA in half
-    precision with a torch whose flash forward takes ``seqused_k``); else the padded path."""
+    """Whether ``attend_live`` runs here and agrees with the masked math kernel on a small case, one query
+    a row and a causal block alike, rows reading slots out of order (CUDA in half precision with a torch
+    whose flash forward takes ``seqused_k``); else the padded path."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     gen = torch.Generator(device=device).manual_seed(0)
-    slots, cap = 3, 256
-    q = torch.randn((slots, num_heads, 1, head_dim), generator=gen, device=device, dtype=dtype)
-    k = torch.randn((slots + 1, num_kv_heads, cap, head_dim), generator=gen, device=device, dtype=dtype)
-    v = torch.randn((slots + 1, num_kv_heads, cap, head_dim), generator=gen, device=device, dtype=dtype)
-    counts = torch.tensor([1, 70, 200], device=device)
-    mask = (torch.arange(128, device=device)[None, :] < counts[:, None])[:, None, None, :]
-    try:
-        live = live_keys(counts, num_kv_heads=num_kv_heads, positions_per_head=cap, max_keys=128)
-        got = attend_live(q, k[:slots, :, :128], v[:slots, :, :128], live)
-    except (RuntimeError, TypeError):
-        return False
+    cap = 256
+    k = torch.randn((4, num_kv_heads, cap, head_dim), generator=gen, device=device, dtype=dtype)
+    v = torch.randn((4, num_kv_heads, cap, head_dim), generator=gen, device=device, dtype=dtype)
+    slots = torch.tensor([2, 0, 3], device=device)
+    counts = torch.tensor([4, 70, 200], device=device)
+    for s in (1, 4):
+        q = torch.randn((3, num_heads, s, head_dim), generator=gen, device=device, dtype=dtype)
+        try:
+            live = live_keys(slots, counts, queries=s, num_kv_heads=num_kv_heads, capacity=cap)
+            got = attend_live(q, k, v, live)
+        except (RuntimeError, TypeError):
+            return False
+        want = masked_live_reference(q.float(), k.float(), v.float(), slots, counts)
+        if not torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
+            return False
+    return True
+
+
+def masked_live_reference(
+    q_NHSD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_N: Tensor, counts_N: Tensor
+) -> Tensor:
+    """[N, S, Hq, D]: what ``attend_live`` computes, by the math kernel over each row's gathered slot with a
+    mask (query s of a row sees positions 0..count−S+s)."""
+    s = q_NHSD.shape[2]
+    p_L = torch.arange(k_cache.shape[2], device=q_NHSD.device)
+    last_NS = counts_N[:, None] - s + torch.arange(s, device=q_NHSD.device)[None, :]
+    mask = (p_L[None, None, :] <= last_NS[:, :, None])[:, None]
     with sdpa_kernel([SDPBackend.MATH]):
-        want = F.scaled_dot_product_attention(
-            q.float(), k[:slots, :, :128].float(), v[:slots, :, :128].float(), attn_mask=mask,
-            enable_gqa=num_heads != num_kv_heads,
+        out = F.scaled_dot_product_attention(
+            q_NHSD, k_cache[slots_N], v_cache[slots_N], attn_mask=mask,
+            enable_gqa=q_NHSD.shape[1] != k_cache.shape[1],
         )  # fmt: skip
-    return bool(torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2))
+    return out.transpose(1, 2)
 
 
 def cudnn_reads_slices(
@@ -200,9 +222,8 @@ def slot_attention(
     prefill of fresh prompts, causal over their own keys), ``key`` and ``value`` what ``SlotCache.update``
     returned. Output [N, S, Hq, D], as transformers' own functions."""
     live = kwargs.get(LIVE_KEYS_KWARG)
-    if live is not None:
-        out = attend_live(query, key, value, live, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+    if live is not None:  # ``key``/``value``: the whole cache (``SlotCache.update``)
+        return attend_live(query, key, value, live, scale=scaling), None
     assert attention_mask is None or attention_mask.dtype == torch.bool, attention_mask.dtype
     out = attend(query, key, value, attention_mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None

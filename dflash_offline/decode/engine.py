@@ -94,9 +94,11 @@ class EngineSettings:
     CUDA graphs with ``cuda_graphs`` on CUDA (one per shape): the eager forward's Python and launches were
     most of a regenerate step's host time on an H200. On the CPU the same padded forwards run eagerly."""
     live_attention: bool = False
-    """Decode steps attend over each row's live keys alone where the flash kernel runs (CUDA, half
-    precision: ``SlotCache.reads_live_lengths``), instead of over the step's bucket of positions with a
-    mask: the padded attention was 10.8 of a regenerate step's 23.9 ms of kernels on an H200."""
+    """Decode steps and prefill chunks over the cache attend over each row's live keys alone, read in place,
+    where the flash kernel runs (CUDA, half precision: ``SlotCache.reads_live_lengths``), instead of over a
+    bucket of positions with a mask (a prefill's rows gathered first): the padded decode attention was 10.8
+    of a regenerate step's 23.9 ms of kernels on an H200, and a continuation's masked prefill what made KV
+    reuse across turns slower there than prefilling whole prompts."""
     attend_granule: int | None = None
     """Smallest attended length (steps attend over granule × 2^k positions); None: 256 on CUDA, 32 on
     the CPU."""
@@ -366,7 +368,12 @@ class DecodeEngine:
         num_rows = 0
         if decoding:
             num_rows = self._decode_rows()
-            attend_len = self.cache.attend_len(max(r.length for _, r in decoding) + 1)
+            # Over live keys the attended bucket changes nothing: one graph a row count.
+            attend_len = (
+                self.cache.capacity
+                if self.cache.reads_live_lengths
+                else self.cache.attend_len(max(r.length for _, r in decoding) + 1)
+            )
             n = num_rows
             self.decode_shapes[n, attend_len] += 1
             self.num_decoded_rows += n

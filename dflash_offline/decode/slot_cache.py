@@ -56,8 +56,8 @@ class ForwardRows:
     """Every row starts at position 0 (a prefill of fresh prompts): the rows attend causally over their own
     new keys, handed back as they are (no gather of the cache)."""
     live_keys: LiveKeys | None = None
-    """One token a row, attending over each row's live keys alone (``SlotCache.live_keys``): no mask, no
-    attention over the bucket's padding."""
+    """The rows attend over their live keys alone, read in place (``SlotCache.live_keys``): no mask, no
+    gather, no attention over the bucket's padding; ``update`` hands back the whole cache."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,9 +141,10 @@ class SlotCache:
         self.reads_live_lengths = live_attention and flash_reads_live_lengths(
             s.device, s.dtype, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim
         )
-        """Decode steps attend over each row's live keys alone (the flash kernel, ``attend_live``); else
-        over the step's whole bucket with a mask. Asked for with ``live_attention``, and only where the
-        kernel runs and agrees with the masked one (CUDA, half precision)."""
+        """Decode steps and prefills over the cache attend over each row's live keys alone, read in place
+        (the flash kernel, ``attend_live``); else over the forward's bucket of positions with a mask (a
+        prefill's rows gathered). Asked for with ``live_attention``, and only where the kernel runs and
+        agrees with the masked one (CUDA, half precision)."""
         self.rows: ForwardRows | None = None
         """Set by the caller before each forward (``SlotForward``)."""
 
@@ -169,11 +170,12 @@ class SlotCache:
             bucket *= 2
         return min(bucket, self.capacity)
 
-    def live_keys(self, key_counts_N: Tensor, attend_len: int) -> LiveKeys:
-        """``LiveKeys`` of decode rows 0..N−1 seeing positions 0..count−1 of their slots."""
+    def live_keys(self, slots_N: Tensor | None, key_counts_N: Tensor, *, queries: int) -> LiveKeys:
+        """``LiveKeys`` of rows in slots ``slots_N`` (None: slots 0..N−1) seeing positions 0..count−1 of
+        their slots, ``queries`` tokens a row (causal, the last one seeing count−1)."""
         return live_keys(
-            key_counts_N, num_kv_heads=self.shape.num_kv_heads, positions_per_head=self.capacity,
-            max_keys=attend_len,
+            slots_N, key_counts_N, queries=queries, num_kv_heads=self.shape.num_kv_heads,
+            capacity=self.capacity,
         )  # fmt: skip
 
     def update(
@@ -195,6 +197,8 @@ class SlotCache:
         values.transpose(1, 2).index_put_((slot_NS, rows.write_NS), value_states.transpose(1, 2))
         if rows.own_keys_only:
             return key_states, value_states
+        if rows.live_keys is not None:
+            return keys, values
         lb = rows.attend_len
         if rows.slots_N is None:
             return keys[:n, :, :lb], values[:n, :, :lb]

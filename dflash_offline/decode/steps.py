@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dflash_offline.decode.attention import LiveKeys
 from dflash_offline.decode.forward import SlotForward
 from dflash_offline.decode.host_copy import int64_on, to_device
 from dflash_offline.decode.sampling import Sampler
@@ -70,7 +71,7 @@ def decode_step(fwd: SlotForward, state: SlotState, sampler: Sampler, num_rows: 
     write_N1 = torch.where(live_N, lens_N, fwd.cache.scratch)[:, None]
     if fwd.cache.reads_live_lengths:
         # A live row sees positions 0..lens (its new token included), an idle one position 0 alone.
-        live = fwd.cache.live_keys(torch.where(live_N, lens_N + 1, 1), attend_len)
+        live = fwd.cache.live_keys(None, torch.where(live_N, lens_N + 1, 1), queries=1)
         rows = ForwardRows(num_rows=n, slots_N=None, write_NS=write_N1, attend_len=attend_len, live_keys=live)
         mask = None
     else:
@@ -162,13 +163,22 @@ def prefill(
     slots_N = int64_on(slot_list + [slot_list[0]] * len(idle), device)
     q_S = torch.arange(width, device=device)
     positions_NS = start_N[:, None] + q_S[None, :]
-    write_NS = torch.where(q_S[None, :] < length_N[:, None], positions_NS, cache.scratch)
     fresh = shape.fresh  # causal over the chunk itself: no mask, no gather
+    write_NS = torch.where(q_S[None, :] < length_N[:, None], positions_NS, cache.scratch)
+    live: LiveKeys | None = None
+    mask: Tensor | None = None
+    if not fresh and cache.reads_live_lengths and max(c.start for c in chunks) + width <= cache.capacity:
+        # Each row's S queries over its slot in place, causal aligned to the end of start + S keys: a
+        # real query q sees positions 0..start+q, the row's own; its padding queries see stale positions
+        # (their outputs are dropped), inside the slot's plane. Idle rows read the first chunk's slot.
+        real_N = torch.arange(shape.rows, device=device) < len(chunks)
+        live = cache.live_keys(slots_N, torch.where(real_N, start_N + width, width), queries=width)
+    elif not fresh:
+        mask = block_mask(start_N, width, shape.attend_len)
     rows = ForwardRows(
         num_rows=shape.rows, slots_N=slots_N, write_NS=write_NS, attend_len=shape.attend_len,
-        own_keys_only=fresh,
+        own_keys_only=fresh, live_keys=live,
     )  # fmt: skip
-    mask = None if fresh else block_mask(start_N, width, shape.attend_len)
     hidden, features = fwd.hidden(to_device(ids, device), positions_NS, mask, rows, capture=capture)
     done = [r for r, c in enumerate(chunks) if c.completes]
     if not done:

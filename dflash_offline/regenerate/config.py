@@ -154,8 +154,9 @@ class RegenerateConfig:
     """``EngineSettings.prefill_graphs``; off until it is measured faster on a GPU (bench/RESULTS.md)."""
     decode_attention: Literal["padded", "live"] = cli_field(
         "padded",
-        help="Decode steps' attention: over each row's live keys alone (live: the flash kernel, on a GPU in "
-        "half precision) or over the step's bucket of positions with a mask (padded).",
+        help="The decode engine's attention over its KV cache (decode steps, and prompt chunks that continue "
+        "a slot): over each row's live keys alone, read in place (live: the flash kernel, on a GPU in half "
+        "precision), or over a bucket of positions with a mask (padded).",
     )
     """``EngineSettings.live_attention``; padded until live is measured faster on a GPU (bench/RESULTS.md)."""
     window: int | None = cli_field(

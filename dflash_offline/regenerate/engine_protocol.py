@@ -51,7 +51,7 @@ class EngineOptions:
     """Prefill new prompts at padded static shapes, as CUDA graphs with ``cuda_graphs``
     (``EngineSettings.prefill_graphs``)."""
     live_attention: bool = False
-    """Decode steps attend over each row's live keys alone (``EngineSettings.live_attention``)."""
+    """The engine attends over each row's live keys alone (``EngineSettings.live_attention``)."""
     seed: int = 0
     """Sampling seed (with the request and the token's index)."""
     reuse_kv: bool | None = None
