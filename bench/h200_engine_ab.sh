@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
-# The decode engine's side by side on one H200, then the rest of the ShareGPT file and, if time is left, the
-# fp8/bf16 quality run: one detached job (the machine may be taken back at any time, so every figure is
-# written under /tmp/results as soon as it exists, and each follow-up call copies it back). Staged as for
-# bench/h200_quality_run.sh (wheels in /tmp/site, /tmp/stage, the tree in /tmp/tree); optionally an earlier
-# commit's package and bench scripts as /tmp/stage/engine-before.tgz for a "before" variant:
+# The decode engine's measurements on one H200 as one detached job, stage after stage while the device
+# time lasts (the machine may be taken back at any time, so every figure is written under /tmp/results as
+# soon as it exists, and each follow-up call copies it back). Staged as for bench/h200_quality_run.sh
+# (wheels in /tmp/site, /tmp/stage, the tree in /tmp/tree); optionally an earlier commit's package and bench
+# scripts as /tmp/stage/engine-before.tgz for a "before" variant of the side by side:
 #   git archive COMMIT dflash_offline $(git ls-tree --name-only COMMIT bench/ | grep '\.py$') | gzip \
 #     > .device/stage/engine-before.tgz
 # Run from /tmp/tree:
 #   bash /tmp/follow.sh start s -- bash bench/h200_engine_ab.sh run SECONDS_LEFT
 #   bash /tmp/follow.sh wait s 280; bash bench/h200_engine_ab.sh collect      # calls back to back
-# Stages: the GGUF weights cache warmed once (no variant pays it); bench/regenerate_variants.py, AB_S seconds
-# a variant (default 72) on the records after those the quality runs answered (--skip 12600: the slots stay
-# full); the rest of the file resumed from the fastest variant's answers (REST_S, default 240; the answers
-# gzipped into /tmp/results for bench/answers/); then bench/h200_quality_run.sh with the fp8 cache beside the
-# default at equal steps on the first 6,000 chat conversations and the 6,000 code answers, if ≥ 900 s are left.
+# Stages (STAGES, comma-separated, default all, in this order; one whose cost does not fit the seconds
+# left, less a 60 s reserve, is skipped with a note):
+#   tests    pytest -m gpu of the decode engine (the live attention's kernel and engine tests among them)
+#   ab       bench/regenerate_variants.py: regenerate's engine variants (before, now, --prefill-graphs on,
+#            --decode-attention live), AB_S seconds each (72), on the records after those the quality runs
+#            answered (--skip 12600: the slots stay full)
+#   decode   bench/decode.py --sections live: decode throughput with each attention, SmolLM2's and
+#            Qwen3-8B's shapes (random weights)
+#   turns    bench/regenerate_turns.py: KV reuse across turns against whole prompts, each attention
+#   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
+#            the answers gzipped for bench/answers/)
+#   quality  bench/h200_quality_run.sh with the fp8 cache beside the default at equal steps, on the first
+#            6,000 chat conversations and the 6,000 code answers (at least 900 s)
+# REGEN_ARGS replaces regenerate's arguments (a CPU smoke test: --target random:tiny ... --batch-size 16).
 set -uo pipefail
 cmd=${1:?run SECONDS_LEFT, or collect}
 R=/tmp/results
 if [ "$cmd" = collect ]; then
-  out=${OUT:-/tmp/out}; mkdir -p "$out"
+  out=${OUT:-/tmp/out}; mkdir -p "$out" $R
   [ -d /tmp/q ] && (cd /tmp/q && tar czf $R/q.tgz report/summary.* report/logs.txt run-*/metrics.jsonl \
     eval-*.json chat_eval-*.json logs 2>/dev/null)
   tar czf "$out/results.tgz" -C $R --exclude='*/answers.jsonl*' . && ls -la "$out"
@@ -27,44 +36,73 @@ fi
 T0=$(date +%s); LEFT=${2:?seconds of device time left}
 mkdir -p $R
 left() { echo $(( LEFT - ($(date +%s) - T0) )); }
+# fits NAME COST: whether stage NAME is asked for and COST seconds fit the time left (a note if not).
+fits() {
+  case ",${STAGES:-tests,ab,decode,turns,rest,quality}," in *",$1,"*) ;; *) return 1 ;; esac
+  if [ "$(left)" -lt $(( $2 + 60 )) ]; then echo "$1 skipped: $(left) s left, it needs $2"; return 1; fi
+  echo "== $1 at $(( $(date +%s) - T0 )) s ($(left) s left)"
+}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_PRESET_TOKENIZER=/tmp/stage/tokenizer
 export DFLASH_CACHE_DIR=/tmp/dflash-user-cache
-# REGEN_ARGS replaces regenerate's arguments (a CPU smoke test: --target random:tiny ... --batch-size 16).
 # shellcheck disable=SC2206  # split on purpose
 A=(${REGEN_ARGS:---target default --data /tmp/stage/sharegpt-prompts.jsonl.gz --max-new-tokens 256
    --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens 8192 --gpus 0 --no-progress})
-timeout 120 python3 -m dflash_offline regenerate "${A[@]}" --skip 17000 --limit 4 --out /tmp/warm/answers.jsonl \
-  > $R/warm.log 2>&1
-echo "warm: rc $? at $(( $(date +%s) - T0 )) s"
 
-variants='{"now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live"}'
-trees=()
-if [ -f /tmp/stage/engine-before.tgz ]; then
-  mkdir -p /tmp/before && tar -xzf /tmp/stage/engine-before.tgz -C /tmp/before
-  variants='{"before": "", "now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live"}'
-  trees=(--tree before=/tmp/before)
+if fits tests 150; then
+  timeout 150 python3 -m pytest -q -m gpu tests/decode -p no:cacheprovider > $R/gpu-tests.txt 2>&1
+  tail -3 $R/gpu-tests.txt
 fi
-python3 bench/regenerate_variants.py --seconds "${AB_S:-72}" --out-dir $R/ab "${trees[@]}" --variants "$variants" \
-  -- "${A[@]}" --skip 12600 2>&1 | tee $R/ab.txt
-best=$(python3 -c "
+
+best=now flags=""
+if fits ab $(( 4 * ${AB_S:-72} + 90 )); then
+  timeout 120 python3 -m dflash_offline regenerate "${A[@]}" --skip 17000 --limit 4 \
+    --out /tmp/warm/answers.jsonl > $R/warm.log 2>&1  # the GGUF weights cache, so that no variant pays it
+  variants='{"now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live"}'
+  trees=()
+  if [ -f /tmp/stage/engine-before.tgz ]; then
+    mkdir -p /tmp/before && tar -xzf /tmp/stage/engine-before.tgz -C /tmp/before
+    variants='{"before": "", "now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live"}'
+    trees=(--tree before=/tmp/before)
+  fi
+  python3 bench/regenerate_variants.py --seconds "${AB_S:-72}" --out-dir $R/ab "${trees[@]}" \
+    --variants "$variants" -- "${A[@]}" --skip 12600 2>&1 | tee $R/ab.txt
+  best=$(python3 -c "
 import json; rs = [r for r in json.load(open('$R/ab/variants.json')) if r['name'] != 'before' and r['returncode'] == 0]
 print(max(rs, key=lambda r: r['new_tok_per_s'])['name'] if rs else 'now')")
-flags=$(python3 -c "import json; print(json.loads('''$variants''')['$best'])")
-echo "fastest: $best ($flags); $(left) s left"
+  flags=$(python3 -c "import json; print(json.loads('''$variants''')['$best'])")
+  echo "fastest: $best ($flags)"
+fi
 
-mkdir -p /tmp/rest && cp $R/ab/$best/answers.jsonl* /tmp/rest/ 2>/dev/null
-# shellcheck disable=SC2086  # $flags: regenerate flags, split on purpose
-timeout -s INT "${REST_S:-240}" python3 -m dflash_offline regenerate "${A[@]}" --skip 12600 $flags \
-  --out /tmp/rest/answers.jsonl > $R/rest.log 2>&1
-echo "rest: rc $? at $(( $(date +%s) - T0 )) s; $(wc -l < /tmp/rest/answers.jsonl) conversations"
-grep "throughput:" $R/rest.log | tail -1
-gzip -c /tmp/rest/answers.jsonl > $R/more-answers-sharegpt.jsonl.gz
-[ -f /tmp/rest/answers.jsonl.partial ] && gzip -c /tmp/rest/answers.jsonl.partial > $R/more-answers-partial.jsonl.gz
+if fits decode 260; then
+  python3 bench/decode.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --sections live --budget-s 240 \
+    --limit-s 40 --json $R/decode-live.json > $R/decode-live.txt 2>&1
+  tail -12 $R/decode-live.txt
+fi
 
-budget=$(( $(left) - 120 ))
-if [ "$budget" -lt 900 ]; then echo "quality run skipped: $budget s left"; exit 0; fi
-gunzip -c /tmp/stage/answers-00.jsonl.gz | head -6000 | gzip > /tmp/stage/a && mv /tmp/stage/a /tmp/stage/answers-00.jsonl.gz
-train=$(( budget - 60 - 200 - 200 - 90 ))
-echo "quality run: BUDGET_S=$budget TRAIN_S=$train"
-BUDGET_S=$budget REGEN_S=60 REGEN_LIMIT=6000 GEN_S=200 TRAIN_S=$train EVAL_S=200 VAL_EVERY=200 STEPS_PER_S=4.5 \
-  CODECS=default,fp8 VARIANTS='{"bf16": "", "fp8": "@fp8"}' EVAL_VARIANTS=all bash bench/h200_quality_run.sh
+if fits turns 260; then
+  timeout 250 python3 bench/regenerate_turns.py --target default --data /tmp/stage/sharegpt-prompts.jsonl.gz \
+    --limit 256 --max-new-tokens 128 --max-prompt-tokens 1536 --batch-size 256 --max-batch-tokens 8192 \
+    --repeats 1 --warmup 8 --decode-attention padded live --json $R/turns.json > $R/turns.txt 2>&1
+  tail -2 $R/turns.txt | cut -c1-2000
+fi
+
+if fits rest $(( ${REST_S:-240} + 30 )); then
+  mkdir -p /tmp/rest && cp $R/ab/$best/answers.jsonl* /tmp/rest/ 2>/dev/null
+  # shellcheck disable=SC2086  # $flags: regenerate flags, split on purpose
+  timeout -s INT "${REST_S:-240}" python3 -m dflash_offline regenerate "${A[@]}" --skip 12600 $flags \
+    --out /tmp/rest/answers.jsonl > $R/rest.log 2>&1
+  echo "rest: rc $?; $(wc -l < /tmp/rest/answers.jsonl) conversations"
+  grep "throughput:" $R/rest.log | tail -1
+  gzip -c /tmp/rest/answers.jsonl > $R/more-answers-sharegpt.jsonl.gz
+  [ -f /tmp/rest/answers.jsonl.partial ] && gzip -c /tmp/rest/answers.jsonl.partial > $R/more-answers-partial.jsonl.gz
+fi
+
+if fits quality 900; then
+  budget=$(( $(left) - 60 ))
+  gunzip -c /tmp/stage/answers-00.jsonl.gz | head -6000 | gzip > /tmp/stage/a && mv /tmp/stage/a /tmp/stage/answers-00.jsonl.gz
+  train=$(( budget - 60 - 200 - 200 - 90 ))
+  echo "quality run: BUDGET_S=$budget TRAIN_S=$train"
+  BUDGET_S=$budget REGEN_S=60 REGEN_LIMIT=6000 GEN_S=200 TRAIN_S=$train EVAL_S=200 VAL_EVERY=200 STEPS_PER_S=4.5 \
+    CODECS=default,fp8 VARIANTS='{"bf16": "", "fp8": "@fp8"}' EVAL_VARIANTS=all bash bench/h200_quality_run.sh
+fi
+echo "done at $(( $(date +%s) - T0 )) s"
