@@ -14,6 +14,13 @@ which cuDNN does not take); on the CPU the math kernel, the exact reference the 
 A masked-out key contributes an exact zero, so a row never attends to another request's keys, nor to
 positions past its own length; every row must see at least one key (a fully masked row is NaN).
 
+With ``live_attention`` (``LiveKeys``, ``attend_live``; CUDA in half precision, where a probe agrees with
+the masked kernel) a forward over the cache skips the mask and the bucket: the flash kernel's
+variable-length forward reads each row's slot in place up to the row's count, each (row, K/V head) pair one
+sequence of the call with that head's group of query heads as its heads. Nothing past a row's count is
+read, so a decode step costs what its rows' live lengths cost, and a prefill chunk over the cache needs no
+gather of its rows' slots and no per-shape plan.
+
 The model's attention modules find this function through transformers' ``AttentionInterface`` under
 ``SLOT_ATTENTION``; ``slot_attention_enabled`` points the model's config at it only while a slot-cache
 forward runs, so the same model answers ordinary forwards (``generate``, the exactness check) as loaded.
@@ -104,7 +111,7 @@ def live_keys(
     device = key_counts_N.device
     slot_N = torch.arange(n, device=device) if slots_N is None else slots_N
     plane_T = (slot_N[:, None] * hk + torch.arange(hk, device=device)[None, :]).reshape(-1)
-    end = torch.full((1,), 0, device=device, dtype=plane_T.dtype)
+    end = plane_T.max().reshape(1) + 1  # a valid end of the planes read; the kernel does not need it
     return LiveKeys(
         seqused_k=key_counts_N.to(torch.int32).repeat_interleave(hk),
         cu_seqlens_q=torch.arange(n * hk + 1, device=device, dtype=torch.int32) * queries,
