@@ -13,8 +13,8 @@
 # left, less a 60 s reserve, is skipped with a note):
 #   tests    pytest -m gpu of the decode engine (the live attention's kernel and engine tests among them)
 #   ab       bench/regenerate_variants.py: regenerate's engine variants (before, now, --prefill-graphs on,
-#            --decode-attention live), AB_S seconds each (72), on the records after those the quality runs
-#            answered (--skip 12600: the slots stay full)
+#            --decode-attention live, and live with --reuse-kv on), AB_S seconds each (72), on the records
+#            after those the quality runs answered (--skip 12600: the slots stay full)
 #   decode   bench/decode.py --sections live: decode throughput with each attention, SmolLM2's and
 #            Qwen3-8B's shapes (random weights)
 #   turns    bench/regenerate_turns.py: KV reuse across turns against whole prompts, each attention
@@ -54,14 +54,16 @@ if fits tests 150; then
 fi
 
 best=now flags=""
-if fits ab $(( 4 * ${AB_S:-72} + 90 )); then
+if fits ab $(( 5 * ${AB_S:-72} + 90 )); then
   timeout 120 python3 -m dflash_offline regenerate "${A[@]}" --skip 17000 --limit 4 \
     --out /tmp/warm/answers.jsonl > $R/warm.log 2>&1  # the GGUF weights cache, so that no variant pays it
-  variants='{"now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live"}'
+  variants='{"now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live",
+             "live+reuse": "--decode-attention live --reuse-kv on"}'
   trees=()
   if [ -f /tmp/stage/engine-before.tgz ]; then
     mkdir -p /tmp/before && tar -xzf /tmp/stage/engine-before.tgz -C /tmp/before
-    variants='{"before": "", "now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live"}'
+    variants='{"before": "", "now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live",
+               "live+reuse": "--decode-attention live --reuse-kv on"}'
     trees=(--tree before=/tmp/before)
   fi
   python3 bench/regenerate_variants.py --seconds "${AB_S:-72}" --out-dir $R/ab "${trees[@]}" \

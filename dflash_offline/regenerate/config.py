@@ -159,6 +159,13 @@ class RegenerateConfig:
         "precision), or over a bucket of positions with a mask (padded).",
     )
     """``EngineSettings.live_attention``; padded until live is measured faster on a GPU (bench/RESULTS.md)."""
+    reuse_kv: Literal["auto", "on", "off"] = cli_field(
+        "auto",
+        help="A conversation's next turn continues the KV cache its previous turn left in its slot and "
+        "prefills only what its prompt adds (on), or prefills every prompt whole (off). auto: on where it "
+        "was measured faster, the CPU.",
+    )
+    """``EngineOptions.reuse_kv`` (auto: None, ``slot_engine.reuses_kv`` decides by device)."""
     window: int | None = cli_field(
         None,
         min=1,

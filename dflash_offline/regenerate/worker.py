@@ -152,6 +152,7 @@ def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEn
         cuda_graphs=config.cuda_graphs == "on",
         prefill_graphs=config.prefill_graphs == "on",
         live_attention=config.decode_attention == "live",
+        reuse_kv={"auto": None, "on": True, "off": False}[config.reuse_kv],
         seed=config.seed,
     )
     engine = SlotEngine(target.model, settings, options)  # --engine auto and slots alike

@@ -178,6 +178,31 @@ def test_prefill_graphs_on_answers_as_off(tmp_path: Path) -> None:
     assert outputs["on"] == outputs["off"]
 
 
+def test_reuse_kv_off_prefills_every_prompt_whole_and_answers_the_same(tmp_path: Path) -> None:
+    """``--reuse-kv on`` (the CPU's auto) continues each conversation's slot: its second turns prefill only
+    what they add; ``off`` prefills every prompt whole. The conversations written are the same, and the
+    prompt tokens the two prefill and reuse add up to the same total."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 6, turns=2)
+    outputs, counts = {}, {}
+    for mode in ("on", "off", "auto"):
+        out = tmp_path / f"regen-{mode}.jsonl"
+        result = CliRunner().invoke(
+            main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
+                   "--max-new-tokens", "10", "--batch-size", "3", "--reuse-kv", mode, "--no-progress"],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        outputs[mode] = sorted((line["id"], line["messages"]) for line in _lines(out))
+        found = re.search(r"of ([0-9,]+) prompt tokens \(([0-9,]+) reused", result.output)
+        assert found is not None, result.output
+        counts[mode] = tuple(int(g.replace(",", "")) for g in found.groups())
+    assert len(outputs["on"]) == 6
+    assert outputs["on"] == outputs["off"] == outputs["auto"]
+    (on_prefilled, on_reused), (off_prefilled, off_reused) = counts["on"], counts["off"]
+    assert off_reused == 0 < on_reused
+    assert on_prefilled + on_reused == off_prefilled
+    assert counts["auto"] == counts["on"]
+
+
 def test_the_workers_engine_stats_sum() -> None:
     """Counts add up; the busy share and the seconds are over all workers' steps (per worker)."""
     a = EngineStats(slots=3, steps=10, slot_steps=30, decoded_tokens=20, prefills=4, prefill_tokens=100,
