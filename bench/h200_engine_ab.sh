@@ -21,7 +21,7 @@
 #   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
 #            the answers gzipped for bench/answers/)
 #   quality  bench/h200_quality_run.sh with the fp8 cache beside the default at equal steps, on the first
-#            6,000 chat conversations and the 6,000 code answers (at least 900 s)
+#            6,000 chat conversations and the 6,000 code answers (at least 1,200 s: ≈ 1,000 steps each)
 # REGEN_ARGS replaces regenerate's arguments (a CPU smoke test: --target random:tiny ... --batch-size 16).
 set -uo pipefail
 cmd=${1:?run SECONDS_LEFT, or collect}
@@ -99,7 +99,7 @@ if fits rest $(( ${REST_S:-240} + 30 )); then
   [ -f /tmp/rest/answers.jsonl.partial ] && gzip -c /tmp/rest/answers.jsonl.partial > $R/more-answers-partial.jsonl.gz
 fi
 
-if fits quality 900; then
+if fits quality 1200; then
   budget=$(( $(left) - 60 ))
   gunzip -c /tmp/stage/answers-00.jsonl.gz | head -6000 | gzip > /tmp/stage/a && mv /tmp/stage/a /tmp/stage/answers-00.jsonl.gz
   train=$(( budget - 60 - 200 - 200 - 90 ))
