@@ -9,7 +9,8 @@ and width rounded up to powers of two, ``_run_shape``), or, with ``prefill_wait_
 it is due (``_prefill_due``: the prompts fill it, no row decodes, a prompt's later chunk, or the oldest
 prompt admitted K steps ago), so that a few freed slots idle for a few steps rather than every step
 paying a mostly empty forward's fixed cost (with ``prefill_graphs``, fresh prompts' forwards are padded
-too and replayed as CUDA graphs, ``_fresh_prefill``); then the tokens of both come to the host in one
+too and replayed as CUDA graphs, ``_static_prefill``, and so are continuations over the cache with
+``live_attention``); then the tokens of both come to the host in one
 read, the only host sync of the step. A row ends
 at a stop token or at its ``max_new_tokens``; its slot takes the next waiting prompt in the next step.
 When the queue has drained and the live rows are scattered over the slots, the highest ones are moved
@@ -49,16 +50,16 @@ from dflash_offline.decode.parked import ParkedSlot, ParkedSlots, common_prefix_
 from dflash_offline.decode.sampling import Sampler, Sampling, request_key_hash
 from dflash_offline.decode.slot_cache import SlotCache, shape_for
 from dflash_offline.decode.steps import (
-    FreshPrefillBuffers,
     PrefillChunk,
     PrefillShape,
     SlotState,
+    StaticPrefillBuffers,
     decode_step,
-    fresh_prefill_step,
     padded_ids,
     prefill,
     prefill_shape,
     start_decoding,
+    static_prefill_step,
 )
 from dflash_offline.errors import DflashError
 
@@ -221,8 +222,9 @@ class DecodeEngine:
         self._to_idle: list[int] = []
         self._requests: dict[str, _Request] = {}
         """Every request submitted and not yet finished, by key."""
-        self._fresh_buffers: dict[tuple[int, int], FreshPrefillBuffers] = {}
-        """Per padded shape [rows, width]: the static tensors of ``settings.prefill_graphs``."""
+        self._static_buffers: dict[tuple[int, int, bool], StaticPrefillBuffers] = {}
+        """Per padded shape [rows, width] and kind (over the cache or fresh): the static tensors of
+        ``settings.prefill_graphs``."""
         self._launched: _LaunchedStep | None = None
         """The step ``poll`` left running on the device while its caller takes the answers."""
         self._closed = False
@@ -330,7 +332,7 @@ class DecodeEngine:
         """Drop every request in flight and free the cache (returns at once)."""
         self._closed = True
         self._launched = None  # its device work ends on its own; nothing reads it back
-        self._fresh_buffers.clear()
+        self._static_buffers.clear()
         self._waiting.clear()
         self._resuming.clear()
         self._parked.clear()
@@ -513,8 +515,8 @@ class DecodeEngine:
         """One prefill forward of ``plan``."""
         chunks = plan.chunks
         shape = self._run_shape(chunks)
-        if shape.fresh and self.settings.prefill_graphs:
-            first_M = self._fresh_prefill(chunks, shape)
+        if self.settings.prefill_graphs and (shape.fresh or self._continues_in_place(chunks, shape)):
+            first_M = self._static_prefill(chunks, shape)
         else:
             first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks, shape=shape)
         self.num_prefills += 1
@@ -531,20 +533,33 @@ class DecodeEngine:
         self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt)]
         return first_M, completed
 
-    def _fresh_prefill(self, chunks: Sequence[PrefillChunk], shape: PrefillShape) -> Tensor | None:
-        """A prefill of fresh prompts at the static ``shape`` (``settings.prefill_graphs``): the chunks'
-        tokens into the shape's buffers, the forward (a CUDA graph per shape), then the completed prompts'
-        slots start decoding. Their first tokens (int64 [M], chunk order; None when none completes)."""
-        key = (shape.rows, shape.width)
-        buf = self._fresh_buffers.get(key)
+    def _continues_in_place(self, chunks: Sequence[PrefillChunk], shape: PrefillShape) -> bool:
+        """Whether a prefill over the cache takes the static path: with the live attention, when every
+        row's keys up to its start + the padded width fit its slot (``prefill``'s live path, graphed)."""
+        return (
+            self.cache.reads_live_lengths
+            and max(c.start for c in chunks) + shape.width <= self.cache.capacity
+        )
+
+    def _static_prefill(self, chunks: Sequence[PrefillChunk], shape: PrefillShape) -> Tensor | None:
+        """A prefill at the static ``shape`` (``settings.prefill_graphs``; fresh prompts, or continuations
+        over the cache, ``_continues_in_place``): the chunks into the shape's buffers, the forward (a CUDA
+        graph per shape and kind), then the completed prompts' slots start decoding. Their first tokens
+        (int64 [M], chunk order; None when none completes)."""
+        over_cache = not shape.fresh
+        key = (shape.rows, shape.width, over_cache)
+        buf = self._static_buffers.get(key)
         if buf is None:
-            buf = self._fresh_buffers[key] = FreshPrefillBuffers(shape.rows, shape.width, self.device)
+            buf = self._static_buffers[key] = StaticPrefillBuffers(shape.rows, shape.width, self.device)
         idle = shape.rows - len(chunks)
-        copy_into(buf.ids_RW, padded_ids(chunks, *key))
+        copy_into(buf.ids_RW, padded_ids(chunks, shape.rows, shape.width))
+        copy_into(buf.start_R, torch.tensor([c.start for c in chunks] + [0] * idle))
         copy_into(buf.length_R, torch.tensor([len(c.token_ids) for c in chunks] + [0] * idle))
         copy_into(buf.slots_R, torch.tensor([c.slot for c in chunks] + [chunks[0].slot] * idle))
         self.graphs.run(
-            ("prefill", *key), lambda: fresh_prefill_step(self.fwd, self.state, self.sampler, buf), []
+            ("prefill", *key),
+            lambda: static_prefill_step(self.fwd, self.state, self.sampler, buf, over_cache=over_cache),
+            [],
         )
         done = [r for r, c in enumerate(chunks) if c.completes]
         if not done:

@@ -200,13 +200,15 @@ def start_decoding(state: SlotState, slot_M: Tensor, first_M: Tensor, prompt_len
     state.live.index_fill_(0, slot_M, True)
 
 
-class FreshPrefillBuffers:
-    """The inputs and output of a prefill of fresh prompts at one static shape [R, W] (persistent: the
-    shape's CUDA graph reads and writes these very tensors; the caller fills the inputs before each run)."""
+class StaticPrefillBuffers:
+    """The inputs and output of a prefill at one static shape [R, W] (persistent: the shape's CUDA graph
+    reads and writes these very tensors; the caller fills the inputs before each run)."""
 
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
         self.ids_RW = torch.zeros((rows, width), dtype=torch.int64, device=device)
-        """Each row's prompt tokens from position 0, padding after them."""
+        """Each row's chunk tokens from its start, padding after them."""
+        self.start_R = torch.zeros((rows,), dtype=torch.int64, device=device)
+        """The position of each row's first token (0 for fresh prompts and idle rows)."""
         self.length_R = torch.zeros((rows,), dtype=torch.int64, device=device)
         """Real tokens per row (0: an idle row, which writes only the scratch position)."""
         self.slots_R = torch.zeros((rows,), dtype=torch.int64, device=device)
@@ -216,22 +218,36 @@ class FreshPrefillBuffers:
         rows whose prompt goes on in a later chunk)."""
 
 
-def fresh_prefill_step(
-    fwd: SlotForward, state: SlotState, sampler: Sampler, buf: FreshPrefillBuffers
+def static_prefill_step(
+    fwd: SlotForward, state: SlotState, sampler: Sampler, buf: StaticPrefillBuffers, *, over_cache: bool
 ) -> None:
-    """A prefill forward of fresh prompts (every row from position 0, causal over its own keys) whose
-    shapes are fixed by ``buf``, so that it can be replayed as a CUDA graph: writes the rows' keys and
-    values into their slots and samples a token after each row's last real token into ``buf.first_R``.
-    The slot state is left to the caller (``start_decoding`` for the rows that complete their prompt)."""
+    """A prefill forward whose shapes are fixed by ``buf``, so that it can be replayed as a CUDA graph:
+    writes the rows' keys and values into their slots and samples a token after each row's last real token
+    into ``buf.first_R``. Fresh prompts (``over_cache`` False: every row from position 0) attend causally
+    over their own keys; continuations (``over_cache``: rows from ``buf.start_R``, which needs the cache's
+    live attention, ``SlotCache.reads_live_lengths``, and every row's start + W within its slot) attend over
+    their slots in place, as ``prefill`` does. The slot state is left to the caller (``start_decoding`` for
+    the rows that complete their prompt)."""
     rows, width = buf.ids_RW.shape
     cache = fwd.cache
     q_W = torch.arange(width, device=buf.ids_RW.device)
-    positions_RW = q_W[None, :].expand(rows, width)
+    if over_cache:
+        positions_RW = buf.start_R[:, None] + q_W[None, :]
+    else:
+        positions_RW = q_W[None, :].expand(rows, width)
     write_RW = torch.where(q_W[None, :] < buf.length_R[:, None], positions_RW, cache.scratch)
-    forward_rows = ForwardRows(
-        num_rows=rows, slots_N=buf.slots_R, write_NS=write_RW,
-        attend_len=cache.attend_len(min(width, cache.max_len + 1)), own_keys_only=True,
-    )  # fmt: skip
+    if over_cache:
+        # As ``prefill``'s live path: a real row's keys end at start + W, an idle row reads W keys.
+        counts_R = torch.where(buf.length_R > 0, buf.start_R + width, width)
+        forward_rows = ForwardRows(
+            num_rows=rows, slots_N=buf.slots_R, write_NS=write_RW, attend_len=cache.capacity,
+            live_keys=cache.live_keys(buf.slots_R, counts_R, queries=width),
+        )  # fmt: skip
+    else:
+        forward_rows = ForwardRows(
+            num_rows=rows, slots_N=buf.slots_R, write_NS=write_RW,
+            attend_len=cache.attend_len(min(width, cache.max_len + 1)), own_keys_only=True,
+        )  # fmt: skip
     hidden, _ = fwd.hidden(buf.ids_RW, positions_RW, None, forward_rows)
     last_R = (buf.length_R - 1).clamp(min=0)
     hidden_RH = hidden[torch.arange(rows, device=q_W.device), last_R]

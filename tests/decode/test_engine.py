@@ -103,7 +103,7 @@ def test_fresh_prefills_at_padded_static_shapes_equal_generate(
     assert exact == [(1, True), (1, False), (4, True), (3, True)]
     shapes = {(s.rows, s.width, s.fresh): n for s, n in engine.prefill_shapes.items()}
     assert shapes == {(1, 64, True): 1, (1, 16, False): 1, (4, 16, True): 2}  # 3 rows ran at 4 × 16
-    assert sorted(engine._fresh_buffers) == [(1, 64), (4, 16)]  # one set of static buffers per shape
+    assert sorted(engine._static_buffers) == [(1, 64, False), (4, 16, False)]  # one set of buffers a shape
 
 
 def test_a_lone_row_is_moved_down_and_still_exact(target: LoadedTarget) -> None:

@@ -128,22 +128,26 @@ def kernel_by_hand(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
     return calls
 
 
+@pytest.mark.parametrize("prefill_graphs", [False, True], ids=["eager", "static"])
 def test_the_engine_over_live_keys_equals_generate(
-    target: LoadedTarget, kernel_by_hand: Counter[int]
+    target: LoadedTarget, kernel_by_hand: Counter[int], prefill_graphs: bool
 ) -> None:
     """9 prompts of 3–59 tokens through 3 slots in prefill chunks of 16 tokens (padding included: a
-    prompt's later chunks read its slot in place, their padding written after the real tokens), 5–14 new
-    tokens each: every decode step and every chunk over the cache on the live path."""
+    prompt's later chunks read its slot in place), 5–14 new tokens each: every decode step and every chunk
+    over the cache on the live path; with ``prefill_graphs`` the chunks over the cache run through the
+    static-shape forward too (a CUDA graph per shape on a GPU)."""
     model = target.model
     prompts = random_prompts(9, seed=1, vocab=target.info.vocab_size)
     max_new = [5 + (i * 4) % 10 for i in range(len(prompts))]
     settings = EngineSettings(
         num_slots=3, max_len=80, max_new_tokens=8, stop_ids=frozenset(), prefill_tokens=16, attend_granule=8,
-        live_attention=True,
+        live_attention=True, prefill_graphs=prefill_graphs,
     )  # fmt: skip
     engine = DecodeEngine(model, settings)
     assert engine.cache.reads_live_lengths
     got = run_all(engine, prompts, max_new)
+    over_cache = {key for key in engine._static_buffers if key[2]}
+    assert bool(over_cache) == prefill_graphs
     layers = model.config.num_hidden_layers
     assert kernel_by_hand[1] == layers * sum(engine.decode_shapes.values())  # every decode step
     assert kernel_by_hand.total() > kernel_by_hand[1]  # and chunks over the cache
@@ -151,9 +155,10 @@ def test_the_engine_over_live_keys_equals_generate(
         assert list(got[f"p{i}"].token_ids) == generate_greedy(model, p, max_new[i], frozenset()), i
 
 
+@pytest.mark.parametrize("prefill_graphs", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("rule", RULES[:2], ids=lambda r: r.__name__)
 def test_continuations_of_a_parked_slot_over_live_keys_equal_generate(
-    target: LoadedTarget, kernel_by_hand: Counter[int], rule
+    target: LoadedTarget, kernel_by_hand: Counter[int], rule, prefill_graphs: bool
 ) -> None:
     """5 conversations of 3 turns through 3 slots, each later turn prefilling only what it adds over the
     keys its previous turn left in its slot, read in place."""
@@ -165,11 +170,12 @@ def test_continuations_of_a_parked_slot_over_live_keys_equal_generate(
 
     settings = EngineSettings(
         num_slots=3, max_len=160, max_new_tokens=8, stop_ids=frozenset(), prefill_tokens=16, attend_granule=8,
-        live_attention=True,
+        live_attention=True, prefill_graphs=prefill_graphs,
     )  # fmt: skip
     engine = DecodeEngine(model, settings)
     run = converse(engine, firsts, turns=3, rule=rule, reuse=True, max_new=max_new)
     assert engine.num_reused_tokens > 0
+    assert any(key[2] for key in engine._static_buffers) == prefill_graphs
     assert kernel_by_hand.total() > kernel_by_hand[1]
     for (c, k), prompt in run.prompts.items():
         assert run.answers[c, k] == generate_greedy(model, prompt, max_new(c, k), frozenset()), (c, k)
@@ -219,10 +225,12 @@ def test_on_cuda_the_kernel_equals_masked_attention_in_a_graph(
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_engine_with_live_attention_answers_as_with_the_mask() -> None:
-    """bf16 on CUDA with CUDA graphs: the same prompts through the engine with each decode attention. The
-    two kernels round differently, so a near-tie may part two answers; a wrong read (another row's keys,
-    padding) would part nearly all of them."""
+@pytest.mark.parametrize("prefill_graphs", [False, True], ids=["eager", "static"])
+def test_on_cuda_the_engine_with_live_attention_answers_as_with_the_mask(prefill_graphs: bool) -> None:
+    """bf16 on CUDA with CUDA graphs: the same prompts through the engine with each attention (prompts
+    longer than a 32-token chunk continue over the cache; with ``prefill_graphs`` the live engine runs
+    those chunks as CUDA graphs too). The two kernels round differently, so a near-tie may part two
+    answers; a wrong read (another row's keys, padding) would part nearly all of them."""
     target = load_target("random:tiny", device="cuda", dtype=torch.bfloat16)
     prompts = random_prompts(12, seed=7, vocab=target.info.vocab_size)
     max_new = [16] * len(prompts)
@@ -230,7 +238,7 @@ def test_on_cuda_the_engine_with_live_attention_answers_as_with_the_mask() -> No
     for live in (False, True):
         settings = EngineSettings(
             num_slots=4, max_len=96, max_new_tokens=16, stop_ids=frozenset(), prefill_tokens=32,
-            attend_granule=16, live_attention=live,
+            attend_granule=16, live_attention=live, prefill_graphs=live and prefill_graphs,
         )  # fmt: skip
         engine = DecodeEngine(target.model, settings)
         assert engine.cache.reads_live_lengths == live
