@@ -13,13 +13,13 @@
 # left, less a 60 s reserve, is skipped with a note):
 #   tests    pytest -m gpu of the decode engine (the live attention's kernel and engine tests among them)
 #   ab       bench/regenerate_variants.py: regenerate's engine variants (before, now, --prefill-graphs on,
-#            --decode-attention live, and live with --reuse-kv on), AB_S seconds each (72), on the records
-#            after those the quality runs answered (--skip 12600: the slots stay full)
+#            --decode-attention live, live with --reuse-kv on, and all three), AB_S seconds each (64), on
+#            the records after those the quality runs answered (--skip 12600: the slots stay full)
+#   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
+#            the answers gzipped for bench/answers/)
 #   decode   bench/decode.py --sections live: decode throughput with each attention, SmolLM2's and
 #            Qwen3-8B's shapes (random weights)
 #   turns    bench/regenerate_turns.py: KV reuse across turns against whole prompts, each attention
-#   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
-#            the answers gzipped for bench/answers/)
 #   quality  bench/h200_quality_run.sh with the fp8 cache beside the default at equal steps, on the first
 #            6,000 chat conversations and the 6,000 code answers (at least 1,200 s: ≈ 1,000 steps each)
 # REGEN_ARGS replaces regenerate's arguments (a CPU smoke test: --target random:tiny ... --batch-size 16).
@@ -38,7 +38,7 @@ mkdir -p $R
 left() { echo $(( LEFT - ($(date +%s) - T0) )); }
 # fits NAME COST: whether stage NAME is asked for and COST seconds fit the time left (a note if not).
 fits() {
-  case ",${STAGES:-tests,ab,decode,turns,rest,quality}," in *",$1,"*) ;; *) return 1 ;; esac
+  case ",${STAGES:-tests,ab,rest,decode,turns,quality}," in *",$1,"*) ;; *) return 1 ;; esac
   if [ "$(left)" -lt $(( $2 + 60 )) ]; then echo "$1 skipped: $(left) s left, it needs $2"; return 1; fi
   echo "== $1 at $(( $(date +%s) - T0 )) s ($(left) s left)"
 }
@@ -54,25 +54,38 @@ if fits tests 150; then
 fi
 
 best=now flags=""
-if fits ab $(( 5 * ${AB_S:-72} + 90 )); then
+if fits ab $(( 6 * ${AB_S:-64} + 90 )); then
   timeout 120 python3 -m dflash_offline regenerate "${A[@]}" --skip 17000 --limit 4 \
     --out /tmp/warm/answers.jsonl > $R/warm.log 2>&1  # the GGUF weights cache, so that no variant pays it
   variants='{"now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live",
-             "live+reuse": "--decode-attention live --reuse-kv on"}'
+             "live+reuse": "--decode-attention live --reuse-kv on",
+             "all": "--decode-attention live --reuse-kv on --prefill-graphs on"}'
   trees=()
   if [ -f /tmp/stage/engine-before.tgz ]; then
     mkdir -p /tmp/before && tar -xzf /tmp/stage/engine-before.tgz -C /tmp/before
     variants='{"before": "", "now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live",
-               "live+reuse": "--decode-attention live --reuse-kv on"}'
+               "live+reuse": "--decode-attention live --reuse-kv on",
+               "all": "--decode-attention live --reuse-kv on --prefill-graphs on"}'
     trees=(--tree before=/tmp/before)
   fi
-  python3 bench/regenerate_variants.py --seconds "${AB_S:-72}" --out-dir $R/ab "${trees[@]}" \
+  python3 bench/regenerate_variants.py --seconds "${AB_S:-64}" --out-dir $R/ab "${trees[@]}" \
     --variants "$variants" -- "${A[@]}" --skip 12600 2>&1 | tee $R/ab.txt
   best=$(python3 -c "
 import json; rs = [r for r in json.load(open('$R/ab/variants.json')) if r['name'] != 'before' and r['returncode'] == 0]
 print(max(rs, key=lambda r: r['new_tok_per_s'])['name'] if rs else 'now')")
   flags=$(python3 -c "import json; print(json.loads('''$variants''')['$best'])")
   echo "fastest: $best ($flags)"
+fi
+
+if fits rest $(( ${REST_S:-240} + 30 )); then
+  mkdir -p /tmp/rest && cp $R/ab/$best/answers.jsonl* /tmp/rest/ 2>/dev/null
+  # shellcheck disable=SC2086  # $flags: regenerate flags, split on purpose
+  timeout -s INT "${REST_S:-240}" python3 -m dflash_offline regenerate "${A[@]}" --skip 12600 $flags \
+    --out /tmp/rest/answers.jsonl > $R/rest.log 2>&1
+  echo "rest: rc $?; $(wc -l < /tmp/rest/answers.jsonl) conversations"
+  grep "throughput:" $R/rest.log | tail -1
+  gzip -c /tmp/rest/answers.jsonl > $R/more-answers-sharegpt.jsonl.gz
+  [ -f /tmp/rest/answers.jsonl.partial ] && gzip -c /tmp/rest/answers.jsonl.partial > $R/more-answers-partial.jsonl.gz
 fi
 
 if fits decode 260; then
@@ -86,17 +99,6 @@ if fits turns 260; then
     --limit 256 --max-new-tokens 128 --max-prompt-tokens 1536 --batch-size 256 --max-batch-tokens 8192 \
     --repeats 1 --warmup 8 --decode-attention padded live --json $R/turns.json > $R/turns.txt 2>&1
   tail -2 $R/turns.txt | cut -c1-2000
-fi
-
-if fits rest $(( ${REST_S:-240} + 30 )); then
-  mkdir -p /tmp/rest && cp $R/ab/$best/answers.jsonl* /tmp/rest/ 2>/dev/null
-  # shellcheck disable=SC2086  # $flags: regenerate flags, split on purpose
-  timeout -s INT "${REST_S:-240}" python3 -m dflash_offline regenerate "${A[@]}" --skip 12600 $flags \
-    --out /tmp/rest/answers.jsonl > $R/rest.log 2>&1
-  echo "rest: rc $?; $(wc -l < /tmp/rest/answers.jsonl) conversations"
-  grep "throughput:" $R/rest.log | tail -1
-  gzip -c /tmp/rest/answers.jsonl > $R/more-answers-sharegpt.jsonl.gz
-  [ -f /tmp/rest/answers.jsonl.partial ] && gzip -c /tmp/rest/answers.jsonl.partial > $R/more-answers-partial.jsonl.gz
 fi
 
 if fits quality 1200; then
