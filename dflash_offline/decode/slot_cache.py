@@ -21,6 +21,7 @@ position L − 1, which no mask ever shows.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,11 @@ CUDA_ATTEND_GRANULE = 256
 
 CPU_ATTEND_GRANULE = 32
 """On the CPU (no graphs to capture, the math kernel's cost grows with the attended length): finer."""
+
+
+class LiveAttentionWarning(RuntimeWarning):
+    """The live attention was asked for where its kernel does not run: the masked path runs instead (same
+    answers, the padding attended over)."""
 
 
 def default_attend_granule(device: torch.device) -> int:
@@ -141,6 +147,15 @@ class SlotCache:
         self.reads_live_lengths = live_attention and flash_reads_live_lengths(
             s.device, s.dtype, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim
         )
+        if live_attention and not self.reads_live_lengths:
+            warnings.warn(
+                LiveAttentionWarning(
+                    f"the live attention over the KV cache needs the flash kernel (CUDA, half precision) "
+                    f"and it does not run here ({s.device.type}, {s.dtype}): the engine attends over "
+                    "buckets of positions with a mask instead (--decode-attention padded)"
+                ),
+                stacklevel=2,
+            )
         """Decode steps and prefills over the cache attend over each row's live keys alone, read in place
         (the flash kernel, ``attend_live``); else over the forward's bucket of positions with a mask (a
         prefill's rows gathered). Asked for with ``live_attention``, and only where the kernel runs and

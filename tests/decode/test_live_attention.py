@@ -27,6 +27,7 @@ from dflash_offline.decode.attention import (
     masked_live_reference,
 )
 from dflash_offline.decode.engine import DecodeEngine, EngineSettings
+from dflash_offline.decode.slot_cache import LiveAttentionWarning
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.decode.test_engine import generate_greedy, random_prompts, run_all
 from tests.decode.test_parked_slots import RULES, converse
@@ -103,7 +104,8 @@ def test_the_kernels_layout_reads_each_rows_live_keys_and_nothing_past_them(quer
 
 
 def test_the_cpu_keeps_the_masked_path() -> None:
-    """The flash kernel needs CUDA in half precision: elsewhere asking for it changes nothing."""
+    """The flash kernel needs CUDA in half precision: elsewhere asking for it changes nothing (a warning
+    says so)."""
     assert not flash_reads_live_lengths(
         torch.device("cpu"), torch.float32, num_heads=9, num_kv_heads=3, head_dim=64
     )
@@ -111,7 +113,9 @@ def test_the_cpu_keeps_the_masked_path() -> None:
     settings = EngineSettings(
         num_slots=2, max_len=40, max_new_tokens=4, stop_ids=frozenset(), live_attention=True
     )
-    assert not DecodeEngine(cpu.model, settings).cache.reads_live_lengths
+    with pytest.warns(LiveAttentionWarning, match=r"does not run here \(cpu, torch.float32\)"):
+        engine = DecodeEngine(cpu.model, settings)
+    assert not engine.cache.reads_live_lengths
 
 
 @pytest.fixture
