@@ -161,19 +161,24 @@ def test_the_throughput_line_says_what_the_engine_steps_did(tmp_path: Path, tiny
     assert figures["mean_decoding_slots"] == 0.9
 
 
+def _regenerate_two_turns(tmp_path: Path, data: Path, *flags: str) -> tuple[list[Any], str]:
+    """The conversations ``regenerate`` writes from ``data`` with ``flags`` (sorted by id), and its output."""
+    out = tmp_path / f"regen{'-'.join(flags)}.jsonl"
+    result = CliRunner().invoke(
+        main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
+               "--max-new-tokens", "10", "--batch-size", "3", *flags, "--no-progress"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return sorted((line["id"], line["messages"]) for line in _lines(out)), result.output
+
+
 def test_prefill_graphs_on_answers_as_off(tmp_path: Path) -> None:
     """``--prefill-graphs on`` (new prompts prefilled at padded static shapes: CUDA graphs on a GPU, the
     same forwards eagerly here) writes the same conversations as the default."""
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 6, turns=2)
-    outputs = {}
-    for mode in ("off", "on"):
-        out = tmp_path / f"regen-{mode}.jsonl"
-        result = CliRunner().invoke(
-            main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
-                   "--max-new-tokens", "10", "--batch-size", "3", "--prefill-graphs", mode, "--no-progress"],
-        )  # fmt: skip
-        assert result.exit_code == 0, result.output
-        outputs[mode] = sorted((line["id"], line["messages"]) for line in _lines(out))
+    outputs = {
+        mode: _regenerate_two_turns(tmp_path, data, "--prefill-graphs", mode)[0] for mode in ("off", "on")
+    }
     assert len(outputs["on"]) == 6
     assert outputs["on"] == outputs["off"]
 
@@ -185,15 +190,9 @@ def test_reuse_kv_off_prefills_every_prompt_whole_and_answers_the_same(tmp_path:
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 6, turns=2)
     outputs, counts = {}, {}
     for mode in ("on", "off", "auto"):
-        out = tmp_path / f"regen-{mode}.jsonl"
-        result = CliRunner().invoke(
-            main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
-                   "--max-new-tokens", "10", "--batch-size", "3", "--reuse-kv", mode, "--no-progress"],
-        )  # fmt: skip
-        assert result.exit_code == 0, result.output
-        outputs[mode] = sorted((line["id"], line["messages"]) for line in _lines(out))
-        found = re.search(r"of ([0-9,]+) prompt tokens \(([0-9,]+) reused", result.output)
-        assert found is not None, result.output
+        outputs[mode], text = _regenerate_two_turns(tmp_path, data, "--reuse-kv", mode)
+        found = re.search(r"of ([0-9,]+) prompt tokens \(([0-9,]+) reused", text)
+        assert found is not None, text
         counts[mode] = tuple(int(g.replace(",", "")) for g in found.groups())
     assert len(outputs["on"]) == 6
     assert outputs["on"] == outputs["off"] == outputs["auto"]
