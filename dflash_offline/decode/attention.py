@@ -111,7 +111,7 @@ def live_keys(
     device = key_counts_N.device
     slot_N = torch.arange(n, device=device) if slots_N is None else slots_N
     plane_T = (slot_N[:, None] * hk + torch.arange(hk, device=device)[None, :]).reshape(-1)
-    end = plane_T.max().reshape(1) + 1  # a valid end of the planes read; the kernel does not need it
+    end = plane_T[-1:] + 1  # the kernel reads a sequence's start alone: any value ends the list
     return LiveKeys(
         seqused_k=key_counts_N.to(torch.int32).repeat_interleave(hk),
         cu_seqlens_q=torch.arange(n * hk + 1, device=device, dtype=torch.int32) * queries,

@@ -58,6 +58,7 @@ from dflash_offline.decode.steps import (
     padded_ids,
     prefill,
     prefill_shape,
+    reads_in_place,
     start_decoding,
     static_prefill_step,
 )
@@ -515,7 +516,7 @@ class DecodeEngine:
         """One prefill forward of ``plan``."""
         chunks = plan.chunks
         shape = self._run_shape(chunks)
-        if self.settings.prefill_graphs and (shape.fresh or self._continues_in_place(chunks, shape)):
+        if self.settings.prefill_graphs and (shape.fresh or reads_in_place(self.cache, chunks, shape.width)):
             first_M = self._static_prefill(chunks, shape)
         else:
             first_M, _ = prefill(self.fwd, self.state, self.sampler, chunks, shape=shape)
@@ -533,17 +534,9 @@ class DecodeEngine:
         self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt)]
         return first_M, completed
 
-    def _continues_in_place(self, chunks: Sequence[PrefillChunk], shape: PrefillShape) -> bool:
-        """Whether a prefill over the cache takes the static path: with the live attention, when every
-        row's keys up to its start + the padded width fit its slot (``prefill``'s live path, graphed)."""
-        return (
-            self.cache.reads_live_lengths
-            and max(c.start for c in chunks) + shape.width <= self.cache.capacity
-        )
-
     def _static_prefill(self, chunks: Sequence[PrefillChunk], shape: PrefillShape) -> Tensor | None:
         """A prefill at the static ``shape`` (``settings.prefill_graphs``; fresh prompts, or continuations
-        over the cache, ``_continues_in_place``): the chunks into the shape's buffers, the forward (a CUDA
+        over the cache that ``reads_in_place``): the chunks into the shape's buffers, the forward (a CUDA
         graph per shape and kind), then the completed prompts' slots start decoding. Their first tokens
         (int64 [M], chunk order; None when none completes)."""
         over_cache = not shape.fresh

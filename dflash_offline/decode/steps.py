@@ -133,6 +133,23 @@ def padded_ids(chunks: Sequence[PrefillChunk], rows: int, width: int) -> Tensor:
     return ids
 
 
+def reads_in_place(cache: SlotCache, chunks: Sequence[PrefillChunk], width: int) -> bool:
+    """Whether a prefill of ``chunks`` over the cache, ``width`` tokens a row, attends over the rows' slots
+    in place (``over_cache_keys``): where the live attention runs, and every row's start + width fits its
+    slot."""
+    return cache.reads_live_lengths and max(c.start for c in chunks) + width <= cache.capacity
+
+
+def over_cache_keys(
+    cache: SlotCache, slots_N: Tensor, start_N: Tensor, length_N: Tensor, width: int
+) -> LiveKeys:
+    """``LiveKeys`` of a prefill over the cache, W = ``width`` queries a row, causal aligned to the end of
+    start + W keys: a real query q sees positions 0..start+q, its row's own; the padding queries see stale
+    positions inside the slot's plane (their outputs are dropped); an idle row (``length_N`` 0) reads W keys
+    of its slot."""
+    return cache.live_keys(slots_N, torch.where(length_N > 0, start_N + width, width), queries=width)
+
+
 def prefill(
     fwd: SlotForward,
     state: SlotState,
@@ -167,12 +184,8 @@ def prefill(
     write_NS = torch.where(q_S[None, :] < length_N[:, None], positions_NS, cache.scratch)
     live: LiveKeys | None = None
     mask: Tensor | None = None
-    if not fresh and cache.reads_live_lengths and max(c.start for c in chunks) + width <= cache.capacity:
-        # Each row's S queries over its slot in place, causal aligned to the end of start + S keys: a
-        # real query q sees positions 0..start+q, the row's own; its padding queries see stale positions
-        # (their outputs are dropped), inside the slot's plane. Idle rows read the first chunk's slot.
-        real_N = torch.arange(shape.rows, device=device) < len(chunks)
-        live = cache.live_keys(slots_N, torch.where(real_N, start_N + width, width), queries=width)
+    if not fresh and reads_in_place(cache, chunks, width):
+        live = over_cache_keys(cache, slots_N, start_N, length_N, width)
     elif not fresh:
         mask = block_mask(start_N, width, shape.attend_len)
     rows = ForwardRows(
@@ -237,11 +250,9 @@ def static_prefill_step(
         positions_RW = q_W[None, :].expand(rows, width)
     write_RW = torch.where(q_W[None, :] < buf.length_R[:, None], positions_RW, cache.scratch)
     if over_cache:
-        # As ``prefill``'s live path: a real row's keys end at start + W, an idle row reads W keys.
-        counts_R = torch.where(buf.length_R > 0, buf.start_R + width, width)
         forward_rows = ForwardRows(
             num_rows=rows, slots_N=buf.slots_R, write_NS=write_RW, attend_len=cache.capacity,
-            live_keys=cache.live_keys(buf.slots_R, counts_R, queries=width),
+            live_keys=over_cache_keys(cache, buf.slots_R, buf.start_R, buf.length_R, width),
         )  # fmt: skip
     else:
         forward_rows = ForwardRows(
