@@ -11,7 +11,10 @@
 #   bash /tmp/follow.sh wait s 280; bash bench/h200_engine_ab.sh collect      # calls back to back
 # Stages (STAGES, comma-separated, default all, in this order; one whose cost does not fit the seconds
 # left, less a 60 s reserve, is skipped with a note):
-#   tests    pytest -m gpu of the decode engine (the live attention's kernel and engine tests among them)
+#   tests    pytest -m gpu of the decode engine (the live attention's kernel and engine tests among them,
+#            and the compiled drafter inside the speculative cycle's graphs)
+#   cycle    bench/spec_cycle.py: eval's speculative cycle over one target decode step, the drafter eager
+#            and compiled (dflash eval --compile on), ms and kernels a cycle (the goal: <= 1.5x)
 #   ab       bench/regenerate_variants.py: regenerate's engine variants (before, now, --prefill-graphs on,
 #            --decode-attention live, live with --reuse-kv on, and all three), AB_S seconds each (64), on
 #            the records after those the quality runs answered (--skip 12600: the slots stay full)
@@ -38,7 +41,7 @@ mkdir -p $R
 left() { echo $(( LEFT - ($(date +%s) - T0) )); }
 # fits NAME COST: whether stage NAME is asked for and COST seconds fit the time left (a note if not).
 fits() {
-  case ",${STAGES:-tests,ab,rest,decode,turns,quality}," in *",$1,"*) ;; *) return 1 ;; esac
+  case ",${STAGES:-tests,cycle,ab,rest,decode,turns,quality}," in *",$1,"*) ;; *) return 1 ;; esac
   if [ "$(left)" -lt $(( $2 + 60 )) ]; then echo "$1 skipped: $(left) s left, it needs $2"; return 1; fi
   echo "== $1 at $(( $(date +%s) - T0 )) s ($(left) s left)"
 }
@@ -51,6 +54,12 @@ A=(${REGEN_ARGS:---target default --data /tmp/stage/sharegpt-prompts.jsonl.gz --
 if fits tests 150; then
   timeout 150 python3 -m pytest -q -m gpu tests/decode -p no:cacheprovider > $R/gpu-tests.txt 2>&1
   tail -3 $R/gpu-tests.txt
+fi
+
+if fits cycle 170; then
+  timeout 170 python3 bench/spec_cycle.py --target random:smollm2-135m --data /tmp/stage/sharegpt-prompts.jsonl.gz \
+    --prompts 3 --new-tokens 128 --json $R/spec-cycle.json > $R/spec-cycle.txt 2>&1
+  tail -1 $R/spec-cycle.txt
 fi
 
 best=now flags=""

@@ -129,6 +129,7 @@ class SingleSequence:
         max_len: int,
         cuda_graphs: bool = True,
         attend_granule: int | None = None,
+        drafter_compile_backend: str | None = None,
     ) -> None:
         param = next(model.parameters())
         self.device = param.device
@@ -140,10 +141,18 @@ class SingleSequence:
         self.graphs = StepGraphs(param.device, enabled=cuda_graphs)
         self._drafters: dict[int, StaticDrafter] = {}
         self._spec: _SpecBuffers | None = None
+        self.drafter_compile_backend = drafter_compile_backend
+        """The speculative cycle's drafter layers through ``torch.compile`` with this backend
+        (``StaticDrafter``); None: eager."""
 
     @property
     def max_len(self) -> int:
         return self.cache.max_len
+
+    @property
+    def drafter_compiled(self) -> bool:
+        """Whether the speculative cycle's drafter runs compiled (False before any speculative decode)."""
+        return any(d.compiled for d in self._drafters.values())
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int, block_size: int = 1) -> None:
         if prompt_len < 1 or max_new_tokens < 1:
@@ -245,7 +254,7 @@ class SingleSequence:
     def _static_drafter(self, model: DFlashDrafter) -> StaticDrafter:
         drafter = self._drafters.get(id(model))
         if drafter is None:
-            drafter = StaticDrafter(model, self.cache.capacity)
+            drafter = StaticDrafter(model, self.cache.capacity, compile_backend=self.drafter_compile_backend)
             self._drafters = {id(model): drafter}
             self.graphs.clear()
         return drafter

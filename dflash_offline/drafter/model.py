@@ -61,8 +61,18 @@ class DrafterOutput:
     """int64 scalar: positions carrying loss (Σ total_K)."""
 
 
-_LayerSteps = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
-"""One layer's training forward in three calls: context keys/values, attention inputs, the rest."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerSteps:
+    """One decoder layer in three calls around its attention (``DecoderLayer.forward`` is
+    ``finish(x, attend(*attention_inputs(x, …, *keys_values(ctx, …))))``): the training forward and eval's
+    static drafter (``decode/drafting.py``) run a layer through them, eager or compiled alike."""
+
+    keys_values: Callable[..., tuple[Tensor, Tensor]]
+    """``DFlashAttention.keys_values``: the context rows' rotated, normed keys and their values."""
+    attention_inputs: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    """``DecoderLayer.attention_inputs``: q and [context ; block] k, v for the attend function."""
+    finish: Callable[..., Tensor]
+    """``DecoderLayer.finish``: the layer's output from its input and the attention's."""
 
 
 class ContextCache:
@@ -100,10 +110,10 @@ class DFlashDrafter(nn.Module):
         self._ddp_params_and_buffers_to_ignore = ["embed_VH", "_lm_head_VH", "feature_scale_F"]
         self.flex_fallback = FlexFallback()
         """Whether this model's compiled flex_attention failed (it then uses SDPA, having warned)."""
-        self._compiled_steps: list[_LayerSteps] | None = None
+        self._compiled_steps: list[LayerSteps] | None = None
+        """The compiled per-layer training steps (``compile_training``), or None: eager."""
         self._cast_head: tuple[Any, Tensor] | None = None
         """(what it was cast from, the LM head in the autocast dtype): see ``_head_in``."""
-        """The compiled per-layer training steps (``compile_training``), or None: eager."""
         self.load_frozen_head(embed_VH, lm_head_VH)
         self.reset_parameters()
 
@@ -256,12 +266,12 @@ class DFlashDrafter(nn.Module):
         ).reshape(-1)
         q_cos, q_sin = rope_cos_sin(block_pos_Q, D, cfg.rope_theta)
 
-        steps = self._layer_steps()
+        steps = self._compiled_steps or self.layer_steps()
 
         def run_layer(i: int, x_QH: Tensor, ctx: Tensor) -> Tensor:
-            keys_values, attention_inputs, finish = steps[i]
-            k, v = keys_values(ctx, ctx_cos, ctx_sin)
-            return finish(x_QH, attend(*attention_inputs(x_QH, q_cos, q_sin, k, v)))
+            step = steps[i]
+            k, v = step.keys_values(ctx, ctx_cos, ctx_sin)
+            return step.finish(x_QH, attend(*step.attention_inputs(x_QH, q_cos, q_sin, k, v)))
 
         x = block_embeds_QH
         for i in range(len(steps)):
@@ -271,31 +281,36 @@ class DFlashDrafter(nn.Module):
                 x = run_layer(i, x, ctx_TH)
         return self.norm(x)  # type: ignore[no-any-return]
 
-    def _layer_steps(self) -> list[_LayerSteps]:
-        """Per layer: (context keys/values, attention inputs, the rest of the layer) as the training
-        forward calls them: compiled after ``compile_training``, else the layers' own methods
-        (whose composition is ``DecoderLayer.forward``, what ``draft`` runs)."""
-        if self._compiled_steps is not None:
-            return self._compiled_steps
+    def layer_steps(self, *, compile_backend: str | None = None) -> list[LayerSteps]:
+        """Per layer: its three calls around attention, the layers' own methods, or with ``compile_backend``
+        each ``torch.compile``d for every shape at once (``dynamic=True``: rows, anchors and context
+        lengths differ from call to call). Compiled, the norms, projections, RoPE and the MLP run as a few
+        fused kernels instead of many small ones; attention itself stays outside (flex's own compiled
+        kernel, or SDPA). Fused kernels round differently from eager ones: numbers close to, not equal to,
+        eager's."""
+        layers = self.decoder_layers()
+        if compile_backend is None:
+            return [
+                LayerSteps(
+                    keys_values=layer.self_attn.keys_values,
+                    attention_inputs=layer.attention_inputs,
+                    finish=layer.finish,
+                )
+                for layer in layers
+            ]
         return [
-            (layer.self_attn.keys_values, layer.attention_inputs, layer.finish)
-            for layer in self.decoder_layers()
+            LayerSteps(
+                keys_values=torch.compile(layer.self_attn.keys_values, dynamic=True, backend=compile_backend),
+                attention_inputs=torch.compile(layer.attention_inputs, dynamic=True, backend=compile_backend),
+                finish=torch.compile(layer.finish, dynamic=True, backend=compile_backend),
+            )
+            for layer in layers
         ]
 
     def compile_training(self, *, backend: str = "inductor") -> None:
-        """``torch.compile`` the training forward's per-layer work around attention (norms, projections,
-        RoPE, the MLP: fused kernels instead of many small ones), for every shape at once
-        (``dynamic=True``: microbatches differ in tokens and anchors). Attention itself stays as it is
-        (flex's compiled kernel on CUDA, SDPA elsewhere); ``draft`` is not affected. Fused kernels round
-        differently from eager ones, so a compiled run's numbers are close to, not equal to, eager's."""
-        self._compiled_steps = [
-            (
-                torch.compile(layer.self_attn.keys_values, dynamic=True, backend=backend),
-                torch.compile(layer.attention_inputs, dynamic=True, backend=backend),
-                torch.compile(layer.finish, dynamic=True, backend=backend),
-            )
-            for layer in self.decoder_layers()
-        ]
+        """The training forward through compiled layer steps from now on (``layer_steps``); ``draft`` is
+        not affected."""
+        self._compiled_steps = self.layer_steps(compile_backend=backend)
 
     def forward_train(
         self,

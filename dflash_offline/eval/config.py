@@ -94,6 +94,15 @@ class EvalConfig:
         None, cli=DTYPE, help="Target and drafter dtype (default: float32 on CPU, bfloat16 on GPU)."
     )
     """``float32`` or ``bfloat16`` for the target and the drafter; None = float32 on CPU, bfloat16 on CUDA."""
+    compile: Literal["auto", "on", "off"] = cli_field(
+        "auto",
+        help="torch.compile the drafter's layers in the speculative cycle (a few fused kernels instead of "
+        "many small ones; its proposals close to, not equal to, eager ones; the answers stay the target's "
+        "greedy ones): auto = eager until compiling is measured faster on a GPU (bench/spec_cycle.py).",
+    )
+    """The speculative cycle's drafter layers through ``torch.compile``
+    (``decode/drafting.py:StaticDrafter``), resolved by ``compiles_drafter``. A failed compile leaves the
+    drafter eager, with a warning in the report."""
     tie_ulps: float = cli_field(
         DEFAULT_TIE_ULPS,
         min=0,
@@ -128,3 +137,9 @@ class EvalConfig:
             d[key] = None if d[key] is None else str(d[key])
         d["bench"] = None if self.bench is None else list(self.bench)
         return d
+
+
+def compiles_drafter(config: EvalConfig) -> bool:
+    """Whether eval compiles the drafter's layers: ``--compile on`` (``auto`` stays eager until the compiled
+    cycle is measured faster on a GPU)."""
+    return config.compile == "on"

@@ -18,11 +18,14 @@ import torch
 
 from dflash_offline.config_fields import flag
 from dflash_offline.errors import ConfigError
-from dflash_offline.eval.config import EvalConfig
+from dflash_offline.eval.config import EvalConfig, compiles_drafter
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.target_model.loader import compute_dtype, resolve_device, stop_token_ids
 
 WARMUP_TOKENS = 8
+
+COMPILE_BACKEND = "inductor"
+"""``torch.compile``'s backend for ``--compile on`` (the tests swap in lighter ones)."""
 
 
 def load_drafter_for(target: Any, drafter_dir: Path, *, dtype: torch.dtype) -> Any:
@@ -156,8 +159,16 @@ def run_eval(config: EvalConfig) -> Any:
             f"interrupted after {len(results)} of {decoded.turns} turns: the figures cover the finished "
             "turns only"
         )
+    compiled = dec.engine is not None and dec.engine.drafter_compiled
+    if compiles_drafter(config) and not compiled:
+        warnings.append(
+            f"{flag(EvalConfig, 'compile')} on: torch.compile of the drafter failed, it drafted eagerly "
+            "(the warning above says why)"
+        )
     where = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
-    report = _report(config, target.info, where, drafter_model.config, held_out.note, warnings, results)
+    report = _report(
+        config, target.info, where, drafter_model.config, held_out.note, warnings, results, compiled=compiled
+    )
     return dataclasses.replace(report, interrupted=interrupted)
 
 
@@ -178,7 +189,11 @@ def _decoders(config: EvalConfig, target: Any, drafter_model: Any) -> Any:
         max_prompt_tokens=config.max_prompt_tokens,
         tie_ulps=config.tie_ulps,
         # One slot of the longest prompt + answer + a verify block; CUDA graphs on a GPU.
-        engine=SingleSequence(target.model, max_len=config.max_prompt_tokens + config.max_new_tokens + block),
+        engine=SingleSequence(
+            target.model,
+            max_len=config.max_prompt_tokens + config.max_new_tokens + block,
+            drafter_compile_backend=COMPILE_BACKEND if compiles_drafter(config) else None,
+        ),
     )
 
 
@@ -239,9 +254,11 @@ def _report(
     held_out_note: str,
     warnings: list[str],
     results: list[Any],
+    *,
+    compiled: bool,
 ) -> Any:
     """The ``EvalReport`` of ``results`` (``where``: the device and dtype the loops ran in; ``cfg``: the
-    drafter's config)."""
+    drafter's config; ``compiled``: whether its layers ran compiled in the speculative cycle)."""
     from dflash_offline.eval.exactness import EXACTNESS_RULE
     from dflash_offline.eval.report import EVAL_REPORT_VERSION, EvalReport, summarize_sets
 
@@ -256,6 +273,7 @@ def _report(
             "target_layer_ids": list(cfg.target_layer_ids),
             "mask_token_id": cfg.mask_token_id,
             "num_layers": cfg.num_layers,
+            "compiled": compiled,
         },
         held_out=held_out_note,
         warnings=warnings,
