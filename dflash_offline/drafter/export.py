@@ -178,6 +178,18 @@ def export_drafter(
     return out
 
 
+def read_export_config(directory: Path) -> DrafterConfig:
+    """The drafter config of an export directory (which must hold the weights file too)."""
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / name).is_file():
+            raise DrafterFormatError(f"{directory / name} is missing: not a drafter export directory")
+    try:
+        data = json.loads((directory / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as exc:
+        raise DrafterFormatError(f"{directory / CONFIG_FILE} is not valid JSON: {exc}") from exc
+    return config_from_zlab(data)
+
+
 def load_exported_drafter(
     directory: str | Path,
     *,
@@ -187,14 +199,7 @@ def load_exported_drafter(
 ) -> DFlashDrafter:
     """Build a drafter from an export (weights keep the file's dtype) over the given frozen head."""
     d = Path(directory)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (d / name).is_file():
-            raise DrafterFormatError(f"{d / name} is missing: not a drafter export directory")
-    try:
-        data = json.loads((d / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as exc:
-        raise DrafterFormatError(f"{d / CONFIG_FILE} is not valid JSON: {exc}") from exc
-    config = config_from_zlab(data)
+    config = read_export_config(d)
     tensors = load_file(str(d / WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
     model = DFlashDrafter(config, embed_VH=embed_VH, lm_head_VH=lm_head_VH)
     expected = model.state_dict()

@@ -9,7 +9,8 @@ content: the id ``dflash generate`` stores) is not committed in the training cac
 of its conversation (its root: ShareGPT's ``X_11`` belongs to ``X``, whose ``X_0`` may have been trained
 on) unless the run held it out for validation. That cache is named with ``--exclude-cache`` or found
 from the drafter: an export written by ``dflash train`` sits in ``RUN/drafter`` and ``RUN/config.json``
-names the cache.
+names the cache. A run started from another drafter's weights (``dflash train --init-from``) names that
+drafter too: what it trained on is not held out either, found the same way down the chain.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dflash_offline.data.sources import conversation_root, iter_records, source_
 from dflash_offline.data.user_groups import user_groups
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig, Turns
+from dflash_offline.train.config import TrainConfig
 
 if TYPE_CHECKING:
     from dflash_offline.train.split import SplitSnapshots
@@ -44,6 +46,9 @@ class HeldOut:
     excluded_roots: frozenset[str] = frozenset()
     """Conversation roots of the trained samples: a prompt of the same conversation (ShareGPT's ``X_11``
     when ``X_0`` was trained on) is excluded too."""
+    inherited: HeldOut | None = None
+    """What the drafter the run started from (``dflash train --init-from``) had trained on, itself resolved
+    the same way; already included in the sets above."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,9 +92,8 @@ def run_dir_of(drafter_dir: Path) -> Path | None:
     return resolved.parent
 
 
-def training_cache_of(drafter_dir: Path) -> Path | None:
-    """The cache a drafter was trained from, when it is the export of a ``dflash train`` run
-    (``RUN/drafter`` next to ``RUN/config.json`` naming ``cache_dir``); else None."""
+def _run_path(drafter_dir: Path, key: str) -> Path | None:
+    """The path ``key`` of the ``RUN/config.json`` of the run ``drafter_dir`` was exported by; else None."""
     run_dir = run_dir_of(drafter_dir)
     if run_dir is None:
         return None
@@ -98,16 +102,55 @@ def training_cache_of(drafter_dir: Path) -> Path | None:
         config: Any = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    cache_dir = config.get("cache_dir") if isinstance(config, dict) else None
-    if not isinstance(cache_dir, str):
-        return None
-    return Path(cache_dir)  # as train read it (a relative path was relative to train's directory)
+    value = config.get(key) if isinstance(config, dict) else None
+    return Path(value) if isinstance(value, str) else None
+
+
+def training_cache_of(drafter_dir: Path) -> Path | None:
+    """The cache a drafter was trained from, when it is the export of a ``dflash train`` run
+    (``RUN/drafter`` next to ``RUN/config.json`` naming ``cache_dir``); else None."""
+    return _run_path(drafter_dir, "cache_dir")  # as train read it (relative to train's directory)
+
+
+def initial_drafter_of(drafter_dir: Path) -> Path | None:
+    """The export a drafter's run started from (``dflash train --init-from``, stored absolute); else None."""
+    return _run_path(drafter_dir, "init_from")
 
 
 def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | Path | None) -> HeldOut:
     """Read the committed sample ids of the training cache (explicit, else inferred from the drafter), and
     what its data files say about them (cache_data.py): the original records regenerated samples were
-    answered from, and the conversation roots of the trained samples."""
+    answered from, and the conversation roots of the trained samples. A run started from another drafter's
+    weights (``dflash train --init-from``) holds out what that drafter trained on too, resolved the same
+    way (and so on down the chain)."""
+    return _held_out_chain(exclude_cache=exclude_cache, drafter_dir=drafter_dir, data=data, seen=frozenset())
+
+
+def _held_out_chain(
+    *, exclude_cache: Path | None, drafter_dir: Path, data: str | Path | None, seen: frozenset[Path]
+) -> HeldOut:
+    own = _own_held_out(exclude_cache=exclude_cache, drafter_dir=drafter_dir, data=data)
+    initial = initial_drafter_of(drafter_dir)
+    if initial is None:
+        return own
+    seen = seen | {drafter_dir.resolve()}
+    if initial.resolve() in seen:
+        raise ConfigError(
+            f"{drafter_dir}: the drafters its run started from ({flag(TrainConfig, 'init_from')}) loop back "
+            f"to {initial}"
+        )
+    inherited = _held_out_chain(exclude_cache=None, drafter_dir=initial, data=data, seen=seen)
+    return HeldOut(
+        cache_dir=own.cache_dir,
+        excluded_ids=own.excluded_ids | inherited.excluded_ids,
+        note=f"{own.note}; its run started from the weights of {initial}: {inherited.note}",
+        excluded_roots=own.excluded_roots | inherited.excluded_roots,
+        inherited=inherited,
+    )
+
+
+def _own_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | Path | None) -> HeldOut:
+    """``resolve_held_out`` for the drafter's own run alone."""
     from dflash_offline.cache.layout import read_fingerprint
     from dflash_offline.cache.manifest import committed_sample_ids
     from dflash_offline.eval.cache_data import iter_cache_records

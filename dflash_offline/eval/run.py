@@ -93,6 +93,7 @@ def _questions(config: EvalConfig, tokenizer: Any, held_out: Any, warnings: list
                 limit=config.limit,
                 max_prompt_tokens=config.max_prompt_tokens,
                 turns=config.turns,
+                inherited=held_out.inherited,
             )
             warnings.append(chosen.note)
             questions += [from_chat_prompt(p, bench=UNSEEN_ROOT) for p in chosen.unseen_root]

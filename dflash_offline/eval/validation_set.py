@@ -22,7 +22,7 @@ from dflash_offline.config_fields import flag
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig, Turns
-from dflash_offline.eval.prompts import EvalPrompt, chat_prompt, run_dir_of, training_cache_of
+from dflash_offline.eval.prompts import EvalPrompt, HeldOut, chat_prompt, run_dir_of, training_cache_of
 from dflash_offline.train.config import TrainConfig
 
 THIS_SET = f"{flag(EvalConfig, 'bench')} validation"
@@ -45,9 +45,17 @@ class ValidationSelection:
 
 
 def select_validation_prompts(
-    drafter_dir: Path, tokenizer: Any, *, limit: int, max_prompt_tokens: int, turns: Turns
+    drafter_dir: Path,
+    tokenizer: Any,
+    *,
+    limit: int,
+    max_prompt_tokens: int,
+    turns: Turns,
+    inherited: HeldOut | None = None,
 ) -> ValidationSelection:
-    """The validation records of the run ``drafter_dir`` was exported by (module docstring)."""
+    """The validation records of the run ``drafter_dir`` was exported by (module docstring). ``inherited``:
+    what the drafter that run started from trained on (``HeldOut.inherited``): its records are left out, and
+    its conversations count as trained ones."""
     from dflash_offline.cache.layout import read_fingerprint
     from dflash_offline.cache.manifest import committed_sample_ids
     from dflash_offline.eval.cache_data import iter_cache_records, readable_inputs
@@ -69,14 +77,23 @@ def select_validation_prompts(
     if not (cache_dir / "cache.json").is_file():
         raise ConfigError(f"{THIS_SET}: the run's cache {cache_dir} is not here")
     trained = committed_sample_ids(cache_dir) - validation
-    trained_roots: set[str] = set()
+    trained_roots: set[str] = set() if inherited is None else set(inherited.excluded_roots)
     candidates: list[tuple[Conversation, str]] = []
+    trained_before = 0
     for record in iter_cache_records(cache_dir, source=read_fingerprint(cache_dir).data_source):
         sample_id = record.conversation.sample_id
         if sample_id in trained:
             trained_roots.add(record.root)
         elif sample_id in validation:
+            if inherited is not None and inherited.excluded_ids & {sample_id, record.origin}:
+                trained_before += 1  # the drafter this run started from trained on it
+                continue
             candidates.append((record.conversation, record.root))
+    if not candidates and trained_before:
+        raise ConfigError(
+            f"{THIS_SET}: the drafter run {run_dir} started from had trained on all {trained_before} of its "
+            "validation records found: none is held out"
+        )
     if not candidates:
         files, missing = readable_inputs(cache_dir)
         where = ", ".join(str(p) for p, _ in files) or "no file"
@@ -99,4 +116,6 @@ def select_validation_prompts(
         f"validation: {len(candidates)} held-out records of run {run_dir} found, {num_seen} of them in a "
         f"conversation a trained sample belongs to ({TRAINED_ROOT}); decoding {len(unseen)} + {len(seen)}"
     )
+    if trained_before:
+        note += f"; left out: {trained_before} the drafter this run started from trained on"
     return ValidationSelection(unseen_root=tuple(unseen), trained_root=tuple(seen), note=note)

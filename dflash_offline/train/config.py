@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,10 +27,16 @@ from dflash_offline.drafter_shape import (
 from dflash_offline.errors import ConfigError
 from dflash_offline.placement import parse_gpus
 
-OPTIONS_ADDED_SINCE: dict[str, Any] = {"train_samples": None, "feature_scale": "none", "final_norm_init": 1.0}
+OPTIONS_ADDED_SINCE: dict[str, Any] = {
+    "train_samples": None,
+    "feature_scale": "none",
+    "final_norm_init": 1.0,
+    "init_from": None,
+}
 """Options newer than some runs' config.json, each by the value that means what those runs did (every sample
 not held out trained on; features fed to fc unscaled; the final norm's weight initialised to 1.0, the
-defaults before the recipe change): a run read back (resume, export) gets these, not today's defaults."""
+defaults before the recipe change; random initial weights): a run read back (resume, export) gets these,
+not today's defaults."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +130,17 @@ class TrainConfig:
     """Initial value of every weight of the drafter's final RMSNorm. With a tied head of row norm ~3
     (SmolLM2), a unit-RMS hidden of width 576 gives logits spread over tens of units, so the untrained
     drafter is confidently wrong (first loss ≈ 72 ≫ ln V); a small value starts it near ln V."""
+    init_from: Path | None = cli_field(
+        None,
+        path="dir",
+        help="Start from the weights of an exported drafter (an earlier run's OUT/drafter, or a z-lab DFlash "
+        "drafter) instead of random ones: its shape must be this run's (layers, block size, the cache's "
+        "target layers, the target's sizes, mask token); --final-norm-init does not apply, the optimizer and "
+        "LR schedule start afresh, and dflash eval also holds out what that drafter's own run trained on.",
+    )
+    """An export whose weights a fresh run starts from (``model_setup.init_weights_from``; a resume takes
+    the checkpoint's). Stored absolute, so that ``dflash eval`` finds that drafter's run from anywhere
+    (eval/prompts.py: held out from both runs' training samples)."""
     # Optimisation.
     autocast: Literal["auto", "bf16", "off"] = cli_field(
         "auto", help="bf16 autocast of the forward: auto = on GPUs only (measure before using it on a CPU)."
@@ -335,6 +353,8 @@ class TrainConfig:
         self._resolve_layout()
         check_fields(self)
         self._check_out_beside_cache()
+        if self.init_from is not None and not self.init_from.is_absolute():
+            object.__setattr__(self, "init_from", Path(os.path.abspath(self.init_from)))
         if self.tensorboard_dir is not None:
             tensorboard_dir = flag(TrainConfig, "tensorboard_dir")
             if not self.tensorboard:
@@ -365,6 +385,7 @@ class TrainConfig:
         d["cache_dir"] = str(self.cache_dir)
         d["out_dir"] = str(self.out_dir)
         d["tensorboard_dir"] = None if self.tensorboard_dir is None else str(self.tensorboard_dir)
+        d["init_from"] = None if self.init_from is None else str(self.init_from)
         d["gpus"] = list(self.gpus)
         d["layout_by_device"] = list(self.layout_by_device)
         return d
@@ -380,6 +401,8 @@ class TrainConfig:
         values["out_dir"] = Path(values["out_dir"])
         if values.get("tensorboard_dir") is not None:
             values["tensorboard_dir"] = Path(values["tensorboard_dir"])
+        if values.get("init_from") is not None:
+            values["init_from"] = Path(values["init_from"])
         values["gpus"] = tuple(values.get("gpus", ()))
         values["layout_by_device"] = tuple(values.get("layout_by_device", ()))
         if isinstance(values.get("compile"), bool):  # written before compile took auto/on/off

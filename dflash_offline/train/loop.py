@@ -42,7 +42,7 @@ from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, sto
 from dflash_offline.train.length_mixing import LengthMixingPlanner
 from dflash_offline.train.metrics import StepMetrics, recorded_loss
 from dflash_offline.train.microbatch import RankSteps
-from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
+from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup, init_weights_from
 from dflash_offline.train.out_of_memory import out_of_memory_named
 from dflash_offline.train.prefetch import Prefetcher, RowReader
 from dflash_offline.train.reporting import StepReporter
@@ -222,6 +222,14 @@ def train_rank(
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
             if config.feature_scale != "none":
                 setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
+            if state is None and config.init_from is not None:
+                loaded = init_weights_from(setup.model, config.init_from)
+                if info.is_main:
+                    print(
+                        f"dflash train: starting from the weights of {config.init_from} ({loaded:,} values)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             return _train(
                 config, info, setup, split, state, reader or cache_reader, on_step, start_time, clock
             )

@@ -63,9 +63,10 @@ FIXED_OPTIONS = (
     "val_samples",
     "val_group",
     "train_samples",
+    "init_from",
 )
 """``TrainConfig`` options that define the drafter's tensors or its loss, or which samples are trained on
-(the validation split, the training subset)."""
+(the validation split, the training subset), or where its weights started."""
 
 ADDED_OPTIONS: Mapping[str, Any] = {k: v for k, v in OPTIONS_ADDED_SINCE.items() if k in FIXED_OPTIONS}
 """The options of ``FIXED_OPTIONS`` that some runs' config.json lacks, by the value that means what those

@@ -1,6 +1,7 @@
 """``dflash eval`` and the training run's validation split: a drafter never trained on its run's
 validation samples, so their prompts are held out (not excluded) when eval finds the run from the
-drafter's directory; for a cache of regenerated answers, the original records behind them too."""
+drafter's directory; for a cache of regenerated answers, the original records behind them too; for a run
+started from another drafter's weights, what that drafter's run trained on stays excluded."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dflash_offline.cache.manifest import record_run
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import RunRow
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import iter_records
+from dflash_offline.errors import ConfigError
 from dflash_offline.eval.prompts import resolve_held_out, select_prompts
+from dflash_offline.eval.validation_set import select_validation_prompts
 from dflash_offline.target_model.loader import load_tokenizer
 from dflash_offline.train.snapshot import save_snapshot, subset_snapshot, take_snapshot
 from dflash_offline.train.split import split_snapshot
@@ -146,3 +150,73 @@ def test_samples_the_run_never_trained_on_are_held_out_whatever_the_cause(tmp_pa
     ) in held.note
     selection = select_prompts(data, load_tokenizer("random:tiny"), held_out=held, limit=20)
     assert {p.sample_id for p in selection.prompts} == {c.sample_id for c in records} - trained
+
+
+def _record_generate(cache: Path, data: Path, samples: int) -> None:
+    """The cache's manifest names the data file it was generated from (as `dflash generate` records it)."""
+    now = dt.datetime.now(dt.UTC)
+    run = RunRow(
+        run_id="gen-1", command="generate", started_at=now, finished_at=now, status="finished",
+        num_workers=1, samples_committed=samples, tokens_committed=0, bytes_written=0, failures=0,
+        fingerprint_json="{}", host="test", config_json=json.dumps({"data": str(data)}),
+    )  # fmt: skip
+    record_run(cache, run)
+
+
+def _chained_run(
+    root: Path, cache: Path, *, fraction: float, init_from: Path | None
+) -> tuple[Path, set[str]]:
+    """A run on ``cache`` started from ``init_from``'s weights (config.json as `dflash train` writes it);
+    its training sample ids."""
+    run = root / "run"
+    (run / "drafter").mkdir(parents=True)
+    config = {"cache_dir": str(cache), "val_fraction": fraction, "val_samples": None}
+    (run / "config.json").write_text(json.dumps({**config, "init_from": init_from and str(init_from)}))
+    with CacheReader.open(cache) as reader:
+        snapshot = take_snapshot(reader)
+    save_snapshot(snapshot, run / "snapshot.parquet")
+    split = split_snapshot(snapshot, fraction=fraction, num_samples=None)
+    return run, set(split.train.sample_ids)
+
+
+def test_a_run_started_from_another_drafter_holds_out_what_that_one_trained_on(tmp_path: Path) -> None:
+    """Run B (cache of records 6..19) started from run A's export (cache of records 0..11, another
+    validation fraction): eval of B's drafter excludes what either run trained on, and B's validation set
+    leaves out the records A trained on; a chain that loops is refused."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 24)
+    records = [c for c in iter_records(data) if isinstance(c, Conversation)]
+    ids = [c.sample_id for c in records]
+    cache_a = write_tiny_cache(tmp_path / "cache-a", ids[:12], data_source="chat")
+    cache_b = write_tiny_cache(tmp_path / "cache-b", ids[6:20], data_source="chat")
+    _record_generate(cache_b, data, 14)
+    run_a, trained_a = _chained_run(tmp_path / "a", cache_a, fraction=0.2, init_from=None)
+    run_b, trained_b = _chained_run(tmp_path / "b", cache_b, fraction=0.5, init_from=run_a / "drafter")
+    validation_b = set(ids[6:20]) - trained_b
+    assert validation_b & trained_a  # B holds out records A trained on: the case the chain is for
+
+    held = resolve_held_out(exclude_cache=None, drafter_dir=run_b / "drafter", data=data)
+    assert held.excluded_ids == trained_a | trained_b
+    assert f"its run started from the weights of {run_a / 'drafter'}: excluding 12 samples" in held.note
+    assert held.inherited is not None
+    assert held.inherited.excluded_ids == trained_a
+    selection = select_prompts(data, load_tokenizer("random:tiny"), held_out=held, limit=24)
+    assert {p.sample_id for p in selection.prompts} == set(ids) - trained_a - trained_b
+
+    chosen = select_validation_prompts(
+        run_b / "drafter",
+        load_tokenizer("random:tiny"),
+        limit=24,
+        max_prompt_tokens=512,
+        turns="first",
+        inherited=held.inherited,
+    )
+    assert {p.sample_id for p in chosen.unseen_root + chosen.trained_root} == validation_b - trained_a
+    assert f"left out: {len(validation_b & trained_a)} the drafter this run started from trained on" in (
+        chosen.note
+    )
+
+    # A's run claiming to start from B's drafter: a loop, refused rather than followed forever.
+    config_a = json.loads((run_a / "config.json").read_text())
+    (run_a / "config.json").write_text(json.dumps({**config_a, "init_from": str(run_b / "drafter")}))
+    with pytest.raises(ConfigError, match="loop back to"):
+        resolve_held_out(exclude_cache=None, drafter_dir=run_b / "drafter", data=data)

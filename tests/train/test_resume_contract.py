@@ -43,6 +43,7 @@ CHANGES: list[tuple[str, Any, str, str]] = [
     ("val_samples", 5, REFUSED, "--val-samples"),
     ("val_group", "root-id", REFUSED, "--val-group"),
     ("train_samples", 20, REFUSED, "--train-samples"),
+    ("init_from", Path("/elsewhere/run/drafter"), REFUSED, "--init-from"),
     ("seed", 8, REFUSED, "--seed"),
     ("tokens_per_microbatch", 5000, REFUSED, "--tokens-per-microbatch"),
     ("snapshot", None, REFUSED, "index snapshot (snapshot.parquet)"),
@@ -175,7 +176,8 @@ def test_each_change_gets_its_verdict(
     assert f"resume with the same {flag}," in message
     if field != "snapshot":  # both values, as the option spells them
         before = WORLD_SIZE if field == "world_size" else getattr(base_config(tmp_path), field)
-        assert f"{flag} {before!r}, this run asks for {flag} {value!r};" in message
+        shown = str(value) if isinstance(value, Path) else value  # as config.json holds it
+        assert f"{flag} {before!r}, this run asks for {flag} {shown!r};" in message
     else:
         assert f"{flag} {snapshot().snapshot_id[:12]}… (40 training samples), this run asks for " in message
         assert f"{flag} {snapshot(41).snapshot_id[:12]}… (41 training samples);" in message
