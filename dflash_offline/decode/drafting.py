@@ -24,6 +24,8 @@ shape with the default drafter runs 1,417 operators instead of 1,639, a target d
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,37 +60,51 @@ class StaticDrafter:
         self._offsets_B = torch.arange(cfg.block_size, device=device)
         self.steps: list[LayerSteps] = model.layer_steps()
         self.compiled = False
-        """Whether the layer steps run compiled (asked for, and the trial compile went through)."""
+        """Whether the layer steps run compiled (asked for, and no compiled step has failed)."""
         if compile_backend is not None:
             self._compile(compile_backend)
 
     @torch.inference_mode()
     def _compile(self, backend: str) -> None:
-        """Compiled layer steps, tried once here on a block's shapes (outside any CUDA graph capture, where
-        a failure can still fall back): eager ones if the compiler fails."""
-        eager = self.steps
-        self.steps = self.model.layer_steps(compile_backend=backend)
+        """Compiled layer steps, each falling back to the eager one for good at the first failure (with a
+        ``DrafterCompileWarning``), and tried once here on a block's shapes: the first compile happens now,
+        outside any CUDA graph capture."""
+        eager, compiled = self.steps, self.model.layer_steps(compile_backend=backend)
+        self.steps = [
+            LayerSteps(
+                keys_values=self._guarded(c.keys_values, e.keys_values),
+                attention_inputs=self._guarded(c.attention_inputs, e.attention_inputs),
+                finish=self._guarded(c.finish, e.finish),
+            )
+            for c, e in zip(compiled, eager, strict=True)
+        ]
+        self.compiled = True
         B = self.block_size
         zero_1 = torch.zeros(1, dtype=torch.int64, device=self._offsets_B.device)
-        try:
-            width = self.model.config.feature_width
-            self.ingest(torch.zeros((B, width), dtype=self.keys[0].dtype, device=zero_1.device), zero_1)
-            context = min(self.capacity, 2 * B)
-            self.draft(zero_1, zero_1 + context // 2, context)
-        except Exception as exc:  # a compiler or Triton failure must not end the eval
-            self.steps = eager
-            warnings.warn(
-                DrafterCompileWarning(
-                    f"torch.compile of the drafter failed ({type(exc).__name__}: {str(exc)[:300]}); it "
-                    "drafts eagerly (slower; the drafter's proposals never change the answers)"
-                ),
-                stacklevel=3,
-            )
-        else:
-            self.compiled = True
-        finally:
-            for cache in (*self.keys, *self.values):
-                cache[:, :B].zero_()  # the trial's rows: not any prompt's context
+        width = self.model.config.feature_width
+        self.ingest(torch.zeros((B, width), dtype=self.keys[0].dtype, device=zero_1.device), zero_1)
+        context = min(self.capacity, 2 * B)
+        self.draft(zero_1, zero_1 + context // 2, context)
+        for cache in (*self.keys, *self.values):
+            cache[:, :B].zero_()  # the trial's rows: not any prompt's context
+
+    def _guarded(self, compiled: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
+        def step(*args: Tensor) -> Any:
+            if self.compiled:
+                try:
+                    return compiled(*args)
+                except Exception as exc:  # a compiler or Triton failure must not end the eval
+                    self.compiled = False
+                    warnings.warn(
+                        DrafterCompileWarning(
+                            f"torch.compile of the drafter failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                            "it drafts eagerly from now on (slower; its proposals never change the answers)"
+                        ),
+                        stacklevel=2,
+                    )
+            return eager(*args)
+
+        return step
 
     def ingest(self, features_CF: Tensor, start_1: Tensor) -> None:
         """Write the context keys/values of positions start..start+C−1 (``start``: int64 [1])."""

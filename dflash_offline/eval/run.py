@@ -163,8 +163,8 @@ def run_eval(config: EvalConfig) -> Any:
     compiled = dec.engine is not None and dec.engine.drafter_compiled
     if compiles_drafter(config) and not compiled:
         warnings.append(
-            f"{flag(EvalConfig, 'compile')} on: torch.compile of the drafter failed, it drafted eagerly "
-            "(the warning above says why)"
+            f"{flag(EvalConfig, 'compile')} on: torch.compile of the drafter failed, it drafted eagerly from "
+            "then on (the warning above says why)"
         )
     where = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     report = _report(

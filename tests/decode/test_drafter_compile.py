@@ -151,6 +151,41 @@ def test_a_failed_compile_drafts_eagerly_with_a_warning(target: LoadedTarget) ->
     _run_both(StaticDrafter(model, CAPACITY), fallen, rtol=0, atol=0)
 
 
+class FailingLater(CountingBackend):
+    """Compiles, then its compiled graphs fail from their ``after``-th call on (a kernel that breaks on a
+    shape met mid-run)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+        self.attempts = 0
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        counted = super().__call__(gm, example_inputs)
+
+        def run(*args: Any) -> Any:
+            self.attempts += 1
+            if self.attempts > self.after:
+                raise RuntimeError("a kernel broke")
+            return counted(*args)
+
+        return run
+
+
+def test_a_compiled_step_that_fails_later_falls_back_for_good(target: LoadedTarget) -> None:
+    model = _drafter(target)
+    backend = FailingLater(after=4 * model.config.num_layers)  # past the trial, inside the first cycles
+    compiled = StaticDrafter(model, CAPACITY, compile_backend=backend)  # type: ignore[arg-type]
+    assert compiled.compiled
+    with pytest.warns(DrafterCompileWarning, match="a kernel broke.*eagerly from now on"):
+        _run_both(StaticDrafter(model, CAPACITY), compiled, rtol=0, atol=0)
+    assert not compiled.compiled
+    assert backend.attempts == backend.after + 1  # the one failure, then eager
+    with torch.inference_mode():
+        compiled.draft(torch.tensor([3]), torch.tensor([30]), 32)
+    assert backend.attempts == backend.after + 1  # eager for good: the compiled graphs are not tried again
+
+
 def _prompts(target: LoadedTarget) -> list[list[int]]:
     gen = torch.Generator().manual_seed(3)
     vocab = target.info.vocab_size
