@@ -248,8 +248,8 @@ def test_eval_compile_option(target: LoadedTarget, tmp_path: Path, monkeypatch: 
 def test_inductor_drafter_inside_the_cycle_graphs_on_the_gpu() -> None:
     """bf16 on CUDA, the cycle replayed as CUDA graphs with inductor's kernels in them: the same proposals
     as the eager drafter's up to rounding: accepted lengths agree on most cycles."""
-    gpu_target = load_target("random:tiny", device="cuda")
-    model = _drafter(gpu_target).to(torch.bfloat16)
+    gpu_target = load_target("random:tiny", device="cuda", dtype=torch.bfloat16)
+    model = _drafter(gpu_target).cast_parameters(torch.bfloat16)  # as eval casts it
     stop: frozenset[int] = frozenset()
     eager = SingleSequence(gpu_target.model, max_len=CAPACITY, attend_granule=16)
     compiled = SingleSequence(
