@@ -14,6 +14,7 @@ shares the record's conversation root: as unseen as a held-out prompt) and ``val
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,57 @@ class ValidationSelection:
     """One line for the report: the run, the counts, where the records were read."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ValidationRecords:
+    """What one pass over a run's cache data finds."""
+
+    candidates: tuple[tuple[Conversation, str], ...]
+    """The run's validation records (and their conversation roots) no earlier drafter trained on."""
+    trained_roots: frozenset[str]
+    """Conversation roots of every trained sample, this run's and the earlier drafters'."""
+    trained_before: int
+    """Validation records left out: the drafter the run started from trained on them."""
+
+
+def _scan_validation_records(
+    run_dir: Path, cache_dir: Path, validation: AbstractSet[str], inherited: HeldOut | None
+) -> _ValidationRecords:
+    """One pass over the cache's data files; refused when it finds no validation record to decode."""
+    from dflash_offline.cache.layout import read_fingerprint
+    from dflash_offline.cache.manifest import committed_sample_ids
+    from dflash_offline.eval.cache_data import iter_cache_records, readable_inputs
+
+    trained = committed_sample_ids(cache_dir) - validation
+    trained_roots: set[str] = set() if inherited is None else set(inherited.excluded_roots)
+    candidates: list[tuple[Conversation, str]] = []
+    trained_before = 0
+    for record in iter_cache_records(cache_dir, source=read_fingerprint(cache_dir).data_source):
+        sample_id = record.conversation.sample_id
+        if sample_id in trained:
+            trained_roots.add(record.root)
+        elif sample_id in validation:
+            if inherited is not None and inherited.excluded_ids & {sample_id, record.origin}:
+                trained_before += 1
+                continue
+            candidates.append((record.conversation, record.root))
+    if not candidates and trained_before:
+        raise ConfigError(
+            f"{THIS_SET}: the drafter run {run_dir} started from had trained on all {trained_before} "
+            "of its validation records found: none is held out"
+        )
+    if not candidates:
+        files, missing = readable_inputs(cache_dir)
+        where = ", ".join(str(p) for p, _ in files) or "no file"
+        gone = f" ({', '.join(missing)} not here)" if missing else ""
+        raise ConfigError(
+            f"{THIS_SET}: none of the run's {len(validation)} validation samples is in the data "
+            f"its cache {cache_dir} was generated from: read {where}{gone}"
+        )
+    return _ValidationRecords(
+        candidates=tuple(candidates), trained_roots=frozenset(trained_roots), trained_before=trained_before
+    )
+
+
 def select_validation_prompts(
     drafter_dir: Path,
     tokenizer: Any,
@@ -56,9 +108,6 @@ def select_validation_prompts(
     """The validation records of the run ``drafter_dir`` was exported by (module docstring). ``inherited``:
     what the drafter that run started from trained on (``HeldOut.inherited``): its records are left out, and
     its conversations count as trained ones."""
-    from dflash_offline.cache.layout import read_fingerprint
-    from dflash_offline.cache.manifest import committed_sample_ids
-    from dflash_offline.eval.cache_data import iter_cache_records, readable_inputs
     from dflash_offline.train.split import validation_ids_of_run
 
     run_dir = run_dir_of(drafter_dir)
@@ -76,46 +125,21 @@ def select_validation_prompts(
         )
     if not (cache_dir / "cache.json").is_file():
         raise ConfigError(f"{THIS_SET}: the run's cache {cache_dir} is not here")
-    trained = committed_sample_ids(cache_dir) - validation
-    trained_roots: set[str] = set() if inherited is None else set(inherited.excluded_roots)
-    candidates: list[tuple[Conversation, str]] = []
-    trained_before = 0
-    for record in iter_cache_records(cache_dir, source=read_fingerprint(cache_dir).data_source):
-        sample_id = record.conversation.sample_id
-        if sample_id in trained:
-            trained_roots.add(record.root)
-        elif sample_id in validation:
-            if inherited is not None and inherited.excluded_ids & {sample_id, record.origin}:
-                trained_before += 1  # the drafter this run started from trained on it
-                continue
-            candidates.append((record.conversation, record.root))
-    if not candidates and trained_before:
-        raise ConfigError(
-            f"{THIS_SET}: the drafter run {run_dir} started from had trained on all {trained_before} of its "
-            "validation records found: none is held out"
-        )
-    if not candidates:
-        files, missing = readable_inputs(cache_dir)
-        where = ", ".join(str(p) for p, _ in files) or "no file"
-        gone = f" ({', '.join(missing)} not here)" if missing else ""
-        raise ConfigError(
-            f"{THIS_SET}: none of the run's {len(validation)} validation samples is in the data "
-            f"its cache {cache_dir} was generated from: read {where}{gone}"
-        )
+    found = _scan_validation_records(run_dir, cache_dir, validation, inherited)
     unseen: list[EvalPrompt] = []
     seen: list[EvalPrompt] = []
-    for conv, root in candidates:
-        chosen = seen if root in trained_roots else unseen
+    for conv, root in found.candidates:
+        chosen = seen if root in found.trained_roots else unseen
         if len(chosen) >= limit:
             continue
         prompt = chat_prompt(conv, tokenizer, max_prompt_tokens=max_prompt_tokens, turns=turns)
         if prompt is not None:
             chosen.append(prompt)
-    num_seen = sum(root in trained_roots for _, root in candidates)
+    num_seen = sum(root in found.trained_roots for _, root in found.candidates)
     note = (
-        f"validation: {len(candidates)} held-out records of run {run_dir} found, {num_seen} of them in a "
-        f"conversation a trained sample belongs to ({TRAINED_ROOT}); decoding {len(unseen)} + {len(seen)}"
+        f"validation: {len(found.candidates)} held-out records of run {run_dir} found, {num_seen} of them in "
+        f"a conversation a trained sample belongs to ({TRAINED_ROOT}); decoding {len(unseen)} + {len(seen)}"
     )
-    if trained_before:
-        note += f"; left out: {trained_before} the drafter this run started from trained on"
+    if found.trained_before:
+        note += f"; left out: {found.trained_before} the drafter this run started from trained on"
     return ValidationSelection(unseen_root=tuple(unseen), trained_root=tuple(seen), note=note)
