@@ -4,9 +4,10 @@
 step, ms per speculative cycle with the drafter's layers eager and through ``torch.compile``
 (``--compile on``), each cycle as a multiple of the step, and the operators a cycle launches (the
 profiler's CUDA kernels on a GPU; on the CPU the aten operators that compute, views left out, and the
-compiled graphs' fused kernels): a batch-1 cycle costs its launches, not its arithmetic. The drafter is an
-untrained one of the default size (5 layers, B = 16) unless ``--drafter`` names an export; its proposals do
-not change the cost of a cycle. Both variants decode the same prompts in one process, alternated.
+compiled graphs' fused kernels): a batch-1 cycle does little arithmetic, so its time should follow them.
+The drafter is an untrained one of the default size (5 layers, B = 16) unless ``--drafter`` names an
+export; its proposals do not change the cost of a cycle. Both variants decode the same prompts in one
+process, alternated.
 
     python bench/spec_cycle.py --target random:smollm2-135m --prompts 3 --new-tokens 128   # one GPU: ≈ 1 min
     python bench/spec_cycle.py --prompts 2 --new-tokens 32                                 # CPU: ≈ 2 min

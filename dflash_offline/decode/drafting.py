@@ -16,9 +16,10 @@ which the mask hides and the next cycle overwrites. So a rollback is again a pos
 With ``compile_backend`` (``dflash eval --compile``) each layer's work around attention runs through
 ``torch.compile`` (``DFlashDrafter.layer_steps``: the norms, projections, RoPE and MLP as a few fused
 kernels; the context length is a dynamic dimension, so one compile serves every attended-length bucket).
-A batch-1 cycle is bound by its kernel count, not by arithmetic: on the CPU a cycle of the SmolLM2-135M
-shape with the default drafter runs 1,417 operators instead of 1,639, a target decode step 1,221
-(bench/spec_cycle.py). A compile that fails leaves the drafter eager, with a ``DrafterCompileWarning``.
+A batch-1 cycle does little arithmetic, so its time should follow its kernel count: on the CPU a cycle of
+the SmolLM2-135M shape with the default drafter runs 1,417 operators instead of 1,639, a target decode
+step 1,221 (bench/spec_cycle.py). A compile that fails leaves the drafter eager, with a
+``DrafterCompileWarning``.
 """
 
 from __future__ import annotations

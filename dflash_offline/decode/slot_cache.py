@@ -147,6 +147,10 @@ class SlotCache:
         self.reads_live_lengths = live_attention and flash_reads_live_lengths(
             s.device, s.dtype, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim
         )
+        """Decode steps and prefills over the cache attend over each row's live keys alone, read in place
+        (the flash kernel, ``attend_live``); else over the forward's bucket of positions with a mask (a
+        prefill's rows gathered). Asked for with ``live_attention``, and only where the kernel runs and
+        agrees with the masked one (CUDA, half precision)."""
         if live_attention and not self.reads_live_lengths:
             warnings.warn(
                 LiveAttentionWarning(
@@ -156,10 +160,6 @@ class SlotCache:
                 ),
                 stacklevel=2,
             )
-        """Decode steps and prefills over the cache attend over each row's live keys alone, read in place
-        (the flash kernel, ``attend_live``); else over the forward's bucket of positions with a mask (a
-        prefill's rows gathered). Asked for with ``live_attention``, and only where the kernel runs and
-        agrees with the masked one (CUDA, half precision)."""
         self.rows: ForwardRows | None = None
         """Set by the caller before each forward (``SlotForward``)."""
 
