@@ -22,7 +22,9 @@ as it exists):
 4. ``random:qwen3-8b`` throughput (section 2's engines at batch 1/64/256).
    ``live`` (not in the default list): the engine with ``live_attention`` (decode steps attend over each
    row's live keys alone, the flash kernel) beside the default (over the step's bucket with a mask), at
-   SmolLM2's shape (batch 256 and 1,024, 256 new tokens) and Qwen3-8B's (batch 64 and 256, 128 new).
+   SmolLM2's shape (batch 256 and 1,024, 256 new tokens) and Qwen3-8B's (batch 64 and 256, 128 new); at
+   SmolLM2's shape also the engine with its decoder layers through ``torch.compile`` (``--compile on``:
+   its small elementwise kernels fused), warmed up (compiled) before it is timed.
 5. kernel profile of one decode step (batch 256), transformers' (DynamicCache, sdpa) against the engine's.
 
     python bench/decode.py --data chat.jsonl --json out.json          # one H200 (about 4 minutes)
@@ -48,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from bench.first_turns import first_turns  # noqa: E402
 from bench.reference_engines import ReferenceOptions, reference_engine  # noqa: E402
 from dflash_offline.decode import DecodeEngine, EngineSettings, SingleSequence  # noqa: E402
+from dflash_offline.decode.forward import DEFAULT_COMPILE_BACKEND  # noqa: E402
 from dflash_offline.regenerate.engine_protocol import EngineOptions  # noqa: E402
 from dflash_offline.regenerate.generation import GenerationSettings  # noqa: E402
 from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
@@ -210,7 +213,7 @@ def run_engine(
     if name == "slots":
         options = EngineOptions(
             batch_size=batch, kv_tokens=None, max_batch_tokens=max_batch_tokens, max_prompt_tokens=longest,
-            live_attention=extra.get("live_attention", False),
+            live_attention=extra.get("live_attention", False), compile_backend=extra.get("compile_backend"),
         )  # fmt: skip
         engine = SlotEngine(model, settings, options)
     else:
@@ -249,6 +252,7 @@ def run_engine(
                 "graphs": inner.graphs.num_captured,
                 "reads_slices": inner.cache.reads_slices,
                 "reads_live_lengths": inner.cache.reads_live_lengths,
+                "compiled": inner.fwd.compiled,
             }
     finally:
         engine.close(abort=timed_out)
@@ -275,6 +279,18 @@ def run_engine(
     return row
 
 
+def _engine_variant(variant: str) -> tuple[str, dict[str, Any]]:
+    """The engine and its ``run_engine`` extras of a plan's variant name."""
+    extras: dict[str, dict[str, Any]] = {
+        "slots-full": {"attend_granule": 1 << 20},
+        "slots-live": {"live_attention": True},
+        "slots-compiled": {"compile_backend": DEFAULT_COMPILE_BACKEND},
+    }
+    if variant in extras:
+        return "slots", extras[variant]
+    return variant, {}
+
+
 def throughput(
     report: Report,
     budget: Budget,
@@ -287,21 +303,20 @@ def throughput(
     target = load_target(target_spec, device="cuda" if torch.cuda.is_available() else "cpu")
     report.note(f"{target_spec}: loaded in {time.perf_counter() - t0:.1f} s ({target.dtype})")
     # One untimed tiny run per engine first: library initialisation (cuBLAS, cuDNN plans, allocator
-    # growth) is paid there, not by whichever engine happens to run first.
-    for name in sorted({n.removesuffix("-full").removesuffix("-live") for n, _, _ in plan}):
+    # growth) is paid there, not by whichever engine happens to run first; and the compile of a compiled
+    # engine (a prefill and a decode step of several rows: the shapes are dynamic, so batch 2 compiles
+    # what the larger batches run).
+    for variant in sorted({n.removesuffix("-full").removesuffix("-live") for n, _, _ in plan}):
+        name, extra = _engine_variant(variant)
         try:
-            run_engine(name, target.model, prompts[:2], 8, 2, 60)
+            run_engine(name, target.model, prompts[:4], 8, 2, 120, **extra)
         except Exception as e:
-            report.note(f"warm-up of {name} failed: {type(e).__name__}: {e}")
-    for name, batch, new in plan:
+            report.note(f"warm-up of {variant} failed: {type(e).__name__}: {e}")
+    for variant, batch, new in plan:
         if budget.left() < 20:
-            report.note(f"skipped {target_spec} {name} batch {batch} new {new}: budget")
+            report.note(f"skipped {target_spec} {variant} batch {batch} new {new}: budget")
             continue
-        extra: dict[str, Any] = {}
-        if name == "slots-full":
-            name, extra = "slots", {"attend_granule": 1 << 20}
-        if name == "slots-live":
-            name, extra = "slots", {"live_attention": True}
+        name, extra = _engine_variant(variant)
         try:
             row = run_engine(
                 name, target.model, prompts[:batch], new, batch, min(limit_s, budget.left() - 10), **extra
@@ -507,19 +522,20 @@ def profile(report: Report, target_spec: str, batch: int, context: int) -> None:
 
 def summary(report: Report) -> None:
     print("\n== decode engine (new tok/s, end to end)")
-    print(f"{'target':22s} {'engine':8s} {'batch':>5s} {'new':>4s} {'tok/s':>10s} {'s':>7s}")
+    print(f"{'target':22s} {'engine':16s} {'batch':>5s} {'new':>4s} {'tok/s':>10s} {'s':>7s}")
     for r in report.data["throughput"]:
         if "error" in r:
-            print(f"{r['target']:22s} {r['engine']:8s} {r['batch']:5d}  error: {r['error'][:60]}")
+            print(f"{r['target']:22s} {r['engine']:16s} {r['batch']:5d}  error: {r['error'][:60]}")
             continue
         name = (
             r["engine"]
             + ("-full" if "attend_granule" in r else "")
             + ("-live" if r.get("reads_live_lengths") else "")
+            + ("-compiled" if r.get("compiled") else "")
         )
         flag = " (timed out)" if r["timed_out"] else ""
         print(
-            f"{r['target']:22s} {name:8s} {r['batch']:5d} {r['new_tokens_per_answer']:4d} "
+            f"{r['target']:22s} {name:16s} {r['batch']:5d} {r['new_tokens_per_answer']:4d} "
             f"{r['new_tokens_per_second']:10,.0f} {r['seconds']:7.2f}{flag}"
         )
     e = report.data["eval"]
@@ -622,7 +638,9 @@ def main() -> None:
         if args.quick:
             pairs = [(small, 2, 8)]
         for spec in dict.fromkeys(t for t, _, _ in pairs):
-            plan = [(e, b, n) for t, b, n in pairs if t == spec for e in ("slots", "slots-live")]
+            # Compiling fuses the small model's elementwise kernels; the 8B model's step is its matmuls.
+            variants = ("slots", "slots-live") + (("slots-compiled",) if spec == small else ())
+            plan = [(e, b, n) for t, b, n in pairs if t == spec for e in variants]
             throughput(report, budget, spec, prompts, plan, args.limit_s)
     if "profile" in sections and budget.left() > 30:
         try:

@@ -16,12 +16,13 @@
 #   cycle    bench/spec_cycle.py: eval's speculative cycle over one target decode step, the drafter eager
 #            and compiled (dflash eval --compile on), ms and kernels a cycle (the issue's goal: <= 1.5x)
 #   ab       bench/regenerate_variants.py: regenerate's engine variants (before, now, --prefill-graphs on,
-#            --decode-attention live, live with --reuse-kv on, and all three), AB_S seconds each (64), on
-#            the records after those the quality runs answered (--skip 12600: the slots stay full)
+#            --decode-attention live, live with --reuse-kv on, all three, --compile on, and all four), AB_S
+#            seconds each (56), on the records after those the quality runs answered (--skip 12600: the
+#            slots stay full); the warm-up run compiles first (inductor's on-disk cache serves the variants)
 #   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
 #            the answers gzipped for bench/answers/)
 #   decode   bench/decode.py --sections live: decode throughput with each attention, SmolLM2's and
-#            Qwen3-8B's shapes (random weights)
+#            Qwen3-8B's shapes (random weights), and SmolLM2's with its layers compiled
 #   turns    bench/regenerate_turns.py: KV reuse across turns against whole prompts, each attention
 #   quality  bench/h200_quality_run.sh with the fp8 cache beside the default at equal steps, on the first
 #            6,000 chat conversations and the 6,000 code answers (at least 1,200 s: ≈ 1,000 steps each)
@@ -59,25 +60,27 @@ fi
 if fits cycle 170; then
   timeout 170 python3 bench/spec_cycle.py --target random:smollm2-135m --data /tmp/stage/sharegpt-prompts.jsonl.gz \
     --prompts 3 --new-tokens 128 --json $R/spec-cycle.json > $R/spec-cycle.txt 2>&1
-  tail -1 $R/spec-cycle.txt
+  tail -3 $R/spec-cycle.txt
 fi
 
 best=now flags=""
-if fits ab $(( 6 * ${AB_S:-64} + 90 )); then
-  timeout 120 python3 -m dflash_offline regenerate "${A[@]}" --skip 17000 --limit 4 \
-    --out /tmp/warm/answers.jsonl > $R/warm.log 2>&1  # the GGUF weights cache, so that no variant pays it
+if fits ab $(( 8 * ${AB_S:-56} + 150 )); then
+  # The GGUF weights cache, so that no variant pays it, and inductor's compile of the target's layers
+  # (cached on disk: the compiled variants trace again but build no kernels).
+  timeout 180 python3 -m dflash_offline regenerate "${A[@]}" --skip 17000 --limit 8 --compile on \
+    --out /tmp/warm/answers.jsonl > $R/warm.log 2>&1
+  tail -2 $R/warm.log
   variants='{"now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live",
              "live+reuse": "--decode-attention live --reuse-kv on",
-             "all": "--decode-attention live --reuse-kv on --prefill-graphs on"}'
+             "all": "--decode-attention live --reuse-kv on --prefill-graphs on", "compiled": "--compile on",
+             "all+compiled": "--decode-attention live --reuse-kv on --prefill-graphs on --compile on"}'
   trees=()
   if [ -f /tmp/stage/engine-before.tgz ]; then
     mkdir -p /tmp/before && tar -xzf /tmp/stage/engine-before.tgz -C /tmp/before
-    variants='{"before": "", "now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live",
-               "live+reuse": "--decode-attention live --reuse-kv on",
-               "all": "--decode-attention live --reuse-kv on --prefill-graphs on"}'
+    variants="{\"before\": \"\", ${variants#\{}"
     trees=(--tree before=/tmp/before)
   fi
-  python3 bench/regenerate_variants.py --seconds "${AB_S:-64}" --out-dir $R/ab "${trees[@]}" \
+  python3 bench/regenerate_variants.py --seconds "${AB_S:-56}" --out-dir $R/ab "${trees[@]}" \
     --variants "$variants" -- "${A[@]}" --skip 12600 2>&1 | tee $R/ab.txt
   best=$(python3 -c "
 import json; rs = [r for r in json.load(open('$R/ab/variants.json')) if r['name'] != 'before' and r['returncode'] == 0]
@@ -97,8 +100,8 @@ if fits rest $(( ${REST_S:-240} + 30 )); then
   [ -f /tmp/rest/answers.jsonl.partial ] && gzip -c /tmp/rest/answers.jsonl.partial > $R/more-answers-partial.jsonl.gz
 fi
 
-if fits decode 260; then
-  python3 bench/decode.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --sections live --budget-s 240 \
+if fits decode 320; then
+  python3 bench/decode.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --sections live --budget-s 300 \
     --limit-s 40 --json $R/decode-live.json > $R/decode-live.txt 2>&1
   tail -12 $R/decode-live.txt
 fi

@@ -1,10 +1,11 @@
-"""Eval's speculative cycle against one target decode step, with the drafter eager and compiled, side by side.
+"""Eval's speculative cycle against one target decode step, eager and compiled, side by side.
 
 ``dflash eval``'s loops at batch 1 (``decode/single.py``: CUDA graphs on a GPU): ms per target-only decode
-step, ms per speculative cycle with the drafter's layers eager and through ``torch.compile``
-(``--compile on``), each cycle as a multiple of the step, and the operators a cycle launches (the
-profiler's CUDA kernels on a GPU; on the CPU the aten operators that compute, views left out, and the
-compiled graphs' fused kernels): a batch-1 cycle does little arithmetic, so its time should follow them.
+step and per speculative cycle, with the target's and the drafter's layers eager and through
+``torch.compile`` (``--compile on``), each cycle as a multiple of the step of the same variant, and the
+operators a step and a cycle launch (the profiler's CUDA kernels on a GPU; on the CPU the aten operators
+that compute, views left out, and the compiled graphs' fused kernels): at batch 1 they do little
+arithmetic, so their time should follow those.
 The drafter is an untrained one of the default size (5 layers, B = 16) unless ``--drafter`` names an
 export; its proposals do not change the cost of a cycle. Both variants decode the same prompts in one
 process, alternated.
@@ -152,7 +153,7 @@ def main() -> None:
     stop: frozenset[int] = frozenset()
     seqs = {
         "eager": SingleSequence(target.model, max_len=max_len),
-        "compiled": SingleSequence(target.model, max_len=max_len, drafter_compile_backend=args.backend),
+        "compiled": SingleSequence(target.model, max_len=max_len, compile_backend=args.backend),
     }
     with torch.inference_mode():
         t0 = time.monotonic()
@@ -160,10 +161,11 @@ def main() -> None:
             seq.target_only(prompts[0], max_new_tokens=8, stop_ids=stop)
             seq.speculative(prompts[0], drafter, layer_ids=layer_ids, max_new_tokens=8, stop_ids=stop)
         warm_s = time.monotonic() - t0
-        steps, cycles = [], {name: [] for name in seqs}
+        steps: dict[str, list[Any]] = {name: [] for name in seqs}
+        cycles: dict[str, list[Any]] = {name: [] for name in seqs}
         for prompt in prompts:
-            steps.append(seqs["eager"].target_only(prompt, max_new_tokens=args.new_tokens, stop_ids=stop))
             for name, seq in seqs.items():
+                steps[name].append(seq.target_only(prompt, max_new_tokens=args.new_tokens, stop_ids=stop))
                 cycles[name].append(
                     seq.speculative(
                         prompt, drafter, layer_ids=layer_ids, max_new_tokens=args.new_tokens, stop_ids=stop
@@ -173,7 +175,7 @@ def main() -> None:
         counted = {
             "eager": SingleSequence(target.model, max_len=max_len, cuda_graphs=False),
             "compiled": SingleSequence(
-                target.model, max_len=max_len, cuda_graphs=False, drafter_compile_backend=args.backend
+                target.model, max_len=max_len, cuda_graphs=False, compile_backend=args.backend
             ),
         }
         short = prompts[0][:200]
@@ -187,14 +189,16 @@ def main() -> None:
         for name, seq in counted.items():
             spec(seq)  # the compile, outside the profile
             ops[f"cycle_{name}"] = sum(operators(lambda s=seq: spec(s), device).values()) / result.num_cycles
-        only = counted["eager"]
-        base = only.target_only(short, max_new_tokens=48, stop_ids=stop)
-        ops["step"] = (
-            sum(operators(lambda: only.target_only(short, max_new_tokens=48, stop_ids=stop), device).values())
-            / base.num_target_forwards
-        )
+            base = seq.target_only(short, max_new_tokens=48, stop_ids=stop)
+            ops[f"step_{name}"] = (
+                sum(
+                    operators(
+                        lambda s=seq: s.target_only(short, max_new_tokens=48, stop_ids=stop), device
+                    ).values()
+                )
+                / base.num_target_forwards
+            )
 
-    step_ms = 1e3 * sum(r.decode_seconds for r in steps) / sum(r.num_target_forwards for r in steps)
     report: dict[str, Any] = {
         "target": args.target,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -203,23 +207,36 @@ def main() -> None:
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
         "warmup_s": round(warm_s, 1),
-        "step_ms": round(step_ms, 3),
-        "ops_per_step": round(ops["step"], 1),
-        "compiled": seqs["compiled"].drafter_compiled,
+        "compiled": {
+            "target": seqs["compiled"].target_compiled,
+            "drafter": seqs["compiled"].drafter_compiled,
+        },
     }
-    for name, results in cycles.items():
-        cycle_ms = 1e3 * sum(r.decode_seconds for r in results) / sum(r.num_cycles for r in results)
+    for name in seqs:
+        step_ms = (
+            1e3 * sum(r.decode_seconds for r in steps[name]) / sum(r.num_target_forwards for r in steps[name])
+        )
+        cycle_ms = 1e3 * sum(r.decode_seconds for r in cycles[name]) / sum(r.num_cycles for r in cycles[name])
+        report[f"step_ms_{name}"] = round(step_ms, 3)
+        report[f"ops_per_step_{name}"] = round(ops[f"step_{name}"], 1)
         report[f"cycle_ms_{name}"] = round(cycle_ms, 3)
         report[f"cycle_over_step_{name}"] = round(cycle_ms / step_ms, 3)
         report[f"ops_per_cycle_{name}"] = round(ops[f"cycle_{name}"], 1)
-        report[f"tau_{name}"] = round(statistics.mean(r.tau or 0.0 for r in results), 3)
-    report["compiled_over_eager_cycle"] = round(report["cycle_ms_compiled"] / report["cycle_ms_eager"], 3)
+        report[f"tau_{name}"] = round(statistics.mean(r.tau or 0.0 for r in cycles[name]), 3)
+    for what in ("step", "cycle"):
+        report[f"compiled_over_eager_{what}"] = round(
+            report[f"{what}_ms_compiled"] / report[f"{what}_ms_eager"], 3
+        )
     print(json.dumps(report, indent=1))
+    for name in seqs:
+        print(
+            f"{name}: step {report[f'step_ms_{name}']:.2f} ms ({ops[f'step_{name}']:.0f} ops), cycle "
+            f"{report[f'cycle_ms_{name}']:.2f} ms = {report[f'cycle_over_step_{name}']:.2f}x its step "
+            f"({ops[f'cycle_{name}']:.0f} ops)"
+        )
     print(
-        f"step {step_ms:.2f} ms ({ops['step']:.0f} ops); cycle eager {report['cycle_ms_eager']:.2f} ms = "
-        f"{report['cycle_over_step_eager']:.2f}x a step ({ops['cycle_eager']:.0f} ops), compiled "
-        f"{report['cycle_ms_compiled']:.2f} ms = {report['cycle_over_step_compiled']:.2f}x "
-        f"({ops['cycle_compiled']:.0f} ops); compiled / eager cycle {report['compiled_over_eager_cycle']:.2f}"
+        f"compiled / eager: step {report['compiled_over_eager_step']:.2f}, "
+        f"cycle {report['compiled_over_eager_cycle']:.2f}"
     )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

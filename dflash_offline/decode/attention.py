@@ -21,29 +21,17 @@ sequence of the call with that head's group of query heads as its heads. Nothing
 read, so a decode step costs what its rows' live lengths cost, and a prefill chunk over the cache needs no
 gather of its rows' slots and no per-shape plan.
 
-The model's attention modules find this function through transformers' ``AttentionInterface`` under
-``SLOT_ATTENTION``; ``slot_attention_enabled`` points the model's config at it only while a slot-cache
-forward runs, so the same model answers ordinary forwards (``generate``, the exactness check) as loaded.
+``SlotCache.attend`` calls these kernels; ``layer_attention`` is how the model's attention modules reach it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-SLOT_ATTENTION = "dflash_slots"
-"""The name of ``slot_attention`` in transformers' AttentionInterface."""
-
-LIVE_KEYS_KWARG = "slot_live_keys"
-"""The keyword that carries a forward's ``LiveKeys`` from the decoder layers to ``slot_attention``
-(transformers hands a layer's extra keywords on to its attention function)."""
 
 
 def sdpa_backends(device: torch.device, dtype: torch.dtype) -> list[SDPBackend]:
@@ -213,63 +201,3 @@ def cudnn_reads_slices(
     except RuntimeError:
         return False
     return True
-
-
-def slot_attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """The ``AttentionInterface`` entry: ``attention_mask`` is the slot forward's boolean mask (None: a
-    prefill of fresh prompts, causal over their own keys), ``key`` and ``value`` what ``SlotCache.update``
-    returned. Output [N, S, Hq, D], as transformers' own functions."""
-    live = kwargs.get(LIVE_KEYS_KWARG)
-    if live is not None:  # ``key``/``value``: the whole cache (``SlotCache.update``)
-        return attend_live(query, key, value, live, scale=scaling), None
-    assert attention_mask is None or attention_mask.dtype == torch.bool, attention_mask.dtype
-    out = attend(query, key, value, attention_mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-_registered = False
-
-
-def register_slot_attention() -> None:
-    """Make ``slot_attention`` known to transformers (once per process)."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(SLOT_ATTENTION, slot_attention)
-    _registered = True
-
-
-def attention_configs(model: nn.Module) -> list[Any]:
-    """Every distinct config object the model's attention modules read their implementation from."""
-    seen: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            seen.setdefault(id(config), config)
-    return list(seen.values())
-
-
-@contextmanager
-def slot_attention_enabled(configs: list[Any]) -> Iterator[None]:
-    """The attention modules reading ``configs`` (``attention_configs(model)``) call ``slot_attention``
-    inside the block, and what they called before after it."""
-    register_slot_attention()
-    before = [c._attn_implementation for c in configs]
-    for c in configs:
-        c._attn_implementation = SLOT_ATTENTION
-    try:
-        yield
-    finally:
-        for c, name in zip(configs, before, strict=True):
-            c._attn_implementation = name

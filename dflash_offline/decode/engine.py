@@ -104,6 +104,9 @@ class EngineSettings:
     attend_granule: int | None = None
     """Smallest attended length (steps attend over granule × 2^k positions); None: 256 on CUDA, 32 on
     the CPU."""
+    compile_backend: str | None = None
+    """The target's decoder layers through ``torch.compile`` with this backend (``SlotForward``: their
+    small elementwise kernels fused; a failure falls back to eager with a warning); None: eager."""
 
     def __post_init__(self) -> None:
         sizes = (self.num_slots, self.max_len - 1, self.max_new_tokens, self.prefill_tokens)
@@ -208,7 +211,7 @@ class DecodeEngine:
         self.cache = SlotCache(
             shape, attend_granule=settings.attend_granule, live_attention=settings.live_attention
         )
-        self.fwd = SlotForward(model, self.cache)
+        self.fwd = SlotForward(model, self.cache, compile_backend=settings.compile_backend)
         self.state = SlotState(settings.num_slots, param.device)
         self.sampler = Sampler(settings.sampling)
         self.graphs = StepGraphs(param.device, enabled=settings.cuda_graphs)

@@ -4,24 +4,53 @@ Legend: N rows, S tokens per row, H hidden, F = len(capture) · H, M rows whose 
 
 The model's forward is not called: it would build transformers' causal mask from a cache it does not
 know. The backbone's pieces are called in its order instead (embedding, rotary embedding, each decoder
-layer with our mask and ``SlotCache``, final norm, LM head): every weight and every line of modelling
-code stays the model's own (Llama-family and Qwen3 alike). The decoder layers' cache keyword is
-``past_key_values`` in transformers 5.17 and ``cache`` in 5.24; it is read from their signature.
+layer with our mask and no transformers cache, final norm, LM head): every weight and every line of
+modelling code stays the model's own (Llama-family and Qwen3 alike). Each layer's attention module hands
+its new keys and values to ``layer_attention.slot_attention``, which writes them into the ``SlotCache``
+and attends over it.
+
+With ``compile_backend`` (``--compile``) each decoder layer runs through ``torch.compile``: a batch-1
+decode step is launch-bound and a large-batch one at SmolLM2's width is bound by its many small
+elementwise kernels (RMSNorm alone is six a call), which inductor fuses; the attention stays one opaque
+operator (``layer_attention``). Any failure of a compiled layer, at its first compile or later, switches
+the forward to eager for good with a ``TargetCompileWarning`` (the answers the same, slower).
 """
 
 from __future__ import annotations
 
-import inspect
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dflash_offline.decode.attention import LIVE_KEYS_KWARG, attention_configs, slot_attention_enabled
+from dflash_offline.decode.layer_attention import attention_configs, slot_attention_enabled
 from dflash_offline.decode.slot_cache import ForwardRows, SlotCache
 from dflash_offline.errors import TargetError
 from dflash_offline.target_model.capture import backbone_of
+
+DEFAULT_COMPILE_BACKEND = "inductor"
+"""``torch.compile``'s backend for ``--compile on`` (regenerate and eval)."""
+
+RECOMPILE_LIMIT = 64
+"""Compiled graphs kept per code object: one compile serves every layer, but guards split it by kind
+(decode step, fresh prefill, continuation; one row or many), more than dynamo's default of 8."""
+
+
+class TargetCompileWarning(RuntimeWarning):
+    """``torch.compile`` of the target's decoder layers failed; they run eagerly (slower, the answers the
+    same)."""
+
+
+def compile_layers(layers: Sequence[Any], backend: str) -> list[Any]:
+    """The decoder layers through ``torch.compile`` (shared compiled graphs: the layer index is a dynamic
+    integer, and every shape is dynamic, so that buckets and row counts do not recompile)."""
+    import torch._dynamo
+
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return [torch.compile(layer, backend=backend, dynamic=True) for layer in layers]
 
 
 class SlotForward:
@@ -32,7 +61,7 @@ class SlotForward:
     norm: Any
     head: Any
 
-    def __init__(self, model: Any, cache: SlotCache) -> None:
+    def __init__(self, model: Any, cache: SlotCache, *, compile_backend: str | None = None) -> None:
         backbone: Any = backbone_of(model)
         head: Any = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if head is None or not hasattr(backbone, "rotary_emb"):
@@ -50,8 +79,17 @@ class SlotForward:
         self.head = head
         self.hidden_size = int(config.hidden_size)
         self._configs = attention_configs(model)
-        params = inspect.signature(self.layers[0].forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._compiled_layers: list[Any] | None = None
+        if compile_backend is not None:
+            try:
+                self._compiled_layers = compile_layers(self.layers, compile_backend)
+            except Exception as exc:  # a torch without these settings: eager, with the warning
+                self._fall_back_to_eager(exc)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decoder layers run compiled (asked for, and no compiled forward has failed)."""
+        return self._compiled_layers is not None
 
     def hidden(
         self,
@@ -67,29 +105,52 @@ class SlotForward:
         ``rows.write_NS`` of their slots. ``mask_N1SL`` None: causal over the rows' own tokens
         (``rows.own_keys_only``), or each row over its live keys (``rows.live_keys``)."""
         assert list(capture) == sorted(set(capture)), capture
-        wanted = set(capture)
-        captured: list[Tensor] = []
         self.cache.rows = rows
-        live = {} if rows.live_keys is None else {LIVE_KEYS_KWARG: rows.live_keys}
         try:
-            with slot_attention_enabled(self._configs):
-                h = self.embed(ids_NS)
-                position_embeddings = self.rotary(h, positions_NS)
-                for i, layer in enumerate(self.layers):
-                    out = layer(
-                        h,
-                        attention_mask=mask_N1SL,
-                        position_ids=positions_NS,
-                        position_embeddings=position_embeddings,
-                        use_cache=True,
-                        **{self._cache_kwarg: self.cache},
-                        **live,
-                    )
-                    h = out if isinstance(out, Tensor) else out[0]
-                    if i in wanted:
-                        captured.append(h)
+            with slot_attention_enabled(self._configs, self.cache):
+                if self._compiled_layers is not None:
+                    try:
+                        return self._layers(self._compiled_layers, ids_NS, positions_NS, mask_N1SL, capture)
+                    except Exception as exc:  # a compiler or Triton failure must not end the run
+                        self._fall_back_to_eager(exc)
+                # Eager (again, after a failure: every write it repeats puts the same keys in place).
+                return self._layers(self.layers, ids_NS, positions_NS, mask_N1SL, capture)
         finally:
             self.cache.rows = None
+
+    def _fall_back_to_eager(self, exc: Exception) -> None:
+        self._compiled_layers = None
+        why = " ".join(str(exc).split())[:300]
+        warnings.warn(
+            TargetCompileWarning(
+                f"torch.compile of the target's layers failed ({type(exc).__name__}: {why}); they run "
+                "eagerly from now on (the answers the same)"
+            ),
+            stacklevel=4,
+        )
+
+    def _layers(
+        self,
+        layers: Sequence[Any],
+        ids_NS: Tensor,
+        positions_NS: Tensor,
+        mask_N1SL: Tensor | None,
+        capture: Sequence[int],
+    ) -> tuple[Tensor, Tensor | None]:
+        wanted = set(capture)
+        captured: list[Tensor] = []
+        h = self.embed(ids_NS)
+        position_embeddings = self.rotary(h, positions_NS)
+        for i, layer in enumerate(layers):
+            out = layer(
+                h,
+                attention_mask=mask_N1SL,
+                position_ids=positions_NS,
+                position_embeddings=position_embeddings,
+            )
+            h = out if isinstance(out, Tensor) else out[0]
+            if i in wanted:
+                captured.append(h)
         features = torch.cat(captured, dim=-1) if captured else None
         return h, features
 

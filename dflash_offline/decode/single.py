@@ -129,25 +129,30 @@ class SingleSequence:
         max_len: int,
         cuda_graphs: bool = True,
         attend_granule: int | None = None,
-        drafter_compile_backend: str | None = None,
+        compile_backend: str | None = None,
     ) -> None:
         param = next(model.parameters())
         self.device = param.device
         shape = shape_for(model.config, num_slots=1, max_len=max_len, dtype=param.dtype, device=param.device)
         self.cache = SlotCache(shape, attend_granule=attend_granule)
-        self.fwd = SlotForward(model, self.cache)
+        self.fwd = SlotForward(model, self.cache, compile_backend=compile_backend)
         self.state = SlotState(1, param.device)
         self.sampler = Sampler(Sampling())
         self.graphs = StepGraphs(param.device, enabled=cuda_graphs)
         self._drafters: dict[int, StaticDrafter] = {}
         self._spec: _SpecBuffers | None = None
-        self.drafter_compile_backend = drafter_compile_backend
-        """The speculative cycle's drafter layers through ``torch.compile`` with this backend
-        (``StaticDrafter``); None: eager."""
+        self.compile_backend = compile_backend
+        """The target's decoder layers (``SlotForward``) and the speculative cycle's drafter layers
+        (``StaticDrafter``) through ``torch.compile`` with this backend; None: eager."""
 
     @property
     def max_len(self) -> int:
         return self.cache.max_len
+
+    @property
+    def target_compiled(self) -> bool:
+        """Whether the target's layers run compiled (asked for, and no compiled forward has failed)."""
+        return self.fwd.compiled
 
     @property
     def drafter_compiled(self) -> bool:
@@ -254,7 +259,7 @@ class SingleSequence:
     def _static_drafter(self, model: DFlashDrafter) -> StaticDrafter:
         drafter = self._drafters.get(id(model))
         if drafter is None:
-            drafter = StaticDrafter(model, self.cache.capacity, compile_backend=self.drafter_compile_backend)
+            drafter = StaticDrafter(model, self.cache.capacity, compile_backend=self.compile_backend)
             self._drafters = {id(model): drafter}
             self.graphs.clear()
         return drafter

@@ -10,9 +10,9 @@ its live length lives with the scheduler (a device tensor for the steps, a host 
 never here: a finished row's slot is reused at once by overwriting, and a speculative rollback is a
 shorter length, never a copy.
 
-The cache is what the model's attention modules call ``update(key, value, layer_idx, ...)`` on: before
-each forward the caller sets ``rows`` (which slots the forward's rows are, and at which positions each
-new token's key and value go); ``update`` writes them there and returns the K/V the rows attend over.
+The model's attention modules hand each layer's new keys and values to ``attend`` (``layer_attention``):
+before each forward the caller sets ``rows`` (which slots the forward's rows are, and at which positions
+each new token's key and value go); ``attend`` writes them there and attends over what the rows see.
 Decode rows are slots 0..N−1 (a view, no copy); prefill rows are any slots (gathered, positions < Lb),
 and a prefill of fresh prompts attends over its own new keys alone.
 Rows that must not write anything real (a batch's idle slots, padding tokens) write at the scratch
@@ -28,7 +28,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash_offline.decode.attention import LiveKeys, cudnn_reads_slices, flash_reads_live_lengths, live_keys
+from dflash_offline.decode.attention import (
+    LiveKeys,
+    attend,
+    attend_live,
+    cudnn_reads_slices,
+    flash_reads_live_lengths,
+    live_keys,
+)
 
 CUDA_ATTEND_GRANULE = 256
 """Smallest attended length on CUDA; buckets double from it up to the capacity (each one a CUDA graph)."""
@@ -63,7 +70,7 @@ class ForwardRows:
     new keys, handed back as they are (no gather of the cache)."""
     live_keys: LiveKeys | None = None
     """The rows attend over their live keys alone, read in place (``SlotCache.live_keys``): no mask, no
-    gather, no attention over the bucket's padding; ``update`` hands back the whole cache."""
+    gather, no attention over the bucket's padding."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,8 +167,25 @@ class SlotCache:
                 ),
                 stacklevel=2,
             )
-        self.rows: ForwardRows | None = None
-        """Set by the caller before each forward (``SlotForward``)."""
+        self._rows: ForwardRows | None = None
+        self._slot_NS: Tensor | None = None
+
+    @property
+    def rows(self) -> ForwardRows | None:
+        """Where the next forward's rows live; set by the caller before each forward (``SlotForward``)."""
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: ForwardRows | None) -> None:
+        self._rows = rows
+        # The slot of each new token [N, S], once a forward rather than once a layer.
+        self._slot_NS = None
+        if rows is not None:
+            n, s = rows.write_NS.shape
+            if rows.slots_N is None:
+                self._slot_NS = torch.arange(n, device=rows.write_NS.device)[:, None].expand(n, s)
+            else:
+                self._slot_NS = rows.slots_N[:, None].expand(n, s)
 
     @property
     def capacity(self) -> int:
@@ -193,20 +217,28 @@ class SlotCache:
             capacity=self.capacity,
         )  # fmt: skip
 
-    def update(
-        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[Tensor, Tensor]:
-        """Write the forward's new keys/values [N, Hk, S, D] into their slots; return [N, Hk, Lb, D] each.
-
-        transformers 5.17 calls ``update(k, v, layer_idx)``, 5.24 ``update(k, v, layer_idx, kwargs=...)``."""
+    def attend(
+        self, layer_idx: int, q_NHSD: Tensor, k_NHSD: Tensor, v_NHSD: Tensor, mask: Tensor | None,
+        *, scale: float | None = None,
+    ) -> Tensor:  # fmt: skip
+        """Write the forward's new keys/values [N, Hk, S, D] of layer ``layer_idx`` into their slots, and
+        attend: [N, S, Hq, D]. ``mask`` is the forward's boolean mask over the attended positions (None: a
+        prefill of fresh prompts, causal over their own keys, or every row over its live keys)."""
+        keys, values = self._write(layer_idx, k_NHSD, v_NHSD)
         rows = self.rows
-        assert rows is not None, "SlotCache.update outside a slot forward"
+        assert rows is not None
+        if rows.live_keys is not None:
+            return attend_live(q_NHSD, keys, values, rows.live_keys, scale=scale)
+        assert mask is None or mask.dtype == torch.bool, mask.dtype
+        return attend(q_NHSD, keys, values, mask, scale=scale).transpose(1, 2).contiguous()
+
+    def _write(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new keys/values into their slots; return what the rows attend over: their own new
+        keys, the whole cache (live keys), or [N, Hk, Lb, D] of the rows' slots."""
+        rows, slot_NS = self._rows, self._slot_NS
+        assert rows is not None, "SlotCache.attend outside a slot forward"
+        assert slot_NS is not None
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        n, s = rows.write_NS.shape
-        if rows.slots_N is None:
-            slot_NS = torch.arange(n, device=keys.device)[:, None].expand(n, s)
-        else:
-            slot_NS = rows.slots_N[:, None].expand(n, s)
         # [slots, L, Hk, D] views: advanced indices (slot, position) pick one [Hk, D] row per new token.
         keys.transpose(1, 2).index_put_((slot_NS, rows.write_NS), key_states.transpose(1, 2))
         values.transpose(1, 2).index_put_((slot_NS, rows.write_NS), value_states.transpose(1, 2))
@@ -214,7 +246,7 @@ class SlotCache:
             return key_states, value_states
         if rows.live_keys is not None:
             return keys, values
-        lb = rows.attend_len
+        n, lb = rows.write_NS.shape[0], rows.attend_len
         if rows.slots_N is None:
             return keys[:n, :, :lb], values[:n, :, :lb]
         return keys[:, :, :lb].index_select(0, rows.slots_N), values[:, :, :lb].index_select(0, rows.slots_N)

@@ -96,13 +96,14 @@ class EvalConfig:
     """``float32`` or ``bfloat16`` for the target and the drafter; None = float32 on CPU, bfloat16 on CUDA."""
     compile: Literal["auto", "on", "off"] = cli_field(
         "auto",
-        help="torch.compile the drafter's layers in the speculative cycle (a few fused kernels instead of "
-        "many small ones; its proposals close to, not equal to, eager ones; the answers stay the target's "
-        "greedy ones): auto = eager until compiling is measured faster on a GPU (bench/spec_cycle.py).",
+        help="torch.compile the target's and the drafter's layers in both loops (a few fused kernels instead "
+        "of many small ones; logits close to, not equal to, eager ones, so a near-tie may go the other "
+        "way, which the exactness check allows): auto = eager until compiling is measured faster on a GPU "
+        "(bench/spec_cycle.py).",
     )
-    """The speculative cycle's drafter layers through ``torch.compile``
-    (``decode/drafting.py:StaticDrafter``), resolved by ``compiles_drafter``. A failed compile leaves the
-    drafter eager, with a warning in the report."""
+    """The target's decoder layers (``decode/forward.py:SlotForward``) and the speculative cycle's drafter
+    layers (``decode/drafting.py:StaticDrafter``) through ``torch.compile``, resolved by ``compiles``. A
+    failed compile leaves that model eager, with a warning in the report."""
     tie_ulps: float = cli_field(
         DEFAULT_TIE_ULPS,
         min=0,
@@ -139,7 +140,7 @@ class EvalConfig:
         return d
 
 
-def compiles_drafter(config: EvalConfig) -> bool:
-    """Whether eval compiles the drafter's layers: ``--compile on`` (``auto`` stays eager until the compiled
-    cycle is measured faster on a GPU)."""
+def compiles(config: EvalConfig) -> bool:
+    """Whether eval compiles the target's and the drafter's layers: ``--compile on`` (``auto`` stays eager
+    until the compiled loops are measured faster on a GPU)."""
     return config.compile == "on"

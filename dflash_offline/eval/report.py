@@ -260,7 +260,8 @@ def format_table(report: EvalReport) -> str:
     check = report.exactness
     lines = [
         f"target {report.target.get('target_id')} ({report.target.get('device')}, "
-        f"{report.target.get('dtype')}), drafter {report.drafter.get('directory')} (B={s.block_size}"
+        f"{report.target.get('dtype')}{', compiled' if report.target.get('compiled') else ''}), "
+        f"drafter {report.drafter.get('directory')} (B={s.block_size}"
         f"{', compiled' if report.drafter.get('compiled') else ''})",
         report.held_out,
         *(f"warning: {w}" for w in report.warnings),

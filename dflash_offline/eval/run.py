@@ -17,14 +17,15 @@ from typing import Any
 import torch
 
 from dflash_offline.config_fields import flag
+from dflash_offline.decode.forward import DEFAULT_COMPILE_BACKEND
 from dflash_offline.errors import ConfigError
-from dflash_offline.eval.config import EvalConfig, compiles_drafter
+from dflash_offline.eval.config import EvalConfig, compiles
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.target_model.loader import compute_dtype, resolve_device, stop_token_ids
 
 WARMUP_TOKENS = 8
 
-COMPILE_BACKEND = "inductor"
+COMPILE_BACKEND = DEFAULT_COMPILE_BACKEND
 """``torch.compile``'s backend for ``--compile on`` (the tests swap in lighter ones)."""
 
 
@@ -160,12 +161,16 @@ def run_eval(config: EvalConfig) -> Any:
             f"interrupted after {len(results)} of {decoded.turns} turns: the figures cover the finished "
             "turns only"
         )
-    compiled = dec.engine is not None and dec.engine.drafter_compiled
-    if compiles_drafter(config) and not compiled:
-        warnings.append(
-            f"{flag(EvalConfig, 'compile')} on: torch.compile of the drafter failed, it drafted eagerly from "
-            "then on (the warning above says why)"
-        )
+    compiled = Compiled(
+        target=dec.engine is not None and dec.engine.target_compiled,
+        drafter=dec.engine is not None and dec.engine.drafter_compiled,
+    )
+    for model, ran_compiled in (("target", compiled.target), ("drafter", compiled.drafter)):
+        if compiles(config) and not ran_compiled:
+            warnings.append(
+                f"{flag(EvalConfig, 'compile')} on: torch.compile of the {model} failed, it ran eagerly from "
+                "then on (the warning above says why)"
+            )
     where = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     report = _report(
         config, target.info, where, drafter_model.config, held_out.note, warnings, results, compiled=compiled
@@ -193,7 +198,7 @@ def _decoders(config: EvalConfig, target: Any, drafter_model: Any) -> Any:
         engine=SingleSequence(
             target.model,
             max_len=config.max_prompt_tokens + config.max_new_tokens + block,
-            drafter_compile_backend=COMPILE_BACKEND if compiles_drafter(config) else None,
+            compile_backend=COMPILE_BACKEND if compiles(config) else None,
         ),
     )
 
@@ -247,6 +252,14 @@ def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, pr
     return DecodedTurns(results=results, turns=total, stopped=stopped)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Compiled:
+    """Which models' layers ran compiled to the end (``--compile on``, and no compile failed)."""
+
+    target: bool
+    drafter: bool
+
+
 def _report(
     config: EvalConfig,
     target_info: Any,
@@ -256,10 +269,10 @@ def _report(
     warnings: list[str],
     results: list[Any],
     *,
-    compiled: bool,
+    compiled: Compiled,
 ) -> Any:
     """The ``EvalReport`` of ``results`` (``where``: the device and dtype the loops ran in; ``cfg``: the
-    drafter's config; ``compiled``: whether its layers ran compiled in the speculative cycle)."""
+    drafter's config; ``compiled``: which models' layers ran compiled)."""
     from dflash_offline.eval.exactness import EXACTNESS_RULE
     from dflash_offline.eval.report import EVAL_REPORT_VERSION, EvalReport, summarize_sets
 
@@ -267,14 +280,19 @@ def _report(
     return EvalReport(
         version=EVAL_REPORT_VERSION,
         config=config.to_dict(),
-        target={"target_id": target_info.target_id, "weights_hash": target_info.weights_hash, **where},
+        target={
+            "target_id": target_info.target_id,
+            "weights_hash": target_info.weights_hash,
+            **where,
+            "compiled": compiled.target,
+        },
         drafter={
             "directory": str(config.drafter_dir),
             "block_size": cfg.block_size,
             "target_layer_ids": list(cfg.target_layer_ids),
             "mask_token_id": cfg.mask_token_id,
             "num_layers": cfg.num_layers,
-            "compiled": compiled,
+            "compiled": compiled.drafter,
         },
         held_out=held_out_note,
         warnings=warnings,

@@ -159,6 +159,12 @@ class RegenerateConfig:
         "precision), or over a bucket of positions with a mask (padded).",
     )
     """``EngineSettings.live_attention``; padded until live is measured faster on a GPU (bench/RESULTS.md)."""
+    compile: Literal["on", "off"] = cli_field(
+        "off",
+        help="torch.compile the target's decoder layers (their many small kernels fused into a few; a failed "
+        "compile falls back to eager with a warning). The answers are the same up to rounding.",
+    )
+    """``EngineSettings.compile_backend``; off until it is measured faster on a GPU (bench/RESULTS.md)."""
     reuse_kv: Literal["auto", "on", "off"] = cli_field(
         "auto",
         help="A conversation's next turn continues the KV cache its previous turn left in its slot and "

@@ -52,6 +52,8 @@ class EngineOptions:
     (``EngineSettings.prefill_graphs``)."""
     live_attention: bool = False
     """The engine attends over each row's live keys alone (``EngineSettings.live_attention``)."""
+    compile_backend: str | None = None
+    """The target's layers through ``torch.compile`` (``EngineSettings.compile_backend``); None: eager."""
     seed: int = 0
     """Sampling seed (with the request and the token's index)."""
     reuse_kv: bool | None = None

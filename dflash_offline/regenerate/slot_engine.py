@@ -96,6 +96,7 @@ class SlotEngine:
             cuda_graphs=options.cuda_graphs,
             prefill_graphs=options.prefill_graphs,
             live_attention=options.live_attention,
+            compile_backend=options.compile_backend,
         )
         self._step_seconds = 0.0
         """Wall time in ``DecodeEngine.poll``, which runs the steps (``EngineStats.step_seconds``)."""

@@ -126,6 +126,7 @@ class LoadedEngine:
 
 
 def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEngine:
+    from dflash_offline.decode.forward import DEFAULT_COMPILE_BACKEND
     from dflash_offline.regenerate.engine_protocol import EngineOptions
     from dflash_offline.regenerate.generation import GenerationSettings
     from dflash_offline.regenerate.slot_engine import SlotEngine
@@ -152,6 +153,7 @@ def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEn
         cuda_graphs=config.cuda_graphs == "on",
         prefill_graphs=config.prefill_graphs == "on",
         live_attention=config.decode_attention == "live",
+        compile_backend=DEFAULT_COMPILE_BACKEND if config.compile == "on" else None,
         reuse_kv={"auto": None, "on": True, "off": False}[config.reuse_kv],
         seed=config.seed,
     )

@@ -1,7 +1,8 @@
 """The speculative cycle's drafter through ``torch.compile`` (``decode/drafting.py:StaticDrafter`` with a
 ``compile_backend``; ``dflash eval --compile``): its context keys/values and its logits equal the eager
 drafter's for every attended length without compiling again per length; a compiler failure leaves it eager
-with a warning; in the cycle and in ``dflash eval`` it accepts what the eager one accepts.
+with a warning; in the cycle and in ``dflash eval`` (the target's layers compiled too:
+test_target_compile.py) it accepts what the eager one accepts.
 
 The CPU tests compile with ``aot_eager`` (the graphs inductor would get, run by eager kernels: seconds,
 and the same numbers); the slow test compiles with inductor itself (C++ kernels on the CPU: numbers close
@@ -19,9 +20,10 @@ import torch._dynamo
 
 from dflash_offline.decode import SingleSequence
 from dflash_offline.decode.drafting import DrafterCompileWarning, StaticDrafter
+from dflash_offline.decode.forward import TargetCompileWarning
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, resolve_mask_token_id
 from dflash_offline.eval import run as eval_run
-from dflash_offline.eval.config import EvalConfig, compiles_drafter
+from dflash_offline.eval.config import EvalConfig, compiles
 from dflash_offline.eval.report import format_table
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.eval.helpers import export_untrained
@@ -196,9 +198,7 @@ def test_cycle_with_a_compiled_drafter_accepts_what_the_eager_one_accepts(target
     model = _drafter(target)
     stop: frozenset[int] = frozenset()
     eager = SingleSequence(target.model, max_len=CAPACITY, attend_granule=16)
-    compiled = SingleSequence(
-        target.model, max_len=CAPACITY, attend_granule=16, drafter_compile_backend="aot_eager"
-    )
+    compiled = SingleSequence(target.model, max_len=CAPACITY, attend_granule=16, compile_backend="aot_eager")
     for prompt in _prompts(target):
         only = eager.target_only(prompt, max_new_tokens=40, stop_ids=stop)
         want = eager.speculative(prompt, model, layer_ids=(0, 2), max_new_tokens=40, stop_ids=stop)
@@ -206,13 +206,15 @@ def test_cycle_with_a_compiled_drafter_accepts_what_the_eager_one_accepts(target
         assert got.tokens == want.tokens == only.tokens
         assert got.accepted_per_cycle == want.accepted_per_cycle
     assert compiled.drafter_compiled
+    assert compiled.target_compiled
     assert not eager.drafter_compiled
+    assert not eager.target_compiled
 
 
 def test_eval_compile_option(target: LoadedTarget, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--compile``: auto and off stay eager, on compiles (the report says so); a failed compile still
     evaluates, eagerly, and the report warns."""
-    assert [compiles_drafter(EvalConfig(drafter_dir=tmp_path, compile=c)) for c in ("auto", "off", "on")] == [
+    assert [compiles(EvalConfig(drafter_dir=tmp_path, compile=c)) for c in ("auto", "off", "on")] == [
         False,
         False,
         True,
@@ -230,16 +232,17 @@ def test_eval_compile_option(target: LoadedTarget, tmp_path: Path, monkeypatch: 
     eager = evaluate("off")
     monkeypatch.setattr(eval_run, "COMPILE_BACKEND", "aot_eager")
     compiled = evaluate("on")
-    assert compiled.drafter["compiled"] is True
-    assert eager.drafter["compiled"] is False
-    assert "compiled)" in format_table(compiled).splitlines()[0]
+    assert compiled.drafter["compiled"] is compiled.target["compiled"] is True
+    assert eager.drafter["compiled"] is eager.target["compiled"] is False
+    assert format_table(compiled).splitlines()[0].count(", compiled)") == 2  # the target's and the drafter's
     assert [p.accepted_histogram for p in compiled.prompts] == [p.accepted_histogram for p in eager.prompts]
     assert not any("compile" in w for w in compiled.warnings)
     monkeypatch.setattr(eval_run, "COMPILE_BACKEND", _broken_backend)
-    with pytest.warns(DrafterCompileWarning):
+    with pytest.warns(DrafterCompileWarning), pytest.warns(TargetCompileWarning):
         fallen = evaluate("on")
-    assert fallen.drafter["compiled"] is False
-    assert any("--compile on: torch.compile of the drafter failed" in w for w in fallen.warnings)
+    assert fallen.drafter["compiled"] is fallen.target["compiled"] is False
+    for model in ("target", "drafter"):
+        assert any(f"--compile on: torch.compile of the {model} failed" in w for w in fallen.warnings)
     assert [p.accepted_histogram for p in fallen.prompts] == [p.accepted_histogram for p in eager.prompts]
 
 
@@ -253,7 +256,7 @@ def test_inductor_drafter_inside_the_cycle_graphs_on_the_gpu() -> None:
     stop: frozenset[int] = frozenset()
     eager = SingleSequence(gpu_target.model, max_len=CAPACITY, attend_granule=16)
     compiled = SingleSequence(
-        gpu_target.model, max_len=CAPACITY, attend_granule=16, drafter_compile_backend="inductor"
+        gpu_target.model, max_len=CAPACITY, attend_granule=16, compile_backend="inductor"
     )
     same = total = 0
     for prompt in _prompts(gpu_target):

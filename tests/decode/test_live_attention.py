@@ -16,7 +16,6 @@ from collections import Counter
 import pytest
 import torch
 
-from dflash_offline.decode import attention
 from dflash_offline.decode import slot_cache as slot_cache_module
 from dflash_offline.decode.attention import (
     LiveKeys,
@@ -127,7 +126,7 @@ def kernel_by_hand(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
         calls[q_NHSD.shape[2]] += 1
         return emulated_attend_live(q_NHSD, k_cache, v_cache, live, scale=scale)
 
-    monkeypatch.setattr(attention, "attend_live", counted)
+    monkeypatch.setattr(slot_cache_module, "attend_live", counted)
     monkeypatch.setattr(slot_cache_module, "flash_reads_live_lengths", lambda *a, **k: True)
     return calls
 
