@@ -12,17 +12,18 @@
 # Stages (STAGES, comma-separated, default all, in this order; one whose cost does not fit the seconds
 # left, less a 60 s reserve, is skipped with a note):
 #   tests    pytest -m gpu of the decode engine (the live attention's kernel and engine tests among them,
-#            and the compiled drafter inside the speculative cycle's graphs)
-#   cycle    bench/spec_cycle.py: eval's speculative cycle over one target decode step, the drafter eager
-#            and compiled (dflash eval --compile on), ms and kernels a cycle (the issue's goal: <= 1.5x)
+#            and the compiled target and drafter inside the engine's and the cycle's graphs)
+#   cycle    bench/spec_cycle.py: eval's speculative cycle over one target decode step, both models eager
+#            and both compiled (dflash eval --compile on), ms and kernels a step and a cycle (the issue's
+#            goal: a cycle <= 1.5x a step)
 #   ab       bench/regenerate_variants.py: regenerate's engine variants (before, now, --prefill-graphs on,
 #            --decode-attention live, live with --reuse-kv on, all three, --compile on, and all four), AB_S
 #            seconds each (56), on the records after those the quality runs answered (--skip 12600: the
 #            slots stay full); the warm-up run compiles first (inductor's on-disk cache serves the variants)
-#   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
-#            the answers gzipped for bench/answers/)
 #   decode   bench/decode.py --sections live: decode throughput with each attention, SmolLM2's and
 #            Qwen3-8B's shapes (random weights), and SmolLM2's with its layers compiled
+#   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
+#            the answers gzipped for bench/answers/)
 #   turns    bench/regenerate_turns.py: KV reuse across turns against whole prompts, each attention
 #   quality  bench/h200_quality_run.sh with the fp8 cache beside the default at equal steps, on the first
 #            6,000 chat conversations and the 6,000 code answers (at least 1,200 s: ≈ 1,000 steps each)
@@ -42,7 +43,7 @@ mkdir -p $R
 left() { echo $(( LEFT - ($(date +%s) - T0) )); }
 # fits NAME COST: whether stage NAME is asked for and COST seconds fit the time left (a note if not).
 fits() {
-  case ",${STAGES:-tests,cycle,ab,rest,decode,turns,quality}," in *",$1,"*) ;; *) return 1 ;; esac
+  case ",${STAGES:-tests,cycle,ab,decode,rest,turns,quality}," in *",$1,"*) ;; *) return 1 ;; esac
   if [ "$(left)" -lt $(( $2 + 60 )) ]; then echo "$1 skipped: $(left) s left, it needs $2"; return 1; fi
   echo "== $1 at $(( $(date +%s) - T0 )) s ($(left) s left)"
 }
@@ -52,13 +53,13 @@ export DFLASH_CACHE_DIR=/tmp/dflash-user-cache
 A=(${REGEN_ARGS:---target default --data /tmp/stage/sharegpt-prompts.jsonl.gz --max-new-tokens 256
    --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens 8192 --gpus 0 --no-progress})
 
-if fits tests 150; then
-  timeout 150 python3 -m pytest -q -m gpu tests/decode -p no:cacheprovider > $R/gpu-tests.txt 2>&1
+if fits tests 240; then
+  timeout 240 python3 -m pytest -q -m gpu tests/decode -p no:cacheprovider > $R/gpu-tests.txt 2>&1
   tail -3 $R/gpu-tests.txt
 fi
 
-if fits cycle 170; then
-  timeout 170 python3 bench/spec_cycle.py --target random:smollm2-135m --data /tmp/stage/sharegpt-prompts.jsonl.gz \
+if fits cycle 240; then
+  timeout 240 python3 bench/spec_cycle.py --target random:smollm2-135m --data /tmp/stage/sharegpt-prompts.jsonl.gz \
     --prompts 3 --new-tokens 128 --json $R/spec-cycle.json > $R/spec-cycle.txt 2>&1
   tail -3 $R/spec-cycle.txt
 fi
@@ -89,6 +90,12 @@ print(max(rs, key=lambda r: r['new_tok_per_s'])['name'] if rs else 'now')")
   echo "fastest: $best ($flags)"
 fi
 
+if fits decode 320; then
+  python3 bench/decode.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --sections live --budget-s 300 \
+    --limit-s 40 --json $R/decode-live.json > $R/decode-live.txt 2>&1
+  tail -12 $R/decode-live.txt
+fi
+
 if fits rest $(( ${REST_S:-240} + 30 )); then
   mkdir -p /tmp/rest && cp $R/ab/$best/answers.jsonl* /tmp/rest/ 2>/dev/null
   # shellcheck disable=SC2086  # $flags: regenerate flags, split on purpose
@@ -98,12 +105,6 @@ if fits rest $(( ${REST_S:-240} + 30 )); then
   grep "throughput:" $R/rest.log | tail -1
   gzip -c /tmp/rest/answers.jsonl > $R/more-answers-sharegpt.jsonl.gz
   [ -f /tmp/rest/answers.jsonl.partial ] && gzip -c /tmp/rest/answers.jsonl.partial > $R/more-answers-partial.jsonl.gz
-fi
-
-if fits decode 320; then
-  python3 bench/decode.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --sections live --budget-s 300 \
-    --limit-s 40 --json $R/decode-live.json > $R/decode-live.txt 2>&1
-  tail -12 $R/decode-live.txt
 fi
 
 if fits turns 260; then
