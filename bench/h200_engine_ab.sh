@@ -84,7 +84,7 @@ if fits ab $(( 8 * ${AB_S:-56} + 150 )); then
   python3 bench/regenerate_variants.py --seconds "${AB_S:-56}" --out-dir $R/ab "${trees[@]}" \
     --variants "$variants" -- "${A[@]}" --skip 12600 2>&1 | tee $R/ab.txt
   best=$(python3 -c "
-import json; rs = [r for r in json.load(open('$R/ab/variants.json')) if r['name'] != 'before' and r['returncode'] == 0]
+import json; rs = [r for r in json.load(open('$R/ab/variants.json')) if r['name'] != 'before' and r['returncode'] in (0, 130)]
 print(max(rs, key=lambda r: r['new_tok_per_s'])['name'] if rs else 'now')")
   flags=$(python3 -c "import json; print(json.loads('''$variants''')['$best'])")
   echo "fastest: $best ($flags)"
