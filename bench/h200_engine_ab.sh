@@ -16,8 +16,8 @@
 #   cycle    bench/spec_cycle.py: eval's speculative cycle over one target decode step, both models eager
 #            and both compiled (dflash eval --compile on), ms and kernels a step and a cycle (the issue's
 #            goal: a cycle <= 1.5x a step)
-#   ab       bench/regenerate_variants.py: regenerate's engine variants (before, now, --prefill-graphs on,
-#            --decode-attention live, live with --reuse-kv on, all three, --compile on, and all four), AB_S
+#   ab       bench/regenerate_variants.py: regenerate's engine variants (before, now: the defaults, padded:
+#            the defaults before the ninth session, each default left out in turn, --compile on), AB_S
 #            seconds each (56), on the records after those the quality runs answered (--skip 12600: the
 #            slots stay full); the warm-up run compiles first (inductor's on-disk cache serves the variants)
 #   decode   bench/decode.py --sections live: decode throughput with each attention, SmolLM2's and
@@ -65,16 +65,15 @@ if fits cycle 240; then
 fi
 
 best=now flags=""
-if fits ab $(( 8 * ${AB_S:-56} + 150 )); then
+if fits ab $(( 6 * ${AB_S:-56} + 150 )); then
   # The GGUF weights cache, so that no variant pays it, and inductor's compile of the target's layers
   # (cached on disk: the compiled variants trace again but build no kernels).
   timeout 180 python3 -m dflash_offline regenerate "${A[@]}" --skip 17000 --limit 8 --compile on \
     --out /tmp/warm/answers.jsonl > $R/warm.log 2>&1
   tail -2 $R/warm.log
-  variants='{"now": "", "graphs": "--prefill-graphs on", "live": "--decode-attention live",
-             "live+reuse": "--decode-attention live --reuse-kv on",
-             "all": "--decode-attention live --reuse-kv on --prefill-graphs on", "compiled": "--compile on",
-             "all+compiled": "--decode-attention live --reuse-kv on --prefill-graphs on --compile on"}'
+  # "now": the defaults (on a GPU: live attention, KV reuse, prefill graphs); "padded": the defaults before.
+  variants='{"now": "", "padded": "--decode-attention padded --reuse-kv off --prefill-graphs off",
+             "no-reuse": "--reuse-kv off", "no-graphs": "--prefill-graphs off", "compiled": "--compile on"}'
   trees=()
   if [ -f /tmp/stage/engine-before.tgz ]; then
     mkdir -p /tmp/before && tar -xzf /tmp/stage/engine-before.tgz -C /tmp/before

@@ -166,7 +166,7 @@ def run_eval(config: EvalConfig) -> Any:
         drafter=dec.engine is not None and dec.engine.drafter_compiled,
     )
     for model, ran_compiled in (("target", compiled.target), ("drafter", compiled.drafter)):
-        if compiles(config) and not ran_compiled:
+        if compiles(config, device.type) and not ran_compiled:
             warnings.append(
                 f"{flag(EvalConfig, 'compile')} on: torch.compile of the {model} failed, it ran eagerly from "
                 "then on (the warning above says why)"
@@ -198,7 +198,7 @@ def _decoders(config: EvalConfig, target: Any, drafter_model: Any) -> Any:
         engine=SingleSequence(
             target.model,
             max_len=config.max_prompt_tokens + config.max_new_tokens + block,
-            compile_backend=COMPILE_BACKEND if compiles(config) else None,
+            compile_backend=COMPILE_BACKEND if compiles(config, target.device.type) else None,
         ),
     )
 

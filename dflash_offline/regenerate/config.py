@@ -146,19 +146,21 @@ class RegenerateConfig:
     cuda_graphs: Literal["on", "off"] = cli_field(
         "on", help="Decode steps replayed as CUDA graphs on a GPU (off: eager steps)."
     )
-    prefill_graphs: Literal["on", "off"] = cli_field(
-        "off",
+    prefill_graphs: Literal["auto", "on", "off"] = cli_field(
+        "auto",
         help="Prefill forwards of new prompts run at rows and width rounded up to powers of two, replayed "
-        "as CUDA graphs with --cuda-graphs on (one per shape): less host work a step, more padding.",
+        "as CUDA graphs with --cuda-graphs on (one per shape): less host work a step, more padding. "
+        "auto: on for a GPU, off on the CPU (where padding is computed).",
     )
-    """``EngineSettings.prefill_graphs``; off until it is measured faster on a GPU (bench/RESULTS.md)."""
-    decode_attention: Literal["padded", "live"] = cli_field(
-        "padded",
+    """``EngineSettings.prefill_graphs``, resolved by ``prefill_graphs_for`` the device."""
+    decode_attention: Literal["auto", "padded", "live"] = cli_field(
+        "auto",
         help="The decode engine's attention over its KV cache (decode steps, and prompt chunks that continue "
         "a slot): over each row's live keys alone, read in place (live: the flash kernel, on a GPU in half "
-        "precision), or over a bucket of positions with a mask (padded).",
+        "precision), or over a bucket of positions with a mask (padded). auto: live on a GPU in half "
+        "precision, padded elsewhere.",
     )
-    """``EngineSettings.live_attention``; padded until live is measured faster on a GPU (bench/RESULTS.md)."""
+    """``EngineSettings.live_attention``, resolved by ``live_attention_for`` the device and dtype."""
     compile: Literal["on", "off"] = cli_field(
         "off",
         help="torch.compile the target's decoder layers (their many small kernels fused into a few; a failed "
@@ -247,6 +249,21 @@ class RegenerateConfig:
         if self.batch_size is not None:
             return self.batch_size
         return 256 if device_type == "cuda" else 16
+
+    def prefill_graphs_for(self, device_type: str) -> bool:
+        """``--prefill-graphs``, or the device's default: on for CUDA, where with the live attention and KV
+        reuse it made 1.97x regenerate's new tok/s (bench/RESULTS.md, "H200, ninth session"); off on the
+        CPU, where the padding is computed."""
+        if self.prefill_graphs != "auto":
+            return self.prefill_graphs == "on"
+        return device_type == "cuda"
+
+    def live_attention_for(self, device_type: str, *, half_precision: bool) -> bool:
+        """``--decode-attention``, or the default: live where its kernel runs (CUDA in half precision), the
+        masked path elsewhere (the measurement as for ``prefill_graphs_for``)."""
+        if self.decode_attention != "auto":
+            return self.decode_attention == "live"
+        return device_type == "cuda" and half_precision
 
     def prefill_wait_for(self, device_type: str) -> int:
         """``--prefill-wait``, or the device's default. Measured (bench/RESULTS.md, "Prefill forwards that

@@ -151,8 +151,10 @@ def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEn
         prefill_wait=config.prefill_wait_for(device.type),
         max_prompt_tokens=config.max_prompt_tokens,
         cuda_graphs=config.cuda_graphs == "on",
-        prefill_graphs=config.prefill_graphs == "on",
-        live_attention=config.decode_attention == "live",
+        prefill_graphs=config.prefill_graphs_for(device.type),
+        live_attention=config.live_attention_for(
+            device.type, half_precision=target.dtype in (torch.bfloat16, torch.float16)
+        ),
         compile_backend=DEFAULT_COMPILE_BACKEND if config.compile == "on" else None,
         reuse_kv={"auto": None, "on": True, "off": False}[config.reuse_kv],
         seed=config.seed,

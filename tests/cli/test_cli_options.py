@@ -217,6 +217,15 @@ def test_regenerate_and_eval_cli_build_the_config_a_caller_builds(
     assert (default.prefill_wait_for("cuda"), default.prefill_wait_for("cpu")) == (8, 0)
     zero = _invoked_with(["regenerate", "--out", str(out), "--prefill-wait", "0"])
     assert (zero.prefill_wait_for("cuda"), zero.prefill_wait_for("cpu")) == (0, 0)
+    # --prefill-graphs and --decode-attention: on and live for a GPU in half precision unless given.
+    assert (default.prefill_graphs_for("cuda"), default.prefill_graphs_for("cpu")) == (True, False)
+    assert [default.live_attention_for(d, half_precision=h) for d, h in [("cuda", True), ("cuda", False),
+            ("cpu", True)]] == [True, False, False]  # fmt: skip
+    given = _invoked_with(
+        ["regenerate", "--out", str(out), "--prefill-graphs", "off", "--decode-attention", "padded"]
+    )
+    assert not given.prefill_graphs_for("cuda")
+    assert not given.live_attention_for("cuda", half_precision=True)
 
     _capture(monkeypatch, "dflash_offline.eval.run", "run_eval")
     drafter = tmp_path / "drafter"

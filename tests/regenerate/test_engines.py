@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -418,7 +419,8 @@ def test_reuse_off_prefills_every_prompt_whole_whatever_the_hints(tmp_path: Path
     assert (decode.num_parked, decode.num_free_slots) == (0, 2)
     default = EngineOptions(batch_size=2, kv_tokens=None, max_batch_tokens=32, max_prompt_tokens=256)
     assert reuses_kv(default, torch.device("cpu"))
-    assert not reuses_kv(default, torch.device("cuda"))
+    assert not reuses_kv(default, torch.device("cuda"))  # the masked attention: prefill whole
+    assert reuses_kv(replace(default, live_attention=True), torch.device("cuda"))
 
 
 def _by_id(line: dict[str, Any]) -> str:
