@@ -24,7 +24,8 @@ as it exists):
    row's live keys alone, the flash kernel) beside the default (over the step's bucket with a mask), at
    SmolLM2's shape (batch 256 and 1,024, 256 new tokens) and Qwen3-8B's (batch 64 and 256, 128 new); at
    SmolLM2's shape also the engine with its decoder layers through ``torch.compile`` (``--compile on``:
-   its small elementwise kernels fused), warmed up (compiled) before it is timed.
+   its small elementwise kernels fused), warmed up (compiled) before it is timed. ``qwen3-live`` (not in
+   the default list): Qwen3-8B's shape with the live attention at batch 256 and 512, 256 new tokens.
 5. kernel profile of one decode step (batch 256), transformers' (DynamicCache, sdpa) against the engine's.
 
     python bench/decode.py --data chat.jsonl --json out.json          # one H200 (about 4 minutes)
@@ -630,6 +631,11 @@ def main() -> None:
         plan.append(("cb", 64, 128))
         if args.quick:
             plan = [("slots", 2, 8), ("static", 2, 8)]
+        throughput(report, budget, big, prompts, plan, args.limit_s)
+    if "qwen3-live" in sections:
+        # Qwen3-8B's shape with the live attention at regenerate's answer length, at batch 256 and 512 (the
+        # KV cache of 512 slots of 1,281 positions: ≈ 97 GB beside the 16 GB of weights).
+        plan = [("slots-live", 2, 8)] if args.quick else [("slots-live", b, 256) for b in (256, 512)]
         throughput(report, budget, big, prompts, plan, args.limit_s)
     if "live" in sections:
         # The decode steps' attention over each row's live keys (the flash kernel) against over the step's
