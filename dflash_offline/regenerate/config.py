@@ -164,14 +164,16 @@ class RegenerateConfig:
     compile: Literal["on", "off"] = cli_field(
         "off",
         help="torch.compile the target's decoder layers (their many small kernels fused into a few; a failed "
-        "compile falls back to eager with a warning). The answers are the same up to rounding.",
+        "compile falls back to eager with a warning). The answers are the same up to rounding. Off by "
+        "default: slower in regenerate on an H200 (0.33x; it speeds up dflash eval's batch-1 loops).",
     )
-    """``EngineSettings.compile_backend``; off until it is measured faster on a GPU (bench/RESULTS.md)."""
+    """``EngineSettings.compile_backend``; off: 0.33× the new tok/s on an H200 (bench/RESULTS.md, "H200, ninth
+    session")."""
     reuse_kv: Literal["auto", "on", "off"] = cli_field(
         "auto",
         help="A conversation's next turn continues the KV cache its previous turn left in its slot and "
         "prefills only what its prompt adds (on), or prefills every prompt whole (off). auto: on where it "
-        "was measured faster, the CPU.",
+        "was measured faster, the CPU and a GPU with the live attention.",
     )
     """``EngineOptions.reuse_kv`` (auto: None, ``slot_engine.reuses_kv`` decides by device)."""
     window: int | None = cli_field(
