@@ -2,7 +2,8 @@
 
 The target's own transformers modules run over a KV cache of slots (``slot_cache``: preallocated per
 layer, per-row lengths, GQA keys read in place by one SDPA call, ``attention``); ``forward`` drives the
-model's layers over it, ``steps`` holds the decode step and the chunked prefill, ``graphs`` replays a step
+model's layers over it (eager or compiled; ``layer_attention`` is how their attention modules reach the
+cache), ``steps`` holds the decode step and the chunked prefill, ``graphs`` replays a step
 as a CUDA graph, ``sampling`` picks tokens (greedy, or seeded per request), ``engine`` is continuous
 batching for regenerate, and ``single`` the batch-1 target-only and speculative loops of eval (with
 ``drafting``: the drafter over a static context cache). ``parked`` keeps a finished request's slot for the
