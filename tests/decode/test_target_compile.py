@@ -50,10 +50,12 @@ class GraphLog(CountingBackend):
     def __init__(self) -> None:
         super().__init__()
         self.ran: list[int] = []
+        self.compiled = 0
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         counted = super().__call__(gm, example_inputs)
-        number = len(set(self.ran)) + 1000 * id(gm)  # unique per compiled graph
+        number = self.compiled
+        self.compiled += 1
 
         def run(*args: Any) -> Any:
             self.ran.append(number)
