@@ -25,8 +25,11 @@ as it exists):
    SmolLM2's shape (batch 256 and 1,024, 256 new tokens) and Qwen3-8B's (batch 64 and 256, 128 new); at
    SmolLM2's shape also the engine with its decoder layers through ``torch.compile`` (``--compile on``:
    its small elementwise kernels fused), warmed up (compiled) before it is timed. ``qwen3-live`` (not in
-   the default list): Qwen3-8B's shape with the live attention at batch 256 and 512, 256 new tokens.
+   the default list): Qwen3-8B's shape with the live attention at batch 256 and 512, 256 new tokens, and
+   at batch 256, 512 new tokens.
 5. kernel profile of one decode step (batch 256), transformers' (DynamicCache, sdpa) against the engine's.
+   ``qwen3-profile`` (not in the default list): the same at Qwen3-8B's shape, the engine's step with the
+   live attention.
 
     python bench/decode.py --data chat.jsonl --json out.json          # one H200 (about 4 minutes)
     python bench/decode.py --quick                                    # CPU smoke: tiny sizes
@@ -430,7 +433,15 @@ def ramp(
 
 
 @torch.inference_mode()
-def profile(report: Report, target_spec: str, batch: int, context: int) -> None:
+def profile(
+    report: Report,
+    target_spec: str,
+    batch: int,
+    context: int,
+    *,
+    live_attention: bool = False,
+    key: str = "profile",
+) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -456,7 +467,8 @@ def profile(report: Report, target_spec: str, batch: int, context: int) -> None:
 
     kw = TargetCaller(model)._cache_kwarg
     cache = TargetCaller(model).new_cache()
-    out = model(input_ids=ids, use_cache=True, **{kw: cache})
+    # The last position's logits alone: Qwen3-8B's over 256 × 512 positions would be 40 GB.
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
     token = out.logits[:, -1:].argmax(-1)
     for _ in range(2):
         token = model(input_ids=token, use_cache=True, **{kw: cache}).logits[:, -1:].argmax(-1)
@@ -469,8 +481,12 @@ def profile(report: Report, target_spec: str, batch: int, context: int) -> None:
     del cache, out
     free_memory()
     engine = DecodeEngine(  # room for the 2 + 3 eager steps, the capture and the 10 replays below
-        model, EngineSettings(num_slots=batch, max_len=context + 64, max_new_tokens=8, stop_ids=frozenset())
-    )
+        model,
+        EngineSettings(
+            num_slots=batch, max_len=context + 64, max_new_tokens=8, stop_ids=frozenset(),
+            live_attention=live_attention,
+        ),
+    )  # fmt: skip
     sampler = Sampler(Sampling())
     rows = ids.tolist()
     for start in range(0, batch, 32):
@@ -505,14 +521,16 @@ def profile(report: Report, target_spec: str, batch: int, context: int) -> None:
         sync()
         graph_ms = round((time.perf_counter() - t0) / 10 * 1e3, 3)
     engine.close()
-    report.data["profile"] = {
-        "target": target_spec, "batch": batch, "context": context, "hf_eager": old, "engine_eager": new,
-        "engine_graph_ms_per_step": graph_ms,
+    report.data[key] = {
+        "target": target_spec, "batch": batch, "context": context, "live_attention": live_attention,
+        "hf_eager": old, "engine_eager": new, "engine_graph_ms_per_step": graph_ms,
     }  # fmt: skip
     report.save()
-    for name, t in (("transformers (DynamicCache, sdpa)", old), ("engine decode step", new)):
+    engine_name = "engine decode step" + (" (live attention)" if live_attention else "")
+    for name, t in (("transformers (DynamicCache, sdpa)", old), (engine_name, new)):
         ms = t["kernel_ms_per_step"]
-        print(f"== profile: {name}, eager, batch {batch}, context {context}: {ms} ms of kernels a step")
+        where = f"{target_spec}: {name}, eager, batch {batch}, context {context}"
+        print(f"== profile {where}: {ms} ms of kernels a step")
         print(t["table"])
     print(f"engine decode step as a CUDA graph: {graph_ms} ms a step", flush=True)
     free_memory()
@@ -635,8 +653,17 @@ def main() -> None:
     if "qwen3-live" in sections:
         # Qwen3-8B's shape with the live attention at regenerate's answer length, at batch 256 and 512 (the
         # KV cache of 512 slots of 1,281 positions: ≈ 97 GB beside the 16 GB of weights).
+        # Batch 256 at 512 new tokens too (the issue's longest answers: prefill a smaller share of tokens).
         plan = [("slots-live", 2, 8)] if args.quick else [("slots-live", b, 256) for b in (256, 512)]
+        plan += [] if args.quick else [("slots-live", 256, 512)]
         throughput(report, budget, big, prompts, plan, args.limit_s)
+    if "qwen3-profile" in sections and budget.left() > 60:
+        # Where the 8B model's live decode step goes (kernels by op), beside transformers' step.
+        try:
+            profile(report, big, 4 if args.quick else 256, 64 if args.quick else 512, live_attention=True,
+                    key="profile-qwen3")  # fmt: skip
+        except Exception as e:
+            report.note(f"qwen3 profile failed: {type(e).__name__}: {e}")
     if "live" in sections:
         # The decode steps' attention over each row's live keys (the flash kernel) against over the step's
         # bucket with a mask, alternated at each shape; SmolLM2's at 256 new tokens (regenerate's answers).

@@ -22,11 +22,18 @@
 #            slots stay full); the warm-up run compiles first (inductor's on-disk cache serves the variants)
 #   decode   bench/decode.py --sections live: decode throughput with each attention, SmolLM2's and
 #            Qwen3-8B's shapes (random weights), and SmolLM2's with its layers compiled
+#   qwen3    bench/decode.py --sections qwen3-live,qwen3-profile: Qwen3-8B's shape with the live attention
+#            at batch 256 and 512 (256 new tokens) and 256 (512 new), and the kernel profile of its step
 #   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
 #            the answers gzipped for bench/answers/)
 #   turns    bench/regenerate_turns.py: KV reuse across turns against whole prompts, each attention
 #   quality  bench/h200_quality_run.sh with the fp8 cache beside the default at equal steps, on the first
-#            6,000 chat conversations and the 6,000 code answers (at least 1,200 s: ≈ 1,000 steps each)
+#            6,000 chat conversations and the 6,000 code answers (at least 1,200 s: ≈ 1,000 steps each).
+#            Q_* variables change it: Q_CHAT (chat conversations staged, 6000), Q_CODE2=1 (the second code
+#            file, bench/answers/code-answers-2.jsonl.gz, trained on too), Q_CODECS, Q_VARIANTS,
+#            Q_EVAL_VARIANTS, Q_STEPS_PER_S, Q_VAL_EVERY, Q_REGEN_S (0: the staged answers as they are),
+#            Q_GEN_S, Q_EVAL_S. The drafter of variant Q_KEEP (the first) is split for `dflash train
+#            --init-from` in a later session (bench/drafter_parts.sh), and `collect` brings its parts back.
 # REGEN_ARGS replaces regenerate's arguments (a CPU smoke test: --target random:tiny ... --batch-size 16).
 set -uo pipefail
 cmd=${1:?run SECONDS_LEFT, or collect}
@@ -35,7 +42,9 @@ if [ "$cmd" = collect ]; then
   out=${OUT:-/tmp/out}; mkdir -p "$out" $R
   [ -d /tmp/q ] && (cd /tmp/q && tar czf $R/q.tgz report/summary.* report/logs.txt run-*/metrics.jsonl \
     eval-*.json chat_eval-*.json logs 2>/dev/null)
-  tar czf "$out/results.tgz" -C $R --exclude='*/answers.jsonl*' . && ls -la "$out"
+  tar czf "$out/results.tgz" -C $R --exclude='*/answers.jsonl*' --exclude=./drafter . && ls -la "$out"
+  # The kept drafter's parts (15 MiB each) as files of their own: what comes back is at most 16 MiB a file.
+  [ -d $R/drafter ] && cp $R/drafter/* "$out/" && ls -la "$out"
   exit 0
 fi
 T0=$(date +%s); LEFT=${2:?seconds of device time left}
@@ -43,7 +52,7 @@ mkdir -p $R
 left() { echo $(( LEFT - ($(date +%s) - T0) )); }
 # fits NAME COST: whether stage NAME is asked for and COST seconds fit the time left (a note if not).
 fits() {
-  case ",${STAGES:-tests,cycle,ab,decode,rest,turns,quality}," in *",$1,"*) ;; *) return 1 ;; esac
+  case ",${STAGES:-tests,cycle,ab,decode,qwen3,rest,turns,quality}," in *",$1,"*) ;; *) return 1 ;; esac
   if [ "$(left)" -lt $(( $2 + 60 )) ]; then echo "$1 skipped: $(left) s left, it needs $2"; return 1; fi
   echo "== $1 at $(( $(date +%s) - T0 )) s ($(left) s left)"
 }
@@ -95,6 +104,12 @@ if fits decode 320; then
   tail -12 $R/decode-live.txt
 fi
 
+if fits qwen3 300; then
+  timeout 300 python3 bench/decode.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --sections qwen3-live,qwen3-profile \
+    --budget-s 280 --limit-s 60 --json $R/qwen3.json > $R/qwen3.txt 2>&1
+  tail -8 $R/qwen3.txt
+fi
+
 if fits rest $(( ${REST_S:-240} + 30 )); then
   mkdir -p /tmp/rest && cp $R/ab/$best/answers.jsonl* /tmp/rest/ 2>/dev/null
   # shellcheck disable=SC2086  # $flags: regenerate flags, split on purpose
@@ -115,10 +130,17 @@ fi
 
 if fits quality 1200; then
   budget=$(( $(left) - 60 ))
-  gunzip -c /tmp/stage/answers-00.jsonl.gz | head -6000 | gzip > /tmp/stage/a && mv /tmp/stage/a /tmp/stage/answers-00.jsonl.gz
-  train=$(( budget - 60 - 200 - 200 - 90 ))
-  echo "quality run: BUDGET_S=$budget TRAIN_S=$train"
-  BUDGET_S=$budget REGEN_S=60 REGEN_LIMIT=6000 GEN_S=200 TRAIN_S=$train EVAL_S=200 VAL_EVERY=200 STEPS_PER_S=4.5 \
-    CODECS=default,fp8 VARIANTS='{"bf16": "", "fp8": "@fp8"}' EVAL_VARIANTS=all bash bench/h200_quality_run.sh
+  chat=${Q_CHAT:-6000} regen=${Q_REGEN_S:-60} gen=${Q_GEN_S:-200} ev=${Q_EVAL_S:-200}
+  gunzip -c /tmp/stage/answers-00.jsonl.gz | head -"$chat" | gzip -1 > /tmp/stage/a && mv /tmp/stage/a /tmp/stage/answers-00.jsonl.gz
+  [ "${Q_CODE2:-0}" = 1 ] && cp /tmp/stage/code-answers-2.jsonl.gz /tmp/stage/extra-answers-code-2.jsonl.gz
+  train=$(( budget - regen - gen - ev - 90 ))
+  pair='{"bf16": "", "fp8": "@fp8"}'
+  variants=${Q_VARIANTS:-$pair}
+  echo "quality run: BUDGET_S=$budget TRAIN_S=$train chat $chat code2 ${Q_CODE2:-0} variants $variants"
+  BUDGET_S=$budget REGEN_S=$regen REGEN_LIMIT=$chat GEN_S=$gen TRAIN_S=$train EVAL_S=$ev \
+    VAL_EVERY=${Q_VAL_EVERY:-200} STEPS_PER_S=${Q_STEPS_PER_S:-4.5} CODECS=${Q_CODECS:-default,fp8} \
+    VARIANTS=$variants EVAL_VARIANTS=${Q_EVAL_VARIANTS:-all} bash bench/h200_quality_run.sh
+  keep=${Q_KEEP:-$(python3 -c "import json, sys; print(next(iter(json.loads(sys.argv[1]))))" "$variants")}
+  [ -f /tmp/q/run-"$keep"/drafter/config.json ] && bash bench/drafter_parts.sh split /tmp/q/run-"$keep" $R/drafter
 fi
 echo "done at $(( $(date +%s) - T0 )) s"

@@ -561,7 +561,9 @@ def main() -> None:
         "--code-limit of them are regenerated after --data's records, in the same regenerate",
     )
     ap.add_argument("--code-limit", type=int, default=0, help="code problems taken from --code-data")
-    ap.add_argument("--regen-s", type=float, default=300)
+    ap.add_argument(
+        "--regen-s", type=float, default=300, help="regenerate's seconds; 0: the staged answers as they are"
+    )
     ap.add_argument(
         "--answers-part-mib",
         type=float,
@@ -656,51 +658,57 @@ def main() -> None:
             f"regenerate reads records {args.regen_skip}–{args.regen_skip + args.regen_limit} of "
             f"{args.data} and {n_code} code problems of {args.code_data}"
         )
-    s = Stage(
-        name="regenerate",
-        argv=dflash(
-            "regenerate",
-            "--target",
-            args.target,
-            "--data",
-            str(regen_data),
-            "--skip",
-            str(regen_skip),
-            "--limit",
-            str(regen_limit),
-            *shlex.split(args.regen_args),
-            *engine_args,
-            *dev,
-            "--no-progress",
-            "--out",
-            str(answers),
-        ),
-        log=logs / "2_regenerate.log",
-    ).start()
-    run_all([s], time.time() + args.regen_s, grace=40)
-    if not answers.is_file():
-        # A killed run leaves parts: a rerun merges them (and answers nothing more with --limit 0).
-        subprocess.run(
-            dflash(
+    if args.regen_s > 0 or not answers.is_file():
+        s = Stage(
+            name="regenerate",
+            argv=dflash(
                 "regenerate",
                 "--target",
                 args.target,
                 "--data",
                 str(regen_data),
+                "--skip",
+                str(regen_skip),
                 "--limit",
-                "0",
+                str(regen_limit),
+                *shlex.split(args.regen_args),
+                *engine_args,
+                *dev,
+                "--no-progress",
                 "--out",
                 str(answers),
-                "--no-progress",
-                *dev,
             ),
-            cwd=ROOT,
-            check=False,
-        )
-    n_answers = answers.read_bytes().count(b"\n") if answers.is_file() else 0  # not splitlines: U+2028
-    report.stage(s, conversations=n_answers, throughput=tail(s.log, 3))
+            log=logs / "2_regenerate.log",
+        ).start()
+        run_all([s], time.time() + args.regen_s, grace=40)
+        if not answers.is_file():
+            # A killed run leaves parts: a rerun merges them (and answers nothing more with --limit 0).
+            subprocess.run(
+                dflash(
+                    "regenerate",
+                    "--target",
+                    args.target,
+                    "--data",
+                    str(regen_data),
+                    "--limit",
+                    "0",
+                    "--out",
+                    str(answers),
+                    "--no-progress",
+                    *dev,
+                ),
+                cwd=ROOT,
+                check=False,
+            )
+        n_answers = answers.read_bytes().count(b"\n") if answers.is_file() else 0  # not splitlines: U+2028
+        report.stage(s, conversations=n_answers, throughput=tail(s.log, 3))
+    else:
+        # --regen-s 0 with answers staged: train on them as they are (no start-up of the target to resume
+        # them: 56 s in the sixth session's run for nothing left to answer).
+        n_answers = answers.read_bytes().count(b"\n")
+        report.note(f"regenerate skipped (--regen-s 0): {n_answers} staged conversations as they are")
     keeper = None
-    if args.answers_part_mib > 0 and n_answers:
+    if args.answers_part_mib > 0 and n_answers and args.regen_s > 0:
         # The answers are the slowest data to make: they go back with the report, so that a later run
         # resumes regenerate from them (in the background: generate does not wait for it).
         def keep_answers() -> None:
