@@ -34,9 +34,14 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
+def fused_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused attention kernels (cuDNN's, flash) can run: CUDA in half precision."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
 def sdpa_backends(device: torch.device, dtype: torch.dtype) -> list[SDPBackend]:
     """Kernels to try, best first: cuDNN on CUDA in half precision, else the math kernel."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+    if fused_kernels_run(device, dtype):
         return [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
     return [SDPBackend.MATH]
 
@@ -44,7 +49,7 @@ def sdpa_backends(device: torch.device, dtype: torch.dtype) -> list[SDPBackend]:
 def causal_backends(device: torch.device, dtype: torch.dtype) -> list[SDPBackend]:
     """Kernels for a causal block over its own keys (no mask): flash first on CUDA in half precision (it
     takes GQA, and needs no per-shape plan, which prefill shapes would otherwise pay per call)."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+    if fused_kernels_run(device, dtype):
         return [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
     return [SDPBackend.MATH]
 
@@ -144,7 +149,7 @@ def flash_reads_live_lengths(
     """Whether ``attend_live`` runs here and agrees with the masked math kernel on a small case, one query
     a row and a causal block alike, rows reading slots out of order (CUDA in half precision with a torch
     whose flash forward takes ``seqused_k``); else the padded path."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    if not fused_kernels_run(device, dtype):
         return False
     gen = torch.Generator(device=device).manual_seed(0)
     cap = 256

@@ -260,12 +260,13 @@ class RegenerateConfig:
             return self.prefill_graphs == "on"
         return device_type == "cuda"
 
-    def live_attention_for(self, device_type: str, *, half_precision: bool) -> bool:
-        """``--decode-attention``, or the default: live where its kernel runs (CUDA in half precision), the
-        masked path elsewhere (the measurement as for ``prefill_graphs_for``)."""
+    def live_attention_for(self, *, fused_kernels: bool) -> bool:
+        """``--decode-attention``, or the default: live where its kernel runs (``fused_kernels``: the
+        device and dtype's, ``decode.attention.fused_kernels_run``), the masked path elsewhere (the
+        measurement as for ``prefill_graphs_for``)."""
         if self.decode_attention != "auto":
             return self.decode_attention == "live"
-        return device_type == "cuda" and half_precision
+        return fused_kernels
 
     def prefill_wait_for(self, device_type: str) -> int:
         """``--prefill-wait``, or the device's default. Measured (bench/RESULTS.md, "Prefill forwards that

@@ -126,6 +126,7 @@ class LoadedEngine:
 
 
 def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEngine:
+    from dflash_offline.decode.attention import fused_kernels_run
     from dflash_offline.decode.forward import DEFAULT_COMPILE_BACKEND
     from dflash_offline.regenerate.engine_protocol import EngineOptions
     from dflash_offline.regenerate.generation import GenerationSettings
@@ -152,9 +153,7 @@ def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEn
         max_prompt_tokens=config.max_prompt_tokens,
         cuda_graphs=config.cuda_graphs == "on",
         prefill_graphs=config.prefill_graphs_for(device.type),
-        live_attention=config.live_attention_for(
-            device.type, half_precision=target.dtype in (torch.bfloat16, torch.float16)
-        ),
+        live_attention=config.live_attention_for(fused_kernels=fused_kernels_run(device, target.dtype)),
         compile_backend=DEFAULT_COMPILE_BACKEND if config.compile == "on" else None,
         reuse_kv={"auto": None, "on": True, "off": False}[config.reuse_kv],
         seed=config.seed,

@@ -14,10 +14,12 @@ from typing import Any
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
 from dflash_offline.config_fields import cli_spec, flag_of
+from dflash_offline.decode.attention import fused_kernels_run
 from dflash_offline.eval.config import EVAL_DTYPES, EvalConfig
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.placement import Placement
@@ -219,13 +221,15 @@ def test_regenerate_and_eval_cli_build_the_config_a_caller_builds(
     assert (zero.prefill_wait_for("cuda"), zero.prefill_wait_for("cpu")) == (0, 0)
     # --prefill-graphs and --decode-attention: on and live for a GPU in half precision unless given.
     assert (default.prefill_graphs_for("cuda"), default.prefill_graphs_for("cpu")) == (True, False)
-    assert [default.live_attention_for(d, half_precision=h) for d, h in [("cuda", True), ("cuda", False),
-            ("cpu", True)]] == [True, False, False]  # fmt: skip
+    assert [default.live_attention_for(fused_kernels=f) for f in (True, False)] == [True, False]
+    cases = [("cuda", torch.bfloat16), ("cuda", torch.float16), ("cuda", torch.float32)]
+    cases.append(("cpu", torch.bfloat16))
+    assert [fused_kernels_run(torch.device(d), t) for d, t in cases] == [True, True, False, False]
     given = _invoked_with(
         ["regenerate", "--out", str(out), "--prefill-graphs", "off", "--decode-attention", "padded"]
     )
     assert not given.prefill_graphs_for("cuda")
-    assert not given.live_attention_for("cuda", half_precision=True)
+    assert not given.live_attention_for(fused_kernels=True)
 
     _capture(monkeypatch, "dflash_offline.eval.run", "run_eval")
     drafter = tmp_path / "drafter"

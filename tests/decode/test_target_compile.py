@@ -11,6 +11,7 @@ CUDA graphs, in bfloat16."""
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,9 +181,16 @@ def test_regenerate_compile_on_writes_what_off_writes(
 ) -> None:
     from tests.regenerate.test_regenerate import _regenerate_two_turns, write_chat_jsonl
 
-    monkeypatch.setattr(forward_module, "DEFAULT_COMPILE_BACKEND", "aot_eager")
+    backend = CountingBackend()  # aot_eager, counting its graphs' calls: the compiled layers must run
+    monkeypatch.setattr(forward_module, "DEFAULT_COMPILE_BACKEND", backend)
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 5, turns=2)
-    outputs = {mode: _regenerate_two_turns(tmp_path, data, "--compile", mode)[0] for mode in ("off", "on")}
+    outputs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TargetCompileWarning)  # a fallback to eager would pass unseen
+        for mode in ("off", "on"):
+            calls = backend.calls
+            outputs[mode] = _regenerate_two_turns(tmp_path, data, "--compile", mode)[0]
+            assert (backend.calls > calls) == (mode == "on"), (mode, backend.calls)
     assert len(outputs["on"]) == 5
     assert outputs["on"] == outputs["off"]
 
