@@ -32,7 +32,7 @@
 #            Q_* variables change it: Q_CHAT (chat conversations staged, 6000), Q_CODE2=1 (the second code
 #            file, bench/answers/code-answers-2.jsonl.gz, trained on too), Q_CODECS, Q_VARIANTS,
 #            Q_EVAL_VARIANTS, Q_STEPS_PER_S, Q_VAL_EVERY, Q_REGEN_S (0: the staged answers as they are),
-#            Q_GEN_S, Q_EVAL_S. The drafter of variant Q_KEEP (the first) is split for `dflash train
+#            Q_GEN_S, Q_EVAL_S, Q_MIN_S (the seconds it needs, 1200). The drafter of variant Q_KEEP (the first) is split for `dflash train
 #            --init-from` in a later session (bench/drafter_parts.sh), and `collect` brings its parts back.
 # REGEN_ARGS replaces regenerate's arguments (a CPU smoke test: --target random:tiny ... --batch-size 16).
 set -uo pipefail
@@ -128,10 +128,13 @@ if fits turns 260; then
   tail -2 $R/turns.txt | cut -c1-2000
 fi
 
-if fits quality 1200; then
+if fits quality "${Q_MIN_S:-1200}"; then
   budget=$(( $(left) - 60 ))
   chat=${Q_CHAT:-6000} regen=${Q_REGEN_S:-60} gen=${Q_GEN_S:-200} ev=${Q_EVAL_S:-200}
-  gunzip -c /tmp/stage/answers-00.jsonl.gz | head -"$chat" | gzip -1 > /tmp/stage/a && mv /tmp/stage/a /tmp/stage/answers-00.jsonl.gz
+  # Without pipefail here: head's early exit ends gunzip with SIGPIPE, which is how this subset is cut.
+  (set +o pipefail; gunzip -c /tmp/stage/answers-00.jsonl.gz | head -n "$chat" | gzip -1 > /tmp/stage/a) \
+    && mv /tmp/stage/a /tmp/stage/answers-00.jsonl.gz
+  echo "staged chat conversations: $(gunzip -c /tmp/stage/answers-00.jsonl.gz | wc -l)"
   [ "${Q_CODE2:-0}" = 1 ] && cp /tmp/stage/code-answers-2.jsonl.gz /tmp/stage/extra-answers-code-2.jsonl.gz
   train=$(( budget - regen - gen - ev - 90 ))
   pair='{"bf16": "", "fp8": "@fp8"}'
