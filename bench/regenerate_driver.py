@@ -250,7 +250,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         recorded = stage(args.answers, args.warmup + args.limit, work / "prompts.jsonl")
-        for variant in args.variants:
+        for variant in args.variants if args.warmup else ():
             run_variant(
                 variant, tokenizer, recorded, args, work / "warm.jsonl", skip=args.limit, limit=args.warmup
             )
