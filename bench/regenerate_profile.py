@@ -8,7 +8,8 @@ runs it, launched and then read back (``DecodeEngine._launch``, ``_collect``). P
 time a step against the wall time from one step's read-back to the next (the device's busy fraction), the
 kernel launches a step, and the largest kernels and host ops. At the end (a SIGINT included: regenerate
 stops cleanly) the driver's seconds: inside the engine's steps (``poll``), rendering and tokenizing
-prompts (``render_prompt``: every turn's prompt whole), taking finished answers (``Driver._answered``:
+prompts (``render_prompt_s``: ``PromptEncoder.encode``, a turn continuing its previous turn's ids), taking
+finished answers (``Driver._answered``:
 decoding, the next turn's prompt, writing), admitting records (``Driver._admit``: its first turn's
 prompt), writing conversations, and the rest (reading and parsing the records, the loop). On one H200 a
 quarter of the generation time was outside the steps (bench/RESULTS.md, "Regenerate on the H200").
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from bench import profiling  # noqa: E402
 from dflash_offline.decode.engine import DecodeEngine  # noqa: E402
 from dflash_offline.regenerate import driver as driver_module  # noqa: E402
+from dflash_offline.regenerate.prompt_ids import PromptEncoder  # noqa: E402
 from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
 
 SECONDS: dict[str, float] = {}
@@ -61,8 +63,8 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def time_the_driver() -> None:
-    """Wrap the driver's parts (module attributes, so the driver's own calls go through the wrappers)."""
-    driver_module.render_prompt = timed("render_prompt", driver_module.render_prompt)
+    """Wrap the driver's parts (class attributes, so the driver's own calls go through the wrappers)."""
+    PromptEncoder.encode = timed("render_prompt", PromptEncoder.encode)  # type: ignore[method-assign]
     Driver, Sink = driver_module.Driver, driver_module.ConversationSink
     Driver.run = timed("driver_run", Driver.run)  # type: ignore[method-assign]
     Driver._answered = timed("answered", Driver._answered)  # type: ignore[method-assign]

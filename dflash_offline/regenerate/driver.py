@@ -19,13 +19,13 @@ from typing import Any
 
 from dflash_offline.config_fields import flag
 from dflash_offline.data.conversations import Conversation, SourceFailure
-from dflash_offline.data.template import encode_head, head_chars
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.engine_protocol import Engine
 from dflash_offline.regenerate.generation import GeneratedTokens
 from dflash_offline.regenerate.jsonl_out import KEY, ResumableJsonl
 from dflash_offline.regenerate.partial_out import PartialConversation, append_partials
 from dflash_offline.regenerate.pending_conversation import Answer, PendingConversation
+from dflash_offline.regenerate.prompt_ids import PromptEncoder, render_prompt
 
 __all__ = ["KEY", "ConversationSink", "Driver", "Tally", "render_prompt"]
 
@@ -63,21 +63,6 @@ class Tally:
     @property
     def records(self) -> int:
         return self.written + self.failed + self.skipped
-
-
-def render_prompt(tokenizer: Any, chat: list[dict[str, str]], *, max_tokens: int | None = None) -> list[int]:
-    """The prompt's token ids; with ``max_tokens``, a longer prompt's first ``max_tokens`` + 1 or more
-    (enough to refuse it, without tokenizing megabytes: ``data.template.encode_head``)."""
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and (max_tokens is None or len(text) <= head_chars(max_tokens)):
-        # A text ``encode_head`` would tokenize whole: the fast tokenizer's own encoder, which
-        # ``tokenizer(text)`` calls too, without the offsets and the BatchEncoding around it (0.60× the
-        # time a prompt, bench/RESULTS.md; the driver renders every turn's prompt whole, between steps).
-        return list(backend.encode(text, add_special_tokens=False).ids)
-    if max_tokens is not None:
-        return [int(i) for i in encode_head(tokenizer, text, max_tokens).ids_T]
-    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def _turn_key(p: PendingConversation, turn: int) -> str:
@@ -201,6 +186,8 @@ class Driver:
         self.sink = sink
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
+        self.prompts = PromptEncoder(tokenizer, max_tokens=max_prompt_tokens)
+        """Renders and tokenizes the turns' prompts, a turn's continuing its previous turn's ids."""
         self.window = window
         self.done = done
         """Whether a sample id was already written or failed (resume)."""
@@ -221,11 +208,13 @@ class Driver:
         turn = len(p.answers)
         previous = _turn_key(p, turn - 1) if turn else None
         try:
-            ids = render_prompt(self.tokenizer, p.next_prompt(), max_tokens=self.max_prompt_tokens)
+            prompt = self.prompts.encode(p.next_prompt(), previous=p.prompt)
         except Exception as e:  # a chat template may raise anything (jinja's raise_exception, ...)
             self._release(previous)
             self.sink.fail_conv(p, "template_error", f"turn {turn}: {type(e).__name__}: {e}")
             return
+        p.prompt = prompt
+        ids = prompt.ids
         if len(ids) > self.max_prompt_tokens:
             self._release(previous)
             if not p.answers:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.schemas import TOKEN_IDS_FIELD
 from dflash_offline.data.user_groups import user_groups
+from dflash_offline.regenerate.prompt_ids import PromptIds
 
 __all__ = ["Answer", "FinishReason", "PendingConversation"]
 
@@ -75,6 +76,9 @@ class PendingConversation:
         self.answers: list[Answer] = []
         self.dropped_turns = 0
         """Answers not generated because their prompt grew past the limit (the conversation ends early)."""
+        self.prompt: PromptIds | None = None
+        """The prompt of the turn last submitted, which the next turn's prompt continues
+        (``PromptEncoder.encode``)."""
 
     @property
     def done(self) -> bool:
