@@ -440,7 +440,7 @@ def profile(
     context: int,
     *,
     live_attention: bool = False,
-    key: str = "profile",
+    report_key: str = "profile",
 ) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -521,7 +521,7 @@ def profile(
         sync()
         graph_ms = round((time.perf_counter() - t0) / 10 * 1e3, 3)
     engine.close()
-    report.data[key] = {
+    report.data[report_key] = {
         "target": target_spec, "batch": batch, "context": context, "live_attention": live_attention,
         "hf_eager": old, "engine_eager": new, "engine_graph_ms_per_step": graph_ms,
     }  # fmt: skip
@@ -661,7 +661,7 @@ def main() -> None:
         # Where the 8B model's live decode step goes (kernels by op), beside transformers' step.
         try:
             profile(report, big, 4 if args.quick else 256, 64 if args.quick else 512, live_attention=True,
-                    key="profile-qwen3")  # fmt: skip
+                    report_key="profile-qwen3")  # fmt: skip
         except Exception as e:
             report.note(f"qwen3 profile failed: {type(e).__name__}: {e}")
     if "live" in sections:
