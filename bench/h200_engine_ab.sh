@@ -32,8 +32,10 @@
 #            Q_* variables change it: Q_CHAT (chat conversations staged, 6000), Q_CODE2=1 (the second code
 #            file, bench/answers/code-answers-2.jsonl.gz, trained on too), Q_CODECS, Q_VARIANTS,
 #            Q_EVAL_VARIANTS, Q_STEPS_PER_S, Q_VAL_EVERY, Q_REGEN_S (0: the staged answers as they are),
-#            Q_GEN_S, Q_EVAL_S, Q_MIN_S (the seconds it needs, 1200). The drafter of variant Q_KEEP (the first) is split for `dflash train
-#            --init-from` in a later session (bench/drafter_parts.sh), and `collect` brings its parts back.
+#            Q_GEN_S, Q_EVAL_S, Q_MIN_S (the seconds it needs, 1200), Q_INIT_PARTS (a folder of an earlier
+#            drafter's parts, joined into /tmp/init/run-all for --init-from). The drafter of variant Q_KEEP
+#            (the first) is split for `dflash train --init-from` in a later session
+#            (bench/drafter_parts.sh), and `collect` brings its parts back.
 # REGEN_ARGS replaces regenerate's arguments (a CPU smoke test: --target random:tiny ... --batch-size 16).
 set -uo pipefail
 cmd=${1:?run SECONDS_LEFT, or collect}
@@ -136,6 +138,9 @@ if fits quality "${Q_MIN_S:-1200}"; then
     && mv /tmp/stage/a /tmp/stage/answers-00.jsonl.gz
   echo "staged chat conversations: $(gunzip -c /tmp/stage/answers-00.jsonl.gz | wc -l)"
   [ "${Q_CODE2:-0}" = 1 ] && cp /tmp/stage/code-answers-2.jsonl.gz /tmp/stage/extra-answers-code-2.jsonl.gz
+  # An earlier session's drafter (bench/drafter_parts.sh split) to continue: Q_VARIANTS then names
+  # --init-from /tmp/init/run-all/drafter.
+  [ -n "${Q_INIT_PARTS:-}" ] && bash bench/drafter_parts.sh join "$Q_INIT_PARTS" /tmp/init/run-all
   train=$(( budget - regen - gen - ev - 90 ))
   pair='{"bf16": "", "fp8": "@fp8"}'
   variants=${Q_VARIANTS:-$pair}

@@ -15,7 +15,12 @@ from dflash_offline.generate.config import GenerateConfig
 def generate(config: GenerateConfig) -> None:
     """Run the target over a chat data set and store the hidden states of a few layers."""
     from dflash_offline.generate.launch import format_summary, generate_from_config
+    from dflash_offline.generate.run import GenerateInterrupted
 
-    summary = generate_from_config(config)
+    try:
+        summary = generate_from_config(config)
+    except GenerateInterrupted as stopped:  # what was committed, and how fast, before the exit 130
+        click.echo(format_summary(stopped.summary, cache_dir=str(config.cache_dir)))
+        raise
     if summary is not None:
         click.echo(format_summary(summary, cache_dir=str(config.cache_dir)))

@@ -75,6 +75,16 @@ class GenerateSummary:
         return self.tokens_committed / self.seconds if self.seconds > 0 else 0.0
 
 
+class GenerateInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run cleanly (the workers' current jobs committed): what it had done by then,
+    for the command to print before it exits 130 (a run stopped by a script's deadline says how far and
+    how fast it got)."""
+
+    def __init__(self, summary: GenerateSummary) -> None:
+        super().__init__("interrupted")
+        self.summary = summary
+
+
 def resolved_compute_dtype(config: GenerateConfig) -> str:
     """``--dtype``, else the device's default: bfloat16 on GPUs, float32 on the CPU (exact features)."""
     if config.dtype is not None:
@@ -320,6 +330,8 @@ def _run_locked(
     )
     error = as_no_space_error(error, config.cache_dir) if error is not None else None
     _record_end(ctx, started_at=started_at, summary=summary, num_workers=group.num_workers, error=error)
+    if isinstance(error, KeyboardInterrupt):
+        raise GenerateInterrupted(summary) from error
     if error is not None:
         raise error
     return summary

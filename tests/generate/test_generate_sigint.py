@@ -59,6 +59,11 @@ def test_sigint_stops_a_run_started_with_sigint_ignored_and_the_rerun_completes(
     assert [r["status"] for r in read_table(cache, "runs").to_pylist()] == ["interrupted"]
     partial = read_table(cache, "samples").num_rows
     assert 0 < partial < 80  # stopped before the end, keeping what it had committed
+    # The summary of what it committed comes before the exit, as for a finished run.
+    committed = read_table(cache, "samples")
+    tokens = sum(committed.column("num_tokens").to_pylist())
+    assert "interrupted in " in output.decode()
+    assert f"committed {partial} samples, {tokens} tokens (" in output.decode(), output.decode()[-3000:]
     assert verify_cache(cache, progress=False).ok
 
     final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
