@@ -24,6 +24,8 @@
 #            Qwen3-8B's shapes (random weights), and SmolLM2's with its layers compiled
 #   qwen3    bench/decode.py --sections qwen3-live,qwen3-profile: Qwen3-8B's shape with the live attention
 #            at batch 256 and 512 (256 new tokens) and 256 (512 new), and the kernel profile of its step
+#   codecs   dflash generate of the staged ShareGPT answers with the default codec, then fp8, CODEC_S seconds
+#            each (75, stopped by SIGINT: each prints what it committed and its tok/s), the caches deleted
 #   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
 #            the answers gzipped for bench/answers/)
 #   turns    bench/regenerate_turns.py: KV reuse across turns against whole prompts, each attention
@@ -54,7 +56,7 @@ mkdir -p $R
 left() { echo $(( LEFT - ($(date +%s) - T0) )); }
 # fits NAME COST: whether stage NAME is asked for and COST seconds fit the time left (a note if not).
 fits() {
-  case ",${STAGES:-tests,cycle,ab,decode,qwen3,rest,turns,quality}," in *",$1,"*) ;; *) return 1 ;; esac
+  case ",${STAGES:-tests,cycle,ab,decode,qwen3,codecs,rest,turns,quality}," in *",$1,"*) ;; *) return 1 ;; esac
   if [ "$(left)" -lt $(( $2 + 60 )) ]; then echo "$1 skipped: $(left) s left, it needs $2"; return 1; fi
   echo "== $1 at $(( $(date +%s) - T0 )) s ($(left) s left)"
 }
@@ -110,6 +112,19 @@ if fits qwen3 300; then
   timeout 300 python3 bench/decode.py --data /tmp/stage/sharegpt-prompts.jsonl.gz --sections qwen3-live,qwen3-profile \
     --budget-s 280 --limit-s 60 --json $R/qwen3.json > $R/qwen3.txt 2>&1
   tail -8 $R/qwen3.txt
+fi
+
+if fits codecs $(( 2 * ${CODEC_S:-75} + 30 )); then
+  gunzip -c /tmp/stage/answers-00.jsonl.gz > /tmp/codecs-data.jsonl
+  for codec in default fp8; do
+    flags=(); [ "$codec" = default ] || flags=(--codec "$codec")
+    timeout -s INT "${CODEC_S:-75}" python3 -m dflash_offline generate --cache /tmp/codec-$codec --target default \
+      --data /tmp/codecs-data.jsonl --max-len 2048 --too-long truncate --gpus 0 --no-progress "${flags[@]}" \
+      > $R/codec-$codec.log 2>&1
+    echo "$codec: $(grep -E 'committed|writer busy' $R/codec-$codec.log | tr -s ' ' | tr '\n' ' ')"
+    rm -rf /tmp/codec-$codec
+  done
+  rm -f /tmp/codecs-data.jsonl
 fi
 
 if fits rest $(( ${REST_S:-240} + 30 )); then
