@@ -11,6 +11,7 @@ It also reports the peak RSS of the whole process tree (coordinator + workers) f
 
   python bench/generate.py                                   # CPU, random:tiny
   python bench/generate.py --target random:qwen3-8b --device cuda --records 3000 --tokens-per-batch 16384
+  python bench/generate.py ... --codec fp8                   # the fp8 rows, encoded in the capture step
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def peak_rss_of_generate(args: argparse.Namespace, records: int, cache: Path) ->
         cmd += ["--data", str(args.data)]
     if args.layer_ids:
         cmd += ["--layer-ids", args.layer_ids]
+    if args.codec:
+        cmd += ["--codec", args.codec]
     cmd += ["--gpus", "0"] if args.device == "cuda" else ["--workers", "1"]
     start = time.perf_counter()
     process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -168,6 +171,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-batch", type=int, default=8192)
     parser.add_argument("--bucket-edges", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--layer-ids", default=None, help="e.g. 0,2 for random:tiny (4 layers)")
+    parser.add_argument("--codec", default=None, help="feature codec (default: the cache library's)")
     parser.add_argument("--disk-bytes", type=int, default=1 << 30)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--rss", action="store_true", help="also measure peak RSS for N and 4N records")
@@ -200,6 +204,7 @@ def main() -> None:
             layer_ids=layer_ids,
             bucket_edges=tuple(args.bucket_edges),
             tokens_per_batch=args.tokens_per_batch,
+            codec=args.codec,
             progress=False,
             build_index=False,
             placement=Placement(gpus=(0,)) if args.device == "cuda" else Placement(num_cpu_workers=1),

@@ -2,6 +2,11 @@
 commit's, alternated in one run (the machine may be shared: medians of ``--repeats`` each).
 
     PYTHONPATH=. .venv/bin/python bench/writer_add.py [--baseline main] [--mb 512] [--codec none]
+    PYTHONPATH=. .venv/bin/python bench/writer_add.py --pre-encoded [--codec fp8]
+
+``--pre-encoded`` (an fp8 codec) compares instead, with this tree's writer both times, the samples handed
+over as bf16 features (``add`` encodes them on the caller's thread) against the same samples already
+encoded (``Fp8Rows``, as generate's capture step hands them over; encoded before the clock starts).
 
 The caller's thread is what bounds generate (a GPU worker stages each sample, then goes on with the
 next forward): ``add GB/s`` is raw bytes staged ÷ seconds spent inside ``add()``; ``end to end`` also
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import importlib.util
 import shutil
 import statistics
@@ -32,10 +38,12 @@ import pyarrow.compute as pc
 import torch
 
 from dflash_offline.cache import writer as current_writer
+from dflash_offline.cache.codecs import feature_storage, storage_dtype
 from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.fp8 import encode_rows
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.manifest import read_parts
-from dflash_offline.cache.rows import SampleToWrite
+from dflash_offline.cache.rows import Fp8Rows, SampleToWrite
 
 LAYERS = (1, 8, 14, 20, 27)
 WIDTH = 5 * 576
@@ -65,7 +73,7 @@ def fingerprint(codec: str) -> CacheFingerprint:
         num_target_layers=30,
         layer_ids=LAYERS,
         hidden_size=WIDTH // len(LAYERS),
-        storage_dtype="bfloat16",
+        storage_dtype=storage_dtype(codec),  # float8_e4m3fn for the fp8 codecs
         codec=codec,
         tokenizer_hash="bench",
         chat_template_hash="bench",
@@ -96,6 +104,19 @@ def samples(total_mb: int) -> list[SampleToWrite]:
             )
         )
         total += T * (WIDTH * 2 + 5)
+    return out
+
+
+def pre_encoded(batch: list[SampleToWrite], codec: str) -> list[SampleToWrite]:
+    """The same samples with their features as fp8 rows of ``codec``'s layout."""
+    layout = feature_storage(codec, num_layers=len(LAYERS), hidden_size=WIDTH // len(LAYERS)).fp8
+    if layout is None:
+        raise SystemExit(f"--pre-encoded needs an fp8 codec, not {codec!r}")
+    out = []
+    for sample in batch:
+        assert sample.features_TF is not None
+        rows = Fp8Rows(layout=layout, rows_TW=encode_rows(sample.features_TF, layout))
+        out.append(dataclasses.replace(sample, features_TF=None, fp8_rows=rows))
     return out
 
 
@@ -136,18 +157,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="the writers' pool (default theirs)")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument(
+        "--pre-encoded", action="store_true", help="bf16 features against pre-encoded fp8 rows (no baseline)"
+    )
     args = parser.parse_args()
+    if args.pre_encoded and args.codec == "none":
+        args.codec = "fp8"
     batch = samples(args.mb)
-    raw = sum(s.num_tokens * (WIDTH * 2 + 5) for s in batch)
-    variants = {f"baseline ({args.baseline})": baseline_writer(args.baseline), "this tree": current_writer}
+    tokens = sum(s.num_tokens for s in batch)
+    raw = tokens * (WIDTH * 2 + 5)
+    variants: dict[str, tuple[ModuleType, list[SampleToWrite]]]
+    if args.pre_encoded:
+        variants = {
+            "bf16, encode in add": (current_writer, batch),
+            "pre-encoded rows": (current_writer, pre_encoded(batch, args.codec)),
+        }
+    else:
+        variants = {
+            f"baseline ({args.baseline})": (baseline_writer(args.baseline), batch),
+            "this tree": (current_writer, batch),
+        }
     workdir = Path(tempfile.mkdtemp(prefix="dflash-writer-add-", dir=args.workdir))
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in variants}
     sums: dict[str, dict[str, int]] = {}
     try:
         for r in range(args.repeats):
-            for v, (name, module) in enumerate(variants.items()):  # alternated: load hits both alike
+            for v, (name, (module, inputs)) in enumerate(variants.items()):  # alternated: load hits both
                 root = workdir / f"{r}-{v}"
-                times[name].append(one_run(module, root, batch, args.codec, args.threads))
+                times[name].append(one_run(module, root, inputs, args.codec, args.threads))
                 sums.setdefault(name, checksums(root))
                 shutil.rmtree(root)
         first, *others = sums.values()
@@ -158,12 +195,13 @@ def main() -> None:
             f"median of {args.repeats}; per-sample checksums identical"
         )
         columns = ("add, caller CPU", "add, wall", "end to end")
-        print(f"GB/s of raw bytes: {', '.join(columns)}")
-        print(f"{'writer':>20s}" + "".join(f"{c:>17s}" for c in columns))
+        print(f"GB/s of raw bytes (bf16 features + ids + mask): {', '.join(columns)}; tokens/s of add, wall")
+        print(f"{'writer':>20s}" + "".join(f"{c:>17s}" for c in (*columns, "add, tokens/s")))
         medians = {}
         for name, runs in times.items():
             medians[name] = [statistics.median(raw / t[i] / 1e9 for t in runs) for i in range(3)]
-            print(f"{name:>20s}" + "".join(f"{m:17.2f}" for m in medians[name]))
+            rate = statistics.median(tokens / t[1] for t in runs)
+            print(f"{name:>20s}" + "".join(f"{m:17.2f}" for m in medians[name]) + f"{rate:17,.0f}")
         base, this = medians.values()
         print(f"{'ratio':>20s}" + "".join(f"{b / a:16.2f}×" for a, b in zip(base, this, strict=True)))
     finally:

@@ -1,7 +1,9 @@
 """Typed, frozen records for everything that crosses the cache boundary.
 
-Shape legend: T = tokens of one sample, F = features per token (num_layers * hidden_size).
-Features travel as bfloat16 tensors and are stored as their uint16 bit patterns (docs/facts.md#bf16-storage).
+Shape legend: T = tokens of one sample, F = features per token (num_layers * hidden_size),
+W = stored bytes per token of an fp8 row (``fp8.Fp8Layout.row_bytes``).
+Features travel as bfloat16 tensors and are stored as their uint16 bit patterns (docs/facts.md#bf16-storage),
+or, for the fp8 codecs, as fp8 rows: encoded by the writer, or already where the features were (``Fp8Rows``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_offline.cache.fp8 import Fp8Layout
 from dflash_offline.errors import SampleError
 
 # Reasons a sample can land in the failures table. Kept as plain strings in the manifest so that SQL
@@ -46,8 +49,33 @@ def utc_now() -> dt.datetime:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Fp8Rows:
+    """A sample's features already encoded as stored fp8 rows (``fp8.encode_rows``), so that the writer
+    stores them as they are: generate encodes on the device the features come from."""
+
+    layout: Fp8Layout
+    """The row layout they were encoded with; the writer refuses rows of another layout than its own."""
+    rows_TW: torch.Tensor
+    """uint8 [T, W] on the CPU, W = ``layout.row_bytes``."""
+
+    def check(self, where: str, num_tokens: int) -> None:
+        """Raise ``SampleError`` unless the rows are uint8 [num_tokens, W] on the CPU."""
+        rows = self.rows_TW
+        if rows.dtype != torch.uint8:
+            raise SampleError(f"{where}: fp8 rows must be uint8, got {rows.dtype}")
+        if tuple(rows.shape) != (num_tokens, self.layout.row_bytes):
+            raise SampleError(
+                f"{where}: fp8 rows have shape {tuple(rows.shape)}, expected [{num_tokens}, "
+                f"{self.layout.row_bytes}] ({num_tokens} tokens × the layout's row bytes)"
+            )
+        if rows.device.type != "cpu":
+            raise SampleError(f"{where}: fp8 rows must be on the CPU")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SampleToWrite:
-    """One captured sample handed to a ``ShardWriter``."""
+    """One captured sample handed to a ``ShardWriter``: its features either as bf16 values
+    (``features_TF``) or, for a cache of an fp8 codec, already encoded (``fp8_rows``); exactly one."""
 
     sample_id: str
     """Stable id derived from the data source and the record's content (same across runs and world sizes)."""
@@ -57,32 +85,38 @@ class SampleToWrite:
     """int32 [T]: token ids after templating (no padding)."""
     loss_mask_T: np.ndarray
     """uint8 [T]: 1 exactly on assistant-turn tokens."""
-    features_TF: torch.Tensor
-    """bfloat16 [T, F] on the CPU (any device for the fp8 codecs: encoded there): residual stream after
-    each captured layer, concatenated in ascending layer order."""
+    features_TF: torch.Tensor | None = None
+    """bfloat16 [T, F] on the CPU: residual stream after each captured layer, concatenated in ascending
+    layer order; None when ``fp8_rows`` holds them."""
+    fp8_rows: Fp8Rows | None = None
+    """The same features as stored fp8 rows (an fp8 cache only); None when ``features_TF`` holds them."""
     bucket_id: int
     """Index of the first bucket edge >= T."""
 
     def __post_init__(self) -> None:
         num_tokens = int(self.input_ids_T.shape[0]) if self.input_ids_T.ndim == 1 else -1
+        where = f"sample {self.sample_id!r}"
         if num_tokens <= 0:
-            raise SampleError(f"sample {self.sample_id!r}: input_ids must be a non-empty 1-D array")
+            raise SampleError(f"{where}: input_ids must be a non-empty 1-D array")
         if self.loss_mask_T.shape != (num_tokens,):
             raise SampleError(
-                f"sample {self.sample_id!r}: loss_mask has shape {tuple(self.loss_mask_T.shape)}, "
+                f"{where}: loss_mask has shape {tuple(self.loss_mask_T.shape)}, "
                 f"input_ids has {num_tokens} tokens"
             )
+        if (self.features_TF is None) == (self.fp8_rows is None):
+            raise SampleError(f"{where}: give either features_TF or fp8_rows, not both or neither")
+        if self.fp8_rows is not None:
+            self.fp8_rows.check(where, num_tokens)
+            return
+        assert self.features_TF is not None
         if self.features_TF.dtype != torch.bfloat16:
-            raise SampleError(
-                f"sample {self.sample_id!r}: features must be bfloat16, got {self.features_TF.dtype}"
-            )
+            raise SampleError(f"{where}: features must be bfloat16, got {self.features_TF.dtype}")
         if self.features_TF.ndim != 2 or self.features_TF.shape[0] != num_tokens:
             raise SampleError(
-                f"sample {self.sample_id!r}: features have shape {tuple(self.features_TF.shape)}, "
-                f"expected [{num_tokens}, F]"
+                f"{where}: features have shape {tuple(self.features_TF.shape)}, expected [{num_tokens}, F]"
             )
         if self.features_TF.device.type != "cpu":
-            raise SampleError(f"sample {self.sample_id!r}: features must be on the CPU")
+            raise SampleError(f"{where}: features must be on the CPU")
 
     @property
     def num_tokens(self) -> int:

@@ -47,7 +47,15 @@ from dflash_offline.cache.manifest import (
     records_to_table,
     write_part,
 )
-from dflash_offline.cache.rows import FailureRow, SampleRow, SampleToWrite, ShardInfo, WriterStats, utc_now
+from dflash_offline.cache.rows import (
+    FailureRow,
+    Fp8Rows,
+    SampleRow,
+    SampleToWrite,
+    ShardInfo,
+    WriterStats,
+    utc_now,
+)
 from dflash_offline.cache.shard_file import write_shard_file
 from dflash_offline.cache.staging import (
     ChecksumTask,
@@ -237,13 +245,17 @@ class ShardWriter:
         where = f"sample {sample.sample_id!r} (source_index {sample.source_index})"
         if not isinstance(sample.sample_id, str) or not sample.sample_id:
             raise SampleError(f"{where}: sample_id must be a non-empty string")
-        width = int(sample.features_TF.shape[1])
-        if width != self.feature_width:
-            raise SampleError(
-                f"{where}: features are {width} wide, the cache stores {self.feature_width} "
-                f"({len(self.fingerprint.layer_ids)} layers × hidden {self.fingerprint.hidden_size}); "
-                f"capture the layers in the fingerprint or write to another cache"
-            )
+        if sample.fp8_rows is not None:
+            self._validate_fp8_rows(sample.fp8_rows, where)
+        else:
+            assert sample.features_TF is not None  # SampleToWrite holds exactly one of the two
+            width = int(sample.features_TF.shape[1])
+            if width != self.feature_width:
+                raise SampleError(
+                    f"{where}: features are {width} wide, the cache stores {self.feature_width} "
+                    f"({len(self.fingerprint.layer_ids)} layers × hidden {self.fingerprint.hidden_size}); "
+                    f"capture the layers in the fingerprint or write to another cache"
+                )
         if sample.sample_id in self._known:
             raise SampleError(f"{where}: sample_id is already in the cache; skip committed ids when resuming")
         ids = np.asarray(sample.input_ids_T)
@@ -261,6 +273,25 @@ class ShardWriter:
                 f"{expected_bucket} of edges {list(self.fingerprint.bucket_edges)}"
             )
         return ids.astype(np.int32, copy=False), mask.astype(np.uint8, copy=False)
+
+    def _validate_fp8_rows(self, rows: Fp8Rows, where: str) -> None:
+        """Pre-encoded rows are stored as they are: only into an fp8 cache of exactly their layout (two
+        layouts can share a row width, e.g. 1 scale + 2 outliers against 9 scale groups a layer)."""
+        if self.storage.fp8 is None:
+            raise SampleError(
+                f"{where}: pre-encoded fp8 rows, but this cache's codec {self.fingerprint.codec!r} stores "
+                f"bf16 features; hand the features over as features_TF"
+            )
+        if rows.layout != self.storage.fp8:
+            raise SampleError(
+                f"{where}: fp8 rows encoded with {rows.layout}, this cache ({self.fingerprint.codec!r}) "
+                f"stores {self.storage.fp8}; encode with the cache's layout (codecs.feature_storage)"
+            )
+        shape, want = tuple(rows.rows_TW.shape), self.storage.row_bytes
+        if rows.rows_TW.dtype != torch.uint8 or len(shape) != 2 or shape[1] != want:
+            raise SampleError(
+                f"{where}: fp8 rows are {rows.rows_TW.dtype} {shape}, this cache stores uint8 [T, {want}]"
+            )
 
     def _reserve(self, rows: int) -> None:
         capacity = self._features_RF.shape[0]
@@ -287,13 +318,20 @@ class ShardWriter:
         self._reserve(offset + num_tokens)
         # Copy now: the caller may reuse its (pinned) buffer as soon as add() returns.
         features_TF = self._features_RF[offset : offset + num_tokens]
-        if self.storage.fp8 is not None:  # lossy: the stored (and checksummed) bytes are the fp8 rows
-            where = f"sample {sample.sample_id!r} (source_index {sample.source_index})"
-            # Encoded where the features are (a caller may hand over CUDA tensors: the GPU encodes).
-            encoded = encode_rows(sample.features_TF.detach(), self.storage.fp8, where=where)
-            features_TF[:] = encoded.cpu().numpy()
+        # The stored (and checksummed) bytes: bf16 bits, or for the lossy codecs the fp8 rows.
+        if sample.fp8_rows is not None:  # encoded where the features were (generate's capture step)
+            features_TF[:] = sample.fp8_rows.rows_TW.numpy()
         else:
-            features_TF[:] = sample.features_TF.detach().view(torch.uint16).numpy()
+            assert sample.features_TF is not None
+            if self.storage.fp8 is not None:
+                # Encoded here, on the caller's thread: ≈ 34k tokens/s a core for 5 × 576 features, which
+                # is why generate hands over rows encoded on its device (bench/RESULTS.md, "fp8 rows
+                # encoded where the features are").
+                where = f"sample {sample.sample_id!r} (source_index {sample.source_index})"
+                encoded = encode_rows(sample.features_TF.detach(), self.storage.fp8, where=where)
+                features_TF[:] = encoded.numpy()
+            else:
+                features_TF[:] = sample.features_TF.detach().view(torch.uint16).numpy()
         self._ids_R[offset : offset + num_tokens] = ids_T
         self._mask_R[offset : offset + num_tokens] = mask_T
         self._staged.append(

@@ -1,11 +1,16 @@
 """One capture step: pad a job, run the truncated target, strip padding on the device, copy to host.
 
 Shape legend: B = samples in the job, S = padded length, F = features per token,
-N = real (unpadded) tokens of the job.
+N = real (unpadded) tokens of the job, W = elements of one host row (F bf16 values, or the fp8 row bytes).
 
 The device never waits for the host: padding is stripped with an index computed on the host (no
 boolean-mask sync), the non-finite check is a device reduction, and the features go to a pinned
 host buffer with a non-blocking copy whose completion is an event the writer thread waits on.
+
+For the fp8 codecs the rows are encoded here, on the device the features are on, before the copy:
+encoding on the CPU in ``ShardWriter.add`` ran on the writer's serial path and halved generate's rate
+on an H200 (bench/RESULTS.md, "fp8 rows encoded where the features are"), and the copy carries the
+row bytes W (≈ 0.5 × the bf16 features) instead. CPU workers take the same path.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash_offline.cache.fp8 import Fp8Layout, encode_rows
 from dflash_offline.generate.plan import CaptureJob
 
 
@@ -47,10 +53,14 @@ class CapturedBatch:
     """A job's features on the host, handed from the forward loop to the writer thread."""
 
     job: CaptureJob
-    features_NF: torch.Tensor
-    """bfloat16 [N, F] host view (pinned on CUDA); sample i is rows offsets[i]:offsets[i+1]."""
+    rows_NW: torch.Tensor
+    """Host view (pinned on CUDA) of the features; sample i is rows offsets[i]:offsets[i+1]. bfloat16
+    [N, F] when ``fp8`` is None, else uint8 [N, fp8.row_bytes]: the stored fp8 rows (``fp8.py``), with
+    the rows of non-finite samples meaningless (those are counted in ``nonfinite_B``, never stored)."""
+    fp8: Fp8Layout | None
+    """The layout ``rows_NW`` is encoded with, or None for bf16 features."""
     offsets: tuple[int, ...]
-    """B + 1 token offsets into ``features_NF``."""
+    """B + 1 token offsets into ``rows_NW``."""
     nonfinite_B: torch.Tensor
     """int32 [B] host: count of tokens with a NaN/Inf feature per sample."""
     ready: torch.cuda.Event | None
@@ -106,8 +116,10 @@ def capture_job(
     device: torch.device,
     pool: PinnedBufferPool,
     pad_id: int,
+    fp8: Fp8Layout | None,
 ) -> CapturedBatch:
-    """Run the target on one job and start the copy of its unpadded features to the host."""
+    """Run the target on one job and start the copy of its unpadded features (encoded as ``fp8`` rows
+    on the device when given: the cache's layout, ``FeatureStorage.fp8``) to the host."""
     padded = pad_job(job, pad_id=pad_id)
     on_cuda = device.type == "cuda"
     ids_BS = padded.input_ids_BS.to(device, non_blocking=on_cuda)
@@ -123,10 +135,21 @@ def capture_job(
         bad_N = (~torch.isfinite(features_NF)).any(dim=1).to(torch.int32)
         nonfinite_B = torch.zeros(len(job.samples), dtype=torch.int32, device=device)
         nonfinite_B.index_add_(0, sample_of_N, bad_N)
-    num_tokens = features_NF.shape[0]
-    buffer = pool.acquire(num_tokens * num_features)
-    host_NF = buffer[: num_tokens * num_features].view(num_tokens, num_features)
-    host_NF.copy_(features_NF, non_blocking=on_cuda)
+        if fp8 is None:
+            rows_NW = features_NF
+        else:
+            # encode_rows' own finiteness check would wait for the device: zero the non-finite values
+            # instead. Their samples are counted in nonfinite_B, recorded as failures by the writer
+            # thread and never stored; rows are encoded token by token, so no other sample's rows change.
+            finite_NF = torch.nan_to_num(features_NF, nan=0.0, posinf=0.0, neginf=0.0)
+            rows_NW = encode_rows(finite_NF, fp8, check_finite=False)
+    num_tokens, row_elements = rows_NW.shape
+    # The pool's buffers are bf16; encoded rows use one as bytes (W bytes a row: half an element each).
+    row_bytes = row_elements * rows_NW.element_size()
+    buffer = pool.acquire(-(-num_tokens * row_bytes // 2))
+    host = buffer if fp8 is None else buffer.view(torch.uint8)
+    host_NW = host[: num_tokens * row_elements].view(num_tokens, row_elements)
+    host_NW.copy_(rows_NW, non_blocking=on_cuda)
     nonfinite_host_B = torch.empty(len(job.samples), dtype=torch.int32, pin_memory=on_cuda)
     nonfinite_host_B.copy_(nonfinite_B, non_blocking=on_cuda)
     ready: torch.cuda.Event | None = None
@@ -135,7 +158,8 @@ def capture_job(
         ready.record()
     return CapturedBatch(
         job=job,
-        features_NF=host_NF,
+        rows_NW=host_NW,
+        fp8=fp8,
         offsets=padded.offsets,
         nonfinite_B=nonfinite_host_B,
         ready=ready,

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from dflash_offline.cache.codecs import feature_storage
 from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.fp8 import Fp8Layout
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.generate.capture_step import PinnedBufferPool, capture_job
 from dflash_offline.generate.channel import JobChannel
@@ -65,10 +67,16 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
     device = bind_device(spec)
     start = time.perf_counter()
     capture = build_capture(task, device)
+    # What the host rows hold: bf16 features, or fp8 rows encoded on this device (capture_step.py).
+    storage = feature_storage(
+        task.fingerprint.codec,
+        num_layers=len(task.fingerprint.layer_ids),
+        hidden_size=task.fingerprint.hidden_size,
+    )
     # Pinned allocations take seconds at these sizes: part of start-up, before the worker says ready.
     pool = PinnedBufferPool(
         num_buffers=task.writer_queue_depth + 2,  # queued + one being written + one being filled
-        elements=task.tokens_per_batch * task.fingerprint.feature_width,
+        elements=-(-task.tokens_per_batch * storage.row_bytes // 2),  # bf16 elements
         pin=device.type == "cuda",
     )
     events.put(
@@ -87,7 +95,14 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
         )
         try:
             loop = _capture_jobs(
-                spec, channel, stop, capture=capture, device=device, pool=pool, writer_thread=writer_thread
+                spec,
+                channel,
+                stop,
+                capture=capture,
+                device=device,
+                pool=pool,
+                fp8=storage.fp8,
+                writer_thread=writer_thread,
             )
         finally:
             writer_thread.close()
@@ -152,6 +167,7 @@ def _capture_jobs(
     capture: Any,
     device: torch.device,
     pool: PinnedBufferPool,
+    fp8: Fp8Layout | None,
     writer_thread: WriterThread,
 ) -> _CaptureLoop:
     """Pull jobs until the end marker (or a stop request), capture each and hand it to the writer."""
@@ -167,7 +183,7 @@ def _capture_jobs(
             break
         assert not isinstance(job, bool)
         forward_start = time.perf_counter()
-        batch = capture_job(capture, job, device=device, pool=pool, pad_id=spec.task.pad_id)
+        batch = capture_job(capture, job, device=device, pool=pool, pad_id=spec.task.pad_id, fp8=fp8)
         forward_seconds += time.perf_counter() - forward_start
         writer_thread.submit(batch)
         jobs += 1

@@ -1,4 +1,4 @@
-"""The writer thread of a target worker: waits for a batch's copy, then encodes and appends it.
+"""The writer thread of a target worker: waits for a batch's copy, then appends its samples.
 
 The forward loop and the writer meet at a bounded queue: when encoding or disk is slower than the
 target, ``submit`` blocks (back-pressure) instead of letting host memory grow. An exception in the
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_offline.cache.rows import SampleToWrite
+from dflash_offline.cache.rows import Fp8Rows, SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.errors import WorkerError
 from dflash_offline.generate.capture_step import CapturedBatch
@@ -120,14 +120,15 @@ class WriterThread:
                     )
                     failures += 1
                     continue
-                start, stop = batch.offsets[i], batch.offsets[i + 1]
+                rows_TW = batch.rows_NW[batch.offsets[i] : batch.offsets[i + 1]]
                 self._writer.add(
                     SampleToWrite(
                         sample_id=sample.sample_id,
                         source_index=sample.source_index,
                         input_ids_T=sample.input_ids_T,
                         loss_mask_T=sample.loss_mask_T,
-                        features_TF=batch.features_NF[start:stop],
+                        features_TF=rows_TW if batch.fp8 is None else None,
+                        fp8_rows=None if batch.fp8 is None else Fp8Rows(layout=batch.fp8, rows_TW=rows_TW),
                         bucket_id=bucket_of(sample.num_tokens, self._bucket_edges),
                     )
                 )

@@ -49,17 +49,19 @@ def bf16_to_f64(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def ref_encode(x_TF: np.ndarray, group: int, k: int) -> np.ndarray:
+def ref_encode(
+    x_TF: np.ndarray, group: int, k: int, *, layers: int = LAYERS, hidden: int = HIDDEN
+) -> np.ndarray:
     """uint8 [T, W] rows of float64 (bf16-valued) features, as cache/fp8.py documents them."""
     T = x_TF.shape[0]
-    x = x_TF.reshape(T, LAYERS, HIDDEN).copy()
-    G = HIDDEN // group
-    codes = np.zeros((T, LAYERS, HIDDEN), np.uint8)
-    exps = np.zeros((T, LAYERS, G), np.int8)
-    idx = np.zeros((T, LAYERS, k), np.uint16)
-    vals = np.zeros((T, LAYERS, k), np.float64)
+    x = x_TF.reshape(T, layers, hidden).copy()
+    G = hidden // group
+    codes = np.zeros((T, layers, hidden), np.uint8)
+    exps = np.zeros((T, layers, G), np.int8)
+    idx = np.zeros((T, layers, k), np.uint16)
+    vals = np.zeros((T, layers, k), np.float64)
     for t in range(T):
-        for layer in range(LAYERS):
+        for layer in range(layers):
             row = x[t, layer]
             top = np.sort(np.argsort(-np.abs(row), kind="stable")[:k])
             idx[t, layer], vals[t, layer] = top, row[top]

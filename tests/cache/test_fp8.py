@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from dflash_offline.cache.codecs import feature_storage
 from dflash_offline.cache.fp8 import Fp8Layout, decode_rows, encode_rows
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.cache.rows import SampleToWrite
+from dflash_offline.cache.rows import Fp8Rows, SampleToWrite
 from dflash_offline.cache.shard_file import ShardFile
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cache.writer import ShardWriter
@@ -115,6 +116,22 @@ def test_outliers_rescue_the_other_dims():
         diff = (as_f64(out) - as_f64(x))[:, keep]
         errors[k] = np.linalg.norm(diff) / np.linalg.norm(as_f64(x)[:, keep])
     assert errors[K] < 0.05 < errors[0], errors
+
+
+@pytest.mark.parametrize(("group", "k"), [(HIDDEN, K), (4, 2), (HIDDEN, 1)])
+def test_top_k_ties_go_to_the_lower_dim(group, k):
+    """bf16 features tie often; the K kept exactly must be one set whatever ``torch.topk`` does with
+    ties (on the CPU it picks neither the lower nor the higher dim), so that every device stores the
+    same bytes: the reference keeps the lower dims of equal |x|."""
+    layout = Fp8Layout(num_layers=LAYERS, hidden_size=HIDDEN, group_dims=group, num_outliers=k)
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(300, LAYERS, HIDDEN))
+    for t in range(300):  # 2 to 6 dims of each (token, layer) share the largest |x|, signs mixed
+        for layer in range(LAYERS):
+            dims = rng.permutation(HIDDEN)[: rng.integers(2, 7)]
+            x[t, layer, dims] = rng.choice([-1.0, 1.0], size=len(dims)) * 9.5
+    x_TF = torch.from_numpy(x.reshape(300, -1).astype(np.float32)).to(torch.bfloat16)
+    np.testing.assert_array_equal(encode_rows(x_TF, layout).numpy(), ref_encode(as_f64(x_TF), group, k))
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
@@ -218,6 +235,117 @@ def test_writer_refuses_non_finite_and_goes_on(tmp_path):
     with CacheReader.open(tmp_path, check_checksums=True) as reader:
         assert sorted(reader.samples.sample_id.tolist()) == [good.sample_id, after.sample_id]
         reader.read([good.sample_id, after.sample_id])
+
+
+def pre_encoded(sample: SampleToWrite, layout: Fp8Layout) -> SampleToWrite:
+    """The same sample with its features handed over as rows encoded with ``layout``."""
+    assert sample.features_TF is not None
+    rows = Fp8Rows(layout=layout, rows_TW=encode_rows(sample.features_TF, layout))
+    return replace(sample, features_TF=None, fp8_rows=rows)
+
+
+def stored_rows_and_checksums(root) -> dict[str, tuple[np.ndarray, int]]:
+    """sample_id -> (its stored uint8 [T, W] rows, its manifest checksum)."""
+    with CacheReader.open(root, check_checksums=True) as reader:
+        t = reader.samples
+        ids = sorted(t.sample_id.tolist())
+        rows = reader.positions(ids)
+        width = feature_storage(reader.fingerprint.codec, num_layers=LAYERS, hidden_size=HIDDEN).width
+        out = np.empty((int(t.num_tokens[rows].sum()), width), np.uint8)
+        read = reader.read_rows(rows, stored_out=out)
+        checksums = dict(zip(t.sample_id.tolist(), t.checksum.tolist(), strict=True))
+    return {s.sample_id: (s.stored_TW.numpy().copy(), int(checksums[s.sample_id])) for s in read}
+
+
+@pytest.mark.parametrize("codec", ["fp8", "fp8-zstd-1"])
+def test_pre_encoded_rows_are_stored_as_the_writer_encodes_features(tmp_path, codec):
+    """What generate hands over (rows encoded where the features were) lands as the same bytes, with
+    the same checksums, as the features encoded by the writer; and as the independent reference."""
+    fingerprint = fp8_fingerprint(codec)
+    layout = feature_storage(codec, num_layers=LAYERS, hidden_size=HIDDEN).fp8
+    assert layout is not None
+    samples = fp8_samples(fingerprint, range(40))
+    for name, batch in (("bf16", samples), ("rows", [pre_encoded(s, layout) for s in samples])):
+        with ShardWriter(tmp_path / name, fingerprint, worker=0, flush_seconds=1e9, **TINY) as writer:
+            for sample in batch:
+                writer.add(sample)
+    from_bf16 = stored_rows_and_checksums(tmp_path / "bf16")
+    from_rows = stored_rows_and_checksums(tmp_path / "rows")
+    assert sorted(from_rows) == sorted(s.sample_id for s in samples)
+    for sample in samples:
+        rows, checksum = from_rows[sample.sample_id]
+        np.testing.assert_array_equal(rows, from_bf16[sample.sample_id][0])
+        np.testing.assert_array_equal(rows, ref_encode(as_f64(sample.features_TF), HIDDEN, CODEC_K))
+        assert checksum == from_bf16[sample.sample_id][1]
+
+
+def test_a_sample_holds_either_features_or_rows(tmp_path):
+    fingerprint = fp8_fingerprint()
+    layout = feature_storage("fp8", num_layers=LAYERS, hidden_size=HIDDEN).fp8
+    assert layout is not None
+    sample = fp8_samples(fingerprint, [0])[0]
+    rows = pre_encoded(sample, layout).fp8_rows
+    with pytest.raises(SampleError, match="either features_TF or fp8_rows"):
+        replace(sample, fp8_rows=rows)
+    with pytest.raises(SampleError, match="either features_TF or fp8_rows"):
+        replace(sample, features_TF=None)
+    assert rows is not None
+    for bad, match in (
+        (rows.rows_TW[:, :-1], r"fp8 rows have shape .*expected \[\d+, 50\]"),
+        (rows.rows_TW[:-1], r"fp8 rows have shape"),
+        (rows.rows_TW.view(torch.int8), "fp8 rows must be uint8"),
+    ):
+        with pytest.raises(SampleError, match=match):
+            replace(sample, features_TF=None, fp8_rows=Fp8Rows(layout=layout, rows_TW=bad))
+
+
+def test_writer_refuses_rows_of_another_layout_or_into_a_bf16_cache(tmp_path):
+    fingerprint = fp8_fingerprint()
+    layout = feature_storage("fp8", num_layers=LAYERS, hidden_size=HIDDEN).fp8
+    assert layout is not None
+    assert layout.row_bytes == 50
+    good, narrow, same_width, after = fp8_samples(fingerprint, range(4))
+    # 34 bytes a row (no outliers); and 50 bytes a row like the cache's, laid out otherwise (one layer
+    # of 32 dims, two scales, four outliers): stored as they are, both would decode to wrong features.
+    no_outliers = Fp8Layout(num_layers=LAYERS, hidden_size=HIDDEN, group_dims=HIDDEN, num_outliers=0)
+    other = Fp8Layout(num_layers=1, hidden_size=2 * HIDDEN, group_dims=HIDDEN, num_outliers=4)
+    assert no_outliers.row_bytes == 34
+    assert other.row_bytes == layout.row_bytes
+    with ShardWriter(tmp_path / "fp8", fingerprint, worker=0, **TINY) as writer:
+        writer.add(pre_encoded(good, layout))
+        for sample, bad_layout in ((narrow, no_outliers), (same_width, other)):
+            with pytest.raises(SampleError, match=r"fp8 rows encoded with Fp8Layout\(.*this cache \('fp8'\)"):
+                writer.add(pre_encoded(sample, bad_layout))
+        writer.add(after)
+    assert sorted(stored_rows_and_checksums(tmp_path / "fp8")) == [good.sample_id, after.sample_id]
+    bf16 = make_fingerprint(codec="blosc-zstd-1-shuffle", hidden_size=HIDDEN, layer_ids=(1, 2))
+    with ShardWriter(tmp_path / "bf16", bf16, worker=0, **TINY) as writer:
+        with pytest.raises(SampleError, match="pre-encoded fp8 rows, but this cache's codec"):
+            writer.add(pre_encoded(good, layout))
+        writer.add(after)
+    with CacheReader.open(tmp_path / "bf16", check_checksums=True) as reader:
+        assert reader.samples.sample_id.tolist() == [after.sample_id]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("group", "k"), [(576, CODEC_K), (576, 0), (64, 4)])
+def test_gpu_encode_equals_cpu_encode_bit_for_bit(group, k):
+    """Generate encodes on its device (capture_step.py): the rows must not depend on which one. Random
+    bf16 features of SmolLM2's shape tie often among the K largest |x|; massive activations and planted
+    exact ties besides, and the unchecked path generate takes."""
+    layout = Fp8Layout(num_layers=5, hidden_size=576, group_dims=group, num_outliers=k)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 2880, generator=gen) * torch.logspace(-3, 2, 2880)
+    x[:, [17, 600, 1400]] = 24_000.0
+    x[::3, [40, 41, 900, 2000]] = -24_000.0
+    x[:7] = 0.0
+    x_TF = x.to(torch.bfloat16)
+    on_cpu = encode_rows(x_TF, layout)
+    on_gpu = encode_rows(x_TF.cuda(), layout).cpu()
+    unchecked = encode_rows(x_TF.cuda(), layout, check_finite=False).cpu()
+    assert torch.equal(on_cpu, on_gpu)
+    assert torch.equal(on_cpu, unchecked)
 
 
 def test_verify_detects_a_flipped_byte(tmp_path):

@@ -4,6 +4,8 @@ reaches into the worker process without any hook in production code."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
 from pathlib import Path
@@ -61,6 +63,47 @@ def run_worker_after_all_ready(
                 time.sleep(0.05)
             waited = True
         return real(*args, **kwargs)
+
+    _wrap_capture(capture_job)
+    worker.run_worker(spec, events, stop, channel)
+
+
+NONFINITE_ENV = "DFLASH_TEST_NONFINITE_DIR"
+"""Read by ``run_worker_with_nonfinite_features`` (set by the test, inherited by spawned workers)."""
+
+
+def run_worker_with_nonfinite_features(
+    spec: WorkerSpec[worker.CaptureTask], events: Any, stop: Any, channel: JobChannel
+) -> None:
+    """``worker.run_worker`` whose target, on the first job of at least 3 samples of different lengths
+    (sorted by length: the first one is padded), puts NaNs in the first sample's padding (not its
+    features: it must be stored), a NaN in the second sample's first token and an Inf in the last
+    sample's last token. The sample ids go to ``$DFLASH_TEST_NONFINITE_DIR/w<worker>.json``:
+    ``{"nonfinite": [second, last], "padding": first}``."""
+    out = Path(os.environ[NONFINITE_ENV])
+    done = False
+
+    def capture_job(real: Any, capture: Any, job: Any, **kwargs: Any) -> Any:
+        nonlocal done
+        lengths = [s.num_tokens for s in job.samples]
+        if done or len(lengths) < 3 or lengths[0] == job.padded_length:
+            return real(capture, job, **kwargs)
+        done = True
+        last = len(lengths) - 1
+
+        def poisoned(ids_BS: Any, mask_BS: Any) -> Any:
+            features_BSF = capture(ids_BS, mask_BS).clone()
+            features_BSF[0, lengths[0] :] = math.nan
+            features_BSF[1, 0, 0] = math.nan
+            features_BSF[last, lengths[last] - 1, -1] = math.inf
+            return features_BSF
+
+        ids = {
+            "nonfinite": [job.samples[1].sample_id, job.samples[last].sample_id],
+            "padding": job.samples[0].sample_id,
+        }
+        (out / f"w{spec.worker}.json").write_text(json.dumps(ids))
+        return real(poisoned, job, **kwargs)
 
     _wrap_capture(capture_job)
     worker.run_worker(spec, events, stop, channel)
