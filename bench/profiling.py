@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,26 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 COMPILED = ("CompiledFunction", "CompiledFunctionBackward")
+SECONDS: dict[str, float] = {}
+"""Wall seconds of the calls wrapped by ``timed``, by name."""
+CALLS: dict[str, int] = {}
+"""How many calls ``timed`` counted, by name."""
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` adding its wall time and calls under ``name`` to ``SECONDS`` and ``CALLS`` (nested names
+    overlap: each is a total)."""
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            SECONDS[name] = SECONDS.get(name, 0.0) + time.perf_counter() - start
+            CALLS[name] = CALLS.get(name, 0) + 1
+
+    return wrapper
 
 
 def summarize(prof: Any, active: int, wall_s: list[float]) -> dict[str, Any]:

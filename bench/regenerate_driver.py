@@ -30,7 +30,7 @@ import pstats
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.profiling import CALLS, SECONDS, timed  # noqa: E402
 from bench.stage_prompts import answers_replaced  # noqa: E402
 from dflash_offline.data.conversations import Conversation, SourceFailure  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
@@ -50,8 +51,6 @@ from dflash_offline.target_model.loader import load_tokenizer  # noqa: E402
 
 VARIANTS = ("whole", "continued")
 SOURCE = "sharegpt-prompts"
-SECONDS: dict[str, float] = {}
-CALLS: dict[str, int] = {}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,20 +132,6 @@ class RecordedEngine:
 
     def stats(self) -> None:
         return None
-
-
-def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` adding its wall time and calls under ``name``."""
-
-    def wrapper(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            SECONDS[name] = SECONDS.get(name, 0.0) + time.perf_counter() - start
-            CALLS[name] = CALLS.get(name, 0) + 1
-
-    return wrapper
 
 
 def time_the_driver() -> None:

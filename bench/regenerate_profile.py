@@ -30,36 +30,17 @@ import atexit
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import profiling  # noqa: E402
+from bench.profiling import CALLS, SECONDS, timed  # noqa: E402
 from dflash_offline.decode.engine import DecodeEngine  # noqa: E402
 from dflash_offline.regenerate import driver as driver_module  # noqa: E402
 from dflash_offline.regenerate.prompt_ids import PromptEncoder  # noqa: E402
 from dflash_offline.regenerate.slot_engine import SlotEngine  # noqa: E402
-
-SECONDS: dict[str, float] = {}
-CALLS: dict[str, int] = {}
-
-
-def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` adding its wall time and calls under ``name`` (nested names overlap: each is a total)."""
-
-    def wrapper(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            SECONDS[name] = SECONDS.get(name, 0.0) + time.perf_counter() - start
-            CALLS[name] = CALLS.get(name, 0) + 1
-
-    return wrapper
 
 
 def time_the_driver() -> None:
