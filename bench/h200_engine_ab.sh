@@ -32,7 +32,9 @@
 #   quality  bench/h200_quality_run.sh with the fp8 cache beside the default at equal steps, on the first
 #            6,000 chat conversations and the 6,000 code answers (at least 1,200 s: ≈ 1,000 steps each).
 #            Q_* variables change it: Q_CHAT (chat conversations staged, 6000), Q_CODE2=1 (the second code
-#            file, bench/answers/code-answers-2.jsonl.gz, trained on too), Q_CODECS, Q_VARIANTS,
+#            file, bench/answers/code-answers-2.jsonl.gz, trained on too), Q_CODECS (auto: fp8 if the codecs
+#            stage measured it at >= 0.9x the default codec, else the default codec with Q_CHAT_DEFAULT
+#            conversations, 9000, and "@fp8" dropped from the variants), Q_VARIANTS,
 #            Q_EVAL_VARIANTS, Q_STEPS_PER_S, Q_VAL_EVERY, Q_REGEN_S (0: the staged answers as they are),
 #            Q_GEN_S, Q_EVAL_S, Q_MIN_S (the seconds it needs, 1200), Q_INIT_PARTS (a folder of an earlier
 #            drafter's parts, joined into /tmp/init/run-all for --init-from). The drafter of variant Q_KEEP
@@ -122,6 +124,9 @@ if fits codecs $(( 2 * ${CODEC_S:-75} + 30 )); then
       --data /tmp/codecs-data.jsonl --max-len 2048 --too-long truncate --gpus 0 --no-progress "${flags[@]}" \
       > $R/codec-$codec.log 2>&1
     echo "$codec: $(grep -E 'committed|writer busy' $R/codec-$codec.log | tr -s ' ' | tr '\n' ' ')"
+    # The run's committed tok/s (its summary line), for Q_CODECS=auto.
+    sed -nE 's/.*committed [0-9]+ samples, [0-9]+ tokens \(([0-9,]+) tok\/s\).*/\1/p' $R/codec-$codec.log \
+      | tr -d , | tail -1 > $R/codec-$codec.rate
     rm -rf /tmp/codec-$codec
   done
   rm -f /tmp/codecs-data.jsonl
@@ -148,6 +153,18 @@ fi
 if fits quality "${Q_MIN_S:-1200}"; then
   budget=$(( $(left) - 60 ))
   chat=${Q_CHAT:-6000} regen=${Q_REGEN_S:-60} gen=${Q_GEN_S:-200} ev=${Q_EVAL_S:-200}
+  codecs=${Q_CODECS:-default,fp8} pair='{"bf16": "", "fp8": "@fp8"}' variants=${Q_VARIANTS:-$pair}
+  if [ "$codecs" = auto ]; then
+    # fp8 when the codecs stage measured it at ≥ 0.9× the default codec's rate; else the default codec, its
+    # variants' "@fp8" dropped and Q_CHAT_DEFAULT conversations (what fits the disk at 0.70 of raw).
+    fp8_rate=$(cat $R/codec-fp8.rate 2>/dev/null); default_rate=$(cat $R/codec-default.rate 2>/dev/null)
+    if [ -n "$fp8_rate" ] && [ -n "$default_rate" ] && [ $(( fp8_rate * 10 )) -ge $(( default_rate * 9 )) ]; then
+      codecs=fp8
+    else
+      codecs=default chat=${Q_CHAT_DEFAULT:-9000} variants=${variants//@fp8/}
+    fi
+    echo "codec: $codecs (generate's tok/s: fp8 ${fp8_rate:-?}, default ${default_rate:-?})"
+  fi
   # Without pipefail here: head's early exit ends gunzip with SIGPIPE, which is how this subset is cut.
   (set +o pipefail; gunzip -c /tmp/stage/answers-00.jsonl.gz | head -n "$chat" | gzip -1 > /tmp/stage/a) \
     && mv /tmp/stage/a /tmp/stage/answers-00.jsonl.gz
@@ -157,11 +174,9 @@ if fits quality "${Q_MIN_S:-1200}"; then
   # --init-from /tmp/init/run-all/drafter.
   [ -n "${Q_INIT_PARTS:-}" ] && bash bench/drafter_parts.sh join "$Q_INIT_PARTS" /tmp/init/run-all
   train=$(( budget - regen - gen - ev - 90 ))
-  pair='{"bf16": "", "fp8": "@fp8"}'
-  variants=${Q_VARIANTS:-$pair}
   echo "quality run: BUDGET_S=$budget TRAIN_S=$train chat $chat code2 ${Q_CODE2:-0} variants $variants"
   BUDGET_S=$budget REGEN_S=$regen REGEN_LIMIT=$chat GEN_S=$gen TRAIN_S=$train EVAL_S=$ev \
-    VAL_EVERY=${Q_VAL_EVERY:-200} STEPS_PER_S=${Q_STEPS_PER_S:-4.5} CODECS=${Q_CODECS:-default,fp8} \
+    VAL_EVERY=${Q_VAL_EVERY:-200} STEPS_PER_S=${Q_STEPS_PER_S:-4.5} CODECS=$codecs \
     VARIANTS=$variants EVAL_VARIANTS=${Q_EVAL_VARIANTS:-all} bash bench/h200_quality_run.sh
   keep=${Q_KEEP:-$(python3 -c "import json, sys; print(next(iter(json.loads(sys.argv[1]))))" "$variants")}
   [ -f /tmp/q/run-"$keep"/drafter/config.json ] && bash bench/drafter_parts.sh split /tmp/q/run-"$keep" $R/drafter
