@@ -476,15 +476,16 @@ def jsonl_lines(path: Path) -> Iterator[bytes]:
 
 
 def concatenate_answers(parts: list[Path], out: Path) -> int:
-    """Writes the chat JSONL files (plain or gzipped) one after the other into ``out``; returns the number
-    of lines taken from all but the first."""
-    extra = 0
+    """Writes the lines of the chat JSONL files (plain or gzipped) into ``out`` interleaved, each file's in
+    its own order, so that every prefix holds the files in proportion to their sizes: generate stopped at
+    its deadline then keeps some of each (one after the other, the tenth session's cache lost the code
+    answers that came last). Returns the number of lines taken from all but the first."""
+    lines = [list(jsonl_lines(part)) for part in parts]
+    # Line j of a file of n lines sits at (j + 0.5) / n of the way through it; merged by that position.
+    order = sorted(((j + 0.5) / len(part), i, j) for i, part in enumerate(lines) for j in range(len(part)))
     with open(out, "wb") as dst:
-        for i, part in enumerate(parts):
-            for line in jsonl_lines(part):
-                dst.write(line)
-                extra += i > 0
-    return extra
+        dst.writelines(lines[i][j] for _, i, j in order)
+    return sum(len(part) for part in lines[1:])
 
 
 def combine_prompts(data: Path, skip: int, limit: int, code: Path, code_limit: int, out: Path) -> int:

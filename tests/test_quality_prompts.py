@@ -57,6 +57,23 @@ def test_chat_records_keep_their_sample_ids_in_the_combined_prompt_file(tmp_path
     assert len([c for c in iter_records(combined) if isinstance(c, Conversation)]) == 2 + 5
 
 
+def test_the_training_data_interleaves_its_files_in_proportion(tmp_path: Path) -> None:
+    """Answers of this run and earlier ones (``--extra-answers``) are cached in one generate, which a deadline
+    may stop: every prefix of the file it reads holds each part in proportion, each part in its order."""
+    quality = _bench_module("h200_quality")
+    chat = write_chat_jsonl(tmp_path / "chat.jsonl", 30, turns=2)
+    code = _write_code(tmp_path / "code.jsonl.gz", 10)
+    out = tmp_path / "train-data.jsonl"
+    assert quality.concatenate_answers([chat, code], out) == 10
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    chat_ids = [c.record_id for c in iter_records(chat) if isinstance(c, Conversation)]
+    assert sorted(ids) == sorted(chat_ids + [f"code-m.f{i}" for i in range(10)])  # each line once
+    assert [i for i in ids if i.startswith("code-")] == [f"code-m.f{i}" for i in range(10)]
+    assert [i for i in ids if not i.startswith("code-")] == chat_ids
+    for n in (4, 8, 20, 40):  # a quarter of every prefix is code, give or take one line
+        assert abs(sum(i.startswith("code-") for i in ids[:n]) - n / 4) <= 1, (n, ids[:n])
+
+
 def test_code_problems_are_signatures_and_docstrings_of_public_functions(tmp_path: Path) -> None:
     stage = _bench_module("stage_prompts")
     package = tmp_path / "pkg"
