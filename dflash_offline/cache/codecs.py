@@ -28,6 +28,7 @@ import numpy as np
 from dflash_offline.errors import CacheFormatError
 
 if TYPE_CHECKING:
+    from dflash_offline.cache.fingerprint import CacheFingerprint
     from dflash_offline.cache.fp8 import Fp8Layout
 
 MIB = 1 << 20
@@ -204,6 +205,13 @@ def feature_storage(codec: str, *, num_layers: int, hidden_size: int) -> Feature
         width=layout.row_bytes,
         attributes={"dtype": "float8_e4m3fn", "codec": codec, "fp8": layout.to_attributes()},
         fp8=layout,
+    )
+
+
+def storage_of(fingerprint: CacheFingerprint) -> FeatureStorage:
+    """The stored row format of a cache: its codec over its captured layers' features."""
+    return feature_storage(
+        fingerprint.codec, num_layers=len(fingerprint.layer_ids), hidden_size=fingerprint.hidden_size
     )
 
 

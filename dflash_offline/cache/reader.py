@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import torch
 
 from dflash_offline.cache.checksum import sample_checksum
-from dflash_offline.cache.codecs import FeatureStorage, feature_storage
+from dflash_offline.cache.codecs import FeatureStorage, storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.fp8 import decode_rows
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
@@ -182,11 +182,7 @@ class CacheReader:
         self.fingerprint: CacheFingerprint = read_fingerprint(root)
         self._legacy_names = read_format_version(root) == 1
         self._skip_parts = skip_parts
-        self.storage: FeatureStorage = feature_storage(
-            self.fingerprint.codec,
-            num_layers=len(self.fingerprint.layer_ids),
-            hidden_size=self.fingerprint.hidden_size,
-        )
+        self.storage: FeatureStorage = storage_of(self.fingerprint)
         self.num_threads = max(1, int(num_threads))
         self.check_checksums = check_checksums
         self.on_damaged = on_damaged

@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.cache.codecs import feature_storage
+from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import write_atomic
 from dflash_offline.cache.rows import ShardInfo
@@ -54,9 +54,7 @@ class MetadataDamage:
 @lru_cache(maxsize=32)
 def _template(fingerprint: CacheFingerprint, chunk_rows: int, shard_rows: int) -> dict[str, str]:
     """key -> the JSON text zarr-python writes for a new group of this layout (attributes empty)."""
-    storage = feature_storage(
-        fingerprint.codec, num_layers=len(fingerprint.layer_ids), hidden_size=fingerprint.hidden_size
-    )
+    storage = storage_of(fingerprint)
     with tempfile.TemporaryDirectory(prefix="dflash-meta-") as tmp:
         group = Path(tmp) / "g.zarr"
         create_shard_group(

@@ -35,7 +35,7 @@ from types import TracebackType
 import numpy as np
 import torch
 
-from dflash_offline.cache.codecs import feature_storage, raw_token_bytes
+from dflash_offline.cache.codecs import raw_token_bytes, storage_of
 from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.fp8 import encode_rows
@@ -131,9 +131,7 @@ class ShardWriter:
         self.flush_seconds = flush_seconds
         self.flush_bytes = int(flush_bytes)
         self.feature_width = fingerprint.feature_width
-        self.storage = feature_storage(
-            fingerprint.codec, num_layers=len(fingerprint.layer_ids), hidden_size=fingerprint.hidden_size
-        )
+        self.storage = storage_of(fingerprint)
         self.chunk_rows, self.shard_rows = shard_geometry(
             self.feature_width,
             chunk_bytes=chunk_bytes,
@@ -285,13 +283,9 @@ class ShardWriter:
         if rows.layout != self.storage.fp8:
             raise SampleError(
                 f"{where}: fp8 rows encoded with {rows.layout}, this cache ({self.fingerprint.codec!r}) "
-                f"stores {self.storage.fp8}; encode with the cache's layout (codecs.feature_storage)"
+                f"stores {self.storage.fp8}; encode with the cache's layout (codecs.storage_of)"
             )
-        shape, want = tuple(rows.rows_TW.shape), self.storage.row_bytes
-        if rows.rows_TW.dtype != torch.uint8 or len(shape) != 2 or shape[1] != want:
-            raise SampleError(
-                f"{where}: fp8 rows are {rows.rows_TW.dtype} {shape}, this cache stores uint8 [T, {want}]"
-            )
+        rows.check(where, int(rows.rows_TW.shape[0]))  # as built, unless the tensor changed since
 
     def _reserve(self, rows: int) -> None:
         capacity = self._features_RF.shape[0]

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from dflash_offline.cache.codecs import feature_storage
+from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.fp8 import Fp8Layout
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.generate.capture_step import PinnedBufferPool, capture_job
+from dflash_offline.generate.capture_step import PinnedBufferPool, bf16_elements, capture_job
 from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.events import JobDone, WorkerFinished, WorkerStarted, WorkerTimings
 from dflash_offline.generate.writer_thread import BatchWritten, WriterThread
@@ -68,15 +68,11 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
     start = time.perf_counter()
     capture = build_capture(task, device)
     # What the host rows hold: bf16 features, or fp8 rows encoded on this device (capture_step.py).
-    storage = feature_storage(
-        task.fingerprint.codec,
-        num_layers=len(task.fingerprint.layer_ids),
-        hidden_size=task.fingerprint.hidden_size,
-    )
+    storage = storage_of(task.fingerprint)
     # Pinned allocations take seconds at these sizes: part of start-up, before the worker says ready.
     pool = PinnedBufferPool(
         num_buffers=task.writer_queue_depth + 2,  # queued + one being written + one being filled
-        elements=-(-task.tokens_per_batch * storage.row_bytes // 2),  # bf16 elements
+        elements=bf16_elements(task.tokens_per_batch * storage.row_bytes),
         pin=device.type == "cuda",
     )
     events.put(
