@@ -25,7 +25,8 @@
 #   qwen3    bench/decode.py --sections qwen3-live,qwen3-profile: Qwen3-8B's shape with the live attention
 #            at batch 256 and 512 (256 new tokens) and 256 (512 new), and the kernel profile of its step
 #   codecs   dflash generate of the staged ShareGPT answers with the default codec, then fp8, CODEC_S seconds
-#            each (75, stopped by SIGINT: each prints what it committed and its tok/s), the caches deleted
+#            each (75, stopped by SIGINT: each prints what it committed and its tok/s), the caches deleted;
+#            then the fp8 codec's GPU tests in the background
 #   rest     the rest of the ShareGPT file, resumed from the fastest ab variant's answers (REST_S, 240 s;
 #            the answers gzipped for bench/answers/)
 #   turns    bench/regenerate_turns.py: KV reuse across turns against whole prompts, each attention
@@ -130,6 +131,10 @@ if fits codecs $(( 2 * ${CODEC_S:-75} + 30 )); then
     rm -rf /tmp/codec-$codec
   done
   rm -f /tmp/codecs-data.jsonl
+  # The fp8 codec's GPU tests (device encode and decode bit for bit against the CPU's), in the background
+  # while the next stage stages its data.
+  (timeout 150 python3 -m pytest -q -m gpu tests/cache/test_fp8.py tests/train/test_fp8_train.py \
+    -p no:cacheprovider > $R/fp8-gpu-tests.txt 2>&1 &)
 fi
 
 if fits rest $(( ${REST_S:-240} + 30 )); then
