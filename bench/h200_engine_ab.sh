@@ -130,8 +130,9 @@ if fits codecs $(( 2 * ${CODEC_S:-75} + 90 )); then
       --data /tmp/codecs-data.jsonl --max-len 2048 --too-long truncate --gpus 0 --no-progress "${flags[@]}" \
       > $R/codec-$codec.log 2>&1
     echo "$codec: $(grep -E 'committed|writer busy' $R/codec-$codec.log | tr -s ' ' | tr '\n' ' ')"
-    # The run's committed tok/s (its summary line), for Q_CODECS=auto.
-    sed -nE 's/.*committed [0-9]+ samples, [0-9]+ tokens \(([0-9,]+) tok\/s\).*/\1/p' $R/codec-$codec.log \
+    # The run's committed tok/s after its start-up (its summary line), for Q_CODECS=auto.
+    sed -nE 's/.*committed [0-9]+ samples, [0-9]+ tokens \([0-9,]+ tok\/s; ([0-9,]+) tok\/s after start-up\).*/\1/p' \
+      $R/codec-$codec.log \
       | tr -d , | tail -1 > $R/codec-$codec.rate
     rm -rf /tmp/codec-$codec
   done
@@ -168,7 +169,8 @@ if fits quality "${Q_MIN_S:-1200}"; then
     # fp8 when the codecs stage measured it at ≥ 0.9× the default codec's rate; else the default codec, its
     # variants' "@fp8" dropped and Q_CHAT_DEFAULT conversations (what fits the disk at 0.70 of raw).
     fp8_rate=$(cat $R/codec-fp8.rate 2>/dev/null); default_rate=$(cat $R/codec-default.rate 2>/dev/null)
-    if [ -n "$fp8_rate" ] && [ -n "$default_rate" ] && [ $(( fp8_rate * 10 )) -ge $(( default_rate * 9 )) ]; then
+    # (A rate of 0, a run that committed nothing, measured nothing.)
+    if [ "${fp8_rate:-0}" -gt 0 ] && [ "${default_rate:-0}" -gt 0 ] && [ $(( fp8_rate * 10 )) -ge $(( default_rate * 9 )) ]; then
       codecs=fp8
     else
       codecs=default chat=${Q_CHAT_DEFAULT:-9000} variants=${variants//@fp8/}

@@ -48,11 +48,14 @@ def generate_from_config(config: GenerateConfig) -> GenerateSummary | None:
 
 
 def format_summary(summary: GenerateSummary, *, cache_dir: str) -> str:
+    startup = "" if summary.startup_seconds is None else f", {summary.startup_seconds:.1f} s of it start-up"
+    capture = summary.capture_tokens_per_second
+    after_startup = "" if capture is None else f"; {capture:,.0f} tok/s after start-up"
     lines = [
-        f"run {summary.run_id}: {summary.status} in {summary.seconds:.1f} s",
+        f"run {summary.run_id}: {summary.status} in {summary.seconds:.1f} s{startup}",
         f"  committed {summary.samples_committed} samples, {summary.tokens_committed} tokens "
-        f"({summary.tokens_per_second:,.0f} tok/s), {summary.stored_bytes / 1e9:.3f} GB stored, "
-        f"{summary.failures} failures, {summary.skipped_already_done} already in the cache",
+        f"({summary.tokens_per_second:,.0f} tok/s{after_startup}), {summary.stored_bytes / 1e9:.3f} GB "
+        f"stored, {summary.failures} failures, {summary.skipped_already_done} already in the cache",
     ]
     for w in summary.workers:
         t = w.timings

@@ -66,6 +66,9 @@ class GenerateSummary:
     failures: int
     stored_bytes: int
     seconds: float
+    startup_seconds: float | None = None
+    """From the run's start until its first worker was ready (target loaded, pinned buffers
+    allocated); None when no worker got that far."""
     skipped_already_done: int
     """Samples of the plan the cache already held (resume)."""
     workers: tuple[WorkerFinished, ...]
@@ -73,6 +76,14 @@ class GenerateSummary:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens_committed / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def capture_tokens_per_second(self) -> float | None:
+        """Tokens committed per second once a worker was ready: the rate a longer run approaches, which
+        a short run's start-up hides."""
+        if self.startup_seconds is None or self.seconds <= self.startup_seconds:
+            return None
+        return self.tokens_committed / (self.seconds - self.startup_seconds)
 
 
 class GenerateInterrupted(KeyboardInterrupt):
@@ -238,6 +249,8 @@ class _Tally:
     failures: int = 0
     stored_bytes_by_worker: dict[int, int] = field(default_factory=dict)
     finished: dict[int, WorkerFinished] = field(default_factory=dict)
+    first_ready_at: float | None = None
+    """``time.perf_counter()`` when the first worker said it was ready."""
 
     @property
     def stored_bytes(self) -> int:
@@ -253,6 +266,8 @@ class _Tally:
         elif isinstance(event, WorkerFinished):
             self.finished[event.worker] = event
             self.stored_bytes_by_worker[event.worker] = event.stats.stored_bytes
+        elif isinstance(event, WorkerStarted) and self.first_ready_at is None:
+            self.first_ready_at = time.perf_counter()
 
 
 def run_generate(
@@ -325,6 +340,7 @@ def _run_locked(
         failures=tally.failures + planner.failure_log.count,
         stored_bytes=tally.stored_bytes,
         seconds=time.perf_counter() - start,
+        startup_seconds=None if tally.first_ready_at is None else tally.first_ready_at - start,
         skipped_already_done=planner.skipped,
         workers=tuple(tally.finished[w] for w in sorted(tally.finished)),
     )

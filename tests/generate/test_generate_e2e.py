@@ -16,6 +16,8 @@ from dflash_offline.cache.reader import CacheReader
 from dflash_offline.data.sources import iter_records
 from dflash_offline.data.template import tokenize_conversation
 from dflash_offline.errors import FingerprintMismatchError, WorkerError
+from dflash_offline.generate.events import WorkerStarted
+from dflash_offline.generate.launch import format_summary
 from dflash_offline.generate.run import run_generate
 from dflash_offline.placement import Placement
 from dflash_offline.target_model.loader import load_target
@@ -122,6 +124,27 @@ def test_two_workers_write_the_same_samples_as_one(
         assert np.array_equal(mask, mask2)
         assert bucket == bucket2
         assert torch.equal(features.view(torch.int16), features2.view(torch.int16))
+
+
+def test_summary_tells_start_up_from_the_capture_rate(
+    generated: TinyCache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dflash_offline.generate.run.run_worker", worker_entry.run_worker_slow_to_load)
+    started: list[WorkerStarted] = []
+    summary = run_generate(
+        tiny_config(tmp_path / "cache", generated.data),
+        on_event=lambda e: started.append(e) if isinstance(e, WorkerStarted) else None,
+    )
+    assert summary.tokens_committed > 0
+    # The worker slept before loading; its own load time counts it, and the run's start-up holds that.
+    assert started[0].load_seconds >= worker_entry.LOAD_DELAY_SECONDS
+    assert started[0].load_seconds <= summary.startup_seconds < summary.seconds
+    capture = summary.tokens_committed / (summary.seconds - summary.startup_seconds)
+    assert summary.capture_tokens_per_second == pytest.approx(capture)
+    assert summary.capture_tokens_per_second > summary.tokens_per_second
+    printed = format_summary(summary, cache_dir=str(tmp_path / "cache"))
+    assert f"{summary.startup_seconds:.1f} s of it start-up" in printed
+    assert f"{capture:,.0f} tok/s after start-up" in printed
 
 
 def test_malformed_rows_become_failures_and_the_rest_is_processed(tmp_path: Path) -> None:

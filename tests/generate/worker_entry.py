@@ -68,6 +68,24 @@ def run_worker_after_all_ready(
     worker.run_worker(spec, events, stop, channel)
 
 
+LOAD_DELAY_SECONDS = 2.0
+
+
+def run_worker_slow_to_load(
+    spec: WorkerSpec[worker.CaptureTask], events: Any, stop: Any, channel: JobChannel
+) -> None:
+    """``worker.run_worker`` whose target takes ``LOAD_DELAY_SECONDS`` longer to build: a start-up that
+    the run's summary must tell apart from its capture rate."""
+    real = worker.build_capture
+
+    def slow_build(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(LOAD_DELAY_SECONDS)
+        return real(*args, **kwargs)
+
+    worker.build_capture = slow_build  # this process only
+    worker.run_worker(spec, events, stop, channel)
+
+
 NONFINITE_ENV = "DFLASH_TEST_NONFINITE_DIR"
 """Read by ``run_worker_with_nonfinite_features`` (set by the test, inherited by spawned workers)."""
 
