@@ -47,6 +47,14 @@ cmd=${1:?run SECONDS_LEFT, or collect}
 R=/tmp/results
 if [ "$cmd" = collect ]; then
   out=${OUT:-/tmp/out}; mkdir -p "$out" $R
+  # The quality run's best drafter so far (RUN/drafter is exported at each better validation), split anew
+  # whenever it changed: every follow-up call brings it back, so a machine lost mid-run still leaves the
+  # next session its warm start. RUN is variant Q_KEEP's (default "all", the one-variant plan's).
+  run=/tmp/q/run-${Q_KEEP:-all}
+  if [ -f $run/drafter/config.json ] && [ $run/drafter/model.safetensors -nt $R/drafter/drafter.part00 ]; then
+    rm -rf $R/drafter.new && PYTHONPATH=/tmp/site:$PWD bash bench/drafter_parts.sh split $run $R/drafter.new \
+      && rm -rf $R/drafter && mv $R/drafter.new $R/drafter
+  fi
   [ -d /tmp/q ] && (cd /tmp/q && tar czf $R/q.tgz report/summary.* report/logs.txt run-*/metrics.jsonl \
     eval-*.json chat_eval-*.json logs 2>/dev/null)
   tar czf "$out/results.tgz" -C $R --exclude='*/answers.jsonl*' --exclude=./drafter . && ls -la "$out"
