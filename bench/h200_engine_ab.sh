@@ -37,7 +37,9 @@
 #            stage measured it at >= 0.9x the default codec, else the default codec with Q_CHAT_DEFAULT
 #            conversations, 9000, and "@fp8" dropped from the variants), Q_VARIANTS,
 #            Q_EVAL_VARIANTS, Q_STEPS_PER_S, Q_VAL_EVERY, Q_REGEN_S (0: the staged answers as they are),
-#            Q_GEN_S, Q_EVAL_S, Q_MIN_S (the seconds it needs, 1200), Q_INIT_PARTS (a folder of an earlier
+#            Q_GEN_S, Q_EVAL_S, Q_MIN_S (the seconds it needs, 1200), Q_CODE_LIMIT code problems of Q_CODE_PROMPTS
+#            (default /tmp/stage/code-prompts.jsonl.gz) answered after the chat (their answers come back by
+#            `collect` as code-answers-new.jsonl.gz), Q_INIT_PARTS (a folder of an earlier
 #            drafter's parts, joined into /tmp/init/run-all for --init-from). The drafter of variant Q_KEEP
 #            (the first) is split for `dflash train --init-from` in a later session
 #            (bench/drafter_parts.sh), and `collect` brings its parts back.
@@ -55,9 +57,15 @@ if [ "$cmd" = collect ]; then
     rm -rf $R/drafter.new && PYTHONPATH=/tmp/site:$PWD bash bench/drafter_parts.sh split $run $R/drafter.new \
       && rm -rf $R/drafter && mv $R/drafter.new $R/drafter
   fi
+  # Code problems the quality run answered (Q_CODE_LIMIT), kept for the sessions after as a file of their own.
+  if [ /tmp/q/answers.jsonl -nt $R/code-answers-new.jsonl.gz ] && grep -q '^{"id": "code-' /tmp/q/answers.jsonl; then
+    grep '^{"id": "code-' /tmp/q/answers.jsonl | gzip > $R/code-answers-new.jsonl.gz
+  fi
   [ -d /tmp/q ] && (cd /tmp/q && tar czf $R/q.tgz report/summary.* report/logs.txt run-*/metrics.jsonl \
     eval-*.json chat_eval-*.json logs 2>/dev/null)
-  tar czf "$out/results.tgz" -C $R --exclude='*/answers.jsonl*' --exclude=./drafter . && ls -la "$out"
+  tar czf "$out/results.tgz" -C $R --exclude='*/answers.jsonl*' --exclude=./drafter \
+    --exclude=./code-answers-new.jsonl.gz . && ls -la "$out"
+  [ -f $R/code-answers-new.jsonl.gz ] && cp $R/code-answers-new.jsonl.gz "$out/"
   # The kept drafter's parts (15 MiB each) as files of their own: what comes back is at most 16 MiB a file.
   [ -d $R/drafter ] && cp $R/drafter/* "$out/" && ls -la "$out"
   exit 0
@@ -196,6 +204,7 @@ if fits quality "${Q_MIN_S:-1200}"; then
   train=$(( budget - regen - gen - ev - 90 ))
   echo "quality run: BUDGET_S=$budget TRAIN_S=$train chat $chat code2 ${Q_CODE2:-0} variants $variants"
   BUDGET_S=$budget REGEN_S=$regen REGEN_LIMIT=$chat GEN_S=$gen TRAIN_S=$train EVAL_S=$ev \
+    CODE_LIMIT=${Q_CODE_LIMIT:-0} CODE_PROMPTS=${Q_CODE_PROMPTS:-/tmp/stage/code-prompts.jsonl.gz} \
     VAL_EVERY=${Q_VAL_EVERY:-200} STEPS_PER_S=${Q_STEPS_PER_S:-4.5} CODECS=$codecs \
     VARIANTS=$variants EVAL_VARIANTS=${Q_EVAL_VARIANTS:-all} bash bench/h200_quality_run.sh
   keep=${Q_KEEP:-$(python3 -c "import json, sys; print(next(iter(json.loads(sys.argv[1]))))" "$variants")}

@@ -21,9 +21,9 @@
 #               fuller prefill forwards (bench/regenerate_turns.py --prefill-wait-steps measures them)
 #   MAX_NEW     regenerate's --max-new-tokens (256: the length `dflash eval` decodes, so every trained
 #               answer and every earlier answer in a later turn's prompt is as long as eval's)
-#   CODE_LIMIT  code problems (/tmp/stage/code-prompts.jsonl.gz, bench/stage_prompts.py: functions of the Python
-#               code installed with the interpreter, in HumanEval's form) regenerated after the chat records,
-#               in the same regenerate, and trained on beside them (default 0: none)
+#   CODE_LIMIT  code problems (CODE_PROMPTS, default /tmp/stage/code-prompts.jsonl.gz, bench/stage_prompts.py:
+#               functions of the Python code installed with the interpreter, in HumanEval's form) regenerated
+#               after the chat records, in the same regenerate, and trained on beside them (default 0: none)
 #   REGEN_SKIP  records of the prompt file that regenerate skips: those answered by an earlier run with other
 #               settings, staged as /tmp/stage/extra-answers-*.jsonl.gz and trained on beside the new answers
 #   VAL_SAMPLES dflash train --val-samples (validation records, whatever the data size)
@@ -51,10 +51,10 @@ if compgen -G "/tmp/stage/answers-[0-9]*.jsonl.gz" > /dev/null && [ ! -s /tmp/q/
     echo "and continues $(wc -l < /tmp/q/answers.jsonl.partial) conversations in progress"
   fi
 fi
-code=()
+code=() code_prompts=${CODE_PROMPTS:-/tmp/stage/code-prompts.jsonl.gz}
 if [ "${CODE_LIMIT:-0}" -gt 0 ]; then
-  [ -f /tmp/stage/code-prompts.jsonl.gz ] || { echo "CODE_LIMIT=$CODE_LIMIT: /tmp/stage/code-prompts.jsonl.gz is not staged" >&2; exit 2; }
-  code=(--code-data /tmp/stage/code-prompts.jsonl.gz --code-limit "$CODE_LIMIT")
+  [ -f "$code_prompts" ] || { echo "CODE_LIMIT=$CODE_LIMIT: $code_prompts is not staged" >&2; exit 2; }
+  code=(--code-data "$code_prompts" --code-limit "$CODE_LIMIT")
 fi
 extra=()
 if compgen -G "/tmp/stage/extra-answers-*.jsonl.gz" > /dev/null; then

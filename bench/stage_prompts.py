@@ -129,9 +129,12 @@ def chitchat_records(
 
 
 def code_roots(packages: tuple[str, ...]) -> list[tuple[str, Path]]:
-    """(name, folder) of the standard library and of each installed package of ``packages``."""
-    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+    """(name, folder) of each installed package of ``packages``; ``stdlib`` names the standard library."""
+    roots = []
     for name in packages:
+        if name == "stdlib":
+            roots.append(("stdlib", Path(sysconfig.get_paths()["stdlib"])))
+            continue
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
             print(f"code: package {name} not installed: skipped", file=sys.stderr)
@@ -174,13 +177,16 @@ def code_problems(name: str, root: Path) -> Iterator[tuple[str, str, str]]:
                 yield f"{module}.{qualname}", doc, problem
 
 
-def code_records(packages: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+def code_records(packages: tuple[str, ...], *, after: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
     """The code problems as one-turn ShareGPT records (module docstring): each package's in an order seeded
     by a hash of their names, the packages taking turns (so that a ``--limit`` takes from each alike, not in
-    proportion to their sizes: sympy alone has as many as the standard library and numpy together)."""
-    seen: set[str] = set()
+    proportion to their sizes: sympy alone has as many as the standard library and numpy together).
+    ``packages`` names ``stdlib`` for the standard library. ``after``: the packages of a set staged earlier,
+    whose problems are not written, nor any other with one of their docstrings (a new set of problems that
+    an earlier set's answers do not already cover)."""
+    seen = {doc for name, root in code_roots(after) for _, doc, _ in code_problems(name, root)}
     queues: list[list[tuple[str, str, str]]] = []
-    for name, root in code_roots(packages):
+    for name, root in code_roots(tuple(p for p in packages if p not in after)):
         problems = []
         for qualname, doc, problem in code_problems(name, root):
             if doc not in seen:
@@ -274,6 +280,18 @@ def main() -> None:
         help="installed packages whose functions become code problems beside the standard library's "
         "(comma-separated; empty: the standard library alone)",
     )
+    ap.add_argument(
+        "--code-after",
+        default="",
+        help="the --code-packages of a code set staged earlier (comma-separated; 'default': the standard "
+        "library and the default packages): their problems, and any other with one of their docstrings, "
+        "are left out, so that the new set adds only problems that set lacks",
+    )
+    ap.add_argument(
+        "--code-set",
+        default="code",
+        help="the code set's name: the file is NAME-prompts.jsonl.gz (e.g. code-3 beside an answered code)",
+    )
     ap.add_argument("--no-code", action="store_true", help="no code-prompts.jsonl.gz")
     ap.add_argument("--no-decontaminate", action="store_true")
     ap.add_argument(
@@ -311,8 +329,11 @@ def main() -> None:
             )
         )
     if not args.no_code:
-        packages = tuple(p for p in args.code_packages.split(",") if p)
-        rows.append(write_set("code", code_records(packages), args.out, decontaminator))
+        packages = ("stdlib", *(p for p in args.code_packages.split(",") if p))
+        after = tuple(p for p in args.code_after.split(",") if p)
+        if after == ("default",):
+            after = ("stdlib", *CODE_PACKAGES)
+        rows.append(write_set(args.code_set, code_records(packages, after=after), args.out, decontaminator))
     print(f"{'set':<10} {'conversations':>13} {'answers':>8} {'contaminated':>12} {'MB':>6}  file")
     for r in rows:
         print(

@@ -109,7 +109,7 @@ def test_code_problems_are_signatures_and_docstrings_of_public_functions(tmp_pat
 
 def test_staged_code_records_parse_as_one_turn_conversations_and_alternate_packages(tmp_path: Path) -> None:
     stage = _bench_module("stage_prompts")
-    records = list(stage.code_records(("click",)))
+    records = list(stage.code_records(("stdlib", "click")))
     assert records, "the standard library alone has thousands of documented functions"
     path = tmp_path / "code-prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records[:50]))
@@ -120,3 +120,23 @@ def test_staged_code_records_parse_as_one_turn_conversations_and_alternate_packa
     # The packages take turns: stdlib, click, stdlib, click, … while both last.
     assert [r["id"].split("-", 1)[1].split(".")[0] for r in records[:4]] == ["stdlib", "click"] * 2
     assert len({r["id"] for r in records}) == len(records)
+
+
+def test_a_code_set_after_another_holds_none_of_its_problems_or_docstrings(tmp_path: Path) -> None:
+    stage = _bench_module("stage_prompts")
+    first = list(stage.code_records(("stdlib", "click")))
+    second = list(stage.code_records(("stdlib", "click", "jinja2"), after=("stdlib", "click")))
+    assert second, "jinja2 has documented functions of its own"
+    assert all(r["id"].startswith("code-jinja2.") for r in second)
+    # Brute force: no docstring of the first set is in a problem of the second.
+    docs = {
+        doc
+        for pkg, root in stage.code_roots(("stdlib", "click"))
+        for _, doc, _ in stage.code_problems(pkg, root)
+    }
+    jinja = dict((f"code-{q}", doc) for q, doc, _ in stage.code_problems(*stage.code_roots(("jinja2",))[0]))
+    assert not any(jinja[r["id"].split("#")[0]] in docs for r in second)
+    assert {r["id"] for r in first}.isdisjoint(r["id"] for r in second)
+    # Without ``after`` the same jinja2 problems come, the duplicates of the first set's docstrings too.
+    alone = [r for r in stage.code_records(("jinja2",))]
+    assert {r["id"] for r in second} <= {r["id"] for r in alone}
