@@ -475,17 +475,27 @@ def jsonl_lines(path: Path) -> Iterator[bytes]:
                 yield line if line.endswith(b"\n") else line + b"\n"
 
 
+CODE_LINE = b'{"id": "code-'
+"""How a code problem's answer starts (bench/stage_prompts.py's ids, as regenerate writes them)."""
+
+
 def concatenate_answers(parts: list[Path], out: Path) -> int:
-    """Writes the lines of the chat JSONL files (plain or gzipped) into ``out`` interleaved, each file's in
-    its own order, so that every prefix holds the files in proportion to their sizes: generate stopped at
-    its deadline then keeps some of each (one after the other, the tenth session's cache lost the code
-    answers that came last). Returns the number of lines taken from all but the first."""
-    lines = [list(jsonl_lines(part)) for part in parts]
+    """Writes the lines of the chat JSONL files (plain or gzipped) into ``out`` interleaved, so that every
+    prefix holds each file's chat and each file's code answers in proportion to their sizes, each in its own
+    order: generate stopped at its deadline then keeps some of each (one after the other, the tenth
+    session's cache lost the code answers that came last; a regenerate's answers hold its code problems
+    after the chat). Returns the number of lines taken from all but the first."""
+    streams = [
+        [line for line in jsonl_lines(part) if line.startswith(CODE_LINE) == code]
+        for part in parts
+        for code in (False, True)
+    ]
+    lines = [stream for stream in streams if stream]
     # Line j of a file of n lines sits at (j + 0.5) / n of the way through it; merged by that position.
     order = sorted(((j + 0.5) / len(part), i, j) for i, part in enumerate(lines) for j in range(len(part)))
     with open(out, "wb") as dst:
         dst.writelines(lines[i][j] for _, i, j in order)
-    return sum(len(part) for part in lines[1:])
+    return sum(len(stream) for stream in streams[2:])
 
 
 def combine_prompts(data: Path, skip: int, limit: int, code: Path, code_limit: int, out: Path) -> int:
@@ -734,10 +744,9 @@ def main() -> None:
         return
 
     # 3. caches, concurrently: this run's answers and any earlier run's (--extra-answers).
-    train_data = answers
+    train_data = work / "train-data.jsonl"
+    n_extra = concatenate_answers([answers, *args.extra_answers], train_data)
     if args.extra_answers:
-        train_data = work / "train-data.jsonl"
-        n_extra = concatenate_answers([answers, *args.extra_answers], train_data)
         report.note(f"training data: {n_answers} conversations of this run + {n_extra} of --extra-answers")
     caches: dict[str, Path] = {}
     gens = []

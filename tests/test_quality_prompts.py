@@ -74,6 +74,22 @@ def test_the_training_data_interleaves_its_files_in_proportion(tmp_path: Path) -
         assert abs(sum(i.startswith("code-") for i in ids[:n]) - n / 4) <= 1, (n, ids[:n])
 
 
+def test_a_files_code_answers_after_its_chat_are_interleaved_too(tmp_path: Path) -> None:
+    """A regenerate's answers hold its code problems after the chat: they are spread like another file's."""
+    quality = _bench_module("h200_quality")
+    chat = write_chat_jsonl(tmp_path / "chat.jsonl", 30, turns=2)
+    code = _write_code(tmp_path / "code.jsonl.gz", 10)
+    answers = tmp_path / "answers.jsonl"
+    answers.write_bytes(chat.read_bytes() + gzip.decompress(code.read_bytes()))
+    out = tmp_path / "train-data.jsonl"
+    assert quality.concatenate_answers([answers], out) == 0  # no file beside it
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(json.loads(line)["id"] for line in answers.read_text().splitlines())
+    assert [i for i in ids if i.startswith("code-")] == [f"code-m.f{i}" for i in range(10)]
+    for n in (4, 8, 20, 40):
+        assert abs(sum(i.startswith("code-") for i in ids[:n]) - n / 4) <= 1, (n, ids[:n])
+
+
 def test_code_problems_are_signatures_and_docstrings_of_public_functions(tmp_path: Path) -> None:
     stage = _bench_module("stage_prompts")
     package = tmp_path / "pkg"
