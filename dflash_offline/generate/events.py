@@ -36,6 +36,9 @@ class JobDone:
 class WorkerTimings:
     """Where a worker's wall time went."""
 
+    load_seconds: float
+    """Building the target on the device and allocating the pinned buffers (``WorkerStarted``'s): the
+    rest of the run's start-up is the process's spawn, imports and device set-up."""
     forward_seconds: float
     """Target forward + padding strip + async copy launch (synchronised per batch on CPU only)."""
     job_wait_seconds: float

@@ -61,7 +61,8 @@ def format_summary(summary: GenerateSummary, *, cache_dir: str) -> str:
         t = w.timings
         lines.append(
             f"  worker {w.stats.shard} on {w.device}: {w.jobs} jobs, {w.stats.samples} samples, "
-            f"{w.stats.tokens} tokens; forward {t.forward_seconds:.1f} s, "
+            f"{w.stats.tokens} tokens; target and buffers loaded in {t.load_seconds:.1f} s, "
+            f"forward {t.forward_seconds:.1f} s, "
             f"waited for jobs {t.job_wait_seconds:.1f} s, for the writer {t.writer_wait_seconds:.1f} s; "
             f"writer busy {t.write_seconds:.1f} s"
         )

@@ -75,9 +75,8 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
         elements=bf16_elements(task.tokens_per_batch * storage.row_bytes),
         pin=device.type == "cuda",
     )
-    events.put(
-        WorkerStarted(worker=spec.worker, device=spec.device, load_seconds=time.perf_counter() - start)
-    )
+    load_seconds = time.perf_counter() - start
+    events.put(WorkerStarted(worker=spec.worker, device=spec.device, load_seconds=load_seconds))
     with _open_writer(spec) as writer:
 
         def report(done: BatchWritten) -> None:
@@ -109,6 +108,7 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
             jobs=loop.jobs,
             stats=writer.stats,
             timings=WorkerTimings(
+                load_seconds=load_seconds,
                 forward_seconds=loop.forward_seconds,
                 job_wait_seconds=loop.job_wait_seconds,
                 writer_wait_seconds=writer_thread.blocked_seconds,

@@ -139,12 +139,14 @@ def test_summary_tells_start_up_from_the_capture_rate(
     # The worker slept before loading; its own load time counts it, and the run's start-up holds that.
     assert started[0].load_seconds >= worker_entry.LOAD_DELAY_SECONDS
     assert started[0].load_seconds <= summary.startup_seconds < summary.seconds
+    assert summary.workers[0].timings.load_seconds == started[0].load_seconds
     capture = summary.tokens_committed / (summary.seconds - summary.startup_seconds)
     assert summary.capture_tokens_per_second == pytest.approx(capture)
     assert summary.capture_tokens_per_second > summary.tokens_per_second
     printed = format_summary(summary, cache_dir=str(tmp_path / "cache"))
     assert f"{summary.startup_seconds:.1f} s of it start-up" in printed
     assert f"{capture:,.0f} tok/s after start-up" in printed
+    assert f"target and buffers loaded in {started[0].load_seconds:.1f} s" in printed
 
 
 def test_malformed_rows_become_failures_and_the_rest_is_processed(tmp_path: Path) -> None:
