@@ -20,7 +20,10 @@ against MT-Bench and HumanEval, with their counts printed.
     docstrings left out, the packages taking turns (so that a limit takes from each alike); each asked in
     one of three wordings (HumanEval's as ``dflash eval`` asks it, "Complete the following Python
     function", "Implement the function below as its docstring describes"). ShareGPT holds little code and
-    ``dflash eval``'s HumanEval is where the drafters are weakest.
+    ``dflash eval``'s HumanEval is where the drafters are weakest. Once a set is answered, ``--code-after
+    default --code-packages torch,transformers,matplotlib --code-set code-3`` stages the next one,
+    ``code-3-prompts.jsonl.gz``: the problems of the new packages alone, none with the docstring of a
+    problem of the answered set (11,268 with this environment's torch, transformers and matplotlib).
 
 Records that fail to parse, have no human turn to answer, or hold an evaluation question are left out (the
 counts say how many).
