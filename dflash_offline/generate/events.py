@@ -14,7 +14,7 @@ class WorkerStarted:
     worker: int
     device: str
     load_seconds: float
-    """Time to build the target on the device."""
+    """Time to build the target on the device and allocate the pinned host buffers."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
