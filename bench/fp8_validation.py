@@ -1,0 +1,120 @@
+"""One trained drafter validated on the same held-out samples twice: their features read from a cache of the
+default (lossless) codec, then from an ``--codec fp8`` cache of the same records. What fp8's rounding
+moves in what a trained drafter predicts, measured side by side (fp8 ÷ bf16); the part of "fp8 within 2 %
+of bf16" that a CPU can measure (the whole criterion is a drafter trained on fp8 against one trained on
+bf16, judged by held-out ``dflash eval``: a GPU run, bench/RESULTS.md).
+
+    PYTHONPATH=. .venv/bin/python bench/fp8_validation.py --drafter RUN/drafter --data ANSWERS.jsonl \\
+        --work DIR [--val-samples 60]
+
+``--data``: chat JSONL the target answered itself (e.g. held-out conversations of
+``bench/answers/answers-00.jsonl.gz`` that the drafter never trained on). Each cache is written by ``dflash
+generate --target default`` unless ``DIR/cache-<codec>`` already holds it (a rerun resumes). Each validation
+is ``dflash train --init-from DRAFTER --lr 1e-12 --max-steps 1``: one step at a learning rate that moves no
+weight by a float32 ulp, whose closing validation is therefore the drafter's own, on the split that
+``--val-samples`` takes by a hash of the sample ids (the same samples in both caches: checked); a run
+directory that holds its validation already is read again, not rerun (``--fresh``). On 2 CPU
+cores a validation of 60 ShareGPT conversations takes ≈ 10 minutes (the chain τ runs a block at every
+anchor of each turn's first tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_offline.train.chain_tau import TURN_GROUPS  # noqa: E402
+from dflash_offline.train.split import validation_ids_of_run  # noqa: E402
+
+CODECS = {"bf16": [], "fp8": ["--codec", "fp8"]}
+"""Name → generate's codec flags (bf16: the default codec, lossless)."""
+
+SCALARS = ("val_loss", "val_simulated_tau", "val_block_tau", "val_chain_tau")
+
+
+def dflash(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_offline", *args]
+
+
+def run(cmd: list[str], log: Path) -> None:
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}); its log: {log}\n{log.read_text()[-2000:]}")
+
+
+def last_validation(run_dir: Path) -> dict | None:
+    """The last validation of a run's metrics.jsonl (None: none yet)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    rows = [r for r in rows if "val_chain_tau" in r]
+    return rows[-1] if rows else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", type=Path, required=True, help="an exported drafter (RUN/drafter)")
+    ap.add_argument("--data", type=Path, required=True, help="chat JSONL of the target's own answers")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--val-samples", type=int, default=60)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--tokens-per-microbatch", type=int, default=4096)
+    ap.add_argument("--num-anchors", type=int, default=256)
+    ap.add_argument("--fresh", action="store_true", help="validate again where DIR/run-<codec> has")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    splits = {}
+    for name, codec_flags in CODECS.items():
+        cache = args.work / f"cache-{name}"
+        run(
+            dflash("generate", "--cache", str(cache), "--target", "default", "--data", str(args.data),
+                   "--max-len", str(args.max_len), "--too-long", "truncate", "--no-progress", *codec_flags),
+            args.work / f"generate-{name}.log",
+        )  # fmt: skip
+        out = args.work / f"run-{name}"
+        if args.fresh or last_validation(out) is None:
+            shutil.rmtree(out, ignore_errors=True)
+            run(
+                dflash("train", "--cache", str(cache), "--out", str(out), "--target", "default",
+                       "--init-from", str(args.drafter), "--lr", "1e-12", "--max-steps", "1",
+                       "--val-samples", str(args.val_samples), "--val-group", "sample", "--val-every", "1",
+                       "--tokens-per-microbatch", str(args.tokens_per_microbatch),
+                       "--num-anchors", str(args.num_anchors), "--compile", "off", "--no-tensorboard",
+                       "--no-progress"),
+                args.work / f"train-{name}.log",
+            )  # fmt: skip
+        else:
+            print(f"{name}: {out} validated already (--fresh validates again)")
+        result = last_validation(out)
+        assert result is not None
+        results[name] = result
+        splits[name] = validation_ids_of_run(out)
+        print(f"{name}: validated ({result['val_num_samples']} samples, {result['val_seconds']:.0f} s)")
+    if splits["bf16"] != splits["fp8"]:
+        sys.exit("the two caches' validation splits differ: not the same records")
+    bf16, fp8 = results["bf16"], results["fp8"]
+    print(f"\n{'metric':<24} {'bf16':>9} {'fp8':>9} {'fp8/bf16':>9}")
+    for key in SCALARS:
+        print(f"{key:<24} {bf16[key]:>9.4f} {fp8[key]:>9.4f} {fp8[key] / bf16[key]:>9.4f}")
+    by_turn = zip(TURN_GROUPS, bf16["val_chain_tau_by_turn"], fp8["val_chain_tau_by_turn"], strict=True)
+    for turn, b, f in by_turn:
+        print(f"{'val_chain_tau turn ' + turn:<24} {b:>9.4f} {f:>9.4f} {f / b:>9.4f}")
+    diffs = [f - b for b, f in zip(bf16["val_acc_by_position"], fp8["val_acc_by_position"], strict=True)]
+    print(f"accuracy by block position, fp8 − bf16: {' '.join(f'{d:+.4f}' for d in diffs)}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"bf16": bf16, "fp8": fp8}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
