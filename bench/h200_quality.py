@@ -485,6 +485,7 @@ def concatenate_answers(parts: list[Path], out: Path) -> int:
     order: generate stopped at its deadline then keeps some of each (one after the other, the tenth
     session's cache lost the code answers that came last; a regenerate's answers hold its code problems
     after the chat). Returns the number of lines taken from all but the first."""
+    # Two streams a part, its chat then its code: streams[2:] are the parts after the first.
     streams = [
         [line for line in jsonl_lines(part) if line.startswith(CODE_LINE) == code]
         for part in parts

@@ -150,9 +150,9 @@ def test_a_code_set_after_another_holds_none_of_its_problems_or_docstrings(tmp_p
         for pkg, root in stage.code_roots(("stdlib", "click"))
         for _, doc, _ in stage.code_problems(pkg, root)
     }
-    jinja = dict((f"code-{q}", doc) for q, doc, _ in stage.code_problems(*stage.code_roots(("jinja2",))[0]))
+    jinja = {f"code-{q}": doc for q, doc, _ in stage.code_problems(*stage.code_roots(("jinja2",))[0])}
     assert not any(jinja[r["id"].split("#")[0]] in docs for r in second)
     assert {r["id"] for r in first}.isdisjoint(r["id"] for r in second)
     # Without ``after`` the same jinja2 problems come, the duplicates of the first set's docstrings too.
-    alone = [r for r in stage.code_records(("jinja2",))]
+    alone = list(stage.code_records(("jinja2",)))
     assert {r["id"] for r in second} <= {r["id"] for r in alone}
