@@ -201,6 +201,7 @@ if fits quality "${Q_MIN_S:-1200}"; then
   # An earlier session's drafter (bench/drafter_parts.sh split) to continue: Q_VARIANTS then names
   # --init-from /tmp/init/run-all/drafter.
   [ -n "${Q_INIT_PARTS:-}" ] && bash bench/drafter_parts.sh join "$Q_INIT_PARTS" /tmp/init/run-all
+  # Training's seconds at least: h200_quality.py gives it too what regenerate and generate leave unused.
   train=$(( budget - regen - gen - ev - 90 ))
   echo "quality run: BUDGET_S=$budget TRAIN_S=$train chat $chat code2 ${Q_CODE2:-0} variants $variants"
   BUDGET_S=$budget REGEN_S=$regen REGEN_LIMIT=$chat GEN_S=$gen TRAIN_S=$train EVAL_S=$ev \

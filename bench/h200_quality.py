@@ -422,6 +422,14 @@ def apply_smoke(args: argparse.Namespace) -> None:
         args.chat_eval_args = f"{args.chat_eval_args} --limit 1 --max-new-tokens 16"
 
 
+def train_deadline(now: float, end: float, train_s: float, eval_s: float, reserve_s: float) -> float:
+    """When training is stopped: ``train_s`` from ``now`` at least, and on to the budget's ``end`` less the
+    eval's ``eval_s`` and ``reserve_s``. Regenerate and generate stop at their deadlines or sooner (the sixth
+    session's regenerate used 56 of its 150 s and its generate 152 of 200: it ran out of data), and what they
+    leave unused would otherwise idle at the end of the budget."""
+    return max(now + train_s, end - eval_s - reserve_s)
+
+
 def steps_that_fit(rate: float, seconds: float, val_every: int, val_s: float) -> int:
     """Steps that ``seconds`` hold at ``rate`` steps/s of training alone, with a validation of ``val_s`` every
     ``val_every`` steps (one run on 2026-12-04 validated every 100 steps for 6–9 s at 2.5 steps/s: ≈ 25 % of
@@ -598,7 +606,20 @@ def main() -> None:
         default="--val-every 100 --log-every 10",
         help="flags of every variant's dflash train (validation every N steps; metrics read back every N)",
     )
-    ap.add_argument("--train-s", type=float, default=480)
+    ap.add_argument(
+        "--train-s",
+        type=float,
+        default=480,
+        help="training's seconds at least; it runs on to the budget's end less --eval-s and --reserve-s, so "
+        "the seconds regenerate and generate leave unused go to training (train_deadline)",
+    )
+    ap.add_argument(
+        "--reserve-s",
+        type=float,
+        default=90,
+        help="seconds kept between training's deadline and the eval's (a late variant's stop grace, the "
+        "export, the summary)",
+    )
     ap.add_argument(
         "--calibrate-s", type=float, default=90, help="longest wait for every variant's first logged step"
     )
@@ -819,12 +840,20 @@ def main() -> None:
     variants: dict[str, str] = json.loads(args.variants)
     report.data["variants"] = {}
     trains: dict[str, Stage] = {}
-    train_end = time.time() + args.train_s
+    train_end = train_deadline(time.time(), end, args.train_s, args.eval_s, args.reserve_s)
+    if train_end - time.time() > args.train_s + 1:
+        report.note(
+            f"train: {train_end - time.time():.0f} s, {train_end - time.time() - args.train_s:.0f} s more "
+            "than --train-s (left unused by the stages before)"
+        )
     # Planned from step 1 for about the budget (start-up ≈ 60 s): a placeholder of 100,000 steps left the
     # learning rate in a warm-up of 4,000 steps until the restart (1.5e-5 at step 100 on 2026-12-04).
     val_every = flag_value(args.train_args, "--val-every", 0)
     first_max_steps = max(
-        20, steps_that_fit(args.expected_steps_per_s, args.train_s - 60, val_every, args.expected_val_s)
+        20,
+        steps_that_fit(
+            args.expected_steps_per_s, train_end - time.time() - 60, val_every, args.expected_val_s
+        ),
     )
 
     def train_stage(name: str, spec: str, max_steps: int) -> Stage:

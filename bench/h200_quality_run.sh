@@ -9,7 +9,8 @@
 #   BUDGET_S    the whole pipeline, start to summary
 #   REGEN_S     regenerate, loading included (≈ 21.6 conversations/s measured; REGEN_LIMIT caps the records)
 #   GEN_S       generate (83k tok/s measured; ≈ 1,095 tokens a conversation)
-#   TRAIN_S     train, start-up and the step-rate calibration's restart included (144k tok/s measured)
+#   TRAIN_S     train, start-up and the step-rate calibration's restart included (144k tok/s measured), at
+#               least: it runs on to BUDGET_S less EVAL_S and 90 s, taking what regenerate and generate leave
 #   EVAL_S      both evals, side by side: MT-Bench/HumanEval/ShareGPT first turns, and every turn of
 #               CHAT_LIMIT held-out ShareGPT records and of the run's validation records (two sets)
 #   VAL_GROUP   dflash train --val-group: sample (the eval then splits the validation records by whether a

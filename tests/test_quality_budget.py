@@ -1,0 +1,40 @@
+"""How bench/h200_quality.py shares its one budget between stages: a GPU session's device time is fixed, and a
+second the stages before training leave unused must go to training, not idle at the end."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _harness():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("h200_quality", ROOT / "bench" / "h200_quality.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["h200_quality"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_takes_what_the_stages_before_left_unused() -> None:
+    train_deadline = _harness().train_deadline
+    # A budget of 1,500 s from t = 1,000: eval 200 s and a 90 s reserve end training at 2,210 at the latest.
+    end = 1_000 + 1_500
+    # Regenerate and generate used 300 of their 420 s: training starts at 1,300 and gets 910 s, not 790.
+    assert train_deadline(1_300, end, 790, 200, 90) == 2_210
+    # They used their whole 420 s: training gets exactly its 790 s, as planned.
+    assert train_deadline(1_420, end, 790, 200, 90) == 2_210
+    # They overran by 30 s (a stop's grace): training still gets its 790 s; the eval is the one squeezed.
+    assert train_deadline(1_450, end, 790, 200, 90) == 2_240
+
+
+def test_the_steps_planned_fill_the_seconds_with_their_validations() -> None:
+    steps_that_fit = _harness().steps_that_fit
+    # 8 steps/s and a 10 s validation every 500 steps: 0.125 + 0.02 s a step, so 900 s hold 6,206 steps.
+    assert steps_that_fit(8.0, 900.0, 500, 10.0) == 6_206
+    assert steps_that_fit(8.0, 900.0, 0, 10.0) == 7_200
+    assert steps_that_fit(8.0, -5.0, 500, 10.0) == 0
