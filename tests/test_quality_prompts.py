@@ -10,7 +10,10 @@ import gzip
 import importlib.util
 import json
 import sys
+from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import iter_records
@@ -156,3 +159,39 @@ def test_a_code_set_after_another_holds_none_of_its_problems_or_docstrings(tmp_p
     # Without ``after`` the same jinja2 problems come, the duplicates of the first set's docstrings too.
     alone = list(stage.code_records(("jinja2",)))
     assert {r["id"] for r in second} <= {r["id"] for r in alone}
+
+
+def test_a_function_named_as_a_humaneval_function_is_left_out_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stage = _bench_module("stage_prompts")
+    package = tmp_path / "algos"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    doc = '    """{what}, as the caller asks for it and explains in the arguments given."""\n'
+    (package / "strings.py").write_text(
+        "def is_palindrome(text):\n" + doc.format(what="Whether text reads the same both ways")
+        + "def reverse_words(text):\n" + doc.format(what="The words of text in reverse order")
+        + "class Stats:\n    def median(self, xs):\n" + "    " + doc.format(what="The middle value of xs")
+    )  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = stage.humaneval_function_names()
+    assert {"is_palindrome", "median", "has_close_elements"} <= names
+    assert len(names) == 158  # HumanEval's 164 problems ask for 158 distinct function names
+    left_out: Counter[str] = Counter()
+    records = list(stage.code_records(("algos",), banned_names=names, left_out=left_out))
+    assert [r["id"] for r in records] == ["code-algos.strings.reverse_words"]
+    assert left_out == Counter({"algos": 2})
+    # Without the names, all three come.
+    assert len(list(stage.code_records(("algos",)))) == 3
+
+
+def test_package_groups_expand_each_package_once() -> None:
+    stage = _bench_module("stage_prompts")
+    assert stage.expand_packages("default")[:2] == ("stdlib", "numpy")
+    assert stage.expand_packages("default,numpy,torch") == (*stage.expand_packages("default"), "torch")
+    four = stage.expand_packages("code-4,torch")
+    assert four[0] == "algorithms"
+    assert four[-1] == "torch"
+    assert len(four) == len(set(four)) == len(stage.CODE_4_PACKAGES) + 1
+    assert stage.expand_packages("") == ()
