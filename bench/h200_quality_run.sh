@@ -35,6 +35,9 @@
 #   EVAL_VARIANTS  best (the default) or all: every variant evaluated, side by side on the GPU (τ compares;
 #               the speedups of evals sharing the GPU do not)
 #   CODECS      the caches generate writes (default: "default"; "default,fp8" for the fp8 variant too)
+#   KEEP_FREE_GB  generate's --keep-free-gb (6): it stops handing out jobs below that much free disk, so that
+#               training's checkpoints, exports and compile cache find room (≈ 3 GB still land after the
+#               stop at fp8's ≈ 300 MB/s over a 10 s commit interval)
 # The regenerated answers come back gzipped in /tmp/q/report/answers-NN.jsonl.gz (≤ 15 MiB each): kept in
 # bench/answers/ (bench/stage_prompts.py stages them into /tmp/stage/), regenerate resumes from them
 # instead of answering them again.
@@ -66,7 +69,7 @@ exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz -
   --budget-s "${BUDGET_S:-1320}" --regen-bench-s 0 \
   --regen-args "--max-new-tokens ${MAX_NEW:-256} --max-prompt-tokens 1536 --batch-size 1024 --max-batch-tokens ${MAX_BATCH_TOKENS:-8192}${PREFILL_WAIT:+ --prefill-wait $PREFILL_WAIT}" \
   --regen-skip "${REGEN_SKIP:-0}" --regen-limit "${REGEN_LIMIT:-12000}" --regen-s "${REGEN_S:-360}" "${code[@]}" "${extra[@]}" \
-  --gen-args "--max-len 2048 --too-long truncate" --gen-s "${GEN_S:-140}" --codecs "${CODECS:-default}" \
+  --gen-args "--max-len 2048 --too-long truncate --keep-free-gb ${KEEP_FREE_GB:-6}" --gen-s "${GEN_S:-140}" --codecs "${CODECS:-default}" \
   --variants "${VARIANTS:-{\"landed\": \"\"\}}" --eval-variants "${EVAL_VARIANTS:-best}" --train-args "--val-every ${VAL_EVERY:-100} --log-every 10 --val-group ${VAL_GROUP:-root-id} --val-samples ${VAL_SAMPLES:-200}" \
   --train-s "${TRAIN_S:-440}" --calibrate-s 120 --expected-steps-per-s "${STEPS_PER_S:-2.5}" \
   --eval-args "--bench all --limit 20 --max-new-tokens 256" \

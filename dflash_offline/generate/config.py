@@ -91,6 +91,15 @@ class GenerateConfig:
         DEFAULT_FLUSH_BYTES, min=1, help="...or once this many raw bytes of samples wait uncommitted."
     )
     """...or once this many raw bytes of samples wait uncommitted (what a kill can lose)."""
+    keep_free_gb: float = cli_field(
+        0.0,
+        min=0,
+        help="Stop handing out jobs once the cache's file system has less than this many GB free, so that "
+        "what runs next (training's checkpoints and exports) still has room: the jobs in flight are written "
+        "and committed, the run ends `interrupted` saying why, and rerunning the same command with more "
+        "space resumes. 0: off (a full disk then fails the run; what was committed is kept).",
+    )
+    """Free space (10^9 bytes) the planner leaves on the cache's file system (``feed.Planner``)."""
     dtype: str | None = cli_field(None, cli=DTYPE)
     """``float32`` / ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
     placement: Placement = cli_field(Placement(), cli=PLACEMENT)

@@ -5,8 +5,11 @@ the cache already held (the resume's ``skipped_already_done``) and stops on requ
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 from dflash_offline.cache.layout import create_or_open_cache
 from dflash_offline.cache.manifest import records_to_table, write_part
@@ -88,8 +91,31 @@ class FailureLog:
         self.count += len(rows)
 
 
+def free_bytes(path: Path) -> int:
+    """Bytes free for this process on ``path``'s file system."""
+    return shutil.disk_usage(path).free
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LowSpace:
+    """Why the planner stopped before the plan's end: the cache's file system ran low (``--keep-free-gb``)."""
+
+    free_bytes: int
+    keep_free_bytes: int
+
+    @property
+    def message(self) -> str:
+        return (
+            f"stopped handing out jobs with {self.free_bytes / 1e9:.2f} GB free on the cache's file system, "
+            f"below --keep-free-gb {self.keep_free_bytes / 1e9:g}: the committed samples are kept; free "
+            "space and rerun the same command to resume"
+        )
+
+
 class Planner(threading.Thread):
-    """Feeds the job channel from the plan; records failures; stops on request. Errors are kept."""
+    """Feeds the job channel from the plan; records failures; stops on request, or before a job when the
+    cache's file system has less than ``--keep-free-gb`` free (``low_space`` then says so: the workers
+    finish the jobs already handed out). Errors are kept."""
 
     def __init__(self, ctx: RunContext, channel: JobChannel, stop: threading.Event, num_workers: int) -> None:
         super().__init__(name="planner", daemon=True)
@@ -103,8 +129,10 @@ class Planner(threading.Thread):
         self.planned_tokens = 0
         self.skipped = 0
         self.done = False
+        self.low_space: LowSpace | None = None
 
     def run(self) -> None:
+        keep_free = int(self._ctx.config.keep_free_gb * 1e9)
         try:
             for event in plan_events(self._ctx):
                 if self.stop_requested.is_set():
@@ -114,6 +142,9 @@ class Planner(threading.Thread):
                 job = event.job
                 if job is None:
                     continue
+                if keep_free and (free := free_bytes(self._ctx.config.cache_dir)) < keep_free:
+                    self.low_space = LowSpace(free_bytes=free, keep_free_bytes=keep_free)
+                    break
                 self.skipped += len(job.samples) - job.num_new_samples
                 self.planned_samples += job.num_new_samples
                 self.planned_tokens += sum(
@@ -122,7 +153,7 @@ class Planner(threading.Thread):
                 while not self._channel.try_put(job, timeout=0.5):
                     if self.stop_requested.is_set():
                         return
-            self.done = True
+            self.done = self.low_space is None
             self._channel.finish(self._num_workers)
         except BaseException as e:
             self.error = e

@@ -57,6 +57,8 @@ def format_summary(summary: GenerateSummary, *, cache_dir: str) -> str:
         f"({summary.tokens_per_second:,.0f} tok/s{after_startup}), {summary.stored_bytes / 1e9:.3f} GB "
         f"stored, {summary.failures} failures, {summary.skipped_already_done} already in the cache",
     ]
+    if summary.stopped_because:
+        lines.append(f"  {summary.stopped_because}")
     for w in summary.workers:
         t = w.timings
         lines.append(

@@ -72,6 +72,9 @@ class GenerateSummary:
     skipped_already_done: int
     """Samples of the plan the cache already held (resume)."""
     workers: tuple[WorkerFinished, ...]
+    stopped_because: str = ""
+    """Why a run that ended ``interrupted`` without Ctrl-C stopped early (``--keep-free-gb``); empty
+    otherwise."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -332,9 +335,13 @@ def _run_locked(
     planner = Planner(ctx, workers.channel, threading.Event(), group.num_workers)
     tally = _Tally()
     status, error = _watch(ctx, workers, planner, tally, on_event)
+    low_space = planner.low_space.message if planner.low_space is not None else ""
+    if status == "finished" and low_space:
+        status = "interrupted"
     summary = GenerateSummary(
         run_id=ctx.run_id,
         status=status,
+        stopped_because=low_space if status == "interrupted" else "",
         samples_committed=sum(f.stats.samples for f in tally.finished.values()) or tally.samples,
         tokens_committed=sum(f.stats.tokens for f in tally.finished.values()) or tally.tokens,
         failures=tally.failures + planner.failure_log.count,
@@ -439,7 +446,7 @@ def _record_end(
                 status=summary.status,
                 num_workers=num_workers,
                 summary=summary,
-                error="" if error is None else f"{type(error).__name__}: {error}",
+                error=summary.stopped_because if error is None else f"{type(error).__name__}: {error}",
             ),
         )
         if config.build_index and not isinstance(error, NoSpaceError):

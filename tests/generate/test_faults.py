@@ -208,6 +208,38 @@ def test_disk_full_is_one_line_and_the_cache_resumes_to_the_uninterrupted_result
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+def test_keep_free_stops_a_run_on_a_small_disk_and_the_rerun_completes(
+    tmp_path: Path, reference: tuple[Path, Path]
+) -> None:
+    data, ref = reference
+    mount = tmp_path / "small"
+    # 64 MB, of which the run must leave 60: committing every job (--flush-seconds 0, many small files)
+    # it stops handing out jobs once 4 MB are used, writes those handed out and ends, exit 0.
+    if not _mount_tmpfs(mount, "64m"):
+        pytest.skip("needs root and permission to mount a tmpfs (mount -t tmpfs) for a small disk")
+    try:
+        cache = mount / "cache"
+        cmd = generate_cmd(cache, data, "--flush-seconds", "0")
+        stopped = subprocess.run(
+            [*cmd, "--keep-free-gb", "0.06"], capture_output=True, text=True, timeout=600
+        )
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert ": interrupted in " in stopped.stdout
+        assert "GB free on the cache's file system, below --keep-free-gb 0.06:" in stopped.stdout
+        committed = read_table(cache, "samples").num_rows
+        assert 0 < committed < NUM_RECORDS
+        assert verify_cache(cache, progress=False).ok
+        # Given room and no reserve, the same command resumes and completes the cache.
+        remount = ["mount", "-o", "remount,size=256m", str(mount)]
+        subprocess.run(remount, check=True, capture_output=True)
+        final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert final.returncode == 0, final.stdout + final.stderr
+        assert f"{committed} already in the cache" in final.stdout
+        _assert_equal_caches(ref, cache)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline.cache.manifest import read_table
+from dflash_offline.cache.manifest import read_runs, read_table
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.data.sources import iter_records
 from dflash_offline.data.template import tokenize_conversation
@@ -206,3 +206,41 @@ def test_failing_worker_stops_the_run_with_its_traceback(
     summary = run_generate(replace(config, placement=Placement(num_cpu_workers=1, threads_per_worker=1)))
     assert summary.status == "finished"
     assert read_table(tmp_path / "cache", "samples").num_rows == 60
+
+
+def test_a_run_stops_before_the_disk_fills_and_its_rerun_completes_the_same_cache(
+    generated: TinyCache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cache's file system reports 5 GB free for the first two jobs, then 0.4 GB: below
+    # --keep-free-gb 1, the planner hands out no more jobs; those handed out are written.
+    checks: list[Path] = []
+
+    def free_bytes(path: Path) -> int:
+        checks.append(path)
+        return 5_000_000_000 if len(checks) <= 2 else 400_000_000
+
+    monkeypatch.setattr("dflash_offline.generate.feed.free_bytes", free_bytes)
+    root = tmp_path / "cache"
+    summary = run_generate(tiny_config(root, generated.data, keep_free_gb=1.0))
+    reference = _all_samples(generated.root)
+    assert summary.status == "interrupted"
+    assert "0.40 GB free" in summary.stopped_because
+    assert "below --keep-free-gb 1:" in summary.stopped_because
+    assert checks[0] == root
+    assert 0 < summary.samples_committed < len(reference)
+    assert summary.stopped_because in format_summary(summary, cache_dir=str(root))
+    (run,) = read_runs(root)
+    assert (run.status, run.error) == ("interrupted", summary.stopped_because)
+    # With space again (no reserve asked), the same command resumes: the cache then holds every sample
+    # of a run never stopped, bit for bit.
+    resumed = run_generate(tiny_config(root, generated.data))
+    assert resumed.status == "finished"
+    assert resumed.skipped_already_done == summary.samples_committed
+    stopped_then_resumed = _all_samples(root)
+    assert set(stopped_then_resumed) == set(reference)
+    for sample_id, (ids, mask, features, bucket) in reference.items():
+        ids2, mask2, features2, bucket2 = stopped_then_resumed[sample_id]
+        assert np.array_equal(ids, ids2)
+        assert np.array_equal(mask, mask2)
+        assert bucket == bucket2
+        assert torch.equal(features.view(torch.int16), features2.view(torch.int16))
