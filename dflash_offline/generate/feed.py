@@ -14,8 +14,10 @@ from pathlib import Path
 from dflash_offline.cache.layout import create_or_open_cache
 from dflash_offline.cache.manifest import records_to_table, write_part
 from dflash_offline.cache.rows import FailureRow, utc_now
+from dflash_offline.config_fields import flag
 from dflash_offline.data.conversations import SourceFailure
 from dflash_offline.generate.channel import JobChannel
+from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
 
@@ -105,10 +107,11 @@ class LowSpace:
 
     @property
     def message(self) -> str:
+        option = flag(GenerateConfig, "keep_free_gb")
         return (
             f"stopped handing out jobs with {self.free_bytes / 1e9:.2f} GB free on the cache's file system, "
-            f"below --keep-free-gb {self.keep_free_bytes / 1e9:g}: the committed samples are kept; free "
-            "space and rerun the same command to resume"
+            f"below {option} {self.keep_free_bytes / 1e9:g}: the committed samples are kept; free space and "
+            "rerun the same command to resume"
         )
 
 
