@@ -208,6 +208,7 @@ def test_disk_full_is_one_line_and_the_cache_resumes_to_the_uninterrupted_result
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_keep_free_stops_a_run_on_a_small_disk_and_the_rerun_completes(
     tmp_path: Path, reference: tuple[Path, Path]
 ) -> None:
