@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -164,14 +165,21 @@ def test_a_second_generate_into_the_same_cache_is_refused_and_the_first_is_unhar
     assert not (cache / "lock").exists()  # released at the end
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
+@contextlib.contextmanager
+def _small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` while the block runs (the test skipped where it cannot be)."""
     path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    return done.returncode == 0
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("needs root and permission to mount a tmpfs (mount -t tmpfs) for a small disk")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _resize(mount: Path, size: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(mount)], check=True, capture_output=True)
 
 
 @pytest.mark.slow
@@ -180,10 +188,7 @@ def test_disk_full_is_one_line_and_the_cache_resumes_to_the_uninterrupted_result
     tmp_path: Path, reference: tuple[Path, Path]
 ) -> None:
     data, ref = reference
-    mount = tmp_path / "small"
-    if not _mount_tmpfs(mount, "600k"):
-        pytest.skip("needs root and permission to mount a tmpfs (mount -t tmpfs) for a small disk")
-    try:
+    with _small_disk(tmp_path / "small", "600k") as mount:
         cache = mount / "cache"
         cmd = generate_cmd(cache, data, "--flush-seconds", "0")
         full = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -199,13 +204,10 @@ def test_disk_full_is_one_line_and_the_cache_resumes_to_the_uninterrupted_result
         ], full.stderr
         assert read_table(cache, "samples").num_rows < NUM_RECORDS
         assert verify_cache(cache, progress=False).ok
-        remount = ["mount", "-o", "remount,size=64m", str(mount)]
-        subprocess.run(remount, check=True, capture_output=True)
+        _resize(mount, "64m")
         final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert final.returncode == 0, final.stdout + final.stderr
         _assert_equal_caches(ref, cache)
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 @pytest.mark.slow
@@ -213,12 +215,9 @@ def test_keep_free_stops_a_run_on_a_small_disk_and_the_rerun_completes(
     tmp_path: Path, reference: tuple[Path, Path]
 ) -> None:
     data, ref = reference
-    mount = tmp_path / "small"
     # 64 MB, of which the run must leave 60: committing every job (--flush-seconds 0, many small files)
     # it stops handing out jobs once 4 MB are used, writes those handed out and ends, exit 0.
-    if not _mount_tmpfs(mount, "64m"):
-        pytest.skip("needs root and permission to mount a tmpfs (mount -t tmpfs) for a small disk")
-    try:
+    with _small_disk(tmp_path / "small", "64m") as mount:
         cache = mount / "cache"
         cmd = generate_cmd(cache, data, "--flush-seconds", "0")
         stopped = subprocess.run(
@@ -231,14 +230,11 @@ def test_keep_free_stops_a_run_on_a_small_disk_and_the_rerun_completes(
         assert 0 < committed < NUM_RECORDS
         assert verify_cache(cache, progress=False).ok
         # Given room and no reserve, the same command resumes and completes the cache.
-        remount = ["mount", "-o", "remount,size=256m", str(mount)]
-        subprocess.run(remount, check=True, capture_output=True)
+        _resize(mount, "256m")
         final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert final.returncode == 0, final.stdout + final.stderr
         assert f"{committed} already in the cache" in final.stdout
         _assert_equal_caches(ref, cache)
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 @pytest.mark.parametrize(
@@ -303,10 +299,7 @@ def test_index_write_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
     import shutil
 
     golden = Path(__file__).resolve().parents[1] / "assets" / "golden_cache" / "v1"
-    mount = tmp_path / "small"
-    if not _mount_tmpfs(mount, "8m"):
-        pytest.skip("needs root and permission to mount a tmpfs (mount -t tmpfs) for a small disk")
-    try:
+    with _small_disk(tmp_path / "small", "8m") as mount:
         cache = mount / "cache"
         shutil.copytree(golden, cache)
         fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)  # fill the disk up
@@ -322,5 +315,3 @@ def test_index_write_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
         (mount / "filler").unlink()
         again = CliRunner().invoke(main, ["index", str(cache)])
         assert again.exit_code == 0, again.output
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

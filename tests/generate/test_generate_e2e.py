@@ -39,6 +39,19 @@ def _all_samples(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray, torch.Te
         reader.close()
 
 
+def _assert_same_samples(reference: Path, cache: Path) -> None:
+    """Every sample of ``reference`` is in ``cache``, and no other: the same ids, mask and bucket, and the
+    same features bit for bit."""
+    want, got = _all_samples(reference), _all_samples(cache)
+    assert set(got) == set(want)
+    for sample_id, (ids, mask, features, bucket) in want.items():
+        ids2, mask2, features2, bucket2 = got[sample_id]
+        assert np.array_equal(ids, ids2)
+        assert np.array_equal(mask, mask2)
+        assert bucket == bucket2
+        assert torch.equal(features.view(torch.int16), features2.view(torch.int16)), sample_id
+
+
 @pytest.fixture(scope="module")
 def generated(tiny_caches: TinyCaches) -> TinyCache:
     """The shared cache of 60 chat records and its data (``chat_data``'s shape)."""
@@ -116,14 +129,7 @@ def test_two_workers_write_the_same_samples_as_one(
     assert set(read_table(root, "samples").column("worker").to_pylist()) == {0, 1}
     # Which worker took which job depends on timing; the content must not: each sample is computed
     # in the batch it was planned in.
-    one, two = _all_samples(tiny_cache), _all_samples(root)
-    assert set(one) == set(two)
-    for sample_id, (ids, mask, features, bucket) in one.items():
-        ids2, mask2, features2, bucket2 = two[sample_id]
-        assert np.array_equal(ids, ids2)
-        assert np.array_equal(mask, mask2)
-        assert bucket == bucket2
-        assert torch.equal(features.view(torch.int16), features2.view(torch.int16))
+    _assert_same_samples(tiny_cache, root)
 
 
 def test_summary_tells_start_up_from_the_capture_rate(
@@ -222,12 +228,12 @@ def test_a_run_stops_before_the_disk_fills_and_its_rerun_completes_the_same_cach
     monkeypatch.setattr("dflash_offline.generate.feed.free_bytes", free_bytes)
     root = tmp_path / "cache"
     summary = run_generate(tiny_config(root, generated.data, keep_free_gb=1.0))
-    reference = _all_samples(generated.root)
+    num_samples = len(_all_samples(generated.root))
     assert summary.status == "interrupted"
     assert "0.40 GB free" in summary.stopped_because
     assert "below --keep-free-gb 1:" in summary.stopped_because
     assert checks[0] == root
-    assert 0 < summary.samples_committed < len(reference)
+    assert 0 < summary.samples_committed < num_samples
     assert summary.stopped_because in format_summary(summary, cache_dir=str(root))
     (run,) = read_runs(root)
     assert (run.status, run.error) == ("interrupted", summary.stopped_because)
@@ -236,11 +242,4 @@ def test_a_run_stops_before_the_disk_fills_and_its_rerun_completes_the_same_cach
     resumed = run_generate(tiny_config(root, generated.data))
     assert resumed.status == "finished"
     assert resumed.skipped_already_done == summary.samples_committed
-    stopped_then_resumed = _all_samples(root)
-    assert set(stopped_then_resumed) == set(reference)
-    for sample_id, (ids, mask, features, bucket) in reference.items():
-        ids2, mask2, features2, bucket2 = stopped_then_resumed[sample_id]
-        assert np.array_equal(ids, ids2)
-        assert np.array_equal(mask, mask2)
-        assert bucket == bucket2
-        assert torch.equal(features.view(torch.int16), features2.view(torch.int16))
+    _assert_same_samples(generated.root, root)
