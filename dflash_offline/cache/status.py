@@ -139,7 +139,7 @@ def cache_status(root: str | Path) -> CacheStatus:
         )
         last = (
             con.cursor()
-            .execute("SELECT run_id, command, status FROM runs ORDER BY started_at DESC LIMIT 1")
+            .execute("SELECT run_id, command, status, error FROM runs ORDER BY started_at DESC LIMIT 1")
             .fetchall()
         )
     finally:
@@ -163,6 +163,13 @@ def cache_status(root: str | Path) -> CacheStatus:
         buckets=buckets,
         failures=failures,
         duplicates=int(duplicates),
-        last_run=" ".join(str(v) for v in last[0]) if last else "none",
+        last_run=_run_line(*last[0]) if last else "none",
         index=index,
     )
+
+
+def _run_line(run_id: str, command: str, status: str, error: str | None) -> str:
+    """``generate-… generate finished``; a run that did not finish says why, when it recorded why."""
+    line = f"{run_id} {command} {status}"
+    why = (error or "").rstrip(": ")  # a bare exception's name ends in ": " (``KeyboardInterrupt: ``)
+    return f"{line}: {why}" if why and status != "finished" else line

@@ -110,8 +110,8 @@ class LowSpace:
         option = flag(GenerateConfig, "keep_free_gb")
         return (
             f"stopped handing out jobs with {self.free_bytes / 1e9:.2f} GB free on the cache's file system, "
-            f"below {option} {self.keep_free_bytes / 1e9:g}: the committed samples are kept; free space and "
-            "rerun the same command to resume"
+            f"below {option} {self.keep_free_bytes / 1e9:.12g}: the committed samples are kept; free space "
+            "and rerun the same command to resume"
         )
 
 

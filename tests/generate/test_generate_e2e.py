@@ -13,6 +13,7 @@ import torch
 
 from dflash_offline.cache.manifest import read_runs, read_table
 from dflash_offline.cache.reader import CacheReader
+from dflash_offline.cache.status import cache_status
 from dflash_offline.data.sources import iter_records
 from dflash_offline.data.template import tokenize_conversation
 from dflash_offline.errors import FingerprintMismatchError, WorkerError
@@ -237,6 +238,7 @@ def test_a_run_stops_before_the_disk_fills_and_its_rerun_completes_the_same_cach
     assert summary.stopped_because in format_summary(summary, cache_dir=str(root))
     (run,) = read_runs(root)
     assert (run.status, run.error) == ("interrupted", summary.stopped_because)
+    assert cache_status(root).last_run == f"{run.run_id} generate interrupted: {summary.stopped_because}"
     # With space again (no reserve asked), the same command resumes: the cache then holds every sample
     # of a run never stopped, bit for bit.
     resumed = run_generate(tiny_config(root, generated.data))
