@@ -60,6 +60,39 @@ def last_validation(run_dir: Path) -> dict | None:
     return rows[-1] if rows else None
 
 
+def validate_as_is(
+    drafter: Path,
+    cache: Path,
+    out: Path,
+    log: Path,
+    *,
+    val_samples: int,
+    tokens_per_microbatch: int = 4096,
+    num_anchors: int = 256,
+    chain_tokens: int = 256,
+    fresh: bool = False,
+) -> dict:
+    """The drafter's own validation on ``val_samples`` of ``cache`` (``dflash train --init-from DRAFTER --lr
+    1e-12 --max-steps 1``: module docstring), run into ``out`` unless ``out`` holds one already (``fresh``:
+    run again); its metrics line."""
+    if fresh or last_validation(out) is None:
+        shutil.rmtree(out, ignore_errors=True)
+        run(
+            dflash("train", "--cache", str(cache), "--out", str(out), "--target", "default",
+                   "--init-from", str(drafter), "--lr", "1e-12", "--max-steps", "1",
+                   "--val-samples", str(val_samples), "--val-group", "sample", "--val-every", "1",
+                   "--val-chain-tokens", str(chain_tokens),
+                   "--tokens-per-microbatch", str(tokens_per_microbatch), "--num-anchors", str(num_anchors),
+                   "--compile", "off", "--no-tensorboard", "--no-progress"),
+            log,
+        )  # fmt: skip
+    else:
+        print(f"{out} validated already")
+    result = last_validation(out)
+    assert result is not None
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", type=Path, required=True, help="an exported drafter (RUN/drafter)")
@@ -83,21 +116,10 @@ def main() -> None:
             args.work / f"generate-{name}.log",
         )  # fmt: skip
         out = args.work / f"run-{name}"
-        if args.fresh or last_validation(out) is None:
-            shutil.rmtree(out, ignore_errors=True)
-            run(
-                dflash("train", "--cache", str(cache), "--out", str(out), "--target", "default",
-                       "--init-from", str(args.drafter), "--lr", "1e-12", "--max-steps", "1",
-                       "--val-samples", str(args.val_samples), "--val-group", "sample", "--val-every", "1",
-                       "--tokens-per-microbatch", str(args.tokens_per_microbatch),
-                       "--num-anchors", str(args.num_anchors), "--compile", "off", "--no-tensorboard",
-                       "--no-progress"),
-                args.work / f"train-{name}.log",
-            )  # fmt: skip
-        else:
-            print(f"{name}: {out} validated already (--fresh validates again)")
-        result = last_validation(out)
-        assert result is not None
+        result = validate_as_is(
+            args.drafter, cache, out, args.work / f"train-{name}.log", val_samples=args.val_samples,
+            tokens_per_microbatch=args.tokens_per_microbatch, num_anchors=args.num_anchors, fresh=args.fresh,
+        )  # fmt: skip
         results[name] = result
         splits[name] = validation_ids_of_run(out)
         print(f"{name}: validated ({result['val_num_samples']} samples, {result['val_seconds']:.0f} s)")

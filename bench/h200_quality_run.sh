@@ -37,7 +37,7 @@
 #   CODECS      the caches generate writes (default: "default"; "default,fp8" for the fp8 variant too)
 #   KEEP_FREE_GB  generate's --keep-free-gb (6): it stops handing out jobs below that much free disk, so that
 #               training's checkpoints, exports and compile cache find room (≈ 3 GB still land after the
-#               stop at fp8's ≈ 300 MB/s over a 10 s commit interval)
+#               stop, estimated: ≈ 300 MB/s at 100k tok/s of fp8's 2.98 KB a token, over a 10 s commit interval)
 # The regenerated answers come back gzipped in /tmp/q/report/answers-NN.jsonl.gz (≤ 15 MiB each): kept in
 # bench/answers/ (bench/stage_prompts.py stages them into /tmp/stage/), regenerate resumes from them
 # instead of answering them again.

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fp8_validation import dflash, last_validation, run  # noqa: E402
+from fp8_validation import dflash, run, validate_as_is  # noqa: E402
 
 
 def eval_sets(report: Path) -> dict[str, dict]:
@@ -62,18 +61,10 @@ def main() -> None:
                "--max-len", "2048", "--too-long", "truncate", "--no-progress"),
         args.work / "generate.log",
     )  # fmt: skip
-    if last_validation(out) is None:
-        shutil.rmtree(out, ignore_errors=True)
-        run(
-            dflash("train", "--cache", str(cache), "--out", str(out), "--target", "default",
-                   "--init-from", str(args.drafter), "--lr", "1e-12", "--max-steps", "1",
-                   "--val-samples", str(args.val_samples), "--val-group", "sample", "--val-every", "1",
-                   "--val-chain-tokens", str(args.max_new_tokens), "--tokens-per-microbatch", "4096",
-                   "--num-anchors", "256", "--compile", "off", "--no-tensorboard", "--no-progress"),
-            args.work / "train.log",
-        )  # fmt: skip
-    validation = last_validation(out)
-    assert validation is not None
+    validation = validate_as_is(
+        args.drafter, cache, out, args.work / "train.log", val_samples=args.val_samples,
+        chain_tokens=args.max_new_tokens,
+    )  # fmt: skip
     common = ["--drafter", str(out / "drafter"), "--target", "default", "--limit", str(args.limit),
               "--max-new-tokens", str(args.max_new_tokens), "--no-progress"]  # fmt: skip
     reports = {"standard": (["--bench", f"validation,{args.bench}"], args.work / "eval-standard.json")}
