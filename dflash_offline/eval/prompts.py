@@ -162,7 +162,7 @@ def _own_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | 
         return _without_training_cache(cache_dir, drafter_dir=drafter_dir, inferred=inferred)
     fingerprint = read_fingerprint(cache_dir)
     committed = committed_sample_ids(cache_dir)
-    source = source_name(data)
+    source = _prompt_source(data)
     run_dir = run_dir_of(drafter_dir)
     split = split_of_run(run_dir) if run_dir is not None else None
     # Samples of the cache the drafter's run never trained on: its validation split, the samples its
@@ -187,7 +187,7 @@ def _own_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | 
     ids = set(committed) | all_origins
     if all_origins:
         note += f" and the {len(all_origins)} records its regenerated data was answered from"
-    elif fingerprint.data_source != source:
+    elif source is not None and fingerprint.data_source != source:
         note += (
             f"; that cache was generated from {fingerprint.data_source!r}, these prompts come from "
             f"{source!r}, so no id can match: held out by source"
@@ -206,6 +206,20 @@ def _own_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | 
         note=note,
         excluded_roots=frozenset(trained_roots),
     )
+
+
+def _prompt_source(data: str | Path | None) -> str | None:
+    """The source name of the sharegpt set's prompts; None when ``data`` is the embedded ShareGPT file and
+    its package is not installed: only the sharegpt set reads that file, and it says so itself, so a
+    HumanEval or MT-Bench eval needs neither."""
+    from dflash_offline.errors import DataError
+
+    try:
+        return source_name(data)
+    except DataError:
+        if data is None or str(data) == "default":
+            return None
+        raise
 
 
 def _without_training_cache(cache_dir: Path | None, *, drafter_dir: Path, inferred: bool) -> HeldOut:

