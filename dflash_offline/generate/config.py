@@ -108,6 +108,9 @@ class GenerateConfig:
     """Merge the manifest into index.duckdb at the end."""
     writer_queue_depth: int = 3
     """Captured batches in flight between a worker's forward loop and its writer thread."""
+    plan_read_ahead: bool = True
+    """The planner tokenizes the next window on a thread while this one's jobs are handed out
+    (``plan.plan_jobs``); False only to measure what that is worth (``bench/generate.py``)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

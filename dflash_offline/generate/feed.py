@@ -54,6 +54,7 @@ def plan_events(ctx: RunContext) -> Iterator[PlanEvent]:
             seed=config.seed,
         ),
         is_done=ctx.done_ids.__contains__,
+        read_ahead=config.plan_read_ahead,
     )
 
 

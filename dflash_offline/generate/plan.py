@@ -6,8 +6,9 @@ same batch it was planned in, and a resumed cache holds the bytes an uninterrupt
 written (batch composition changes matmul shapes, and with them the low bits of the features).
 
 Records stream through in windows of ``window_records`` data-set records; each window is tokenized,
-bucketed, packed and shuffled on its own, so memory stays bounded and workers start on the first
-window while later ones are still being tokenized.
+bucketed, packed and shuffled on its own, so memory stays bounded. A thread tokenizes the next window
+while the current one's jobs are handed out (``plan_jobs(read_ahead=True)``): without it the workers
+waited for every window's tokenizing (≈ 10 s a window of 8,192 records; 65 s of a 213 s run on an H100).
 
 Shape legend: T = tokens of one sample.
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -134,26 +137,84 @@ def plan_jobs(
     config: PlanConfig,
     *,
     is_done: Callable[[str], bool] = lambda _sample_id: False,
+    read_ahead: bool = False,
 ) -> Iterator[PlanEvent]:
     """Stream the plan: for each window of records, its failures, then its shuffled jobs.
 
     Jobs whose samples are all done are not yielded, only counted (they still take their job index,
     so that indices never depend on the resume state). ``is_done(sample_id)`` answers from the manifest;
-    failures of samples already recorded as failed are not reported twice."""
+    failures of samples already recorded as failed are not reported twice. ``read_ahead``: read and
+    tokenize the next window on a thread of its own while this one's events are consumed (the same
+    events, in the same order; ``records`` and ``tokenize`` then run on that thread)."""
     if config.tokens_per_batch <= 0 or config.max_batch_size <= 0 or config.window_records <= 0:
         raise ConfigError("tokens_per_batch, max_batch_size and window_records must be positive")
-    remaining = iter(records)
-    seen_ids: set[str] = set()
+    windows = _windows_ahead if read_ahead else _windows
     next_job_index = 0
-    for window_index in itertools.count():
-        window = _read_window(remaining, tokenize, config, seen_ids)
-        if not window.records_read:
-            return
+    for window_index, window in enumerate(windows(records, tokenize, config)):
         fresh_failures = tuple(f for f in window.failures if not is_done(f.sample_id))
         yield PlanEvent(failures=fresh_failures, records_read=window.records_read)
         batches = _pack_window(window.samples, config)
         yield from _window_jobs(batches, config, window_index, next_job_index, is_done)
         next_job_index += len(batches)
+
+
+def _windows(
+    records: Iterable[Conversation | SourceFailure], tokenize: Tokenize, config: PlanConfig
+) -> Iterator[_Window]:
+    """The records' windows in order, each tokenized when it is asked for; none once they run out."""
+    remaining = iter(records)
+    seen_ids: set[str] = set()
+    while (window := _read_window(remaining, tokenize, config, seen_ids)).records_read:
+        yield window
+
+
+def _windows_ahead(
+    records: Iterable[Conversation | SourceFailure], tokenize: Tokenize, config: PlanConfig
+) -> Iterator[_Window]:
+    """``_windows``, with the next window read on a thread while the caller works on this one. An error
+    of the thread is raised here, in order; closing this generator stops the thread within a record."""
+    ready: queue.Queue[tuple[str, object]] = queue.Queue(maxsize=1)
+    closed = threading.Event()
+
+    def hand_over(kind: str, value: object) -> bool:
+        while not closed.is_set():
+            try:
+                ready.put((kind, value), timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def until_closed() -> Iterator[Conversation | SourceFailure]:
+        for record in records:
+            if closed.is_set():
+                return
+            yield record
+
+    def read() -> None:
+        try:
+            for window in _windows(until_closed(), tokenize, config):
+                if not hand_over("window", window):
+                    return
+            hand_over("end", None)
+        except BaseException as e:  # raised again in the consumer's thread
+            hand_over("error", e)
+
+    thread = threading.Thread(target=read, name="plan-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = ready.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                assert isinstance(value, BaseException)
+                raise value
+            assert isinstance(value, _Window)
+            yield value
+    finally:
+        closed.set()
+        thread.join()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

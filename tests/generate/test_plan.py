@@ -133,3 +133,88 @@ def test_duplicate_records_fail_as_duplicates() -> None:
     failures = [f for e in events for f in e.failures]
     assert [f.reason for f in failures] == ["duplicate_record"]
     assert sum(len(e.job.samples) for e in events if e.job) == 2
+
+
+def _event_key(event: object) -> tuple[object, ...]:
+    """What a plan event says, as comparable values (the samples' arrays by their ids and lengths)."""
+    job = event.job  # type: ignore[attr-defined]
+    return (
+        tuple((f.sample_id, f.reason) for f in event.failures),  # type: ignore[attr-defined]
+        event.records_read,  # type: ignore[attr-defined]
+        event.samples_already_done,  # type: ignore[attr-defined]
+        None
+        if job is None
+        else (job.job_index, job.window, job.bucket_id, _ids(job), job.already_done, job.padded_length),
+    )
+
+
+def test_read_ahead_plans_the_same_events_in_the_same_order() -> None:
+    rng = np.random.default_rng(4)
+    lengths = [int(n) for n in rng.integers(0, 70, size=230)]  # five windows, failures among them
+    records = [*_records(lengths), _conv(3, lengths[3])]  # and a repeated record
+    done = {f"s{i:04d}" for i in range(0, 230, 3)}
+    for is_done in (lambda _s: False, done.__contains__):
+        plain = [_event_key(e) for e in plan_jobs(records, _tokenize, CONFIG, is_done=is_done)]
+        ahead = [
+            _event_key(e) for e in plan_jobs(records, _tokenize, CONFIG, is_done=is_done, read_ahead=True)
+        ]
+        assert ahead == plain
+        assert sum(1 for key in plain if key[1]) == 5  # one event a window says how many records it read
+
+
+def test_read_ahead_tokenizes_the_next_window_while_this_ones_jobs_are_handed_out() -> None:
+    """The point of it: with the first window's first job in hand (and no more taken), the records of the
+    second window get tokenized; without read-ahead they are not until the first window's jobs are out."""
+    import threading
+
+    second_window = threading.Event()
+
+    def tokenize(conv: Conversation) -> TokenizedSample | SourceFailure:
+        if conv.source_index >= CONFIG.window_records:
+            second_window.set()
+        return _tokenize(conv)
+
+    lengths = [5 + (i * 7) % 50 for i in range(2 * CONFIG.window_records)]
+    for read_ahead in (False, True):
+        second_window.clear()
+        events = plan_jobs(_records(lengths), tokenize, CONFIG, read_ahead=read_ahead)
+        first_job = next(e.job for e in events if e.job is not None)
+        assert first_job.window == 0
+        assert second_window.wait(timeout=0.5 if not read_ahead else 30) is read_ahead
+        events.close()
+
+
+def test_read_ahead_raises_the_readers_error_in_order_and_stops_its_thread_when_closed() -> None:
+    import threading
+
+    def broken(conv: Conversation) -> TokenizedSample | SourceFailure:
+        if conv.source_index == CONFIG.window_records + 7:
+            raise ValueError("record 57 cannot be tokenized")
+        return _tokenize(conv)
+
+    lengths = [5 + (i * 7) % 50 for i in range(3 * CONFIG.window_records)]
+    seen_windows: list[int] = []
+
+    def consume() -> None:
+        for event in plan_jobs(_records(lengths), broken, CONFIG, read_ahead=True):
+            if event.job is not None:
+                seen_windows.append(event.job.window)
+
+    with pytest.raises(ValueError, match="record 57"):
+        consume()
+    assert seen_windows
+    assert set(seen_windows) == {0}  # the first window's jobs came out before the error
+    assert not [t for t in threading.enumerate() if t.name == "plan-read-ahead"]
+
+    read: list[int] = []
+
+    def records() -> object:
+        for record in _records(lengths * 100):
+            read.append(record.source_index)  # type: ignore[union-attr]
+            yield record
+
+    events = plan_jobs(records(), _tokenize, CONFIG, read_ahead=True)  # type: ignore[arg-type]
+    next(e for e in events if e.job is not None)
+    events.close()  # the consumer stops: so does the thread, long before the records run out
+    assert not [t for t in threading.enumerate() if t.name == "plan-read-ahead"]
+    assert len(read) <= 3 * CONFIG.window_records + 1
