@@ -125,12 +125,15 @@ class EvalConfig:
                 raise ConfigError(
                     f"{flag(EvalConfig, 'bench')} {list(self.bench)}: expected sets among {list(BENCHES)}"
                 )
-            if self.data is not None and "sharegpt" not in self.bench:
-                bench, data = flag(EvalConfig, "bench"), flag(EvalConfig, "data")
-                raise ConfigError(
-                    f"{data} {self.data} is only read by the sharegpt set; add it ({bench} sharegpt or "
-                    f"all) or leave {data} out"
-                )
+            # Options that only the sharegpt set reads: given without it, they would be ignored.
+            given = (("data", self.data is not None), ("skip", self.skip != 0))
+            for name, is_given in given:
+                if is_given and "sharegpt" not in self.bench:
+                    bench, option = flag(EvalConfig, "bench"), flag(EvalConfig, name)
+                    raise ConfigError(
+                        f"{option} {getattr(self, name)} is only read by the sharegpt set; add it ({bench} "
+                        f"sharegpt or all) or leave {option} out"
+                    )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -262,6 +262,37 @@ def test_layer_ids_are_refused_at_the_command_line_in_one_line(
     assert message in lines[0], result.output
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--bench", "humaneval", "--skip", "20"], "--skip 20 is only read by the sharegpt set"),
+        (
+            ["--bench", "mt-bench,validation", "--data", "x.jsonl"],
+            "--data x.jsonl is only read by the sharegpt set",
+        ),
+    ],
+)
+def test_eval_options_no_chosen_set_reads_are_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flags: list[str], message: str
+) -> None:
+    """`--skip` and `--data` choose the sharegpt set's records: without that set they would be ignored."""
+    _capture(monkeypatch, "dflash_offline.eval.run", "run_eval")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    result = CliRunner().invoke(main, ["eval", "--drafter", str(drafter), *flags])
+    assert result.exit_code == 1, result.output
+    assert not isinstance(result.exception, _Captured)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert message in lines[0], result.output
+    with_sharegpt = [
+        f.replace("humaneval", "humaneval,sharegpt").replace("validation", "sharegpt") for f in flags
+    ]
+    assert isinstance(
+        CliRunner().invoke(main, ["eval", "--drafter", str(drafter), *with_sharegpt]).exception, _Captured
+    )
+
+
 @pytest.mark.parametrize("engine", ["cb", "static"])
 def test_the_removed_regenerate_engines_are_click_s_invalid_choice(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: str
