@@ -110,7 +110,7 @@ class GenerateConfig:
     """Captured batches in flight between a worker's forward loop and its writer thread."""
     plan_read_ahead: bool = True
     """The planner tokenizes the next window on a thread while this one's jobs are handed out
-    (``plan.plan_jobs``); False only to measure what that is worth (``bench/generate.py``)."""
+    (``plan.plan_jobs``); False only to measure what that is worth (``bench/plan_read_ahead.py``)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -168,18 +168,27 @@ def _windows(
         yield window
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ReadAhead:
+    """What the read-ahead thread hands over: the next window, or the error that ended it; neither once
+    the records ran out."""
+
+    window: _Window | None = None
+    error: BaseException | None = None
+
+
 def _windows_ahead(
     records: Iterable[Conversation | SourceFailure], tokenize: Tokenize, config: PlanConfig
 ) -> Iterator[_Window]:
     """``_windows``, with the next window read on a thread while the caller works on this one. An error
     of the thread is raised here, in order; closing this generator stops the thread within a record."""
-    ready: queue.Queue[tuple[str, object]] = queue.Queue(maxsize=1)
+    ready: queue.Queue[_ReadAhead] = queue.Queue(maxsize=1)
     closed = threading.Event()
 
-    def hand_over(kind: str, value: object) -> bool:
+    def hand_over(item: _ReadAhead) -> bool:
         while not closed.is_set():
             try:
-                ready.put((kind, value), timeout=0.1)
+                ready.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
@@ -194,24 +203,19 @@ def _windows_ahead(
     def read() -> None:
         try:
             for window in _windows(until_closed(), tokenize, config):
-                if not hand_over("window", window):
+                if not hand_over(_ReadAhead(window=window)):
                     return
-            hand_over("end", None)
+            hand_over(_ReadAhead())
         except BaseException as e:  # raised again in the consumer's thread
-            hand_over("error", e)
+            hand_over(_ReadAhead(error=e))
 
     thread = threading.Thread(target=read, name="plan-read-ahead", daemon=True)
     thread.start()
     try:
-        while True:
-            kind, value = ready.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                assert isinstance(value, BaseException)
-                raise value
-            assert isinstance(value, _Window)
-            yield value
+        while (item := ready.get()).window is not None:
+            yield item.window
+        if item.error is not None:
+            raise item.error
     finally:
         closed.set()
         thread.join()
