@@ -84,7 +84,7 @@ class EvalConfig:
         f"held-out ones of ShareGPT / {flag(DATA)}.",
     )
     """Questions per set (an MT-Bench question decodes two turns)."""
-    skip: int = cli_field(0, cli=SKIP, help="Records to pass over first.")
+    skip: int = cli_field(0, cli=SKIP, help="Records of the sharegpt set's data to pass over first.")
     """Records of the data to pass over first."""
     max_new_tokens: int = cli_field(128, min=1)
     max_prompt_tokens: int = cli_field(2048, min=1, help="Longer prompts are passed over.")
@@ -126,13 +126,12 @@ class EvalConfig:
                     f"{flag(EvalConfig, 'bench')} {list(self.bench)}: expected sets among {list(BENCHES)}"
                 )
             # Options that only the sharegpt set reads: given without it, they would be ignored.
-            given = (("data", self.data is not None), ("skip", self.skip != 0))
-            for name, is_given in given:
-                if is_given and "sharegpt" not in self.bench:
-                    bench, option = flag(EvalConfig, "bench"), flag(EvalConfig, name)
+            given = ((flag(EvalConfig, "data"), self.data), (flag(EvalConfig, "skip"), self.skip or None))
+            for option, value in given:
+                if value is not None and "sharegpt" not in self.bench:
                     raise ConfigError(
-                        f"{option} {getattr(self, name)} is only read by the sharegpt set; add it ({bench} "
-                        f"sharegpt or all) or leave {option} out"
+                        f"{option} {value} is only read by the sharegpt set; add it "
+                        f"({flag(EvalConfig, 'bench')} sharegpt or all) or leave {option} out"
                     )
 
     def to_dict(self) -> dict[str, Any]:
