@@ -42,7 +42,8 @@
 #            `collect` as code-answers-new.jsonl.gz), Q_INIT_PARTS (a folder of an earlier
 #            drafter's parts, joined into /tmp/init/run-all for --init-from). The drafter of variant Q_KEEP
 #            (the first) is split for `dflash train --init-from` in a later session
-#            (bench/drafter_parts.sh), and `collect` brings its parts back.
+#            (bench/drafter_parts.sh), and `collect` brings its parts back. Q_EQUAL_STEPS=1: every variant
+#            trains the same number of steps (h200_quality.py --equal-steps).
 # REGEN_ARGS replaces regenerate's arguments (a CPU smoke test: --target random:tiny ... --batch-size 16).
 set -uo pipefail
 cmd=${1:?run SECONDS_LEFT, or collect}
@@ -207,7 +208,8 @@ if fits quality "${Q_MIN_S:-1200}"; then
   BUDGET_S=$budget REGEN_S=$regen REGEN_LIMIT=$chat GEN_S=$gen TRAIN_S=$train EVAL_S=$ev \
     CODE_LIMIT=${Q_CODE_LIMIT:-0} CODE_PROMPTS=${Q_CODE_PROMPTS:-/tmp/stage/code-prompts.jsonl.gz} \
     VAL_EVERY=${Q_VAL_EVERY:-200} STEPS_PER_S=${Q_STEPS_PER_S:-4.5} CODECS=$codecs \
-    VARIANTS=$variants EVAL_VARIANTS=${Q_EVAL_VARIANTS:-all} bash bench/h200_quality_run.sh
+    VARIANTS=$variants EVAL_VARIANTS=${Q_EVAL_VARIANTS:-all} EQUAL_STEPS=${Q_EQUAL_STEPS:-} \
+    bash bench/h200_quality_run.sh
   keep=${Q_KEEP:-$(python3 -c "import json, sys; print(next(iter(json.loads(sys.argv[1]))))" "$variants")}
   [ -f /tmp/q/run-"$keep"/drafter/config.json ] && bash bench/drafter_parts.sh split /tmp/q/run-"$keep" $R/drafter
 fi

@@ -438,6 +438,19 @@ def steps_that_fit(rate: float, seconds: float, val_every: int, val_s: float) ->
     return int(max(0.0, seconds) / per_step)
 
 
+def replanned_max_steps(first: int, fits: dict[str, int], *, equal_steps: bool) -> dict[str, int]:
+    """The variants to stop and resume after calibration, with their new ``--max-steps``; the others keep
+    ``first``. ``fits``: the steps each calibrated variant can reach by the deadline. Alone, a variant is
+    replanned only when ``first`` is more than 10 % off what fits it (a restart costs start-up and compile
+    again; a little long, the deadline's SIGINT ends it checkpointed). With ``equal_steps`` every variant
+    makes the same number: ``first`` while the slowest can reach it (the faster ones end early), else all of
+    them are replanned to what the slowest reaches."""
+    if equal_steps:
+        common = min(fits.values(), default=first)
+        return {} if common >= first else dict.fromkeys(fits, common)
+    return {name: steps for name, steps in fits.items() if abs(steps - first) > 0.1 * first}
+
+
 def flag_value(args: str, flag: str, default: int) -> int:
     """The integer value of ``flag`` in a flag string (``--val-every 100``), or ``default``."""
     tokens = shlex.split(args)
@@ -622,6 +635,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--calibrate-s", type=float, default=90, help="longest wait for every variant's first logged step"
+    )
+    ap.add_argument(
+        "--equal-steps",
+        action="store_true",
+        help="every variant trains the same number of steps (what the slowest reaches by the deadline): "
+        "for comparisons at equal steps, such as one cache codec against another",
     )
     ap.add_argument(
         "--expected-steps-per-s",
@@ -898,40 +917,43 @@ def main() -> None:
     # deadline's SIGINT ends it, checkpointed, if it is a little long); another is stopped and resumed with
     # the --max-steps that fills the budget: the restart costs start-up and compile again.
     rates = _step_rates(trains, work, args.calibrate_s)
-    replan: dict[str, int] = {}
-    for name, st in list(trains.items()):
+    fits: dict[str, int] = {}
+    for name in trains:
         if name not in rates:
             report.note(
                 f"variant {name}: no step rate after {args.calibrate_s:.0f} s; left to run to the deadline"
             )
             continue
-        steps_now = _last_step(work / f"run-{name}")
-        fits = steps_now + steps_that_fit(
+        fits[name] = _last_step(work / f"run-{name}") + steps_that_fit(
             rates[name], train_end - time.time() - 10, val_every, args.expected_val_s
         )
         report.data["variants"][name].update(steps_per_s_calibrated=round(rates[name], 3))
-        if abs(fits - first_max_steps) <= 0.1 * first_max_steps:
-            report.data["variants"][name].update(max_steps=first_max_steps)
-            report.note(
-                f"variant {name}: {rates[name]:.2f} steps/s measured; {fits} steps fit, "
-                f"--max-steps {first_max_steps} kept (no restart)"
-            )
+    replan = replanned_max_steps(first_max_steps, fits, equal_steps=args.equal_steps)
+    for name in fits:
+        if name in replan:
+            trains[name].interrupt()
             continue
-        replan[name] = fits
-        st.interrupt()
-    run_all([trains[n] for n in replan], time.time() + 60, grace=20)
-    for name in replan:
-        rate = rates[name]
-        done = read_metrics(work / f"run-{name}" / "metrics.jsonl")
-        steps_done = done[-1]["step"] if done else 0
-        # The restart costs start-up again (≈ 20–40 s); the step rate was measured with all variants running.
-        remaining = max(0.0, train_end - time.time() - 45)
-        total = max(
-            steps_done + 10, steps_done + steps_that_fit(rate, remaining, val_every, args.expected_val_s)
+        report.data["variants"][name].update(max_steps=first_max_steps)
+        report.note(
+            f"variant {name}: {rates[name]:.2f} steps/s measured; {fits[name]} steps fit, "
+            f"--max-steps {first_max_steps} kept (no restart)"
         )
+    run_all([trains[n] for n in replan], time.time() + 60, grace=20)
+    # The restart costs start-up again (≈ 20–40 s); the step rate was measured with all variants running.
+    remaining = max(0.0, train_end - time.time() - 45)
+    resumed_at = {name: _last_step(work / f"run-{name}") for name in replan}
+    totals = {
+        name: resumed_at[name]
+        + max(10, steps_that_fit(rates[name], remaining, val_every, args.expected_val_s))
+        for name in replan
+    }
+    if args.equal_steps and totals:  # what the slowest reaches, for every variant
+        totals = dict.fromkeys(totals, min(totals.values()))
+    for name, total in totals.items():
         report.data["variants"][name].update(max_steps=total)
         report.note(
-            f"variant {name}: {rate:.2f} steps/s measured, resumed at step {steps_done} → --max-steps {total}"
+            f"variant {name}: {rates[name]:.2f} steps/s measured, resumed at step {resumed_at[name]} → "
+            f"--max-steps {total}"
         )
         old = trains[name]
         trains[name] = train_stage(name, variants[name], total)

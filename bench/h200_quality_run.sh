@@ -35,6 +35,7 @@
 #   EVAL_VARIANTS  best (the default) or all: every variant evaluated, side by side on the GPU (τ compares;
 #               the speedups of evals sharing the GPU do not)
 #   CODECS      the caches generate writes (default: "default"; "default,fp8" for the fp8 variant too)
+#   EQUAL_STEPS 1: every variant trains the same number of steps (h200_quality.py --equal-steps)
 #   KEEP_FREE_GB  generate's --keep-free-gb (6): it stops handing out jobs below that much free disk, so that
 #               training's checkpoints, exports and compile cache find room (≈ 3 GB still land after the
 #               stop, estimated: ≈ 300 MB/s at 100k tok/s of fp8's 2.98 KB a token, over a 10 s commit interval)
@@ -72,6 +73,7 @@ exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz -
   --gen-args "--max-len 2048 --too-long truncate --keep-free-gb ${KEEP_FREE_GB:-6}" --gen-s "${GEN_S:-140}" --codecs "${CODECS:-default}" \
   --variants "${VARIANTS:-{\"landed\": \"\"\}}" --eval-variants "${EVAL_VARIANTS:-best}" --train-args "--val-every ${VAL_EVERY:-100} --log-every 10 --val-group ${VAL_GROUP:-root-id} --val-samples ${VAL_SAMPLES:-200}" \
   --train-s "${TRAIN_S:-440}" --calibrate-s 120 --expected-steps-per-s "${STEPS_PER_S:-2.5}" \
+  ${EQUAL_STEPS:+--equal-steps} \
   --eval-args "--bench all --limit 20 --max-new-tokens 256" \
   --chat-eval-args "--bench sharegpt,validation --turns all --limit ${CHAT_LIMIT:-8} --max-new-tokens 256" \
   --eval-s "${EVAL_S:-270}" \

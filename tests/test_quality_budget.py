@@ -38,3 +38,24 @@ def test_the_steps_planned_fill_the_seconds_with_their_validations() -> None:
     assert steps_that_fit(8.0, 900.0, 500, 10.0) == 6_206
     assert steps_that_fit(8.0, 900.0, 0, 10.0) == 7_200
     assert steps_that_fit(8.0, -5.0, 500, 10.0) == 0
+
+
+def test_calibration_replans_each_variant_alone_or_all_to_equal_steps() -> None:
+    replanned = _harness().replanned_max_steps
+    # Alone: only a variant more than 10 % off what fits it is stopped and resumed with that number.
+    assert replanned(2_000, {"bf16": 2_150, "fp8": 1_700, "seed": 2_400}, equal_steps=False) == {
+        "fp8": 1_700,
+        "seed": 2_400,
+    }
+    # Equal steps, the slowest can reach the planned 2,000: nobody restarts, all stop at 2,000.
+    assert replanned(2_000, {"bf16": 2_150, "fp8": 2_000, "seed": 2_400}, equal_steps=True) == {}
+    # Equal steps, the slowest reaches 1,990 only: every variant is replanned to 1,990 (the faster ones
+    # too, or they would train 10 more steps than it).
+    assert replanned(2_000, {"bf16": 2_150, "fp8": 1_990, "seed": 2_400}, equal_steps=True) == {
+        "bf16": 1_990,
+        "fp8": 1_990,
+        "seed": 1_990,
+    }
+    # No variant calibrated: nothing to replan either way.
+    assert replanned(2_000, {}, equal_steps=True) == {}
+    assert replanned(2_000, {}, equal_steps=False) == {}
