@@ -7,8 +7,9 @@ H100 with SmolLM2: 65 s of a 213 s run, ≈ 10 s a window of 8,192 records). Wit
 capture this one. Each round runs both settings into fresh caches, in alternating order; the summary
 gives the medians and the ratio of end-to-end rates, and checks that both caches hold the same samples.
 
-  python bench/plan_read_ahead.py                                 # CPU: random:tiny, 4 windows of 1,000
-  python bench/plan_read_ahead.py --target default --device cuda --records 40000 --window 8192
+  python bench/plan_read_ahead.py     # CPU (bench/RESULTS.md): random:tiny, 6,042 code answers, 5 windows
+  python bench/plan_read_ahead.py --target default --device cuda --data answers-00.jsonl.gz --records 16000 \
+      --window 8192 --tokens-per-batch 16384 --rounds 1
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dflash_offline.generate.config import GenerateConfig  # noqa: E402
 from dflash_offline.generate.run import run_generate  # noqa: E402
 from dflash_offline.placement import Placement  # noqa: E402
 
-DEFAULT_DATA = ROOT / "bench" / "answers" / "answers-00.jsonl.gz"
+DEFAULT_DATA = ROOT / "bench" / "answers" / "code-answers-2.jsonl.gz"
 
 
 def one_run(args: argparse.Namespace, cache: Path, *, read_ahead: bool) -> dict[str, float]:
@@ -72,10 +73,10 @@ def main() -> None:
     parser.add_argument(
         "--data", type=Path, default=DEFAULT_DATA, help="chat JSONL(.gz): regenerated answers"
     )
-    parser.add_argument("--records", type=int, default=4000)
-    parser.add_argument("--window", type=int, default=1000, help="records a planning window (--window)")
+    parser.add_argument("--records", type=int, default=6042)
+    parser.add_argument("--window", type=int, default=1500, help="records a planning window (--window)")
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--tokens-per-batch", type=int, default=16384)
+    parser.add_argument("--tokens-per-batch", type=int, default=2048, help="small: few tokens queued")
     parser.add_argument("--layer-ids", default="0,2", help="captured layers (random:tiny has 4)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
