@@ -8,8 +8,11 @@ capture this one. Each round runs both settings into fresh caches, in alternatin
 gives the medians and the ratio of end-to-end rates, and checks that both caches hold the same samples.
 
   python bench/plan_read_ahead.py     # CPU (bench/RESULTS.md): random:tiny, 6,042 code answers, 5 windows
-  python bench/plan_read_ahead.py --target default --device cuda --data answers-00.jsonl.gz --records 16000 \
-      --window 8192 --tokens-per-batch 16384 --rounds 1
+  python bench/plan_read_ahead.py --target default --device cuda --data bench/answers/answers-00.jsonl.gz \
+      --records 12288 --window 4096 --tokens-per-batch 16384 --layer-ids '' --rounds 1   # H100 (RESULTS)
+
+A round's first run also pays the machine's cold start (the GGUF converted, the data read for the first
+time): compare warm runs (``--rounds 2`` alternates the order).
 """
 
 from __future__ import annotations
