@@ -11,8 +11,8 @@ gives the medians and the ratio of end-to-end rates, and checks that both caches
   python bench/plan_read_ahead.py --target default --device cuda --data bench/answers/answers-00.jsonl.gz \
       --records 12288 --window 4096 --tokens-per-batch 16384 --layer-ids '' --rounds 1   # H100 (RESULTS)
 
-A round's first run also pays the machine's cold start (the GGUF converted, the data read for the first
-time): compare warm runs (``--rounds 2`` alternates the order).
+A round's first run also pays the machine's cold start (on the H100 36 s more wall than a warm run of the
+same setting): compare warm runs (``--rounds 2`` alternates the order).
 """
 
 from __future__ import annotations
