@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -438,17 +438,29 @@ def steps_that_fit(rate: float, seconds: float, val_every: int, val_s: float) ->
     return int(max(0.0, seconds) / per_step)
 
 
-def replanned_max_steps(first: int, fits: dict[str, int], *, equal_steps: bool) -> dict[str, int]:
+def replanned_max_steps(
+    first: int, fits: dict[str, int], *, equal_steps: bool, uncalibrated: Iterable[str] = ()
+) -> dict[str, int]:
     """The variants to stop and resume after calibration, with their new ``--max-steps``; the others keep
     ``first``. ``fits``: the steps each calibrated variant can reach by the deadline. Alone, a variant is
     replanned only when ``first`` is more than 10 % off what fits it (a restart costs start-up and compile
     again; a little long, the deadline's SIGINT ends it checkpointed). With ``equal_steps`` every variant
     makes the same number: ``first`` while the slowest can reach it (the faster ones end early), else all of
-    them are replanned to what the slowest reaches."""
+    them are replanned to what the slowest reaches, the ``uncalibrated`` ones (no step rate measured) too:
+    left at ``first`` they would train more steps than the others."""
     if equal_steps:
         common = min(fits.values(), default=first)
-        return {} if common >= first else dict.fromkeys(fits, common)
+        return {} if common >= first else dict.fromkeys([*fits, *uncalibrated], common)
     return {name: steps for name, steps in fits.items() if abs(steps - first) > 0.1 * first}
+
+
+def unequal_steps(steps: dict[str, int]) -> str | None:
+    """Why variants meant to train equal steps are not comparable (each one's last logged step), or None.
+    A variant the deadline's SIGINT stopped early, or one that failed, ends short of the others."""
+    if len(set(steps.values())) <= 1:
+        return None
+    listed = ", ".join(f"{name} {step}" for name, step in steps.items())
+    return f"--equal-steps not met: the variants' last steps differ ({listed}); their τ are not comparable"
 
 
 def flag_value(args: str, flag: str, default: int) -> int:
@@ -549,6 +561,36 @@ def reads_data(eval_args: str) -> bool:
         return True
     sets = argv[argv.index("--bench") + 1].split(",")
     return "sharegpt" in sets or "all" in sets
+
+
+def benches_of(eval_args: str) -> str | None:
+    """The ``--bench`` value of a dflash eval's flags, or None."""
+    argv = shlex.split(eval_args)
+    return argv[argv.index("--bench") + 1] if "--bench" in argv[:-1] else None
+
+
+def question_sets_missing(eval_args: list[str]) -> str | None:
+    """Why an eval of these flags would fail for a missing question-set package, asked of the interpreter
+    the stages run on before any of them starts (eval itself checks only once the budget is spent:
+    the fifteenth session's three MT-Bench and HumanEval evals failed that way after 16 minutes of
+    training), or None."""
+    for value in filter(None, map(benches_of, eval_args)):
+        check = subprocess.run(
+            [
+                PY,
+                "-c",
+                "import sys; from dflash_offline.eval.benches import parse_bench, require_question_sets; "
+                "require_question_sets(parse_bench(sys.argv[1]))",
+                value,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if check.returncode != 0:
+            return f"--bench {value}: {check.stderr.strip().splitlines()[-1]}"
+    return None
 
 
 def dflash(*args: str) -> list[str]:
@@ -678,6 +720,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         apply_smoke(args)
+    missing = question_sets_missing([args.eval_args, args.chat_eval_args])
+    if missing:
+        sys.exit(f"h200_quality: {missing}")
 
     work, logs = args.work, args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -928,10 +973,14 @@ def main() -> None:
             rates[name], train_end - time.time() - 10, val_every, args.expected_val_s
         )
         report.data["variants"][name].update(steps_per_s_calibrated=round(rates[name], 3))
-    replan = replanned_max_steps(first_max_steps, fits, equal_steps=args.equal_steps)
-    for name in fits:
+    replan = replanned_max_steps(
+        first_max_steps, fits, equal_steps=args.equal_steps, uncalibrated=[n for n in trains if n not in fits]
+    )
+    for name in trains:
         if name in replan:
             trains[name].interrupt()
+            continue
+        if name not in fits:
             continue
         report.data["variants"][name].update(max_steps=first_max_steps)
         report.note(
@@ -946,15 +995,14 @@ def main() -> None:
         name: resumed_at[name]
         + max(10, steps_that_fit(rates[name], remaining, val_every, args.expected_val_s))
         for name in replan
+        if name in rates
     }
-    if args.equal_steps and totals:  # what the slowest reaches, for every variant
-        totals = dict.fromkeys(totals, min(totals.values()))
+    if args.equal_steps and totals:  # what the slowest reaches, for every variant, uncalibrated ones too
+        totals = dict.fromkeys(replan, min(totals.values()))
     for name, total in totals.items():
         report.data["variants"][name].update(max_steps=total)
-        report.note(
-            f"variant {name}: {rates[name]:.2f} steps/s measured, resumed at step {resumed_at[name]} → "
-            f"--max-steps {total}"
-        )
+        rate = f"{rates[name]:.2f} steps/s measured" if name in rates else "no step rate measured"
+        report.note(f"variant {name}: {rate}, resumed at step {resumed_at[name]} → --max-steps {total}")
         old = trains[name]
         trains[name] = train_stage(name, variants[name], total)
         trains[name].started = old.started
@@ -980,6 +1028,12 @@ def main() -> None:
                     stderr=subprocess.STDOUT,
                     check=False,
                 )
+
+    if args.equal_steps:
+        problem = unequal_steps({name: report.data["variants"][name]["steps"] for name in trains})
+        report.data["equal_steps_met"] = problem is None
+        if problem:
+            report.note(problem)
 
     if side is not None and side_waiter is not None:
         side_waiter.join()

