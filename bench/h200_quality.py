@@ -571,9 +571,9 @@ def benches_of(eval_args: str) -> str | None:
 
 def question_sets_missing(eval_args: list[str]) -> str | None:
     """Why an eval of these flags would fail for a missing question-set package, asked of the interpreter
-    the stages run on before any of them starts (eval itself checks only once the budget is spent:
-    the fifteenth session's three MT-Bench and HumanEval evals failed that way after 16 minutes of
-    training), or None."""
+    the stages run on before any of them starts (eval itself checks only when it starts, at the end of the
+    budget: the fifteenth session's three MT-Bench and HumanEval evals failed that way 958 s into the run,
+    after the training), or None."""
     for value in filter(None, map(benches_of, eval_args)):
         check = subprocess.run(
             [
