@@ -554,19 +554,19 @@ def chain_tokens_of(eval_args: str) -> list[str]:
     return ["--val-chain-tokens", argv[argv.index("--max-new-tokens") + 1]]
 
 
-def reads_data(eval_args: str) -> bool:
-    """Whether a dflash eval with these flags reads --data (its sharegpt set, or no --bench at all)."""
-    argv = shlex.split(eval_args)
-    if "--bench" not in argv:
-        return True
-    sets = argv[argv.index("--bench") + 1].split(",")
-    return "sharegpt" in sets or "all" in sets
-
-
 def benches_of(eval_args: str) -> str | None:
     """The ``--bench`` value of a dflash eval's flags, or None."""
     argv = shlex.split(eval_args)
     return argv[argv.index("--bench") + 1] if "--bench" in argv[:-1] else None
+
+
+def reads_data(eval_args: str) -> bool:
+    """Whether a dflash eval with these flags reads --data (its sharegpt set, or no --bench at all)."""
+    value = benches_of(eval_args)
+    if value is None:
+        return True
+    sets = value.split(",")
+    return "sharegpt" in sets or "all" in sets
 
 
 def question_sets_missing(eval_args: list[str]) -> str | None:
@@ -966,7 +966,8 @@ def main() -> None:
     for name in trains:
         if name not in rates:
             report.note(
-                f"variant {name}: no step rate after {args.calibrate_s:.0f} s; left to run to the deadline"
+                f"variant {name}: no step rate after {args.calibrate_s:.0f} s; it keeps --max-steps "
+                f"{first_max_steps} unless a note below replans it"
             )
             continue
         fits[name] = _last_step(work / f"run-{name}") + steps_that_fit(
