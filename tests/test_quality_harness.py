@@ -1,6 +1,6 @@
-"""bench/h200_quality.py, the harness of the GPU quality run, end to end on the CPU at its smoke sizes: a
-harness bug found on the GPU machine costs a session's 30 device minutes, so its stages, their order and
-its report are checked here (the real SmolLM2 target, a few conversations, a 1-layer drafter)."""
+"""bench/quality_recipe.py, the whole recipe in one script, end to end on the CPU at its smoke sizes: a bug
+found on a GPU machine costs the GPU's hours, so its stages, their order and its report are checked here
+(the real SmolLM2 target, a few conversations, a 1-layer drafter)."""
 
 from __future__ import annotations
 
@@ -48,27 +48,23 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
         f.write(write_chat_jsonl(tmp_path / "extra.jsonl", 4, seed=1).read_bytes())
     work, report = tmp_path / "q", tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "bench/h200_quality.py", "--smoke", "--data", str(data), "--work", str(work),
+        [sys.executable, "bench/quality_recipe.py", "--smoke", "--data", str(data), "--work", str(work),
          "--report", str(report), "--code-data", str(code), "--code-limit", "3",
          "--extra-answers", str(extra), "--budget-s", "700", "--regen-s", "240", "--gen-s", "90",
          "--train-s", "10", "--eval-s", "240", "--expected-steps-per-s", "0.2", "--codecs", "default",
          "--variants", '{"all": ""}',
-         "--side", "sleep 5; echo side-done",
          "--train-args", "--log-every 10 --val-samples 2 --val-group root-id"],
         cwd=ROOT, capture_output=True, text=True, timeout=880,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((report / "summary.json").read_text())
     stages = summary["stages"]
-    # The GPU tests ("side") run beside generate and on into training, and are reported before the eval.
-    assert list(stages) == ["regenerate", "generate_default", "train_all", "side", "eval_all"]
+    assert list(stages) == ["regenerate", "generate_default", "train_all", "eval_all"]
     assert {name: s["rc"] for name, s in stages.items()} == dict.fromkeys(stages, 0)
-    assert "side-done" in stages["side"]["log_tail"]
-    # --smoke keeps 8 records and 2 code problems, regenerated together; their answers come back in the
-    # report for the next run to resume from.
+    # --smoke keeps 8 records and 2 code problems, regenerated together into one answers file, which a
+    # later run with the same --work resumes from.
     assert stages["regenerate"]["conversations"] == 10
-    with gzip.open(report / "answers-00.jsonl.gz", "rt") as f:
-        answered = [json.loads(line) for line in f]
+    answered = [json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines()]
     assert len(answered) == 10
     assert sorted(a["id"] for a in answered if a["id"].startswith("code-")) == ["code-m.f0", "code-m.f1"]
     assert all(m["content"] for a in answered for m in a["messages"] if m["role"] == "assistant")

@@ -1,4 +1,4 @@
-"""The quality run's prompt files: code problems staged from installed Python code, and the prompt file the
+"""The quality run's prompt files: code problems made from installed Python code, and the prompt file the
 harness builds when they join the chat records. The chat records must keep their sample ids there (a
 record's sample id hashes its source's name), or regenerate would answer again every conversation kept
 from the runs before."""
@@ -44,7 +44,7 @@ def _write_code(path: Path, n: int) -> Path:
 
 
 def test_chat_records_keep_their_sample_ids_in_the_combined_prompt_file(tmp_path: Path) -> None:
-    quality = _bench_module("h200_quality")
+    quality = _bench_module("quality_recipe")
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 10, turns=2)
     code = _write_code(tmp_path / "code-prompts.jsonl.gz", 5)
     combined = tmp_path / "prompts" / "chat.jsonl"
@@ -63,7 +63,7 @@ def test_chat_records_keep_their_sample_ids_in_the_combined_prompt_file(tmp_path
 def test_the_training_data_interleaves_its_files_in_proportion(tmp_path: Path) -> None:
     """Answers of this run and earlier ones (``--extra-answers``) are cached in one generate, which a deadline
     may stop: every prefix of the file it reads holds each part in proportion, each part in its order."""
-    quality = _bench_module("h200_quality")
+    quality = _bench_module("quality_recipe")
     chat = write_chat_jsonl(tmp_path / "chat.jsonl", 30, turns=2)
     code = _write_code(tmp_path / "code.jsonl.gz", 10)
     out = tmp_path / "train-data.jsonl"
@@ -79,7 +79,7 @@ def test_the_training_data_interleaves_its_files_in_proportion(tmp_path: Path) -
 
 def test_a_files_code_answers_after_its_chat_are_interleaved_too(tmp_path: Path) -> None:
     """A regenerate's answers hold its code problems after the chat: they are spread like another file's."""
-    quality = _bench_module("h200_quality")
+    quality = _bench_module("quality_recipe")
     chat = write_chat_jsonl(tmp_path / "chat.jsonl", 30, turns=2)
     code = _write_code(tmp_path / "code.jsonl.gz", 10)
     answers = tmp_path / "answers.jsonl"

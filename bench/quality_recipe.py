@@ -1,24 +1,22 @@
-"""The whole recipe on one H200 within one fixed time budget, with hard per-stage deadlines:
+"""The whole recipe on your own GPU machine within one fixed time budget, with hard per-stage deadlines:
 regenerate bench → regenerate (the target's own answers) → generate caches → train variants concurrently
 → export → eval on MT-Bench, HumanEval and held-out ShareGPT (and, with ``--chat-eval-args``, a second eval
-beside it: e.g. every turn of held-out ShareGPT and of the run's own validation records) → optional
-benches. Each variant's report puts its best validation chain τ (``dflash train``'s held-out split walked
+beside it: e.g. every turn of held-out ShareGPT and of the run's own validation records) → a report.
+Each variant's report puts its best validation chain τ (``dflash train``'s held-out split walked
 with eval's anchor rule over each turn's first ``--val-chain-tokens``; RUN/drafter is that step's export,
 the drafter eval runs) beside eval's τ per question set and per turn (1, 2, 3+).
-Run detached (setsid) and follow its log; everything it learns goes to ``--report`` as few files (a GPU
-machine may hand back only a few):
-``summary.md``, ``summary.json`` and ``logs.txt`` (the tail of every stage's log).
+Everything it learns goes to ``--report``: ``summary.md``, ``summary.json`` and ``logs.txt`` (the tail of
+every stage's log).
 
 A stage that overruns its deadline gets SIGINT (our commands stop cleanly on it: regenerate merges its
-parts, train checkpoints), then SIGKILL; the pipeline goes on with what exists. Train variants share the
-GPU (a SmolLM2-width drafter does not fill an H200); their step count is calibrated: each starts with the
-``--max-steps`` that ``--expected-steps-per-s`` fits in the budget, after ``--calibrate-s`` the measured step
-rate says how many fit, and a variant more than 10 % off is stopped and resumed with that number (a resume
-applies a new ``--max-steps``;
-the cosine schedule is recomputed from it).
+parts, train checkpoints), then SIGKILL; the pipeline goes on with what exists. Train variants share
+the GPU (a SmolLM2-width drafter does not fill an H100 or H200); their step count is calibrated: each starts
+with the ``--max-steps`` that ``--expected-steps-per-s`` fits in the budget, after ``--calibrate-s`` the
+measured step rate says how many fit, and a variant more than 10 % off is stopped and resumed with that
+number (a resume applies a new ``--max-steps``; the cosine schedule is recomputed from it).
 
-  python3 bench/h200_quality.py --data /tmp/stage/sharegpt-first-turns.jsonl.gz --work /tmp/q \\
-      --report /tmp/q/report --budget-s 1320 --variants '{"A": "--lr 6e-4", "D": ""}'
+  python3 bench/quality_recipe.py --data sharegpt-prompts.jsonl.gz --work q --report q/report \\
+      --budget-s 1320 --variants '{"A": "--lr 6e-4", "D": ""}'
 CPU smoke (a few minutes): add ``--smoke`` (SmolLM2 on the CPU at tiny sizes: ``apply_smoke``).
 """
 
@@ -31,11 +29,9 @@ import itertools
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -178,7 +174,7 @@ class Report:
         (self.root / "summary.md").write_text(self.markdown())
 
     def markdown(self) -> str:
-        out = ["# H200 quality run", "", "| stage | seconds | rc | note |", "|---|---|---|---|"]
+        out = ["# Quality recipe", "", "| stage | seconds | rc | note |", "|---|---|---|---|"]
         for name, s in self.data["stages"].items():
             note = "stopped at deadline" if s.get("stopped_at_deadline") else ""
             out.append(f"| {name} | {s['seconds']} | {s['rc']} | {note} |")
@@ -424,9 +420,9 @@ def apply_smoke(args: argparse.Namespace) -> None:
 
 def train_deadline(now: float, end: float, train_s: float, eval_s: float, reserve_s: float) -> float:
     """When training is stopped: ``train_s`` from ``now`` at least, and on to the budget's ``end`` less the
-    eval's ``eval_s`` and ``reserve_s``. Regenerate and generate stop at their deadlines or sooner (the sixth
-    session's regenerate used 56 of its 150 s and its generate 152 of 200: it ran out of data), and what they
-    leave unused would otherwise idle at the end of the budget."""
+    eval's ``eval_s`` and ``reserve_s``. Regenerate and generate stop at their deadlines or sooner (one
+    H200 run's regenerate used 56 of its 150 s and its generate 152 of 200: they ran out of data), and what
+    they leave unused would otherwise idle at the end of the budget."""
     return max(now + train_s, end - eval_s - reserve_s)
 
 
@@ -469,37 +465,6 @@ def flag_value(args: str, flag: str, default: int) -> int:
     return int(tokens[tokens.index(flag) + 1]) if flag in tokens[:-1] else default
 
 
-def save_answers_parts(answers: Path, out: Path, part_mib: float, max_parts: int) -> list[dict[str, Any]]:
-    """``answers`` gzipped into ``out/answers-NN.jsonl.gz`` parts of at most ``part_mib`` MiB each (whole
-    lines; ``cat`` them back, ``gunzip`` the result: concatenated gzip members are one stream), at most
-    ``max_parts`` of them (the lines after are left out and counted)."""
-    limit = int(part_mib * 2**20) - 2**16  # room for the last line and the gzip trailer
-    parts: list[dict[str, Any]] = []
-    raw = out_f = gz = None
-    with open(answers, "rb") as lines:
-        for line in lines:
-            if gz is None or raw.tell() > limit:
-                if gz is not None:
-                    gz.close()
-                    raw.close()
-                if len(parts) == max_parts:
-                    parts[-1]["lines_left_out"] = 1 + sum(1 for _ in lines)
-                    gz = None
-                    break
-                out_f = out / f"answers-{len(parts):02d}.jsonl.gz"
-                raw = open(out_f, "wb")  # noqa: SIM115 (closed when the part is full)
-                gz = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6)
-                parts.append({"file": out_f.name, "lines": 0})
-            gz.write(line)
-            parts[-1]["lines"] += 1
-    if gz is not None:
-        gz.close()
-        raw.close()
-    for part in parts:
-        part["bytes"] = (out / part["file"]).stat().st_size
-    return parts
-
-
 def jsonl_lines(path: Path) -> Iterator[bytes]:
     """The non-blank lines of a chat JSONL file (plain or gzipped), each ending in a newline."""
     with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as src:
@@ -515,8 +480,8 @@ CODE_LINE = b'{"id": "code-'
 def concatenate_answers(parts: list[Path], out: Path) -> int:
     """Writes the lines of the chat JSONL files (plain or gzipped) into ``out`` interleaved, so that every
     prefix holds each file's chat and each file's code answers in proportion to their sizes, each in its own
-    order: generate stopped at its deadline then keeps some of each (one after the other, the tenth
-    session's cache lost the code answers that came last; a regenerate's answers hold its code problems
+    order: generate stopped at its deadline then keeps some of each (one after the other, a cache cut at
+    its deadline lost the code answers that came last; a regenerate's answers hold its code problems
     after the chat). Returns the number of lines taken from all but the first."""
     # Two streams a part, its chat then its code: streams[2:] are the parts after the first.
     streams = [
@@ -572,8 +537,7 @@ def reads_data(eval_args: str) -> bool:
 def question_sets_missing(eval_args: list[str]) -> str | None:
     """Why an eval of these flags would fail for a missing question-set package, asked of the interpreter
     the stages run on before any of them starts (eval itself checks only when it starts, at the end of the
-    budget: the fifteenth session's three MT-Bench and HumanEval evals failed that way 958 s into the run,
-    after the training), or None."""
+    budget: after the training), or None."""
     for value in filter(None, map(benches_of, eval_args)):
         check = subprocess.run(
             [
@@ -637,15 +601,11 @@ def main() -> None:
     )
     ap.add_argument("--code-limit", type=int, default=0, help="code problems taken from --code-data")
     ap.add_argument(
-        "--regen-s", type=float, default=300, help="regenerate's seconds; 0: the staged answers as they are"
-    )
-    ap.add_argument(
-        "--answers-part-mib",
+        "--regen-s",
         type=float,
-        default=15,
-        help="write the regenerated answers gzipped into --report as parts of this many MiB (0: not)",
+        default=300,
+        help="regenerate's seconds; 0: the answers already in --work as they are",
     )
-    ap.add_argument("--answers-parts", type=int, default=3, help="at most this many parts")
     ap.add_argument("--gen-args", default="--max-len 2048 --too-long truncate")
     ap.add_argument("--gen-s", type=float, default=150)
     ap.add_argument("--codecs", default="default,fp8", help="caches of the regenerated answers")
@@ -714,15 +674,13 @@ def main() -> None:
         help="evaluate every variant, or only the one of best validation chain τ (concurrent evals at "
         "batch 1 share the GPU: each runs at a fraction of its speed alone)",
     )
-    ap.add_argument("--side", default="", help="shell command run beside the generate stage (GPU tests)")
-    ap.add_argument("--after", default="", help="shell commands run at the end if time is left")
     ap.add_argument("--smoke", action="store_true", help="CPU: the same pipeline, tiny sizes")
     args = ap.parse_args()
     if args.smoke:
         apply_smoke(args)
     missing = question_sets_missing([args.eval_args, args.chat_eval_args])
     if missing:
-        sys.exit(f"h200_quality: {missing}")
+        sys.exit(f"quality_recipe: {missing}")
 
     work, logs = args.work, args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -800,31 +758,10 @@ def main() -> None:
         n_answers = answers.read_bytes().count(b"\n") if answers.is_file() else 0  # not splitlines: U+2028
         report.stage(s, conversations=n_answers, throughput=tail(s.log, 3))
     else:
-        # --regen-s 0 with answers staged: train on them as they are (no start-up of the target to resume
-        # them: 56 s in the sixth session's run for nothing left to answer).
+        # --regen-s 0 with answers in --work: train on them as they are (no start-up of the target to resume
+        # them: 56 s on one H200 for nothing left to answer).
         n_answers = answers.read_bytes().count(b"\n")
-        report.note(f"regenerate skipped (--regen-s 0): {n_answers} staged conversations as they are")
-    keeper = None
-    if args.answers_part_mib > 0 and n_answers and args.regen_s > 0:
-        # The answers are the slowest data to make: they go back with the report, so that a later run
-        # resumes regenerate from them (in the background: generate does not wait for it).
-        def keep_answers() -> None:
-            report.data.update(
-                answers_parts=save_answers_parts(
-                    answers, args.report, args.answers_part_mib, args.answers_parts
-                )
-            )
-            # The conversations a stop left in progress (their answered turns): the next run continues them.
-            partial = answers.with_name(answers.name + ".partial")
-            if partial.is_file():
-                with (
-                    open(partial, "rb") as src,
-                    gzip.open(args.report / "answers-partial.jsonl.gz", "wb") as dst,
-                ):
-                    shutil.copyfileobj(src, dst)
-
-        keeper = threading.Thread(target=keep_answers, daemon=True)
-        keeper.start()
+        report.note(f"regenerate skipped (--regen-s 0): {n_answers} conversations as they are")
     if n_answers == 0:
         report.note("no regenerated answers: stopping")
         return
@@ -882,24 +819,9 @@ def main() -> None:
                 log=logs / "3_generate_original.log",
             ).start()
         )
-    side = (
-        Stage(name="side", argv=["bash", "-c", args.side], log=logs / "3_side.log").start()
-        if args.side
-        else None
-    )
     run_all(gens, time.time() + args.gen_s, grace=30)
     for g in gens:
         report.stage(g, log_tail=tail(g.log, 4))
-    # The GPU tests do not hold the training back (on 2026-12-04 it waited 48 s for them): they run on into
-    # the trainings' start-up (≈ 50 s of loading and compiling, the GPU idle), and are stopped 40 s into it,
-    # before the step rate is measured.
-    side_waiter = None
-    if side is not None:
-        side_waiter = threading.Thread(
-            target=run_all, args=([side], min(time.time() + 40, side.started + args.gen_s), 10), daemon=True
-        )
-        side_waiter.start()
-
     # 4. train the variants concurrently, calibrated to the budget.
     variants: dict[str, str] = json.loads(args.variants)
     report.data["variants"] = {}
@@ -1036,10 +958,6 @@ def main() -> None:
         if problem:
             report.note(problem)
 
-    if side is not None and side_waiter is not None:
-        side_waiter.join()
-        report.stage(side, log_tail=tail(side.log, 4))
-
     # 5. eval every variant concurrently (batch 1 is latency-bound; the speeds are measured side by side).
     evals = []
     # Held-out prompts start after the records regenerate read (at least): --exclude-cache then drops any
@@ -1097,15 +1015,6 @@ def main() -> None:
         )
         report.stage(st)
 
-    if keeper is not None:
-        keeper.join(timeout=120)
-        report.write()
-
-    # 6. whatever else fits.
-    if args.after and time.time() < end - 30:
-        st = Stage(name="after", argv=["bash", "-c", args.after], log=logs / "6_after.log").start()
-        run_all([st], end - 10, grace=5)
-        report.stage(st, log_tail=tail(st.log, 40))
     report.note(f"done in {time.time() - T0:.0f} s")
 
 
