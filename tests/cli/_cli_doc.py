@@ -5,6 +5,8 @@ tests/cli/test_cli_doc.py fails while the file differs from the commands' curren
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -43,6 +45,22 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def render_fresh() -> str:
+    """``render()`` in a new interpreter: click caches each command's help option on the command, so a
+    process that built contexts of its own (a test run) may print another help option list."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.cli._cli_doc", "--print"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=CLI_DOC.parents[1],
+    )
+    return out.stdout
+
+
 if __name__ == "__main__":
-    CLI_DOC.write_text(render(), encoding="utf-8")
-    print(f"wrote {CLI_DOC}")
+    if sys.argv[1:] == ["--print"]:
+        sys.stdout.write(render())
+    else:
+        CLI_DOC.write_text(render(), encoding="utf-8")
+        print(f"wrote {CLI_DOC}")

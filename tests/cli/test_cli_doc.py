@@ -6,11 +6,11 @@ import difflib
 import subprocess
 import sys
 
-from tests.cli._cli_doc import CLI_DOC, render
+from tests.cli._cli_doc import CLI_DOC, render_fresh
 
 
 def test_cli_doc_is_the_commands_current_help() -> None:
-    expected = render()
+    expected = render_fresh()
     actual = CLI_DOC.read_text(encoding="utf-8") if CLI_DOC.is_file() else ""
     if actual != expected:
         diff = "".join(
@@ -38,5 +38,5 @@ def test_the_reference_holds_each_commands_help_as_the_cli_prints_it() -> None:
         check=True,
         env={"COLUMNS": "100", "PATH": "", "PYTHONPATH": str(CLI_DOC.parents[1])},
     ).stdout
-    section = render().split("## dflash train\n\n```\n", 1)[1].split("\n```", 1)[0]
+    section = render_fresh().split("## dflash train\n\n```\n", 1)[1].split("\n```", 1)[0]
     assert section.replace("Usage: dflash train", "Usage: python -m dflash_offline train") == out.rstrip()
