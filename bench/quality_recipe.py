@@ -474,7 +474,7 @@ def jsonl_lines(path: Path) -> Iterator[bytes]:
 
 
 CODE_LINE = b'{"id": "code-'
-"""How a code problem's answer starts (bench/stage_prompts.py's ids, as regenerate writes them)."""
+"""How a code problem's answer starts (bench/quality_prompts.py's ids, as regenerate writes them)."""
 
 
 def concatenate_answers(parts: list[Path], out: Path) -> int:
@@ -500,7 +500,7 @@ def concatenate_answers(parts: list[Path], out: Path) -> int:
 def combine_prompts(data: Path, skip: int, limit: int, code: Path, code_limit: int, out: Path) -> int:
     """The prompt file regenerate reads when code problems join the chat data: records ``skip`` to
     ``skip + limit`` of ``data`` (what ``--skip``/``--limit`` would take: one record a line, as
-    bench/stage_prompts.py writes them), then the first ``code_limit`` of ``code``. Returns the code
+    bench/quality_prompts.py writes them), then the first ``code_limit`` of ``code``. Returns the code
     records taken."""
     with open(out, "wb") as dst:
         dst.writelines(itertools.islice(jsonl_lines(data), skip, skip + limit))
@@ -596,7 +596,7 @@ def main() -> None:
         "--code-data",
         type=Path,
         default=None,
-        help="code problems as chat JSONL(.gz) (bench/stage_prompts.py's code-prompts.jsonl.gz): the first "
+        help="code problems as chat JSONL(.gz) (bench/quality_prompts.py's code-prompts.jsonl.gz): the first "
         "--code-limit of them are regenerated after --data's records, in the same regenerate",
     )
     ap.add_argument("--code-limit", type=int, default=0, help="code problems taken from --code-data")

@@ -4,7 +4,7 @@ the next turn, writing JSONL) fed by a stub engine that answers every turn at on
 default target (SmolLM2-135M-Instruct) generated for it in a recorded run (``bench/answers/``, whose README
 says how it was made), and the real SmolLM2 tokenizer (``load_tokenizer("default")``).
 
-The prompts are the recorded file's first ``--limit`` conversations as ``bench/stage_prompts.py`` staged them
+The prompts are the recorded file's first ``--limit`` conversations as ``bench/quality_prompts.py`` made them
 for that run (their ShareGPT records, every answer "."), read through ``iter_records`` as a worker reads them;
 the stub hands back the oldest ``--answers-per-poll`` turns in flight at each poll. Variants, side by side on
 the same conversations: ``whole`` renders and tokenizes every turn's prompt whole (``PromptEncoder`` with
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.profiling import CALLS, SECONDS, timed  # noqa: E402
-from bench.stage_prompts import answers_replaced  # noqa: E402
+from bench.quality_prompts import answers_replaced  # noqa: E402
 from dflash_offline.data.conversations import Conversation, SourceFailure  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.regenerate.driver import KEY, ConversationSink, Driver  # noqa: E402

@@ -94,7 +94,7 @@ def test_a_files_code_answers_after_its_chat_are_interleaved_too(tmp_path: Path)
 
 
 def test_code_problems_are_signatures_and_docstrings_of_public_functions(tmp_path: Path) -> None:
-    stage = _bench_module("stage_prompts")
+    stage = _bench_module("quality_prompts")
     package = tmp_path / "pkg"
     (package / "tests").mkdir(parents=True)
     (package / "mod.py").write_text(
@@ -127,7 +127,7 @@ def test_code_problems_are_signatures_and_docstrings_of_public_functions(tmp_pat
 
 
 def test_staged_code_records_parse_as_one_turn_conversations_and_alternate_packages(tmp_path: Path) -> None:
-    stage = _bench_module("stage_prompts")
+    stage = _bench_module("quality_prompts")
     records = list(stage.code_records(("stdlib", "click")))
     assert records, "the standard library alone has thousands of documented functions"
     path = tmp_path / "code-prompts.jsonl"
@@ -142,7 +142,7 @@ def test_staged_code_records_parse_as_one_turn_conversations_and_alternate_packa
 
 
 def test_a_code_set_after_another_holds_none_of_its_problems_or_docstrings(tmp_path: Path) -> None:
-    stage = _bench_module("stage_prompts")
+    stage = _bench_module("quality_prompts")
     first = list(stage.code_records(("stdlib", "click")))
     second = list(stage.code_records(("stdlib", "click", "jinja2"), after=("stdlib", "click")))
     assert second, "jinja2 has documented functions of its own"
@@ -164,7 +164,7 @@ def test_a_code_set_after_another_holds_none_of_its_problems_or_docstrings(tmp_p
 def test_a_function_named_as_a_humaneval_function_is_left_out_and_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stage = _bench_module("stage_prompts")
+    stage = _bench_module("quality_prompts")
     package = tmp_path / "algos"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -187,7 +187,7 @@ def test_a_function_named_as_a_humaneval_function_is_left_out_and_counted(
 
 
 def test_package_groups_expand_each_package_once() -> None:
-    stage = _bench_module("stage_prompts")
+    stage = _bench_module("quality_prompts")
     assert stage.expand_packages("default")[:2] == ("stdlib", "numpy")
     assert stage.expand_packages("default,numpy,torch") == (*stage.expand_packages("default"), "torch")
     four = stage.expand_packages("code-4,torch")
