@@ -2,7 +2,8 @@
 default (lossless) codec, then from an ``--codec fp8`` cache of the same records. What fp8's rounding
 moves in what a trained drafter predicts, measured side by side (fp8 ÷ bf16); the part of "fp8 within 2 %
 of bf16" that a CPU can measure (the whole criterion is a drafter trained on fp8 against one trained on
-bf16, judged by held-out ``dflash eval``: a GPU run, bench/RESULTS.md).
+bf16, judged by held-out ``dflash eval``: a GPU run, bench/RESULTS.md, "fp8 features against bf16, trained
+at equal steps").
 
     PYTHONPATH=. .venv/bin/python bench/fp8_validation.py --drafter RUN/drafter --data ANSWERS.jsonl \\
         --work DIR [--val-samples 60]

@@ -120,8 +120,8 @@ def main(
     doc: str | None, owner: type, method: str, command: str, *, skip: int, active: int, what: str
 ) -> None:
     """The command line of a profile script: ``--skip``/``--active`` calls of ``owner.method`` (``what``,
-    plural, names them in the help), ``--rows``, ``--json`` (default ``$OUT/<command>_profile.json`` on the
-    GPU machine, whose files come back), then ``--`` and ``dflash <command>``'s own arguments."""
+    plural, names them in the help), ``--rows``, ``--json`` (default ``$OUT/<command>_profile.json`` when
+    ``$OUT`` is set), then ``--`` and ``dflash <command>``'s own arguments."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip", type=int, default=skip, help=f"{what} before the profile")
     ap.add_argument("--active", type=int, default=active, help=f"{what} profiled")

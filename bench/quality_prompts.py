@@ -27,7 +27,7 @@ prompt), decontaminated against MT-Bench and HumanEval, with their counts printe
     Library code is mostly API glue, where HumanEval asks for small self-contained algorithms with examples
     in their docstrings (``>>>``: every HumanEval problem; 39 % of the first set's, 7 % of code-3's);
     packages of such functions make ``code-4`` (``CODE_4_PACKAGES``: ``pip install --no-deps`` them first;
-    its command is in bench/RESULTS.md). A problem whose function has the name of a function HumanEval
+    ``--code-packages code-4``). A problem whose function has the name of a function HumanEval
     asks for (``is_palindrome``, ``median``, …) is left out of every set made since, beside the 13-word
     decontamination.
 

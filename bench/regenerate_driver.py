@@ -55,7 +55,7 @@ SOURCE = "sharegpt-prompts"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Recorded:
-    """The recorded run's lines, and the staged prompts they answered."""
+    """The recorded run's lines, and the prompts they answered."""
 
     prompts: Path
     """Chat JSONL: the recorded conversations with every answer "." (the first ``num_staged``)."""
@@ -67,7 +67,7 @@ class Recorded:
 
 def stage(answers_file: Path, limit: int, out: Path) -> Recorded:
     """The first ``limit`` recorded conversations, and their prompts (their records of the ShareGPT file the
-    recorded run staged, every answer "."; the recorded lines lack the user turns of dropped answers)."""
+    recorded run answered, every answer "."; the recorded lines lack the user turns of dropped answers)."""
     answers: dict[str, list[GeneratedTokens]] = {}
     lines: dict[str, dict[str, Any]] = {}
     with gzip.open(answers_file, "rt", encoding="utf-8") as f:

@@ -12,7 +12,7 @@ prompts (``render_prompt_s``: ``PromptEncoder.encode``, a turn continuing its pr
 finished answers (``Driver._answered``:
 decoding, the next turn's prompt, writing), admitting records (``Driver._admit``: its first turn's
 prompt), writing conversations, and the rest (reading and parsing the records, the loop). On one H200 a
-quarter of the generation time was outside the steps (bench/RESULTS.md, "Regenerate on the H200").
+quarter of the generation time was outside the steps (bench/RESULTS.md, "Regenerate's engine step").
 Everything after ``--`` is ``dflash regenerate``'s own arguments (one worker: ``--gpus 0``
 or the CPU):
 
@@ -21,7 +21,7 @@ or the CPU):
       --gpus 0 --no-progress --out /tmp/profile-answers.jsonl
 
 Runs on the CPU too (no device kernels there: the host-op table alone). The driver's seconds go to
-``$OUT/regenerate_driver.json`` on the GPU machine (or ``--driver-json``).
+``$OUT/regenerate_driver.json`` (or ``--driver-json``).
 """
 
 from __future__ import annotations

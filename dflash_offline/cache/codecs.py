@@ -101,7 +101,7 @@ CODECS: dict[str, CodecSpec] = {
 }
 
 FP8_SCHEME = Fp8Scheme(group_dims=None, num_outliers=2)
-"""Chosen by ``bench/fp8_error.py`` on real SmolLM2 features (bench/RESULTS.md, "fp8 features"): the
+"""Chosen by ``bench/fp8_error.py`` on real SmolLM2 features (bench/RESULTS.md, "fp8 scaling"): the
 non-outlier dims lose the same ≈ 2.6 % (e4m3's 3 mantissa bits) whatever the scale granularity, since
 e4m3 spans 2^17.8 and a scale set by |x| ≈ 24,800 keeps |x| ≥ 1 normal; what the outliers buy is the
 massive activations themselves, exact: layer-14..27 error 1.1–1.3 % → 0.35–0.9 % with 2 of them

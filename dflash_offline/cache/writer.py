@@ -319,8 +319,8 @@ class ShardWriter:
             assert sample.features_TF is not None
             if self.storage.fp8 is not None:
                 # Encoded here, on the caller's thread: ≈ 34k tokens/s a core for 5 × 576 features, which
-                # is why generate hands over rows encoded on its device (bench/RESULTS.md, "fp8 rows
-                # encoded where the features are").
+                # is why generate hands over rows encoded on its device (bench/RESULTS.md, "The
+                # writer's serial path").
                 where = f"sample {sample.sample_id!r} (source_index {sample.source_index})"
                 encoded = encode_rows(sample.features_TF.detach(), self.storage.fp8, where=where)
                 features_TF[:] = encoded.numpy()

@@ -5,7 +5,7 @@ over (a bucket of the slot capacity), D head dim.
 
 One call, for the target's layers and the drafter's alike:
 ``scaled_dot_product_attention(q, k, v, attn_mask=bool [N, 1, S, Lb], enable_gqa=True)``. Measured on an
-H200 in bf16 (bench/RESULTS.md, "Decode attention"): cuDNN takes grouped K/V and the boolean length mask
+H200 in bf16 (docs/facts.md#decoding): cuDNN takes grouped K/V and the boolean length mask
 directly, 12× faster than expanding K/V to the query heads first (the ``repeat_kv`` copy that was 81 % of
 transformers' decode step) at 1,024 rows; the efficient kernel refuses GQA and FlexAttention rebuilds its
 block mask per call. So on CUDA in half precision cuDNN is first, the math kernel the fallback (float32,

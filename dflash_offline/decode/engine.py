@@ -26,8 +26,8 @@ comes are freed by ``release`` or, oldest first, when the free slots run out whi
 between steps: ``close(abort=True)`` from the same thread returns at once, dropping the rows in flight.
 Before it returns answers, ``poll`` launches the next step (``_launch``; ``_collect`` reads it back in the
 next call), so the device decodes while the caller renders and tokenizes the next turns: on an H200 that
-host work was a quarter of regenerate's time with the device idle (bench/RESULTS.md, "Regenerate on the
-H200"). That step admits waiting prompts into free slots only: a turn that just ended keeps its parked
+host work was a quarter of regenerate's time with the device idle (bench/RESULTS.md, "Regenerate's engine
+step"). That step admits waiting prompts into free slots only: a turn that just ended keeps its parked
 slot until its continuation, submitted after ``poll`` returns, takes it.
 """
 

@@ -98,7 +98,7 @@ def load_humaneval(limit: int | None = None) -> list[BenchQuestion]:
 def require_question_sets(sets: Sequence[str]) -> None:
     """Raise now, with how to install it, for a package that a set of ``sets`` reads and that is missing: eval
     checks before loading its target, so that a missing package fails at once, not after the target's
-    loading (bench/h200_quality.py asks the same before its first stage)."""
+    loading (bench/quality_recipe.py asks the same before its first stage)."""
     for name in sets:
         if name == "mt-bench":
             package_file(*MT_BENCH_FILE)

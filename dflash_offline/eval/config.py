@@ -145,7 +145,7 @@ class EvalConfig:
 def compiles(config: EvalConfig, device_type: str) -> bool:
     """Whether eval compiles the target's and the drafter's layers: ``--compile on``, or ``auto`` on CUDA,
     where both loops ran faster compiled (an H200: a decode step 0.56x, a cycle 0.54x; bench/RESULTS.md,
-    "H200, ninth session"); on the CPU nothing measured says it is faster."""
+    "Eval's speculative cycle"); on the CPU nothing measured says it is faster."""
     if config.compile == "auto":
         return device_type == "cuda"
     return config.compile == "on"

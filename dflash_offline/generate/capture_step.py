@@ -9,7 +9,7 @@ host buffer with a non-blocking copy whose completion is an event the writer thr
 
 For the fp8 codecs the rows are encoded here, on the device the features are on, before the copy:
 encoding on the CPU in ``ShardWriter.add`` ran on the writer's serial path and halved generate's rate
-on an H200 (bench/RESULTS.md, "fp8 rows encoded where the features are"), and the copy carries the
+on an H200 (bench/RESULTS.md, "The writer's serial path"), and the copy carries the
 row bytes W (≈ 0.5 × the bf16 features) instead. CPU workers take the same path.
 """
 

@@ -167,8 +167,8 @@ class RegenerateConfig:
         "compile falls back to eager with a warning). The answers are the same up to rounding. Off by "
         "default: slower in regenerate on an H200 (0.33x; it speeds up dflash eval's batch-1 loops).",
     )
-    """``EngineSettings.compile_backend``; off: 0.33× the new tok/s on an H200 (bench/RESULTS.md, "H200, ninth
-    session")."""
+    """``EngineSettings.compile_backend``; off: 0.33× the new tok/s on an H200 (bench/RESULTS.md,
+    "Regenerate")."""
     reuse_kv: Literal["auto", "on", "off"] = cli_field(
         "auto",
         help="A conversation's next turn continues the KV cache its previous turn left in its slot and "
@@ -254,7 +254,7 @@ class RegenerateConfig:
 
     def prefill_graphs_for(self, device_type: str) -> bool:
         """``--prefill-graphs``, or the device's default: on for CUDA, where with the live attention and KV
-        reuse it made 1.97x regenerate's new tok/s (bench/RESULTS.md, "H200, ninth session"); off on the
+        reuse it made 1.97x regenerate's new tok/s (bench/RESULTS.md, "Regenerate"); off on the
         CPU, where the padding is computed."""
         if self.prefill_graphs != "auto":
             return self.prefill_graphs == "on"
@@ -269,8 +269,8 @@ class RegenerateConfig:
         return fused_kernels
 
     def prefill_wait_for(self, device_type: str) -> int:
-        """``--prefill-wait``, or the device's default. Measured (bench/RESULTS.md, "Prefill forwards that
-        wait"): on an H200 with the real SmolLM2 target, 1,024 ShareGPT conversations, whole prompts, 8 steps
+        """``--prefill-wait``, or the device's default. Measured (bench/RESULTS.md, "Regenerate"):
+        on an H200 with the real SmolLM2 target, 1,024 ShareGPT conversations, whole prompts, 8 steps
         made 1.107x the conversations/s of 0 in half the prefill forwards; on the CPU prefill is
         compute-bound and waiting only idles freed slots."""
         if self.prefill_wait is not None:

@@ -4,7 +4,7 @@ special token and takes the ids before it from the previous prompt.
 
 Turn k's prompt is turn k − 1's, its answer and the next user turns, so tokenizing every prompt whole
 tokenizes a conversation's first turns again at each turn: on real ShareGPT conversations that was the
-driver's largest host cost between the engine's steps (bench/RESULTS.md, "Regenerate's driver on the CPU").
+driver's largest host cost between the engine's steps (bench/RESULTS.md, "Regenerate's driver").
 
 Why the shortcut gives the whole text's ids exactly. A fast tokenizer first cuts the raw text at the added
 tokens it finds there and then tokenizes each piece between them on its own; so the ids of a text are the

@@ -66,10 +66,10 @@ def reuses_kv(options: EngineOptions, device: torch.device) -> bool:
     """Whether turns keep their slot for the next turn (``EngineOptions.reuse_kv``; None decides by device).
 
     Measured (bench/RESULTS.md): on the CPU reuse is 1.12–1.3× the conversations/s of prefilling every
-    prompt whole ("Multi-turn regenerate"). On an H200 with the masked attention it was 0.55× although it
+    prompt whole ("Regenerate"). On an H200 with the masked attention it was 0.55× although it
     prefilled 0.16× the tokens: a continuation's chunk gathered its slot and ran the masked kernel. With the
     live attention (continuations read in place) and the prefill graphs it made 1.97× the new tok/s of the
-    masked engine prefilling whole ("H200, ninth session"), so CUDA reuses with the live attention only."""
+    masked engine prefilling whole ("Regenerate"), so CUDA reuses with the live attention only."""
     if options.reuse_kv is not None:
         return options.reuse_kv
     return device.type != "cuda" or options.live_attention

