@@ -15,7 +15,11 @@ ROOT is a checkout (default: this one). Run it on two checkouts to compare them.
 - records: frozen dataclasses defined in ``train/`` and ``drafter/`` (the training data path);
 - import cycles: strongly connected components of the ``dflash_offline`` import graph, three times:
   module-level imports (what runs at import time), imports inside functions too, and imports under
-  ``if TYPE_CHECKING:`` too (a cycle of types: the modules cannot be read or moved apart).
+  ``if TYPE_CHECKING:`` too (a cycle of types: the modules cannot be read or moved apart);
+- the repository around the package and the seams of training (``bench/repo_metrics.py`` says how each
+  is counted): README, RESULTS and facts lines, bench scripts serving a user against GPU-machine plumbing,
+  tracked files mentioning that plumbing; train/ files, modules calling ``flag(``, imports eval → train and
+  train → generate, decode loops, records between the index and the drafter.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ import sys
 import tokenize
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import repo_metrics
 
 PACKAGE = "dflash_offline"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
@@ -246,10 +253,12 @@ def measure(root: Path, long_limit: int) -> dict:
     top_graph: dict[str, set[str]] = {}
     any_graph: dict[str, set[str]] = {}
     typed_graph: dict[str, set[str]] = {}
+    trees: dict[str, ast.AST] = {}
     for name, path in mods.items():
         source = path.read_text()
         rel = path.relative_to(root).as_posix()
         tree = ast.parse(source)
+        trees[rel.removeprefix(f"{PACKAGE}/")] = tree
         lines_per_module[rel] = source.count("\n")
         long += [f"{rel}:{n} {qual} ({span} lines)" for qual, n, span in long_functions(tree, long_limit)]
         if not rel.startswith(f"{PACKAGE}/cli/"):
@@ -282,7 +291,31 @@ def measure(root: Path, long_limit: int) -> dict:
         "import_cycles_module_level": cycles(top_graph),
         "import_cycles_any_level": cycles(any_graph),
         "import_cycles_with_type_checking": cycles(typed_graph),
+        "repository": repo_metrics.product_metrics(root, repo_metrics.tracked_files(root)),
+        "seams": repo_metrics.seam_metrics(root, trees, any_graph),
     }
+
+
+def repo_rows(repo: dict, seams: dict) -> list[tuple[str, object]]:
+    """The printed rows of the repository and seam metrics (issues 42 and 43)."""
+    serving = repo["bench_script_lines"] - repo["bench_plumbing_lines"]
+    return [
+        ("README.md lines", repo["readme_lines"]),
+        ("bench/RESULTS.md lines", repo["results_lines"]),
+        ("docs/facts.md lines", repo["facts_lines"]),
+        ("bench/ scripts (files / lines)", f"{repo['bench_scripts']} / {repo['bench_script_lines']}"),
+        ("bench/ lines serving a user / plumbing", f"{serving} / {repo['bench_plumbing_lines']}"),
+        ("tracked files mentioning the GPU plumbing", len(repo["files_mentioning_plumbing"])),
+        ("train/ files", seams["train_files"]),
+        ("modules calling flag(", len(seams["modules_calling_flag"])),
+        ("imports eval -> train (module pairs)", len(seams["imports_eval_to_train"])),
+        ("imports train -> generate (module pairs)", len(seams["imports_train_to_generate"])),
+        (
+            "decode loops (functions / modules)",
+            f"{len(seams['decode_loops'])} / {len(seams['decode_loop_modules'])}",
+        ),
+        ("records between the index and the drafter", len(seams["records_index_to_drafter"])),
+    ]
 
 
 def main() -> None:
@@ -313,7 +346,13 @@ def main() -> None:
     rows.append(("import cycles, module level", len(result["import_cycles_module_level"])))
     rows.append(("import cycles, any level", len(result["import_cycles_any_level"])))
     rows.append(("import cycles, with TYPE_CHECKING", len(result["import_cycles_with_type_checking"])))
+    rows += repo_rows(result["repository"], result["seams"])
     if args.verbose:
+        for key in ("bench_plumbing_scripts", "files_mentioning_plumbing"):
+            print(f"{key}: {json.dumps(result['repository'][key], indent=1)}")
+        for key, value in result["seams"].items():
+            if isinstance(value, list):
+                print(f"{key}: {json.dumps(value, indent=1)}")
         for key in (
             "long_functions",
             "option_flag_lines",
