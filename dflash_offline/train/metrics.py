@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dflash_offline import strict_json
 from dflash_offline import tensorboard as tb
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.loss import simulated_acceptance_length
@@ -126,7 +127,7 @@ class StepMetrics:
         }
         if self.validation is not None:
             record.update(self.validation.fields())
-        return json.dumps(record)
+        return strict_json.dumps(record)  # a diverged loss is null, not NaN: see strict_json
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
