@@ -11,6 +11,7 @@ main thread would surface as ``result.exception``, one from a worker thread in t
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -411,12 +412,24 @@ def test_sigint_stops_a_long_query_with_one_line_and_130(sigint: str, tmp_path: 
     assert (out, err) == ("", "interrupted: the query was stopped\n")
 
 
+_MEASURE = (
+    "import resource, subprocess, sys\n"
+    "with open(sys.argv[1], 'w') as out:\n"
+    "    code = subprocess.call(sys.argv[2:], stdout=out)\n"
+    "print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
+"""Runs a command from a small fresh process: Linux counts the RSS a child had at fork (a copy of its
+parent: here the test process, hundreds of MiB) in its peak, so the command must be forked from a small
+one."""
+
+
 def _max_rss_mib(command: list[str], out: Path) -> int:
-    with out.open("w") as f:
-        process = subprocess.Popen(command, stdout=f, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(process.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, process.stderr.read() if process.stderr else ""
-    return usage.ru_maxrss // 1024
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(out), *command], capture_output=True, text=True, timeout=300
+    )
+    code, max_rss_kib = done.stdout.split()
+    assert code == "0", done.stderr
+    return int(max_rss_kib) // 1024
 
 
 @pytest.mark.parametrize("output_format", ["csv", "jsonl"])
@@ -473,7 +486,7 @@ def test_json_and_jsonl_write_null_for_non_finite_values(tmp_path: Path) -> None
 
 
 def test_metrics_lines_write_null_for_a_non_finite_loss(tmp_path: Path) -> None:
-    from dflash_offline.train.metrics import MetricsLog, StepMetrics
+    from dflash_offline.train.metrics import MetricsLog, StepMetrics, recorded_loss
 
     nan, inf = float("nan"), float("inf")
     metrics = StepMetrics(
@@ -487,6 +500,7 @@ def test_metrics_lines_write_null_for_a_non_finite_loss(tmp_path: Path) -> None:
     record = _strict(line)
     assert isinstance(record, dict)
     assert (record["loss"], record["grad_norm"], record["acc_by_position"]) == (None, None, [0.5, None])
+    assert math.isnan(recorded_loss(tmp_path / "metrics.jsonl", step=1) or 0.0)  # read back as NaN
 
 
 REFUSED_STATEMENTS = {
