@@ -7,7 +7,8 @@ query means the same thing against a finished index and against a cache still be
 DuckDB traps honoured here (docs/facts.md#duckdb): rows go in through ``read_parquet`` (of parts
 checked against their sha256 first) and registered Arrow tables, never ``executemany``; every result is
 fetched completely before the next statement runs on its connection; index.duckdb is opened read-only
-(a read-write connection locks out every other process).
+(a read-write connection locks out every other process), and only through ``index_catalogue.open_index``
+(sandboxed, its catalogue checked against the schema before anything stored in it is evaluated).
 """
 
 from __future__ import annotations
