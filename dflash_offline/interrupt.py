@@ -22,11 +22,20 @@ import gc
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import FrameType
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 EXIT_INTERRUPTED = 130
 """Exit status of a command stopped by Ctrl-C (128 + SIGINT, what a shell reports)."""
+
+INTERRUPT_GRACE_S = 10.0
+"""How long ``wait_interruptibly`` waits for interrupted work to return before the interrupt goes on
+without it (the work's thread is a daemon: the process exit ends it)."""
 
 _stop = threading.Event()
 _depth = 0
@@ -94,3 +103,52 @@ def stop_on_sigint(
         signal.signal(signal.SIGINT, previous)
         if _depth == 0:
             _stop.clear()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Outcome(Generic[T]):
+    """What ``wait_interruptibly``'s work thread hands back: its value, or the exception it raised."""
+
+    value: T | None = None
+    error: BaseException | None = None
+
+
+def wait_interruptibly(work: Callable[[], T], *, interrupt: Callable[[], None], name: str) -> T:
+    """``work()``, run on a thread while the calling (main) thread waits in short slices.
+
+    Native code that holds the main thread (a DuckDB query) looks at signals late or never, and Python
+    runs a SIGINT handler only between bytecodes of the main thread: a Ctrl-C (or ``kill -INT``) would
+    wait for the query to end. Here the main thread only waits, so KeyboardInterrupt comes at once; it
+    then calls ``interrupt`` (which must make ``work`` return soon, e.g. DuckDB's
+    ``connection.interrupt()``; it is called until the work returns, at most ``INTERRUPT_GRACE_S``), and
+    re-raises. An exception
+    of ``work`` is re-raised here, never lost with its thread."""
+    outcomes: list[_Outcome[T]] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcomes.append(_Outcome(value=work()))
+        except BaseException as e:  # carried to the caller
+            outcomes.append(_Outcome(error=e))
+        finally:
+            done.set()
+
+    # Waiting on an Event, not Thread.join: a KeyboardInterrupt inside join makes Python 3.11 mark the
+    # thread finished while it still runs (``_wait_for_tstate_lock`` releases the lock the thread holds),
+    # and the process then exits under a query still running in native code, which aborts.
+    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        while not done.wait(0.05):
+            pass
+    except KeyboardInterrupt:
+        # Again and again: an interrupt that comes between two statements of ``work`` misses the second.
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while not done.is_set() and time.monotonic() < deadline:
+            interrupt()
+            done.wait(0.05)
+        raise
+    outcome = outcomes[0]
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.value  # type: ignore[return-value]

@@ -27,3 +27,24 @@ def named_queries() -> dict[str, str]:
     """Query name (file stem) -> SQL text, for ``dflash sql --query NAME``."""
     folder = manifests_dir() / "queries"
     return {p.stem: p.read_text() for p in sorted(folder.glob("*.sql"))}
+
+
+def split_statements(sql: str) -> list[str]:
+    """Statements of a SQL file: split at ';' that ends a line; comment-only pieces dropped."""
+    pieces, current = [], []
+    for line in sql.splitlines():
+        current.append(line)
+        if line.rstrip().endswith(";"):
+            pieces.append("\n".join(current))
+            current = []
+    pieces.append("\n".join(current))
+    code = []
+    for piece in pieces:
+        meaningful = [ln for ln in piece.splitlines() if ln.strip() and not ln.strip().startswith("--")]
+        if meaningful:
+            code.append(piece.strip())
+    return code
+
+
+def quote_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

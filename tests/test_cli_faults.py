@@ -11,17 +11,24 @@ main thread would surface as ``result.exception``, one from a worker thread in t
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from dflash_offline.cache.index import build_index
 from dflash_offline.cli import main
 from dflash_offline.train.launch import run_training
 from tests.eval.helpers import export_untrained_for
@@ -257,3 +264,303 @@ def test_one_error_line_naming_the_path_and_no_traceback(
     assert fault.path in errors[0], output
     if name.startswith("eval"):
         assert "tau" not in output  # refused before the evaluation, not after it
+
+
+# ---------------------------------------------------------------------------------------------------
+# The index is not trusted, `dflash sql` stops at Ctrl-C and streams, strict JSON, statement names,
+# verify's temp files. These cases run on copies of the golden cache (tests/assets/golden_cache/v2).
+# ---------------------------------------------------------------------------------------------------
+
+GOLDEN_V2 = Path(__file__).resolve().parent / "assets" / "golden_cache" / "v2"
+DFLASH = [sys.executable, "-m", "dflash_offline"]
+ENDLESS = "SELECT count(*) FROM range(9000000000000000000) a WHERE hash(a.range) % 7 = 3"
+"""A query no test timeout lets finish (9e18 rows; DuckDB counts about 1e8 a second per core)."""
+
+
+def _golden_copy(tmp_path: Path, *, index: bool) -> Path:
+    cache = shutil.copytree(GOLDEN_V2, tmp_path / "cache")
+    if index:
+        build_index(cache)
+    return cache
+
+
+def _golden_samples() -> int:
+    return sum(pq.read_metadata(p).num_rows for p in (GOLDEN_V2 / "manifest" / "samples").glob("*.parquet"))
+
+
+def _outside_parts_view(cache: Path, con: duckdb.DuckDBPyConnection) -> None:
+    """``parts`` replaced by a view of a CSV outside the cache holding the true rows: evaluated, it
+    would make the index read as current (and its reader read a file it must not)."""
+    rows = con.execute("SELECT manifest_table, file, mtime_ns FROM parts").fetchall()
+    outside = cache.parent / "outside" / "parts.csv"
+    outside.parent.mkdir()
+    outside.write_text("manifest_table,file,mtime_ns\n" + "".join(f"{t},{f},{m}\n" for t, f, m in rows))
+    con.execute("DROP TABLE parts")
+    con.execute(f"CREATE VIEW parts AS SELECT * FROM read_csv('{outside}', header = true)")
+
+
+TAMPERINGS: dict[str, tuple[Callable[[Path, duckdb.DuckDBPyConnection], None], str]] = {
+    "a view where the parts table is": (_outside_parts_view, "a view parts where the schema has a table"),
+    "a macro": (lambda c, con: con.execute("CREATE MACRO shadow(x) AS x + 1"), "a macro shadow not in"),
+    "an extra table": (lambda c, con: con.execute("CREATE TABLE extra (a INTEGER)"), "a table extra not in"),
+    "a changed column": (
+        lambda c, con: con.execute("ALTER TABLE samples ALTER COLUMN worker TYPE BIGINT"),
+        "a column samples.worker changed",
+    ),
+    "a view in another schema": (
+        lambda c, con: (con.execute("CREATE SCHEMA s2"), con.execute("CREATE VIEW s2.v AS SELECT 1")),
+        "a schema s2 not in the schema",
+    ),
+    "a dropped view": (lambda c, con: con.execute("DROP VIEW progress"), "a view progress missing"),
+}
+
+
+@pytest.mark.parametrize("name", list(TAMPERINGS))
+def test_an_index_unlike_the_schema_is_never_queried(name: str, tmp_path: Path) -> None:
+    tamper, phrase = TAMPERINGS[name]
+    cache = _golden_copy(tmp_path, index=True)
+    con = duckdb.connect(str(cache / "index.duckdb"))
+    tamper(cache, con)
+    con.close()
+    status = CliRunner().invoke(main, ["status", str(cache)])
+    assert status.exit_code == 0, status.output
+    (line,) = [line for line in status.output.splitlines() if line.startswith("index ")]
+    assert line.split()[1] == "unreadable:", line
+    assert phrase in line, line
+    assert f"rebuild it with `dflash index {cache}`" in line
+    auto = CliRunner().invoke(main, ["sql", str(cache), "SELECT count(*) FROM samples", "--format", "csv"])
+    assert (auto.exit_code, auto.output) == (0, f"count_star()\n{_golden_samples()}\n")
+    table = CliRunner().invoke(main, ["sql", str(cache), "SELECT count(*) FROM samples"])
+    assert table.output.splitlines()[-1] == "(1 row, from the manifest)"
+    refused = CliRunner().invoke(main, ["sql", str(cache), "SELECT 1", "--source", "index"])
+    assert refused.exit_code == 1
+    assert "Traceback" not in refused.output
+    (error,) = refused.output.splitlines()
+    assert error.startswith(f"Error: {cache / 'index.duckdb'}: "), error
+    assert phrase in error, error
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_status_does_not_touch_a_file_an_index_view_reads(tmp_path: Path) -> None:
+    cache = _golden_copy(tmp_path, index=True)
+    con = duckdb.connect(str(cache / "index.duckdb"))
+    _outside_parts_view(cache, con)
+    con.close()
+    trace = tmp_path / "trace"
+    done = subprocess.run(
+        ["strace", "-f", "-e", "trace=%file", "-o", str(trace), *DFLASH, "status", str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0 and "ptrace" in done.stderr:
+        pytest.skip(f"strace cannot trace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert "unreadable" in done.stdout
+    assert "parts.csv" not in trace.read_text()
+    assert str(cache / "index.duckdb") in trace.read_text()  # the trace does see the index opened
+
+
+def test_status_tells_an_unreadable_index_from_a_stale_one(tmp_path: Path) -> None:
+    cache = _golden_copy(tmp_path, index=True)
+
+    def index_line() -> str:
+        out = CliRunner().invoke(main, ["status", str(cache)]).output
+        return next(line for line in out.splitlines() if line.startswith("index "))
+
+    assert index_line().split()[1] == "current"
+    part = sorted((cache / "manifest" / "samples").glob("*.parquet"))[0]
+    os.utime(part, ns=(part.stat().st_atime_ns, part.stat().st_mtime_ns + 10**9))
+    assert index_line().split()[1] == "stale"
+    index = cache / "index.duckdb"
+    index.write_bytes(index.read_bytes()[:5000])
+    assert index_line().split()[1:4] == ["unreadable:", "it", "cannot"]
+
+
+def _holds_open(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has ``path`` open (read from /proc)."""
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        return any(os.readlink(fd) == str(path) for fd in fds.iterdir())
+    except FileNotFoundError:  # a descriptor closed while listed
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("sigint", ["inherited", "ignored by the parent"])
+def test_sigint_stops_a_long_query_with_one_line_and_130(sigint: str, tmp_path: Path) -> None:
+    cache = _golden_copy(tmp_path, index=True)
+    ignore = sigint != "inherited"  # a script's `cmd &` starts it with SIGINT ignored
+    process = subprocess.Popen(
+        [*DFLASH, "sql", str(cache), ENDLESS, "--source", "index"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore else None,
+    )
+    try:
+        # The index open: the command runs, its query starts now (and never ends by itself).
+        while not _holds_open(process.pid, (cache / "index.duckdb").resolve()):
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)  # the query itself cannot end within any timeout
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert (out, err) == ("", "interrupted: the query was stopped\n")
+
+
+_MEASURE = (
+    "import resource, subprocess, sys\n"
+    "with open(sys.argv[1], 'w') as out:\n"
+    "    code = subprocess.call(sys.argv[2:], stdout=out)\n"
+    "print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
+"""Runs a command from a small fresh process: Linux counts the RSS a child had at fork (a copy of its
+parent: here the test process, hundreds of MiB) in its peak, so the command must be forked from a small
+one."""
+
+
+def _max_rss_mib(command: list[str], out: Path) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(out), *command], capture_output=True, text=True, timeout=300
+    )
+    code, max_rss_kib = done.stdout.split()
+    assert code == "0", done.stderr
+    return int(max_rss_kib) // 1024
+
+
+@pytest.mark.parametrize("output_format", ["csv", "jsonl"])
+def test_a_million_rows_stream_in_bounded_memory(output_format: str, tmp_path: Path) -> None:
+    cache = _golden_copy(tmp_path, index=False)
+    query = "SELECT range AS n, range * 2 AS twice, 'row ' || range AS label FROM range(1000000)"
+    out = tmp_path / "out"
+    baseline = _max_rss_mib([*DFLASH, "sql", str(cache), "SELECT 1", "--format", output_format], out)
+    streamed = _max_rss_mib([*DFLASH, "sql", str(cache), query, "--format", output_format], out)
+    lines = out.read_text().splitlines()
+    if output_format == "csv":
+        assert (len(lines), lines[1], lines[-1]) == (1_000_001, "0,0,row 0", "999999,1999998,row 999999")
+    else:
+        assert len(lines) == 1_000_000
+        assert json.loads(lines[-1]) == {"n": 999999, "twice": 1999998, "label": "row 999999"}
+    materialise = (
+        "from pathlib import Path; from dflash_offline.cache.sql import SqlConfig, run_sql; "
+        f"print(len(run_sql(SqlConfig(root=Path({str(cache)!r}), sql={query!r}, query_name=None)).rows))"
+    )
+    materialised = _max_rss_mib([sys.executable, "-c", materialise], out)
+    assert out.read_text() == "1000000\n"
+    # What holding the rows costs, against what streaming them costs above the same start-up.
+    assert streamed - baseline < (materialised - baseline) / 4, (baseline, streamed, materialised)
+
+
+def test_table_format_shows_the_first_rows_and_counts_the_rest(tmp_path: Path) -> None:
+    cache = _golden_copy(tmp_path, index=False)
+    result = CliRunner().invoke(main, ["sql", str(cache), "SELECT range AS n FROM range(2500)"])
+    lines = result.output.splitlines()
+    assert result.exit_code == 0
+    assert [line.strip() for line in lines[2:4]] == ["0", "1"]
+    assert lines[-2].strip() == "999"
+    assert lines[-1] == (
+        "(2,500 rows, from the manifest; the first 1,000 shown, 1,500 more rows: "
+        "--format csv, json or jsonl writes every row)"
+    )
+
+
+def _strict(text: str) -> object:
+    def refuse(constant: str) -> object:
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_and_jsonl_write_null_for_non_finite_values(tmp_path: Path) -> None:
+    cache = _golden_copy(tmp_path, index=False)
+    query = "SELECT 'nan'::DOUBLE AS a, '-inf'::DOUBLE AS b, 1.5 AS c UNION ALL SELECT 'inf'::DOUBLE, 2, 3"
+    as_json = CliRunner().invoke(main, ["sql", str(cache), query, "--format", "json"])
+    expected = [{"a": None, "b": None, "c": 1.5}, {"a": None, "b": 2.0, "c": 3.0}]
+    assert _strict(as_json.output) == expected
+    as_jsonl = CliRunner().invoke(main, ["sql", str(cache), query, "--format", "jsonl"])
+    assert [_strict(line) for line in as_jsonl.output.splitlines()] == expected
+
+
+def test_metrics_lines_write_null_for_a_non_finite_loss(tmp_path: Path) -> None:
+    from dflash_offline.train.metrics import MetricsLog, StepMetrics, recorded_loss
+
+    nan, inf = float("nan"), float("inf")
+    metrics = StepMetrics(
+        step=1, epoch=0, loss=nan, lr=1e-4, grad_norm=inf, acc_by_position=[0.5, nan], simulated_tau=1.5,
+        tokens=10, tokens_per_s=2.0, step_seconds=0.1, data_wait_fraction=0.0, buckets=[0], num_blocks=1,
+    )  # fmt: skip
+    log = MetricsLog(tmp_path / "metrics.jsonl", resume_from_step=0)
+    log.write(metrics)
+    log.close()
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    record = _strict(line)
+    assert isinstance(record, dict)
+    assert (record["loss"], record["grad_norm"], record["acc_by_position"]) == (None, None, [0.5, None])
+    assert math.isnan(recorded_loss(tmp_path / "metrics.jsonl", step=1) or 0.0)  # read back as NaN
+
+
+REFUSED_STATEMENTS = {
+    "INSTALL httpfs": "an INSTALL statement",
+    "FORCE INSTALL httpfs": "a FORCE INSTALL statement",
+    "LOAD httpfs": "a LOAD statement",
+    "ATTACH 'x.duckdb' AS x": "an ATTACH statement",
+    "PIVOT samples ON shard USING count(*)": "a PIVOT statement",
+    "USE memory": "a USE statement",
+    "UPDATE EXTENSIONS": "an UPDATE statement",
+    "WITH x AS (SELECT 1) INSERT INTO t SELECT * FROM x": "an INSERT statement",
+    "/* why */ EXPLAIN SELECT 1": "an EXPLAIN statement",
+    "COPY samples TO 'x.csv'": "a COPY statement",
+}
+
+
+@pytest.mark.parametrize("statement", list(REFUSED_STATEMENTS))
+def test_a_refused_statement_is_named_as_typed(statement: str, tmp_path: Path) -> None:
+    cache = _golden_copy(tmp_path, index=True)
+    result = CliRunner().invoke(main, ["sql", str(cache), statement])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    (error,) = result.output.splitlines()
+    assert f"refused: {REFUSED_STATEMENTS[statement]};" in error, error
+    assert error.endswith(f"`duckdb {cache}/index.duckdb`")  # the index is current: no `dflash index`
+
+
+def test_the_shell_hint_asks_for_dflash_index_only_when_needed(tmp_path: Path) -> None:
+    cache = _golden_copy(tmp_path, index=False)
+
+    def hint() -> str:
+        return CliRunner().invoke(main, ["sql", str(cache), "SET threads = 1"]).output.strip()
+
+    assert hint().endswith(f"(after `dflash index {cache}`)")
+    build_index(cache)
+    assert hint().endswith(f"`duckdb {cache}/index.duckdb`")
+    part = sorted((cache / "manifest" / "runs").glob("*.parquet"))[0]
+    os.utime(part, ns=(part.stat().st_atime_ns, part.stat().st_mtime_ns + 10**9))
+    assert hint().endswith(f"(after refreshing it with `dflash index {cache}`)")
+
+
+@pytest.mark.parametrize("name", ["w000-golden-a-000000.tmp-99-1.parquet", ".tmp-99-1.parquet"])
+def test_a_tmp_named_part_is_a_part_not_a_temp_file(name: str, tmp_path: Path) -> None:
+    cache = _golden_copy(tmp_path, index=False)
+    samples = cache / "manifest" / "samples"
+    shutil.copy(sorted(samples.glob("*.parquet"))[0], samples / name)
+    own_temp = samples / "x.parquet.tmp-5-6"  # what a killed writer leaves
+    own_temp.write_bytes(b"partial")
+    plan = CliRunner().invoke(main, ["verify", str(cache), "--repair", "--dry-run", "--no-progress"])
+    assert f"manifest/samples/{name} (" in plan.output  # moved aside as a damaged part
+    assert f"{name}: " not in plan.output.replace(f"manifest/samples/{name} (", "")  # and not deleted
+    assert "manifest/samples/x.parquet.tmp-5-6: 7 bytes, stale temp file" in plan.output
+    assert not re.search(r"files of\s*:", plan.output), plan.output  # no empty shard name
+    CliRunner().invoke(main, ["verify", str(cache), "--repair", "--yes", "--no-progress"])
+    aside = cache / "manifest" / "damaged" / "samples" / name
+    assert aside.is_file()
+    assert not own_temp.exists()
+    after = CliRunner().invoke(main, ["verify", str(cache), "--no-progress"])
+    assert after.exit_code == 0, after.output
+    assert "stale temp file" not in after.output, after.output
+    again = CliRunner().invoke(main, ["verify", str(cache), "--repair", "--yes", "--no-progress"])
+    assert "nothing to repair" in again.output, again.output
+    assert aside.is_file()

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import duckdb
 
+from dflash_offline.cache.index_catalogue import STORAGE_VERSION
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, temp_path
-from dflash_offline.cache.sqldb import load_manifest, quote_literal
+from dflash_offline.cache.sqldb import load_manifest
 from dflash_offline.errors import NoSpaceError, find_no_space
-
-STORAGE_VERSION = "v1.0.0"
-"""DuckDB storage format of index.duckdb: header version 64, readable by DuckDB >= 1.0 (and 0.10)."""
+from dflash_offline.sql_files import quote_literal
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

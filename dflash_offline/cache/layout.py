@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ PARTIAL_SUFFIX = ".partial"
 """zarr-python's LocalStore writes ``<key>.<uuid>.partial`` and renames it; a crash leaves them behind."""
 TEMP_MARKER = ".tmp-"
 """Our own temp files (manifest parts, cache.json, index.duckdb) are ``<name>.tmp-<pid>-<n>``."""
+_OWN_TEMP_NAME = re.compile(re.escape(TEMP_MARKER) + r"\d+-\d+(\.wal)?$")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -239,17 +241,30 @@ def create_or_open_cache(root: str | Path, fingerprint: CacheFingerprint) -> Cac
     return layout
 
 
+def is_own_temp_file(path: Path) -> bool:
+    """A name ``temp_path`` gives (``<name>.tmp-<pid>-<n>``, or the ``.wal`` DuckDB keeps beside such a
+    database): nothing else is ours to delete, not even ``x.tmp-1-2.parquet``, which every reader of
+    the manifest takes for a part."""
+    return _OWN_TEMP_NAME.search(path.name) is not None
+
+
 def partial_files(root: str | Path) -> list[Path]:
-    """Stale temp files: zarr's ``*.partial`` and our ``*.tmp-*`` anywhere in the cache."""
+    """Stale temp files: zarr's ``*.partial`` in the shards, our ``temp_path`` names anywhere in the cache
+    but ``manifest/damaged/`` (what repair moved aside is kept, whatever its name)."""
     layout = CacheLayout.at(root)
     found: list[Path] = []
     if layout.shards_dir.is_dir():
         found += [p for p in layout.shards_dir.rglob(f"*{PARTIAL_SUFFIX}") if p.is_file()]
-        found += [p for p in layout.shards_dir.rglob(f"*{TEMP_MARKER}*") if p.is_file()]
+        ours = layout.shards_dir.rglob(f"*{TEMP_MARKER}*")
+        found += [p for p in ours if is_own_temp_file(p) and p.is_file()]
     if layout.manifest_dir.is_dir():
-        found += [p for p in layout.manifest_dir.rglob(f"*{TEMP_MARKER}*") if p.is_file()]
+        found += [
+            p
+            for p in layout.manifest_dir.rglob(f"*{TEMP_MARKER}*")
+            if is_own_temp_file(p) and p.is_file() and layout.damaged_dir not in p.parents
+        ]
     if layout.root.is_dir():
-        found += [p for p in layout.root.glob(f"*{TEMP_MARKER}*") if p.is_file()]
+        found += [p for p in layout.root.glob(f"*{TEMP_MARKER}*") if is_own_temp_file(p) and p.is_file()]
     return sorted(found)
 
 

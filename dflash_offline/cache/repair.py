@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections import Counter
 from collections.abc import Iterator
@@ -55,6 +56,8 @@ from dflash_offline.cache.verify import (
 )
 from dflash_offline.locking import hold_lock
 
+_PART_STEM = re.compile(r"^(?P<shard>[^.]+)-\d+$")
+"""A samples part's name before its first dot: ``<shard>-<n>``."""
 _SHOWN = 20
 """Sample ids listed by name in a plan or report."""
 
@@ -350,13 +353,21 @@ def _guarded_shards(layout: CacheLayout, manifest: ManifestCheck) -> set[str]:
     aside = layout.damaged_dir / "samples"
     damaged_parts = [d.path for d in manifest.damaged if d.table == "samples"]
     damaged_parts += sorted(aside.iterdir()) if aside.is_dir() else []
-    # A part is named <shard>-<part>.<sha256>.parquet (shard names hold no dot).
-    return {path.name.split(".")[0].rsplit("-", 1)[0] for path in damaged_parts}
+    return {shard for path in damaged_parts if (shard := _shard_of_part_name(path)) is not None}
 
 
-def _orphan_shard(orphan: UnreferencedData) -> str:
-    """The shard an orphan belongs to; "" for a file outside ``shards/``."""
-    return orphan.path.split("/")[1].removesuffix(".zarr") if orphan.path.startswith("shards/") else ""
+def _shard_of_part_name(path: Path) -> str | None:
+    """The shard a samples part is named after (``<shard>-<n>.<sha256>.parquet``, shard names hold no
+    dot), or None for a name of another form (a part renamed by hand names no shard)."""
+    match = _PART_STEM.match(path.name.split(".")[0])
+    return match.group("shard") if match else None
+
+
+def _orphan_shard(orphan: UnreferencedData) -> str | None:
+    """The shard an orphan belongs to; None for a file outside ``shards/``."""
+    if not orphan.path.startswith("shards/"):
+        return None
+    return orphan.path.split("/")[1].removesuffix(".zarr")
 
 
 def plan_repair(root: Path, *, progress: bool = True) -> RepairPlan:
@@ -393,7 +404,7 @@ def plan_repair(root: Path, *, progress: bool = True) -> RepairPlan:
         dropped_raw_bytes=sum(d.num_tokens for d in dropped) * row_bytes,
         rewrites=_part_rewrites(committed, keep),
         delete=tuple(o for o in orphans if _orphan_shard(o) not in guarded),
-        kept_leftovers=tuple(sorted({_orphan_shard(o) for o in orphans} & guarded)),
+        kept_leftovers=tuple(sorted({s for o in orphans if (s := _orphan_shard(o)) is not None} & guarded)),
         samples_before=len(set(ids)),
         rows_in_damaged_parts=sum(d.rows or 0 for d in manifest.damaged if d.table == "samples"),
         samples_after=len(kept_ids),

@@ -4,27 +4,29 @@ The statement must be a single SELECT and may read only the cache's own files (`
 
 By default (``source="auto"``) the query runs against index.duckdb when it is current and otherwise
 against the live Parquet manifest loaded into memory, so it works while ``dflash generate`` writes.
+
+``stream_query`` (the command) writes the result while DuckDB produces it (``sql_output``) and runs the
+query on a thread, the main thread only waiting: a Ctrl-C or ``kill -INT`` interrupts the query at once
+(``interrupt.wait_interruptibly`` calls DuckDB's ``interrupt()``), however long it would have run.
 """
 
 from __future__ import annotations
 
-import csv
-import datetime as dt
-import decimal
+import contextlib
 import io
-import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, TextIO
 
 import duckdb
 
-from dflash_offline.cache.sql_guard import check_statement, confine, refusal_for
+from dflash_offline.cache.sql_guard import check_statement, refusal_for
+from dflash_offline.cache.sql_output import OutputFormat, batches, write_result
 from dflash_offline.cache.sqldb import Source, open_query_database
 from dflash_offline.errors import ConfigError, DflashError
+from dflash_offline.interrupt import wait_interruptibly
 from dflash_offline.sql_files import named_queries
-
-OutputFormat = Literal["table", "csv", "json"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,21 +46,12 @@ class SqlConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SqlResult:
-    """A fetched query result."""
+    """A fetched query result (``run_sql``: every row in memory; for small results and tests)."""
 
     columns: tuple[str, ...]
     rows: list[tuple[Any, ...]]
     source: str
     """``manifest`` or ``index``: what the query ran against."""
-
-    def render(self, output_format: OutputFormat) -> str:
-        if output_format == "csv":
-            return _render_csv(self)
-        if output_format == "json":
-            return json.dumps(
-                [dict(zip(self.columns, row)) for row in self.rows], default=_json_value, indent=1
-            )
-        return _render_table(self)
 
 
 def resolve_sql(config: SqlConfig) -> str:
@@ -76,75 +69,72 @@ def resolve_sql(config: SqlConfig) -> str:
 def run_sql(config: SqlConfig) -> SqlResult:
     """Run the statement and fetch its whole result: one read-only SELECT, confined to the cache's
     files (``sql_guard``)."""
-    statement = resolve_sql(config)
-    check_statement(statement, root=config.root)
-    database = open_query_database(config.root, config.source)
-    try:
-        confine(database.con, config.root)
-        cursor = database.con.cursor()  # one cursor per result (a DuckDB 2.0 trap: docs/facts.md#duckdb)
-        try:
-            cursor.execute(statement)
-            description = cursor.description or []
-            rows = cursor.fetchall() if description else []  # DuckDB reads files lazily: errors come here too
-        except duckdb.Error as e:
-            raise (refusal_for(e, root=config.root) or DflashError(f"the query failed: {e}")) from e
-        return SqlResult(columns=tuple(d[0] for d in description), rows=rows, source=database.source)
-    finally:
-        database.con.close()
+    collected: list[SqlResult] = []
+
+    def collect(columns: tuple[str, ...], rows: Any, source: str) -> None:
+        collected.append(SqlResult(columns=columns, rows=[r for batch in rows for r in batch], source=source))
+
+    _run(config, collect, _Connections())
+    return collected[0]
+
+
+def stream_query(config: SqlConfig, out: TextIO) -> None:
+    """Run the statement and write its result to ``out`` in the configured format as it is fetched;
+    SIGINT interrupts the query (KeyboardInterrupt, within a fraction of a second)."""
+    connections = _Connections()
+
+    def write(columns: tuple[str, ...], rows: Any, source: str) -> None:
+        write_result(columns, rows, source=source, output_format=config.output_format, out=out)
+
+    wait_interruptibly(lambda: _run(config, write, connections), interrupt=connections.interrupt, name="sql")
 
 
 def query_cache(config: SqlConfig) -> str:
-    """Run the query and render it in the configured format (what ``dflash sql`` prints)."""
-    return run_sql(config).render(config.output_format)
-
-
-def _json_value(value: Any) -> Any:
-    if isinstance(value, dt.datetime | dt.date | dt.time):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return float(value)
-    if isinstance(value, bytes):
-        return value.hex()
-    return str(value)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "NULL"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, dt.datetime):
-        return value.isoformat(sep=" ", timespec="seconds")
-    return str(value)
-
-
-def _render_csv(result: SqlResult) -> str:
+    """The result rendered in the configured format, as one string (what ``dflash sql`` prints)."""
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(result.columns)
-    for row in result.rows:
-        writer.writerow(
-            ["" if v is None else _json_value(v) if not isinstance(v, str | int | float) else v for v in row]
-        )
+    stream_query(config, buffer)
     return buffer.getvalue().rstrip("\n")
 
 
-def _render_table(result: SqlResult) -> str:
-    if not result.columns:
-        return "(no result)"
-    cells = [[_cell(v) for v in row] for row in result.rows]
-    numeric = [
-        all(isinstance(row[i], int | float | decimal.Decimal) or row[i] is None for row in result.rows)
-        for i in range(len(result.columns))
-    ]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(result.columns)]
+class _Connections:
+    """The DuckDB connections of one query, for the main thread to interrupt (thread-safe)."""
 
-    def line(values: list[str]) -> str:
-        return "  ".join(
-            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)
-        ).rstrip()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: list[duckdb.DuckDBPyConnection] = []
+        self._interrupted = False
 
-    out = [line(list(result.columns)), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in cells]
-    out.append(f"({len(result.rows)} row{'s' if len(result.rows) != 1 else ''}, from the {result.source})")
-    return "\n".join(out)
+    def add(self, con: duckdb.DuckDBPyConnection) -> None:
+        with self._lock:
+            self._open.append(con)
+            if self._interrupted:  # an interrupt before this connection existed
+                raise KeyboardInterrupt
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self._interrupted = True
+            for con in self._open:
+                with contextlib.suppress(duckdb.Error):  # one the query already closed
+                    con.interrupt()
+
+
+def _run(config: SqlConfig, consume: Any, connections: _Connections) -> None:
+    """Check the statement, open the database, run it and hand (columns, batches, source) to
+    ``consume``, which reads the batches while the cursor is open."""
+    statement = resolve_sql(config)
+    check_statement(statement, root=config.root)
+    database = open_query_database(config.root, config.source, connected=connections.add)
+    try:
+        cursor = database.con.cursor()  # one cursor per result (a DuckDB 2.0 trap: docs/facts.md#duckdb)
+        try:
+            connections.add(cursor)
+            cursor.execute(statement)
+            columns = tuple(d[0] for d in cursor.description or [])
+            # DuckDB reads files lazily: errors come while the batches are fetched, inside consume.
+            consume(columns, batches(cursor) if columns else iter(()), database.source)
+        except duckdb.Error as e:
+            raise (refusal_for(e, root=config.root) or DflashError(f"the query failed: {e}")) from e
+        finally:
+            cursor.close()  # here, not at interpreter exit (an interrupted result torn down then aborts)
+    finally:
+        database.con.close()

@@ -25,19 +25,46 @@ directory off first: a query that would spill to disk fails instead of opening a
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import duckdb
 
 from dflash_offline.errors import DflashError
 
-FULL_SHELL_HINT = (
-    "for a full SQL shell use the duckdb CLI: `duckdb {root}/index.duckdb` (after `dflash index {root}`)"
-)
+_AN = frozenset({"ABORT", "ALTER", "ANALYZE", "ATTACH", "END", "EXECUTE", "EXPLAIN", "EXPORT", "IMPORT",
+                 "INSERT", "INSTALL", "UNLISTEN", "UNPIVOT", "UPDATE"})  # fmt: skip
+"""Statement keywords read with "an" (a vowel sound: not USE, "yoos"); every other keyword takes "a"."""
+
+_KEYWORD_OF_TYPE = {"MERGE_INTO": "MERGE", "COPY_DATABASE": "COPY FROM DATABASE", "CREATE_FUNC": "CREATE"}
+"""The keyword of a statement type whose name is not one (for a statement that starts with WITH)."""
+
+_TWO_WORD = frozenset({"FORCE"})
+"""Keywords that name a statement only with the word after them (FORCE INSTALL)."""
+
+_LEADING = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/|\()*([A-Za-z_]+)(?:\s+([A-Za-z_]+))?", re.S)
 
 
 class SqlRefusedError(DflashError):
     """A ``dflash sql`` statement that would do more than read the cache."""
+
+
+def statement_name(text: str, type_name: str | None) -> str:
+    """``an INSTALL statement``, ``a PIVOT statement``: what the user typed, with its article.
+
+    DuckDB's statement types are coarser than its statements (INSTALL is a LOAD, PIVOT a MULTI, USE a
+    SET, TRUNCATE a DELETE), so the name is the statement's own leading keyword; a statement that
+    starts with WITH is named by its type (``WITH ... INSERT`` is an INSERT)."""
+    match = _LEADING.match(text)
+    keyword = match.group(1).upper() if match else ""
+    if keyword in _TWO_WORD and match and match.group(2):
+        keyword = f"{keyword} {match.group(2).upper()}"
+    if (keyword in ("", "WITH")) and type_name is not None:
+        keyword = _KEYWORD_OF_TYPE.get(type_name, type_name)
+    if not keyword:
+        return "an empty statement"
+    article = "an" if keyword.split()[0] in _AN else "a"
+    return f"{article} {keyword} statement"
 
 
 def check_statement(sql: str, *, root: Path) -> None:
@@ -46,14 +73,33 @@ def check_statement(sql: str, *, root: Path) -> None:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as e:
         raise DflashError(f"the query failed: {e}") from e
-    hint = FULL_SHELL_HINT.format(root=root)
     if len(statements) != 1:
-        raise SqlRefusedError(f"dflash sql runs exactly one statement, got {len(statements)}; {hint}")
-    kind = statements[0].type
-    if kind != duckdb.StatementType.SELECT:
         raise SqlRefusedError(
-            f"dflash sql is read-only and runs only a SELECT, refused: a {kind.name} statement; {hint}"
+            f"dflash sql runs exactly one statement, got {len(statements)}; {full_shell_hint(root)}"
         )
+    try:
+        kind: str | None = statements[0].type.name
+    except ValueError:  # a type this DuckDB's Python API has no name for (UPDATE EXTENSIONS): not a SELECT
+        kind = None
+    if kind != duckdb.StatementType.SELECT.name:
+        raise SqlRefusedError(
+            "dflash sql is read-only and runs only a SELECT, refused: "
+            f"{statement_name(statements[0].query, kind)}; {full_shell_hint(root)}"
+        )
+
+
+def full_shell_hint(root: Path) -> str:
+    """Where to run what ``dflash sql`` refuses; ``dflash index`` only when the index needs it."""
+    from dflash_offline.cache.sqldb import index_health  # sqldb confines its connections with this module
+
+    shell = f"for a full SQL shell use the duckdb CLI: `duckdb {root}/index.duckdb`"
+    needed = {
+        "absent": f" (after `dflash index {root}`)",
+        "stale": f" (after refreshing it with `dflash index {root}`)",
+        "unreadable": f" (after rebuilding it with `dflash index {root}`)",
+        "current": "",
+    }
+    return shell + needed[index_health(root).state]
 
 
 def confine(con: duckdb.DuckDBPyConnection, root: Path) -> None:
@@ -80,7 +126,7 @@ def refusal_for(error: duckdb.Error, *, root: Path) -> SqlRefusedError | None:
     first = str(error).strip().splitlines()[0]
     return SqlRefusedError(
         f"dflash sql reads only the cache's own files (under {root.resolve()}), refused: {first}; "
-        + FULL_SHELL_HINT.format(root=root)
+        + full_shell_hint(root)
     )
 
 

@@ -7,12 +7,14 @@ query means the same thing against a finished index and against a cache still be
 DuckDB traps honoured here (docs/facts.md#duckdb): rows go in through ``read_parquet`` (of parts
 checked against their sha256 first) and registered Arrow tables, never ``executemany``; every result is
 fetched completely before the next statement runs on its connection; index.duckdb is opened read-only
-(a read-write connection locks out every other process).
+(a read-write connection locks out every other process), and only through ``index_catalogue.open_index``
+(sandboxed, its catalogue checked against the schema before anything stored in it is evaluated).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -20,10 +22,12 @@ from typing import Literal
 import duckdb
 import pyarrow as pa
 
+from dflash_offline.cache.index_catalogue import IndexHealth, IndexUnusableError, open_index
 from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint, read_format_version
 from dflash_offline.cache.manifest import check_parts, current_parts, read_parts
+from dflash_offline.cache.sql_guard import confine
 from dflash_offline.errors import CacheFormatError
-from dflash_offline.sql_files import read_schema
+from dflash_offline.sql_files import quote_literal, read_schema, split_statements
 
 Source = Literal["auto", "manifest", "index"]
 
@@ -53,27 +57,6 @@ class PartStamp:
     file: str
     """Path relative to the cache root."""
     mtime_ns: int
-
-
-def split_statements(sql: str) -> list[str]:
-    """Statements of a SQL file: split at ';' that ends a line; comment-only pieces dropped."""
-    pieces, current = [], []
-    for line in sql.splitlines():
-        current.append(line)
-        if line.rstrip().endswith(";"):
-            pieces.append("\n".join(current))
-            current = []
-    pieces.append("\n".join(current))
-    code = []
-    for piece in pieces:
-        meaningful = [ln for ln in piece.splitlines() if ln.strip() and not ln.strip().startswith("--")]
-        if meaningful:
-            code.append(piece.strip())
-    return code
-
-
-def quote_literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
 
 
 def _file_list(paths: list[Path]) -> str:
@@ -214,21 +197,32 @@ def _insert_parts(con: duckdb.DuckDBPyConnection, stamps: list[PartStamp]) -> No
     _insert_arrow(con, "parts", pa.table(parts))
 
 
-def index_is_current(root: str | Path) -> bool:
-    """True when index.duckdb exists and was built from exactly the manifest parts on disk now."""
+def index_health(root: str | Path) -> IndexHealth:
+    """Whether index.duckdb is absent, current (built from exactly the manifest parts on disk now),
+    stale, or unreadable (``index_catalogue.open_index`` refuses it)."""
     layout = CacheLayout.at(root)
     if not layout.index_path.is_file():
-        return False
+        return IndexHealth(state="absent")
     try:
-        con = duckdb.connect(str(layout.index_path), read_only=True)
-    except duckdb.Error:
-        return False
+        con = open_index(root)
+    except IndexUnusableError as e:
+        return IndexHealth(state="unreadable", problem=e.problem)
     try:
-        rows = con.cursor().execute("SELECT manifest_table, file, mtime_ns FROM parts").fetchall()
-    except duckdb.Error:
-        return False
+        current = _built_from_parts_on_disk(con, root)
+    except duckdb.Error as e:
+        return IndexHealth(state="unreadable", problem=f"its parts table cannot be read ({e})")
     finally:
         con.close()
+    return IndexHealth(state="current" if current else "stale")
+
+
+def index_is_current(root: str | Path) -> bool:
+    return index_health(root).state == "current"
+
+
+def _built_from_parts_on_disk(con: duckdb.DuckDBPyConnection, root: str | Path) -> bool:
+    """``con``: an index opened by ``open_index`` (its ``parts`` is the schema's table)."""
+    rows = con.cursor().execute("SELECT manifest_table, file, mtime_ns FROM parts").fetchall()
     indexed = {PartStamp(manifest_table=t, file=f, mtime_ns=int(m)) for t, f, m in rows}
     return indexed == set(part_stamps(root))
 
@@ -242,24 +236,54 @@ class QueryDatabase:
     """``manifest``: loaded in memory from the Parquet parts now; ``index``: index.duckdb, read-only."""
 
 
-def open_query_database(root: str | Path, source: Source = "auto") -> QueryDatabase:
+def open_query_database(
+    root: str | Path,
+    source: Source = "auto",
+    *,
+    connected: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
+) -> QueryDatabase:
     """``manifest`` loads the live Parquet manifest into memory (works while writers run); ``index``
-    opens index.duckdb read-only; ``auto`` uses the index only when it is current."""
+    opens index.duckdb read-only; ``auto`` uses the index only when it is current and its catalogue is
+    the schema's (else the manifest). Either connection is confined to the cache's files
+    (``sql_guard.confine``) before it is returned. ``connected`` is called with each connection as soon
+    as it exists (so that a long manifest load can be interrupted)."""
     layout = CacheLayout.at(root)
     read_fingerprint(root)  # a clear error for a path that is not a cache
-    if source == "index" or (source == "auto" and index_is_current(root)):
-        if not layout.index_path.is_file():
-            raise CacheFormatError(
-                f"{layout.index_path} does not exist; build it with `dflash index {layout.root}`"
-            )
-        try:
-            con = duckdb.connect(str(layout.index_path), read_only=True)
-        except duckdb.Error as e:
-            raise CacheFormatError(
-                f"{layout.index_path} cannot be opened ({e}); rebuild it with `dflash index {layout.root}` "
-                "or query the manifest (--source manifest)"
-            ) from e
-        return QueryDatabase(con=con, source="index")
+    if source == "index" and not layout.index_path.is_file():
+        raise CacheFormatError(
+            f"{layout.index_path} does not exist; build it with `dflash index {layout.root}`"
+        )
+    if source != "manifest" and layout.index_path.is_file():
+        index = _open_index_for(root, source)
+        if index is not None:
+            if connected is not None:
+                connected(index)
+            return QueryDatabase(con=index, source="index")
     con = duckdb.connect(":memory:")
-    load_manifest(con, root)
+    try:
+        if connected is not None:
+            connected(con)
+        load_manifest(con, root)
+        confine(con, layout.root)
+    except BaseException:
+        con.close()
+        raise
     return QueryDatabase(con=con, source="manifest")
+
+
+def _open_index_for(root: str | Path, source: Source) -> duckdb.DuckDBPyConnection | None:
+    """The checked index for ``source`` ``index`` (or its one-line refusal); for ``auto`` only when it is
+    usable and current (None otherwise: the manifest answers)."""
+    try:
+        con = open_index(root)
+    except IndexUnusableError:
+        if source == "index":
+            raise
+        return None
+    try:
+        if source == "index" or _built_from_parts_on_disk(con, root):
+            return con
+    except duckdb.Error:
+        pass  # an unusable parts table: the manifest answers
+    con.close()
+    return None

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from dflash_offline.cache.codecs import raw_token_bytes
 from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.index_catalogue import IndexHealth
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
-from dflash_offline.cache.sqldb import index_is_current, open_query_database
+from dflash_offline.cache.sqldb import index_health, open_query_database
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,8 +50,8 @@ class CacheStatus:
     duplicates: int
     last_run: str
     """``<run_id> <command> <status>`` of the newest run, or ``none``."""
-    index: str
-    """``current``, ``stale`` or ``absent``."""
+    index: IndexHealth
+    """index.duckdb: absent, current, stale or unreadable (and why)."""
 
     def render(self) -> str:
         fp = self.fingerprint
@@ -70,7 +71,8 @@ class CacheStatus:
             f"(stored/raw {ratio})  "
             f"manifest {_size(self.manifest_bytes)}",
             f"shards     {self.shards} sessions from {self.workers} workers",
-            f"index      {self.index}   last run: {self.last_run}",
+            f"index      {self.index.render(self.root)}",
+            f"last run   {self.last_run}",
             "buckets    id  max_tokens   samples      tokens  loss_tokens",
         ]
         for b in self.buckets:
@@ -144,10 +146,6 @@ def cache_status(root: str | Path) -> CacheStatus:
         )
     finally:
         con.close()
-    if layout.index_path.is_file():
-        index = "current" if index_is_current(root) else "stale"
-    else:
-        index = "absent"
     return CacheStatus(
         root=layout.root,
         format_version=read_format_version(root),
@@ -164,7 +162,7 @@ def cache_status(root: str | Path) -> CacheStatus:
         failures=failures,
         duplicates=int(duplicates),
         last_run=_run_line(*last[0]) if last else "none",
-        index=index,
+        index=index_health(root),
     )
 
 

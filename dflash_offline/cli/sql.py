@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
+from dflash_offline.cache.sql_output import TABLE_ROWS
+from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import cache_input
 from dflash_offline.sql_files import named_queries
 
@@ -27,9 +30,10 @@ def _query_names() -> str:
 @click.option(
     "--format",
     "output_format",
-    type=click.Choice(["table", "csv", "json"]),
+    type=click.Choice(["table", "csv", "json", "jsonl"]),
     default="table",
     show_default=True,
+    help=f"table shows the first {TABLE_ROWS:,} rows; csv, json and jsonl stream every row.",
 )
 @click.option(
     "--source",
@@ -38,9 +42,10 @@ def _query_names() -> str:
     show_default=True,
     help="auto: index.duckdb when it is current, else the live Parquet manifest (works while writing).",
 )
+@ctrl_c_exits_130("interrupted: the query was stopped")
 def sql(cache: Path, statement: str | None, query_name: str | None, output_format: str, source: str) -> None:
     """Run one SQL STATEMENT (or --query NAME) against CACHE and print the result."""
-    from dflash_offline.cache.sql import SqlConfig, query_cache
+    from dflash_offline.cache.sql import SqlConfig, stream_query
 
     config = SqlConfig(
         root=cache,
@@ -49,4 +54,4 @@ def sql(cache: Path, statement: str | None, query_name: str | None, output_forma
         output_format=output_format,  # type: ignore[arg-type]
         source=source,  # type: ignore[arg-type]
     )
-    click.echo(query_cache(config))
+    stream_query(config, sys.stdout)

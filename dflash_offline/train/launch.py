@@ -210,7 +210,7 @@ def _run_training_locked(config: TrainConfig, started_at: float) -> TrainResult 
     start = time.perf_counter()
     wall = _spawn(config, started_at)
     # The ranks ran in other processes: read what rank 0 logged.
-    from dflash_offline.train.metrics import read_metrics, validation_records
+    from dflash_offline.train.metrics import read_metrics, recorded_number, validation_records
 
     metrics_path = config.out_dir / "metrics.jsonl"
     metrics = read_metrics(metrics_path) if metrics_path.exists() else []
@@ -218,14 +218,14 @@ def _run_training_locked(config: TrainConfig, started_at: float) -> TrainResult 
     step = int(last.get("step", 0))  # type: ignore[call-overload]
     # The tracker's criterion; lines of a run resumed from before chain τ do not carry it.
     validated = [r for r in validation_records(metrics) if "val_chain_tau" in r]
-    best = max(validated, key=lambda r: float(r["val_chain_tau"]), default=None)  # type: ignore[arg-type]
+    best = max(validated, key=lambda r: recorded_number(r["val_chain_tau"]), default=None)
     return TrainResult(
         global_step=step,
         total_steps=step,
-        final_loss=float(last["loss"]) if "loss" in last else None,  # type: ignore[arg-type]
+        final_loss=recorded_number(last["loss"]) if "loss" in last else None,
         export_dir=config.out_dir / "drafter" if config.export_at_end else None,
         seconds=time.perf_counter() - start,
-        best_validation_tau=None if best is None else float(best["val_chain_tau"]),  # type: ignore[arg-type]
+        best_validation_tau=None if best is None else recorded_number(best["val_chain_tau"]),
         best_validation_step=0 if best is None else int(best["step"]),  # type: ignore[call-overload]
         wall=wall,
     )

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dflash_offline import strict_json
 from dflash_offline import tensorboard as tb
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.loss import simulated_acceptance_length
@@ -126,7 +128,7 @@ class StepMetrics:
         }
         if self.validation is not None:
             record.update(self.validation.fields())
-        return json.dumps(record)
+        return strict_json.dumps(record)  # a diverged loss is null, not NaN: see strict_json
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -305,7 +307,13 @@ def recorded_loss(path: Path, *, step: int) -> float | None:
     if not path.is_file():
         return None
     losses = [r["loss"] for _line, r in _parse_lines(path) if "loss" in r and int(r.get("step", 0)) <= step]
-    return float(losses[-1]) if losses else None
+    return recorded_number(losses[-1]) if losses else None
+
+
+def recorded_number(value: object) -> float:
+    """A number read from a metrics line: ``null`` is what a NaN or infinite value was written as
+    (``strict_json``), and reads back as NaN."""
+    return math.nan if value is None else float(value)  # type: ignore[arg-type]
 
 
 def validation_records(records: list[dict[str, object]]) -> list[dict[str, object]]:

@@ -128,7 +128,7 @@ def test_stale_index_is_not_used_by_auto(cache, fingerprint):
     result = sql(root, "SELECT count(*) FROM samples")
     assert (result.source, result.rows) == ("manifest", [(33,)])
     assert sql(root, "SELECT count(*) FROM samples", source="index").rows == [(30,)]
-    assert cache_status(root).index == "stale"
+    assert cache_status(root).index.state == "stale"
 
 
 def test_sql_while_a_writer_is_active(tmp_path, fingerprint):
@@ -195,7 +195,7 @@ def test_status_and_runs(cache):
     assert dict(status.failures) == {"too_long": 2, "empty_response": 1}
     assert sum(b.samples for b in status.buckets) == 30
     assert status.last_run == "run-1 generate running"
-    assert status.index == "absent"
+    assert status.index.state == "absent"
     text = status.render()
     assert "samples    30" in text
     assert "too_long 2" in text

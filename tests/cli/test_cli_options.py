@@ -358,7 +358,7 @@ def test_cache_is_accepted_positionally_or_as_an_option(
 def test_sql_takes_the_statement_after_a_cache_option(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    _capture(monkeypatch, "dflash_offline.cache.sql", "query_cache")
+    _capture(monkeypatch, "dflash_offline.cache.sql", "stream_query")
     cache = tmp_path / "c"
     statement = "SELECT 'a//b/'"  # as typed (a Path would normalise it)
     for args in ([str(cache), statement], ["--cache", str(cache), statement]):
