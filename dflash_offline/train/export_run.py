@@ -13,6 +13,7 @@ from dflash_offline.cache.layout import read_fingerprint
 from dflash_offline.errors import DivergedError, ResumeError
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.export_out import check_export_out
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
 from dflash_offline.writable import check_writable_dir
 
@@ -39,6 +40,7 @@ def export_run(
     from dflash_offline.drafter.export import export_drafter, nonfinite_tensors
     from dflash_offline.drafter.model_card import read_eval_report
 
+    check_export_out(out_dir, option="--out")
     check_writable_dir(out_dir, option="--out")
     config_path = run_dir / "config.json"
     if not config_path.is_file():
