@@ -81,3 +81,22 @@ def test_export_refuses_a_checkpoint_of_nan_weights(tiny_cache: Path, tmp_path: 
     assert str(path) in str(refused.value) and "--step" in str(refused.value)
     assert not (tmp_path / "export").exists()
     export_run(run, tmp_path / "export", step=1)  # the earlier, finite checkpoint exports
+
+
+def test_resume_passes_over_a_checkpoint_of_nan_weights(
+    tiny_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose newest checkpoint holds NaN (as a diverged run wrote before the check) resumes from the
+    previous, finite one."""
+    run = tmp_path / "run"
+    run_training(train_config(tiny_cache, run, max_steps=2, checkpoint_every=1, keep_checkpoints=5))
+    path = list_checkpoints(run)[-1][1] / "state.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["fc.weight"][0, 0] = float("inf")
+    torch.save(state, path)
+    run_training(train_config(tiny_cache, run, max_steps=3, checkpoint_every=1, keep_checkpoints=5))
+    err = capsys.readouterr().err
+    assert "non-finite weights (NaN or Inf) in fc.weight" in err
+    assert "resumed from the checkpoint of step 1 of 3" in err
+    assert (run / "checkpoints" / "step-00000002.unreadable").is_dir()
+    assert [step for step, _path in list_checkpoints(run)] == [1, 2, 3]
