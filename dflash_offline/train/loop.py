@@ -497,6 +497,12 @@ def _run_steps(
             opt.planner.step_done(step_plan)
             tokens_seen += step_plan.num_tokens
             global_step = step_plan.global_step + 1
+            reporter.step_ran(
+                step_plan,
+                outcome,
+                lr=config.lr * opt.lr_factor(global_step),  # the next step's
+                data_wait_s=sum(b.data_wait_s for b in batches),
+            )
             validated = None
             if validation is not None and validation.due(global_step, opt.total_steps):
                 _stop_if_diverged(config, reporter.check_finite(), global_step)  # before a best export
@@ -508,14 +514,7 @@ def _run_steps(
                 validated = replace(validated, seconds=lap.seconds)
                 with reporter.paused("checkpoint"):
                     validation.keep_best(opt.model, validated)
-            bad = reporter.report(
-                step_plan,
-                outcome,
-                lr=config.lr * opt.lr_factor(global_step),  # the next step's
-                data_wait_s=sum(b.data_wait_s for b in batches),
-                validation=validated,
-            )
-            _stop_if_diverged(config, bad, global_step)
+            _stop_if_diverged(config, reporter.report(validation=validated), global_step)
             if _stops_after(config, info, opt, reporter, validation, global_step, tokens_seen, validated):
                 return True
     return False
