@@ -1,6 +1,6 @@
 """A diverged run stops: a real tiny run at an absurd learning rate goes NaN at its second step (the first
-update at ``--lr 1e12`` blows the weights up). It must fail with ``DivergedError`` naming that step, record the
-step in metrics.jsonl, keep only checkpoints of finite weights (the one resume uses), export nothing, and
+update at ``--lr 1e12`` blows the weights up). It must fail with ``DivergedError`` naming that step, record
+the step in metrics.jsonl, keep only checkpoints of finite weights (the one resume uses), export nothing, and
 ``dflash export`` must refuse a checkpoint that holds NaN (as one written before this check would)."""
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ def test_a_nan_step_stops_the_run_at_that_step_and_keeps_the_last_finite_checkpo
     assert "step-00000001 (step 1)" in str(error)
     lines = _lines(run)
     assert [line["step"] for line in lines] == [1, 2]  # nothing ran past the non-finite step
-    assert _finite(lines[0]["loss"]) and _finite(lines[0]["grad_norm"])
+    assert _finite(lines[0]["loss"])
+    assert _finite(lines[0]["grad_norm"])
     assert not _finite(lines[1]["loss"])  # where a plot sees the loss stop being finite
     assert [step for step, _path in list_checkpoints(run)] == [1]
     state = load_latest_checkpoint(run)
-    assert state is not None and state.global_step == 1
+    assert state is not None
+    assert state.global_step == 1
     assert all(bool(torch.isfinite(t).all()) for t in state.model.values() if t.is_floating_point())
     assert not (run / "drafter").exists()
 
@@ -76,9 +78,10 @@ def test_export_refuses_a_checkpoint_of_nan_weights(tiny_cache: Path, tmp_path: 
     state = torch.load(path, weights_only=False)
     state["model"]["norm.weight"][0] = float("nan")
     torch.save(state, path)
-    with pytest.raises(DivergedError, match="norm.weight") as refused:
+    with pytest.raises(DivergedError, match=r"norm\.weight") as refused:
         export_run(run, tmp_path / "export")
-    assert str(path) in str(refused.value) and "--step" in str(refused.value)
+    assert str(path) in str(refused.value)
+    assert "--step" in str(refused.value)
     assert not (tmp_path / "export").exists()
     export_run(run, tmp_path / "export", step=1)  # the earlier, finite checkpoint exports
 
