@@ -103,3 +103,14 @@ def test_resume_passes_over_a_checkpoint_of_nan_weights(
     assert "resumed from the checkpoint of step 1 of 3" in err
     assert (run / "checkpoints" / "step-00000002.unreadable").is_dir()
     assert [step for step, _path in list_checkpoints(run)] == [1, 2, 3]
+
+
+@pytest.mark.timeout(300)
+def test_both_ddp_ranks_stop_at_the_same_step(tiny_cache: Path, tmp_path: Path) -> None:
+    """Two spawned ranks read the same all-reduced loss and gradient norm: both stop at step 2 (neither
+    waits for the other in a collective), and the caller gets the rank's one-line error."""
+    run = tmp_path / "run"
+    error = _diverging(tiny_cache, run, checkpoint_every=1, num_cpu_workers=2)
+    assert "at step 2;" in str(error)
+    assert [step for step, _path in list_checkpoints(run)] == [1]
+    assert [line["step"] for line in _lines(run)] == [1, 2]
