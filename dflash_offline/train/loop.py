@@ -4,7 +4,9 @@ held-out validation split evaluated every ``--val-every`` steps.
 The step itself (train/step.py) leaves its results on the device; the loop reads them back (a host
 sync) only where they are needed: at log steps, validations, checkpoints and the last step. Under DDP
 the ranks agree on a stop request at those steps too (one tiny all-reduce and read); a single process
-checks its flag every step at no cost.
+checks its flag every step at no cost. At each of those read-backs the steps since the previous one are
+checked: a non-finite loss or gradient norm stops the run there, before any checkpoint or export of the
+weights it left (train/divergence.py).
 """
 
 from __future__ import annotations
