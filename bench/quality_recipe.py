@@ -943,6 +943,8 @@ def main() -> None:
         report.stage(st)
         drafter = work / f"run-{name}" / "drafter"
         if not (drafter / "config.json").is_file():
+            # dflash export never writes into a run: the newest checkpoint goes beside it.
+            drafter = work / f"drafter-{name}"
             with open(logs / f"4_train_{name}.log", "ab") as log:
                 subprocess.run(
                     dflash("export", str(work / f"run-{name}"), "--out", str(drafter)),
@@ -975,6 +977,8 @@ def main() -> None:
             report.note(f"best validation chain τ: {best_chain}; evaluating {to_eval[0]} alone")
     for name in to_eval:
         drafter = work / f"run-{name}" / "drafter"
+        if not (drafter / "config.json").is_file():
+            drafter = work / f"drafter-{name}"  # exported from the newest checkpoint (stage 4)
         if not (drafter / "config.json").is_file():
             report.note(f"variant {name}: no exported drafter")
             continue

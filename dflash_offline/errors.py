@@ -98,3 +98,8 @@ def as_no_space_error(exc: BaseException, path: str | Path) -> BaseException:
     if found is None:
         return exc
     return found[0] if isinstance(found[0], NoSpaceError) else NoSpaceError(path)
+
+
+class DivergedError(DflashError):
+    """Training produced a non-finite loss, gradient norm or weight (a NaN or an Inf): the run stopped, or a
+    file holding such weights was refused."""

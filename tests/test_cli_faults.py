@@ -564,3 +564,228 @@ def test_a_tmp_named_part_is_a_part_not_a_temp_file(name: str, tmp_path: Path) -
     again = CliRunner().invoke(main, ["verify", str(cache), "--repair", "--yes", "--no-progress"])
     assert "nothing to repair" in again.output, again.output
     assert aside.is_file()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Drafter directories: a diverged run, exports that would land on a run or a
+# cache, and damaged drafter directories read by `dflash eval --drafter` and `dflash train --init-from`.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _one_error(args: list[str], cwd: Path | None = None) -> str:
+    """Run ``dflash ARGS``: it must fail with exit 1 and one ``Error:`` line, no traceback; the line."""
+    here = Path.cwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(main, args)
+    finally:
+        os.chdir(here)
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        f"{type(result.exception).__name__}: {result.exception}"
+    )
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+def test_a_diverged_run_exits_1_naming_the_step(scene: Scene) -> None:
+    out = scene.root / "diverged"
+    args = ["train", "--cache", str(scene.cache), "--out", str(out), *TRAIN_ARGS, "--lr", "1e12",
+            "--max-steps", "6", "--checkpoint-every", "1"]  # fmt: skip
+    error = _one_error(args)
+    assert "training diverged" in error, error
+    assert "at step 2;" in error, error
+    assert not (out / "drafter").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+EXPORT_OUTS: dict[str, Callable[[Scene], str]] = {
+    "the run itself": lambda s: str(s.run),
+    "the run, spelled with ..": lambda s: str(s.run / ".." / s.run.name),
+    "a symlink to the run": lambda s: str(_symlink(s, "run-link", s.run)),
+    "a new folder inside the run": lambda s: str(s.run / "exported"),
+    "the run's checkpoints": lambda s: str(s.run / "checkpoints"),
+    "the cache": lambda s: str(s.cache),
+    "a folder inside the cache": lambda s: str(s.cache / "drafter"),
+    "a symlink into the cache": lambda s: str(_symlink(s, "cache-link", s.cache) / "drafter"),
+    "a parent of the run": lambda s: str(s.run.parent),
+    "a model directory (config.json not an export's)": lambda s: str(_model_dir(s)),
+}
+
+
+def _symlink(scene: Scene, name: str, to: Path) -> Path:
+    link = scene.root / name
+    if not link.is_symlink():
+        link.symlink_to(to, target_is_directory=True)
+    return link
+
+
+def _model_dir(scene: Scene) -> Path:
+    folder = scene.root / "model-dir"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    return folder
+
+
+@pytest.mark.parametrize("name", list(EXPORT_OUTS))
+def test_export_never_writes_into_a_run_a_cache_or_over_what_is_not_an_export(
+    name: str, scene: Scene
+) -> None:
+    out = EXPORT_OUTS[name](scene)
+    before_run, before_cache = _files(scene.run), _files(scene.cache)
+    before_out = _files(Path(out)) if Path(out).is_dir() else None
+    error = _one_error(["export", str(scene.run), "--out", out])
+    assert f"--out {out}" in error, error
+    assert _files(scene.run) == before_run
+    assert _files(scene.cache) == before_cache
+    if before_out is not None and not name.startswith("a parent"):
+        assert _files(Path(out)) == before_out
+
+
+def test_export_replaces_an_earlier_export(scene: Scene) -> None:
+    out = scene.root / "export-twice"
+    for _ in range(2):
+        result = CliRunner().invoke(main, ["export", str(scene.run), "--out", str(out)])
+        assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+
+
+def test_train_and_eval_never_replace_an_export_or_a_run_config(scene: Scene) -> None:
+    export = scene.root / "kept-export"
+    assert CliRunner().invoke(main, ["export", str(scene.run), "--out", str(export)]).exit_code == 0
+    before_export, before_run = _files(export), _files(scene.run)
+    error = _one_error(["train", "--cache", str(scene.cache), "--out", str(export), *TRAIN_ARGS])
+    assert f"--out {export}" in error
+    report = str(scene.run / "config.json")
+    args = ["eval", "--target", "random:tiny", "--drafter", str(scene.drafter), "--data", str(scene.data),
+            "--limit", "1", "--max-new-tokens", "4", "--json", report, "--no-progress"]  # fmt: skip
+    error = _one_error(args)
+    assert f"--json {report}" in error
+    assert _files(export) == before_export
+    assert _files(scene.run) == before_run
+
+
+@pytest.fixture(scope="module")
+def init_drafter(scene: Scene) -> Path:
+    """A float32 export of ``scene.run``: a drafter of the shape TRAIN_ARGS trains (for --init-from) and of
+    random:tiny (for eval)."""
+    from dflash_offline.train.export_run import export_run
+
+    return export_run(scene.run, scene.root / "init-drafter", dtype="float32")
+
+
+def _edit_config(edit: Callable[[dict], object]) -> Callable[[Path], str]:
+    def damage(drafter: Path) -> str:
+        config = json.loads((drafter / "config.json").read_text())
+        edit(config)  # in place
+        (drafter / "config.json").write_text(json.dumps(config))
+        return "config.json"
+
+    return damage
+
+
+def _edit_weights(edit: Callable[[dict], None]) -> Callable[[Path], str]:
+    def damage(drafter: Path) -> str:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(drafter / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(drafter / "model.safetensors"))
+        return "model.safetensors"
+
+    return damage
+
+
+def _rewrite(name: str, data: Callable[[bytes], bytes]) -> Callable[[Path], str]:
+    def damage(drafter: Path) -> str:
+        path = drafter / name
+        path.write_bytes(data(path.read_bytes()))
+        return name
+
+    return damage
+
+
+def _remove(name: str) -> Callable[[Path], str]:
+    def damage(drafter: Path) -> str:
+        (drafter / name).unlink()
+        return name
+
+    return damage
+
+
+def _set_nan(tensors: dict) -> None:
+    tensors["norm.weight"][3] = float("nan")
+
+
+DRAFTER_DAMAGE: dict[str, tuple[Callable[[Path], str], str]] = {
+    "config.json missing": (_remove("config.json"), "missing"),
+    "model.safetensors missing": (_remove("model.safetensors"), "missing"),
+    "config.json truncated": (_rewrite("config.json", lambda b: b[: len(b) // 2]), "not valid JSON"),
+    "config.json not UTF-8": (_rewrite("config.json", lambda b: b"\xff\xfe" + b), "not valid JSON"),
+    "config.json a JSON list": (_rewrite("config.json", lambda b: b"[1, 2]"), "JSON list"),
+    "no num_attention_heads": (_edit_config(lambda c: c.pop("num_attention_heads")), "num_attention_heads"),
+    "hidden_size a string": (_edit_config(lambda c: c.update(hidden_size="64")), "hidden_size"),
+    "head_dim a float": (_edit_config(lambda c: c.update(head_dim=16.5)), "head_dim"),
+    "num_hidden_layers 0": (_edit_config(lambda c: c.update(num_hidden_layers=0)), "num_layers"),
+    "dflash_config a list": (_edit_config(lambda c: c.update(dflash_config=[1])), "dflash_config"),
+    "target_layer_ids a number": (
+        _edit_config(lambda c: c["dflash_config"].update(target_layer_ids=2)),
+        "target_layer_ids",
+    ),
+    "no mask_token_id": (_edit_config(lambda c: c["dflash_config"].pop("mask_token_id")), "mask_token_id"),
+    "rope_parameters a string": (_edit_config(lambda c: c.update(rope_parameters="x")), "rope_parameters"),
+    "model.safetensors truncated": (
+        _rewrite("model.safetensors", lambda b: b[: len(b) // 2]),
+        "not a readable safetensors file",
+    ),
+    "model.safetensors random bytes": (
+        _rewrite("model.safetensors", lambda b: os.urandom(len(b))),
+        "not a readable safetensors file",
+    ),
+    "a tensor missing": (_edit_weights(lambda t: t.pop("norm.weight")), "norm.weight"),
+    "a tensor of the wrong shape": (
+        _edit_weights(lambda t: t.update({"norm.weight": t["norm.weight"][:-1].clone()})),
+        "norm.weight",
+    ),
+    "an integer tensor": (
+        _edit_weights(lambda t: t.update({"norm.weight": t["norm.weight"].long()})),
+        "dtype",
+    ),
+    "a NaN in a tensor": (_edit_weights(_set_nan), "norm.weight"),
+}
+
+
+@pytest.mark.parametrize("command", ["eval", "train --init-from"])
+@pytest.mark.parametrize("damage", list(DRAFTER_DAMAGE))
+def test_a_damaged_drafter_is_one_line_naming_the_file(
+    damage: str, command: str, scene: Scene, init_drafter: Path
+) -> None:
+    slug = "".join(ch if ch.isalnum() else "-" for ch in f"{damage}-{command}")
+    drafter = shutil.copytree(init_drafter, scene.root / f"damaged-{slug}")
+    apply, what = DRAFTER_DAMAGE[damage]
+    file = str(drafter / apply(drafter))
+    if command == "eval":
+        args = ["eval", "--target", "random:tiny", "--drafter", str(drafter), "--data", str(scene.data),
+                "--limit", "1", "--max-new-tokens", "4", "--no-progress"]  # fmt: skip
+    else:
+        out = scene.root / f"init-run-{slug}"
+        args = [
+            "train",
+            "--cache",
+            str(scene.cache),
+            "--out",
+            str(out),
+            *TRAIN_ARGS,
+            "--init-from",
+            str(drafter),
+        ]
+    error = _one_error(args)
+    assert file in error, error
+    assert what in error, error

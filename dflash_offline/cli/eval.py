@@ -40,7 +40,7 @@ def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path |
     histogram, decode tok/s of target-only and speculative decoding (prefill excluded) and the speedup,
     plus their mean; and a tie-aware check that the output is the target's own greedy output."""
     from dflash_offline.eval.exactness import describe
-    from dflash_offline.eval.report import format_table, write_eval_report
+    from dflash_offline.eval.report import check_report_path, format_table, write_eval_report
     from dflash_offline.eval.run import run_eval
     from dflash_offline.tensorboard import require_tensorboard
     from dflash_offline.writable import check_writable_dir, check_writable_file
@@ -48,6 +48,7 @@ def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path |
     # Everything that could refuse the outputs is checked before the (long) decoding, not after it.
     if json_path is not None:
         check_writable_file(json_path, option="--json")
+        check_report_path(json_path, option="--json")
     if tensorboard_dir is not None:
         require_tensorboard()
         check_writable_dir(tensorboard_dir, option="--tensorboard")

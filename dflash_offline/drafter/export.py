@@ -35,12 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dflash_offline.drafter.config import DEFAULT_NUM_ANCHORS, DrafterConfig
 from dflash_offline.drafter.model import DFlashDrafter
-from dflash_offline.errors import ConfigError, DrafterFormatError
+from dflash_offline.errors import ConfigError, DivergedError, DrafterFormatError
 
 EXPORT_FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -49,6 +50,8 @@ README_FILE = "README.md"
 ARCHITECTURE = "DFlashDraftModel"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DFLASH_FIELDS = ("block_size", "num_target_layers", "mask_token_id", "target_layer_ids")
+"""The fields read from ``dflash_config`` or, failing that, the top level."""
 
 
 def zlab_config(config: DrafterConfig, *, dtype: torch.dtype) -> dict[str, Any]:
@@ -94,12 +97,50 @@ def zlab_config(config: DrafterConfig, *, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def config_from_zlab(data: dict[str, Any]) -> DrafterConfig:
-    """Parse an export's (or a z-lab drafter's) ``config.json`` dict."""
+def _field(
+    data: dict[str, Any], name: str, kinds: tuple[type, ...], what: str, *, default: Any = None
+) -> Any:
+    """``data[name]`` when it is one of ``kinds`` (never a bool), ``default`` when absent or null;
+    ``DrafterFormatError`` naming the field otherwise."""
+    value = data.get(name)
+    if value is None:
+        if default is None:
+            raise DrafterFormatError(f"has no {name}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise DrafterFormatError(f"{name}={value!r} is not {what}")
+    return value
+
+
+def _int(data: dict[str, Any], name: str, *, default: int | None = None) -> int:
+    return int(_field(data, name, (int,), "an integer", default=default))
+
+
+def _float(data: dict[str, Any], name: str, *, default: float | None = None) -> float:
+    return float(_field(data, name, (int, float), "a number", default=default))
+
+
+def _dict(data: dict[str, Any], name: str) -> dict[str, Any]:
+    """``data[name]`` as a dict ({} when absent or null)."""
+    return dict(_field(data, name, (dict,), "an object", default={}))
+
+
+def _int_list(data: dict[str, Any], name: str) -> tuple[int, ...]:
+    values = _field(data, name, (list,), "a list of integers")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise DrafterFormatError(f"{name}={values!r} is not a list of integers")
+    return tuple(values)
+
+
+def config_from_zlab(data: Any) -> DrafterConfig:
+    """Parse an export's (or a z-lab drafter's) ``config.json`` value: ``DrafterFormatError`` naming the
+    field for anything missing, of the wrong type or inconsistent (the caller adds the file's name)."""
+    if not isinstance(data, dict):
+        raise DrafterFormatError(f"holds a JSON {type(data).__name__}, not an object")
     archs = data.get("architectures") or []
-    if ARCHITECTURE not in archs:
+    if not isinstance(archs, list) or ARCHITECTURE not in archs:
         raise DrafterFormatError(f"architectures={archs!r}: not a {ARCHITECTURE} export")
-    ours = data.get("dflash_offline") or {}
+    ours = _dict(data, "dflash_offline")
     version = ours.get("format_version", EXPORT_FORMAT_VERSION)
     if version != EXPORT_FORMAT_VERSION:
         raise DrafterFormatError(
@@ -107,44 +148,47 @@ def config_from_zlab(data: dict[str, Any]) -> DrafterConfig:
             f"(reads {EXPORT_FORMAT_VERSION}); use the dflash-offline release that wrote it"
         )
     layer_types = data.get("layer_types") or []
-    if data.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+    if (
+        not isinstance(layer_types, list)
+        or data.get("use_sliding_window")
+        or any(t != "full_attention" for t in layer_types)
+    ):
         raise DrafterFormatError(f"layer_types={layer_types}: only full-attention drafters are supported")
-    dflash = data.get("dflash_config") or {}
-
-    def pick(name: str) -> Any:
-        value = dflash.get(name, data.get(name))
+    dflash = _dict(data, "dflash_config")
+    # block_size / num_target_layers sit at the top level in z-lab's published configs.
+    picked = {name: dflash.get(name, data.get(name)) for name in _DFLASH_FIELDS}
+    for name, value in picked.items():
         if value is None:
-            raise DrafterFormatError(f"config.json has no {name} (top level or dflash_config)")
-        return value
-
-    params = data.get("rope_parameters") or {}
+            raise DrafterFormatError(f"has no {name} (top level or dflash_config)")
+    params = _dict(data, "rope_parameters")
     if params.get("rope_type", "default") != "default" or data.get("rope_scaling"):
         raise DrafterFormatError("only default RoPE (no rope_scaling) is supported")
-    heads = int(data["num_attention_heads"])
+    hidden, heads = _int(data, "hidden_size"), _int(data, "num_attention_heads")
+    gamma = ours.get("loss_gamma")
+    if gamma is not None:
+        gamma = _float(ours, "loss_gamma")
     try:
         return DrafterConfig(
-            hidden_size=int(data["hidden_size"]),
-            num_layers=int(data["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_layers=_int(data, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-            head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
-            intermediate_size=int(data["intermediate_size"]),
-            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(data.get("rope_theta") or params.get("rope_theta") or 10000.0),
-            vocab_size=int(data["vocab_size"]),
-            block_size=int(pick("block_size")),
-            target_layer_ids=tuple(int(i) for i in pick("target_layer_ids")),
-            num_target_layers=int(pick("num_target_layers")),
-            mask_token_id=int(pick("mask_token_id")),
-            max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
-            loss_gamma=ours.get("loss_gamma"),
-            num_anchors=int(ours.get("num_anchors", DEFAULT_NUM_ANCHORS)),
-            initializer_range=float(data.get("initializer_range", 0.02)),
+            num_key_value_heads=_int(data, "num_key_value_heads", default=heads),
+            head_dim=_int(data, "head_dim", default=hidden // heads if heads > 0 else 0),
+            intermediate_size=_int(data, "intermediate_size"),
+            rms_norm_eps=_float(data, "rms_norm_eps", default=1e-6),
+            rope_theta=_float(data, "rope_theta", default=_float(params, "rope_theta", default=10000.0)),
+            vocab_size=_int(data, "vocab_size"),
+            block_size=_int(picked, "block_size"),
+            target_layer_ids=_int_list(picked, "target_layer_ids"),
+            num_target_layers=_int(picked, "num_target_layers"),
+            mask_token_id=_int(picked, "mask_token_id"),
+            max_position_embeddings=_int(data, "max_position_embeddings", default=32768),
+            loss_gamma=gamma,
+            num_anchors=_int(ours, "num_anchors", default=DEFAULT_NUM_ANCHORS),
+            initializer_range=_float(data, "initializer_range", default=0.02),
         )
-    except KeyError as exc:
-        raise DrafterFormatError(f"config.json lacks {exc}") from exc
     except ConfigError as exc:
-        raise DrafterFormatError(f"config.json is inconsistent: {exc}") from exc
+        raise DrafterFormatError(f"is inconsistent: {exc}") from exc
 
 
 def export_drafter(
@@ -157,7 +201,6 @@ def export_drafter(
     Each file is written under a temporary name and renamed, so a crash leaves no half file.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
     if "feature_scale_F" in state:
         # z-lab's layout has no feature scale: fold it into fc (fc(x·s) = (W·diag(s)) x).
@@ -170,6 +213,10 @@ def export_drafter(
     if out_dtype not in _DTYPE_NAMES:
         raise ConfigError(f"export dtype {out_dtype} unsupported; use float32, bfloat16 or float16")
     tensors = {k: v.detach().to("cpu", out_dtype).contiguous() for k, v in state.items()}
+    bad = nonfinite_tensors(tensors)
+    if bad:  # a drafter a server would load and draft garbage with, τ 1.0: never written
+        raise DivergedError(f"{out}: not exported: non-finite values (NaN or Inf) in {_names(bad)}")
+    out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     text = json.dumps(zlab_config(model.config, dtype=out_dtype), indent=2, sort_keys=True) + "\n"
     _atomic_write(out / CONFIG_FILE, lambda p: p.write_text(text))
@@ -179,15 +226,77 @@ def export_drafter(
 
 
 def read_export_config(directory: Path) -> DrafterConfig:
-    """The drafter config of an export directory (which must hold the weights file too)."""
+    """The drafter config of an export directory (which must hold the weights file too); a
+    ``DrafterFormatError`` naming ``config.json`` and what is wrong with it otherwise."""
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
             raise DrafterFormatError(f"{directory / name} is missing: not a drafter export directory")
+    path = directory / CONFIG_FILE
     try:
-        data = json.loads((directory / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as exc:
-        raise DrafterFormatError(f"{directory / CONFIG_FILE} is not valid JSON: {exc}") from exc
-    return config_from_zlab(data)
+        data = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise DrafterFormatError(f"{path}: cannot be read ({exc.strerror})") from exc
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise DrafterFormatError(f"{path} is not valid JSON: {exc}") from exc
+    try:
+        return config_from_zlab(data)
+    except DrafterFormatError as exc:
+        raise DrafterFormatError(f"{path}: {exc}") from exc
+
+
+def read_export_weights(directory: Path, config: DrafterConfig, *, device: str = "cpu") -> dict[str, Tensor]:
+    """The tensors of ``model.safetensors``, checked against what a drafter of ``config`` holds (every
+    name, shape, one floating dtype): a ``DrafterFormatError`` naming the file otherwise, a
+    ``DivergedError`` for a NaN or an Inf."""
+    path = directory / WEIGHTS_FILE
+    try:
+        tensors = load_file(str(path), device=device)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DrafterFormatError(f"{path} is not a readable safetensors file ({reason})") from exc
+    expected = expected_weight_shapes(config)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise DrafterFormatError(
+            f"{path} does not match {CONFIG_FILE}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for key, t in tensors.items():
+        if tuple(t.shape) != expected[key]:
+            raise DrafterFormatError(
+                f"{path}: {key} has shape {tuple(t.shape)}, {CONFIG_FILE} makes it {expected[key]}"
+            )
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise DrafterFormatError(
+            f"{path}: weight dtypes {sorted(map(str, dtypes))}; one floating dtype expected"
+        )
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise DivergedError(
+            f"{path}: non-finite values (NaN or Inf) in {_names(bad)}: the run that wrote it diverged; "
+            "export one of its checkpoints from before that"
+        )
+    return tensors
+
+
+def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
+    """The names of the floating tensors of ``tensors`` that hold a NaN or an Inf, in order."""
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _names(keys: list[str]) -> str:
+    """Up to three tensor names, and how many more."""
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more tensors" if len(keys) > 3 else "")
+
+
+def expected_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of an export of a drafter of ``config`` (built on the meta device:
+    nothing is allocated)."""
+    with torch.device("meta"):
+        empty = torch.empty(config.vocab_size, config.hidden_size)
+        model = DFlashDrafter(config, embed_VH=empty, lm_head_VH=empty)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "feature_scale_F"}
 
 
 def load_exported_drafter(
@@ -200,24 +309,8 @@ def load_exported_drafter(
     """Build a drafter from an export (weights keep the file's dtype) over the given frozen head."""
     d = Path(directory)
     config = read_export_config(d)
-    tensors = load_file(str(d / WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
+    tensors = read_export_weights(d, config, device=str(device) if device is not None else "cpu")
     model = DFlashDrafter(config, embed_VH=embed_VH, lm_head_VH=lm_head_VH)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise DrafterFormatError(
-            f"{d / WEIGHTS_FILE} does not match its config: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    for key, t in tensors.items():
-        if t.shape != expected[key].shape:
-            raise DrafterFormatError(
-                f"{key} has shape {tuple(t.shape)} in the file, {tuple(expected[key].shape)} in the config"
-            )
-    dtypes = {t.dtype for t in tensors.values()}
-    if len(dtypes) != 1:
-        raise DrafterFormatError(f"mixed weight dtypes {sorted(map(str, dtypes))} in {d / WEIGHTS_FILE}")
     # assign=True keeps the file's dtype (no silent upcast into freshly initialised float32 weights).
     model.load_state_dict(tensors, strict=True, assign=True)
     if device is not None:

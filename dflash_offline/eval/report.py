@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_offline.errors import ConfigError
 from dflash_offline.eval.exactness import Divergence, first_divergence
 from dflash_offline.eval.speculative import DecodeResult
 from dflash_offline.tensorboard import open_writer
@@ -134,8 +135,26 @@ class EvalReport:
         return asdict(self)
 
     def write_json(self, path: Path) -> None:
+        check_report_path(path, option="--json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
+
+
+def check_report_path(path: Path, *, option: str) -> None:
+    """``path`` may receive a report: it does not exist, or holds an earlier report (a JSON object with
+    the report's ``summary`` and ``prompts``). Anything else there (a run's or an export's config.json, a
+    weights file) is refused (``ConfigError``) rather than replaced."""
+    if not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        data = None
+    if not (isinstance(data, dict) and {"summary", "prompts"} <= data.keys()):
+        raise ConfigError(
+            f"{option} {path}: the file there is not an earlier dflash eval report, and the report would "
+            "replace it; name a new file"
+        )
 
 
 def histogram(accepted: Sequence[int], block_size: int) -> list[int]:

@@ -5,7 +5,8 @@ states, step counters) and ``meta.json``. A checkpoint is written to a temporary
 renamed into place, so a kill -9 mid-write leaves the previous one intact; the newest complete
 ``step-*`` folder is the one ``--resume auto`` picks up. A newest checkpoint that does not load (a
 truncated ``state.pt``: a disk that lost data the rename had promised, a hand copy cut short) is renamed
-``step-<N>.unreadable`` with a printed note, and the next older one is used.
+``step-<N>.unreadable`` with a printed note, and the next older one is used; so is one whose weights hold a
+NaN or an Inf (written by a diverged run before train/divergence.py kept such weights from a checkpoint).
 
 A full disk while saving raises ``CheckpointNoSpaceError`` (one line naming the folder) instead of
 PyTorch's ``inline_container.cc … unexpected pos``; the partial folder is removed, older checkpoints
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_offline.errors import NoSpaceError, ResumeError
+from dflash_offline.errors import DivergedError, NoSpaceError, ResumeError
 from dflash_offline.train.length_mixing import PLANNER_STATE_VERSION
 
 CHECKPOINT_FORMAT_VERSION = 1
@@ -177,6 +178,17 @@ def _write(tmp: Path, state: TrainState) -> None:
             os.fsync(f.fileno())
 
 
+def _refuse_nonfinite(raw: Any) -> None:
+    """Raise ``DivergedError`` for a checkpoint whose weights hold a NaN or an Inf (one a diverged run wrote
+    before dflash-offline refused to write one): a resume would train NaN."""
+    from dflash_offline.drafter.export import nonfinite_tensors
+
+    model = raw.get("model") if isinstance(raw, dict) else None
+    bad = nonfinite_tensors(model) if isinstance(model, dict) else []
+    if bad:
+        raise DivergedError(f"non-finite weights (NaN or Inf) in {', '.join(bad[:3])}")
+
+
 def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState | None:
     """The newest checkpoint that loads; unreadable newer ones are set aside (by the main rank) with a
     note. None when there is no checkpoint; ``ResumeError`` when none of them loads, or when the newest
@@ -191,7 +203,8 @@ def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState
     for _step, path in reversed(found):
         try:
             raw = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-        except Exception as e:  # truncated zip, bad pickle, vanished file: all mean "not usable"
+            _refuse_nonfinite(raw)
+        except Exception as e:  # truncated zip, bad pickle, vanished file, NaN weights: "not usable"
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             problems.append(f"{path.name}: {reason}")
             if is_main:

@@ -10,9 +10,10 @@ import torch
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import read_fingerprint
-from dflash_offline.errors import ResumeError
+from dflash_offline.errors import DivergedError, ResumeError
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.export_out import check_export_out
 from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup
 from dflash_offline.writable import check_writable_dir
 
@@ -36,9 +37,10 @@ def export_run(
 
     The ``ResumeError`` raised here says a run directory or checkpoint is not there; nothing is resumed, so
     no resume compatibility is decided (that is train/resume_contract.py's, for ``dflash train``)."""
-    from dflash_offline.drafter.export import export_drafter
+    from dflash_offline.drafter.export import export_drafter, nonfinite_tensors
     from dflash_offline.drafter.model_card import read_eval_report
 
+    check_export_out(out_dir, option="--out")
     check_writable_dir(out_dir, option="--out")
     config_path = run_dir / "config.json"
     if not config_path.is_file():
@@ -56,6 +58,13 @@ def export_run(
     fingerprint = read_fingerprint(config.cache_dir)
     setup = build_drafter_setup(config, fingerprint, device=torch.device("cpu"))
     state = torch.load(found[chosen] / "state.pt", map_location="cpu", weights_only=False)
+    bad = nonfinite_tensors(state["model"])
+    if bad:  # a checkpoint written by a diverged run before dflash-offline refused to write one
+        others = sorted(set(found) - {chosen})
+        raise DivergedError(
+            f"{found[chosen] / 'state.pt'}: non-finite weights (NaN or Inf) in {', '.join(bad[:3])}: the run "
+            f"had diverged by step {chosen}; export an earlier checkpoint with --step (the run has {others})"
+        )
     if "feature_scale_F" in state["model"]:  # a --feature-scale run: the export folds it into fc
         setup.model.set_feature_scale(state["model"]["feature_scale_F"])
     setup.model.load_state_dict(state["model"])

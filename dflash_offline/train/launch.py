@@ -15,6 +15,7 @@ from dflash_offline.locking import acquire_lock, hold_lock
 from dflash_offline.placement import DistInfo, free_port, under_torchrun
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.dist import dist_info_from_env, init_distributed, shutdown
+from dflash_offline.train.export_out import check_run_out
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint
 from dflash_offline.train.loop import TrainResult, train_rank
 from dflash_offline.train.wall_time import WallSplit
@@ -181,6 +182,7 @@ def run_training(config: TrainConfig, *, started_at: float | None = None) -> Tra
     second run into the same directory is refused naming the holder (``LockedError``)."""
     started_at = time.time() if started_at is None else started_at
     check_writable_dir(config.out_dir, option=flag(TrainConfig, "out_dir"))
+    check_run_out(config.out_dir, option=flag(TrainConfig, "out_dir"))
     if config.tensorboard_dir is not None:
         check_writable_dir(config.tensorboard_dir, option=flag(TrainConfig, "tensorboard_dir"))
     if under_torchrun():

@@ -4,7 +4,9 @@ held-out validation split evaluated every ``--val-every`` steps.
 The step itself (train/step.py) leaves its results on the device; the loop reads them back (a host
 sync) only where they are needed: at log steps, validations, checkpoints and the last step. Under DDP
 the ranks agree on a stop request at those steps too (one tiny all-reduce and read); a single process
-checks its flag every step at no cost.
+checks its flag every step at no cost. At each of those read-backs the steps since the previous one are
+checked: a non-finite loss or gradient norm stops the run there, before any checkpoint or export of the
+weights it left (train/divergence.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.damaged import DamagedLog
 from dflash_offline.train.determinism import seed_everything
 from dflash_offline.train.dist import all_reduce_sum, barrier
+from dflash_offline.train.divergence import NonFiniteStep, check_weights_finite, diverged_error
 from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
 from dflash_offline.train.length_mixing import LengthMixingPlanner
 from dflash_offline.train.metrics import StepMetrics, recorded_loss
@@ -496,8 +499,15 @@ def _run_steps(
             opt.planner.step_done(step_plan)
             tokens_seen += step_plan.num_tokens
             global_step = step_plan.global_step + 1
+            reporter.step_ran(
+                step_plan,
+                outcome,
+                lr=config.lr * opt.lr_factor(global_step),  # the next step's
+                data_wait_s=sum(b.data_wait_s for b in batches),
+            )
             validated = None
             if validation is not None and validation.due(global_step, opt.total_steps):
+                _stop_if_diverged(config, reporter.check_finite(), global_step)  # before a best export
                 with (
                     reporter.paused("validation") as lap,
                     out_of_memory_named(config, info, f"the validation after step {global_step}"),
@@ -506,13 +516,7 @@ def _run_steps(
                 validated = replace(validated, seconds=lap.seconds)
                 with reporter.paused("checkpoint"):
                     validation.keep_best(opt.model, validated)
-            reporter.report(
-                step_plan,
-                outcome,
-                lr=config.lr * opt.lr_factor(global_step),  # the next step's
-                data_wait_s=sum(b.data_wait_s for b in batches),
-                validation=validated,
-            )
+            _stop_if_diverged(config, reporter.report(validation=validated), global_step)
             if _stops_after(config, info, opt, reporter, validation, global_step, tokens_seen, validated):
                 return True
     return False
@@ -604,10 +608,10 @@ def _checkpoint_or_stop(
     saved = checkpoint_now or _is_checkpoint_step(config, opt, global_step)
     if saved:
         with reporter.paused("checkpoint"):
-            _checkpoint(config, info, opt, global_step, tokens_seen, validation)
+            _checkpoint(config, info, opt, reporter, global_step, tokens_seen, validation)
     if check_stop and global_step < opt.total_steps and _stop_agreed(info):
         if not saved:
-            _checkpoint(config, info, opt, global_step, tokens_seen, validation)  # the run ends: no pause
+            _checkpoint(config, info, opt, reporter, global_step, tokens_seen, validation)  # the run ends
         raise TrainInterrupted(global_step)
 
 
@@ -617,14 +621,25 @@ def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def _stop_if_diverged(config: TrainConfig, bad: NonFiniteStep | None, global_step: int) -> None:
+    """Stop the run (every rank: they read the same all-reduced values) at a non-finite step."""
+    if bad is not None:
+        raise diverged_error(config.out_dir, bad.describe(), step=bad.step, stopped_after=global_step)
+
+
 def _checkpoint(
     config: TrainConfig,
     info: DistInfo,
     opt: _Optimization,
+    reporter: StepReporter,
     global_step: int,
     tokens_seen: int,
     validation: ValidationSchedule | None,
 ) -> None:
+    """Save the state after ``global_step`` (rank 0), never from non-finite weights: the steps since the
+    last read-back are checked first, and the weights themselves."""
+    _stop_if_diverged(config, reporter.check_finite(), global_step)
+    check_weights_finite(config.out_dir, opt.params, step=global_step)
     if info.is_main:
         save_checkpoint(
             config.out_dir,

@@ -78,8 +78,17 @@ class StepOutcome:
 
     def read(self) -> tuple[StepTotals, float]:
         """(totals, gradient norm before clipping): one device-to-host copy, a host sync."""
-        values = torch.cat([self.grad_norm.detach().double().reshape(1), self.stats_S]).tolist()
-        return StepAccumulator.totals(values[1:], self.block_size), float(values[0])
+        return StepOutcome.read_all([self])[0]
+
+    @staticmethod
+    def read_all(outcomes: Sequence[StepOutcome]) -> list[tuple[StepTotals, float]]:
+        """``read()`` of each of ``outcomes`` (steps since the last read-back) in one device-to-host copy."""
+        packed = [torch.cat([o.grad_norm.detach().double().reshape(1), o.stats_S]) for o in outcomes]
+        rows = torch.stack(packed).tolist()
+        return [
+            (StepAccumulator.totals(values[1:], o.block_size), float(values[0]))
+            for o, values in zip(outcomes, rows, strict=True)
+        ]
 
 
 class OptimizerStep:

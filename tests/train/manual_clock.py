@@ -53,7 +53,7 @@ def clocked_run(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     clock = ManualClock()
     monkeypatch.setattr(time, "perf_counter", clock)
     monkeypatch.setattr(time, "time", clock)
-    real_step, real_read, real_checkpoint = OptimizerStep.__call__, StepOutcome.read, loop.save_checkpoint
+    real_step, real_read, real_checkpoint = OptimizerStep.__call__, StepOutcome.read_all, loop.save_checkpoint
 
     def step(self: OptimizerStep, inputs: Sequence[Any], padding: Sequence[bool]) -> StepOutcome:
         outcome = real_step(self, inputs, padding)
@@ -61,16 +61,16 @@ def clocked_run(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
         clock.now += host_seconds(len(clock.step_tokens))
         return outcome
 
-    def read(self: StepOutcome) -> Any:
+    def read(outcomes: Sequence[StepOutcome]) -> Any:  # one copy of every step since the last read-back
         clock.now += SYNC_S
-        return real_read(self)
+        return real_read(outcomes)
 
     def checkpoint(*args: Any, **kwargs: Any) -> Any:
         clock.now += CHECKPOINT_S
         return real_checkpoint(*args, **kwargs)
 
     monkeypatch.setattr(OptimizerStep, "__call__", step)
-    monkeypatch.setattr(StepOutcome, "read", read)
+    monkeypatch.setattr(StepOutcome, "read_all", staticmethod(read))
     monkeypatch.setattr(loop, "save_checkpoint", checkpoint)
     return clock
 
