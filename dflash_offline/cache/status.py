@@ -11,6 +11,7 @@ from dflash_offline.cache.codecs import raw_token_bytes
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
 from dflash_offline.cache.sqldb import index_is_current, open_query_database
+from dflash_offline.cache.window_status import WindowStatus, read_window_status
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +52,8 @@ class CacheStatus:
     """``<run_id> <command> <status>`` of the newest run, or ``none``."""
     index: str
     """``current``, ``stale`` or ``absent``."""
+    window: WindowStatus | None = None
+    """The disk window (docs/follow.md); None for a cache that never had one."""
 
     def render(self) -> str:
         fp = self.fingerprint
@@ -83,6 +86,8 @@ class CacheStatus:
             lines.append("failures   " + ", ".join(f"{reason} {count:,}" for reason, count in self.failures))
         else:
             lines.append("failures   none")
+        if self.window is not None:
+            lines += self.window.render()
         return "\n".join(lines)
 
 
@@ -142,6 +147,7 @@ def cache_status(root: str | Path) -> CacheStatus:
             .execute("SELECT run_id, command, status, error FROM runs ORDER BY started_at DESC LIMIT 1")
             .fetchall()
         )
+        window = read_window_status(con)
     finally:
         con.close()
     if layout.index_path.is_file():
@@ -165,6 +171,7 @@ def cache_status(root: str | Path) -> CacheStatus:
         duplicates=int(duplicates),
         last_run=_run_line(*last[0]) if last else "none",
         index=index,
+        window=window,
     )
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dflash_offline.cache.rolling import RollingWriter
 from dflash_offline.cache.rows import Fp8Rows, SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.errors import WorkerError
@@ -38,7 +39,7 @@ class WriterThread:
 
     def __init__(
         self,
-        writer: ShardWriter,
+        writer: ShardWriter | RollingWriter,
         *,
         bucket_edges: tuple[int, ...],
         depth: int,
