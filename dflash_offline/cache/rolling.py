@@ -99,6 +99,13 @@ class RollingWriter:
         seal_store(writer.layout.root, seal, fsync=self._fsync)
         self.sealed.append(seal)
 
+    def flush_idle(self) -> None:
+        """Commit what waits in the open stores: called when no sample came for a while, since under a
+        full window no new sample may come until these are committed (and then trained and retired)."""
+        for lane in (self._train, self._val):
+            if lane.writer is not None and lane.writer.has_uncommitted:
+                lane.writer.flush()
+
     @property
     def stats(self) -> WriterStats:
         """The session's totals over every store (``shard`` names its first store)."""

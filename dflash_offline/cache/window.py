@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dflash_offline.cache.manifest import (
 from dflash_offline.cache.rows import utc_now
 from dflash_offline.cache.window_records import StoreRetirement, StoreSeal, WindowWait
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 VALIDATION_MARK = "-val-r"
 """In a store's name (``w<worker>-<session>-val-r<n>``): it holds validation samples, never retired."""
 
@@ -51,10 +53,11 @@ def is_validation_store(shard: str) -> bool:
 
 
 def record_wait(root: str | Path, wait: WindowWait, *, number: int) -> None:
-    """Commit one wait span (``waits/<run_id>-<number>.<sha256>.parquet``)."""
+    """Commit one wait span (``waits/<run_id>-<number>.<sha256>.parquet``, the run id made a file name)."""
     folder = CacheLayout.at(root).table_dir("waits")
     folder.mkdir(parents=True, exist_ok=True)
-    write_part(folder / f"{wait.run_id}-{number:06d}.parquet", records_to_table("waits", [wait]))
+    stem = _UNSAFE.sub("_", wait.run_id)
+    write_part(folder / f"{stem}-{number:06d}.parquet", records_to_table("waits", [wait]))
 
 
 def seal_store(root: str | Path, seal: StoreSeal, *, fsync: bool = True) -> None:
@@ -145,7 +148,9 @@ def seal_orphans(root: str | Path, *, keep_open: frozenset[str] = frozenset()) -
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WindowUsage:
-    """What the window holds now: committed samples of stores not retired."""
+    """What the window holds now: committed samples of training stores not retired. The validation
+    stores are apart: never retired, they hold ``--val-fraction`` of every sample generated, on top of
+    the window (counting them in would let them fill any window in a long enough run)."""
 
     samples: int
     tokens: int
@@ -153,6 +158,8 @@ class WindowUsage:
     """``tokens`` × the codec's stored bytes a token (exact for fp8 and raw, an upper bound for the
     lossless codecs): the measure ``--window-limit`` bounds."""
     validation_samples: int
+    validation_bytes: int
+    """Stored bytes of the validation stores, by the same measure."""
     retired_stores: int
     retired_samples: int
 
@@ -166,12 +173,14 @@ def window_usage(root: str | Path) -> WindowUsage:
     gone_N = np.fromiter((s in retired for s in shard_N), dtype=bool, count=len(shard_N))
     val_N = np.fromiter((is_validation_store(s) for s in shard_N), dtype=bool, count=len(shard_N))
     tokens_N = samples.column("num_tokens").to_numpy()
-    tokens = int(tokens_N[~gone_N].sum())
+    window_N = ~gone_N & ~val_N
+    tokens = int(tokens_N[window_N].sum())
     return WindowUsage(
-        samples=int((~gone_N).sum()),
+        samples=int(window_N.sum()),
         tokens=tokens,
         stored_bytes=tokens * token_bytes,
-        validation_samples=int((val_N & ~gone_N).sum()),
+        validation_samples=int(val_N.sum()),
+        validation_bytes=int(tokens_N[val_N].sum()) * token_bytes,
         retired_stores=len(retired),
         retired_samples=int(gone_N.sum()),
     )

@@ -137,7 +137,13 @@ class Planner(threading.Thread):
         self.done = False
         self.low_space: LowSpace | None = None
         limit = ctx.config.window_limit
-        self.window = None if limit is None else WindowGate(ctx.config.cache_dir, limit, run_id=ctx.run_id)
+        self.window = (
+            None
+            if limit is None
+            else WindowGate(
+                ctx.config.cache_dir, limit, run_id=ctx.run_id, val_fraction=ctx.config.val_fraction
+            )
+        )
         """Waits while the disk window is full (``--window-limit``); None without a window."""
 
     def run(self) -> None:

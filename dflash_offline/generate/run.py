@@ -41,7 +41,7 @@ from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.events import JobDone, WorkerFinished, WorkerStarted
 from dflash_offline.generate.feed import Planner
 from dflash_offline.generate.progress import GenerateProgress, ProgressView
-from dflash_offline.generate.window_setup import seal_abandoned_stores, store_bytes, window_on
+from dflash_offline.generate.window_setup import check_window, seal_abandoned_stores, store_bytes, window_on
 from dflash_offline.generate.worker import CaptureTask, run_worker
 from dflash_offline.interrupt import stop_on_sigint
 from dflash_offline.locking import acquire_lock
@@ -334,6 +334,7 @@ def _run_locked(
 ) -> GenerateSummary:
     config = ctx.config
     group = workers.group
+    check_window(config, ctx.fingerprint, group.num_workers)
     sweep_partial_files(config.cache_dir)  # under the lock: no other writer is running
     _close_abandoned_runs(ctx)
     seal_abandoned_stores(config)  # under the lock too: their writers are dead

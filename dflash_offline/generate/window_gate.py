@@ -1,6 +1,7 @@
 """The planner's gate of the disk window (``--window-limit``, docs/follow.md).
 
-A job is handed out only while the window (committed samples of stores not retired) plus the samples
+A job is handed out only while the window (committed samples of training stores not retired; the
+validation stores, never retired, are apart: ``window.window_usage``) plus the samples
 already handed out and not yet seen committed, plus the job itself, fit the limit, all counted in the
 codec's stored bytes a token. So the committed window never exceeds the limit, whatever the number of
 workers or the size of their stores. While a job does not fit, the planner waits for training to
@@ -21,7 +22,7 @@ from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.layout import read_fingerprint
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.rows import utc_now
-from dflash_offline.cache.window import record_wait, retired_shards
+from dflash_offline.cache.window import is_validation_store, record_wait, retired_shards, routing_key
 from dflash_offline.cache.window_records import WindowWait
 
 POLL_SECONDS = 0.5
@@ -45,9 +46,10 @@ class WindowReading:
 class WindowGate:
     """Admits jobs under the window's limit; used by the planner thread only."""
 
-    def __init__(self, cache_dir: Path, limit: int, *, run_id: str) -> None:
+    def __init__(self, cache_dir: Path, limit: int, *, run_id: str, val_fraction: float) -> None:
         self._cache_dir = cache_dir
         self._run_id = run_id
+        self._val_fraction = val_fraction
         self._limit = limit
         self._token_bytes = storage_of(read_fingerprint(cache_dir)).token_bytes
         self._in_flight: dict[str, int] = {}  # sample_id -> bytes, handed out and not seen committed
@@ -56,7 +58,9 @@ class WindowGate:
         self.waits = 0
 
     def admit(self, sample_tokens: dict[str, int], stop: threading.Event) -> bool:
-        """Wait until the new samples (id -> tokens) fit; False when ``stop`` was set meanwhile."""
+        """Wait until the new samples (id -> tokens) fit; False when ``stop`` was set meanwhile.
+        Validation samples (routed to stores never retired) are not counted: see ``window_usage``."""
+        sample_tokens = {i: n for i, n in sample_tokens.items() if not routing_key(i) < self._val_fraction}
         job_bytes = sum(sample_tokens.values()) * self._token_bytes
         if self._estimate + job_bytes > self._limit:
             reading = self.read()
@@ -90,7 +94,7 @@ class WindowGate:
         committed_tokens = sum(
             n
             for shard, n in zip(samples["shard"], samples["num_tokens"], strict=True)
-            if shard not in retired
+            if shard not in retired and not is_validation_store(shard)
         )
         for sample_id in (*samples["sample_id"], *failed):
             self._in_flight.pop(sample_id, None)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dflash_offline.cache.codecs import storage_of
+from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.window import read_seals, seal_orphans
+from dflash_offline.config_fields import flag
+from dflash_offline.errors import ConfigError
 from dflash_offline.generate.config import GenerateConfig
 
 
@@ -29,3 +33,31 @@ def seal_abandoned_stores(config: GenerateConfig) -> int:
     if not window_on(config) and not read_seals(config.cache_dir):
         return 0
     return len(seal_orphans(config.cache_dir))
+
+
+def check_window(config: GenerateConfig, fingerprint: CacheFingerprint, num_workers: int) -> None:
+    """Refuse a window that could fill with open stores alone. The planner waits while the window plus a
+    job would pass the limit; training frees it only by retiring sealed stores. Each worker's open store
+    holds less than ``store_bytes`` plus one sample, so the window always holds a sealed store to retire
+    while it is full when ``workers × (store + longest sample) + one job`` stays below the limit."""
+    limit = config.window_limit
+    store = store_bytes(config, num_workers)
+    if limit is None or store is None:
+        return
+    token_bytes = storage_of(fingerprint).token_bytes
+    open_stores = num_workers * (store + config.max_length * token_bytes)
+    job = config.tokens_per_batch * token_bytes
+    if open_stores + job < limit:
+        return
+    needed = (
+        open_stores + job + 1
+        if config.store_size is not None
+        else 2 * (num_workers * config.max_length * token_bytes + job) + 1
+    )
+    raise ConfigError(
+        f"{flag(GenerateConfig, 'window_limit')} {limit}B is too small for {num_workers} workers: their open "
+        f"stores ({flag(GenerateConfig, 'store_size')} {store}B plus a sample of up to "
+        f"{flag(GenerateConfig, 'max_length')} {config.max_length} tokens each) and one job could fill it, "
+        f"and training can retire only sealed stores; give at least {needed}B"
+        + ("" if config.store_size is None else f" or a smaller {flag(GenerateConfig, 'store_size')}")
+    )

@@ -99,6 +99,7 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
             bucket_edges=task.fingerprint.bucket_edges,
             depth=task.writer_queue_depth,
             on_written=report,
+            idle_flush_seconds=max(task.flush_seconds, 0.1) if task.rolling else None,
         )
         try:
             loop = _capture_jobs(

@@ -143,9 +143,15 @@ def test_a_retired_store_is_gone_for_every_reader_but_its_rows_stay(tmp_path):
     usage = window_usage(tmp_path)
     assert usage.retired_stores == 2
     assert usage.retired_samples == len(retired_ids)
-    assert usage.samples == len(samples) - len(retired_ids)
+    val_tokens = sum(n for s, n in tokens.items() if is_validation_store(s))
+    val_samples = sum(1 for s in rows["shard"] if is_validation_store(s))
+    assert usage.samples == len(samples) - len(retired_ids) - val_samples
     token_bytes = storage_of(fingerprint).token_bytes
-    assert usage.stored_bytes == sum(n for s, n in tokens.items() if s not in gone) * token_bytes
+    assert (
+        usage.stored_bytes == (sum(n for s, n in tokens.items() if s not in gone) - val_tokens) * token_bytes
+    )
+    assert usage.validation_bytes == val_tokens * token_bytes
+    assert usage.validation_samples == val_samples
 
     build_index(tmp_path)
     with duckdb.connect(str(layout.index_path), read_only=True) as con:
@@ -239,3 +245,26 @@ def test_status_of_a_cache_without_a_window_has_no_window_line(tmp_path):
     status = cache_status(tmp_path)
     assert status.window is None
     assert "window" not in status.render()
+
+
+def test_plot_shows_the_window_over_time(tmp_path):
+    from dflash_offline.plot.cache_plots import plot_cache
+    from dflash_offline.plot.window_plots import window_series
+
+    cache = tmp_path / "cache"
+    fingerprint = make_fingerprint()
+    samples = make_samples(fingerprint, range(40))
+    write_rolling(cache, fingerprint, samples, store_bytes=150 * storage_of(fingerprint).token_bytes)
+    gone = sorted(s for s in store_tokens(cache) if not is_validation_store(s))[:2]
+    for shard in gone:
+        retire(cache, shard)
+    record_wait(cache, WindowWait(run_id="t", side="train", started_at=utc_now(), seconds=0.5), number=1)
+    series = window_series(cache)
+    assert series is not None
+    retired = sum(read_seals(cache)[s].num_samples for s in gone)
+    assert series.committed_E[-1] == len(samples)
+    assert series.retired_E[-1] == retired
+    assert series.present_E[-1] == len(samples) - retired
+    assert [side for side, _, _ in series.waits] == ["train"]
+    files = plot_cache(cache, tmp_path / "plots")
+    assert tmp_path / "plots" / "window.png" in files

@@ -61,9 +61,12 @@ def retire_sealed(root: Path, *, at_most: int) -> int:
 
 
 def disk_bytes(root: Path) -> int:
-    """Bytes of every file under shards/ (a store being deleted may vanish while it is summed)."""
+    """Bytes of every file of the training stores (the validation stores are apart from the window; a
+    store being deleted may vanish while it is summed)."""
     total = 0
     for path in CacheLayout.at(root).shards_dir.rglob("*"):
+        if is_validation_store(path.relative_to(CacheLayout.at(root).shards_dir).parts[0]):
+            continue
         with contextlib.suppress(FileNotFoundError):
             total += path.stat().st_size if path.is_file() else 0
     return total
@@ -158,3 +161,24 @@ def test_window_bound_holds_while_training_retires_stores(tmp_path: Path) -> Non
         assert np.array_equal(mask, mask_ref)
         assert torch.equal(features.view(torch.int16), features_ref.view(torch.int16)), sample_id
     assert verify_cache(cache, progress=False).ok
+
+
+def test_a_window_that_open_stores_could_fill_is_refused(tmp_path: Path) -> None:
+    """Training retires only sealed stores: a window that two workers' open stores and a job could fill
+    would leave generate and training waiting for each other forever."""
+    from dflash_offline.errors import ConfigError
+    from dflash_offline.generate.window_setup import check_window
+
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 4, seed=1)
+    reference = tmp_path / "reference"
+    run_generate(tiny_config(reference, data))
+    fingerprint = read_fingerprint(reference)
+    token_bytes = storage_of(fingerprint).token_bytes
+    # 2 workers, --max-len 256, 768 tokens a job: the default stores (limit / 4) fit below the limit
+    # once it exceeds 2 × (2 × 256 + 768) tokens' bytes.
+    smallest = 2 * (2 * 256 + 768) * token_bytes + 1
+    check_window(tiny_config(reference, data, window_limit=smallest + 4), fingerprint, 2)
+    with pytest.raises(ConfigError, match=f"too small for 2 workers.*give at least {smallest}B"):
+        check_window(tiny_config(reference, data, window_limit=smallest - 4), fingerprint, 2)
+    with pytest.raises(ConfigError, match="or a smaller --store-size"):
+        check_window(tiny_config(reference, data, window_limit=10**6, store_size=400_000), fingerprint, 2)
