@@ -26,6 +26,7 @@ from dflash_offline.cache.manifest import read_runs, read_table
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import utc_now
 from dflash_offline.cache.window import (
+    finish_retirements,
     is_validation_store,
     read_retirements,
     read_seals,
@@ -87,9 +88,9 @@ def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> Fo
                 "for the stores it trained so far; continue it with the same value"
             )
         _wait_for_cache(config.cache_dir, poll_seconds)
+        finish_retirements(config.cache_dir)  # files of stores retired by a run killed while deleting them
         run_id = f"train-follow:{config.out_dir.resolve()}"
         waited = 0.0
-        waits = 0
         while True:
             retire_trained(config.cache_dir, state, run_id=run_id)
             pending = next((s for s in state.segments if not s.trained), None)
@@ -111,7 +112,6 @@ def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> Fo
             while new_stores(config.cache_dir, state) == () and not generate_finished(config.cache_dir):
                 time.sleep(poll_seconds)
             seconds = time.perf_counter() - started
-            waits += 1
             waited += seconds
             wait = WindowWait(run_id=run_id, side="train", started_at=started_at, seconds=seconds)
             record_wait(config.cache_dir, wait, number=_next_wait_number(config.cache_dir, run_id))
@@ -209,15 +209,20 @@ def new_segment(config: TrainConfig, state: FollowState) -> Segment | None:
     wanted = set(stores)
     train_N = np.fromiter((s in wanted for s in shard_N), dtype=bool, count=len(shard_N))
     val_N = np.fromiter((is_validation_store(s) for s in shard_N), dtype=bool, count=len(shard_N))
+    num_samples = int(train_N.sum())
+    if num_samples == 0:  # stores that hold only failures: nothing to train, retire them as they are
+        return Segment(index=index, stores=stores, num_samples=0, trained=True)
     save_snapshot(subset_snapshot(snapshot, train_N | val_N), folder / SNAPSHOT_FILE)
-    return Segment(index=index, stores=stores, num_samples=int(train_N.sum()), trained=False)
+    return Segment(index=index, stores=stores, num_samples=num_samples, trained=False)
 
 
-def segment_config(config: TrainConfig, segment: Segment) -> TrainConfig:
-    """The ordinary run that trains one segment: ``--passes`` epochs from the previous segment's weights."""
+def segment_config(config: TrainConfig, state: FollowState, segment: Segment) -> TrainConfig:
+    """The ordinary run that trains one segment: ``--passes`` epochs from the last weights of the
+    previous segment that was trained (segments without samples have no run)."""
     init_from = config.init_from
-    if segment.index > 0:
-        previous = segment_dir(config.out_dir, segment.index - 1)
+    earlier = [s for s in state.segments if s.index < segment.index and s.num_samples]
+    if earlier:
+        previous = segment_dir(config.out_dir, earlier[-1].index)
         last = previous / "drafter-last"
         init_from = last if last.is_dir() else previous / "drafter"
     return dataclasses.replace(
@@ -240,7 +245,7 @@ def train_segment(config: TrainConfig, state: FollowState, segment: Segment) -> 
         file=sys.stderr,
         flush=True,
     )
-    result = run_training(segment_config(config, segment))
+    result = run_training(segment_config(config, state, segment))
     if result is not None and (result.stopped_early or result.global_step < result.total_steps):
         raise AssertionError(
             f"segment {segment.index} ended at step {result.global_step} of {result.total_steps}"
@@ -287,8 +292,9 @@ def _next_wait_number(cache_dir: Path, run_id: str) -> int:
 
 def _result(config: TrainConfig, state: FollowState, waited: float) -> FollowResult:
     last = None
-    if state.segments:
-        folder = segment_dir(config.out_dir, state.segments[-1].index)
+    trained = [s for s in state.segments if s.num_samples]
+    if trained:
+        folder = segment_dir(config.out_dir, trained[-1].index)
         last = folder / "drafter-last" if (folder / "drafter-last").is_dir() else folder / "drafter"
     return FollowResult(
         segments=len(state.segments),

@@ -59,6 +59,8 @@ def passes_from_records(run: Path, config: TrainConfig) -> Counter[str]:
     assert state is not None
     counts: Counter[str] = Counter()
     for segment in state.segments:
+        if segment.num_samples == 0:
+            continue  # stores without samples: retired untrained
         folder = segment_dir(run, segment.index)
         snapshot = read_snapshot(folder / SNAPSHOT_FILE)
         train = split_snapshot(snapshot, fraction=config.val_fraction, num_samples=None).train
@@ -120,3 +122,28 @@ def test_follow_refuses_a_split_unlike_the_routing(tmp_path: Path) -> None:
         run_follow(follow_config(cache, tmp_path / "run", val_fraction=0.2))
     with pytest.raises(ConfigError, match="--max-steps does not go with --follow"):
         run_follow(follow_config(cache, tmp_path / "run", max_steps=3))
+
+
+def test_stores_without_samples_are_retired_without_a_run(tmp_path: Path) -> None:
+    """A store can hold failures only (a worker's new store that got a failed sample, then closed)."""
+    from dflash_offline.cache.rolling import RollingWriter
+    from dflash_offline.cache.writer import ShardWriter
+    from dflash_offline.train.follow import new_segment
+    from dflash_offline.train.follow_state import FollowState
+    from tests.cache._samples import TINY, make_fingerprint
+
+    fingerprint = make_fingerprint()
+
+    def open_store(session: str) -> ShardWriter:
+        return ShardWriter(tmp_path / "cache", fingerprint, worker=0, session=session, **TINY)
+
+    with RollingWriter(
+        open_store, session="s", store_bytes=None, token_bytes=1, val_fraction=0, fsync=False
+    ) as w:
+        w.add_failure(sample_id="x", source_index=0, reason="too_long", detail="")
+    config = train_config(tmp_path / "cache", tmp_path / "run", follow=True, max_steps=None)
+    segment = new_segment(config, FollowState(passes=2, segments=()))
+    assert segment is not None
+    assert segment.stores == ("w000-s",)
+    assert segment.num_samples == 0
+    assert segment.trained
