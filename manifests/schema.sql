@@ -167,3 +167,65 @@ SELECT
 FROM committed AS c
 LEFT JOIN writing AS w ON w.worker = c.worker
 FULL OUTER JOIN failed AS f ON f.worker = c.worker;
+
+-- The disk window (docs/follow.md): stores sealed by their writer, stores retired by a training run.
+CREATE TABLE seals (
+    shard       VARCHAR NOT NULL,
+    validation  BOOLEAN NOT NULL,  -- a store of validation samples: never retired
+    num_samples BIGINT NOT NULL,   -- its final committed samples
+    num_tokens  BIGINT NOT NULL,
+    reason      VARCHAR NOT NULL,  -- size | close | recovered
+    sealed_at   TIMESTAMPTZ NOT NULL
+);
+
+CREATE TABLE retirements (
+    shard       VARCHAR NOT NULL,  -- its files are deleted; its sample rows stay in samples
+    run_id      VARCHAR NOT NULL,  -- the training run that retired it
+    num_samples BIGINT NOT NULL,
+    num_tokens  BIGINT NOT NULL,
+    retired_at  TIMESTAMPTZ NOT NULL
+);
+
+-- One row per store: open (pending a seal), sealed (trainable and retirable), or retired (gone).
+CREATE VIEW window_stores AS
+SELECT
+    h.shard,
+    h.worker,
+    coalesce(z.validation, h.shard LIKE '%-val-r%') AS validation,
+    CASE WHEN r.shard IS NOT NULL THEN 'retired' WHEN z.shard IS NOT NULL THEN 'sealed' ELSE 'open' END AS state,
+    count(s.sample_id) AS samples,
+    coalesce(sum(s.num_tokens), 0) AS tokens,
+    h.created_at AS opened_at,
+    z.sealed_at,
+    r.retired_at,
+    r.run_id AS retired_by
+FROM shards AS h
+LEFT JOIN (SELECT DISTINCT ON (shard) * FROM seals) AS z ON z.shard = h.shard
+LEFT JOIN (SELECT DISTINCT ON (shard) * FROM retirements) AS r ON r.shard = h.shard
+LEFT JOIN samples AS s ON s.shard = h.shard
+GROUP BY ALL;
+
+-- The window in one row: what is on disk (committed, not retired) and what training has retired.
+CREATE VIEW window_totals AS
+SELECT
+    count(*) FILTER (WHERE state <> 'retired') AS stores_present,
+    coalesce(sum(samples) FILTER (WHERE state <> 'retired'), 0) AS samples_present,
+    coalesce(sum(tokens) FILTER (WHERE state <> 'retired'), 0) AS tokens_present,
+    coalesce(sum(samples) FILTER (WHERE state = 'open'), 0) AS samples_in_open_stores,
+    count(*) FILTER (WHERE state = 'retired') AS stores_retired,
+    coalesce(sum(samples) FILTER (WHERE state = 'retired'), 0) AS samples_retired,
+    coalesce(sum(tokens) FILTER (WHERE state = 'retired'), 0) AS tokens_retired
+FROM window_stores;
+
+CREATE TABLE waits (
+    run_id     VARCHAR NOT NULL,
+    side       VARCHAR NOT NULL,  -- generate: the window was full | train: nothing left to train on
+    started_at TIMESTAMPTZ NOT NULL,
+    seconds    DOUBLE NOT NULL
+);
+
+-- How long each side of the window waited for the other, per run.
+CREATE VIEW window_waits AS
+SELECT run_id, side, count(*) AS waits, round(sum(seconds), 3) AS seconds, min(started_at) AS first_wait
+FROM waits
+GROUP BY run_id, side;

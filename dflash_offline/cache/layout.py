@@ -7,6 +7,9 @@ CACHE/manifest/samples/<shard>-<part>.<sha256>.parquet committed sample rows, te
 CACHE/manifest/failures/<shard>-<part>.<sha256>.parquet
 CACHE/manifest/shards/<shard>.<sha256>.parquet       one ShardInfo row, written when the session opens
 CACHE/manifest/runs/<run_id>.<rev>.<sha256>.parquet  one RunRow revision per update of the run
+CACHE/manifest/seals/<shard>.<sha256>.parquet        a store that gets no more rows (docs/follow.md)
+CACHE/manifest/retirements/<shard>.<sha256>.parquet  a store whose files training deleted
+CACHE/manifest/waits/<run_id>-<n>.<sha256>.parquet   a span one side of the window waited for the other
 CACHE/manifest/damaged/<table>/                      parts ``dflash verify --repair`` moved aside
 CACHE/index.duckdb                            merged index (``dflash index``), may be stale or absent
 ```
@@ -34,7 +37,8 @@ from dflash_offline.config_fields import CACHE, flag
 from dflash_offline.errors import CacheFormatError
 from dflash_offline.locking import LOCK_NAME
 
-MANIFEST_TABLES = ("samples", "failures", "shards", "runs")
+MANIFEST_TABLES = ("samples", "failures", "shards", "runs", "seals", "retirements", "waits")
+"""``seals``, ``retirements`` and ``waits``: the disk window's records (docs/follow.md)."""
 PARTIAL_SUFFIX = ".partial"
 """zarr-python's LocalStore writes ``<key>.<uuid>.partial`` and renames it; a crash leaves them behind."""
 TEMP_MARKER = ".tmp-"

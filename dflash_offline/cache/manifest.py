@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from dflash_offline.cache.layout import CacheLayout, read_format_version, write_atomic
 from dflash_offline.cache.rows import FailureRow, RunRow, SampleRow, ShardInfo
+from dflash_offline.cache.window_records import StoreRetirement, StoreSeal, WindowWait
 from dflash_offline.errors import CacheDamageError, CacheFormatError
 
 _TS = pa.timestamp("us", tz="UTC")
@@ -90,6 +91,33 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("error", pa.string()),
         ]
     ),
+    "seals": pa.schema(
+        [
+            ("shard", pa.string()),
+            ("validation", pa.bool_()),
+            ("num_samples", pa.int64()),
+            ("num_tokens", pa.int64()),
+            ("reason", pa.string()),
+            ("sealed_at", _TS),
+        ]
+    ),
+    "retirements": pa.schema(
+        [
+            ("shard", pa.string()),
+            ("run_id", pa.string()),
+            ("num_samples", pa.int64()),
+            ("num_tokens", pa.int64()),
+            ("retired_at", _TS),
+        ]
+    ),
+    "waits": pa.schema(
+        [
+            ("run_id", pa.string()),
+            ("side", pa.string()),
+            ("started_at", _TS),
+            ("seconds", pa.float64()),
+        ]
+    ),
 }
 
 _RECORD_TYPES: dict[str, Any] = {
@@ -97,6 +125,9 @@ _RECORD_TYPES: dict[str, Any] = {
     "failures": FailureRow,
     "shards": ShardInfo,
     "runs": RunRow,
+    "seals": StoreSeal,
+    "retirements": StoreRetirement,
+    "waits": WindowWait,
 }
 
 

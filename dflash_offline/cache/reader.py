@@ -37,6 +37,7 @@ from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_form
 from dflash_offline.cache.manifest import read_parts
 from dflash_offline.cache.rows import CachedSample
 from dflash_offline.cache.shard_file import Piece, ShardFile
+from dflash_offline.cache.window import retired_in_parts
 from dflash_offline.cache.zarr_format import ARRAYS, DTYPES, ArrayFormat, parse_array_format
 from dflash_offline.errors import CacheDamageError, SampleError
 
@@ -241,6 +242,13 @@ class CacheReader:
                 self._parts[path] = read_parts("samples", [path], legacy_names=self._legacy_names)
         tables = list(self._parts.values())
         merged = pa.concat_tables(tables) if tables else read_parts("samples", [])
+        # A retired store's samples are intentionally gone (docs/follow.md): never listed, never read.
+        retired = retired_in_parts(
+            [p for p in self.layout.parts("retirements") if p not in self._skip_parts],
+            legacy_names=self._legacy_names,
+        )
+        if retired:
+            merged = merged.filter(pc.invert(pc.is_in(merged["shard"], pa.array(sorted(retired)))))
         self.samples = SampleTable.from_arrow(merged)
         self._id_order = None
 

@@ -54,6 +54,7 @@ from dflash_offline.cache.verify import (
     damaged_rows,
     unreferenced_data,
 )
+from dflash_offline.cache.window import retired_in_parts
 from dflash_offline.locking import hold_lock
 
 _PART_STEM = re.compile(r"^(?P<shard>[^.]+)-\d+$")
@@ -247,13 +248,14 @@ def _bad_rows(
     metadata: GroupMetadata,
     skip_parts: frozenset[Path],
     progress: bool,
+    present: np.ndarray,
 ) -> dict[int, str]:
     """Row -> why, for the rows whose bytes do not read back or fail their checksum, read through the
     (rebuilt where damaged) metadata. Rows of groups whose metadata cannot be rebuilt are not judged.
     Copies of one id are checked in rounds (first commits, then second commits, ...) since a reader's
-    table holds one row per id."""
+    table holds one row per id. Rows outside ``present`` (of retired stores) are not judged."""
     bad: dict[int, str] = {}
-    judged = ~np.isin(rows["shard"].to_numpy(zero_copy_only=False), list(metadata.unusable))
+    judged = present & ~np.isin(rows["shard"].to_numpy(zero_copy_only=False), list(metadata.unusable))
     with CacheReader.open(root, skip_parts=skip_parts) as reader:
         for shard, formats in metadata.formats.items():
             reader.use_formats(shard, formats)
@@ -378,9 +380,17 @@ def plan_repair(root: Path, *, progress: bool = True) -> RepairPlan:
     rows = committed.rows
     shard_names = rows["shard"].to_numpy(zero_copy_only=False)
     ends = rows["row_start"].to_numpy() + rows["num_tokens"].to_numpy().astype(np.int64)
-    metadata = check_metadata(root, committed_ends(shard_names, ends), manifest.shard_infos())
+    # A retired store's rows stay as they are: its files are intentionally gone (docs/follow.md).
+    present = ~np.isin(shard_names, list(retired_in_parts(manifest.good["retirements"])))
+    metadata = check_metadata(
+        root, committed_ends(shard_names[present], ends[present]), manifest.shard_infos()
+    )
     ranks = _copy_ranks(rows) if rows.num_rows else np.zeros(0, np.int64)
-    bad = _bad_rows(root, rows, ranks, metadata, manifest.damaged_paths, progress) if rows.num_rows else {}
+    bad = (
+        _bad_rows(root, rows, ranks, metadata, manifest.damaged_paths, progress, present)
+        if rows.num_rows
+        else {}
+    )
 
     ids = rows["sample_id"].to_pylist()
     keep = _first_good_copies(ids, ranks, bad)

@@ -128,7 +128,7 @@ def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> Manifest
     files = _checked_part_files(layout, stamps, legacy_names=legacy_names)
     if files["samples"]:
         _load_samples(con, files["samples"])
-    for table in ("failures", "shards", "runs"):
+    for table in ("failures", "shards", "runs", "seals", "retirements", "waits"):
         if files[table]:
             con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_file_list(files[table])})")
     _insert_buckets(con, list(fingerprint.bucket_edges))

@@ -12,6 +12,7 @@ from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.index_catalogue import IndexHealth
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
 from dflash_offline.cache.sqldb import index_health, open_query_database
+from dflash_offline.cache.window_status import WindowStatus, read_window_status
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +53,8 @@ class CacheStatus:
     """``<run_id> <command> <status>`` of the newest run, or ``none``."""
     index: IndexHealth
     """index.duckdb: absent, current, stale or unreadable (and why)."""
+    window: WindowStatus | None = None
+    """The disk window (docs/follow.md); None for a cache that never had one."""
 
     def render(self) -> str:
         fp = self.fingerprint
@@ -85,6 +88,8 @@ class CacheStatus:
             lines.append("failures   " + ", ".join(f"{reason} {count:,}" for reason, count in self.failures))
         else:
             lines.append("failures   none")
+        if self.window is not None:
+            lines += self.window.render()
         return "\n".join(lines)
 
 
@@ -144,6 +149,7 @@ def cache_status(root: str | Path) -> CacheStatus:
             .execute("SELECT run_id, command, status, error FROM runs ORDER BY started_at DESC LIMIT 1")
             .fetchall()
         )
+        window = read_window_status(con)
     finally:
         con.close()
     return CacheStatus(
@@ -163,6 +169,7 @@ def cache_status(root: str | Path) -> CacheStatus:
         duplicates=int(duplicates),
         last_run=_run_line(*last[0]) if last else "none",
         index=index_health(root),
+        window=window,
     )
 
 

@@ -372,6 +372,11 @@ class ShardWriter:
         ):
             self.flush()
 
+    @property
+    def has_uncommitted(self) -> bool:
+        """Samples or failures were added that no manifest part names yet."""
+        return bool(self._staged or self._written or self._failures)
+
     def flush(self) -> list[SampleRow]:
         """Write every staged row (the last shard partial), fsync if asked, then commit one manifest
         part; returns the rows committed. The next sample starts at the next shard boundary."""

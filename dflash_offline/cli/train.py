@@ -26,6 +26,16 @@ def train(config: TrainConfig) -> None:
     from dflash_offline.train.interrupt import TrainInterrupted
     from dflash_offline.train.launch import run_training
 
+    if config.follow:
+        from dflash_offline.train.follow import run_follow
+
+        try:
+            followed = run_follow(config)
+        except TrainInterrupted as e:
+            click.echo(str(e), err=True)
+            raise SystemExit(EXIT_INTERRUPTED) from None
+        click.echo(followed.render())
+        return
     try:
         result = run_training(config, started_at=started_at)
     except TrainInterrupted as e:

@@ -25,6 +25,7 @@ from dflash_offline.config_fields import (
 from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
 from dflash_offline.generate.plan import DEFAULT_BUCKET_EDGES, parse_bucket_edges
+from dflash_offline.generate.window_options import parse_size
 from dflash_offline.placement import Placement
 from dflash_offline.target_model.layers import split_layer_ids
 
@@ -100,11 +101,42 @@ class GenerateConfig:
         "space resumes. 0: off (a full disk then fails the run; what was committed is kept).",
     )
     """Free space (10^9 bytes) the planner leaves on the cache's file system (``feed.Planner``)."""
+    window_limit: int | None = cli_field(
+        None,
+        parse=parse_size,
+        help="Bound the cache to this size (e.g. 40GB), a disk window that training consumes: stop handing "
+        "out jobs while the committed samples of stores not yet retired, plus the jobs in flight, would pass "
+        "it, and wait (the run does not end) until training retires stores (docs/follow.md). Counted in the "
+        "codec's stored bytes a token. Default: no bound.",
+    )
+    """Bytes (stored bytes a token × tokens) the disk window may hold; None = no window (docs/follow.md)."""
+    store_size: int | None = cli_field(
+        None,
+        parse=parse_size,
+        help="Close and seal each worker's store once it holds this much (e.g. 2GB), so that training can "
+        "retire it; default with --window-limit: the limit / (2 × workers), else one store a worker session.",
+    )
+    """Bytes a store holds before its writer seals it and opens the next; None = the derived default."""
+    val_fraction: float = cli_field(
+        0.02,
+        min=0,
+        max=1,
+        max_open=True,
+        help="With --window-limit: route the samples that `dflash train --val-fraction` (same value) holds "
+        "out into stores of their own, never retired.",
+    )
+    """Validation share routed into never-retired stores (cache/rolling.py); train's default."""
     dtype: str | None = cli_field(None, cli=DTYPE)
     """``float32`` / ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
     placement: Placement = cli_field(Placement(), cli=PLACEMENT)
     progress: bool = cli_field(True, cli=PROGRESS)
     build_index: bool = True
+    chunk_bytes: int | None = None
+    """Bytes of a stored inner chunk; None = the cache library's default (``writer.DEFAULT_CHUNK_BYTES``).
+    A store occupies at least one chunk of each array on disk: tests of small windows pass a small one."""
+    shard_file_bytes: int | None = None
+    """Bytes of a shard file (a whole number of chunks; its index grows with its chunks); None = the
+    cache library's default (``writer.DEFAULT_SHARD_BYTES``)."""
     """Merge the manifest into index.duckdb at the end."""
     writer_queue_depth: int = 3
     """Captured batches in flight between a worker's forward loop and its writer thread."""
@@ -120,6 +152,16 @@ class GenerateConfig:
                 f"{flag(GenerateConfig, 'num_features')} {self.num_features} and {layer_ids} "
                 f"{','.join(map(str, self.layer_ids))} both given: {layer_ids} already says how many "
                 f"features; give one of them"
+            )
+        if (
+            self.store_size is not None
+            and self.window_limit is not None
+            and self.store_size > self.window_limit
+        ):
+            raise ConfigError(
+                f"{flag(GenerateConfig, 'store_size')} {self.store_size} is larger than "
+                f"{flag(GenerateConfig, 'window_limit')} {self.window_limit}: training could never retire a "
+                "store before the window is full; give a store size of at most half the limit"
             )
         if self.writer_queue_depth < 1:
             raise ConfigError("writer_queue_depth must be positive")

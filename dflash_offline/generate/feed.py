@@ -20,6 +20,7 @@ from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
+from dflash_offline.generate.window_gate import WindowGate
 
 PLANNER_WORKER_ID = -1
 """``worker`` value of failure rows written by the planner (records that never reached a target)."""
@@ -119,7 +120,8 @@ class LowSpace:
 class Planner(threading.Thread):
     """Feeds the job channel from the plan; records failures; stops on request, or before a job when the
     cache's file system has less than ``--keep-free-gb`` free (``low_space`` then says so: the workers
-    finish the jobs already handed out). Errors are kept."""
+    finish the jobs already handed out). With ``--window-limit`` it waits before a job that does not fit
+    the disk window (``window_gate.py``). Errors are kept."""
 
     def __init__(self, ctx: RunContext, channel: JobChannel, stop: threading.Event, num_workers: int) -> None:
         super().__init__(name="planner", daemon=True)
@@ -134,6 +136,15 @@ class Planner(threading.Thread):
         self.skipped = 0
         self.done = False
         self.low_space: LowSpace | None = None
+        limit = ctx.config.window_limit
+        self.window = (
+            None
+            if limit is None
+            else WindowGate(
+                ctx.config.cache_dir, limit, run_id=ctx.run_id, val_fraction=ctx.config.val_fraction
+            )
+        )
+        """Waits while the disk window is full (``--window-limit``); None without a window."""
 
     def run(self) -> None:
         keep_free = int(self._ctx.config.keep_free_gb * 1e9)
@@ -149,6 +160,11 @@ class Planner(threading.Thread):
                 if keep_free and (free := free_bytes(self._ctx.config.cache_dir)) < keep_free:
                     self.low_space = LowSpace(free_bytes=free, keep_free_bytes=keep_free)
                     break
+                if self.window is not None and not self.window.admit(
+                    {s.sample_id: s.num_tokens for s, done in zip(job.samples, job.already_done) if not done},
+                    self.stop_requested,
+                ):
+                    return
                 self.skipped += len(job.samples) - job.num_new_samples
                 self.planned_samples += job.num_new_samples
                 self.planned_tokens += sum(

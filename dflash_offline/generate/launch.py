@@ -59,6 +59,8 @@ def format_summary(summary: GenerateSummary, *, cache_dir: str) -> str:
     ]
     if summary.stopped_because:
         lines.append(f"  {summary.stopped_because}")
+    if summary.window_wait_seconds:
+        lines.append(f"  waited {summary.window_wait_seconds:.1f} s for training to free the disk window")
     for w in summary.workers:
         t = w.timings
         lines.append(

@@ -41,6 +41,7 @@ from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.events import JobDone, WorkerFinished, WorkerStarted
 from dflash_offline.generate.feed import Planner
 from dflash_offline.generate.progress import GenerateProgress, ProgressView
+from dflash_offline.generate.window_setup import check_window, seal_abandoned_stores, store_bytes, window_on
 from dflash_offline.generate.worker import CaptureTask, run_worker
 from dflash_offline.interrupt import stop_on_sigint
 from dflash_offline.locking import acquire_lock
@@ -75,6 +76,8 @@ class GenerateSummary:
     stopped_because: str = ""
     """Why a run that ended ``interrupted`` without Ctrl-C stopped early (``--keep-free-gb``); empty
     otherwise."""
+    window_wait_seconds: float = 0.0
+    """Seconds the planner waited for the disk window (``--window-limit``) to have room."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -210,6 +213,11 @@ def worker_spec(ctx: RunContext, *, worker: int, num_workers: int, device: str) 
         tokens_per_batch=config.tokens_per_batch,
         writer_queue_depth=config.writer_queue_depth,
         pad_id=ctx.pad_id,
+        rolling=window_on(config),
+        store_bytes=store_bytes(config, num_workers),
+        val_fraction=config.val_fraction if config.window_limit is not None else 0.0,
+        chunk_bytes=config.chunk_bytes,
+        shard_file_bytes=config.shard_file_bytes,
     )
     return WorkerSpec(
         worker=worker,
@@ -326,8 +334,10 @@ def _run_locked(
 ) -> GenerateSummary:
     config = ctx.config
     group = workers.group
+    check_window(config, ctx.fingerprint, group.num_workers)
     sweep_partial_files(config.cache_dir)  # under the lock: no other writer is running
     _close_abandoned_runs(ctx)
+    seal_abandoned_stores(config)  # under the lock too: their writers are dead
     started_at = utc_now()
     start = time.perf_counter()
     running = _run_row(ctx, started_at=started_at, status="running", num_workers=group.num_workers)
@@ -350,6 +360,7 @@ def _run_locked(
         startup_seconds=None if tally.first_ready_at is None else tally.first_ready_at - start,
         skipped_already_done=planner.skipped,
         workers=tuple(tally.finished[w] for w in sorted(tally.finished)),
+        window_wait_seconds=0.0 if planner.window is None else planner.window.waited_seconds,
     )
     error = as_no_space_error(error, config.cache_dir) if error is not None else None
     _record_end(ctx, started_at=started_at, summary=summary, num_workers=group.num_workers, error=error)

@@ -19,6 +19,7 @@ import torch
 from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.fp8 import Fp8Layout
+from dflash_offline.cache.rolling import RollingWriter
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.generate.capture_step import PinnedBufferPool, bf16_elements, capture_job
 from dflash_offline.generate.channel import JobChannel
@@ -45,6 +46,17 @@ class CaptureTask:
     tokens_per_batch: int
     writer_queue_depth: int
     pad_id: int
+    rolling: bool = False
+    """Write through bounded, sealed stores (``cache/rolling.py``): on under ``--window-limit`` or
+    ``--store-size``."""
+    store_bytes: int | None = None
+    """Bytes a store holds before it is sealed (None: one store a session, sealed at its end)."""
+    val_fraction: float = 0.0
+    """Validation share routed into stores of their own (0: none)."""
+    chunk_bytes: int | None = None
+    """Inner chunk bytes of the stores (None: the cache library's default)."""
+    shard_file_bytes: int | None = None
+    """Shard file bytes of the stores (None: the cache library's default)."""
 
 
 def build_capture(task: CaptureTask, device: torch.device) -> Any:
@@ -87,6 +99,7 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
             bucket_edges=task.fingerprint.bucket_edges,
             depth=task.writer_queue_depth,
             on_written=report,
+            idle_flush_seconds=max(task.flush_seconds, 0.1) if task.rolling else None,
         )
         try:
             loop = _capture_jobs(
@@ -118,18 +131,33 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
     )
 
 
-def _open_writer(spec: WorkerSpec[CaptureTask]) -> ShardWriter:
-    """This worker's shard group ``w<worker>`` of the cache."""
+def _open_writer(spec: WorkerSpec[CaptureTask]) -> ShardWriter | RollingWriter:
+    """This worker's shard group ``w<worker>`` of the cache (or its bounded stores)."""
     task = spec.task
-    return ShardWriter(
-        task.cache_dir,
-        task.fingerprint,
-        worker=spec.worker,
+
+    def open_store(session: str) -> ShardWriter:
+        return ShardWriter(
+            task.cache_dir,
+            task.fingerprint,
+            worker=spec.worker,
+            session=session,
+            fsync=task.fsync,
+            flush_seconds=task.flush_seconds,
+            flush_bytes=task.flush_bytes,
+            known_sample_ids=(),  # the planner hands out each sample once; skip the manifest scan
+            **({} if task.chunk_bytes is None else {"chunk_bytes": task.chunk_bytes}),
+            **({} if task.shard_file_bytes is None else {"shard_bytes": task.shard_file_bytes}),
+        )
+
+    if not task.rolling:
+        return open_store(task.session)
+    return RollingWriter(
+        open_store,
         session=task.session,
+        store_bytes=task.store_bytes,
+        token_bytes=storage_of(task.fingerprint).token_bytes,
+        val_fraction=task.val_fraction,
         fsync=task.fsync,
-        flush_seconds=task.flush_seconds,
-        flush_bytes=task.flush_bytes,
-        known_sample_ids=(),  # the planner hands out each sample once; skip the manifest scan
     )
 
 

@@ -12,7 +12,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from dflash_offline.cache.rolling import RollingWriter
 from dflash_offline.cache.rows import Fp8Rows, SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.errors import WorkerError
@@ -38,13 +40,17 @@ class WriterThread:
 
     def __init__(
         self,
-        writer: ShardWriter,
+        writer: ShardWriter | RollingWriter,
         *,
         bucket_edges: tuple[int, ...],
         depth: int,
         on_written: Callable[[BatchWritten], None],
+        idle_flush_seconds: float | None = None,
     ) -> None:
         self._writer = writer
+        # Under a disk window a worker may get no job for long (the window is full): what it staged
+        # must then be committed by itself, or the planner would wait for it forever.
+        self._idle_flush_seconds = idle_flush_seconds
         self._bucket_edges = bucket_edges
         self._on_written = on_written
         self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)
@@ -87,7 +93,11 @@ class WriterThread:
         import traceback
 
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self._idle_flush_seconds)
+            except queue.Empty:
+                self._flush_idle(traceback)
+                continue
             if item is _STOP:
                 return
             assert isinstance(item, CapturedBatch)
@@ -102,6 +112,15 @@ class WriterThread:
             except BaseException as e:
                 self._error = e
                 self._error_traceback = traceback.format_exc()
+
+    def _flush_idle(self, traceback: Any) -> None:
+        if self._error is not None or not isinstance(self._writer, RollingWriter):
+            return
+        try:
+            self._writer.flush_idle()
+        except BaseException as e:
+            self._error = e
+            self._error_traceback = traceback.format_exc()
 
     def _write(self, batch: CapturedBatch) -> BatchWritten:
         batch.wait()

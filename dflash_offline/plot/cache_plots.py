@@ -57,7 +57,8 @@ def bucket_summary(cache_dir: Path) -> BucketSummary:
 
 
 def plot_cache(cache_dir: Path, out: Path) -> list[Path]:
-    """Write buckets.png, lengths.png and (when there are failures) failures.png into ``out``."""
+    """Write buckets.png, lengths.png, (when there are failures) failures.png and (when the cache had a
+    disk window) window.png into ``out``."""
     from dflash_offline.cache.layout import read_fingerprint
     from dflash_offline.cache.manifest import read_table
 
@@ -75,7 +76,9 @@ def plot_cache(cache_dir: Path, out: Path) -> list[Path]:
     if failures.num_rows:
         reasons = np.asarray(failures.column("reason").to_pylist(), dtype=object)
         paths.append(save(_failures_figure(plt, reasons, name), out / "failures.png"))
-    return paths
+    from dflash_offline.plot.window_plots import plot_window
+
+    return paths + plot_window(cache_dir, out)  # window.png, for a cache that had a window
 
 
 def _buckets_figure(plt: Any, summary: BucketSummary, name: str) -> Any:

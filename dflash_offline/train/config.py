@@ -32,6 +32,8 @@ OPTIONS_ADDED_SINCE: dict[str, Any] = {
     "feature_scale": "none",
     "final_norm_init": 1.0,
     "init_from": None,
+    "follow": False,
+    "passes": 2,
 }
 """Options newer than some runs' config.json, each by the value that means what those runs did (every sample
 not held out trained on; features fed to fc unscaled; the final norm's weight initialised to 1.0, the
@@ -305,6 +307,23 @@ class TrainConfig:
     )
     """A sample failing its crc32c when read: ``stop`` the run naming it, or ``skip`` it (recorded in
     RUN/damaged_samples.jsonl, announced at the end)."""
+    follow: bool = cli_field(
+        False,
+        help="Train on a cache that `dflash generate --window-limit` is still filling: train each batch of "
+        "sealed stores for --passes epochs as it arrives, retire (delete) the stores whose samples had their "
+        "passes once a checkpoint records it, and end once the generate run finished and every store was "
+        "trained (docs/follow.md).",
+    )
+    """Follow a disk window (``train/follow.py``): segments of sealed stores, each trained ``passes``
+    epochs in RUN/segments/<k>, then retired."""
+    passes: int = cli_field(
+        2,
+        min=1,
+        help="With --follow: epochs over each sample before its store is retired. Default 2: training runs "
+        "about 2.3x the tokens/s of generate on one H100 (fp8, SmolLM2), so two passes keep both busy.",
+    )
+    """Passes over every sample under ``follow``: 2 by default, since training's tokens/s is about 2.3×
+    generate's on one H100 (docs/follow.md): more passes leave generate waiting, fewer leave training idle."""
     export_at_end: bool = True
     layout_by_device: tuple[str, ...] = ()
     """The fields of grad_accum, tokens_per_microbatch and num_anchors that were left to the device's

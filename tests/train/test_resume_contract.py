@@ -75,6 +75,8 @@ CHANGES: list[tuple[str, Any, str, str]] = [
     ("tensorboard", False, FREE, ""),
     ("on_damaged", "skip", FREE, ""),
     ("export_at_end", False, FREE, ""),
+    ("follow", True, FREE, ""),  # a follow run's segments are plain runs (follow off): train/follow.py
+    ("passes", 3, FREE, ""),  # follow.json holds a follow run's passes and refuses another value
     ("layout_by_device", ("num_anchors",), FREE, ""),
     ("fuse_microbatches", True, FREE, ""),
     ("cache_dir", Path("moved-cache"), FREE, ""),  # the samples are the snapshot's row

@@ -1,0 +1,163 @@
+"""``dflash train --follow`` beside ``dflash generate --window-limit`` against generate-then-train on the
+same data, side by side in one run (docs/follow.md).
+
+Both ways train every training sample ``--passes`` times with the same settings; the figure is the wall
+time from the first command's start until every sample had its passes (training's end), and the ratio
+follow / sequential. Sequential: ``dflash generate`` into a plain cache, then ``dflash train --epochs
+PASSES``. Follow: both commands at once, generate bounded by ``--window-limit``, train retiring what it
+trained. Also printed: the steps each way took (follow plans each segment on its own, so its last steps
+of a segment may be fuller or emptier), how long each side waited for the other (the cache's ``waits``),
+and the peak of the window measured by the manifest.
+
+  python bench/follow.py                  # CPU: random:tiny, 240 generated chat records, 2 passes
+  python bench/follow.py --target default --data bench/answers/answers-00.jsonl.gz --records 4096 \\
+      --window-limit 2GB --gpus-generate 0 --gpus-train 0   # one GPU for both commands
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_offline.cache.manifest import read_table  # noqa: E402
+from dflash_offline.cache.window import window_usage  # noqa: E402
+from dflash_offline.train.metrics import read_metrics  # noqa: E402
+from tests.generate.helpers import make_chat_jsonl  # noqa: E402
+
+
+def generate_cmd(args: argparse.Namespace, cache: Path, data: Path, *extra: str) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "dflash_offline", "generate", "--cache", str(cache), "--target", args.target,
+        "--data", str(data), "--max-len", str(args.max_len), "--too-long", "truncate",
+        "--tokens-per-batch", str(args.tokens_per_batch), "--no-progress", "--no-decontaminate",
+    ]  # fmt: skip
+    if args.target.startswith("random:tiny"):
+        cmd += ["--layer-ids", "0,2", "--bucket-edges", "48,96,160,256"]
+    cmd += ["--gpus", args.gpus_generate] if args.gpus_generate else ["--workers", str(args.workers)]
+    return cmd + list(extra)
+
+
+def train_cmd(args: argparse.Namespace, cache: Path, run: Path, *extra: str) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "dflash_offline", "train", "--cache", str(cache), "--out", str(run),
+        "--val-fraction", str(args.val_fraction), "--val-every", "100000", "--no-progress",
+        "--checkpoint-every", str(args.checkpoint_every), "--no-tensorboard",
+    ]  # fmt: skip
+    if args.target.startswith("random:tiny"):
+        cmd += [
+            "--num-layers",
+            "1",
+            "--block-size",
+            "8",
+            "--num-anchors",
+            "32",
+            "--tokens-per-microbatch",
+            "600",
+        ]
+    cmd += ["--gpus", args.gpus_train] if args.gpus_train else ["--threads", "1"]
+    return cmd + list(extra)
+
+
+def run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:5])} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
+def sequential(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, float]:
+    cache, out = folder / "cache", folder / "run"
+    start = time.perf_counter()
+    run(generate_cmd(args, cache, data))
+    generated = time.perf_counter() - start
+    run(train_cmd(args, cache, out, "--epochs", str(args.passes)))
+    steps = int(read_metrics(out / "metrics.jsonl")[-1]["step"])  # type: ignore[call-overload]
+    return {"wall_s": time.perf_counter() - start, "generate_s": generated, "steps": steps}
+
+
+def follow(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, float]:
+    cache, out = folder / "cache", folder / "run"
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if (cache / "cache.json").exists():
+                peak[0] = max(peak[0], window_usage(cache).stored_bytes)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    start = time.perf_counter()
+    window = ("--window-limit", args.window_limit, "--val-fraction", str(args.val_fraction))
+    generate = subprocess.Popen(
+        generate_cmd(args, cache, data, *window), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    train = subprocess.Popen(
+        train_cmd(args, cache, out, "--follow", "--passes", str(args.passes)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    outputs = [p.communicate()[0].decode() for p in (generate, train)]
+    wall = time.perf_counter() - start
+    done.set()
+    for process, output in zip((generate, train), outputs, strict=True):
+        if process.returncode != 0:
+            raise SystemExit(output[-3000:])
+    waits = read_table(cache, "waits").to_pydict()
+    waited = {side: 0.0 for side in ("generate", "train")}
+    for side, seconds in zip(waits["side"], waits["seconds"], strict=True):
+        waited[side] += seconds
+    steps = sum(
+        int(read_metrics(m)[-1]["step"])  # type: ignore[call-overload]
+        for m in sorted((out / "segments").glob("*/metrics.jsonl"))
+    )
+    return {
+        "wall_s": wall,
+        "steps": steps,
+        "generate_waited_s": waited["generate"],
+        "train_waited_s": waited["train"],
+        "peak_window_bytes": peak[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="random:tiny")
+    parser.add_argument("--data", type=Path, default=None, help="chat data (default: generated records)")
+    parser.add_argument("--records", type=int, default=240)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--tokens-per-batch", type=int, default=512)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--gpus-generate", default="")
+    parser.add_argument("--gpus-train", default="")
+    parser.add_argument("--window-limit", default="1MB")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--val-fraction", type=float, default=0.02)
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="dflash-follow-bench-") as tmp:
+        folder = Path(tmp)
+        data = args.data or make_chat_jsonl(folder / "chat.jsonl", args.records, seed=0)
+        seq = sequential(args, data, folder / "sequential")
+        fol = follow(args, data, folder / "follow")
+    ratio = fol["wall_s"] / seq["wall_s"]
+    print(f"{'':28}{'generate, then train':>22}{'train --follow':>18}{'ratio':>8}")
+    print(f"{'wall time to every pass (s)':28}{seq['wall_s']:22.1f}{fol['wall_s']:18.1f}{ratio:8.3f}")
+    step_ratio = fol["steps"] / seq["steps"]
+    print(f"{'optimizer steps':28}{seq['steps']:22.0f}{fol['steps']:18.0f}{step_ratio:8.3f}")
+    print(
+        f"generate alone took {seq['generate_s']:.1f} s; under --follow generate waited "
+        f"{fol['generate_waited_s']:.1f} s for room, training {fol['train_waited_s']:.1f} s for stores; the "
+        f"window peaked at {fol['peak_window_bytes'] / 1e6:.3f} MB (--window-limit {args.window_limit})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""``dflash train --follow``: train on a disk window while ``dflash generate --window-limit`` fills it,
+and retire what was trained (docs/follow.md).
+
+The run is a sequence of segments (``follow_state.py``). A segment is every sealed training store that
+was present, not retired and in no earlier segment when it began, with the validation stores present
+then. It is trained as an ordinary run of ``--passes`` epochs in ``RUN/segments/<k>/``: its own
+snapshot (written here before the segment is recorded), length-mixing plan, checkpoints and resume, so
+a kill anywhere inside it resumes exactly as any run does; each segment starts from the previous one's
+last weights. Once the segment's run has written the checkpoint of its last step, the segment is
+recorded as trained (``RUN/follow.json``), and only then are its stores retired: no resume can need them.
+The run ends when the newest generate run of the cache has finished and every sealed store was trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash_offline.cache.manifest import read_runs, read_table
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.cache.rows import utc_now
+from dflash_offline.cache.window import (
+    finish_retirements,
+    is_validation_store,
+    read_retirements,
+    read_seals,
+    record_wait,
+    retire_store,
+)
+from dflash_offline.cache.window_records import StoreRetirement, WindowWait
+from dflash_offline.config_fields import GPUS, WORKERS, flag
+from dflash_offline.errors import ConfigError
+from dflash_offline.locking import hold_lock
+from dflash_offline.placement import under_torchrun
+from dflash_offline.train.checkpoint import list_checkpoints
+from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.follow_state import FollowState, Segment, read_follow_state, write_follow_state
+from dflash_offline.train.launch import run_training
+from dflash_offline.train.snapshot import save_snapshot, subset_snapshot, take_snapshot
+from dflash_offline.train.split import SNAPSHOT_FILE
+
+POLL_SECONDS = 1.0
+"""How often a follow run waiting for sealed stores re-reads the manifest."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FollowResult:
+    """What a follow run did."""
+
+    segments: int
+    samples_trained: int
+    stores_retired: int
+    waited_seconds: float
+    last_drafter: Path | None
+
+    def render(self) -> str:
+        return (
+            f"followed the cache: {self.segments} segments, {self.samples_trained} samples trained and "
+            f"{self.stores_retired} stores retired; waited {self.waited_seconds:.1f} s for sealed stores\n"
+            f"drafter (z-lab DFlash layout): {self.last_drafter}"
+        )
+
+
+def segment_dir(run_dir: Path, index: int) -> Path:
+    return run_dir / "segments" / f"{index:04d}"
+
+
+def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> FollowResult:
+    """Follow the cache until its generate run finished and every sealed store was trained and retired."""
+    check_follow_config(config)
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    with hold_lock(config.out_dir, what="training run"):
+        if list_checkpoints(config.out_dir):
+            raise ConfigError(
+                f"{flag(TrainConfig, 'out_dir')} {config.out_dir} holds a training run without "
+                f"{flag(TrainConfig, 'follow')}: give a new directory"
+            )
+        state = read_follow_state(config.out_dir) or FollowState(passes=config.passes, segments=())
+        if state.passes != config.passes:
+            raise ConfigError(
+                f"{flag(TrainConfig, 'passes')} {config.passes}, but this run planned {state.passes} passes "
+                "for the stores it trained so far; continue it with the same value"
+            )
+        _wait_for_cache(config.cache_dir, poll_seconds)
+        finish_retirements(config.cache_dir)  # files of stores retired by a run killed while deleting them
+        run_id = f"train-follow:{config.out_dir.resolve()}"
+        waited = 0.0
+        while True:
+            retire_trained(config.cache_dir, state, run_id=run_id)
+            pending = next((s for s in state.segments if not s.trained), None)
+            if pending is not None:
+                train_segment(config, state, pending)
+                state = _mark_trained(config.out_dir, state, pending)
+                continue
+            check_routing(config)  # again each time: a generate run may have started meanwhile
+            # Finished first: its stores were all sealed before its run row said so.
+            finished = generate_finished(config.cache_dir)
+            segment = new_segment(config, state)
+            if segment is not None:
+                state = dataclasses.replace(state, segments=(*state.segments, segment))
+                write_follow_state(config.out_dir, state)  # after its snapshot: the segment is planned
+                continue
+            if finished:
+                break
+            started_at, started = utc_now(), time.perf_counter()
+            while new_stores(config.cache_dir, state) == () and not generate_finished(config.cache_dir):
+                time.sleep(poll_seconds)
+            seconds = time.perf_counter() - started
+            waited += seconds
+            wait = WindowWait(run_id=run_id, side="train", started_at=started_at, seconds=seconds)
+            record_wait(config.cache_dir, wait, number=_next_wait_number(config.cache_dir, run_id))
+    return _result(config, state, waited)
+
+
+def _wait_for_cache(cache_dir: Path, poll_seconds: float) -> None:
+    """Training may start first: wait for generate to create the cache."""
+    if (cache_dir / "cache.json").exists():
+        return
+    print(
+        f"dflash train --follow: waiting for `dflash generate` to create the cache {cache_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    while not (cache_dir / "cache.json").exists():
+        time.sleep(poll_seconds)
+
+
+def check_follow_config(config: TrainConfig) -> None:
+    """Options that do not go with ``--follow`` (each segment is a whole run of ``--passes`` epochs)."""
+    follow = flag(TrainConfig, "follow")
+    if under_torchrun():
+        raise ConfigError(
+            f"{follow} runs as one command: give it {flag(WORKERS)} or {flag(GPUS)} instead of torchrun"
+        )
+    refused = {
+        flag(TrainConfig, "max_steps"): config.max_steps,
+        flag(TrainConfig, "early_stop"): config.early_stop,
+        flag(TrainConfig, "train_samples"): config.train_samples,
+        flag(TrainConfig, "val_samples"): config.val_samples,
+    }
+    for option, value in refused.items():
+        if value is not None:
+            raise ConfigError(
+                f"{option} does not go with {follow}: each segment of stores is trained "
+                f"{flag(TrainConfig, 'passes')} epochs, then retired"
+            )
+    if config.val_group != "sample":
+        raise ConfigError(
+            f"{flag(TrainConfig, 'val_group')} {config.val_group} does not go with {follow}: generate routes "
+            "validation samples into their own stores by the sample id alone"
+        )
+
+
+def check_routing(config: TrainConfig) -> None:
+    """The cache's generate runs routed validation samples by the same split as this run's."""
+    for run in read_runs(config.cache_dir):
+        if run.command != "generate":
+            continue
+        generate = json.loads(run.config_json or "{}")
+        if generate.get("window_limit") is None:
+            continue
+        routed = float(generate.get("val_fraction", 0.0))
+        if routed != config.val_fraction:
+            raise ConfigError(
+                f"{flag(TrainConfig, 'val_fraction')} {config.val_fraction}, but generate run {run.run_id} "
+                f"routed a validation share of {routed} into stores never retired: give {routed} (else "
+                "samples this run validates on would be retired, or samples it trains on never)"
+            )
+
+
+def new_stores(cache_dir: Path, state: FollowState) -> tuple[str, ...]:
+    """Sealed training stores, not retired, in no segment yet."""
+    retired = read_retirements(cache_dir)
+    return tuple(
+        sorted(
+            shard
+            for shard, seal in read_seals(cache_dir).items()
+            if not seal.validation and shard not in retired and shard not in state.stores
+        )
+    )
+
+
+def generate_finished(cache_dir: Path) -> bool:
+    """The newest generate run of the cache finished (a killed one still says ``running`` until the
+    next run on the cache takes over: rerun it to go on)."""
+    runs = [r for r in read_runs(cache_dir) if r.command == "generate"]
+    return bool(runs) and runs[-1].status == "finished"
+
+
+def new_segment(config: TrainConfig, state: FollowState) -> Segment | None:
+    """Plan the next segment over the new sealed stores (None when there are none): its snapshot (its
+    training stores and the validation stores present) is written first, in a fresh segment folder."""
+    stores = new_stores(config.cache_dir, state)
+    if not stores:
+        return None
+    index = len(state.segments)
+    folder = segment_dir(config.out_dir, index)
+    shutil.rmtree(folder, ignore_errors=True)  # planned before a kill, never recorded: plan it again
+    folder.mkdir(parents=True)
+    with CacheReader.open(config.cache_dir) as reader:
+        snapshot = take_snapshot(reader)
+        shard_N = reader.samples.shard[snapshot.reader_rows_N]
+    wanted = set(stores)
+    train_N = np.fromiter((s in wanted for s in shard_N), dtype=bool, count=len(shard_N))
+    val_N = np.fromiter((is_validation_store(s) for s in shard_N), dtype=bool, count=len(shard_N))
+    num_samples = int(train_N.sum())
+    if num_samples == 0:  # stores that hold only failures: nothing to train, retire them as they are
+        return Segment(index=index, stores=stores, num_samples=0, trained=True)
+    save_snapshot(subset_snapshot(snapshot, train_N | val_N), folder / SNAPSHOT_FILE)
+    return Segment(index=index, stores=stores, num_samples=num_samples, trained=False)
+
+
+def segment_config(config: TrainConfig, state: FollowState, segment: Segment) -> TrainConfig:
+    """The ordinary run that trains one segment: ``--passes`` epochs from the last weights of the
+    previous segment that was trained (segments without samples have no run)."""
+    init_from = config.init_from
+    earlier = [s for s in state.segments if s.index < segment.index and s.num_samples]
+    if earlier:
+        previous = segment_dir(config.out_dir, earlier[-1].index)
+        last = previous / "drafter-last"
+        init_from = last if last.is_dir() else previous / "drafter"
+    return dataclasses.replace(
+        config,
+        out_dir=segment_dir(config.out_dir, segment.index),
+        epochs=config.passes,
+        init_from=init_from,
+        follow=False,
+        tensorboard_dir=None
+        if config.tensorboard_dir is None
+        else config.tensorboard_dir / f"{segment.index:04d}",
+    )
+
+
+def train_segment(config: TrainConfig, state: FollowState, segment: Segment) -> None:
+    """Train (or resume) one segment to its last step; its last checkpoint is then on disk."""
+    print(
+        f"dflash train --follow: segment {segment.index}: {segment.num_samples} samples of "
+        f"{len(segment.stores)} stores, {state.passes} passes",
+        file=sys.stderr,
+        flush=True,
+    )
+    result = run_training(segment_config(config, state, segment))
+    if result is not None and (result.stopped_early or result.global_step < result.total_steps):
+        raise AssertionError(
+            f"segment {segment.index} ended at step {result.global_step} of {result.total_steps}"
+        )
+
+
+def _mark_trained(run_dir: Path, state: FollowState, segment: Segment) -> FollowState:
+    segments = tuple(
+        dataclasses.replace(s, trained=True) if s.index == segment.index else s for s in state.segments
+    )
+    state = dataclasses.replace(state, segments=segments)
+    write_follow_state(run_dir, state)
+    return state
+
+
+def retire_trained(cache_dir: Path, state: FollowState, *, run_id: str) -> int:
+    """Retire every store of a trained segment not retired yet (the record first, then its files)."""
+    retired = read_retirements(cache_dir)
+    samples = read_table(cache_dir, "samples", ["shard", "num_tokens"]).to_pydict()
+    done = 0
+    for segment in state.segments:
+        if not segment.trained:
+            continue
+        for shard in segment.stores:
+            if shard in retired:
+                continue
+            tokens = [n for s, n in zip(samples["shard"], samples["num_tokens"], strict=True) if s == shard]
+            record = StoreRetirement(
+                shard=shard,
+                run_id=run_id,
+                num_samples=len(tokens),
+                num_tokens=sum(tokens),
+                retired_at=utc_now(),
+            )
+            retire_store(cache_dir, record)
+            done += 1
+    return done
+
+
+def _next_wait_number(cache_dir: Path, run_id: str) -> int:
+    waits = read_table(cache_dir, "waits", ["run_id"]).column("run_id").to_pylist()
+    return waits.count(run_id) + 1
+
+
+def _result(config: TrainConfig, state: FollowState, waited: float) -> FollowResult:
+    last = None
+    trained = [s for s in state.segments if s.num_samples]
+    if trained:
+        folder = segment_dir(config.out_dir, trained[-1].index)
+        last = folder / "drafter-last" if (folder / "drafter-last").is_dir() else folder / "drafter"
+    return FollowResult(
+        segments=len(state.segments),
+        samples_trained=sum(s.num_samples for s in state.segments),
+        stores_retired=len(state.stores),
+        waited_seconds=waited,
+        last_drafter=last,
+    )

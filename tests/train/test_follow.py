@@ -1,0 +1,149 @@
+"""``dflash train --follow`` over a window cache (docs/follow.md): every training sample is trained
+exactly ``--passes`` times, counted from the run's records (each segment's snapshot, its plan and the
+step its run reached); every training store is retired after its segment's last checkpoint; the
+validation stores are never retired; the cache stays sound for every reader."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dflash_offline.cache.manifest import read_table
+from dflash_offline.cache.verify import verify_cache
+from dflash_offline.cache.window import is_validation_store, read_retirements, read_seals
+from dflash_offline.errors import ConfigError
+from dflash_offline.generate.run import run_generate
+from dflash_offline.train.checkpoint import list_checkpoints
+from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.follow import run_follow, segment_dir
+from dflash_offline.train.follow_state import read_follow_state
+from dflash_offline.train.length_mixing import LengthMixingPlanner
+from dflash_offline.train.snapshot import read_snapshot
+from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
+from tests.generate.helpers import make_chat_jsonl, tiny_config
+from tests.train.helpers import train_config
+
+VAL_FRACTION = 0.1
+SMALL_FILES = dict(chunk_bytes=2048, shard_file_bytes=16384)
+
+
+def window_cache(root: Path, data: Path, **overrides: object) -> Path:
+    config = tiny_config(
+        root,
+        data,
+        window_limit=10**9,  # no wait: this cache is written before training
+        store_size=60_000,
+        val_fraction=VAL_FRACTION,
+        flush_seconds=0.2,
+        **SMALL_FILES,
+        **overrides,
+    )
+    assert run_generate(config).status == "finished"
+    return root
+
+
+def follow_config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
+    settings: dict[str, object] = dict(
+        follow=True, passes=2, max_steps=None, val_fraction=VAL_FRACTION, val_every=1000
+    )
+    return train_config(cache, out, **{**settings, **overrides})
+
+
+def passes_from_records(run: Path, config: TrainConfig) -> Counter[str]:
+    """How often each sample was trained, replayed from the run's records: each segment's snapshot and
+    split (as the segment's run made them), its plan over ``--passes`` epochs, up to the step its last
+    checkpoint recorded."""
+    state = read_follow_state(run)
+    assert state is not None
+    counts: Counter[str] = Counter()
+    for segment in state.segments:
+        if segment.num_samples == 0:
+            continue  # stores without samples: retired untrained
+        folder = segment_dir(run, segment.index)
+        snapshot = read_snapshot(folder / SNAPSHOT_FILE)
+        train = split_snapshot(snapshot, fraction=config.val_fraction, num_samples=None).train
+        planner = LengthMixingPlanner(
+            train,
+            seed=config.seed,
+            tokens_per_microbatch=config.tokens_per_microbatch,
+            grad_accum=config.grad_accum,
+            world_size=config.world_size,
+        )
+        last_checkpoint = max(step for step, _ in list_checkpoints(folder))
+        assert last_checkpoint == planner.total_steps(state.passes)
+        for step in planner.iterate(state.passes):
+            for mb in step.microbatches:
+                if not mb.is_padding:
+                    counts.update(train.sample_ids[r] for r in mb.rows)
+    return counts
+
+
+def check_followed(cache: Path, run: Path, config: TrainConfig) -> None:
+    rows = read_table(cache, "samples", ["sample_id", "shard"]).to_pydict()
+    shard_of = dict(zip(rows["sample_id"], rows["shard"], strict=True))
+    train_ids = {i for i, s in shard_of.items() if not is_validation_store(s)}
+    val_ids = set(shard_of) - train_ids
+    assert train_ids
+    assert val_ids
+    counts = passes_from_records(run, config)
+    assert set(counts) == train_ids  # no validation sample trained on
+    assert set(counts.values()) == {config.passes}
+    retired = read_retirements(cache)
+    assert set(retired) == {s for s in read_seals(cache) if not is_validation_store(s)}
+    assert {r.run_id for r in retired.values()} == {f"train-follow:{run.resolve()}"}
+    assert not any(is_validation_store(s) for s in retired)
+    report = verify_cache(cache, progress=False)
+    assert report.ok
+    assert report.samples_checked == len(val_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_follow_trains_every_sample_its_passes_and_retires_its_stores(tmp_path: Path, workers: int) -> None:
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 80, seed=3)
+    cache = window_cache(tmp_path / "cache", data)
+    config = follow_config(cache, tmp_path / "run", num_cpu_workers=workers)
+    result = run_follow(config)
+    check_followed(cache, tmp_path / "run", config)
+    assert result.segments == 1  # generate had finished: one segment of every store
+    assert result.last_drafter is not None
+    assert (result.last_drafter / "model.safetensors").is_file()
+    again = run_follow(config)  # a finished run rerun: nothing left to do
+    assert again.segments == 1
+
+
+def test_follow_refuses_a_split_unlike_the_routing(tmp_path: Path) -> None:
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 12, seed=3)
+    cache = window_cache(tmp_path / "cache", data)
+    with pytest.raises(ConfigError, match=r"routed a validation share of 0\.1"):
+        run_follow(follow_config(cache, tmp_path / "run", val_fraction=0.2))
+    with pytest.raises(ConfigError, match="--max-steps does not go with --follow"):
+        run_follow(follow_config(cache, tmp_path / "run", max_steps=3))
+
+
+def test_stores_without_samples_are_retired_without_a_run(tmp_path: Path) -> None:
+    """A store can hold failures only (a worker's new store that got a failed sample, then closed)."""
+    from dflash_offline.cache.rolling import RollingWriter
+    from dflash_offline.cache.writer import ShardWriter
+    from dflash_offline.train.follow import new_segment
+    from dflash_offline.train.follow_state import FollowState
+    from tests.cache._samples import TINY, make_fingerprint
+
+    fingerprint = make_fingerprint()
+
+    def open_store(session: str) -> ShardWriter:
+        return ShardWriter(tmp_path / "cache", fingerprint, worker=0, session=session, **TINY)
+
+    with RollingWriter(
+        open_store, session="s", store_bytes=None, token_bytes=1, val_fraction=0, fsync=False
+    ) as w:
+        w.add_failure(sample_id="x", source_index=0, reason="too_long", detail="")
+    config = train_config(tmp_path / "cache", tmp_path / "run", follow=True, max_steps=None)
+    segment = new_segment(config, FollowState(passes=2, segments=()))
+    assert segment is not None
+    assert segment.stores == ("w000-s",)
+    assert segment.num_samples == 0
+    assert segment.trained
