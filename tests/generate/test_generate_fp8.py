@@ -114,7 +114,7 @@ def test_two_workers_store_the_rows_the_writer_encodes(
     assert all(w.jobs > 0 for w in summary.workers), summary.workers
     assert set(read_table(root, "samples").column("worker").to_pylist()) == {0, 1}
     fingerprint = fp8_fingerprint_of(root, bf16_run.root)
-    layout = feature_storage(codec, num_layers=2, hidden_size=fingerprint.hidden_size).fp8
+    layout = feature_storage(codec, num_layers=2, hidden_size=fingerprint.hidden_size).lossy
     assert layout is not None
     got = stored_rows(root)
     want = encoded_by_the_writer(bf16_run.root, fingerprint, tmp_path / "reference")
