@@ -1,11 +1,12 @@
-"""One trained drafter validated on the same held-out samples twice: their features read from a cache of the
-default (lossless) codec, then from an ``--codec fp8`` cache of the same records. What fp8's rounding
-moves in what a trained drafter predicts, measured side by side (fp8 ÷ bf16); the part of "fp8 within 2 %
-of bf16" that a CPU can measure (the whole criterion is a drafter trained on fp8 against one trained on
-bf16, judged by held-out ``dflash eval``: a GPU run, bench/RESULTS.md).
+"""One trained drafter validated on the same held-out samples several times: their features read from a
+cache of the default (lossless) codec, then from a cache of each lossy codec (``--codecs``: fp8, int4) of
+the same records. What a lossy codec's rounding moves in what a trained drafter predicts, measured side
+by side (codec ÷ bf16); the part of "within 2 % of bf16" that a CPU can measure (the whole criterion is
+a drafter trained on the codec's features against one trained on bf16, judged by held-out ``dflash
+eval``: a GPU run, bench/RESULTS.md).
 
     PYTHONPATH=. .venv/bin/python bench/fp8_validation.py --drafter RUN/drafter --data ANSWERS.jsonl \\
-        --work DIR [--val-samples 60]
+        --work DIR [--val-samples 60] [--codecs fp8,int4]
 
 ``--data``: chat JSONL the target answered itself (e.g. held-out conversations of
 ``bench/answers/answers-00.jsonl.gz`` that the drafter never trained on). Each cache is written by ``dflash
@@ -33,8 +34,11 @@ sys.path.insert(0, str(ROOT))
 from dflash_offline.train.chain_tau import TURN_GROUPS  # noqa: E402
 from dflash_offline.train.split import validation_ids_of_run  # noqa: E402
 
-CODECS = {"bf16": [], "fp8": ["--codec", "fp8"]}
-"""Name → generate's codec flags (bf16: the default codec, lossless)."""
+
+def codec_flags(name: str) -> list[str]:
+    """generate's codec flags of a name (bf16: the default codec, lossless)."""
+    return [] if name == "bf16" else ["--codec", name]
+
 
 SCALARS = ("val_loss", "val_simulated_tau", "val_block_tau", "val_chain_tau")
 
@@ -104,15 +108,18 @@ def main() -> None:
     ap.add_argument("--num-anchors", type=int, default=256)
     ap.add_argument("--fresh", action="store_true", help="validate again where DIR/run-<codec> has")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    ap.add_argument("--codecs", default="fp8", help="the lossy codecs to compare with bf16, comma-separated")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     splits = {}
-    for name, codec_flags in CODECS.items():
+    names = ["bf16", *args.codecs.split(",")]
+    for name in names:
         cache = args.work / f"cache-{name}"
         run(
             dflash("generate", "--cache", str(cache), "--target", "default", "--data", str(args.data),
-                   "--max-len", str(args.max_len), "--too-long", "truncate", "--no-progress", *codec_flags),
+                   "--max-len", str(args.max_len), "--too-long", "truncate", "--no-progress",
+                   *codec_flags(name)),
             args.work / f"generate-{name}.log",
         )  # fmt: skip
         out = args.work / f"run-{name}"
@@ -123,19 +130,30 @@ def main() -> None:
         results[name] = result
         splits[name] = validation_ids_of_run(out)
         print(f"{name}: validated ({result['val_num_samples']} samples, {result['val_seconds']:.0f} s)")
-    if splits["bf16"] != splits["fp8"]:
-        sys.exit("the two caches' validation splits differ: not the same records")
-    bf16, fp8 = results["bf16"], results["fp8"]
-    print(f"\n{'metric':<24} {'bf16':>9} {'fp8':>9} {'fp8/bf16':>9}")
-    for key in SCALARS:
-        print(f"{key:<24} {bf16[key]:>9.4f} {fp8[key]:>9.4f} {fp8[key] / bf16[key]:>9.4f}")
-    by_turn = zip(TURN_GROUPS, bf16["val_chain_tau_by_turn"], fp8["val_chain_tau_by_turn"], strict=True)
-    for turn, b, f in by_turn:
-        print(f"{'val_chain_tau turn ' + turn:<24} {b:>9.4f} {f:>9.4f} {f / b:>9.4f}")
-    diffs = [f - b for b, f in zip(bf16["val_acc_by_position"], fp8["val_acc_by_position"], strict=True)]
-    print(f"accuracy by block position, fp8 − bf16: {' '.join(f'{d:+.4f}' for d in diffs)}")
+    if any(splits[name] != splits["bf16"] for name in names):
+        sys.exit("the caches' validation splits differ: not the same records")
+    print_ratios(results, names[1:])
     if args.json is not None:
-        args.json.write_text(json.dumps({"bf16": bf16, "fp8": fp8}, indent=1) + "\n")
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def print_ratios(results: dict[str, dict], lossy: list[str]) -> None:
+    """Each metric of bf16 and of each lossy codec, and the codec ÷ bf16 ratios."""
+    bf16 = results["bf16"]
+    print(f"\n{'metric':<24} {'bf16':>9} " + " ".join(f"{n:>9} {n + '/bf16':>10}" for n in lossy))
+    for key in SCALARS:
+        cells = " ".join(f"{results[n][key]:>9.4f} {results[n][key] / bf16[key]:>10.4f}" for n in lossy)
+        print(f"{key:<24} {bf16[key]:>9.4f} {cells}")
+    for i, turn in enumerate(TURN_GROUPS):
+        b = bf16["val_chain_tau_by_turn"][i]
+        by_turn = [results[n]["val_chain_tau_by_turn"][i] for n in lossy]
+        cells = " ".join(f"{v:>9.4f} {v / b:>10.4f}" for v in by_turn)
+        print(f"{'val_chain_tau turn ' + turn:<24} {b:>9.4f} {cells}")
+    for n in lossy:
+        diffs = [
+            f - b for b, f in zip(bf16["val_acc_by_position"], results[n]["val_acc_by_position"], strict=True)
+        ]
+        print(f"accuracy by block position, {n} − bf16: {' '.join(f'{d:+.4f}' for d in diffs)}")
 
 
 if __name__ == "__main__":

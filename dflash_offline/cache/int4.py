@@ -1,4 +1,4 @@
-"""Lossy 4-bit storage of features: int4 codes with a power-of-two scale per group of dims, and exact outliers.
+"""Lossy 4-bit storage of features: int4 codes, a power-of-two scale per group of dims, exact outliers.
 
 Shape legend: T = tokens, L = captured layers, H = hidden size, F = L * H, G = scale groups per layer,
 K = outliers per (token, layer), W = stored bytes per token.

@@ -32,8 +32,8 @@ import torch
 from dflash_offline.cache.checksum import sample_checksum
 from dflash_offline.cache.codecs import FeatureStorage, storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
-from dflash_offline.cache.lossy import decode_rows
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
+from dflash_offline.cache.lossy import decode_rows
 from dflash_offline.cache.manifest import read_parts
 from dflash_offline.cache.rows import CachedSample
 from dflash_offline.cache.shard_file import Piece, ShardFile

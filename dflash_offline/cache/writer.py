@@ -38,8 +38,8 @@ import torch
 from dflash_offline.cache.codecs import raw_token_bytes, storage_of
 from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
 from dflash_offline.cache.fingerprint import CacheFingerprint
-from dflash_offline.cache.lossy import encode_rows
 from dflash_offline.cache.layout import CacheLayout, create_or_open_cache, fsync_dir
+from dflash_offline.cache.lossy import encode_rows
 from dflash_offline.cache.manifest import (
     committed_sample_ids,
     failed_sample_ids,

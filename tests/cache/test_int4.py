@@ -109,7 +109,9 @@ def test_error_bound_per_element(group, k):
                 assert np.abs(got[t, layer, dims] - row[dims]).max() <= step / 2
                 assert step <= amax / 3.75 or amax == 0
                 codes = got[t, layer, dims] / step
-                assert (codes == np.round(codes)).all() and codes.min() >= -8 and codes.max() <= 7
+                assert (codes == np.round(codes)).all()
+                assert codes.min() >= -8
+                assert codes.max() <= 7
 
 
 def test_all_zero_rows_round_trip():
@@ -207,7 +209,8 @@ def test_round_trip_through_writer_reader_and_verify(tmp_path, codec):
         stored_out = np.empty((int(reader.samples.num_tokens[rows_at].sum()), storage.width), np.uint8)
         raw = reader.read_rows(rows_at, stored_out=stored_out)
     for src, sample, stored in zip(samples, got, raw, strict=True):
-        assert src.features_TF is not None and stored.stored_TW is not None
+        assert src.features_TF is not None
+        assert stored.stored_TW is not None
         want_rows = ref_encode(as_f64(src.features_TF), 32, 2, hidden=WIDE)
         np.testing.assert_array_equal(stored.stored_TW.numpy(), want_rows)
         want = decode_rows(torch.from_numpy(want_rows), layout, torch.empty_like(src.features_TF))
