@@ -7,6 +7,7 @@
 For each codec (``default``: the lossless default codec, bf16 values) it runs ``dflash generate`` over the
 same records into ``DIR/cache-<codec>`` and reports:
 
+  row B             the stored row's bytes a token before any lossless stage (bf16: 2 × F);
   bytes a token     the feature array's files on disk ÷ tokens (the ids and loss mask, 5 B a token, apart);
                     ÷ raw = over bf16's 2 × F bytes;
   generate tok/s    tokens committed ÷ the run's seconds once its worker was ready (start-up apart);
@@ -54,6 +55,8 @@ class CodecRow:
     codec: str
     tokens: int = 0
     feature_bytes: int = 0
+    row_bytes: int = 0
+    """The stored row's bytes a token (``FeatureStorage.row_bytes``), before any lossless stage."""
     raw_bytes: int = 0
     generate_tok_s: float = 0.0
     generate_seconds: float = 0.0
@@ -71,9 +74,10 @@ def generate(args: argparse.Namespace, codec: str, cache: Path) -> CodecRow:
         cache_dir=cache,
         target=args.target,
         data=args.data,
-        limit=args.limit,
+        limit=args.limit if args.limit > 0 else None,
         max_length=args.max_len,
         too_long="truncate",
+        layer_ids=tuple(int(i) for i in args.layer_ids.split(",")) if args.layer_ids else None,
         codec=DEFAULT_CODEC if codec == "default" else codec,
         progress=False,
         placement=Placement(gpus=(0,)) if args.device == "cuda" else Placement(num_cpu_workers=1),
@@ -85,10 +89,12 @@ def generate(args: argparse.Namespace, codec: str, cache: Path) -> CodecRow:
         sys.exit(f"generate --codec {codec} ended {summary.status}")
     with CacheReader.open(cache) as reader:
         width = reader.fingerprint.feature_width
+        row_bytes = reader.storage.row_bytes
     return CodecRow(
         codec=codec,
         tokens=summary.tokens_committed,
         feature_bytes=feature_bytes_on_disk(cache),
+        row_bytes=row_bytes,
         raw_bytes=summary.tokens_committed * (raw_token_bytes(width) - raw_token_bytes(0)),
         generate_tok_s=summary.capture_tokens_per_second or summary.tokens_per_second,
         generate_seconds=wall,
@@ -101,7 +107,7 @@ def train_rate(args: argparse.Namespace, cache: Path, out: Path) -> float | None
         return None
     cmd = [sys.executable, "-m", "dflash_offline", "train", "--cache", str(cache), "--out", str(out),
            "--target", args.target, "--max-steps", str(args.train_steps), "--log-every", "1",
-           "--val-samples", "0", "--compile", "off", "--no-tensorboard", "--no-progress",
+           "--val-fraction", "0", "--compile", "off", "--no-tensorboard", "--no-progress",
            "--tokens-per-microbatch", str(args.tokens_per_microbatch)]  # fmt: skip
     log = out.with_suffix(".log")
     with open(log, "w") as f:
@@ -135,15 +141,15 @@ def layer_errors(reference: Path, cache: Path) -> list[float]:
 
 def print_table(rows: list[CodecRow]) -> None:
     print(
-        f"\n{'codec':<14} {'tokens':>10} {'B/token':>8} {'÷ raw':>7} {'gen tok/s':>10} {'train tok/s':>12} "
-        f"{'val τ ÷ bf16':>12}  rel. error per layer"
+        f"\n{'codec':<14} {'tokens':>10} {'row B':>7} {'B/token':>8} {'÷ raw':>7} {'gen tok/s':>10} "
+        f"{'train tok/s':>12} {'val τ ÷ bf16':>12}  rel. error per layer"
     )
     for r in rows:
         train = f"{r.train_tok_s:,.0f}" if r.train_tok_s is not None else "-"
         val = f"{r.val_ratio:.4f}" if r.val_ratio is not None else "-"
         err = " ".join(f"{e:.4f}" for e in r.layer_error) or "-"
         print(
-            f"{r.codec:<14} {r.tokens:>10,} {r.feature_bytes / r.tokens:>8,.0f} "
+            f"{r.codec:<14} {r.tokens:>10,} {r.row_bytes:>7,} {r.feature_bytes / r.tokens:>8,.0f} "
             f"{r.feature_bytes / r.raw_bytes:>7.4f} {r.generate_tok_s:>10,.0f} {train:>12} {val:>12}  {err}"
         )
 
@@ -151,11 +157,12 @@ def print_table(rows: list[CodecRow]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True)
-    ap.add_argument("--limit", type=int, default=60)
+    ap.add_argument("--limit", type=int, default=60, help="records (0: all)")
     ap.add_argument("--codecs", default="default,fp8,int4")
     ap.add_argument("--target", default="default")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--layer-ids", default="", help="captured layers (default: the DFlash rule)")
     ap.add_argument("--train-steps", type=int, default=6)
     ap.add_argument("--tokens-per-microbatch", type=int, default=4096)
     ap.add_argument("--validation", type=Path, default=None, help="bench/fp8_validation.py --json output")
