@@ -97,9 +97,66 @@ def validate_as_is(
     return result
 
 
+def recode(source: Path, dest: Path, codec: str) -> None:
+    """A cache of ``codec`` holding the samples of the bf16 cache ``source``: the writer encodes the same
+    bf16 values that generate's capture step would (``cache/lossy.py``), so the stored bytes are the same."""
+    import dataclasses
+
+    from dflash_offline.cache.codecs import storage_dtype
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.cache.rows import SampleToWrite
+    from dflash_offline.cache.writer import ShardWriter
+
+    if (dest / "cache.json").exists():
+        return
+    with CacheReader.open(source) as reader:
+        fingerprint = dataclasses.replace(reader.fingerprint, codec=codec, storage_dtype=storage_dtype(codec))
+        ids = reader.samples.sample_id.tolist()
+        sources = dict(zip(ids, reader.samples.source_index.tolist(), strict=True))
+        with ShardWriter(dest, fingerprint, worker=0) as writer:
+            for a in range(0, len(ids), 16):
+                for sample in reader.read(ids[a : a + 16]):
+                    writer.add(
+                        SampleToWrite(
+                            sample_id=sample.sample_id,
+                            source_index=int(sources[sample.sample_id]),
+                            input_ids_T=sample.input_ids_T.numpy(),
+                            loss_mask_T=sample.loss_mask_T.numpy(),
+                            features_TF=sample.features_TF,
+                            bucket_id=sample.bucket_id,
+                        )
+                    )
+
+
+def train_drafter(args: argparse.Namespace, cache: Path) -> Path:
+    """A drafter trained for ``--train-steps`` on ``cache`` with the same ``--val-samples`` held out (the
+    samples validated later: never trained on); its export."""
+    out = args.work / "drafter-run"
+    if not (out / "drafter" / "config.json").exists():
+        run(
+            dflash("train", "--cache", str(cache), "--out", str(out), "--target", "default",
+                   "--max-steps", str(args.train_steps), "--val-samples", str(args.val_samples),
+                   "--val-group", "sample", "--val-every", str(args.train_steps),
+                   "--tokens-per-microbatch", str(args.tokens_per_microbatch),
+                   "--num-anchors", str(args.num_anchors), "--compile", "off", "--no-tensorboard",
+                   "--no-progress"),
+            args.work / "train-drafter.log",
+        )  # fmt: skip
+    return out / "drafter"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", type=Path, required=True, help="an exported drafter (RUN/drafter)")
+    ap.add_argument("--drafter", type=Path, default=None, help="an exported drafter (RUN/drafter)")
+    ap.add_argument(
+        "--train-steps", type=int, default=0,
+        help="without --drafter: train one for this many steps on the bf16 cache's other samples",
+    )  # fmt: skip
+    ap.add_argument(
+        "--recode", action="store_true",
+        help="write each lossy cache from the bf16 one's features (the bytes generate would store) "
+        "instead of capturing them again",
+    )  # fmt: skip
     ap.add_argument("--data", type=Path, required=True, help="chat JSONL of the target's own answers")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--val-samples", type=int, default=60)
@@ -114,14 +171,21 @@ def main() -> None:
     results: dict[str, dict] = {}
     splits = {}
     names = ["bf16", *args.codecs.split(",")]
+    if args.drafter is None and args.train_steps <= 0:
+        sys.exit("give --drafter, or --train-steps to train one")
     for name in names:
         cache = args.work / f"cache-{name}"
-        run(
-            dflash("generate", "--cache", str(cache), "--target", "default", "--data", str(args.data),
-                   "--max-len", str(args.max_len), "--too-long", "truncate", "--no-progress",
-                   *codec_flags(name)),
-            args.work / f"generate-{name}.log",
-        )  # fmt: skip
+        if args.recode and name != "bf16":
+            recode(args.work / "cache-bf16", cache, name)
+        else:
+            run(
+                dflash("generate", "--cache", str(cache), "--target", "default", "--data", str(args.data),
+                       "--max-len", str(args.max_len), "--too-long", "truncate", "--no-progress",
+                       *codec_flags(name)),
+                args.work / f"generate-{name}.log",
+            )  # fmt: skip
+        if args.drafter is None:
+            args.drafter = train_drafter(args, cache)
         out = args.work / f"run-{name}"
         result = validate_as_is(
             args.drafter, cache, out, args.work / f"train-{name}.log", val_samples=args.val_samples,
