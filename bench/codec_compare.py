@@ -1,7 +1,7 @@
 """The feature codecs side by side in one run: bytes a token, generate tok/s, training tokens/s, error.
 
     PYTHONPATH=. .venv/bin/python bench/codec_compare.py --data ANSWERS.jsonl.gz --limit 60 \\
-        [--codecs default,fp8,int4] [--target default] [--device cpu] [--train-steps 6] \\
+        [--codecs default,fp8,nf4] [--target default] [--device cpu] [--train-steps 6] \\
         [--validation VAL.json] [--work DIR] [--keep]
 
 For each codec (``default``: the lossless default codec, bf16 values) it runs ``dflash generate`` over the
@@ -158,7 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=60, help="records (0: all)")
-    ap.add_argument("--codecs", default="default,fp8,int4")
+    ap.add_argument("--codecs", default="default,fp8,nf4")
     ap.add_argument("--target", default="default")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--max-len", type=int, default=2048)

@@ -1,12 +1,12 @@
 """One trained drafter validated on the same held-out samples several times: their features read from a
-cache of the default (lossless) codec, then from a cache of each lossy codec (``--codecs``: fp8, int4) of
+cache of the default (lossless) codec, then from a cache of each lossy codec (``--codecs``: fp8, nf4) of
 the same records. What a lossy codec's rounding moves in what a trained drafter predicts, measured side
 by side (codec ÷ bf16); the part of "within 2 % of bf16" that a CPU can measure (the whole criterion is
 a drafter trained on the codec's features against one trained on bf16, judged by held-out ``dflash
 eval``: a GPU run, bench/RESULTS.md).
 
     PYTHONPATH=. .venv/bin/python bench/fp8_validation.py --drafter RUN/drafter --data ANSWERS.jsonl \\
-        --work DIR [--val-samples 60] [--codecs fp8,int4]
+        --work DIR [--val-samples 60] [--codecs fp8,nf4]
 
 ``--data``: chat JSONL the target answered itself (e.g. held-out conversations of
 ``bench/answers/answers-00.jsonl.gz`` that the drafter never trained on). Each cache is written by ``dflash

@@ -46,8 +46,8 @@ class CodecSpec:
     """Builds the zarr-python ``BytesBytesCodec`` chain applied after the ``bytes`` serializer."""
     fp8: Fp8Scheme | None = None
     """For the lossy fp8 codecs: how features are quantised before the lossless chain (``fp8.py``)."""
-    int4: Int4Scheme | None = None
-    """For the lossy int4 codecs: how features are quantised before the lossless chain (``int4.py``)."""
+    nf4: Nf4Scheme | None = None
+    """For the lossy nf4 codecs: how features are quantised before the lossless chain (``nf4.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,8 +61,8 @@ class Fp8Scheme:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Int4Scheme:
-    """The scaling granularity of an int4 codec (``int4.py``)."""
+class Nf4Scheme:
+    """The scaling granularity of an nf4 codec (``nf4.py``)."""
 
     group_dims: int
     """Dims per power-of-two scale."""
@@ -132,22 +132,22 @@ CODECS["fp8-zstd-1"] = CodecSpec(
     fp8=FP8_SCHEME,
 )
 
-INT4_SCHEME = Int4Scheme(group_dims=32, num_outliers=2)
-"""Chosen by ``bench/codec_error.py`` on real SmolLM2 features (``int4.py``): a scale (one int8 exponent)
+NF4_SCHEME = Nf4Scheme(group_dims=32, num_outliers=2)
+"""Chosen by ``bench/codec_error.py`` on real SmolLM2 features (``nf4.py``): a scale (one int8 exponent)
 per 32 dims costs 1/64 of raw and 2 outliers 4 · 2 bytes a (token, layer), within 0.28 of raw at hidden
 sizes 576 and 4,096; 16-dim groups would cost 0.29 at 576."""
 
-CODECS["int4"] = CodecSpec(
-    name="int4",
-    description="lossy: int4, a power-of-two scale per 32 dims, 2 outliers a layer kept as bf16",
+CODECS["nf4"] = CodecSpec(
+    name="nf4",
+    description="lossy: nf4, a power-of-two scale per 32 dims, 2 outliers a layer kept as bf16",
     make_compressors=_none,
-    int4=INT4_SCHEME,
+    nf4=NF4_SCHEME,
 )
-CODECS["int4-zstd-1"] = CodecSpec(
-    name="int4-zstd-1",
-    description="int4, then zstd level 1 over each 1 MiB chunk",
+CODECS["nf4-zstd-1"] = CodecSpec(
+    name="nf4-zstd-1",
+    description="nf4, then zstd level 1 over each 1 MiB chunk",
     make_compressors=_zstd1,
-    int4=INT4_SCHEME,
+    nf4=NF4_SCHEME,
 )
 
 DEFAULT_CODEC = "blosc-zstd-1-shuffle"
@@ -180,7 +180,7 @@ class FeatureStorage:
     attributes: dict[str, Any]
     """Attributes of the feature array (what the bytes mean)."""
     lossy: LossyLayout | None
-    """The row layout of a lossy codec (fp8 or int4: ``cache/lossy.py``), None for the lossless codecs."""
+    """The row layout of a lossy codec (fp8 or nf4: ``cache/lossy.py``), None for the lossless codecs."""
 
     @property
     def row_bytes(self) -> int:
@@ -202,7 +202,7 @@ def raw_token_bytes(feature_width: int) -> int:
     return feature_width * 2 + ID_AND_MASK_BYTES
 
 
-LOSSY_DTYPES = ("float8_e4m3fn", "int4")
+LOSSY_DTYPES = ("float8_e4m3fn", "nf4")
 """``storage_dtype`` of the lossy codecs: their feature arrays hold uint8 rows."""
 
 
@@ -211,13 +211,13 @@ def storage_dtype(codec: str) -> str:
     spec = codec_spec(codec)
     if spec.fp8 is not None:
         return "float8_e4m3fn"
-    return "int4" if spec.int4 is not None else "bfloat16"
+    return "nf4" if spec.nf4 is not None else "bfloat16"
 
 
 def feature_storage(codec: str, *, num_layers: int, hidden_size: int) -> FeatureStorage:
     """The stored row format of a codec for features of ``num_layers`` × ``hidden_size``."""
     spec = codec_spec(codec)
-    scheme = spec.fp8 or spec.int4
+    scheme = spec.fp8 or spec.nf4
     if scheme is None:
         width = num_layers * hidden_size
         return FeatureStorage(
@@ -228,15 +228,15 @@ def feature_storage(codec: str, *, num_layers: int, hidden_size: int) -> Feature
             lossy=None,
         )
     from dflash_offline.cache.fp8 import Fp8Layout
-    from dflash_offline.cache.int4 import Int4Layout
+    from dflash_offline.cache.nf4 import Nf4Layout
 
     group = scheme.group_dims or hidden_size
     if hidden_size % group:
         raise CacheFormatError(
             f"codec {codec!r}: scale groups of {group} dims do not divide the hidden size {hidden_size}"
         )
-    kind = "fp8" if spec.fp8 is not None else "int4"
-    make = Fp8Layout if kind == "fp8" else Int4Layout
+    kind = "fp8" if spec.fp8 is not None else "nf4"
+    make = Fp8Layout if kind == "fp8" else Nf4Layout
     layout = make(
         num_layers=num_layers, hidden_size=hidden_size, group_dims=group, num_outliers=scheme.num_outliers
     )

@@ -4,8 +4,8 @@ Shape legend: R = token rows of an array, F = features per token (num_layers * h
 
 A group ``shards/<shard>.zarr`` holds three arrays along the token axis:
     features  uint16 [R, F]  bf16 bits ("bfloat16" in the attributes), codec from the fingerprint;
-              or uint8 [R, W] rows of a lossy codec ("float8_e4m3fn" or "int4" and the row layout in
-              the attributes: fp8.py, int4.py)
+              or uint8 [R, W] rows of a lossy codec ("float8_e4m3fn" or "nf4" and the row layout in
+              the attributes: fp8.py, nf4.py)
     input_ids int32  [R]     uncompressed
     loss_mask uint8  [R]     uncompressed
 Each array uses the ``sharding_indexed`` codec: a shard (one file, ``c/<i>/0`` or ``c/<i>``) holds
@@ -156,7 +156,7 @@ def _array_format(meta: dict[str, Any], array_dir: Path, name: str) -> ArrayForm
         raise _bad(array_dir, "not a Zarr v3 array")
     dtype = DTYPES[name]
     if name == "features" and meta.get("attributes", {}).get("dtype") in LOSSY_DTYPES:
-        dtype = np.dtype("u1")  # fp8 or int4 rows; readers check the layout against the fingerprint
+        dtype = np.dtype("u1")  # fp8 or nf4 rows; readers check the layout against the fingerprint
     if meta.get("data_type") != dtype.name:
         raise _bad(array_dir, f"data_type {meta.get('data_type')!r}, expected {dtype.name!r}")
     shape = meta["shape"]

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.fp8 import Fp8Layout
-from dflash_offline.cache.int4 import Int4Layout
 from dflash_offline.cache.lossy import LossyLayout, decode_rows
+from dflash_offline.cache.nf4 import Nf4Layout
 from dflash_offline.cache.rows import CachedSample
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.batch import DrafterInputs
@@ -69,14 +69,14 @@ class RowReader(Protocol):
 
 
 def device_decode_layout(reader: object) -> LossyLayout | None:
-    """The row layout when ``reader`` is a lossy (fp8, int4) cache that can hand over its stored rows
+    """The row layout when ``reader`` is a lossy (fp8, nf4) cache that can hand over its stored rows
     (``read_rows(..., stored_out=...)``), else None."""
     try:
         accepts = "stored_out" in inspect.signature(reader.read_rows).parameters  # type: ignore[attr-defined]
         layout = reader.storage.lossy  # type: ignore[attr-defined]
     except (AttributeError, TypeError, ValueError):
         return None
-    return layout if accepts and isinstance(layout, (Fp8Layout, Int4Layout)) else None
+    return layout if accepts and isinstance(layout, (Fp8Layout, Nf4Layout)) else None
 
 
 def in_place_feature_width(reader: object) -> int | None:
@@ -136,7 +136,7 @@ class Prefetcher:
     ``AnchorRequest`` whose generator is seeded by the microbatch's ``anchor_seed``.
     ``pin_memory``: override (default: pin when the device is CUDA). ``host_pool``: share a pool of
     CPU buffers between prefetchers (one per epoch, say) so buffers are not faulted in again.
-    ``decode_on_device``: for a lossy (fp8, int4) cache, copy the stored rows (0.27–0.51 of bf16's
+    ``decode_on_device``: for a lossy (fp8, nf4) cache, copy the stored rows (0.27–0.51 of bf16's
     bytes) to the device and decode them there, on the side stream (default: on CUDA); otherwise the
     reader decodes on the CPU. Both give the same bf16 bits (``cache/lossy.py``: exact arithmetic).
     ``loss_block_size``: with anchors, also hand over ``loss_rows_N`` for blocks of this size

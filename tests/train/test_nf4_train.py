@@ -1,6 +1,6 @@
-"""Training from an int4 cache: the prefetcher delivers ``decode_rows`` of the reference encoding whether
+"""Training from an nf4 cache: the prefetcher delivers ``decode_rows`` of the reference encoding whether
 the reader decodes on the CPU or the stored rows are decoded on the device after the copy, and on the GPU
-bit for bit as on the CPU; ``dflash train`` runs from an int4 cache written by ``dflash generate``."""
+bit for bit as on the CPU; ``dflash train`` runs from an nf4 cache written by ``dflash generate``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline.cache.int4 import Int4Layout, decode_rows
+from dflash_offline.cache.nf4 import Nf4Layout, decode_rows
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
@@ -20,21 +20,21 @@ from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.prefetch import device_decode_layout
 from tests.cache.fp8_reference import LAYERS
-from tests.cache.test_int4 import WIDE, ref_encode, wide_features
+from tests.cache.test_nf4 import WIDE, ref_encode, wide_features
 from tests.tiny_caches import TinyCaches
 from tests.train.helpers import train_config
 from tests.train.test_fp8_train import EDGES, delivered, fp8_fingerprint
 
 pytestmark = pytest.mark.timeout(300)
-LAYOUT = Int4Layout(num_layers=LAYERS, hidden_size=WIDE, group_dims=32, num_outliers=2)
+LAYOUT = Nf4Layout(num_layers=LAYERS, hidden_size=WIDE, group_dims=32, num_outliers=2)
 
 
 @pytest.fixture(scope="module")
-def int4_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A two-session int4 cache with tiny shards; returns it and each sample's expected bf16 features
+def nf4_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A two-session nf4 cache with tiny shards; returns it and each sample's expected bf16 features
     (``decode_rows`` of the reference encoding of what was written)."""
-    root = tmp_path_factory.mktemp("int4")
-    fingerprint = replace(fp8_fingerprint(), hidden_size=WIDE, storage_dtype="int4", codec="int4")
+    root = tmp_path_factory.mktemp("nf4")
+    fingerprint = replace(fp8_fingerprint(), hidden_size=WIDE, storage_dtype="nf4", codec="nf4")
     rng = np.random.default_rng(4)
     expected = {}
     for session in range(2):
@@ -44,7 +44,7 @@ def int4_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
                 x = wide_features(T, seed=i)
                 writer.add(
                     SampleToWrite(
-                        sample_id=f"int4:{i:04d}",
+                        sample_id=f"nf4:{i:04d}",
                         source_index=i,
                         input_ids_T=rng.integers(0, 50_000, T).astype(np.int32),
                         loss_mask_T=(rng.random(T) < 0.6).astype(np.uint8),
@@ -53,13 +53,13 @@ def int4_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
                     )
                 )
                 rows = torch.from_numpy(ref_encode(x.to(torch.float64).numpy(), 32, 2, hidden=WIDE))
-                expected[f"int4:{i:04d}"] = decode_rows(rows, LAYOUT, torch.empty_like(x))
+                expected[f"nf4:{i:04d}"] = decode_rows(rows, LAYOUT, torch.empty_like(x))
     return root, expected
 
 
 @pytest.mark.parametrize("decode_on_device", [False, True])
-def test_cpu_batches_hold_the_decoded_reference_rows(int4_cache, decode_on_device):
-    root, expected = int4_cache
+def test_cpu_batches_hold_the_decoded_reference_rows(nf4_cache, decode_on_device):
+    root, expected = nf4_cache
     with CacheReader.open(root) as reader:
         assert device_decode_layout(reader) == LAYOUT
     batches = delivered(root, "cpu", decode_on_device=decode_on_device)
@@ -71,10 +71,10 @@ def test_cpu_batches_hold_the_decoded_reference_rows(int4_cache, decode_on_devic
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_prefetch_decode_equals_cpu_decode_bit_for_bit(int4_cache):
-    root, _expected = int4_cache
+def test_gpu_prefetch_decode_equals_cpu_decode_bit_for_bit(nf4_cache):
+    root, _expected = nf4_cache
     cpu = delivered(root, "cpu", decode_on_device=False)
-    gpu = delivered(root, "cuda", decode_on_device=True)  # int4 bytes cross PCIe, decoded on the GPU
+    gpu = delivered(root, "cuda", decode_on_device=True)  # nf4 bytes cross PCIe, decoded on the GPU
     assert len(cpu) == len(gpu)
     for a, b in zip(cpu, gpu, strict=True):
         for name in ("features_TF", "input_ids_T", "loss_mask_T", "positions_T"):
@@ -82,10 +82,10 @@ def test_gpu_prefetch_decode_equals_cpu_decode_bit_for_bit(int4_cache):
 
 
 @pytest.mark.slow
-def test_training_runs_from_an_int4_cache(tiny_caches: TinyCaches, tmp_path: Path) -> None:
-    cache = tiny_caches.get(records=40, seed=5, codec="int4").root
+def test_training_runs_from_an_nf4_cache(tiny_caches: TinyCaches, tmp_path: Path) -> None:
+    cache = tiny_caches.get(records=40, seed=5, codec="nf4").root
     with CacheReader.open(cache) as reader:
-        assert (reader.fingerprint.codec, reader.fingerprint.storage_dtype) == ("int4", "int4")
+        assert (reader.fingerprint.codec, reader.fingerprint.storage_dtype) == ("nf4", "nf4")
         assert len(reader.samples) > 0
     result = run_training(train_config(cache, tmp_path / "run", max_steps=4, checkpoint_every=100))
     assert result is not None
