@@ -513,7 +513,9 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=160, help="MiB of raw features per width")
     parser.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",") if w], default=[2880, 20480])
     parser.add_argument(
-        "--codecs", type=lambda s: s.split(","), default=[c for c, spec in CODECS.items() if spec.fp8 is None]
+        "--codecs",
+        type=lambda s: s.split(","),
+        default=[c for c, spec in CODECS.items() if spec.fp8 is None and spec.nf4 is None],
     )
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)

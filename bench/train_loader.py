@@ -371,7 +371,7 @@ def main() -> None:
         steps = list(planner.iterate(1))
         in_place = in_place_feature_width(reader) is not None
         print(f"reader decodes into the packed buffer (features_out): {'yes' if in_place else 'no'}")
-        if reader.storage.fp8 is not None:
+        if reader.storage.lossy is not None:
             on_device = torch.device(args.device).type == "cuda"
             print(
                 f"codec {args.codec}: {reader.storage.row_bytes} stored bytes a token for "

@@ -109,7 +109,7 @@ def samples(total_mb: int) -> list[SampleToWrite]:
 
 def pre_encoded(batch: list[SampleToWrite], codec: str) -> list[SampleToWrite]:
     """The same samples with their features as fp8 rows of ``codec``'s layout."""
-    layout = feature_storage(codec, num_layers=len(LAYERS), hidden_size=WIDTH // len(LAYERS)).fp8
+    layout = feature_storage(codec, num_layers=len(LAYERS), hidden_size=WIDTH // len(LAYERS)).lossy
     if layout is None:
         raise SystemExit(f"--pre-encoded needs an fp8 codec, not {codec!r}")
     out = []

@@ -29,7 +29,7 @@ from dflash_offline.errors import CacheFormatError
 
 if TYPE_CHECKING:
     from dflash_offline.cache.fingerprint import CacheFingerprint
-    from dflash_offline.cache.fp8 import Fp8Layout
+    from dflash_offline.cache.lossy import LossyLayout
 
 MIB = 1 << 20
 
@@ -46,6 +46,8 @@ class CodecSpec:
     """Builds the zarr-python ``BytesBytesCodec`` chain applied after the ``bytes`` serializer."""
     fp8: Fp8Scheme | None = None
     """For the lossy fp8 codecs: how features are quantised before the lossless chain (``fp8.py``)."""
+    nf4: Nf4Scheme | None = None
+    """For the lossy nf4 codecs: how features are quantised before the lossless chain (``nf4.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,6 +56,16 @@ class Fp8Scheme:
 
     group_dims: int | None
     """Dims per scale; None = one scale per (token, layer)."""
+    num_outliers: int
+    """Largest-|x| dims of each (token, layer) stored exactly as bf16."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Nf4Scheme:
+    """The scaling granularity of an nf4 codec (``nf4.py``)."""
+
+    group_dims: int
+    """Dims per power-of-two scale."""
     num_outliers: int
     """Largest-|x| dims of each (token, layer) stored exactly as bf16."""
 
@@ -120,6 +132,27 @@ CODECS["fp8-zstd-1"] = CodecSpec(
     fp8=FP8_SCHEME,
 )
 
+NF4_SCHEME = Nf4Scheme(group_dims=32, num_outliers=2)
+"""Chosen by ``bench/fp8_error.py --format nf4`` on 54.8k tokens of real SmolLM2 features (``nf4.py``): a
+scale (one int8 exponent) per 32 dims costs 1/64 of raw and 2 outliers 4 · 2 bytes a (token, layer):
+0.273 of raw at hidden 576 (1,570 B a token; 1,573 on disk over 10.3M tokens), 0.267 at 4,096. Relative
+error, layers 1/8/14/20/27: .111 .096 .019 .025 .042; 64-dim groups .130 .113 .023 .030 .048 (0.265),
+no outliers .160 .153 .056 .060 .086 (0.266), 4 outliers .091 .078 .015 .019 .036 at 0.2795, which
+leaves no margin under 0.28 for the shard files' own bytes. 16-dim groups would cost 0.29 at 576."""
+
+CODECS["nf4"] = CodecSpec(
+    name="nf4",
+    description="lossy: nf4, a power-of-two scale per 32 dims, 2 outliers a layer kept as bf16",
+    make_compressors=_none,
+    nf4=NF4_SCHEME,
+)
+CODECS["nf4-zstd-1"] = CodecSpec(
+    name="nf4-zstd-1",
+    description="nf4, then zstd level 1 over each 1 MiB chunk",
+    make_compressors=_zstd1,
+    nf4=NF4_SCHEME,
+)
+
 DEFAULT_CODEC = "blosc-zstd-1-shuffle"
 """The only candidate within the ≤ 0.72 × raw goal on real features (0.70). It buys 30 % less disk and
 1.4× the effective bandwidth where generate and cold reads are disk-bound (docs/facts.md#generate), for
@@ -144,13 +177,13 @@ class FeatureStorage:
 
     codec: str
     dtype: np.dtype
-    """uint16 (bf16 bits) or uint8 (fp8 rows)."""
+    """uint16 (bf16 bits) or uint8 (the rows of a lossy codec)."""
     width: int
-    """Stored elements per token: F for bf16, the fp8 row bytes W otherwise."""
+    """Stored elements per token: F for bf16, the lossy row's bytes W otherwise."""
     attributes: dict[str, Any]
     """Attributes of the feature array (what the bytes mean)."""
-    fp8: Fp8Layout | None
-    """The fp8 row layout, None for the lossless codecs."""
+    lossy: LossyLayout | None
+    """The row layout of a lossy codec (fp8 or nf4: ``cache/lossy.py``), None for the lossless codecs."""
 
     @property
     def row_bytes(self) -> int:
@@ -172,14 +205,22 @@ def raw_token_bytes(feature_width: int) -> int:
     return feature_width * 2 + ID_AND_MASK_BYTES
 
 
+LOSSY_DTYPES = ("float8_e4m3fn", "nf4")
+"""``storage_dtype`` of the lossy codecs: their feature arrays hold uint8 rows."""
+
+
 def storage_dtype(codec: str) -> str:
     """``CacheFingerprint.storage_dtype`` for a codec name."""
-    return "float8_e4m3fn" if codec_spec(codec).fp8 is not None else "bfloat16"
+    spec = codec_spec(codec)
+    if spec.fp8 is not None:
+        return "float8_e4m3fn"
+    return "nf4" if spec.nf4 is not None else "bfloat16"
 
 
 def feature_storage(codec: str, *, num_layers: int, hidden_size: int) -> FeatureStorage:
     """The stored row format of a codec for features of ``num_layers`` × ``hidden_size``."""
-    scheme = codec_spec(codec).fp8
+    spec = codec_spec(codec)
+    scheme = spec.fp8 or spec.nf4
     if scheme is None:
         width = num_layers * hidden_size
         return FeatureStorage(
@@ -187,24 +228,27 @@ def feature_storage(codec: str, *, num_layers: int, hidden_size: int) -> Feature
             dtype=np.dtype("<u2"),
             width=width,
             attributes={"dtype": "bfloat16", "codec": codec},
-            fp8=None,
+            lossy=None,
         )
     from dflash_offline.cache.fp8 import Fp8Layout
+    from dflash_offline.cache.nf4 import Nf4Layout
 
     group = scheme.group_dims or hidden_size
     if hidden_size % group:
         raise CacheFormatError(
             f"codec {codec!r}: scale groups of {group} dims do not divide the hidden size {hidden_size}"
         )
-    layout = Fp8Layout(
+    kind = "fp8" if spec.fp8 is not None else "nf4"
+    make = Fp8Layout if kind == "fp8" else Nf4Layout
+    layout = make(
         num_layers=num_layers, hidden_size=hidden_size, group_dims=group, num_outliers=scheme.num_outliers
     )
     return FeatureStorage(
         codec=codec,
         dtype=np.dtype("u1"),
         width=layout.row_bytes,
-        attributes={"dtype": "float8_e4m3fn", "codec": codec, "fp8": layout.to_attributes()},
-        fp8=layout,
+        attributes={"dtype": storage_dtype(codec), "codec": codec, kind: layout.to_attributes()},
+        lossy=layout,
     )
 
 

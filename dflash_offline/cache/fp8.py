@@ -92,23 +92,58 @@ class Fp8Layout:
         return {"group_dims": self.group_dims, "num_outliers": self.num_outliers}
 
 
-def _exp2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def exp2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """2^e exactly, from the exponent bits (e an integer tensor within the dtype's normal range)."""
     if dtype == torch.float64:
         return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
-def _pow2_exponents(amax: torch.Tensor) -> torch.Tensor:
-    """int32 e: the smallest with amax ≤ 448 · 2^e (0 where amax is 0), clamped to [-100, 120]."""
+def pow2_exponents(amax: torch.Tensor, top: float = E4M3_MAX) -> torch.Tensor:
+    """int32 e: the smallest with amax ≤ top · 2^e (0 where amax is 0), clamped to [-100, 120]."""
     amax = amax.to(torch.float64)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    e = torch.ceil(torch.log2(safe / E4M3_MAX)).clamp_(_E_MIN - 1, _E_MAX + 1).to(torch.int32)
+    e = torch.ceil(torch.log2(safe / top)).clamp_(_E_MIN - 1, _E_MAX + 1).to(torch.int32)
     # log2 is not exact: step e to the smallest valid exponent with exact float64 comparisons.
-    e = torch.where(safe > E4M3_MAX * _exp2(e, torch.float64), e + 1, e)
-    e = torch.where(safe <= E4M3_MAX * _exp2(e - 1, torch.float64), e - 1, e)
+    e = torch.where(safe > top * exp2(e, torch.float64), e + 1, e)
+    e = torch.where(safe <= top * exp2(e - 1, torch.float64), e - 1, e)
     e = torch.where(amax > 0, e, torch.zeros_like(e))
     return e.clamp_(_E_MIN, _E_MAX)
+
+
+def top_outliers(bf16_TLH: torch.Tensor, K: int) -> torch.Tensor:
+    """int64 [T, L, K]: the dims of the K largest |x| of each (token, layer), ascending, ties going to the
+    lower dim on every device (module docstring)."""
+    H = bf16_TLH.shape[-1]
+    # Unique keys, |x|'s bf16 bits (the 15 below the sign: ordered like |x|) above the dim reversed
+    # (16 bits), so that the top K is one set on every device. In place: building the key out of place
+    # cost the CPU encode 17 % of its rate.
+    dims_H = torch.arange(0xFFFF, 0xFFFF - H, -1, dtype=torch.int32, device=bf16_TLH.device)
+    key_TLH = bf16_TLH.view(torch.int16).to(torch.int32)
+    key_TLH.bitwise_and_(0x7FFF).bitwise_left_shift_(16).bitwise_or_(dims_H)
+    return key_TLH.topk(K, dim=-1).indices.sort(dim=-1).values
+
+
+def store_outliers(
+    bf16_TLH: torch.Tensor, x_TLH: torch.Tensor, K: int, tail_TB: torch.Tensor
+) -> torch.Tensor:
+    """Write the K outliers of each (token, layer) into ``tail_TB`` (the row's last 4 · L · K bytes:
+    uint16 dim indices, then their bf16 bits) and return ``x_TLH`` with those dims zeroed."""
+    T, L, _ = bf16_TLH.shape
+    idx_TLK = top_outliers(bf16_TLH, K)
+    values_TLK = x_TLH.gather(-1, idx_TLK)
+    tail_TB[:, : 2 * L * K] = idx_TLK.to(torch.int32).to(torch.int16).reshape(T, L * K).view(torch.uint8)
+    tail_TB[:, 2 * L * K :] = values_TLK.to(torch.bfloat16).reshape(T, L * K).view(torch.uint8)
+    return x_TLH.scatter(-1, idx_TLK, 0.0)
+
+
+def restore_outliers(tail_TB: torch.Tensor, out_TLH: torch.Tensor, K: int) -> None:
+    """Scatter the exact outliers of ``tail_TB`` (as ``store_outliers`` wrote them) into ``out_TLH``."""
+    T, L, _ = out_TLH.shape
+    idx = tail_TB[:, : 2 * L * K].contiguous().view(torch.int16)
+    idx_TLK = (idx.to(torch.int64) & 0xFFFF).view(T, L, K)
+    values = tail_TB[:, 2 * L * K :].contiguous().view(torch.bfloat16).view(T, L, K)
+    out_TLH.scatter_(-1, idx_TLK, values)
 
 
 def encode_rows(
@@ -128,22 +163,10 @@ def encode_rows(
         raise SampleError(f"{where}: NaN or Inf in the features; the fp8 codec stores finite values only")
     out_TW = torch.empty((T, layout.row_bytes), dtype=torch.uint8, device=features_TF.device)
     if K:
-        # Unique keys, |x|'s bf16 bits (the 15 below the sign: ordered like |x|) above the dim reversed
-        # (16 bits), so that the top K is one set on every device, ties going to the lower dim (module
-        # docstring). In place: building the key out of place cost the CPU encode 17 % of its rate.
-        dims_H = torch.arange(0xFFFF, 0xFFFF - H, -1, dtype=torch.int32, device=features_TF.device)
-        key_TLH = bf16_TLH.view(torch.int16).to(torch.int32)
-        key_TLH.bitwise_and_(0x7FFF).bitwise_left_shift_(16).bitwise_or_(dims_H)
-        idx_TLK = key_TLH.topk(K, dim=-1).indices.sort(dim=-1).values
-        values_TLK = x_TLH.gather(-1, idx_TLK)
-        x_TLH = x_TLH.scatter(-1, idx_TLK, 0.0)
-        out_TW[:, layout.index_offset : layout.values_offset] = (
-            idx_TLK.to(torch.int32).to(torch.int16).reshape(T, L * K).view(torch.uint8)
-        )
-        out_TW[:, layout.values_offset :] = values_TLK.to(torch.bfloat16).reshape(T, L * K).view(torch.uint8)
+        x_TLH = store_outliers(bf16_TLH, x_TLH, K, out_TW[:, layout.index_offset :])
     x_TLGg = x_TLH.reshape(T, L, G, H // G)
-    e_TLG = _pow2_exponents(x_TLGg.abs().amax(dim=-1))
-    scaled = (x_TLGg * _exp2(-e_TLG, torch.float32).unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX)
+    e_TLG = pow2_exponents(x_TLGg.abs().amax(dim=-1))
+    scaled = (x_TLGg * exp2(-e_TLG, torch.float32).unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX)
     out_TW[:, : L * H] = scaled.to(torch.float8_e4m3fn).reshape(T, L * H).view(torch.uint8)
     out_TW[:, layout.exponents_offset : layout.index_offset] = (
         e_TLG.to(torch.int8).reshape(T, L * G).view(torch.uint8)
@@ -168,8 +191,5 @@ def decode_rows(stored_TW: torch.Tensor, layout: Fp8Layout, out_TF: torch.Tensor
     scale_TLG = ((e_TLG + 127) << 7).view(torch.bfloat16).view(T, L, G, 1)
     out_TLGg.mul_(scale_TLG)
     if K:
-        idx = stored_TW[:, layout.index_offset : layout.values_offset].contiguous().view(torch.int16)
-        idx_TLK = (idx.to(torch.int64) & 0xFFFF).view(T, L, K)
-        values = stored_TW[:, layout.values_offset :].contiguous().view(torch.bfloat16).view(T, L, K)
-        out_TF.view(T, L, H).scatter_(-1, idx_TLK, values)
+        restore_outliers(stored_TW[:, layout.index_offset :], out_TF.view(T, L, H), K)
     return out_TF

@@ -32,8 +32,8 @@ import torch
 from dflash_offline.cache.checksum import sample_checksum
 from dflash_offline.cache.codecs import FeatureStorage, storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
-from dflash_offline.cache.fp8 import decode_rows
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
+from dflash_offline.cache.lossy import decode_rows
 from dflash_offline.cache.manifest import read_parts
 from dflash_offline.cache.rows import CachedSample
 from dflash_offline.cache.shard_file import Piece, ShardFile
@@ -360,8 +360,7 @@ class CacheReader:
     def _read_target(
         self, needed: int, features_out: np.ndarray | None, stored_out: np.ndarray | None
     ) -> _ReadTarget:
-        fp8 = self.storage.fp8
-        if fp8 is None:
+        if self.storage.lossy is None:
             return _ReadTarget(stored=features_out if features_out is not None else stored_out)
         if stored_out is not None:
             return _ReadTarget(stored=stored_out, device_decode=True)  # the caller decodes (on its device)
@@ -414,26 +413,26 @@ class CacheReader:
     def _to_samples(
         self, table: SampleTable, rows: np.ndarray, outputs: list[dict[str, np.ndarray]], target: _ReadTarget
     ) -> list[CachedSample]:
-        """The read arrays as ``CachedSample``s; fp8 rows decoded to bf16 here unless the caller decodes."""
-        fp8 = self.storage.fp8
+        """The read arrays as ``CachedSample``s; lossy rows decoded to bf16 here unless the caller decodes."""
+        lossy = self.storage.lossy
         samples = []
         packed = 0
         for row, bufs in zip(rows.tolist(), outputs):
             stored_TW = None
             num = int(bufs["input_ids"].shape[0])
-            if fp8 is None:
+            if lossy is None:
                 features_TF = torch.from_numpy(bufs["features"]).view(torch.bfloat16)
             elif target.device_decode:
                 stored_TW = torch.from_numpy(bufs["features"])
                 features_TF = torch.empty((num, 0), dtype=torch.bfloat16)
-            else:  # decode the fp8 rows to bf16 on the CPU (after the checksum of the stored bytes)
+            else:  # decode the lossy rows to bf16 on the CPU (after the checksum of the stored bytes)
                 out_TF = (
                     target.decode_into[packed : packed + num]
                     if target.decode_into is not None
                     else np.empty((num, self.fingerprint.feature_width), dtype=np.uint16)
                 )
                 features_TF = torch.from_numpy(out_TF).view(torch.bfloat16)
-                decode_rows(torch.from_numpy(bufs["features"]), fp8, features_TF)
+                decode_rows(torch.from_numpy(bufs["features"]), lossy, features_TF)
             packed += num
             samples.append(
                 CachedSample(

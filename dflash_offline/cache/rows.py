@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_offline.cache.fp8 import Fp8Layout
+from dflash_offline.cache.lossy import LossyLayout
 from dflash_offline.errors import SampleError
 
 # Reasons a sample can land in the failures table. Kept as plain strings in the manifest so that SQL
@@ -53,7 +53,7 @@ class Fp8Rows:
     """A sample's features already encoded as stored fp8 rows (``fp8.encode_rows``), so that the writer
     stores them as they are: generate encodes on the device the features come from."""
 
-    layout: Fp8Layout
+    layout: LossyLayout
     """The row layout they were encoded with; the writer refuses rows of another layout than its own."""
     rows_TW: torch.Tensor
     """uint8 [T, W] on the CPU, W = ``layout.row_bytes``."""

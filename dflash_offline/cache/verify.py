@@ -353,7 +353,7 @@ def damaged_rows(
     table = reader.samples
     storage = reader.storage
     row_bytes = storage.token_bytes
-    lossy = storage.fp8 is not None
+    lossy = storage.lossy is not None
 
     def read(rows: np.ndarray) -> list[CachedSample]:
         # A lossy cache's checksum covers its stored (encoded) bytes: read those, undecoded.

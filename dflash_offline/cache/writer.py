@@ -38,8 +38,8 @@ import torch
 from dflash_offline.cache.codecs import raw_token_bytes, storage_of
 from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
 from dflash_offline.cache.fingerprint import CacheFingerprint
-from dflash_offline.cache.fp8 import encode_rows
 from dflash_offline.cache.layout import CacheLayout, create_or_open_cache, fsync_dir
+from dflash_offline.cache.lossy import encode_rows
 from dflash_offline.cache.manifest import (
     committed_sample_ids,
     failed_sample_ids,
@@ -273,17 +273,17 @@ class ShardWriter:
         return ids.astype(np.int32, copy=False), mask.astype(np.uint8, copy=False)
 
     def _validate_fp8_rows(self, rows: Fp8Rows, where: str) -> None:
-        """Pre-encoded rows are stored as they are: only into an fp8 cache of exactly their layout (two
+        """Pre-encoded rows are stored as they are: only into a lossy cache of exactly their layout (two
         layouts can share a row width, e.g. 1 scale + 2 outliers against 9 scale groups a layer)."""
-        if self.storage.fp8 is None:
+        if self.storage.lossy is None:
             raise SampleError(
-                f"{where}: pre-encoded fp8 rows, but this cache's codec {self.fingerprint.codec!r} stores "
+                f"{where}: pre-encoded rows, but this cache's codec {self.fingerprint.codec!r} stores "
                 f"bf16 features; hand the features over as features_TF"
             )
-        if rows.layout != self.storage.fp8:
+        if rows.layout != self.storage.lossy:
             raise SampleError(
-                f"{where}: fp8 rows encoded with {rows.layout}, this cache ({self.fingerprint.codec!r}) "
-                f"stores {self.storage.fp8}; encode with the cache's layout (codecs.storage_of)"
+                f"{where}: rows encoded with {rows.layout}, this cache ({self.fingerprint.codec!r}) "
+                f"stores {self.storage.lossy}; encode with the cache's layout (codecs.storage_of)"
             )
         rows.check(where, int(rows.rows_TW.shape[0]))  # as built, unless the tensor changed since
 
@@ -317,12 +317,12 @@ class ShardWriter:
             features_TF[:] = sample.fp8_rows.rows_TW.numpy()
         else:
             assert sample.features_TF is not None
-            if self.storage.fp8 is not None:
+            if self.storage.lossy is not None:
                 # Encoded here, on the caller's thread: ≈ 34k tokens/s a core for 5 × 576 features, which
                 # is why generate hands over rows encoded on its device (bench/RESULTS.md, "The
                 # writer's serial path").
                 where = f"sample {sample.sample_id!r} (source_index {sample.source_index})"
-                encoded = encode_rows(sample.features_TF.detach(), self.storage.fp8, where=where)
+                encoded = encode_rows(sample.features_TF.detach(), self.storage.lossy, where=where)
                 features_TF[:] = encoded.numpy()
             else:
                 features_TF[:] = sample.features_TF.detach().view(torch.uint16).numpy()

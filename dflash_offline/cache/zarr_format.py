@@ -4,7 +4,8 @@ Shape legend: R = token rows of an array, F = features per token (num_layers * h
 
 A group ``shards/<shard>.zarr`` holds three arrays along the token axis:
     features  uint16 [R, F]  bf16 bits ("bfloat16" in the attributes), codec from the fingerprint;
-              or uint8 [R, W] fp8 rows ("float8_e4m3fn" and the row layout in the attributes, fp8.py)
+              or uint8 [R, W] rows of a lossy codec ("float8_e4m3fn" or "nf4" and the row layout in
+              the attributes: fp8.py, nf4.py)
     input_ids int32  [R]     uncompressed
     loss_mask uint8  [R]     uncompressed
 Each array uses the ``sharding_indexed`` codec: a shard (one file, ``c/<i>/0`` or ``c/<i>``) holds
@@ -25,7 +26,7 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from dflash_offline.cache.codecs import IDS_CODEC, FeatureStorage, codec_spec, make_numcodec
+from dflash_offline.cache.codecs import IDS_CODEC, LOSSY_DTYPES, FeatureStorage, codec_spec, make_numcodec
 from dflash_offline.cache.layout import write_atomic
 from dflash_offline.errors import CacheDamageError, CacheFormatError
 
@@ -154,8 +155,8 @@ def _array_format(meta: dict[str, Any], array_dir: Path, name: str) -> ArrayForm
     if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         raise _bad(array_dir, "not a Zarr v3 array")
     dtype = DTYPES[name]
-    if name == "features" and meta.get("attributes", {}).get("dtype") == "float8_e4m3fn":
-        dtype = np.dtype("u1")  # fp8 rows (fp8.py); readers check the layout against the fingerprint
+    if name == "features" and meta.get("attributes", {}).get("dtype") in LOSSY_DTYPES:
+        dtype = np.dtype("u1")  # fp8 or nf4 rows; readers check the layout against the fingerprint
     if meta.get("data_type") != dtype.name:
         raise _bad(array_dir, f"data_type {meta.get('data_type')!r}, expected {dtype.name!r}")
     shape = meta["shape"]

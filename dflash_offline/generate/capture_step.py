@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_offline.cache.fp8 import Fp8Layout, encode_rows
+from dflash_offline.cache.lossy import LossyLayout, encode_rows
 from dflash_offline.generate.plan import CaptureJob
 
 
@@ -62,7 +62,7 @@ class CapturedBatch:
     """Host view (pinned on CUDA) of the features; sample i is rows offsets[i]:offsets[i+1]. bfloat16
     [N, F] when ``fp8`` is None, else uint8 [N, fp8.row_bytes]: the stored fp8 rows (``fp8.py``), with
     the rows of non-finite samples meaningless (those are counted in ``nonfinite_B``, never stored)."""
-    fp8: Fp8Layout | None
+    fp8: LossyLayout | None
     """The layout ``rows_NW`` is encoded with, or None for bf16 features."""
     offsets: tuple[int, ...]
     """B + 1 token offsets into ``rows_NW``."""
@@ -121,10 +121,10 @@ def capture_job(
     device: torch.device,
     pool: PinnedBufferPool,
     pad_id: int,
-    fp8: Fp8Layout | None,
+    fp8: LossyLayout | None,
 ) -> CapturedBatch:
     """Run the target on one job and start the copy of its unpadded features (encoded as ``fp8`` rows
-    on the device when given: the cache's layout, ``FeatureStorage.fp8``) to the host."""
+    on the device when given: the cache's layout, ``FeatureStorage.lossy``) to the host."""
     padded = pad_job(job, pad_id=pad_id)
     on_cuda = device.type == "cuda"
     ids_BS = padded.input_ids_BS.to(device, non_blocking=on_cuda)

@@ -18,7 +18,7 @@ import torch
 
 from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
-from dflash_offline.cache.fp8 import Fp8Layout
+from dflash_offline.cache.lossy import LossyLayout
 from dflash_offline.cache.rolling import RollingWriter
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.generate.capture_step import PinnedBufferPool, bf16_elements, capture_job
@@ -109,7 +109,7 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
                 capture=capture,
                 device=device,
                 pool=pool,
-                fp8=storage.fp8,
+                fp8=storage.lossy,
                 writer_thread=writer_thread,
             )
         finally:
@@ -191,7 +191,7 @@ def _capture_jobs(
     capture: Any,
     device: torch.device,
     pool: PinnedBufferPool,
-    fp8: Fp8Layout | None,
+    fp8: LossyLayout | None,
     writer_thread: WriterThread,
 ) -> _CaptureLoop:
     """Pull jobs until the end marker (or a stop request), capture each and hand it to the writer."""

@@ -38,7 +38,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from dflash_offline.cache.fp8 import Fp8Layout, decode_rows
+from dflash_offline.cache.fp8 import Fp8Layout
+from dflash_offline.cache.lossy import LossyLayout, decode_rows
+from dflash_offline.cache.nf4 import Nf4Layout
 from dflash_offline.cache.rows import CachedSample
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.batch import DrafterInputs
@@ -66,15 +68,15 @@ class RowReader(Protocol):
     def read_rows(self, rows: Sequence[int]) -> list[CachedSample]: ...
 
 
-def device_decode_layout(reader: object) -> Fp8Layout | None:
-    """The fp8 row layout when ``reader`` is a lossy (fp8) cache that can hand over its stored rows
+def device_decode_layout(reader: object) -> LossyLayout | None:
+    """The row layout when ``reader`` is a lossy (fp8, nf4) cache that can hand over its stored rows
     (``read_rows(..., stored_out=...)``), else None."""
     try:
         accepts = "stored_out" in inspect.signature(reader.read_rows).parameters  # type: ignore[attr-defined]
-        layout = reader.storage.fp8  # type: ignore[attr-defined]
+        layout = reader.storage.lossy  # type: ignore[attr-defined]
     except (AttributeError, TypeError, ValueError):
         return None
-    return layout if accepts and isinstance(layout, Fp8Layout) else None
+    return layout if accepts and isinstance(layout, (Fp8Layout, Nf4Layout)) else None
 
 
 def in_place_feature_width(reader: object) -> int | None:
@@ -134,9 +136,9 @@ class Prefetcher:
     ``AnchorRequest`` whose generator is seeded by the microbatch's ``anchor_seed``.
     ``pin_memory``: override (default: pin when the device is CUDA). ``host_pool``: share a pool of
     CPU buffers between prefetchers (one per epoch, say) so buffers are not faulted in again.
-    ``decode_on_device``: for an fp8 cache, copy the stored fp8 rows (about half of bf16's bytes) to the
-    device and decode them there, on the side stream (default: on CUDA); otherwise the reader decodes
-    on the CPU. Both give the same bf16 bits (``cache/fp8.py``: the decode is exact arithmetic).
+    ``decode_on_device``: for a lossy (fp8, nf4) cache, copy the stored rows (0.27–0.51 of bf16's
+    bytes) to the device and decode them there, on the side stream (default: on CUDA); otherwise the
+    reader decodes on the CPU. Both give the same bf16 bits (``cache/lossy.py``: exact arithmetic).
     ``loss_block_size``: with anchors, also hand over ``loss_rows_N`` for blocks of this size
     (``drafter.loss.loss_rows``, computed here on the host: on the device it would be a sync).
     """

@@ -178,7 +178,7 @@ def fp8_samples(fingerprint, indices, seed: int = 0) -> list[SampleToWrite]:
 def test_round_trip_through_writer_and_reader_in_several_sessions(tmp_path, codec):
     fingerprint = fp8_fingerprint(codec)
     storage = feature_storage(codec, num_layers=LAYERS, hidden_size=HIDDEN)
-    assert storage.fp8 is not None
+    assert storage.lossy is not None
     written = {}
     for session, indices in enumerate((range(0, 25), range(25, 40), range(40, 60))):
         samples = fp8_samples(fingerprint, indices)
@@ -262,7 +262,7 @@ def test_pre_encoded_rows_are_stored_as_the_writer_encodes_features(tmp_path, co
     """What generate hands over (rows encoded where the features were) lands as the same bytes, with
     the same checksums, as the features encoded by the writer; and as the independent reference."""
     fingerprint = fp8_fingerprint(codec)
-    layout = feature_storage(codec, num_layers=LAYERS, hidden_size=HIDDEN).fp8
+    layout = feature_storage(codec, num_layers=LAYERS, hidden_size=HIDDEN).lossy
     assert layout is not None
     samples = fp8_samples(fingerprint, range(40))
     for name, batch in (("bf16", samples), ("rows", [pre_encoded(s, layout) for s in samples])):
@@ -281,7 +281,7 @@ def test_pre_encoded_rows_are_stored_as_the_writer_encodes_features(tmp_path, co
 
 def test_a_sample_holds_either_features_or_rows(tmp_path):
     fingerprint = fp8_fingerprint()
-    layout = feature_storage("fp8", num_layers=LAYERS, hidden_size=HIDDEN).fp8
+    layout = feature_storage("fp8", num_layers=LAYERS, hidden_size=HIDDEN).lossy
     assert layout is not None
     sample = fp8_samples(fingerprint, [0])[0]
     rows = pre_encoded(sample, layout).fp8_rows
@@ -301,7 +301,7 @@ def test_a_sample_holds_either_features_or_rows(tmp_path):
 
 def test_writer_refuses_rows_of_another_layout_or_into_a_bf16_cache(tmp_path):
     fingerprint = fp8_fingerprint()
-    layout = feature_storage("fp8", num_layers=LAYERS, hidden_size=HIDDEN).fp8
+    layout = feature_storage("fp8", num_layers=LAYERS, hidden_size=HIDDEN).lossy
     assert layout is not None
     assert layout.row_bytes == 50
     good, narrow, same_width, after = fp8_samples(fingerprint, range(4))
@@ -314,13 +314,13 @@ def test_writer_refuses_rows_of_another_layout_or_into_a_bf16_cache(tmp_path):
     with ShardWriter(tmp_path / "fp8", fingerprint, worker=0, **TINY) as writer:
         writer.add(pre_encoded(good, layout))
         for sample, bad_layout in ((narrow, no_outliers), (same_width, other)):
-            with pytest.raises(SampleError, match=r"fp8 rows encoded with Fp8Layout\(.*this cache \('fp8'\)"):
+            with pytest.raises(SampleError, match=r"rows encoded with Fp8Layout\(.*this cache \('fp8'\)"):
                 writer.add(pre_encoded(sample, bad_layout))
         writer.add(after)
     assert sorted(stored_rows_and_checksums(tmp_path / "fp8")) == [good.sample_id, after.sample_id]
     bf16 = make_fingerprint(codec="blosc-zstd-1-shuffle", hidden_size=HIDDEN, layer_ids=(1, 2))
     with ShardWriter(tmp_path / "bf16", bf16, worker=0, **TINY) as writer:
-        with pytest.raises(SampleError, match="pre-encoded fp8 rows, but this cache's codec"):
+        with pytest.raises(SampleError, match="pre-encoded rows, but this cache's codec"):
             writer.add(pre_encoded(good, layout))
         writer.add(after)
     with CacheReader.open(tmp_path / "bf16", check_checksums=True) as reader:

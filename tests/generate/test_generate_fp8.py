@@ -1,6 +1,6 @@
-"""Generate with the fp8 codecs, whose rows are encoded in the capture step (where the features are),
-against the features of a bf16 run of the same data encoded by ``ShardWriter.add`` (the writer's own
-encode) and by the numpy reference (tests/cache/fp8_reference.py).
+"""Generate with the lossy (fp8, nf4) codecs, whose rows are encoded in the capture step (where the
+features are), against the features of a bf16 run of the same data encoded by ``ShardWriter.add`` (the
+writer's own encode) and by the numpy references (tests/cache/fp8_reference.py, tests/cache/test_nf4.py).
 
 Shape legend: T = tokens of one sample, F = features per token, N = tokens of a job,
 W = stored bytes per token of an fp8 row.
@@ -30,6 +30,7 @@ from dflash_offline.generate.plan import CaptureJob, bucket_of
 from dflash_offline.generate.run import run_generate
 from dflash_offline.placement import Placement
 from tests.cache.fp8_reference import ref_encode
+from tests.cache.test_nf4 import ref_encode as nf4_ref_encode
 from tests.tiny_caches import TinyCache, TinyCaches
 
 from . import worker_entry
@@ -94,7 +95,7 @@ def fp8_fingerprint_of(root: Path, bf16_root: Path) -> CacheFingerprint:
     return fingerprint
 
 
-@pytest.mark.parametrize("codec", ["fp8", "fp8-zstd-1"])
+@pytest.mark.parametrize("codec", ["fp8", "fp8-zstd-1", "nf4"])
 def test_two_workers_store_the_rows_the_writer_encodes(
     bf16_run: TinyCache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:
@@ -114,7 +115,7 @@ def test_two_workers_store_the_rows_the_writer_encodes(
     assert all(w.jobs > 0 for w in summary.workers), summary.workers
     assert set(read_table(root, "samples").column("worker").to_pylist()) == {0, 1}
     fingerprint = fp8_fingerprint_of(root, bf16_run.root)
-    layout = feature_storage(codec, num_layers=2, hidden_size=fingerprint.hidden_size).fp8
+    layout = feature_storage(codec, num_layers=2, hidden_size=fingerprint.hidden_size).lossy
     assert layout is not None
     got = stored_rows(root)
     want = encoded_by_the_writer(bf16_run.root, fingerprint, tmp_path / "reference")
@@ -124,7 +125,7 @@ def test_two_workers_store_the_rows_the_writer_encodes(
     for sample_id, (rows, checksum) in got.items():
         np.testing.assert_array_equal(rows, want[sample_id][0], err_msg=sample_id)
         assert checksum == want[sample_id][1], sample_id
-        reference = ref_encode(
+        reference = (nf4_ref_encode if codec == "nf4" else ref_encode)(
             features[sample_id].to(torch.float64).numpy(),
             layout.group_dims,
             layout.num_outliers,
