@@ -39,6 +39,8 @@ def generate_cmd(args: argparse.Namespace, cache: Path, data: Path, *extra: str)
         "--data", str(data), "--max-len", str(args.max_len), "--too-long", "truncate",
         "--tokens-per-batch", str(args.tokens_per_batch), "--no-progress", "--no-decontaminate",
     ]  # fmt: skip
+    if args.data is not None:
+        cmd += ["--limit", str(args.records)]  # the first --records records of the given data
     if args.target.startswith("random:tiny"):
         cmd += ["--layer-ids", "0,2", "--bucket-edges", "48,96,160,256"]
     cmd += ["--gpus", args.gpus_generate] if args.gpus_generate else ["--workers", str(args.workers)]
@@ -131,7 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="random:tiny")
     parser.add_argument("--data", type=Path, default=None, help="chat data (default: generated records)")
-    parser.add_argument("--records", type=int, default=240)
+    parser.add_argument("--records", type=int, default=240, help="records generated, or read from --data")
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--tokens-per-batch", type=int, default=512)
     parser.add_argument("--workers", type=int, default=1)
