@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
+from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.train.launch import run_training
 from tests.eval.helpers import export_untrained_for, write_chat_jsonl
 from tests.regenerate.openai_server_process import Server, ready, start_server
@@ -366,3 +368,22 @@ def test_a_server_dying_under_two_workers_is_one_line(
     error = _one_error_line(result)
     assert victim.url.removeprefix("http://") in error, error
     assert victim.process.wait(timeout=30) != 0
+
+
+def test_the_failures_file_is_named_as_the_help_names_it(chat: Path, tmp_path: Path) -> None:
+    """Every file name ``dflash regenerate --help`` gives for ``--out`` (``NAME…`` for ``--out NAME.jsonl``,
+    or ``<out>…``) is one the command writes: here the failures file, every prompt being too long."""
+    help_text = " ".join(CliRunner().invoke(main, ["regenerate", "--help"]).output.split())
+    named = {
+        n.replace("NAME", "answers").replace("<out>", "answers.jsonl").rstrip(".,;:)")
+        for n in re.findall(r"(?:NAME|<out>)[\w./<>-]*", help_text)
+    }
+    out = tmp_path / "answers.jsonl"
+    args = ["regenerate", "--target", "random:tiny", "--data", str(chat), "--out", str(out), "--no-progress",
+            "--max-prompt-tokens", "1", "--threads", "1"]  # fmt: skip
+    error = _one_error_line(CliRunner().invoke(main, args))  # every prompt is too long: every record fails
+    assert "every one of the 4 records" in error
+    failures = [p.name for p in tmp_path.iterdir() if "failures" in p.name]
+    assert failures == ["answers.failures.jsonl"]
+    assert failures[0] in named, sorted(named)
+    assert RegenerateConfig(out=out).partial_path.name in named, sorted(named)
