@@ -29,12 +29,17 @@ from dflash_offline.train.config import TrainConfig
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DemoSizes:
-    """The knobs that set the demo's duration (defaults: ~10 min on 2 CPU cores)."""
+    """The knobs that set the demo's duration (defaults: about 10 minutes on 2 idle CPU cores).
 
-    records: int = 64
+    Regeneration costs most per training token (bench/RESULTS.md, "Demo budget"), so the data is what
+    shrank to fit the budget; the steps, which make the trained-vs-untrained gain, did not."""
+
+    records: int = 48
     """ShareGPT conversations the target answers (the training data)."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48
     train_steps: int = 160
+    grad_accum: int = 1
+    """Microbatches of 2,048 tokens a step: one covers most of the small data set."""
     eval_prompts: int = 6
     eval_new_tokens: int = 48
 
@@ -77,6 +82,23 @@ def _options(config: type[Any], **values: object) -> list[str]:
     return args
 
 
+def compared_drafters(out: Path) -> dict[str, Path]:
+    """The two drafters the demo compares, both exports of its one training run: ``dflash eval`` holds out
+    a drafter's training samples by its run (the validation split stays usable), so two drafters of the
+    same run are evaluated on the same held-out prompts. An export copied elsewhere (``dflash export
+    --out``) no longer knows its run and holds out the whole cache: fewer, other prompts."""
+    run = out / "run"
+    return {"untrained": run / "drafter-initial", "trained": run / "drafter"}
+
+
+def prompts_of(report: dict[str, Any]) -> list[tuple[object, ...]]:
+    """The turns an eval report decoded, in order: (set, sample id, turn)."""
+    prompts = report.get("prompts")
+    if not isinstance(prompts, list):
+        raise KeyError(f"eval report has no prompts: keys {sorted(report)}")
+    return [(p.get("bench"), p.get("sample_id"), p.get("turn")) for p in prompts]
+
+
 def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data" / "regenerated.jsonl"
@@ -105,24 +127,30 @@ def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
     _run(
         "train",
         ["train", *_options(TrainConfig, cache_dir=cache, out_dir=run, num_layers=1, block_size=8,
-                            num_anchors=128, tokens_per_microbatch=2048, grad_accum=2, lr="3e-3",
-                            max_steps=sizes.train_steps, epochs=1000, checkpoint_every=40,
+                            num_anchors=128, tokens_per_microbatch=2048, grad_accum=sizes.grad_accum,
+                            lr="3e-3", max_steps=sizes.train_steps, epochs=1000, checkpoint_every=40,
                             export_initial=True)],
         times,
     )  # fmt: skip
     # export, eval's --json and --progress are options of the commands themselves (no config field).
     _run("export", ["export", str(run), "--out", str(out / "drafter"), "--dtype", "float32"], times)
     reports = {}
-    for label, drafter in (("untrained", run / "drafter-initial"), ("trained", out / "drafter")):
+    for label, drafter in compared_drafters(out).items():
         report = out / f"eval-{label}.json"
         eval_args = ["eval", *_options(EvalConfig, drafter_dir=drafter), *common_eval, "--json", str(report)]
         _run(f"eval ({label})", eval_args, times)
         reports[label] = json.loads(report.read_text())
+    if prompts_of(reports["untrained"]) != prompts_of(reports["trained"]):
+        raise SystemExit(
+            "demo: the two evals decoded different prompts, so their τ cannot be compared: "
+            f"{prompts_of(reports['untrained'])} against {prompts_of(reports['trained'])}"
+        )
     _run("plot (run)", ["plot", str(run)], times)
     _run("plot (cache)", ["plot", str(cache)], times)
     summary = {
         "tau_untrained": _overall_tau(reports["untrained"]),
         "tau_trained": _overall_tau(reports["trained"]),
+        "eval_prompts": len(prompts_of(reports["trained"])),
         "stages": [asdict(t) for t in times],
         "total_seconds": sum(t.seconds for t in times),
         "total_cpu_seconds": sum(t.cpu_seconds for t in times),
@@ -130,7 +158,8 @@ def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
             "training data (target's own answers)": str(data),
             "cache": str(cache),
             "training run (metrics.jsonl, checkpoints, plots/)": str(run),
-            "exported drafter (z-lab DFlash layout)": str(out / "drafter"),
+            "trained drafter (the one evaluated)": str(compared_drafters(out)["trained"]),
+            "exported drafter (z-lab DFlash layout, float32)": str(out / "drafter"),
             "eval reports": [str(out / "eval-untrained.json"), str(out / "eval-trained.json")],
             "cache plots": str(cache) + "-plots",
         },
@@ -164,7 +193,8 @@ def main() -> None:
         )
     print(f"  {'total':<16} {summary['total_seconds']:6.0f} s {summary['total_cpu_seconds']:6.0f} CPU-s")
     print(
-        f"\n  acceptance length τ on held-out prompts: untrained drafter {summary['tau_untrained']:.3f}, "
+        f"\n  acceptance length τ on the same {summary['eval_prompts']} held-out prompts: untrained drafter "
+        f"{summary['tau_untrained']:.3f}, "
         f"trained drafter {summary['tau_trained']:.3f}"
     )
     for what, where in summary["artifacts"].items():  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pyarrow.parquet as pq
@@ -30,8 +31,10 @@ from click.testing import CliRunner
 
 from dflash_offline.cache.index import build_index
 from dflash_offline.cli import main
+from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.train.launch import run_training
-from tests.eval.helpers import export_untrained_for
+from tests.eval.helpers import export_untrained_for, write_chat_jsonl
+from tests.regenerate.openai_server_process import Server, ready, start_server
 from tests.train.helpers import train_config
 
 TRAIN_ARGS = ["--num-layers", "1", "--block-size", "8", "--num-anchors", "32", "--tokens-per-microbatch",
@@ -789,3 +792,129 @@ def test_a_damaged_drafter_is_one_line_naming_the_file(
     error = _one_error(args)
     assert file in error, error
     assert what in error, error
+
+
+# --- dflash regenerate --engine openai: a server's bad values, bad URLs, failed runs ---
+
+
+@pytest.fixture(scope="module")
+def openai_servers() -> Iterator[tuple[Server, Server]]:
+    """A fake OpenAI-compatible server (tests/regenerate/openai_server.py) and one the cases kill."""
+    processes = [start_server(), start_server()]
+    try:
+        healthy, victim = (ready(p) for p in processes)
+        yield healthy, victim
+    finally:
+        for p in processes:
+            p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_chat_jsonl(tmp_path_factory.mktemp("served") / "chat.jsonl", 4, turns=1, seed=5)
+
+
+def _regenerate(url: str, chat: Path, out: Path, *extra: str) -> list[str]:
+    return ["regenerate", "--engine", "openai", "--base-url", url, "--target", "random:tiny", "--data",
+            str(chat), "--out", str(out), "--no-progress", "--max-new-tokens", "16", "--max-retries", "0",
+            "--request-timeout", "20", *extra]  # fmt: skip
+
+
+def _one_error_line(result: Any) -> str:
+    """The one ``Error:`` line of a command that exited 1 without a traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+MALFORMED_URLS = ["http://", "http://127.0.0.1:99999", "http://[::1", "http://127.0.0.1:0", "http://::1",
+                  "http://127.0.0.1:port", "ftp://127.0.0.1:8000", "http://127.0.0.1 :8000", "http://a..b:8000",
+                  "http://user:secret@127.0.0.1:8000", "http://127.0.0.1:8000/?model=x"]  # fmt: skip
+
+
+@pytest.mark.parametrize("url", MALFORMED_URLS)
+def test_a_malformed_base_url_is_one_line_before_anything_runs(url: str, chat: Path, tmp_path: Path) -> None:
+    out = tmp_path / "new" / "answers.jsonl"
+    error = _one_error_line(CliRunner().invoke(main, _regenerate(url, chat, out)))
+    assert f"--base-url {url!r}" in error
+    assert not out.parent.exists()
+
+
+BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
+    "token ids below 0": ({"choice_override": {"token_ids": [-5, 12]}}, "choices[0].token_ids[0] is -5"),
+    "a token id past the vocabulary": ({"choice_override": {"token_ids": [3, 10**12]}}, "token_ids[1] is 10"),
+    "more ids than max_tokens": (
+        {"choice_override": {"token_ids": [5] * 40}},
+        "has 40 ids, more than the request's max_tokens 16",
+    ),
+    "ids that are not integers": ({"choice_override": {"token_ids": [1, "2"]}}, "token_ids[1] is '2'"),
+    "token ids that are not a list": ({"choice_override": {"token_ids": "1 2"}}, "token_ids is '1 2'"),
+    "a count that is not an integer": ({"usage_override": {"completion_tokens": True}}, "completion_tokens"),
+    "a count past max_tokens": ({"usage_override": {"completion_tokens": 99}}, "completion_tokens is 99"),
+    "text that is not a string": ({"choice_override": {"text": None}}, "choices[0].text is None"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_a_bad_value_from_the_server_is_a_failure_row_naming_the_field_and_a_run_of_failures_exits_1(
+    case: str, chat: Path, tmp_path: Path, openai_servers: tuple[Server, Server]
+) -> None:
+    """Nothing the server returns is written unchecked: each bad value fails its conversation, naming the
+    field; a run whose every conversation failed exits 1; ``--retry-failed`` answers them again."""
+    server = openai_servers[0]
+    plan, named = BAD_VALUES[case]
+    out = tmp_path / "answers.jsonl"
+    server.faults(**plan)
+    try:
+        error = _one_error_line(CliRunner().invoke(main, _regenerate(server.url, chat, out)))
+    finally:
+        server.faults()
+    assert "every one of the 4 records this run tried failed" in error
+    assert "--retry-failed" in error
+    rows = [json.loads(line) for line in (tmp_path / "answers.failures.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    assert all(named in row["detail"] for row in rows), [row["detail"] for row in rows]
+    assert not out.exists() or not out.read_text().strip()
+    skipped = CliRunner().invoke(main, _regenerate(server.url, chat, out))  # the failures are done...
+    assert skipped.exit_code == 0, skipped.output
+    assert "0 conversations written" in skipped.output
+    assert "4 already done" in skipped.output
+    retried = CliRunner().invoke(main, _regenerate(server.url, chat, out, "--retry-failed"))
+    assert retried.exit_code == 0, retried.output
+    assert len(out.read_text().splitlines()) == 4
+    assert not (tmp_path / "answers.failures.jsonl").exists()
+
+
+def test_a_server_dying_under_two_workers_is_one_line(
+    chat: Path, tmp_path: Path, openai_servers: tuple[Server, Server]
+) -> None:
+    victim = openai_servers[1]
+    victim.faults(die_after=5)  # the probes (this process's, then each worker's) are the first three
+    out = tmp_path / "answers.jsonl"
+    result = CliRunner().invoke(main, _regenerate(victim.url, chat, out, "--workers", "2", "--threads", "1"))
+    error = _one_error_line(result)
+    assert victim.url.removeprefix("http://") in error, error
+    assert victim.process.wait(timeout=30) != 0
+
+
+def test_the_failures_file_is_named_as_the_help_names_it(chat: Path, tmp_path: Path) -> None:
+    """Every file name ``dflash regenerate --help`` gives for ``--out`` (``NAME…`` for ``--out NAME.jsonl``,
+    or ``<out>…``) is one the command writes: here the failures file, every prompt being too long."""
+    help_text = " ".join(CliRunner().invoke(main, ["regenerate", "--help"]).output.split())
+    named = {
+        n.replace("NAME", "answers").replace("<out>", "answers.jsonl").rstrip(".,;:)")
+        for n in re.findall(r"(?:NAME|<out>)[\w./<>-]*", help_text)
+    }
+    out = tmp_path / "answers.jsonl"
+    args = ["regenerate", "--target", "random:tiny", "--data", str(chat), "--out", str(out), "--no-progress",
+            "--max-prompt-tokens", "1", "--threads", "1"]  # fmt: skip
+    error = _one_error_line(CliRunner().invoke(main, args))  # every prompt is too long: every record fails
+    assert "every one of the 4 records" in error
+    failures = [p.name for p in tmp_path.iterdir() if "failures" in p.name]
+    assert failures == ["answers.failures.jsonl"]
+    assert failures[0] in named, sorted(named)
+    assert RegenerateConfig(out=out).partial_path.name in named, sorted(named)

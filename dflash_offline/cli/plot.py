@@ -41,3 +41,9 @@ def plot(path: Path | None, cache_dir: Path | None, out_dir: Path | None) -> Non
     result = plot_path(target, out_dir)
     for file in result.files:
         click.echo(str(file))
+    if result.kind == "run":
+        from dflash_offline.plot.run_plots import first_non_finite, non_finite_label, read_run_metrics
+
+        found = first_non_finite(read_run_metrics(target))
+        if found is not None:  # drawn on loss.png too; said here so that a script sees it
+            click.echo(f"warning: {non_finite_label(found)} (marked on the loss and τ plots)", err=True)

@@ -9,6 +9,7 @@ import click
 from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options
 from dflash_offline.config_fields import flag
+from dflash_offline.errors import DflashError
 from dflash_offline.regenerate.config import RegenerateConfig
 
 if TYPE_CHECKING:
@@ -29,6 +30,14 @@ def regenerate(config: RegenerateConfig) -> None:
         raise
     if summary is not None:  # None: a torchrun rank other than 0
         _report(summary, config)
+        if summary.failed and not summary.written:
+            # Nothing came of the run: a server that answers nothing usable, a data set none of whose
+            # records fits; a script must not take it for a success.
+            raise DflashError(
+                f"every one of the {summary.failed} records this run tried failed (their reasons: "
+                f"{config.failures_path}); fix the cause, then rerun with "
+                f"{flag(RegenerateConfig, 'retry_failed')} to answer them again"
+            )
 
 
 def _report(s: RegenerateSummary, config: RegenerateConfig) -> None:
@@ -62,4 +71,8 @@ def _report(s: RegenerateSummary, config: RegenerateConfig) -> None:
     if s.repaired_bytes:
         click.echo(f"regenerate: cut a partial last line ({s.repaired_bytes} bytes) left by an earlier run")
     if s.failed:
-        click.echo(f"regenerate: failures listed in {config.failures_path}", err=True)
+        click.echo(
+            f"regenerate: failures listed in {config.failures_path} (a rerun skips them; "
+            f"{flag(RegenerateConfig, 'retry_failed')} answers them again)",
+            err=True,
+        )

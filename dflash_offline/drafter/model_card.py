@@ -29,6 +29,8 @@ class TauRow:
     prompts: int
     tau: float | None
     speedup: float | None
+    timed: bool = True
+    """False: the report says its decode was too short to time (``eval/report.py:TIMING_RULE``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,8 +80,15 @@ def read_eval_report(path: Path) -> EvalFacts:
         mean = report.get("mean")
         if len(sets) > 1 and isinstance(mean, dict):
             prompts = sum(int(s.get("num_prompts") or 0) for s in sets)
+            timed = all(row.timed for row in rows)
             rows.append(
-                TauRow(name="mean", prompts=prompts, tau=mean.get("tau"), speedup=mean.get("speedup"))
+                TauRow(
+                    name="mean",
+                    prompts=prompts,
+                    tau=mean.get("tau"),
+                    speedup=mean.get("speedup"),
+                    timed=timed,
+                )
             )
         drafter_dir = str((report.get("drafter") or {}).get("directory", "?"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -95,6 +104,7 @@ def _row(name: str, summary: dict[str, Any]) -> TauRow:
         prompts=int(summary.get("num_prompts") or 0),
         tau=summary.get("tau"),
         speedup=summary.get("speedup"),
+        timed=summary.get("timed") is not False,  # a report older than the rule says nothing
     )
 
 
@@ -132,7 +142,8 @@ def _tau_section(eval_facts: EvalFacts | None) -> list[str]:
         "| question set | prompts | τ | speedup |",
         "|---|---|---|---|",
         *(
-            f"| {r.name} | {r.prompts} | {_number(r.tau, '.3f')} | {_number(r.speedup, '.2f')}× |"
+            f"| {r.name} | {r.prompts} | {_number(r.tau, '.3f')} | {_number(r.speedup, '.2f')}×"
+            f"{'' if r.timed else ' (too short to time: noise)'} |"
             for r in eval_facts.rows
         ),
     ]

@@ -20,6 +20,18 @@ from dflash_offline.eval.exactness import Divergence, first_divergence
 from dflash_offline.eval.speculative import DecodeResult
 from dflash_offline.tensorboard import open_writer
 
+TIMED_MIN_TOKENS = 1000
+TIMED_MIN_SECONDS = 5.0
+TIMING_RULE = (
+    f"timed: yes when the figures come from at least {TIMED_MIN_TOKENS:,} new tokens and "
+    f"{TIMED_MIN_SECONDS:g} s of decoding in each loop; below that (one prompt, a short run, a tiny model) "
+    "start-up, allocator and scheduling jitter outweigh the loops' difference, so tok/s and speedup are "
+    "noise, not a measurement"
+)
+"""When decode timings mean something. A per-step jitter of a few ms against steps of a few ms (a small
+model, the CPU, a shared machine) averages out only over many steps: the rule asks for both many tokens
+and seconds of decoding, whatever the device."""
+
 EVAL_REPORT_VERSION = 2
 """2: per-set summaries (``sets``), the ``mean`` row, per-prompt ``bench``/``turn``/``question_id`` and the
 tie-aware ``divergence``; ``summary`` (pooled) and the per-prompt fields of version 1 are unchanged."""
@@ -61,6 +73,8 @@ class PromptResult:
     """MT-Bench question_id / HumanEval task_id (empty for chat data: see sample_id)."""
     divergence: Divergence | None = None
     """Tie-aware comparison with target-only greedy (exactness.py); None when not classified."""
+    timed: bool = False
+    """Its tok/s and speedup are a measurement by ``TIMING_RULE`` (rarely, for one prompt)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +105,8 @@ class EvalSummary:
     """Prompts that diverge first at a rounding near-tie (exactness.py)."""
     mismatches: int = 0
     """Prompts that diverge where rounding cannot explain it (the run fails)."""
+    timed: bool = False
+    """Its tok/s and speedup are a measurement by ``TIMING_RULE`` (else noise)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,6 +146,8 @@ class EvalReport:
     """How the identity check ran: dtype, tie_ulps, rule."""
     interrupted: bool = False
     """Stopped by Ctrl-C (or SIGINT) before every turn was decoded: the figures cover the finished turns."""
+    timing_rule: str = TIMING_RULE
+    """When a summary's or prompt's ``timed`` is true."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,6 +190,11 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 and num > 0 else None
 
 
+def is_timed(*, new_tokens: int, spec_seconds: float, target_seconds: float) -> bool:
+    """``TIMING_RULE``: enough tokens and seconds in each loop for tok/s and speedup to be measured."""
+    return new_tokens >= TIMED_MIN_TOKENS and min(spec_seconds, target_seconds) >= TIMED_MIN_SECONDS
+
+
 def prompt_result(
     *,
     sample_id: str,
@@ -206,6 +229,11 @@ def prompt_result(
         turn=turn,
         question_id=question_id,
         divergence=divergence,
+        timed=is_timed(
+            new_tokens=len(spec.tokens),
+            spec_seconds=spec.decode_seconds,
+            target_seconds=target_only.decode_seconds,
+        ),
     )
 
 
@@ -232,6 +260,7 @@ def summarize(results: Sequence[PromptResult], *, block_size: int, name: str = "
         num_questions=len({(r.bench, r.question_id or r.sample_id) for r in results}),
         near_ties=sum(r.divergence is not None and r.divergence.kind == "near_tie" for r in results),
         mismatches=sum(r.divergence is not None and r.divergence.kind == "mismatch" for r in results),
+        timed=is_timed(new_tokens=new_tokens, spec_seconds=spec_s, target_seconds=target_s),
     )
 
 
@@ -289,6 +318,7 @@ def format_table(report: EvalReport) -> str:
         "",
         "tau = mean accepted+1 over cycles; tok/s = decode only (prefill excluded), same loop and clock for "
         "both; speedup = target-only / speculative decode time",
+        *_timing_lines(report),
     ]
     if check:
         lines.append(
@@ -305,11 +335,19 @@ def format_table(report: EvalReport) -> str:
     return "\n".join(lines + _divergence_lines(report))
 
 
+def _timing_lines(report: EvalReport) -> list[str]:
+    """The rule, when a row of the table is too short to time (its tok/s and speedup are noise)."""
+    rows = report.sets or [report.summary]
+    if all(s.timed for s in [*rows, report.summary]):
+        return []
+    return [f"{TIMING_RULE} (per-prompt figures in the JSON: the same rule, prompt by prompt)"]
+
+
 def _set_rows(report: EvalReport) -> list[tuple[str, ...]]:
     """The table's header and rows: each set, then (with several sets) their mean and the pooled row."""
     sets = report.sets or [report.summary]
     head = ("set", "questions", "turns", "new tok", "cycles", "tau", "target tok/s", "spec tok/s",
-            "speedup", "identical", "near-tie", "mismatch")  # fmt: skip
+            "speedup", "identical", "near-tie", "mismatch", "timed")  # fmt: skip
     rows: list[tuple[str, ...]] = [head]
     for s in [*sets, report.summary] if len(sets) > 1 else sets:
         rows.append(
@@ -326,6 +364,7 @@ def _set_rows(report: EvalReport) -> list[tuple[str, ...]]:
                 str(s.identical_prompts),
                 str(s.near_ties),
                 str(s.mismatches),
+                "yes" if s.timed else "no: noise",
             )
         )
     if report.mean is not None and len(sets) > 1:
@@ -334,7 +373,7 @@ def _set_rows(report: EvalReport) -> list[tuple[str, ...]]:
             len(sets) + 1,
             (f"mean of {m.num_sets} sets", "", "", "", "", _fmt(m.tau, ".3f"),
              _fmt(m.target_tokens_per_s, ".1f"), _fmt(m.spec_tokens_per_s, ".1f"),
-             _fmt(m.speedup, ".2f", "x"), "", "", ""),
+             _fmt(m.speedup, ".2f", "x"), "", "", "", "yes" if all(s.timed for s in sets) else "no: noise"),
         )  # fmt: skip
     return rows
 

@@ -153,15 +153,19 @@ def run_eval(config: EvalConfig) -> Any:
         ids = first_turn_ids(questions[0], target.tokenizer)
         dec.target_only(ids, WARMUP_TOKENS)
         dec.speculative(ids, WARMUP_TOKENS)
-    with stop_on_sigint("dflash eval: stopping after this turn (the finished turns are reported)"):
+    with stop_on_sigint(
+        "dflash eval: stopping after this turn (the finished turns are reported)",
+        abort_note="abort this turn (the finished ones are still reported)",
+    ):
         decoded = _decode_questions(questions, dec, warnings, progress=config.progress)
     results, interrupted = decoded.results, decoded.stopped
     if interrupted:
         if not results:
             raise StopRequested
+        aborted = " (a second Ctrl-C aborted the turn in progress)" if decoded.aborted else ""
         warnings.append(
-            f"interrupted after {len(results)} of {decoded.turns} turns: the figures cover the finished "
-            "turns only"
+            f"interrupted after {len(results)} of {decoded.turns} turns{aborted}: the figures cover the "
+            "finished turns only"
         )
     compiled = Compiled(
         target=dec.engine is not None and dec.engine.target_compiled,
@@ -212,21 +216,35 @@ class DecodedTurns:
     turns: int
     """The turns asked for."""
     stopped: bool
-    """A stop request (the first Ctrl-C) ended the loop after the turn in flight."""
+    """A stop request (the first Ctrl-C) ended the loop after the turn in flight (or a second aborted it)."""
+    aborted: bool = False
+    """A second Ctrl-C aborted the turn in flight (not in ``results``)."""
 
 
 def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, progress: bool) -> DecodedTurns:
     """Every turn of every question through both loops, until done or a stop request."""
     from tqdm import tqdm
 
+    results: list[Any] = []
+    total = sum(q.num_turns for q in questions)
+    bar = tqdm(total=total, desc="eval", unit="turn", file=sys.stderr, disable=not progress)
+    try:
+        stopped = _decode_each(questions, dec, warnings, results, bar)
+    except KeyboardInterrupt:
+        # The second Ctrl-C (``stop_on_sigint``) aborts the turn in progress; the finished ones are
+        # still reported, as after the first.
+        return DecodedTurns(results=results, turns=total, stopped=True, aborted=True)
+    finally:
+        bar.close()
+    return DecodedTurns(results=results, turns=total, stopped=stopped)
+
+
+def _decode_each(questions: list[Any], dec: Any, warnings: list[str], results: list[Any], bar: Any) -> bool:
+    """Decode into ``results`` until done (False) or a stop request after a turn (True)."""
     from dflash_offline.eval.question_decoding import decode_question
     from dflash_offline.eval.report import prompt_result
 
     block_size = dec.drafter.block_size
-    results = []
-    total = sum(q.num_turns for q in questions)
-    bar = tqdm(total=total, desc="eval", unit="turn", file=sys.stderr, disable=not progress)
-    stopped = False
     for q, question in enumerate(questions):
         for done in decode_question(question, dec, on_skip=warnings.append):
             result = prompt_result(
@@ -246,12 +264,8 @@ def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, pr
             bar.update(1)
             bar.set_postfix(set=question.bench, tau=f"{result.tau or 0:.2f}", refresh=False)
             if stop_requested() and (done.turn < question.num_turns or q + 1 < len(questions)):
-                stopped = True
-                break
-        if stopped:
-            break
-    bar.close()
-    return DecodedTurns(results=results, turns=total, stopped=stopped)
+                return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_offline.plot.common import pyplot, save
+from dflash_offline.plot.common import pyplot, save, set_title
 
 
 def bucket_labels(edges: tuple[int, ...]) -> list[str]:
@@ -108,8 +108,8 @@ def _buckets_figure(plt: Any, summary: BucketSummary, name: str) -> Any:
         ax.set_xticks(x, labels, rotation=30 if num_buckets > 6 else 0)
         ax.set_xlabel("bucket (tokens per sample)")
         ax.set_ylabel(what)
-    ax_n.set_title(f"{name}: {int(counts.sum()):,} samples per bucket")
-    ax_t.set_title(f"{int(token_sums.sum()):,} tokens per bucket")
+    set_title(ax_n, f"{name}: {int(counts.sum()):,} samples per bucket")
+    set_title(ax_t, f"{int(token_sums.sum()):,} tokens per bucket")
     return fig
 
 
@@ -128,10 +128,13 @@ def _token_scale(total_tokens: float) -> tuple[float, str]:
 def _lengths_figure(
     plt: Any, tokens_N: np.ndarray, loss_N: np.ndarray, *, edges: tuple[int, ...], name: str, max_length: int
 ) -> Any:
-    """Histograms of tokens and trained tokens per sample, with the bucket edges dotted."""
+    """Histograms of tokens and trained tokens per sample, with the bucket edges dotted. The axis ends at
+    the fingerprint's max length (no sample is longer), not at the last bucket edge: the default edges run
+    to 3,072 whatever ``--max-len`` is."""
     fig, ax = plt.subplots()
+    longest = int(tokens_N.max()) if tokens_N.size else 0
+    top = max(longest, min(edges[-1], max_length))
     if tokens_N.size:
-        top = max(int(tokens_N.max()), edges[-1])
         # One bin per length when lengths are short (no empty bins between integers), else 60 bins.
         bins = np.arange(top + 2) - 0.5 if top <= 120 else np.linspace(0, top, 61)
         ax.hist(tokens_N, bins=bins, color="tab:blue", alpha=0.7, label="tokens")
@@ -139,10 +142,12 @@ def _lengths_figure(
             loss_N, bins=bins, color="tab:green", histtype="step", lw=1.5, label="assistant (loss) tokens"
         )
     for edge in edges:
-        ax.axvline(edge, color="grey", ls=":", lw=1)
+        if edge <= top:
+            ax.axvline(edge, color="grey", ls=":", lw=1)
+    ax.set_xlim(0, top + (0.5 if top <= 120 else 0))
     ax.set_xlabel("tokens per sample (dotted: bucket edges)")
     ax.set_ylabel("samples")
-    ax.set_title(f"{name}: sample lengths (fingerprint max length {max_length})")
+    set_title(ax, f"{name}: sample lengths (fingerprint max length {max_length})")
     ax.legend()
     return fig
 
@@ -154,5 +159,5 @@ def _failures_figure(plt: Any, reason_N: np.ndarray, name: str) -> Any:
     fig, ax = plt.subplots()
     ax.barh([str(r) for r in reasons[order]][::-1], per_reason[order][::-1], color="tab:red")
     ax.set_xlabel("samples")
-    ax.set_title(f"{name}: {int(per_reason.sum()):,} failed samples by reason")
+    set_title(ax, f"{name}: {int(per_reason.sum()):,} failed samples by reason")
     return fig

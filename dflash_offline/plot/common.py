@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,3 +59,17 @@ def smooth(values: Sequence[float] | np.ndarray, *, window: int | None = None) -
     den = np.convolve(ok.astype(np.float64), kernel, mode="same")
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(den > 0, num / np.maximum(den, 1), np.nan)
+
+
+TITLE_SIZE = 11.0
+"""Points."""
+
+
+def set_title(ax: Any, title: str, details: str = "") -> None:
+    """``title`` and its ``details`` (last values, bests), wrapped to the axes' width: a one-line title
+    wider than the figure was clipped at both ends."""
+    fig = ax.get_figure()
+    width_points = ax.get_position().width * fig.get_figwidth() * 72
+    chars = max(20, int(width_points / (0.6 * TITLE_SIZE)))  # a glyph is about 0.55 em wide on average
+    lines = textwrap.wrap(title, chars) + (textwrap.wrap(details, chars) if details else [])
+    ax.set_title("\n".join(lines), fontsize=TITLE_SIZE)

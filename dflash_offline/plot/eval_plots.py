@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from dflash_offline.errors import ConfigError
-from dflash_offline.plot.common import pyplot, save
+from dflash_offline.plot.common import pyplot, save, set_title
 
 
 def read_eval_report(path: Path) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def plot_eval(path: Path, out: Path) -> list[Path]:
     ax_h.set_xlabel("accepted draft tokens in a cycle (τ_cycle − 1)")
     ax_h.set_ylabel("% of cycles")
     tau = summary.get("tau")
-    ax_h.set_title(f"τ = {tau:.2f} over {summary['cycles']} cycles" if tau is not None else "no cycle")
+    set_title(ax_h, f"τ = {tau:.2f} over {summary['cycles']} cycles" if tau is not None else "no cycle")
     x = np.arange(len(prompts))
     taus = [p["tau"] if p["tau"] is not None else np.nan for p in prompts]
     speedups = [p["speedup"] if p["speedup"] is not None else np.nan for p in prompts]
@@ -43,8 +43,11 @@ def plot_eval(path: Path, out: Path) -> list[Path]:
     ax_p.bar(x + 0.2, speedups, width=0.4, color="tab:orange", label="speedup ×")
     ax_p.axhline(1.0, color="grey", ls=":", lw=1)
     ax_p.set_xlabel("prompt")
-    ax_p.set_title(
+    title = (
         f"per prompt; overall speedup {summary['speedup']:.2f}×" if summary.get("speedup") else "per prompt"
     )
+    # eval/report.py:TIMING_RULE (a report older than it has no ``timed``)
+    noise = " (speedups too short to time: noise)" if summary.get("timed") is False else ""
+    set_title(ax_p, title + noise)
     ax_p.legend()
     return [save(fig, out / "eval_acceptance.png")]

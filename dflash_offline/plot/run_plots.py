@@ -6,13 +6,14 @@ curves on the training one (τ: simulated, per block and eval's chain, which pic
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dflash_offline.errors import ConfigError
-from dflash_offline.plot.common import pyplot, save, smooth
+from dflash_offline.plot.common import pyplot, save, set_title, smooth
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -75,6 +76,42 @@ def _title(run_dir: Path, what: str) -> str:
     return f"{what}: {run_dir.resolve().name}"
 
 
+NON_FINITE_KEYS = ("loss", "grad_norm")
+"""The fields whose first null / NaN / Inf marks where a run stopped being finite."""
+
+
+def first_non_finite(rows: list[dict[str, Any]]) -> tuple[int, str] | None:
+    """(step, field) of the first line whose loss or grad norm is not finite: JSON ``null`` (how a strict
+    writer records NaN and Inf), or ``NaN`` / ``Infinity`` (older logs); None when every value is finite."""
+    for row in rows:
+        for key in NON_FINITE_KEYS:
+            if key not in row:
+                continue
+            value = row[key]
+            if value is None or (isinstance(value, int | float) and not math.isfinite(value)):
+                return int(row["step"]), key
+    return None
+
+
+def non_finite_label(found: tuple[int, str]) -> str:
+    step, key = found
+    return f"{'loss' if key == 'loss' else 'grad norm'} not finite from step {step}"
+
+
+def _mark_non_finite(axes: list[Any], found: tuple[int, str] | None) -> None:
+    """A vertical line at the first non-finite step on each of ``axes``, labelled on the first."""
+    if found is None:
+        return
+    for i, ax in enumerate(axes):
+        ax.axvline(
+            found[0], color="black", ls="--", lw=1.2, label=non_finite_label(found) if i == 0 else None
+        )
+    axes[0].text(
+        found[0], 0.5, f" {non_finite_label(found)}", transform=axes[0].get_xaxis_transform(), rotation=90,
+        va="center", ha="left", fontsize=8,
+    )  # fmt: skip
+
+
 def plot_loss(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
     plt = pyplot()
     steps = _column(rows, "step")
@@ -91,7 +128,10 @@ def plot_loss(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
         ax.set_yscale("log")
     ax.set_ylabel("decayed cross-entropy")
     last = _column(rows, "loss")[-1]
-    ax.set_title(_title(run_dir, "training loss") + (f"  (last {last:.4g})" if np.isfinite(last) else ""))
+    found = first_non_finite(rows)
+    details = f"(last {last:.4g})" if np.isfinite(last) else ""
+    set_title(ax, _title(run_dir, "training loss"), f"({non_finite_label(found)})" if found else details)
+    _mark_non_finite([ax, ax_lr], found)
     ax.legend(loc="upper right")
     ax_lr.plot(steps, _column(rows, "lr"), color="tab:green", lw=1.5)
     ax_lr.set_ylabel("learning rate", color="tab:green")
@@ -125,7 +165,7 @@ def plot_accuracy(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
     fig.colorbar(image, ax=ax_map, label="greedy accuracy")
     ax_map.set_xlabel("optimizer step")
     ax_map.set_ylabel("block position k (predicts anchor + k)")
-    ax_map.set_title(_title(run_dir, "accuracy by block position"))
+    set_title(ax_map, _title(run_dir, "accuracy by block position"))
     ax_map.grid(False)
     positions = np.arange(1, width + 1)
     span = max(1, len(rows) // 20)  # average a window of steps: one step's accuracy is noisy
@@ -168,9 +208,14 @@ def plot_tau(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
                 ax.plot(turn_steps, turn_tau, color="tab:green", ls=style, lw=1.0, alpha=0.8, label=label)
         ax.legend(loc="center right", fontsize=8)
     block = max((len(r.get("acc_by_position") or []) for r in rows), default=0) + 1
-    ax.axhline(block, color="grey", ls=":", lw=1)
-    ax.text(steps[0], block, f" B = {block} (every draft accepted)", va="bottom", fontsize=8, color="grey")
-    ax.set_ylim(bottom=1.0, top=block + 0.5)
+    top = _tau_top(ax, block)
+    if block <= top:  # the ceiling, where the data come near it
+        ax.axhline(block, color="grey", ls=":", lw=1)
+        ax.text(
+            steps[0], block, f" B = {block} (every draft accepted)", va="bottom", fontsize=8, color="grey"
+        )
+    ax.set_ylim(bottom=1.0, top=top)
+    _mark_non_finite([ax], first_non_finite(rows))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("simulated τ = 1 + Σ_k Π_{i≤k} acc_i")
     last = smooth(tau)[-1]
@@ -178,11 +223,22 @@ def plot_tau(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
     chain_steps, chain_tau = _validation(rows, "val_chain_tau")
     if chain_steps.size:
         best += f", best chain {np.nanmax(chain_tau):.2f} (RUN/drafter)"
-    ax.set_title(
-        _title(run_dir, "simulated acceptance length")
-        + (f"  (smoothed last {last:.2f}{best})" if np.isfinite(last) else "")
+    set_title(
+        ax,
+        _title(run_dir, "simulated acceptance length"),
+        f"(smoothed last {last:.2f}{best})" if np.isfinite(last) else "",
     )
     return save(fig, out / "simulated_tau.png")
+
+
+def _tau_top(ax: Any, block: int) -> float:
+    """The τ axis's top, fitted to what is drawn (τ is at least 1): a run near τ 1.05 is not flattened
+    under a ceiling of B; the ceiling B + 0.5 where the data reach it."""
+    drawn = [np.asarray(line.get_ydata(), dtype=np.float64) for line in ax.get_lines()]
+    values = np.concatenate(drawn) if drawn else np.array([])
+    values = values[np.isfinite(values)]
+    high = float(values.max()) if values.size else 1.0
+    return min(block + 0.5, max(high, 1.0) + max(0.05, 0.1 * (max(high, 1.0) - 1.0)))
 
 
 def plot_throughput(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
@@ -199,7 +255,7 @@ def plot_throughput(rows: list[dict[str, Any]], run_dir: Path, out: Path) -> Pat
     ax_wait.set_ylabel("% of step waiting for data", color="tab:grey")
     ax_wait.set_ylim(0, 100)
     ax_wait.grid(False)
-    ax.set_title(_title(run_dir, "training throughput"))
+    set_title(ax, _title(run_dir, "training throughput"))
     return save(fig, out / "throughput.png")
 
 

@@ -9,6 +9,7 @@ Public API:
   slot_engine.SlotEngine                         the project's decode engine (--engine auto|slots)
   openai_engine.OpenAIEngine, probe_server       an OpenAI-compatible server's completions (--engine openai)
   http_client.JsonClient                         JSON over HTTP with per-request timeout and retries
+  served_answer.parse_served_answer              a server's answer checked against the request
   driver.Driver                                  a window of conversations, each turn submitted when ready
   worker.run_worker                              one worker (its device, its share of the records)
   generation.GenerationSettings                  how answers are drawn (greedy, or seeded sampling)

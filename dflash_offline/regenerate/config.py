@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from dflash_offline.config_fields import (
     DATA,
@@ -30,6 +31,37 @@ FAILURES_SUFFIX = ".failures.jsonl"
 PARTIAL_SUFFIX = ".partial"
 
 
+def check_base_url(url: str) -> None:
+    """Refuse a ``--base-url`` the HTTP client could not connect to, before anything runs: it must be
+    ``http(s)://host[:port][/path]`` with a host, a port from 1 to 65535 and nothing else (no user name or
+    password, which the client would drop: the key goes in ``--api-key-env``; no query or fragment)."""
+    option = f"{flag(RegenerateConfig, 'base_url')} {url!r}"
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise ConfigError(f"{option}: a URL has no spaces or control characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # parsed on access: a port out of range or not a number raises here
+    except ValueError as e:
+        raise ConfigError(f"{option}: not a valid URL ({e})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ConfigError(f"{option}: give an http:// or https:// URL")
+    if not parts.hostname:
+        raise ConfigError(f"{option}: no host (e.g. http://localhost:8000)")
+    try:
+        parts.hostname.encode("idna")  # what the connection does with it: an empty label fails here
+    except UnicodeError as e:
+        raise ConfigError(f"{option}: not a valid host name {parts.hostname!r} ({e})") from None
+    if port == 0:
+        raise ConfigError(f"{option}: port 0 is no server's port (1 to 65535)")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(
+            f"{option}: leave the user name and password out of the URL (the key goes in "
+            f"{flag(RegenerateConfig, 'api_key_env')})"
+        )
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{option}: the server's root URL has no query or fragment")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RegenerateConfig:
     """Everything one ``dflash regenerate`` run needs."""
@@ -44,11 +76,21 @@ class RegenerateConfig:
     out: Path = cli_field(
         path="file",
         required=True,
-        help="Chat JSONL to write; rerunning the same command resumes it, continuing the conversations a "
-        "stop left in progress (their answered turns are kept in <out>.partial). Failures go to "
-        "<out>.failures.jsonl (records listed there are skipped on rerun: delete their lines to retry them).",
+        help=f"Chat JSONL to write, NAME.jsonl; rerunning the same command resumes it, continuing the "
+        "conversations a stop left in progress (their answered turns are kept in "
+        f"NAME.jsonl{PARTIAL_SUFFIX}). "
+        f"Records that yield no conversation are listed with their reason in NAME{FAILURES_SUFFIX}, and a "
+        "rerun skips them (--retry-failed answers them again).",
     )
     """Chat JSONL to write (appended to; rerunning the same command resumes)."""
+    retry_failed: bool = cli_field(
+        False,
+        help=f"Answer again the records that NAME{FAILURES_SUFFIX} lists (their lines are removed first; "
+        "those that fail again are listed again). Off by default, so that a rerun after a stop resumes "
+        "without retrying failures that would fail the same way (a prompt too long, a contaminated record) "
+        "or costing a server their requests until the cause is fixed.",
+    )
+    """Clear the failures file before the run, so that its records are answered again."""
     skip: int = cli_field(0, cli=SKIP)
     limit: int | None = cli_field(None, cli=LIMIT)
     """Records to read after ``skip`` (None: all)."""
@@ -223,8 +265,7 @@ class RegenerateConfig:
             return
         if self.base_url is None:
             raise ConfigError(f"{engine} openai needs {base_url} (the server, e.g. http://localhost:8000)")
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"{base_url} {self.base_url!r}: give an http:// or https:// URL")
+        check_base_url(self.base_url)
         if self.placement.gpus:
             raise ConfigError(
                 f"{engine} openai runs no model here: leave out {flag(GPUS)} (the server has the GPUs)"
@@ -232,7 +273,8 @@ class RegenerateConfig:
 
     @property
     def failures_path(self) -> Path:
-        """``<out>.failures.jsonl``: one line per record that yields no conversation, with the reason."""
+        """``NAME.failures.jsonl`` for ``--out NAME.jsonl``: one line per record that yields no conversation,
+        with the reason."""
         return self.out.with_name(self.out.name.removesuffix(".jsonl") + FAILURES_SUFFIX)
 
     @property

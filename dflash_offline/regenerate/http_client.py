@@ -173,8 +173,9 @@ class JsonClient:
         except TimeoutError:
             self._drop_connection()
             raise RequestTimeoutError(f"no answer within {self.policy.timeout_seconds:g} s") from None
-        except (OSError, http.client.HTTPException) as e:
-            # Refused, reset, closed without a response (RemoteDisconnected), DNS failure, ...
+        except (OSError, http.client.HTTPException, UnicodeError) as e:
+            # Refused, reset, closed without a response (RemoteDisconnected), DNS failure, a host name
+            # the resolver cannot encode (UnicodeError), ...
             self._drop_connection()
             raise ConnectionLostError(f"{type(e).__name__}: {e}") from None
         if response.will_close:

@@ -12,7 +12,9 @@ again. The answer: when the server returns its token ids (vLLM's ``return_token_
 equal ``usage.completion_tokens`` (give or take the stop token) and our tokenizer must decode
 them to the answer's text; a server that returns text only has it read by our tokenizer (decoding gives
 the text back; the count may then differ from usage, because a greedy answer need not be tokenized the
-way its text encodes).
+way its text encodes). Before any of that, every value of an answer is checked for its type, range and
+length against the request (``served_answer.py``): a bad one is the conversation's failure row, naming
+the field.
 
 Requests run on ``--concurrency`` daemon threads (``http_client.JsonClient``, one keep-alive connection
 each), so a server's continuous batching stays full; the conversation driver keeps one turn per
@@ -45,6 +47,7 @@ from dflash_offline.regenerate.http_client import (
     RequestTimeoutError,
     RetryPolicy,
 )
+from dflash_offline.regenerate.served_answer import AnswerFault, AnswerRequest, parse_served_answer
 
 PromptForm = Literal["token_ids", "text"]
 
@@ -240,9 +243,12 @@ class OpenAIEngine:
         served: ServedModel,
         settings: GenerationSettings,
         tokenizer: Any,
+        vocab_size: int,
         seed: int = 0,
     ) -> None:
+        """``vocab_size``: rows of the target's embedding (every token id the server returns is below it)."""
         self._options = options
+        self._vocab_size = vocab_size
         self._seed = seed
         self._served = served
         self._settings = settings
@@ -363,31 +369,23 @@ class OpenAIEngine:
         return self._parse(job, answer)
 
     def _parse(self, job: _Job, answer: Any) -> Finished:
-        choices = answer.get("choices") if isinstance(answer, dict) else None
-        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-        text, finish = choice.get("text"), choice.get("finish_reason")
-        if not isinstance(text, str):
-            return _failed(job.key, "bad_response", f"no choices[0].text in {str(answer)[:200]}")
-        if finish not in ("stop", "length"):
-            return _failed(job.key, "unfinished", f"finish_reason {finish!r}")
-        usage = _usage(answer)
-        seen = usage.get("prompt_tokens")
-        if seen != len(job.prompt):
-            return _failed(
-                job.key,
-                "prompt_mismatch",
-                f"the server read the prompt as {seen} tokens, ours has {len(job.prompt)}",
-            )
-        counted = usage.get("completion_tokens")
-        served_ids = choice.get("token_ids")
-        from_target = isinstance(served_ids, list) and all(isinstance(t, int) for t in served_ids)
-        if isinstance(served_ids, list) and from_target:
-            # The server's own ids (vLLM's return_token_ids): exact, and checked against usage.
-            ids = tuple(served_ids)
-            if finish == "stop" and ids and ids[-1] in self._settings.stop_ids:
-                ids = ids[:-1]
-            # The stop token may or may not be among the ids and in the count; either way is consistent.
-            allowed = {len(ids), len(ids) + 1} if finish == "stop" else {len(ids)}
+        checked = parse_served_answer(
+            answer,
+            AnswerRequest(
+                prompt_tokens=len(job.prompt),
+                max_tokens=self._settings.max_new_tokens,
+                vocab_size=self._vocab_size,
+                stop_ids=self._settings.stop_ids,
+            ),
+        )
+        if isinstance(checked, AnswerFault):
+            return _failed(job.key, checked.reason, checked.detail)
+        text, ids = checked.text, checked.token_ids
+        if ids is not None:
+            # The server's own ids (vLLM's return_token_ids): exact, and checked against usage. The stop
+            # token may or may not be among the ids and in the count; either way is consistent.
+            counted = checked.completion_tokens
+            allowed = {len(ids), len(ids) + 1} if checked.finish_reason == "stop" else {len(ids)}
             if counted not in allowed:
                 return _failed(
                     job.key,
@@ -404,13 +402,14 @@ class OpenAIEngine:
                     "token_text_mismatch",
                     "our tokenizer decodes the answer's token ids to other text",
                 )
-        else:
-            # Text only: our tokenizer's reading of it (decoding gives the same text back). A greedy
-            # answer is not always tokenized the way the tokenizer would encode its text, so the count
-            # may differ from usage here without anything being wrong; no check is possible.
-            with self._tokenizer_lock:
-                ids = tuple(int(t) for t in self._tokenizer(text, add_special_tokens=False)["input_ids"])
-        tokens = GeneratedTokens(token_ids=ids, finish_reason=finish, from_target=from_target)
+            tokens = GeneratedTokens(token_ids=ids, finish_reason=checked.finish_reason, from_target=True)
+            return Finished(key=job.key, tokens=tokens)
+        # Text only: our tokenizer's reading of it (decoding gives the same text back). A greedy answer is
+        # not always tokenized the way the tokenizer would encode its text, so the count may differ from
+        # usage here without anything being wrong; no check is possible.
+        with self._tokenizer_lock:
+            read = tuple(int(t) for t in self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        tokens = GeneratedTokens(token_ids=read, finish_reason=checked.finish_reason, from_target=False)
         return Finished(key=job.key, tokens=tokens)
 
 

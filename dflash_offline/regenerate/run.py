@@ -8,10 +8,11 @@ records (``worker.belongs_to``) into its own part ``<out>.parts/w<k>.jsonl``; th
 the one output JSONL at the end (and by the next run if this one was killed), so the output is one data
 set for ``dflash generate --data``. One run at a time per output: ``<out>.lock`` (rank 0 holds it under
 ``torchrun``); a second run is refused naming the holder. Rerunning skips every record whose
-``source_sample_id`` is in the output or in ``<out>.failures.jsonl`` (delete a failure line to retry
-that record). A stop (the first Ctrl-C) keeps the answered turns of the conversations in progress in
-``<out>.partial`` (worker parts ``<out>.parts/w<k>.partial``, merged likewise), and the rerun continues
-each at its next turn (``partial_out.py``).
+``source_sample_id`` is in the output or in the failures file ``NAME.failures.jsonl`` (for ``--out
+NAME.jsonl``); ``--retry-failed`` deletes that file first, so that its records are answered again. A
+stop (the first Ctrl-C) keeps the answered turns of the conversations in progress in ``<out>.partial``
+(worker parts ``<out>.parts/w<k>.partial``, merged likewise), and the rerun continues each at its next
+turn (``partial_out.py``).
 
 Output line: ``{"id", "messages": [{"role", "content"}...], "source", "source_sample_id",
 "source_index", "regenerated_by": {...}, "finish_reasons": [...], "dropped_turns"}``; ``id`` is the
@@ -199,9 +200,13 @@ def _part_task(config: RegenerateConfig, *, worker: int, done: frozenset[str]) -
     )
 
 
-def merge_leftover_parts(config: RegenerateConfig) -> tuple[frozenset[str], int]:
+def merge_leftover_parts(
+    config: RegenerateConfig, *, forget_failures: bool = False
+) -> tuple[frozenset[str], int]:
     """Merge every worker part into the output and failures files, then the kept conversations in progress
-    into ``<out>.partial`` (less those written or failed by now); returns the done ids and repaired bytes."""
+    into ``<out>.partial`` (less those written or failed by now); returns the done ids and repaired bytes.
+    ``forget_failures`` (``--retry-failed``, at the start of a run): then delete the failures file, so that
+    its records are not done and are answered again."""
     parts = config.parts_dir
     with (
         ResumableJsonl(config.out, key=KEY) as out,
@@ -216,6 +221,10 @@ def merge_leftover_parts(config: RegenerateConfig) -> tuple[frozenset[str], int]
             compact_partials(config.partial_path, partial_parts, done=done.__contains__)
         if parts.is_dir():
             parts.rmdir()
+        if forget_failures:
+            failures.close()
+            config.failures_path.unlink(missing_ok=True)
+            return frozenset(out.keys), out.repaired_bytes
         return frozenset(out.keys | failures.keys), out.repaired_bytes
 
 
@@ -267,7 +276,7 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
         return _run_torchrun(config)
     with lock_output(config):
         start = time.perf_counter()
-        done, repaired = merge_leftover_parts(config)
+        done, repaired = merge_leftover_parts(config, forget_failures=config.retry_failed)
         placement = config.placement
         if placement.num_workers == 1:
             return _run_in_process(config, done=done, repaired=repaired, start=start)
@@ -414,7 +423,8 @@ def _run_torchrun(config: RegenerateConfig) -> RegenerateSummary | None:
         with _stop_on_sigint(rank=rank):
             lock = _lock_on_rank_0(config, rank)
             start = time.perf_counter()
-            repaired = merge_leftover_parts(config)[1] if rank == 0 else 0
+            forget = config.retry_failed
+            repaired = merge_leftover_parts(config, forget_failures=forget)[1] if rank == 0 else 0
             dist.barrier()
             progress = RegenerateProgress(
                 enabled=config.progress and rank == 0, total=config.limit, num_workers=world

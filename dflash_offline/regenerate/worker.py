@@ -185,7 +185,7 @@ def _load_server_engine(spec: WorkerSpec[AnswerTask]) -> LoadedEngine:
     )
     engine = OpenAIEngine(
         options=options, served=served, settings=settings, tokenizer=target.tokenizer,
-        seed=config.seed + spec.worker,
+        vocab_size=target.info.vocab_size, seed=config.seed + spec.worker,
     )  # fmt: skip
     return LoadedEngine(
         tokenizer=target.tokenizer,

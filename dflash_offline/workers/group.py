@@ -3,8 +3,9 @@
 
 Each command says once, in a ``GroupPolicy``, which of its events mean "loaded" and "finished", how long
 a stopped run waits for its workers, and how their failures read; the groups and ``watch`` do the rest:
-a worker's exception stops the run with its traceback, a worker that died without a word (killed, out
-of memory) stops it too, and the first Ctrl-C stops it between steps.
+a worker's exception stops the run (a ``DflashError`` with its one line, any other with its traceback), a
+worker that died without a word (killed, out of memory) stops it too, and the first Ctrl-C stops it
+between steps.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Protocol
 
 from dflash_offline.errors import DflashError, NoSpaceError, WorkerError
 from dflash_offline.interrupt import StopRequested, stop_requested
-from dflash_offline.workers.records import WorkerFailed
+from dflash_offline.workers.records import WorkerFailed, user_error
 
 POLL_SECONDS = 0.2
 """How long the coordinator waits for an event before it looks at its workers and redraws."""
@@ -49,6 +50,11 @@ class GroupPolicy:
         """The error that stops the run when a worker sent ``failed``."""
         if failed.no_space and self.no_space_at:
             return NoSpaceError(self.no_space_at)
+        # The user's to fix (a server that stopped answering, a bad file): one line, as from one worker;
+        # a traceback is for the bugs.
+        user = user_error(failed)
+        if user is not None:
+            return user
         return WorkerError(
             f"{self.label} {failed.worker} ({failed.device}) failed; {self.resumable} is resumable. "
             f"Its traceback:\n{failed.traceback}"

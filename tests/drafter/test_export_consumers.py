@@ -203,14 +203,15 @@ CONTRACTS = (
 
 
 def _eval_report(drafter_dir: Path) -> dict[str, Any]:
-    def summary(name: str, tau: float, speedup: float) -> EvalSummary:
+    def summary(name: str, tau: float, speedup: float, timed: bool) -> EvalSummary:
         return EvalSummary(
             num_prompts=6, block_size=8, tau=tau, accepted_histogram=[0] * 8, cycles=10, new_tokens=40,
             spec_seconds=1.0, target_seconds=speedup, speedup=speedup, spec_tokens_per_s=40.0,
-            target_tokens_per_s=40.0 / speedup, identical_prompts=6, name=name,
+            target_tokens_per_s=40.0 / speedup, identical_prompts=6, name=name, timed=timed,
         )  # fmt: skip
 
-    sets = [summary("mt-bench", 1.25, 0.8), summary("sharegpt", 1.5, 0.9)]
+    # One set timed long enough to measure its speedup (eval/report.py:TIMING_RULE), one not.
+    sets = [summary("mt-bench", 1.25, 0.8, False), summary("sharegpt", 1.5, 0.9, True)]
     report = EvalReport(
         version=2, config={}, target={}, drafter={"directory": str(drafter_dir)}, held_out="", warnings=[],
         prompts=[], summary=replace(sets[0], name="all"), sets=sets,
@@ -294,9 +295,9 @@ def test_model_card_names_the_run_and_holds_the_serve_commands(export: Path) -> 
     assert "`chat-sample`" in card  # the data source of the cache
     assert "checkpoint of step 2" in card
     # The held-out τ table, from RUN/eval.json (found without being named).
-    assert "| mt-bench | 6 | 1.250 | 0.80× |" in card
+    assert "| mt-bench | 6 | 1.250 | 0.80× (too short to time: noise) |" in card
     assert "| sharegpt | 6 | 1.500 | 0.90× |" in card
-    assert "| mean | 12 | 1.375 | 0.85× |" in card
+    assert "| mean | 12 | 1.375 | 0.85× (too short to time: noise) |" in card
     spec = json.loads(re.search(r"--speculative-config '(\{.*?\})'", card).group(1))  # type: ignore[union-attr]
     assert spec == {"method": "dflash", "model": str(export.resolve()), "num_speculative_tokens": B - 1}
     assert "vllm serve random:tiny" in card

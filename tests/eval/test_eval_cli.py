@@ -266,3 +266,39 @@ def test_ctrl_c_reports_the_finished_turns(
     assert report["summary"]["num_prompts"] == finished
     assert any(f"interrupted after {finished} of 4 turns" in w for w in report["warnings"])
     assert f"the report covers the {finished} turns decoded before Ctrl-C" in result.output
+
+
+def test_a_second_ctrl_c_aborts_the_turn_in_progress_and_reports_the_finished_ones(
+    run_dir: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGINT once the first turn is finished, and a second while the next one decodes: that turn is
+    aborted at once, and the finished one is still written and counted (exit 130)."""
+    import os
+    import signal
+
+    from dflash_offline.eval import question_decoding
+
+    decode = question_decoding.decode_question
+    calls = [0]
+
+    def interrupted_twice(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        calls[0] += 1
+        if calls[0] == 2:  # the second question: the first one's turn is finished
+            os.kill(os.getpid(), signal.SIGINT)  # a stop after this turn...
+            os.kill(os.getpid(), signal.SIGINT)  # ...and the second Ctrl-C, before it is decoded
+            raise AssertionError("the second Ctrl-C did not abort the turn in progress")
+        yield from decode(*args, **kwargs)
+
+    monkeypatch.setattr(question_decoding, "decode_question", interrupted_twice)
+    out = tmp_path / "report.json"
+    args = ["eval", "--target", "random:tiny", "--drafter", str(run_dir["run"] / "drafter"), "--no-warmup",
+            "--data", str(run_dir["data"]), "--limit", "4", "--max-new-tokens", "6", "--json", str(out),
+            "--no-progress"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 130, result.output
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True
+    assert [p["record_id"] for p in report["prompts"]] == ["rec-1"]
+    assert any("interrupted after 1 of 4 turns (a second Ctrl-C aborted" in w for w in report["warnings"])
+    assert "the report covers the 1 turns decoded before Ctrl-C" in result.output
+    assert "before any turn was decoded" not in result.output

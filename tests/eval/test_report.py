@@ -83,3 +83,39 @@ def test_table_arithmetic_on_a_hand_computed_case() -> None:
     # The histogram rows, in % of each set's cycles.
     assert hist_rows["A"] == ["29", "14", "14", "43"]
     assert hist_rows["B"] == ["60", "0", "0", "40"]
+
+
+def _report(results: list) -> EvalReport:  # type: ignore[type-arg]
+    sets, mean, pooled = summarize_sets(results, block_size=B)
+    return EvalReport(
+        version=EVAL_REPORT_VERSION, config={}, target={"target_id": "t"}, drafter={"directory": "d"},
+        held_out="h", warnings=[], prompts=results, summary=pooled, sets=sets, mean=mean,
+    )  # fmt: skip
+
+
+def test_timings_too_short_to_time_are_marked_noise_with_the_rule() -> None:
+    """At least 1,000 new tokens and 5 s of decoding in each loop, or tok/s and speedup are noise: said in
+    the table's row (and its rule printed) and in the JSON's ``timed``, per set and per prompt."""
+    short = [_result("A", "q1", 1, n=48, accepted=(0,) * 47, spec_s=0.7, target_s=0.4)]  # a 0.57x
+    table = format_table(_report(short))
+    row = next(line.split() for line in table.splitlines() if line.startswith("A "))
+    assert row[8] == "0.57x"
+    assert row[-2:] == ["no:", "noise"]
+    assert "noise, not a measurement" in table
+    assert "at least 1,000 new tokens and 5 s of decoding in each loop" in table
+    doc = _report(short).to_dict()
+    assert doc["summary"]["timed"] is False
+    assert doc["prompts"][0]["timed"] is False
+    assert "1,000 new tokens" in doc["timing_rule"]
+    # Enough tokens but too little time in one loop: still noise.
+    fast = [_result("A", f"q{i}", 1, n=500, accepted=(3,) * 125, spec_s=1.0, target_s=9.0) for i in range(2)]
+    assert not _report(fast).summary.timed
+    # Long enough: a measurement, and no rule line; each 500-token prompt alone is still noise.
+    long = [_result("A", f"q{i}", 1, n=500, accepted=(3,) * 125, spec_s=3.0, target_s=9.0) for i in range(2)]
+    report = _report(long)
+    table = format_table(report)
+    row = next(line.split() for line in table.splitlines() if line.startswith("A "))
+    assert row[-1] == "yes"
+    assert "noise" not in table
+    assert report.summary.timed
+    assert not any(p.timed for p in report.prompts)

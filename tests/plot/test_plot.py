@@ -217,3 +217,111 @@ def test_unknown_paths_are_refused(tmp_path: Path) -> None:
     bad.write_text("{}")
     with pytest.raises(ConfigError, match="not a `dflash eval --json` report"):
         plot_path(bad)
+
+
+def _captured_figures(monkeypatch: pytest.MonkeyPatch, module: object) -> dict[str, object]:
+    """The figures ``module`` saves, by file name, drawn before they are closed (their artists laid out)."""
+    figures: dict[str, object] = {}
+    save = module.save  # type: ignore[attr-defined]
+
+    def capture(fig, out):  # type: ignore[no-untyped-def]
+        fig.tight_layout()
+        fig.canvas.draw()
+        figures[out.name] = {
+            "titles": [(ax.title.get_text(), ax.title.get_window_extent()) for ax in fig.axes],
+            "width": fig.bbox.width,
+            "ylim": [ax.get_ylim() for ax in fig.axes],
+            "xlim": [ax.get_xlim() for ax in fig.axes],
+            "vlines": [
+                (str(line.get_label()), list(line.get_xdata()))
+                for ax in fig.axes
+                for line in ax.get_lines()
+                if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2
+            ],
+            "texts": [t.get_text() for ax in fig.axes for t in ax.texts],
+        }
+        return save(fig, out)
+
+    monkeypatch.setattr(module, "save", capture)
+    return figures
+
+
+def test_run_plot_titles_fit_the_figure_and_the_tau_axis_fits_the_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long run name with every validation figure in the title stays inside the figure (wrapped, not
+    clipped); a run near τ 1.05 gets a τ axis near its values, not one from 1 to B = 8."""
+    from dflash_offline.plot import run_plots
+
+    run = tmp_path / "smollm2-b8-one-layer-drafter-trained-on-regenerated-sharegpt-answers-2026-12-06"
+    _write_run(run, 30)
+    path = run / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()[:-1]]
+    for line in lines:
+        line["simulated_tau"] = 1.02 + line["step"] / 1000
+        if line["step"] % 10 == 0:
+            line.update(val_loss=6.5, val_simulated_tau=1.04, val_block_tau=1.03, val_chain_tau=1.05)
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    figures = _captured_figures(monkeypatch, run_plots)
+    plot_path(run)
+    for name, fig in figures.items():
+        for text, box in fig["titles"]:  # type: ignore[index]
+            if text:
+                assert box.x0 >= 0, (name, text)
+                assert box.x1 <= fig["width"], (name, text)  # type: ignore[index]
+    bottom, top = figures["simulated_tau.png"]["ylim"][0]  # type: ignore[index]
+    assert bottom == 1.0
+    assert 1.06 <= top <= 1.2  # the highest value drawn (1.06) and a margin, not B + 0.5 = 8.5
+
+
+@pytest.mark.parametrize("spelling", ["NaN", "null", "Infinity"])
+def test_run_plot_marks_where_the_loss_stopped_being_finite(
+    spelling: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hand-written metrics.jsonl whose loss is finite up to step 3, then ``spelling`` (a strict writer's
+    null, or NaN / Infinity as json.dumps writes them), and whose grad norm goes first in another file."""
+    from dflash_offline.plot import run_plots
+
+    def line(step: int, loss: str, grad_norm: str) -> str:
+        return (
+            f'{{"step": {step}, "loss": {loss}, "lr": 0.001, "grad_norm": {grad_norm}, "simulated_tau": 1.1, '
+            '"acc_by_position": [0.1, 0.05, 0.0], "tokens_per_s": 100.0, "data_wait_fraction": 0.0}'
+        )
+
+    run = tmp_path / "run"
+    run.mkdir()
+    steps = [line(s, "5.0", "1.0") for s in (1, 2, 3)] + [line(s, spelling, spelling) for s in (4, 5, 6)]
+    (run / "metrics.jsonl").write_text("\n".join(steps) + "\n")
+    figures = _captured_figures(monkeypatch, run_plots)
+    plot_path(run)
+    loss = figures["loss.png"]
+    assert ("loss not finite from step 4", [4, 4]) in loss["vlines"]  # type: ignore[index]
+    assert sum(x == [4, 4] for _, x in loss["vlines"]) == 2  # type: ignore[index]  # loss and lr panels
+    assert any("loss not finite from step 4" in t for t in loss["texts"])  # type: ignore[index]
+    assert "loss not finite from step 4" in loss["titles"][0][0].replace("\n", " ")  # type: ignore[index]
+    assert any(x == [4, 4] for _, x in figures["simulated_tau.png"]["vlines"])  # type: ignore[index]
+    result = CliRunner().invoke(main, ["plot", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "warning: loss not finite from step 4" in result.output
+
+    other = tmp_path / "grad-first"
+    other.mkdir()
+    steps = [line(1, "5.0", "1.0"), line(2, "5.0", spelling), line(3, spelling, spelling)]
+    (other / "metrics.jsonl").write_text("\n".join(steps) + "\n")
+    figures.clear()
+    plot_path(other)
+    assert ("grad norm not finite from step 2", [2, 2]) in figures["loss.png"]["vlines"]  # type: ignore[index]
+
+
+def test_cache_length_axis_ends_at_the_fingerprints_max_length() -> None:
+    from dflash_offline.plot.cache_plots import _lengths_figure
+    from dflash_offline.plot.common import pyplot
+
+    tokens = np.array([100, 300, 700, 1024])
+    fig = _lengths_figure(
+        pyplot(), tokens, tokens // 2, edges=(256, 512, 1024, 2048, 3072), name="c", max_length=1024
+    )
+    ax = fig.axes[0]
+    assert ax.get_xlim() == (0.0, 1024.0)
+    edges_drawn = sorted(line.get_xdata()[0] for line in ax.get_lines())
+    assert edges_drawn == [256, 512, 1024]

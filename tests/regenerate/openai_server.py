@@ -9,7 +9,9 @@ token is a completion token) and vLLM's ``return_token_ids``. Faults are injecte
 count completion requests from 1, in arrival order; ``reject_marker``: every prompt whose text holds it
 gets a 500; ``text_only``: token-id prompts are refused with 400 and no token ids are returned;
 ``add_bos``: text prompts get one more token, as a server with another tokenizer setting would;
-``die_after``: the process SIGKILLs itself when that completion request arrives).
+``die_after``: the process SIGKILLs itself when that completion request arrives; ``choice_override`` and
+``usage_override``: fields replaced in ``choices[0]`` and ``usage`` of every answer, as a broken server
+would return them).
 
 Run: ``python -m tests.regenerate.openai_server --port 0``; it prints ``LISTENING <port>`` when ready.
 """
@@ -109,6 +111,8 @@ class TinyServer:
             choice["token_ids"] = generated
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(generated)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        choice.update(plan.get("choice_override") or {})  # a server that returns bad values
+        usage.update(plan.get("usage_override") or {})
         return 200, {
             "id": "cmpl-test",
             "object": "text_completion",

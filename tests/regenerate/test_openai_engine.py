@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,7 @@ from dflash_offline.regenerate.openai_engine import OpenAIEngine, ServerError, s
 from dflash_offline.regenerate.run import RegenerateStopped, run_regenerate
 from dflash_offline.target_model.loader import load_target, stop_token_ids
 from tests.eval.helpers import one_thread, write_chat_jsonl
+from tests.regenerate.openai_server_process import Server, ready, start_server
 from tests.regenerate.turns import answered_before_stop, turn_keys
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,39 +37,10 @@ COMMON: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Server:
-    url: str
-    process: subprocess.Popen[str]
-
-    def faults(self, **plan: Any) -> None:
-        request = urllib.request.Request(
-            self.url + "/admin/faults", data=json.dumps(plan).encode(), method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            assert response.status == 200
-
-
-def _start_server() -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.regenerate.openai_server", "--port", "0"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _ready(process: subprocess.Popen[str]) -> Server:
-    assert process.stdout is not None
-    line = process.stdout.readline()  # blocks until the model is loaded and the socket listens
-    assert line.startswith("LISTENING "), line
-    return Server(url=f"http://127.0.0.1:{int(line.split()[1])}", process=process)
-
-
 @pytest.fixture(scope="module")
 def starting() -> Iterator[list[subprocess.Popen[str]]]:
     """A healthy server and one that the kill test kills, loading while the reference is computed."""
-    processes = [_start_server(), _start_server()]
+    processes = [start_server(), start_server()]
     try:
         yield processes
     finally:
@@ -82,7 +51,7 @@ def starting() -> Iterator[list[subprocess.Popen[str]]]:
 
 @pytest.fixture(scope="module")
 def servers(starting: list[subprocess.Popen[str]], reference: dict[str, Any]) -> tuple[Server, Server]:
-    healthy, victim = (_ready(p) for p in starting)
+    healthy, victim = (ready(p) for p in starting)
     return healthy, victim
 
 
@@ -292,3 +261,50 @@ def test_the_retry_wait_doubles_and_honours_retry_after() -> None:
     assert [policy.wait_before(k, None) for k in (1, 2, 3)] == [0.5, 1.0, 2.0]
     assert policy.wait_before(20, None) == 60.0
     assert policy.wait_before(1, 7.0) == 7.0
+
+
+def _answer(**choice: Any) -> dict[str, Any]:
+    usage = choice.pop("usage", {"prompt_tokens": 3, "completion_tokens": 3})
+    return {
+        "choices": [{"text": "abc", "finish_reason": "stop", "token_ids": [7, 8, 2], **choice}],
+        "usage": usage,
+    }
+
+
+@pytest.mark.parametrize(
+    ("answer", "fault"),
+    [
+        ([], "the answer is [], not a JSON object"),
+        ({"choices": [], "usage": {}}, "choices is [], not a list of objects"),
+        (_answer(finish_reason="abort"), "choices[0].finish_reason 'abort'"),
+        (_answer(usage=None), "usage is None, not an object"),
+        (_answer(usage={"prompt_tokens": "3"}), "usage.prompt_tokens is '3', not an integer"),
+        (_answer(usage={"prompt_tokens": 4}), "the server read the prompt as 4 tokens, ours has 3"),
+        (
+            _answer(token_ids=[7, 2, 8, 2]),
+            "choices[0].token_ids[1] is the stop token 2 before the answer's end",
+        ),
+        (_answer(token_ids=[7, False]), "choices[0].token_ids[1] is False, not an integer"),
+        (
+            _answer(token_ids=[7, 100]),
+            "choices[0].token_ids[1] is 100, not a token id of the target (0 to 99)",
+        ),
+        (_answer(token_ids=list(range(3, 8))), "has 5 ids, more than the request's max_tokens 4"),
+    ],
+)
+def test_every_value_of_an_answer_is_checked_against_the_request(answer: Any, fault: str) -> None:
+    from dflash_offline.regenerate.served_answer import AnswerFault, AnswerRequest, parse_served_answer
+
+    request = AnswerRequest(prompt_tokens=3, max_tokens=4, vocab_size=100, stop_ids=frozenset({2}))
+    checked = parse_served_answer(answer, request)
+    assert isinstance(checked, AnswerFault), checked
+    assert fault in checked.detail
+
+
+def test_a_good_answer_keeps_its_ids_less_the_final_stop_token() -> None:
+    from dflash_offline.regenerate.served_answer import AnswerRequest, ServedAnswer, parse_served_answer
+
+    request = AnswerRequest(prompt_tokens=3, max_tokens=4, vocab_size=100, stop_ids=frozenset({2}))
+    assert parse_served_answer(_answer(), request) == ServedAnswer(
+        text="abc", finish_reason="stop", token_ids=(7, 8), completion_tokens=3
+    )
