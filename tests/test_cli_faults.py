@@ -435,6 +435,7 @@ def _max_rss_mib(command: list[str], out: Path) -> int:
     return int(max_rss_kib) // 1024
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("output_format", ["csv", "jsonl"])
 def test_a_million_rows_stream_in_bounded_memory(output_format: str, tmp_path: Path) -> None:
     cache = _golden_copy(tmp_path, index=False)
@@ -889,6 +890,7 @@ def test_a_bad_value_from_the_server_is_a_failure_row_naming_the_field_and_a_run
     assert not (tmp_path / "answers.failures.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_server_dying_under_two_workers_is_one_line(
     chat: Path, tmp_path: Path, openai_servers: tuple[Server, Server]
 ) -> None:

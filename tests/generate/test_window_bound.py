@@ -163,6 +163,7 @@ def test_window_bound_holds_while_training_retires_stores(tmp_path: Path) -> Non
     assert verify_cache(cache, progress=False).ok
 
 
+@pytest.mark.slow
 def test_a_window_that_open_stores_could_fill_is_refused(tmp_path: Path) -> None:
     """Training retires only sealed stores: a window that two workers' open stores and a job could fill
     would leave generate and training waiting for each other forever."""

@@ -105,6 +105,7 @@ def test_resume_passes_over_a_checkpoint_of_nan_weights(
     assert [step for step, _path in list_checkpoints(run)] == [1, 2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_both_ddp_ranks_stop_at_the_same_step(tiny_cache: Path, tmp_path: Path) -> None:
     """Two spawned ranks read the same all-reduced loss and gradient norm: both stop at step 2 (neither

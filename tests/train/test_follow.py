@@ -115,6 +115,7 @@ def test_follow_trains_every_sample_its_passes_and_retires_its_stores(tmp_path: 
     assert again.segments == 1
 
 
+@pytest.mark.slow
 def test_follow_refuses_a_split_unlike_the_routing(tmp_path: Path) -> None:
     data = make_chat_jsonl(tmp_path / "chat.jsonl", 12, seed=3)
     cache = window_cache(tmp_path / "cache", data)
