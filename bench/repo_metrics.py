@@ -42,10 +42,10 @@ PLUMBING = re.compile(
             r"drafter_parts",
             r"follow\.sh",
             r"/tmp/site",
-            r"/tmp/stage",
+            r"/tmp/stag[e]",
             r"\.device/",
             r"\.whl\b",
-            r"device time",
+            r"device\s+time",
             rf"\b(?:{_ORDINALS}) session",
             r"next GPU (?:run|session)",
             r"staging calls?",
@@ -64,8 +64,8 @@ DATA_PATH = (
     "train/prefetch.py",
     "drafter/batch.py",
 )
-"""The modules (under the package) between the index snapshot and the drafter's input, as of issue 43's
-count; a module that is missing counts nothing."""
+"""The modules (under the package) between the index snapshot and the drafter's input; a module that is
+missing counts nothing."""
 LOOP_HEAD = re.compile(r"new_tokens|\bis_done\b")
 CARRIES = re.compile(r"\b(?:Tensor|ndarray)\b")
 
