@@ -29,7 +29,7 @@ from typing import Literal
 import duckdb
 
 from dflash_offline.cache.layout import CacheLayout
-from dflash_offline.cache.sql_guard import confine
+from dflash_offline.cache.sql_confine import confine
 from dflash_offline.errors import CacheFormatError
 from dflash_offline.sql_files import quote_literal, read_schema, split_statements
 

@@ -18,18 +18,18 @@ Two layers, both DuckDB's own rather than regexes over the text:
 
 DuckDB also allows its temp directory whatever ``allowed_directories`` says: ``<db>.tmp/`` beside a
 database file, ``.tmp/`` in the working directory for an in-memory one. A symlink of that name (or a
-file a user left there) was readable through ``read_text``/``glob``, so ``confine`` turns the temp
+file a user left there) was readable through ``read_text``/``glob``, so ``sql_confine.confine`` turns the temp
 directory off first: a query that would spill to disk fails instead of opening a door.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from pathlib import Path
 
 import duckdb
 
+from dflash_offline.cache.sqldb import index_health
 from dflash_offline.errors import DflashError
 
 _AN = frozenset({"ABORT", "ALTER", "ANALYZE", "ATTACH", "END", "EXECUTE", "EXPLAIN", "EXPORT", "IMPORT",
@@ -90,8 +90,6 @@ def check_statement(sql: str, *, root: Path) -> None:
 
 def full_shell_hint(root: Path) -> str:
     """Where to run what ``dflash sql`` refuses; ``dflash index`` only when the index needs it."""
-    from dflash_offline.cache.sqldb import index_health  # sqldb confines its connections with this module
-
     shell = f"for a full SQL shell use the duckdb CLI: `duckdb {root}/index.duckdb`"
     needed = {
         "absent": f" (after `dflash index {root}`)",
@@ -100,23 +98,6 @@ def full_shell_hint(root: Path) -> str:
         "current": "",
     }
     return shell + needed[index_health(root).state]
-
-
-def confine(con: duckdb.DuckDBPyConnection, root: Path) -> None:
-    """Restrict ``con`` to reading files under ``root``; the settings cannot be changed afterwards.
-
-    Order matters: ``allowed_directories`` cannot be set once external access is off, and the temp
-    directory (always allowed by DuckDB) must be gone before the lock."""
-    allowed = str(root.resolve()).rstrip("/") + "/"
-    con.execute("SET temp_directory = ''")
-    con.execute("SET autoinstall_known_extensions = false")
-    con.execute("SET autoload_known_extensions = false")
-    # A DuckDB without allowed_directories (< 1.1) puts every file off limits, the cache's own included
-    # (the manifest is already in memory, index.duckdb already open): stricter, and queries still work.
-    with contextlib.suppress(duckdb.CatalogException):
-        con.execute(f"SET allowed_directories = [{_literal(allowed)}]")
-    con.execute("SET enable_external_access = false")
-    con.execute("SET lock_configuration = true")
 
 
 def refusal_for(error: duckdb.Error, *, root: Path) -> SqlRefusedError | None:
@@ -128,7 +109,3 @@ def refusal_for(error: duckdb.Error, *, root: Path) -> SqlRefusedError | None:
         f"dflash sql reads only the cache's own files (under {root.resolve()}), refused: {first}; "
         + full_shell_hint(root)
     )
-
-
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"

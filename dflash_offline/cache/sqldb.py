@@ -25,7 +25,7 @@ import pyarrow as pa
 from dflash_offline.cache.index_catalogue import IndexHealth, IndexUnusableError, open_index
 from dflash_offline.cache.layout import MANIFEST_TABLES, CacheLayout, read_fingerprint, read_format_version
 from dflash_offline.cache.manifest import check_parts, current_parts, read_parts
-from dflash_offline.cache.sql_guard import confine
+from dflash_offline.cache.sql_confine import confine
 from dflash_offline.errors import CacheFormatError
 from dflash_offline.sql_files import quote_literal, read_schema, split_statements
 

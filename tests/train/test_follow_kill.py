@@ -57,7 +57,7 @@ def test_sigkill_generate_train_and_both_during_follow(tmp_path: Path) -> None:
     )  # fmt: skip
     train_cmd = follow_cmd(cache, run)
     rng = np.random.default_rng(5)
-    plan = ["generate", "train", "both", "train", "generate", "both"]
+    plan = ["generate", "train", "both"]
     generate = start_in_new_session(gen_cmd)
     train = start_in_new_session(train_cmd)
     deadline = time.monotonic() + 1500
