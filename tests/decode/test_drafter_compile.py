@@ -194,6 +194,7 @@ def _prompts(target: LoadedTarget) -> list[list[int]]:
     return [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in (9, 17, 30)]
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_cycle_with_a_compiled_drafter_accepts_what_the_eager_one_accepts(target: LoadedTarget) -> None:
     model = _drafter(target)
     stop: frozenset[int] = frozenset()
@@ -211,6 +212,7 @@ def test_cycle_with_a_compiled_drafter_accepts_what_the_eager_one_accepts(target
     assert not eager.target_compiled
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_eval_compile_option(target: LoadedTarget, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--compile``: auto compiles on CUDA alone, off never, on always (the report says so); a failed
     compile still evaluates, eagerly, and the report warns."""

@@ -55,6 +55,7 @@ def weights_file() -> Path:
     return gguf_assets_dir(source.path, weights_hash(source)) / gguf_weights.WEIGHTS_FILE
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_the_cached_weights_are_the_gguf_loads_in_every_dtype_and_truncated(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -98,6 +99,7 @@ def test_the_cached_weights_are_the_gguf_loads_in_every_dtype_and_truncated(
     assert torch.equal(head.lm_head_VH, want32.model.lm_head.weight)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_an_unwritable_cache_or_a_model_over_the_cap_loads_from_the_gguf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

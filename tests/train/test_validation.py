@@ -245,6 +245,7 @@ def _assert_same_weights(export: Path, checkpoint: Path) -> None:
     assert_export_equals_checkpoint(_weights(export), _weights(checkpoint / "state.pt"))
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_best_export_and_early_stop(cache: Path, tmp_path: Path) -> None:
     """RUN/drafter holds the weights of the best validation chain τ's step (RUN/drafter-last the last
     step's); --early-stop K ends the run K validations after its best, checkpointed, and a rerun trains
