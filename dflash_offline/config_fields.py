@@ -4,8 +4,10 @@ spelling and help (``cli_field``); ``cli/options.py`` derives the click option f
 The library never imports click: a field's ``Cli`` is plain data. Options shared by several commands
 (``--cache``, ``--seed``, ``--gpus``/``--workers``/``--threads``, ``--progress``, ``--skip``/``--limit``,
 ``--device``…) are the ``Cli`` constants below, used by every config that has them and by the shared
-decorators of ``cli/options.py``. Messages name an option with ``flag(Config, "field")`` or
-``flag(SHARED)``, never by typing its spelling."""
+decorators of ``cli/options.py``. Messages and help texts name an option by its field, with
+``field_ref(Config, "field")`` ("`Config.field`") or ``field_ref(SHARED)`` ("`field`"), never by its flag:
+a Python caller reads the field, and ``cli/flags.py``, the one place that spells flags, turns each such
+marker into the flag when the command line prints the text."""
 
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ class Cli:
     """None: show it when the default is not None (and the option is not a plain flag)."""
     kind: Literal["value", "placement"] = "value"
     """``placement``: a ``Placement`` field, spelled ``--gpus``/``--workers``/``--threads``."""
+    field: str | None = None
+    """For a shared option: the field name the configs give it, which ``field_ref(SHARED)`` names."""
 
 
 def cli_field(default: Any = dataclasses.MISSING, cli: Cli | None = None, **spec: Any) -> Any:
@@ -76,27 +80,43 @@ def cli_spec(f: dataclasses.Field[Any]) -> Cli | None:
     return spec if isinstance(spec, Cli) else None
 
 
-def flag_of(name: str, spec: Cli) -> str:
-    return spec.flag or "--" + name.replace("_", "-")
-
-
-def flag(owner: type[Any] | Cli, name: str | None = None) -> str:
-    """How ``dflash`` spells an option, for a message that names it: ``flag(TrainConfig, "max_steps")``
-    is ``--max-steps`` (a field of a config dataclass), ``flag(SEED)`` is ``--seed`` (a shared option).
-    A field that does not exist, has no ``Cli`` or is several options (a ``Placement``) raises
-    ``ValueError``: a renamed option breaks every message naming it (a test calls every use)."""
+def field_ref(owner: type[Any] | Cli, name: str | None = None) -> str:
+    """How a message names an option: ``field_ref(TrainConfig, "max_steps")`` is "`TrainConfig.max_steps`"
+    (a field of a config dataclass), ``field_ref(SEED)`` is "`seed`" (a shared option, by its field name).
+    A Python caller reads that; the command line shows the flag instead (``cli.flags.render``). A field
+    that does not exist, has no ``Cli`` or is several options (a ``Placement``) raises ``ValueError``:
+    a renamed option breaks every message naming it (a test calls every use)."""
     if isinstance(owner, Cli):
-        if name is not None or owner.flag is None:
-            raise ValueError(f"flag(shared option) takes a Cli with a flag and no name, not {owner!r}")
-        return owner.flag
+        if name is not None or owner.field is None:
+            raise ValueError(f"field_ref(shared option) takes a Cli with a field and no name, not {owner!r}")
+        return f"`{owner.field}`"
     if name is None:
-        raise ValueError(f"flag({owner.__name__}) needs the name of one of its option fields")
+        raise ValueError(f"field_ref({owner.__name__}) needs the name of one of its option fields")
     fields = {f.name: f for f in dataclasses.fields(owner)}
     spec = cli_spec(fields[name]) if name in fields else None
     if spec is None or spec.kind != "value":
         raise ValueError(
             f"{owner.__name__}.{name} is not a command-line option (no such field, or no one flag)"
         )
+    return f"`{owner.__name__}.{name}`"
+
+
+def flag_of(name: str, spec: Cli) -> str:
+    """Deprecated: the flag of a field, for the modules of ``train/`` not yet naming fields with
+    ``option``; ``cli.flags.spelling`` is the command line's own."""
+    return spec.flag or "--" + name.replace("_", "-")
+
+
+def flag(owner: type[Any] | Cli, name: str | None = None) -> str:
+    """Deprecated: ``option``'s marker spelled as the flag, for the modules of ``train/`` not yet
+    naming fields with ``option``; ``cli.flags.flag`` is the command line's own."""
+    field_ref(owner, name)
+    if isinstance(owner, Cli):
+        assert owner.flag is not None
+        return owner.flag
+    assert name is not None
+    spec = cli_spec({f.name: f for f in dataclasses.fields(owner)}[name])
+    assert spec is not None
     return flag_of(name, spec)
 
 
@@ -159,13 +179,13 @@ def invalid_values(cls: type[Any], values: dict[str, Any]) -> list[str]:
         value = values.get(f.name)
         if spec is None or spec.kind != "value" or value is None:
             continue
-        flag = flag_of(f.name, spec)
+        named = field_ref(cls, f.name)
         choices = literal_choices(hints[f.name]) or spec.choices
         if choices is not None and value not in choices:  # a bool too: an option once a flag
-            bad.append(f"{flag} {value!r}: expected {_one_of(choices)}")
+            bad.append(f"{named} {value!r}: expected {_one_of(choices)}")
         elif isinstance(value, int | float) and not isinstance(value, bool) and not _within(value, spec):
             integer = int in (hints[f.name], *typing.get_args(hints[f.name]))
-            bad.append(f"{flag} {value}: expected {bounds_text(spec, integer=integer)}")
+            bad.append(f"{named} {value}: expected {bounds_text(spec, integer=integer)}")
     return bad
 
 
@@ -177,42 +197,52 @@ def check_fields(config: Any) -> None:
         raise ConfigError("invalid " + "; ".join(bad))
 
 
-# Options shared by several commands (one spelling, one help text).
-CACHE = Cli(flag="--cache", path="dir", required=True, help="The cache directory.")
-SEED = Cli(flag="--seed", help="Seed of every random choice.")
-PROGRESS = Cli(flag="--progress", secondary="--no-progress", help="Show a progress bar.")
-GPUS = Cli(flag="--gpus", help="GPUs to use, one worker process each: all, 0,1,2 or 0-7. Default: the CPU.")
+# Options shared by several commands (one spelling, one help text), named by their field.
+CACHE = Cli(field="cache_dir", flag="--cache", path="dir", required=True, help="The cache directory.")
+SEED = Cli(field="seed", flag="--seed", help="Seed of every random choice.")
+PROGRESS = Cli(field="progress", flag="--progress", secondary="--no-progress", help="Show a progress bar.")
+GPUS = Cli(
+    field="gpus",
+    flag="--gpus",
+    help="GPUs to use, one worker process each: all, 0,1,2 or 0-7. Default: the CPU.",
+)
 WORKERS = Cli(
+    field="num_cpu_workers",
     flag="--workers",
     min=1,
     max=1024,
-    help=f"Worker processes on the CPU (used when {flag(GPUS)} is not given).",
+    help=f"Worker processes on the CPU (used when {field_ref(GPUS)} is not given).",
 )
 PLACEMENT = Cli(kind="placement")
 TARGET = Cli(
+    field="target",
     flag="--target",
     help="default (embedded SmolLM2-135M-Instruct), a Hugging Face model directory, a .gguf file, "
     "or random:<preset> (random:tiny, random:smollm2-135m, random:qwen3-8b).",
 )
 DATA = Cli(
+    field="data",
     flag="--data",
     help="Chat data: JSON or JSONL, optionally .gz/.zst; a Parquet file or directory; a Hugging Face "
     "datasets save_to_disk directory. Default: the embedded ShareGPT V3 file.",
 )
 DATA_FORMAT = Cli(
+    field="data_format",
     flag="--data-format",
     help="Record schema: sharegpt (conversations of from/value), messages (role/content), "
     "prompt-response, alpaca (instruction/input/output); auto picks per record.",
 )
-SKIP = Cli(flag="--skip", min=0, help="Records to skip first.")
-LIMIT = Cli(flag="--limit", min=0, help=f"Records to read after {flag(SKIP)}.")
-DEVICE = Cli(flag="--device", help="cpu, cuda or cuda:N (default: cuda when available).")
+SKIP = Cli(field="skip", flag="--skip", min=0, help="Records to skip first.")
+LIMIT = Cli(field="limit", flag="--limit", min=0, help=f"Records to read after {field_ref(SKIP)}.")
+DEVICE = Cli(field="device", flag="--device", help="cpu, cuda or cuda:N (default: cuda when available).")
 DTYPE = Cli(
+    field="dtype",
     flag="--dtype",
     choices=("float32", "bfloat16"),
     help="Compute dtype (default: float32 on CPU, bfloat16 on GPU).",
 )
 THREADS = Cli(
+    field="threads_per_worker",
     flag="--threads",
     min=0,
     max=4096,

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.config_fields import flag
+from dflash_offline.cli.flags import arguments
 from dflash_offline.eval.config import EvalConfig
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.regenerate.config import RegenerateConfig
@@ -73,15 +73,6 @@ def _run(name: str, args: list[str], times: list[StageTime]) -> None:
     print(f"=== {name}: {seconds:.0f} s, {cpu_seconds:.0f} CPU-s", flush=True)
 
 
-def _options(config: type[Any], **values: object) -> list[str]:
-    """The command-line options that set these fields of ``config`` (a command's config dataclass), in
-    order, spelled as ``dflash`` spells them: the flag and the value, or the bare flag for True."""
-    args: list[str] = []
-    for name, value in values.items():
-        args += [flag(config, name)] if value is True else [flag(config, name), str(value)]
-    return args
-
-
 def compared_drafters(out: Path) -> dict[str, Path]:
     """The two drafters the demo compares, both exports of its one training run: ``dflash eval`` holds out
     a drafter's training samples by its run (the validation split stays usable), so two drafters of the
@@ -105,20 +96,20 @@ def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
     cache, run = out / "cache", out / "run"
     times: list[StageTime] = []
     common_eval = [
-        *_options(EvalConfig, target="default", exclude_cache=cache, limit=sizes.eval_prompts,
+        *arguments(EvalConfig, target="default", exclude_cache=cache, limit=sizes.eval_prompts,
                   max_new_tokens=sizes.eval_new_tokens, max_prompt_tokens=512),
         "--no-progress",
     ]  # fmt: skip
     _run(
         "regenerate",
-        ["regenerate", *_options(RegenerateConfig, target="default", limit=sizes.records,
+        ["regenerate", *arguments(RegenerateConfig, target="default", limit=sizes.records,
                                  max_new_tokens=sizes.max_new_tokens, max_prompt_tokens=512, batch_size=16,
                                  out=data)],
         times,
     )  # fmt: skip
     _run(
         "generate",
-        ["generate", *_options(GenerateConfig, cache_dir=cache, target="default", data=data, max_length=1024,
+        ["generate", *arguments(GenerateConfig, cache_dir=cache, target="default", data=data, max_length=1024,
                                too_long="truncate", bucket_edges="128,256,512,1024", tokens_per_batch=4096)],
         times,
     )  # fmt: skip
@@ -126,7 +117,7 @@ def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
     # is 5 layers and blocks of 16 (docs/drafter.md#defaults).
     _run(
         "train",
-        ["train", *_options(TrainConfig, cache_dir=cache, out_dir=run, num_layers=1, block_size=8,
+        ["train", *arguments(TrainConfig, cache_dir=cache, out_dir=run, num_layers=1, block_size=8,
                             num_anchors=128, tokens_per_microbatch=2048, grad_accum=sizes.grad_accum,
                             lr="3e-3", max_steps=sizes.train_steps, epochs=1000, checkpoint_every=40,
                             export_initial=True)],
@@ -137,7 +128,7 @@ def run_demo(out: Path, sizes: DemoSizes) -> dict[str, object]:
     reports = {}
     for label, drafter in compared_drafters(out).items():
         report = out / f"eval-{label}.json"
-        eval_args = ["eval", *_options(EvalConfig, drafter_dir=drafter), *common_eval, "--json", str(report)]
+        eval_args = ["eval", *arguments(EvalConfig, drafter_dir=drafter), *common_eval, "--json", str(report)]
         _run(f"eval ({label})", eval_args, times)
         reports[label] = json.loads(report.read_text())
     if prompts_of(reports["untrained"]) != prompts_of(reports["trained"]):

@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dflash_offline.config_fields import GPUS, THREADS, WORKERS, check_fields, cli_field, flag
+from dflash_offline.config_fields import GPUS, THREADS, WORKERS, check_fields, cli_field, field_ref
 from dflash_offline.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -65,7 +65,8 @@ def parse_gpus(text: str | None) -> tuple[int, ...]:
     if text.strip().lower() == "all":
         if available == 0:
             raise ConfigError(
-                f"{flag(GPUS)} all: no CUDA device is visible; use {flag(WORKERS)} N to run on the CPU"
+                f"{field_ref(GPUS)} all: no CUDA device is visible; use {field_ref(WORKERS)} N to run on "
+                "the CPU"
             )
         return tuple(range(available))
     ids: list[int] = []
@@ -78,12 +79,12 @@ def parse_gpus(text: str | None) -> tuple[int, ...]:
             else:
                 ids.append(int(part))
         except ValueError as e:
-            raise ConfigError(f"{flag(GPUS)} {text!r}: expected 'all', '0,1,2' or '0-7'") from e
+            raise ConfigError(f"{field_ref(GPUS)} {text!r}: expected 'all', '0,1,2' or '0-7'") from e
     if len(set(ids)) != len(ids):
-        raise ConfigError(f"{flag(GPUS)} {text!r} names a device twice")
+        raise ConfigError(f"{field_ref(GPUS)} {text!r} names a device twice")
     bad = [i for i in ids if i < 0 or i >= available]
     if bad:
-        raise ConfigError(f"{flag(GPUS)} {text!r}: device(s) {bad} do not exist ({available} visible)")
+        raise ConfigError(f"{field_ref(GPUS)} {text!r}: device(s) {bad} do not exist ({available} visible)")
     return tuple(ids)
 
 

@@ -33,7 +33,6 @@ from dflash_offline.cache.fingerprint import (
     READABLE_FORMAT_VERSIONS,
     CacheFingerprint,
 )
-from dflash_offline.config_fields import CACHE, flag
 from dflash_offline.errors import CacheFormatError
 from dflash_offline.locking import LOCK_NAME
 
@@ -191,7 +190,7 @@ def read_fingerprint(root: str | Path) -> CacheFingerprint:
             ) from None
         raise CacheFormatError(
             f"{layout.root} is not a dflash cache: {layout.cache_json.name} is missing "
-            f"(create it with `dflash generate {flag(CACHE)} {layout.root}`)"
+            f"(create it with `dflash generate --cache {layout.root}`)"
         ) from None
     try:
         doc = json.loads(text)

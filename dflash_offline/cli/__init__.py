@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from dflash_offline.cli.flags import render
 from dflash_offline.errors import DflashError, NoSpaceError, find_no_space
 
 # command name -> "module:attribute" of its click command, in the order --help lists them.
@@ -65,8 +66,8 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except DflashError as e:
-            # A user-fixable problem: one clear line, no traceback.
-            raise click.ClickException(str(e)) from e
+            # A user-fixable problem: one clear line, no traceback, options named by their flags.
+            raise click.ClickException(render(str(e))) from e
         except OSError as e:
             found = find_no_space(e)
             if found is not None:

@@ -3,10 +3,12 @@ held-out prompts, with a tie-aware check that the output is the target's greedy 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
 
+from dflash_offline.cli.flags import render
 from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options, progress_option
 from dflash_offline.eval.config import DEFAULT_TIE_ULPS, EvalConfig
@@ -53,6 +55,10 @@ def eval_cmd(config: EvalConfig, json_path: Path | None, tensorboard_dir: Path |
         require_tensorboard()
         check_writable_dir(tensorboard_dir, option="--tensorboard")
     report = run_eval(config)
+    # The report's notes name options by their config fields; this command's reader knows them as flags.
+    report = dataclasses.replace(
+        report, held_out=render(report.held_out), warnings=[render(w) for w in report.warnings]
+    )
     click.echo(format_table(report))
     if json_path is not None:
         report.write_json(json_path)

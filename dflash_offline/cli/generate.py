@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from dflash_offline.cli.flags import render
 from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options
 from dflash_offline.generate.config import GenerateConfig
@@ -20,7 +21,7 @@ def generate(config: GenerateConfig) -> None:
     try:
         summary = generate_from_config(config)
     except GenerateInterrupted as stopped:  # what was committed, and how fast, before the exit 130
-        click.echo(format_summary(stopped.summary, cache_dir=str(config.cache_dir)))
+        click.echo(render(format_summary(stopped.summary, cache_dir=str(config.cache_dir))))
         raise
     if summary is not None:
-        click.echo(format_summary(summary, cache_dir=str(config.cache_dir)))
+        click.echo(render(format_summary(summary, cache_dir=str(config.cache_dir))))

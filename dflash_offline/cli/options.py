@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
+from dflash_offline.cli.flags import render, spelling
 from dflash_offline.config_fields import (
     GPUS,
     PROGRESS,
@@ -21,7 +22,6 @@ from dflash_offline.config_fields import (
     WORKERS,
     Cli,
     cli_spec,
-    flag_of,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,10 +42,15 @@ def progress_option(f: F) -> F:
     return _click_option("progress", bool, PROGRESS, True)(f)
 
 
+def _help(spec: Cli) -> str | None:
+    """The option's help, other options named in it by their flags."""
+    return None if spec.help is None else render(spec.help)
+
+
 def _click_option(name: str, hint: Any, spec: Cli, default: Any) -> Callable[[F], F]:
     """The click option of one config field, its type derived from the field's annotation."""
-    flag = flag_of(name, spec)
-    kwargs: dict[str, Any] = {"help": spec.help}
+    flag = spelling(name, spec)
+    kwargs: dict[str, Any] = {"help": _help(spec)}
     plain_flag = False
     if spec.parse is not None:
         kwargs["default"] = None if spec.format is None else spec.format(default)
@@ -140,7 +145,7 @@ def config_options(cls: type[Any], **fixed: Any) -> Callable[[Callable[..., R]],
             if spec.kind == "placement":
                 decorators.append(placement_options)
             elif spec.flag == "--cache":
-                decorators.append(cache_input(f.name, help=spec.help, file_okay=spec.path != "dir"))
+                decorators.append(cache_input(f.name, help=_help(spec), file_okay=spec.path != "dir"))
             else:
                 decorators.append(_click_option(f.name, hints[f.name], spec, f.default))
         for decorator in reversed(decorators):

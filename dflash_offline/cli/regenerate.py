@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 import click
 
+from dflash_offline.cli.flags import flag
 from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options
-from dflash_offline.config_fields import flag
 from dflash_offline.errors import DflashError
 from dflash_offline.regenerate.config import RegenerateConfig
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
+from dflash_offline.cli.flags import flag, render
 from dflash_offline.cli.interrupts import ctrl_c_exits_130
 from dflash_offline.cli.options import config_options
-from dflash_offline.config_fields import flag
 from dflash_offline.train.config import TrainConfig
 
 
@@ -32,14 +32,14 @@ def train(config: TrainConfig) -> None:
         try:
             followed = run_follow(config)
         except TrainInterrupted as e:
-            click.echo(str(e), err=True)
+            click.echo(render(str(e)), err=True)
             raise SystemExit(EXIT_INTERRUPTED) from None
         click.echo(followed.render())
         return
     try:
         result = run_training(config, started_at=started_at)
     except TrainInterrupted as e:
-        click.echo(str(e), err=True)
+        click.echo(render(str(e)), err=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
     damaged = read_damaged(config.out_dir) if config.on_damaged == "skip" else []
     if damaged:

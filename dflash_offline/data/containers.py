@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from dflash_offline.config_fields import DATA, flag
+from dflash_offline.config_fields import DATA, field_ref
 from dflash_offline.data.jsonstream import RawRecord, iter_json_array, iter_jsonl
 from dflash_offline.errors import DataError
 
@@ -128,7 +128,7 @@ def _open_directory(path: Path) -> DataContainer:
             splits = []
         hint = ", ".join(f"{path / s}" for s in splits) or "one of its split directories"
         raise DataError(
-            f"{str(path)!r} is a saved datasets DatasetDict: pass one split, e.g. {flag(DATA)} {hint}"
+            f"{str(path)!r} is a saved datasets DatasetDict: pass one split, e.g. {field_ref(DATA)} {hint}"
         )
     state = path / "state.json"
     if state.is_file():

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from dflash_offline.config_fields import DATA_FORMAT, flag
+from dflash_offline.config_fields import DATA_FORMAT, field_ref
 from dflash_offline.data.conversations import Message, Role
 from dflash_offline.errors import DataError
 
@@ -52,7 +52,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
 
 def parse_data_format(value: str) -> DataFormat:
     if value not in DATA_FORMATS:
-        raise DataError(f"{flag(DATA_FORMAT)} {value!r}: expected one of {', '.join(DATA_FORMATS)}")
+        raise DataError(f"{field_ref(DATA_FORMAT)} {value!r}: expected one of {', '.join(DATA_FORMATS)}")
     return value  # type: ignore[return-value]
 
 
@@ -86,7 +86,9 @@ def map_record(record: Any, data_format: DataFormat) -> MappedRecord:
         )
     missing = [k for k in _REQUIRED[schema] if k not in record]
     if missing:
-        return _fail("malformed_record", f"{flag(DATA_FORMAT)} {schema}: the record has no {missing} field")
+        return _fail(
+            "malformed_record", f"{field_ref(DATA_FORMAT)} {schema}: the record has no {missing} field"
+        )
     if schema == "sharegpt":
         mapped = _map_turns(record["conversations"], "conversations", "from", "value", _SHAREGPT_ROLES)
     elif schema == "messages":

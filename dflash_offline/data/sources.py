@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from dflash_offline.config_fields import DATA_FORMAT, LIMIT, SKIP, flag
+from dflash_offline.config_fields import DATA_FORMAT, LIMIT, SKIP, field_ref
 from dflash_offline.data.containers import ACCEPTED, iter_container, open_container
 from dflash_offline.data.conversations import Conversation, Message, SourceFailure
 from dflash_offline.data.jsonstream import RawRecord
@@ -124,9 +124,9 @@ def iter_records(
     Records before ``skip`` are still decoded (a stream cannot seek) so that a later copy of a skipped
     record is reported as ``duplicate_record`` exactly as in a run without ``skip``."""
     if skip < 0:
-        raise DataError(f"{flag(SKIP)} must be >= 0, got {skip}")
+        raise DataError(f"{field_ref(SKIP)} must be >= 0, got {skip}")
     if limit is not None and limit < 0:
-        raise DataError(f"{flag(LIMIT)} must be >= 0, got {limit}")
+        raise DataError(f"{field_ref(LIMIT)} must be >= 0, got {limit}")
     parse_data_format(data_format)
     resolved = resolve_data_path(path)
     source = source_name(resolved) if source is None else source
@@ -206,5 +206,5 @@ def first_usable_record(
     more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
     raise DataError(
         f"no usable record in {str(path)!r}: all {len(failures)} records read fail: {shown}{more}. "
-        f"Expected chat records ({flag(DATA_FORMAT)} {data_format}); {ACCEPTED}"
+        f"Expected chat records ({field_ref(DATA_FORMAT)} {data_format}); {ACCEPTED}"
     )

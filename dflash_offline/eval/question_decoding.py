@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import Message
 from dflash_offline.decode.single import SingleSequence
 from dflash_offline.eval.benches import BenchQuestion
@@ -170,7 +170,7 @@ def decode_question(
                 if on_skip is not None and question.question_id:
                     on_skip(
                         f"{question.bench} {question.question_id} turn {t + 1}: prompt of {len(prompt_ids)} "
-                        f"tokens > {flag(EvalConfig, 'max_prompt_tokens')} {dec.max_prompt_tokens}, not "
+                        f"tokens > {field_ref(EvalConfig, 'max_prompt_tokens')} {dec.max_prompt_tokens}, not "
                         "decoded"
                     )
                 return

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.decode.forward import DEFAULT_COMPILE_BACKEND
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig, compiles
@@ -114,7 +114,7 @@ def _questions(config: EvalConfig, tokenizer: Any, held_out: Any, warnings: list
                 raise ConfigError(
                     f"no usable held-out prompt among {selection.records_read} records "
                     f"({selection.excluded} in the training cache, {selection.unusable} unusable): "
-                    f"use other {flag(EvalConfig, 'data')} or a larger {flag(EvalConfig, 'skip')}"
+                    f"use other {field_ref(EvalConfig, 'data')} or a larger {field_ref(EvalConfig, 'skip')}"
                 )
             if len(selection.prompts) < config.limit:
                 warnings.append(
@@ -134,7 +134,7 @@ def run_eval(config: EvalConfig) -> Any:
 
     if not config.drafter_dir.is_dir():
         raise ConfigError(
-            f"{flag(EvalConfig, 'drafter_dir')} {config.drafter_dir}: not a directory (an export: "
+            f"{field_ref(EvalConfig, 'drafter_dir')} {config.drafter_dir}: not a directory (an export: "
             "RUN/drafter)"
         )
     require_question_sets(config.bench or ())
@@ -174,7 +174,8 @@ def run_eval(config: EvalConfig) -> Any:
     for model, ran_compiled in (("target", compiled.target), ("drafter", compiled.drafter)):
         if compiles(config, device.type) and not ran_compiled:
             warnings.append(
-                f"{flag(EvalConfig, 'compile')} on: torch.compile of the {model} failed, it ran eagerly from "
+                f"{field_ref(EvalConfig, 'compile')} on: torch.compile of the {model} failed, it ran "
+                "eagerly from "
                 "then on (the warning above says why)"
             )
     where = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}

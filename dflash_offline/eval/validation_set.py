@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig, Turns
 from dflash_offline.eval.prompts import EvalPrompt, HeldOut, chat_prompt, run_dir_of, training_cache_of
 from dflash_offline.train.config import TrainConfig
 
-THIS_SET = f"{flag(EvalConfig, 'bench')} validation"
+THIS_SET = f"{field_ref(EvalConfig, 'bench')} validation"
 """How messages name this set."""
 
 UNSEEN_ROOT = "validation"
@@ -121,7 +121,7 @@ def select_validation_prompts(
     if not validation:
         raise ConfigError(
             f"{THIS_SET}: the run {run_dir} holds no sample out for validation "
-            f"({flag(TrainConfig, 'val_fraction')} 0?)"
+            f"({field_ref(TrainConfig, 'val_fraction')} 0?)"
         )
     if not (cache_dir / "cache.json").is_file():
         raise ConfigError(f"{THIS_SET}: the run's cache {cache_dir} is not here")

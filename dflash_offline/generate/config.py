@@ -20,7 +20,7 @@ from dflash_offline.config_fields import (
     TARGET,
     check_fields,
     cli_field,
-    flag,
+    field_ref,
 )
 from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
@@ -147,9 +147,9 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.num_features is not None and self.layer_ids is not None:
-            layer_ids = flag(GenerateConfig, "layer_ids")
+            layer_ids = field_ref(GenerateConfig, "layer_ids")
             raise ConfigError(
-                f"{flag(GenerateConfig, 'num_features')} {self.num_features} and {layer_ids} "
+                f"{field_ref(GenerateConfig, 'num_features')} {self.num_features} and {layer_ids} "
                 f"{','.join(map(str, self.layer_ids))} both given: {layer_ids} already says how many "
                 f"features; give one of them"
             )
@@ -159,8 +159,9 @@ class GenerateConfig:
             and self.store_size > self.window_limit
         ):
             raise ConfigError(
-                f"{flag(GenerateConfig, 'store_size')} {self.store_size} is larger than "
-                f"{flag(GenerateConfig, 'window_limit')} {self.window_limit}: training could never retire a "
+                f"{field_ref(GenerateConfig, 'store_size')} {self.store_size} is larger than "
+                f"{field_ref(GenerateConfig, 'window_limit')} {self.window_limit}: training could never "
+                "retire a "
                 "store before the window is full; give a store size of at most half the limit"
             )
         if self.writer_queue_depth < 1:

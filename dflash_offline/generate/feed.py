@@ -14,7 +14,7 @@ from pathlib import Path
 from dflash_offline.cache.layout import create_or_open_cache
 from dflash_offline.cache.manifest import records_to_table, write_part
 from dflash_offline.cache.rows import FailureRow, utc_now
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import SourceFailure
 from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.config import GenerateConfig
@@ -109,7 +109,7 @@ class LowSpace:
 
     @property
     def message(self) -> str:
-        option = flag(GenerateConfig, "keep_free_gb")
+        option = field_ref(GenerateConfig, "keep_free_gb")
         return (
             f"stopped handing out jobs with {self.free_bytes / 1e9:.2f} GB free on the cache's file system, "
             f"below {option} {self.keep_free_bytes / 1e9:.12g}: the committed samples are kept; free space "

@@ -33,7 +33,7 @@ from dflash_offline.cache.manifest import (
 )
 from dflash_offline.cache.rows import RunRow, utc_now
 from dflash_offline.cache.writer import new_session_id
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import NoSpaceError, as_no_space_error
 from dflash_offline.generate.channel import JobChannel, QueueJobChannel
 from dflash_offline.generate.config import GenerateConfig
@@ -123,7 +123,7 @@ def prepare_run(config: GenerateConfig, *, lock: bool = False) -> RunContext:
     from dflash_offline.writable import check_writable_dir
 
     if lock:  # the coordinator: it creates the cache (workers only open it)
-        check_writable_dir(config.cache_dir, option=flag(GenerateConfig, "cache_dir"))
+        check_writable_dir(config.cache_dir, option=field_ref(GenerateConfig, "cache_dir"))
     from dflash_offline.target_model.loader import load_tokenizer, resolve_target, target_info
 
     data_path = _checked_data_path(config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.window import read_seals, seal_orphans
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import ConfigError
 from dflash_offline.generate.config import GenerateConfig
 
@@ -55,9 +55,11 @@ def check_window(config: GenerateConfig, fingerprint: CacheFingerprint, num_work
         else 2 * (num_workers * config.max_length * token_bytes + job) + 1
     )
     raise ConfigError(
-        f"{flag(GenerateConfig, 'window_limit')} {limit}B is too small for {num_workers} workers: their open "
-        f"stores ({flag(GenerateConfig, 'store_size')} {store}B plus a sample of up to "
-        f"{flag(GenerateConfig, 'max_length')} {config.max_length} tokens each) and one job could fill it, "
+        f"{field_ref(GenerateConfig, 'window_limit')} {limit}B is too small for {num_workers} workers: "
+        "their open "
+        f"stores ({field_ref(GenerateConfig, 'store_size')} {store}B plus a sample of up to "
+        f"{field_ref(GenerateConfig, 'max_length')} {config.max_length} tokens each) and one job could "
+        "fill it, "
         f"and training can retire only sealed stores; give at least {needed}B"
-        + ("" if config.store_size is None else f" or a smaller {flag(GenerateConfig, 'store_size')}")
+        + ("" if config.store_size is None else f" or a smaller {field_ref(GenerateConfig, 'store_size')}")
     )

@@ -21,7 +21,7 @@ from dflash_offline.config_fields import (
     TARGET,
     check_fields,
     cli_field,
-    flag,
+    field_ref,
 )
 from dflash_offline.data.schemas import DataFormat, parse_data_format
 from dflash_offline.errors import ConfigError
@@ -35,7 +35,7 @@ def check_base_url(url: str) -> None:
     """Refuse a ``--base-url`` the HTTP client could not connect to, before anything runs: it must be
     ``http(s)://host[:port][/path]`` with a host, a port from 1 to 65535 and nothing else (no user name or
     password, which the client would drop: the key goes in ``--api-key-env``; no query or fragment)."""
-    option = f"{flag(RegenerateConfig, 'base_url')} {url!r}"
+    option = f"{field_ref(RegenerateConfig, 'base_url')} {url!r}"
     if any(c.isspace() or not c.isprintable() for c in url):
         raise ConfigError(f"{option}: a URL has no spaces or control characters")
     try:
@@ -56,7 +56,7 @@ def check_base_url(url: str) -> None:
     if parts.username is not None or parts.password is not None:
         raise ConfigError(
             f"{option}: leave the user name and password out of the URL (the key goes in "
-            f"{flag(RegenerateConfig, 'api_key_env')})"
+            f"{field_ref(RegenerateConfig, 'api_key_env')})"
         )
     if parts.query or parts.fragment:
         raise ConfigError(f"{option}: the server's root URL has no query or fragment")
@@ -108,7 +108,7 @@ class RegenerateConfig:
     )
     """A prompt longer than this ends its conversation there (fails it when it is the first)."""
     temperature: float = cli_field(
-        0.0, min=0, help=f"0: greedy; > 0: sampling at this temperature (with {flag(SEED)})."
+        0.0, min=0, help=f"0: greedy; > 0: sampling at this temperature (with {field_ref(SEED)})."
     )
     top_p: float = cli_field(
         1.0,
@@ -127,7 +127,7 @@ class RegenerateConfig:
     engine: Literal["auto", "slots", "openai"] = cli_field(
         "auto",
         help="auto or slots: the project's decode engine (slot KV cache, chunked prefill, CUDA graphs); "
-        f"openai: an OpenAI-compatible server at --base-url answers ({flag(TARGET)} then gives only the "
+        f"openai: an OpenAI-compatible server at --base-url answers ({field_ref(TARGET)} then gives only the "
         "tokenizer and chat template).",
     )
     base_url: str | None = cli_field(
@@ -236,25 +236,25 @@ class RegenerateConfig:
         parse_data_format(self.data_format)
         self._check_server_options()
         if self.kv_tokens is not None and self.max_prompt_tokens + self.max_new_tokens > self.kv_tokens:
-            kv_tokens = flag(RegenerateConfig, "kv_tokens")
+            kv_tokens = field_ref(RegenerateConfig, "kv_tokens")
             raise ConfigError(
-                f"{flag(RegenerateConfig, 'max_prompt_tokens')} {self.max_prompt_tokens} + "
-                f"{flag(RegenerateConfig, 'max_new_tokens')} {self.max_new_tokens} "
+                f"{field_ref(RegenerateConfig, 'max_prompt_tokens')} {self.max_prompt_tokens} + "
+                f"{field_ref(RegenerateConfig, 'max_new_tokens')} {self.max_new_tokens} "
                 f"does not fit in {kv_tokens} {self.kv_tokens} (one conversation's KV cache): "
                 f"raise {kv_tokens} or lower them"
             )
         if self.out.suffix != ".jsonl":
             raise ConfigError(
-                f"{flag(RegenerateConfig, 'out')} {self.out}: name a .jsonl file (the chat JSONL that "
+                f"{field_ref(RegenerateConfig, 'out')} {self.out}: name a .jsonl file (the chat JSONL that "
                 "generate reads)"
             )
 
     def _check_server_options(self) -> None:
-        engine, base_url = flag(RegenerateConfig, "engine"), flag(RegenerateConfig, "base_url")
+        engine, base_url = field_ref(RegenerateConfig, "engine"), field_ref(RegenerateConfig, "base_url")
         server_only = {
             base_url: self.base_url,
-            flag(RegenerateConfig, "model"): self.model,
-            flag(RegenerateConfig, "api_key_env"): self.api_key_env,
+            field_ref(RegenerateConfig, "model"): self.model,
+            field_ref(RegenerateConfig, "api_key_env"): self.api_key_env,
         }
         if self.engine != "openai":
             given = [option for option, value in server_only.items() if value is not None]
@@ -268,7 +268,7 @@ class RegenerateConfig:
         check_base_url(self.base_url)
         if self.placement.gpus:
             raise ConfigError(
-                f"{engine} openai runs no model here: leave out {flag(GPUS)} (the server has the GPUs)"
+                f"{engine} openai runs no model here: leave out {field_ref(GPUS)} (the server has the GPUs)"
             )
 
     @property

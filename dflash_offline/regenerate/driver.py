@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import Conversation, SourceFailure
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.engine_protocol import Engine
@@ -219,7 +219,8 @@ class Driver:
             self._release(previous)
             if not p.answers:
                 detail = (
-                    f"prompt of at least {len(ids)} tokens > {flag(RegenerateConfig, 'max_prompt_tokens')} "
+                    f"prompt of at least {len(ids)} tokens > "
+                    f"{field_ref(RegenerateConfig, 'max_prompt_tokens')} "
                     f"{self.max_prompt_tokens}"
                 )
                 self.sink.fail_conv(p, "too_long", detail)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal, Protocol
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import DflashError
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.generation import GeneratedTokens
@@ -19,8 +19,9 @@ from dflash_offline.regenerate.generation import GeneratedTokens
 EngineName = Literal["slots", "openai"]
 
 KV_FIX = (
-    f"{flag(RegenerateConfig, 'kv_tokens')} (KV-cache size), {flag(RegenerateConfig, 'batch_size')}, "
-    f"{flag(RegenerateConfig, 'max_batch_tokens')} or {flag(RegenerateConfig, 'max_new_tokens')}"
+    f"{field_ref(RegenerateConfig, 'kv_tokens')} (KV-cache size), "
+    f"{field_ref(RegenerateConfig, 'batch_size')}, "
+    f"{field_ref(RegenerateConfig, 'max_batch_tokens')} or {field_ref(RegenerateConfig, 'max_new_tokens')}"
 )
 """The options that size the KV cache, for a message saying it does not fit."""
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import DataError
 from dflash_offline.regenerate.config import RegenerateConfig
 
@@ -62,12 +62,12 @@ class ResumableJsonl:
                 except json.JSONDecodeError as e:
                     raise DataError(
                         f"{self.path}:{number} is not valid JSON ({e}): not a file this command wrote; "
-                        f"move it aside or choose another {flag(RegenerateConfig, 'out')}"
+                        f"move it aside or choose another {field_ref(RegenerateConfig, 'out')}"
                     ) from e
                 if not isinstance(value, dict) or not isinstance(value.get(self.key), str):
                     raise DataError(
                         f"{self.path}:{number} has no string {self.key!r}: not a file this command wrote; "
-                        f"move it aside or choose another {flag(RegenerateConfig, 'out')}"
+                        f"move it aside or choose another {field_ref(RegenerateConfig, 'out')}"
                     )
                 self.keys.add(value[self.key])
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dflash_offline.config_fields import TARGET, flag
+from dflash_offline.config_fields import TARGET, field_ref
 from dflash_offline.errors import DflashError
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.engine_protocol import EngineName, Finished, RequestFailure
@@ -121,7 +121,8 @@ def _api_key(options: ServerOptions) -> str | None:
     key = os.environ.get(options.api_key_env)
     if not key:
         raise ServerError(
-            f"{flag(RegenerateConfig, 'api_key_env')} {options.api_key_env}: ${options.api_key_env} is not "
+            f"{field_ref(RegenerateConfig, 'api_key_env')} {options.api_key_env}: ${options.api_key_env} "
+            "is not "
             "set (or empty)"
         )
     return key
@@ -129,7 +130,7 @@ def _api_key(options: ServerOptions) -> str | None:
 
 def _server(options: ServerOptions) -> str:
     """The option that named the server, for the start of a message: ``--base-url URL``."""
-    return f"{flag(RegenerateConfig, 'base_url')} {options.base_url}"
+    return f"{field_ref(RegenerateConfig, 'base_url')} {options.base_url}"
 
 
 def make_client(options: ServerOptions, root: str, *, policy: RetryPolicy | None = None) -> JsonClient:
@@ -170,7 +171,7 @@ def probe_server(options: ServerOptions, tokenizer: Any) -> ServedModel:
             "needs it to check that the server sees the prompt's tokens"
         )
     if seen != len(ids):
-        target = flag(TARGET)
+        target = field_ref(TARGET)
         raise ServerError(
             f"the server read the probe prompt ({form}) as {seen} tokens, {target}'s tokenizer makes "
             f"{len(ids)}: serve the model whose tokenizer {target} has (and no extra BOS on text prompts)"
@@ -189,7 +190,7 @@ def _served_model(client: JsonClient, options: ServerOptions, root: str) -> str:
     try:
         listing = client.get("/v1/models")
     except HttpStatusError as e:
-        hint = f"; check {flag(RegenerateConfig, 'api_key_env')}" if e.status in (401, 403) else ""
+        hint = f"; check {field_ref(RegenerateConfig, 'api_key_env')}" if e.status in (401, 403) else ""
         raise ServerError(f"{_server(options)}: {root}/v1/models answered {e}{hint}") from None
     except (ConnectionLostError, RequestTimeoutError, BadResponseError) as e:
         raise ServerError(
@@ -203,12 +204,12 @@ def _served_model(client: JsonClient, options: ServerOptions, root: str) -> str:
         if len(names) > 1:
             raise ServerError(
                 f"the server serves {len(names)} models ({', '.join(names)}): choose one with "
-                f"{flag(RegenerateConfig, 'model')}"
+                f"{field_ref(RegenerateConfig, 'model')}"
             )
         return str(names[0])
     if options.model not in names:
         raise ServerError(
-            f"{flag(RegenerateConfig, 'model')} {options.model!r} is not served at {root} (it serves: "
+            f"{field_ref(RegenerateConfig, 'model')} {options.model!r} is not served at {root} (it serves: "
             f"{', '.join(names)})"
         )
     return options.model

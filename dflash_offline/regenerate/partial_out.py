@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import DataError
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.jsonl_out import KEY, ResumableJsonl
@@ -75,7 +75,7 @@ class PartialConversation:
     @staticmethod
     def from_dict(d: dict[str, Any], *, where: str) -> PartialConversation:
         """A line of the partial file; ``DataError`` naming ``where`` (path:line) when it is not one."""
-        out = flag(RegenerateConfig, "out")
+        out = field_ref(RegenerateConfig, "out")
         fix = f"not a line this command wrote; move the file aside or use another {out}"
         sample_id, version = d.get(KEY), d.get("partial_version")
         if not isinstance(sample_id, str):

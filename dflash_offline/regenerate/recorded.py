@@ -13,11 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import ConfigError
 from dflash_offline.regenerate.config import PARTIAL_SUFFIX, RegenerateConfig
 
-CHECKED = {field: flag(RegenerateConfig, field) for field in ("max_new_tokens", "temperature")}
+CHECKED = {field: field_ref(RegenerateConfig, field) for field in ("max_new_tokens", "temperature")}
 """``regenerated_by`` fields a resume must repeat, and their flags."""
 
 
@@ -53,7 +53,7 @@ def check_resume_settings(config: RegenerateConfig) -> None:
                 raise ConfigError(
                     f"{option} {getattr(config, field)} differs from the {option} {recorded[field]} that "
                     f"wrote {path}: resume with {option} {recorded[field]}, or write to another "
-                    f"{flag(RegenerateConfig, 'out')}"
+                    f"{field_ref(RegenerateConfig, 'out')}"
                 )
         if "target" in recorded:
             _check_target(config, recorded["target"], path)
@@ -65,8 +65,8 @@ def _check_target(config: RegenerateConfig, recorded: object, path: Path) -> Non
 
     target_id = resolve_target(config.target).target_id
     if recorded != target_id:
-        option = flag(RegenerateConfig, "target")
+        option = field_ref(RegenerateConfig, "target")
         raise ConfigError(
             f"{option} {config.target} (target {target_id}) is not the target {recorded} that wrote {path}: "
-            f"resume with that target, or write to another {flag(RegenerateConfig, 'out')}"
+            f"resume with that target, or write to another {field_ref(RegenerateConfig, 'out')}"
         )

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.interrupt import StopRequested, stop_on_sigint, stop_requested
 from dflash_offline.locking import DirLock, LockedError, acquire_lock_beside
 from dflash_offline.placement import torchrun_device, under_torchrun
@@ -266,7 +266,7 @@ def run_regenerate(config: RegenerateConfig) -> RegenerateSummary | None:
     from dflash_offline.data.sources import resolve_data_path
 
     resolve_data_path(config.data)  # a missing file fails here, before any worker starts
-    check_writable_file(config.out, option=flag(RegenerateConfig, "out"))
+    check_writable_file(config.out, option=field_ref(RegenerateConfig, "out"))
     if config.engine == "openai":
         from dflash_offline.regenerate.openai_engine import probe_for_config
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
 from dflash_offline.decode.slot_cache import kv_bytes_per_token
 from dflash_offline.regenerate.config import RegenerateConfig
@@ -54,7 +54,10 @@ def slot_count(model: Any, options: EngineOptions, max_len: int) -> int:
         budget = usable // kv_bytes_per_token(model.config, param.dtype)
     slots = min(options.batch_size, budget // per_slot)
     if slots < 1:
-        prompt, answer = flag(RegenerateConfig, "max_prompt_tokens"), flag(RegenerateConfig, "max_new_tokens")
+        prompt, answer = (
+            field_ref(RegenerateConfig, "max_prompt_tokens"),
+            field_ref(RegenerateConfig, "max_new_tokens"),
+        )
         raise EngineError(
             f"the KV budget ({budget} tokens) cannot hold one slot of {per_slot} positions "
             f"({prompt} + {answer} + 1); lower {KV_FIX}"
@@ -117,7 +120,7 @@ class SlotEngine:
         try:
             self._engine.submit(key, prompt, keep_slot=keep_slot, continues=continues)
         except DecodeError as e:
-            raise EngineError(f"{e}; raise {flag(RegenerateConfig, 'max_prompt_tokens')}") from None
+            raise EngineError(f"{e}; raise {field_ref(RegenerateConfig, 'max_prompt_tokens')}") from None
 
     def release(self, key: str) -> None:
         self._engine.release(key)

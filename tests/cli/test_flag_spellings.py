@@ -1,10 +1,11 @@
 """Every option named outside ``cli/`` is one of ours, spelled as ``dflash`` spells it.
 
-Messages name an option with ``config_fields.flag`` (``flag(TrainConfig, "max_steps")``, ``flag(SEED)``);
-the tests below call every such use in the package, and check each ``--flag`` still typed in the package
-(docstrings, comments, the recipes of demo.py and the model card, messages of modules that cannot import
-the command's config) and in every command's help against the options of the real click commands, so a
-renamed option leaves no stale message behind."""
+Messages name an option by its field with ``config_fields.field_ref`` (``field_ref(TrainConfig,
+"max_steps")``, ``field_ref(SEED)``), which ``cli/flags.py`` spells as the flag; the tests below call every
+such use (and every ``flag()`` of ``cli/``) in the package, and check each ``--flag`` still typed in the
+package (docstrings, comments, the recipes of demo.py and the model card, command lines quoted in
+messages) and in every command's help against the options of the real click commands, so a renamed option
+leaves no stale message behind."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import click
 import pytest
 
 from dflash_offline.cli import COMMANDS, main
-from dflash_offline.config_fields import DATA, PLACEMENT, SEED, Cli, flag
+from dflash_offline.cli.flags import flag, render
+from dflash_offline.config_fields import DATA, PLACEMENT, SEED, Cli, field_ref
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.train.config import TrainConfig
 
@@ -149,11 +151,16 @@ def test_every_flag_in_a_command_s_help_is_its_own_option(name: str) -> None:
     assert [f"{where}: {bad}" for where, text in helps.items() for bad in stale_flags(text, own)] == []
 
 
+NAMING = {"field_ref": lambda *args: render(field_ref(*args)), "flag": flag}
+"""The functions that name an option, each as the command line spells what it returns."""
+
+
 class FlagCalls(ast.NodeVisitor):
-    """Every ``flag(...)`` call of a module, with whether it runs inside a function (only when called)."""
+    """Every ``field_ref(...)`` and ``flag(...)`` call of a module, with whether it runs inside a function
+    (only when called)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, list[ast.expr], bool]] = []
+        self.calls: list[tuple[int, str, list[ast.expr], bool]] = []
         self._depth = 0
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> None:
@@ -164,8 +171,8 @@ class FlagCalls(ast.NodeVisitor):
     visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
 
     def visit_Call(self, node: ast.Call) -> None:
-        if isinstance(node.func, ast.Name) and node.func.id == "flag":
-            self.calls.append((node.lineno, node.args, self._depth > 0))
+        if isinstance(node.func, ast.Name) and node.func.id in NAMING:
+            self.calls.append((node.lineno, node.func.id, node.args, self._depth > 0))
         self.generic_visit(node)
 
 
@@ -173,8 +180,8 @@ UNRESOLVED = object()
 
 
 def resolve(module: Any, imports: dict[str, tuple[str, str]], arg: ast.expr) -> Any:
-    """A ``flag(...)`` argument: a string, or a name imported anywhere in the module or defined in it
-    (``UNRESOLVED`` for a variable)."""
+    """A ``field_ref(...)`` or ``flag(...)`` argument: a string, or a name imported anywhere in the module
+    or defined in it (``UNRESOLVED`` for a variable)."""
     if isinstance(arg, ast.Constant):
         return arg.value
     if not isinstance(arg, ast.Name):
@@ -186,15 +193,17 @@ def resolve(module: Any, imports: dict[str, tuple[str, str]], arg: ast.expr) -> 
 
 
 CALLS_CHECKED_ELSEWHERE = {
-    "dflash_offline/demo.py": "tests/test_demo.py parses every stage of the recipe with the real commands",
+    "dflash_offline/cli/flags.py": "flag() is field_ref() spelled; arguments() is run by tests/test_demo.py, "
+    "which parses every stage of the demo's recipe with the real commands",
+    "dflash_offline/config_fields.py": "flag() is field_ref() spelled for train/, whose calls this test runs",
 }
-"""Modules whose ``flag()`` of a variable, inside a function, another test runs."""
+"""Modules whose ``field_ref()``/``flag()`` of a variable, inside a function, another test runs."""
 
 
 def test_every_flag_call_in_the_package_names_an_option() -> None:
-    """Each ``flag(...)`` of the package, called as written: a field renamed or without a ``Cli``
-    raises here, before any user meets the message. A call with a variable argument must run at import
-    (at module level), where importing the module checks it, or be run by a test of its own."""
+    """Each ``field_ref(...)`` and ``flag(...)`` of the package, called as written: a field renamed or
+    without a ``Cli`` raises here, before any user meets the message. A call with a variable argument must
+    run at import (at module level), where importing the module checks it, or be run by a test of its own."""
     called = 0
     for path in package_files(with_cli=True):
         if path.name == "__main__.py":  # importing it runs the command line
@@ -210,21 +219,22 @@ def test_every_flag_call_in_the_package_names_an_option() -> None:
         module = importlib.import_module(name)  # runs the module-level calls
         visitor = FlagCalls()
         visitor.visit(tree)
-        for line, args, in_function in visitor.calls:
+        for line, function, args, in_function in visitor.calls:
             values = [resolve(module, imports, a) for a in args]
             if any(v is UNRESOLVED for v in values):
                 where = path.relative_to(PACKAGE.parent).as_posix()
                 assert not in_function or where in CALLS_CHECKED_ELSEWHERE, (
-                    f"{where}:{line}: flag() of a variable inside a function"
+                    f"{where}:{line}: {function}() of a variable inside a function"
                 )
                 continue
-            spelled = flag(*values)
+            spelled = NAMING[function](*values)
             assert spelled in any_option(), f"{path}:{line}: {spelled}"
             called += 1
     assert called >= 20
 
 
 def test_flag_spells_fields_and_shared_options_and_refuses_the_rest() -> None:
+    """``cli.flags.flag`` spells what ``field_ref`` names; both refuse what is not one option."""
     assert flag(TrainConfig, "max_steps") == "--max-steps"
     assert flag(TrainConfig, "out_dir") == "--out"  # an explicit spelling
     assert flag(TrainConfig, "tensorboard") == "--no-tensorboard"  # a plain off switch
@@ -241,3 +251,5 @@ def test_flag_spells_fields_and_shared_options_and_refuses_the_rest() -> None:
     ]:
         with pytest.raises(ValueError, match="option"):
             flag(*bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="option"):
+            field_ref(*bad)  # type: ignore[arg-type]

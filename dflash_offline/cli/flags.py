@@ -1,0 +1,98 @@
+"""How ``dflash`` spells its options, and the one place it does: the library names a config field with a
+marker (``config_fields.option``: "`TrainConfig.lr`", or "`seed`" for a shared option), and ``render``
+turns each marker of a message or a help text into the flag ("--lr", "--seed") when the command line
+prints it. A Python caller reads the field names; a ``dflash`` user reads the flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import re
+import typing
+from typing import Any
+
+from dflash_offline import config_fields
+from dflash_offline.config_fields import Cli, cli_spec
+
+TOP_CONFIGS = {
+    "GenerateConfig": "dflash_offline.generate.config",
+    "RegenerateConfig": "dflash_offline.regenerate.config",
+    "TrainConfig": "dflash_offline.train.config",
+    "EvalConfig": "dflash_offline.eval.config",
+    "Placement": "dflash_offline.placement",
+}
+"""The configs the commands are built from (class name -> module), imported only when a marker names
+one; a config nested in one of their fields (a section) is found through them."""
+
+MARKER = re.compile(r"`(?:([A-Z][A-Za-z0-9]*)\.)?([a-z][a-z0-9_]*)`")
+"""What ``config_fields.option`` writes: "`Owner.field`" or "`field`"."""
+
+
+def spelling(name: str, spec: Cli) -> str:
+    """The flag of the field ``name`` with this ``Cli``: its own ``flag``, else ``--`` + the name."""
+    return spec.flag or "--" + name.replace("_", "-")
+
+
+def flag(owner: type[Any] | Cli, name: str | None = None) -> str:
+    """The flag of a config field or a shared option, for a message of ``cli/`` itself:
+    ``flag(TrainConfig, "max_steps")`` is ``--max-steps``, ``flag(SEED)`` is ``--seed``."""
+    return render(config_fields.field_ref(owner, name))
+
+
+def arguments(config: type[Any], **values: object) -> list[str]:
+    """The command-line options that set these fields of ``config`` (a command's config dataclass), in
+    order: the flag and the value, or the bare flag for True."""
+    args: list[str] = []
+    for name, value in values.items():
+        args += [flag(config, name)] if value is True else [flag(config, name), str(value)]
+    return args
+
+
+def render(text: str) -> str:
+    """``text`` with each field marker replaced by its flag; a marker that names no option, and any
+    other backticked word, is left as it is."""
+    return MARKER.sub(_flag_of_marker, text)
+
+
+def _flag_of_marker(match: re.Match[str]) -> str:
+    owner_name, name = match.groups()
+    if owner_name is None:
+        spec = _shared().get(name)
+        return match.group() if spec is None or spec.flag is None else spec.flag
+    owner = _owner(owner_name)
+    field = None if owner is None else {f.name: f for f in dataclasses.fields(owner)}.get(name)
+    spec = None if field is None else cli_spec(field)
+    return match.group() if spec is None or spec.kind != "value" else spelling(name, spec)
+
+
+@functools.cache
+def _shared() -> dict[str, Cli]:
+    """Field name -> the shared option (``config_fields.SEED``, ...) configs give that name."""
+    return {
+        value.field: value
+        for value in vars(config_fields).values()
+        if isinstance(value, Cli) and value.field is not None
+    }
+
+
+def _owner(name: str) -> type[Any] | None:
+    if name in TOP_CONFIGS:
+        cls: type[Any] = getattr(importlib.import_module(TOP_CONFIGS[name]), name)
+        return cls
+    return _nested_configs().get(name)
+
+
+@functools.cache
+def _nested_configs() -> dict[str, type[Any]]:
+    """Class name -> every dataclass reachable through the fields of the top-level configs."""
+    found: dict[str, type[Any]] = {}
+    todo = [_owner(name) for name in TOP_CONFIGS]
+    while todo:
+        cls = todo.pop()
+        if cls is None or cls.__name__ in found:
+            continue
+        found[cls.__name__] = cls
+        for hint in typing.get_type_hints(cls).values():
+            todo.extend(a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a))
+    return found
