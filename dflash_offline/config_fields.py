@@ -80,25 +80,29 @@ def cli_spec(f: dataclasses.Field[Any]) -> Cli | None:
     return spec if isinstance(spec, Cli) else None
 
 
-def field_ref(owner: type[Any] | Cli, name: str | None = None) -> str:
+def field_ref(owner: type[Any] | str | Cli, name: str | None = None) -> str:
     """How a message names an option: ``field_ref(TrainConfig, "max_steps")`` is "`TrainConfig.max_steps`"
     (a field of a config dataclass), ``field_ref(SEED)`` is "`seed`" (a shared option, by its field name).
     A Python caller reads that; the command line shows the flag instead (``cli.flags.render``). A field
     that does not exist, has no ``Cli`` or is several options (a ``Placement``) raises ``ValueError``:
-    a renamed option breaks every message naming it (a test calls every use)."""
+    a renamed option breaks every message naming it (a test calls every use). A module the config
+    imports, which cannot import it back, names the class: ``field_ref("GenerateConfig", "layer_ids")``
+    (checked by that test only)."""
     if isinstance(owner, Cli):
         if name is not None or owner.field is None:
             raise ValueError(f"field_ref(shared option) takes a Cli with a field and no name, not {owner!r}")
         return f"`{owner.field}`"
+    owner_name = owner if isinstance(owner, str) else owner.__name__
     if name is None:
-        raise ValueError(f"field_ref({owner.__name__}) needs the name of one of its option fields")
-    fields = {f.name: f for f in dataclasses.fields(owner)}
-    spec = cli_spec(fields[name]) if name in fields else None
-    if spec is None or spec.kind != "value":
-        raise ValueError(
-            f"{owner.__name__}.{name} is not a command-line option (no such field, or no one flag)"
-        )
-    return f"`{owner.__name__}.{name}`"
+        raise ValueError(f"field_ref({owner_name}) needs the name of one of its option fields")
+    if not isinstance(owner, str):
+        fields = {f.name: f for f in dataclasses.fields(owner)}
+        spec = cli_spec(fields[name]) if name in fields else None
+        if spec is None or spec.kind != "value":
+            raise ValueError(
+                f"{owner_name}.{name} is not a command-line option (no such field, or no one flag)"
+            )
+    return f"`{owner_name}.{name}`"
 
 
 def flag_of(name: str, spec: Cli) -> str:

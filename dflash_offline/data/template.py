@@ -39,10 +39,14 @@ from typing import Any, Literal
 
 import numpy as np
 
+from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import Conversation, Message, SourceFailure, TokenizedSample
 from dflash_offline.errors import DataError
 
 TooLong = Literal["truncate", "skip"]
+# How messages name the options (GenerateConfig sits above this module: they name the class).
+MAX_LENGTH = field_ref("GenerateConfig", "max_length")
+TOO_LONG = field_ref("GenerateConfig", "too_long")
 _PROBE_SENTINEL = "\u2063dflash-probe-7f3a\u2063"
 
 Chat = list[dict[str, str]]
@@ -155,9 +159,9 @@ def tokenize_conversation(
     Longer than ``max_length`` tokens: ``truncate`` keeps the first ``max_length`` tokens,
     ``skip`` returns a ``too_long`` failure. No trained token (left) -> ``empty_response``."""
     if max_length < 1:
-        raise DataError(f"--max-len must be >= 1, got {max_length}")
+        raise DataError(f"{MAX_LENGTH} must be >= 1, got {max_length}")
     if too_long not in ("truncate", "skip"):
-        raise DataError(f"--too-long must be 'truncate' or 'skip', got {too_long!r}")
+        raise DataError(f"{TOO_LONG} must be 'truncate' or 'skip', got {too_long!r}")
     if tokenizer.chat_template is None:
         raise DataError("the tokenizer has no chat template; use a target whose tokenizer defines one")
 
@@ -185,7 +189,10 @@ def tokenize_conversation(
     if truncated:
         if too_long == "skip":
             count = f"{num_tokens}" if head.complete else f"over {num_tokens}"
-            return fail("too_long", f"{count} tokens after templating > --max-len {max_length}")
+            return fail(
+                "too_long",
+                f"{count} tokens after templating > {MAX_LENGTH} {max_length}",
+            )
         ids_T = ids_T[:max_length]
         offsets_T2 = offsets_T2[:max_length]
     char_limit = int(offsets_T2[-1, 1]) if num_tokens else 0

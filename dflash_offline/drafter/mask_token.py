@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import ConfigError
+
+MASK_TOKEN_ID = field_ref("TrainConfig", "mask_token_id")
+"""How messages name the option (train/ imports the drafter: it names the class)."""
 
 # A small conversation that exercises every role the template renders; the ids it produces (with and
 # without the generation prompt) are the template's own tokens and may not double as the mask.
@@ -35,7 +39,7 @@ def resolve_mask_token_id(tokenizer: Any, vocab_rows: int, explicit: int | None 
     if explicit is not None:
         if not 0 <= explicit < vocab_rows:
             raise ConfigError(
-                f"--mask-token-id {explicit} is not a row of the target embedding "
+                f"{MASK_TOKEN_ID} {explicit} is not a row of the target embedding "
                 f"(rows 0..{vocab_rows - 1}); pick a row inside it"
             )
         return int(explicit)
@@ -49,7 +53,7 @@ def resolve_mask_token_id(tokenizer: Any, vocab_rows: int, explicit: int | None 
     if not unused:
         raise ConfigError(
             f"no mask token: the tokenizer has no mask token, fills all {vocab_rows} embedding rows, "
-            "and every special token is used by the chat template; pass --mask-token-id explicitly"
+            f"and every special token is used by the chat template; pass {MASK_TOKEN_ID} explicitly"
         )
     return unused[-1]
 

@@ -37,6 +37,8 @@ BenchName = Literal["mt-bench", "humaneval", "sharegpt", "validation"]
 BENCHES: tuple[BenchName, ...] = ("mt-bench", "humaneval", "sharegpt", "validation")
 STANDARD_BENCHES: tuple[BenchName, ...] = ("mt-bench", "humaneval", "sharegpt")
 """The sets of ``--bench all``."""
+BENCH = field_ref("EvalConfig", "bench")
+"""How messages name the option (EvalConfig imports this module: it names the class)."""
 HUMANEVAL_TEMPLATE = (
     "Write a solution to the following problem and make sure that it passes the tests:\n"
     "```python\n{prompt}\n```"
@@ -117,7 +119,7 @@ def parse_bench(value: str) -> tuple[BenchName, ...]:
         )
         if not found:
             raise ConfigError(
-                f"--bench {value!r}: {part!r} is none of {[*BENCHES, 'all']} (names separated by commas)"
+                f"{BENCH} {value!r}: {part!r} is none of {[*BENCHES, 'all']} (names separated by commas)"
             )
         names += [b for b in found if b not in names]
     return tuple(names)

@@ -24,8 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import Conversation, SourceFailure, TokenizedSample
 from dflash_offline.errors import ConfigError
+
+BUCKET_EDGES = field_ref("GenerateConfig", "bucket_edges")
+"""How messages name the option (GenerateConfig imports this module: it names the class)."""
 
 DEFAULT_BUCKET_EDGES = (256, 512, 1024, 2048, 3072)
 """``--bucket-edges``'s default."""
@@ -42,10 +46,10 @@ def parse_bucket_edges(text: str) -> tuple[int, ...]:
         edges = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError as e:
         raise ConfigError(
-            f"--bucket-edges {text!r}: expected comma-separated integers, e.g. 256,512,1024"
+            f"{BUCKET_EDGES} {text!r}: expected comma-separated integers, e.g. 256,512,1024"
         ) from e
     if not edges or any(e <= 0 for e in edges) or any(a >= b for a, b in itertools.pairwise(edges)):
-        raise ConfigError(f"--bucket-edges {text!r}: edges must be positive and strictly increasing")
+        raise ConfigError(f"{BUCKET_EDGES} {text!r}: edges must be positive and strictly increasing")
     return edges
 
 

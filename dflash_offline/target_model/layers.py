@@ -7,7 +7,12 @@ L−1 may be captured too (through ``output_hidden_states`` its entry would be p
 
 from __future__ import annotations
 
+from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import ConfigError
+
+# The options these checks are about (the module sits below GenerateConfig: it names the class).
+LAYER_IDS = field_ref("GenerateConfig", "layer_ids")
+NUM_FEATURES = field_ref("GenerateConfig", "num_features")
 
 
 def default_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[int, ...]:
@@ -19,14 +24,14 @@ def default_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[in
     if num_target_layers < 1:
         raise ConfigError(f"the target has {num_target_layers} layers; need at least 1")
     if num_features < 1:
-        raise ConfigError(f"--num-features must be >= 1, got {num_features}")
+        raise ConfigError(f"{NUM_FEATURES} must be >= 1, got {num_features}")
     ids = _rule_ids(num_target_layers, num_features)
     if not _rule_fits(num_target_layers, num_features):
         limit = max_default_features(num_target_layers)
         raise ConfigError(
             f"the DFlash default rule gives layer ids {list(ids)} for {num_features} features of a "
             f"{num_target_layers}-layer target (repeated or out of range); it fits at most {limit} "
-            f"feature{'s' if limit != 1 else ''} there (--num-features {limit}), or pass --layer-ids "
+            f"feature{'s' if limit != 1 else ''} there ({NUM_FEATURES} {limit}), or pass {LAYER_IDS} "
             f"explicitly (e.g. {','.join(str(i) for i in range(min(num_features, num_target_layers)))})"
         )
     return ids
@@ -55,21 +60,21 @@ def split_layer_ids(text: str) -> tuple[int, ...]:
     features a cache holds); ``check_layer_ids`` adds the range once the target's depth is known."""
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p for p in parts):
-        raise ConfigError(f"--layer-ids {text!r}: give comma-separated integers, e.g. 1,9,17")
+        raise ConfigError(f"{LAYER_IDS} {text!r}: give comma-separated integers, e.g. 1,9,17")
     try:
         ids = tuple(int(p) for p in parts)
     except ValueError:
-        raise ConfigError(f"--layer-ids {text!r}: {parts} are not all integers") from None
+        raise ConfigError(f"{LAYER_IDS} {text!r}: {parts} are not all integers") from None
     return _check_order(ids, text)
 
 
 def _check_order(ids: tuple[int, ...], text: str) -> tuple[int, ...]:
     if len(set(ids)) != len(ids):
         repeated = sorted({i for i in ids if ids.count(i) > 1})
-        raise ConfigError(f"--layer-ids {text!r}: {repeated} repeat; name each layer once")
+        raise ConfigError(f"{LAYER_IDS} {text!r}: {repeated} repeat; name each layer once")
     if list(ids) != sorted(ids):
         raise ConfigError(
-            f"--layer-ids {text!r}: ids must be ascending (features are stored in ascending layer "
+            f"{LAYER_IDS} {text!r}: ids must be ascending (features are stored in ascending layer "
             f"order), e.g. {','.join(str(i) for i in sorted(ids))}"
         )
     return ids
@@ -87,11 +92,11 @@ def check_layer_ids(
     (never sorted or deduplicated silently: that would change which features a cache holds)."""
     text = ",".join(str(i) for i in ids) if spelled is None else spelled
     if not ids:
-        raise ConfigError("--layer-ids: give at least one layer id")
+        raise ConfigError(f"{LAYER_IDS}: give at least one layer id")
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
         raise ConfigError(
-            f"--layer-ids {text!r}: {bad} out of range; the target has {num_target_layers} layers "
+            f"{LAYER_IDS} {text!r}: {bad} out of range; the target has {num_target_layers} layers "
             f"(valid ids 0..{num_target_layers - 1})"
         )
     return _check_order(ids, text)
@@ -112,6 +117,6 @@ def resolve_layer_ids(
         ids = check_layer_ids(tuple(layer_ids), num_target_layers)
     if num_features is not None and num_features != len(ids):
         raise ConfigError(
-            f"--num-features {num_features} but --layer-ids {layer_ids!r} names {len(ids)} layers"
+            f"{NUM_FEATURES} {num_features} but {LAYER_IDS} {layer_ids!r} names {len(ids)} layers"
         )
     return ids

@@ -105,7 +105,7 @@ def test_a_saved_dataset_dict_is_refused_naming_its_splits(tmp_path: Path) -> No
     root = tmp_path / "dd"
     split = datasets.Dataset.from_list([chat(0)])
     datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(root))
-    with pytest.raises(DataError, match=r"DatasetDict: pass one split, e.g. --data .*train"):
+    with pytest.raises(DataError, match=r"DatasetDict: pass one split, e.g. `data` .*train"):
         list(iter_records(root))
     assert [x.source_index for x in iter_records(root / "train")] == [0]
 
@@ -200,8 +200,8 @@ def test_schemas_map_onto_the_same_conversation(tmp_path: Path) -> None:
     assert [type(x).__name__ for x in forced] == ["SourceFailure"] * 3 + ["Conversation"] * 3 + [
         "SourceFailure"
     ]
-    assert "--data-format alpaca: the record has no ['instruction', 'output'] field" in forced[0].detail  # type: ignore[union-attr]
-    with pytest.raises(DataError, match="--data-format"):
+    assert "`data_format` alpaca: the record has no ['instruction', 'output'] field" in forced[0].detail  # type: ignore[union-attr]
+    with pytest.raises(DataError, match=r"^`data_format` 'csv': expected one of auto, sharegpt"):
         list(iter_records(path, data_format="csv"))  # type: ignore[arg-type]
 
 

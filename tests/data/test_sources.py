@@ -211,9 +211,9 @@ def test_skip_and_limit_select_source_positions(tmp_path: Path) -> None:
     assert summary(items(path, skip=4)) == [(4, "ok"), (5, "ok")]
     assert items(path, limit=0) == []
     assert items(path, skip=10) == []
-    with pytest.raises(DataError, match="--skip"):
+    with pytest.raises(DataError, match=r"^`skip` must be >= 0, got -1$"):
         items(path, skip=-1)
-    with pytest.raises(DataError, match="--limit"):
+    with pytest.raises(DataError, match=r"^`limit` must be >= 0, got -2$"):
         items(path, limit=-2)
 
 

@@ -151,7 +151,7 @@ def test_truncation_keeps_a_prefix_and_skip_reports_too_long(smol_tokenizer: Any
     assert isinstance(skipped, SourceFailure)
     assert skipped.reason == "too_long"
     assert f"{full.num_tokens} tokens" in skipped.detail
-    assert f"--max-len {cut}" in skipped.detail
+    assert f"`GenerateConfig.max_length` {cut}" in skipped.detail
 
     first_trained = int(np.flatnonzero(full.loss_mask_T)[0])
     nothing_left = tokenize(tok, c, max_length=first_trained)
@@ -317,7 +317,7 @@ def test_a_huge_record_is_tokenized_by_its_head_only(smol_tokenizer: Any) -> Non
     skipped = tokenize(recording, c, max_length=256, too_long="skip")
     assert isinstance(skipped, SourceFailure)
     assert skipped.reason == "too_long"
-    assert skipped.detail.startswith("over 272 tokens after templating > --max-len 256")
+    assert skipped.detail == "over 272 tokens after templating > `GenerateConfig.max_length` 256"
 
 
 def test_answer_token_ids_are_cached_instead_of_the_tokenizers_split(smol_tokenizer: Any) -> None:

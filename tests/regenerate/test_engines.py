@@ -132,7 +132,7 @@ def test_the_slot_count_follows_the_kv_budget(tiny: LoadedTarget) -> None:
     engine = SlotEngine(tiny.model, settings, options)
     assert engine.num_slots == 3
     engine.close()
-    with pytest.raises(EngineError, match="--kv-tokens"):
+    with pytest.raises(EngineError, match=r"lower `RegenerateConfig\.kv_tokens` \(KV-cache size\)"):
         SlotEngine(tiny.model, settings, EngineOptions(batch_size=8, kv_tokens=40, max_batch_tokens=32,
                                                        max_prompt_tokens=50))  # fmt: skip
 
@@ -169,7 +169,7 @@ def test_a_stop_request_ends_the_decode_engine_between_two_steps(tmp_path: Path,
 
 
 def test_kv_budget_must_hold_one_conversation(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--kv-tokens"):
+    with pytest.raises(ConfigError, match=r"does not fit in `RegenerateConfig\.kv_tokens` 4000"):
         RegenerateConfig(out=tmp_path / "o.jsonl", max_prompt_tokens=4096, max_new_tokens=512, kv_tokens=4000)
 
 

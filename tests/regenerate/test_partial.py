@@ -209,7 +209,8 @@ def test_the_partial_file_is_checked_before_a_resume_with_other_settings(
     assert not out.exists() or not out.read_text()
     submits.stop_after = None
     with pytest.raises(
-        ConfigError, match=rf"--max-new-tokens 9 differs .* 8 that wrote {re.escape(str(partial))}"
+        ConfigError,
+        match=rf"`RegenerateConfig\.max_new_tokens` 9 differs .* 8 that wrote {re.escape(str(partial))}",
     ):
         run_regenerate(_config(out, data, max_new_tokens=9))
 

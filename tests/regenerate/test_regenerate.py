@@ -263,7 +263,9 @@ def test_a_resume_with_another_answer_length_is_refused_naming_both(tmp_path: Pa
     parts = out2.with_name(out2.name + ".parts")
     parts.mkdir()
     (parts / "w1.jsonl").write_bytes(before)
-    with pytest.raises(ConfigError, match=r"--max-new-tokens 20 differs from the --max-new-tokens 12"):
+    # Through the Python API the message names the config field.
+    api = r"`RegenerateConfig.max_new_tokens` 20 differs from the `RegenerateConfig.max_new_tokens` 12"
+    with pytest.raises(ConfigError, match=api):
         run_regenerate(_config(out2, data, max_new_tokens=20))
 
 
@@ -279,8 +281,8 @@ def test_a_resume_by_another_target_is_refused_before_it_loads(tmp_path: Path) -
     with pytest.raises(ConfigError) as refused:
         run_regenerate(_config(out, data, target="random:tiny-llama"))
     assert str(refused.value) == (
-        f"--target random:tiny-llama (target random:tiny-llama) is not the target random:tiny that wrote "
-        f"{out}: resume with that target, or write to another --out"
+        "`RegenerateConfig.target` random:tiny-llama (target random:tiny-llama) is not the target "
+        f"random:tiny that wrote {out}: resume with that target, or write to another `RegenerateConfig.out`"
     )
     assert out.read_bytes() == before  # nothing appended
     # Only the conversations in progress were written (a run stopped early): they are checked as well.

@@ -32,9 +32,9 @@ def test_default_layer_ids(num_layers: int, num_features: int, expected: tuple[i
 
 
 def test_default_layer_ids_refuses_colliding_or_invalid_requests() -> None:
-    with pytest.raises(ConfigError, match="--layer-ids"):
+    with pytest.raises(ConfigError, match=r"or pass `GenerateConfig\.layer_ids` explicitly"):
         default_layer_ids(4, 5)  # the rule gives [1, 1, 1, 1, 1]
-    with pytest.raises(ConfigError, match="--num-features"):
+    with pytest.raises(ConfigError, match=r"^`GenerateConfig\.num_features` must be >= 1, got 0$"):
         default_layer_ids(36, 0)
     with pytest.raises(ConfigError, match="layers"):
         default_layer_ids(0, 1)
