@@ -171,7 +171,7 @@ def test_samples_the_run_never_trained_on_are_held_out_whatever_the_cause(tmp_pa
     assert held.excluded_ids == trained
     assert (
         f"never trained on ({len(validation)} held out for validation, {len(cut)} left out by its "
-        f"--train-samples, {len(later)} committed after its start)"
+        f"`TrainConfig.train_samples`, {len(later)} committed after its start)"
     ) in held.note
     selection = select_prompts(data, load_tokenizer("random:tiny"), held_out=held, limit=20)
     assert {p.sample_id for p in selection.prompts} == {c.sample_id for c in records} - trained

@@ -232,7 +232,7 @@ def test_a_run_stops_before_the_disk_fills_and_its_rerun_completes_the_same_cach
     num_samples = len(_all_samples(generated.root))
     assert summary.status == "interrupted"
     assert "0.40 GB free" in summary.stopped_because
-    assert "below --keep-free-gb 1:" in summary.stopped_because
+    assert "below `GenerateConfig.keep_free_gb` 1:" in summary.stopped_because
     assert checks[0] == root
     assert 0 < summary.samples_committed < num_samples
     assert summary.stopped_because in format_summary(summary, cache_dir=str(root))

@@ -181,5 +181,5 @@ def test_a_window_that_open_stores_could_fill_is_refused(tmp_path: Path) -> None
     check_window(tiny_config(reference, data, window_limit=smallest + 4), fingerprint, 2)
     with pytest.raises(ConfigError, match=f"too small for 2 workers.*give at least {smallest}B"):
         check_window(tiny_config(reference, data, window_limit=smallest - 4), fingerprint, 2)
-    with pytest.raises(ConfigError, match="or a smaller --store-size"):
+    with pytest.raises(ConfigError, match=r"or a smaller `GenerateConfig\.store_size`$"):
         check_window(tiny_config(reference, data, window_limit=10**6, store_size=400_000), fingerprint, 2)
