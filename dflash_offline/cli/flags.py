@@ -1,5 +1,5 @@
 """How ``dflash`` spells its options, and the one place it does: the library names a config field with a
-marker (``config_fields.option``: "`TrainConfig.lr`", or "`seed`" for a shared option), and ``render``
+marker (``config_fields.field_ref``: "`TrainConfig.lr`", or "`seed`" for a shared option), and ``render``
 turns each marker of a message or a help text into the flag ("--lr", "--seed") when the command line
 prints it. A Python caller reads the field names; a ``dflash`` user reads the flags."""
 
@@ -26,7 +26,7 @@ TOP_CONFIGS = {
 one; a config nested in one of their fields (a section) is found through them."""
 
 MARKER = re.compile(r"`(?:([A-Z][A-Za-z0-9]*)\.)?([a-z][a-z0-9_]*)`")
-"""What ``config_fields.option`` writes: "`Owner.field`" or "`field`"."""
+"""What ``config_fields.field_ref`` writes: "`Owner.field`" or "`field`"."""
 
 
 def spelling(name: str, spec: Cli) -> str:
@@ -34,10 +34,15 @@ def spelling(name: str, spec: Cli) -> str:
     return spec.flag or "--" + name.replace("_", "-")
 
 
-def flag(owner: type[Any] | Cli, name: str | None = None) -> str:
+def flag(owner: type[Any] | str | Cli, name: str | None = None) -> str:
     """The flag of a config field or a shared option, for a message of ``cli/`` itself:
-    ``flag(TrainConfig, "max_steps")`` is ``--max-steps``, ``flag(SEED)`` is ``--seed``."""
-    return render(config_fields.field_ref(owner, name))
+    ``flag(TrainConfig, "max_steps")`` is ``--max-steps``, ``flag(SEED)`` is ``--seed``. What names no
+    option raises ``ValueError``, as ``field_ref`` does."""
+    marker = config_fields.field_ref(owner, name)
+    spelled = render(marker)
+    if spelled == marker:
+        raise ValueError(f"{marker} is not a command-line option")
+    return spelled
 
 
 def arguments(config: type[Any], **values: object) -> list[str]:
@@ -93,6 +98,14 @@ def _nested_configs() -> dict[str, type[Any]]:
         if cls is None or cls.__name__ in found:
             continue
         found[cls.__name__] = cls
-        for hint in typing.get_type_hints(cls).values():
-            todo.extend(a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a))
+        try:
+            hints = typing.get_type_hints(cls)
+        except NameError:  # a hint only imported for type checking: no section is nested there
+            continue
+        for hint in hints.values():
+            todo.extend(
+                a
+                for a in (hint, *typing.get_args(hint))
+                if isinstance(a, type) and dataclasses.is_dataclass(a)
+            )
     return found

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from dflash_offline import config_fields
 from dflash_offline.cli import main
-from dflash_offline.cli.flags import TOP_CONFIGS, _owner, render
+from dflash_offline.cli.flags import TOP_CONFIGS, _owner, flag, render
 from dflash_offline.config_fields import Cli, cli_spec
 from dflash_offline.data.sources import iter_records
 from dflash_offline.errors import ConfigError, DataError, TargetError
@@ -135,6 +135,10 @@ def test_render_spells_field_markers_and_leaves_other_backticks() -> None:
         "`contaminated` rows; `GenerateConfig.placement`, `GenerateConfig.no_such` and `NoConfig.seed` "
         "are no one option; run `dflash verify --repair`"
     )
+    # A class named by a module below it is checked where the command line spells it.
+    assert flag("GenerateConfig", "layer_ids") == "--layer-ids"
+    with pytest.raises(ValueError, match="option"):
+        flag("GenerateConfig", "layer_idz")
     assert render(text) == (
         "--max-prompt-tokens 9 > --max-len, see --seed and --gpus; "
         "`contaminated` rows; `GenerateConfig.placement`, `GenerateConfig.no_such` and `NoConfig.seed` "
