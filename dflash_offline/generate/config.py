@@ -161,8 +161,7 @@ class GenerateConfig:
             raise ConfigError(
                 f"{field_ref(GenerateConfig, 'store_size')} {self.store_size} is larger than "
                 f"{field_ref(GenerateConfig, 'window_limit')} {self.window_limit}: training could never "
-                "retire a "
-                "store before the window is full; give a store size of at most half the limit"
+                "retire a store before the window is full; give a store size of at most half the limit"
             )
         if self.writer_queue_depth < 1:
             raise ConfigError("writer_queue_depth must be positive")

@@ -56,10 +56,8 @@ def check_window(config: GenerateConfig, fingerprint: CacheFingerprint, num_work
     )
     raise ConfigError(
         f"{field_ref(GenerateConfig, 'window_limit')} {limit}B is too small for {num_workers} workers: "
-        "their open "
-        f"stores ({field_ref(GenerateConfig, 'store_size')} {store}B plus a sample of up to "
+        f"their open stores ({field_ref(GenerateConfig, 'store_size')} {store}B plus a sample of up to "
         f"{field_ref(GenerateConfig, 'max_length')} {config.max_length} tokens each) and one job could "
-        "fill it, "
-        f"and training can retire only sealed stores; give at least {needed}B"
+        f"fill it, and training can retire only sealed stores; give at least {needed}B"
         + ("" if config.store_size is None else f" or a smaller {field_ref(GenerateConfig, 'store_size')}")
     )

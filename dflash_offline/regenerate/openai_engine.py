@@ -122,8 +122,7 @@ def _api_key(options: ServerOptions) -> str | None:
     if not key:
         raise ServerError(
             f"{field_ref(RegenerateConfig, 'api_key_env')} {options.api_key_env}: ${options.api_key_env} "
-            "is not "
-            "set (or empty)"
+            "is not set (or empty)"
         )
     return key
 

@@ -104,8 +104,7 @@ def resolve_target(spec: str) -> TargetSource:
     if not safetensors_files(path):
         raise TargetError(
             f"{field_ref(TARGET)} {spec!r} has no *.safetensors weights (only safetensors are supported; "
-            "convert "
-            "the checkpoint with save_pretrained(safe_serialization=True))"
+            "convert the checkpoint with save_pretrained(safe_serialization=True))"
         )
     return TargetSource(spec=spec, kind="hf", target_id=path.name, path=path, preset=None)
 
