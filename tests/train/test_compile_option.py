@@ -53,7 +53,7 @@ def test_the_default_is_auto(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", [True, False])
 def test_a_bool_in_code_is_refused_naming_the_choices(tmp_path: Path, value: bool) -> None:
-    with pytest.raises(ConfigError, match=rf"--compile {value}: expected auto, on or off"):
+    with pytest.raises(ConfigError, match=rf"`TrainConfig\.compile` {value}: expected auto, on or off"):
         TrainConfig(cache_dir=tmp_path / "c", out_dir=tmp_path / "run", compile=value)  # type: ignore[arg-type]
 
 

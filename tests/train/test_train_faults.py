@@ -277,13 +277,20 @@ def test_stop_request_checkpoints_at_the_step_boundary_and_resume_is_exact(
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ({"threads_per_worker": -3}, r"--threads -3: expected an integer in 0\.\.4096"),
-        ({"block_size": 100000}, rf"--block-size 100000: expected an integer in 2\.\.{MAX_BLOCK_SIZE}"),
-        ({"lr": float("nan")}, r"--lr nan: expected a finite number > 0"),
-        ({"lr": float("inf")}, r"--lr inf"),
-        ({"gamma": -1.0}, r"--gamma -1\.0"),
-        ({"weight_decay": -0.1}, r"--weight-decay -0\.1"),
-        ({"loader_threads": 100000}, r"--loader-threads 100000"),
+        # Built in Python, the message names the field (test_cli_refuses_nonsense_in_one_line: the flag).
+        (
+            {"threads_per_worker": -3},
+            r"`TrainConfig\.threads_per_worker` -3: expected an integer in 0\.\.4096",
+        ),
+        (
+            {"block_size": 100000},
+            rf"`TrainConfig\.block_size` 100000: expected an integer in 2\.\.{MAX_BLOCK_SIZE}",
+        ),
+        ({"lr": float("nan")}, r"`TrainConfig\.lr` nan: expected a finite number > 0"),
+        ({"lr": float("inf")}, r"`TrainConfig\.lr` inf"),
+        ({"gamma": -1.0}, r"`TrainConfig\.gamma` -1\.0"),
+        ({"weight_decay": -0.1}, r"`TrainConfig\.weight_decay` -0\.1"),
+        ({"loader_threads": 100000}, r"`TrainConfig\.loader_threads` 100000"),
     ],
 )
 def test_nonsense_numbers_are_refused_with_the_valid_range(
