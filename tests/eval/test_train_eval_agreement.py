@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline.decode.single import DecodeResult, SingleSequence
+from dflash_offline.decode import DecodeResult, SingleSequence
 from dflash_offline.eval.config import EvalConfig
 from dflash_offline.eval.run import load_drafter_for, run_eval
 from dflash_offline.generate.run import run_generate

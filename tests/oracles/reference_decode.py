@@ -1,7 +1,8 @@
-"""Greedy speculative decoding with a block drafter (batch 1), and the target-only loop it is timed against,
-over transformers' own forward and ``DynamicCache``: the reference loops. ``dflash eval`` runs the same
-two loops on the decode engine (``decode/single.py``: slot cache, CUDA graphs, no host sync inside a
-cycle), and the tests hold both to the same outputs.
+"""Test oracles: greedy speculative decoding with a block drafter (batch 1), and plain greedy decoding, over
+transformers' own forward and ``DynamicCache``. Written independently of the decode engine (no slot cache,
+no CUDA graphs, no static drafter context, their own stop rule), so that the tests can hold the product's
+one loop (``dflash_offline/decode/speculative.py``) to their outputs; ``tests/eval/test_speculative.py``
+checks these loops themselves against a greedy decode without any KV cache.
 
 Legend: P prompt tokens, S tokens of one target call, B block size, K = B − 1 drafted tokens,
 C context positions handed to the drafter, F = n·H feature width, V vocabulary.
@@ -17,45 +18,44 @@ first new token x[P]. Then, with n the position of the newest token x[n] (not ye
      bonus p_a, so the cycle's acceptance length is τ_cycle = a + 1;
   4. the KV cache is cropped to positions 0..n+a, and the features of positions n..n+a (rows 0..a of
      this forward) become the drafter's new context; n ← n + a + 1.
-Every token the loop emits is the target's own greedy choice given the tokens before it, so the output
-equals plain greedy decoding up to floating-point differences between one B-token forward and B
-one-token forwards (none in float32 on our CPU tests; a near-tie in bfloat16 can flip a token).
 
-Stopping is the same in both loops: the output is cut after the first stop token (kept) and to
-``max_new_tokens`` exactly; a cycle that overshoots is truncated, but its acceptance length counts
-what the target verified (the drafter's quality, not the budget's edge).
-Timing excludes the prefill in both loops; on CUDA the clock reads are preceded by a synchronize.
+Stopping: the output is cut after the first stop token (kept) and to ``max_new_tokens`` exactly; a cycle
+that overshoots is truncated, but its acceptance length counts what the target verified.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from dflash_offline.decode.single import (
-    BlockDrafter,
-    Clock,
-    DecodeResult,
-    StopReason,
-    finish_tokens,
-    is_done,
-)
+from dflash_offline.decode import DecodeResult
 from dflash_offline.drafter.model import ContextCache, DFlashDrafter
 from dflash_offline.target_model.capture import capture_layer_outputs
 
-__all__ = [
-    "BlockDrafter",
-    "DFlashBlockDrafter",
-    "DecodeResult",
-    "StopReason",
-    "TargetCaller",
-    "speculative_decode",
-    "target_only_decode",
-]
+
+class BlockDrafter(Protocol):
+    """A drafter proposing on the host, one block at a time."""
+
+    @property
+    def block_size(self) -> int:
+        """B: the anchor plus K = B − 1 drafted tokens."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the context of the previous prompt."""
+        ...
+
+    def propose(self, *, new_features_CF: Tensor, anchor_token: int, anchor_position: int) -> Tensor:
+        """int64 [K]: draft tokens for positions anchor_position+1..anchor_position+K.
+
+        ``new_features_CF`` are the features of the positions the drafter has not seen yet; together
+        with the earlier calls since ``reset`` they cover positions 0..anchor_position−1 exactly."""
+        ...
 
 
 class DFlashBlockDrafter:
@@ -107,35 +107,52 @@ class TargetCaller:
         return logits[-1:] if last_only else logits
 
 
-@torch.inference_mode()
-def target_only_decode(
-    target: TargetCaller, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: frozenset[int]
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _stopped(tokens: list[int], *, max_new_tokens: int, stop_ids: frozenset[int]) -> bool:
+    return len(tokens) >= max_new_tokens or any(t in stop_ids for t in tokens)
+
+
+def _result(
+    tokens: list[int], accepted: list[int], forwards: int, t0: float, t1: float, t2: float, **stop: Any
 ) -> DecodeResult:
-    """Plain greedy decoding with the KV cache: the speculative loop with a block of one token."""
-    _check_args(prompt_ids, max_new_tokens)
-    clock = Clock(target.device)
-    cache = target.new_cache()
-    t0 = clock.now()
-    # The next token stays on the device as the next call's input: one host sync per token (the
-    # stop check), no host-to-device copy.
-    next_1 = target(prompt_ids, cache, last_only=True)[-1:].argmax(dim=-1)
-    tokens = [int(next_1)]
-    t1 = clock.now()
-    forwards = 0
-    while not is_done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=len(tokens) - 1):
-        next_1 = target(next_1, cache, last_only=True)[-1:].argmax(dim=-1)
-        tokens.append(int(next_1))
-        forwards += 1
-    t2 = clock.now()
-    out, stopped = finish_tokens(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    """Cut after the first stop token (kept), then to max_new_tokens."""
+    stop_ids: frozenset[int] = stop["stop_ids"]
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+    out = tokens[: min(cut, stop["max_new_tokens"])]
     return DecodeResult(
         tokens=tuple(out),
-        accepted_per_cycle=(),
-        stop_reason="stop_token" if stopped else "length",
+        accepted_per_cycle=tuple(accepted),
+        stop_reason="stop_token" if out and out[-1] in stop_ids else "length",
         prefill_seconds=t1 - t0,
         decode_seconds=t2 - t1,
         num_target_forwards=forwards,
     )
+
+
+@torch.inference_mode()
+def target_only_decode(
+    target: TargetCaller, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: frozenset[int]
+) -> DecodeResult:
+    """Plain greedy decoding with the KV cache, one token per forward."""
+    assert len(prompt_ids) >= 1, "an empty prompt has no position to predict from"
+    assert max_new_tokens >= 1, max_new_tokens
+    cache = target.new_cache()
+    t0 = _now(target.device)
+    next_1 = target(prompt_ids, cache, last_only=True)[-1:].argmax(dim=-1)
+    tokens = [int(next_1)]
+    t1 = _now(target.device)
+    forwards = 0
+    while not _stopped(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids):
+        next_1 = target(next_1, cache, last_only=True)[-1:].argmax(dim=-1)
+        tokens.append(int(next_1))
+        forwards += 1
+    t2 = _now(target.device)
+    return _result(tokens, [], forwards, t0, t1, t2, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
 
 
 @torch.inference_mode()
@@ -149,63 +166,40 @@ def speculative_decode(
     stop_ids: frozenset[int],
 ) -> DecodeResult:
     """Greedy speculative decoding of one prompt (see the module docstring for the cycle)."""
-    _check_args(prompt_ids, max_new_tokens)
-    clock = Clock(target.device)
+    assert len(prompt_ids) >= 1, "an empty prompt has no position to predict from"
+    assert max_new_tokens >= 1, max_new_tokens
     K = drafter.block_size - 1
     drafter.reset()
     cache = target.new_cache()
     accepted: list[int] = []
-    forwards = 0
     with capture_layer_outputs(target.model, layer_ids) as captured:
-        t0 = clock.now()
+        t0 = _now(target.device)
         anchor_1 = target(prompt_ids, cache, last_only=True)[-1:].argmax(dim=-1)
         tokens = [int(anchor_1)]
         new_features_CF = captured.features()[0]  # positions 0..P−1
-        t1 = clock.now()
+        t1 = _now(target.device)
         n = len(prompt_ids)  # position of tokens[-1], the anchor: known, not yet run through the target
-        checked = 0
-        while not is_done(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids, checked=checked):
-            checked = len(tokens)
+        while not _stopped(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids):
             draft_K = drafter.propose(
                 new_features_CF=new_features_CF, anchor_token=tokens[-1], anchor_position=n
             )
             assert draft_K.shape == (K,), f"the drafter proposed {tuple(draft_K.shape)} tokens, expected {K}"
             draft_K = draft_K.to(device=target.device, dtype=torch.int64)
-            block_B = torch.cat([anchor_1, draft_K])
-            predictions_B = target(block_B, cache).argmax(dim=-1)
-            forwards += 1
-            # Accepted a and the predictions come to the host together: one sync per cycle. The
-            # accepted drafts equal predictions 0..a−1, so the new tokens are predictions 0..a (the
-            # last one the bonus).
-            accepted_1 = (draft_K == predictions_B[:-1]).to(torch.int64).cumprod(dim=0).sum().reshape(1)
-            a, *predictions = torch.cat([accepted_1, predictions_B]).tolist()
+            predictions_B = target(torch.cat([anchor_1, draft_K]), cache).argmax(dim=-1)
+            a = 0
+            while a < K and int(draft_K[a]) == int(predictions_B[a]):
+                a += 1
             accepted.append(a)
-            tokens.extend(predictions[: a + 1])
+            tokens.extend(int(p) for p in predictions_B[: a + 1])
             anchor_1 = predictions_B[a : a + 1]
-            _drop_rejected(cache, n=n, accepted=a, num_drafts=K)
+            if a < K:
+                # A negative crop removes that many tokens in every transformers version (5.24 refuses a
+                # positive target length; 4.x reads crop(0) as "keep nothing").
+                cache.crop(-(K - a))
+            assert cache.get_seq_length() == n + a + 1, (cache.get_seq_length(), n, a)
             new_features_CF = captured.features()[0, : a + 1]  # positions n..n+a
             n += a + 1
-        t2 = clock.now()
-    out, stopped = finish_tokens(tokens, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-    return DecodeResult(
-        tokens=tuple(out),
-        accepted_per_cycle=tuple(accepted),
-        stop_reason="stop_token" if stopped else "length",
-        prefill_seconds=t1 - t0,
-        decode_seconds=t2 - t1,
-        num_target_forwards=forwards,
+        t2 = _now(target.device)
+    return _result(
+        tokens, accepted, len(accepted), t0, t1, t2, max_new_tokens=max_new_tokens, stop_ids=stop_ids
     )
-
-
-def _drop_rejected(cache: Any, *, n: int, accepted: int, num_drafts: int) -> None:
-    """Positions n+a+1..n+K of the block verified at n hold rejected drafts: drop them from the target's
-    cache. A negative crop removes that many tokens in every transformers version (5.24 refuses a
-    positive target length; 4.x reads crop(0) as "keep nothing"), hence the guard."""
-    if accepted < num_drafts:
-        cache.crop(-(num_drafts - accepted))
-    assert cache.get_seq_length() == n + accepted + 1, (cache.get_seq_length(), n, accepted)
-
-
-def _check_args(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-    assert len(prompt_ids) >= 1, "an empty prompt has no position to predict from"
-    assert max_new_tokens >= 1, max_new_tokens
