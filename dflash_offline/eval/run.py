@@ -1,5 +1,5 @@
 """``dflash eval``: load the target and an exported drafter, pick the question sets' prompts, decode each
-turn target-only and speculatively, and report τ, its histogram, both loops' decode tok/s, the speedup
+turn target-only and speculatively, and report τ, its histogram, both decodes' tok/s, the speedup
 and the tie-aware exactness check per set.
 
 Sets: ``--bench mt-bench,humaneval,sharegpt,validation`` or ``all`` (benches.py), or without ``--bench``
@@ -222,7 +222,7 @@ class DecodedTurns:
 
 
 def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, progress: bool) -> DecodedTurns:
-    """Every turn of every question through both loops, until done or a stop request."""
+    """Every turn of every question, target-only and speculatively, until done or a stop request."""
     from tqdm import tqdm
 
     results: list[Any] = []
