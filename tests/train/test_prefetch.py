@@ -17,15 +17,15 @@ import torch
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import CachedSample
 from dflash_offline.errors import CacheFormatError, ConfigError, WorkerError
-from dflash_offline.train.length_mixing import LengthMixingPlanner
-from dflash_offline.train.microbatch import (
+from dflash_offline.train.loader import Prefetcher, in_place_feature_width
+from dflash_offline.train.planner import (
     AnchorRequest,
+    HostBufferPool,
+    LengthMixingPlanner,
     PackedMicrobatch,
     ScheduledMicrobatch,
     schedule_for_rank,
 )
-from dflash_offline.train.packing import HostBufferPool
-from dflash_offline.train.prefetch import Prefetcher, in_place_feature_width
 from dflash_offline.train.snapshot import IndexSnapshot, take_snapshot
 from tests.train.cache_helpers import WrittenSample, as_host_dict, make_samples, write_cache
 
