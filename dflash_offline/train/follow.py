@@ -140,7 +140,7 @@ def write_follow_state(run_dir: Path, state: FollowState) -> None:
 # ``dflash train --follow``: train on a disk window while ``dflash generate --window-limit`` fills it,
 # and retire what was trained (docs/follow.md).
 #
-# The run is a sequence of segments (``follow_state.py``). A segment is every sealed training store that
+# The run is a sequence of segments (``FollowState``, above). A segment is every sealed training store that
 # was present, not retired and in no earlier segment when it began, with the validation stores present
 # then. It is trained as an ordinary run of ``--passes`` epochs in ``RUN/segments/<k>/``: its own
 # snapshot (written here before the segment is recorded), length-mixing plan, checkpoints and resume, so

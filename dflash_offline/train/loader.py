@@ -191,7 +191,7 @@ def read_damaged(run_dir: Path) -> list[DamagedSample]:
 #
 # Bounded memory: at most ``prefetch`` microbatches are claimed, in flight or waiting, at any time (a
 # slot is freed when the consumer takes a batch). Each packed microbatch lives in one host buffer
-# (``packing.py``): on CUDA a pinned block from PyTorch's caching host allocator (reused once the copy
+# (train/planner.py): on CUDA a pinned block from PyTorch's caching host allocator (reused once the copy
 # that read it has finished), on the CPU a ``HostBufferPool`` buffer (reused once nothing holds it).
 # When the reader supports ``features_out`` (see ``RowReader``) it decodes straight into that buffer.
 #

@@ -116,7 +116,7 @@ def stop_on_sigint(*, second_aborts: bool) -> Iterator[None]:
 # Where a training step's numbers go: ``RUN/metrics.jsonl`` (and TensorBoard), the progress bar and a
 # caller's ``on_step``. The step's results stay on the device until a line is due: a log step
 # (``--log-every``), a validation, the last step, or every step when someone asked for ``on_step``. The
-# throughput of a line is that of the steps since the previous read-back (train/throughput.py).
+# throughput of a line is that of the steps since the previous read-back (train/metrics.py).
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -310,7 +310,7 @@ def _progress_bar(config: TrainConfig, info: DistInfo, total: int, initial: int)
 # the ranks agree on a stop request at those steps too (one tiny all-reduce and read); a single process
 # checks its flag every step at no cost. At each of those read-backs the steps since the previous one are
 # checked: a non-finite loss or gradient norm stops the run there, before any checkpoint or export of the
-# weights it left (train/divergence.py).
+# weights it left (train/checkpoint.py).
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -428,7 +428,7 @@ def _feature_scale(
     config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
 ) -> torch.Tensor:
     """The run's feature scale: computed by rank 0 at the first start and saved; reloaded on resume."""
-    from dflash_offline.train.feature_scale import (
+    from dflash_offline.train.loader import (
         FEATURE_SCALE_FILE,
         compute_feature_scale,
         load_feature_scale,
