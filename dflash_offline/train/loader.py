@@ -10,7 +10,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -27,7 +27,7 @@ from dflash_offline.cache.rows import CachedSample, utc_now
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.loss import loss_rows
-from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, WorkerError
+from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, ResumeError, WorkerError
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.planner import (
     AnchorRequest,
@@ -203,8 +203,15 @@ def read_damaged(run_dir: Path) -> list[DamagedSample]:
 # threads hold the prefetcher, so an abandoned one is never collected: always use ``with`` or call
 # ``close()``.
 #
+# Resume: ``state_dict()`` is the prefetcher's position in its job stream (the batches handed over);
+# ``load_state_dict`` on a fresh prefetcher over the same stream continues after them, so the batches it
+# yields are exactly those the first one had not yet handed over (jobs before the position are never
+# read again; batches its threads had prepared ahead of the position are dropped).
+#
 # Shape legend: T = tokens of the packed microbatch, F = features per token, D = documents, A = anchors.
 
+
+LOADER_STATE_VERSION = 1
 
 AnchorFn = Callable[[AnchorRequest], torch.Tensor]
 """Returns int64 [A] indices into T (drawn with ``request.generator`` only, so they are reproducible)."""
@@ -343,7 +350,9 @@ class Prefetcher:
         # State under _cond:
         self._claimed = 0  # slots taken by workers (a job index each, once the iterator gave one)
         self._next_index = 0  # index the next job from the iterator gets (under _jobs_lock)
-        self._consumed = 0  # batches handed to the consumer
+        self._consumed = 0  # index of the next batch the consumer gets (its position in the job stream)
+        self._first = 0  # the position a loaded state started at (``load_state_dict``)
+        self._paused = False  # load_state_dict is stopping the workers to move the position
         self._total: int | None = None  # job count, once the iterator is exhausted
         self._ready: dict[int, _Ready] = {}
         self._failure: _Failure | None = None
@@ -351,9 +360,14 @@ class Prefetcher:
         self._counters = dict(num_samples=0, num_tokens=0, bytes_read=0, read_s=0.0, pack_s=0.0)
         self._wait_s = 0.0
         self._max_wait_s = 0.0
+        self._num_threads = num_threads
+        self._threads: list[threading.Thread] = []
+        self._start_workers()
+
+    def _start_workers(self) -> None:
         self._threads = [
             threading.Thread(target=self._work, name=f"dflash-prefetch-{i}", daemon=True)
-            for i in range(num_threads)
+            for i in range(self._num_threads)
         ]
         for thread in self._threads:
             thread.start()
@@ -410,7 +424,7 @@ class Prefetcher:
     def stats(self) -> PrefetchStats:
         with self._cond:
             c = dict(self._counters)
-            consumed = self._consumed
+            consumed = self._consumed - self._first
         return PrefetchStats(
             num_batches=consumed,
             num_samples=int(c["num_samples"]),
@@ -421,6 +435,62 @@ class Prefetcher:
             read_s=float(c["read_s"]),
             pack_s=float(c["pack_s"]),
         )
+
+    # ---- state -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the job stream: how many batches were handed to the consumer."""
+        with self._cond:
+            return {"version": LOADER_STATE_VERSION, "num_delivered": self._consumed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue after the first ``state["num_delivered"]`` jobs of this prefetcher's job stream, which is
+        the stream the state was taken from (a resume rebuilds it from the same plan). Called before the
+        first batch is taken. The workers are stopped, the jobs before the position are skipped unread (or
+        dropped, when a worker had prepared them already) and the workers start again at the position."""
+        if state.get("version") != LOADER_STATE_VERSION:
+            raise ResumeError(
+                f"loader state version {state.get('version')!r}: this dflash-offline reads version "
+                f"{LOADER_STATE_VERSION}; resume with the version that wrote it or start a new run"
+            )
+        position = int(state["num_delivered"])
+        with self._cond:
+            if self._consumed != self._first:
+                raise RuntimeError("load_state_dict after a batch was taken: load before iterating")
+            self._paused = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        # Alone now: every job drawn so far is ready, failed, or was never prepared (a worker that stopped).
+        while self._next_index < position and self._total is None:
+            try:
+                next(self._jobs)
+            except StopIteration:
+                self._total = self._next_index
+            except BaseException as exc:
+                self._fail(self._next_index, exc)
+                break
+            else:
+                self._next_index += 1
+        if self._total is not None and position > self._total:
+            raise ResumeError(
+                f"loader state at batch {position}, but its jobs end after {self._total}: the job stream "
+                "is not the one the state was taken from"
+            )
+        with self._cond:
+            self._ready = {i: ready for i, ready in self._ready.items() if i >= position}
+            if self._failure is not None and self._failure.index < position:
+                self._failure = None
+            # Jobs drawn at or after the position were prepared (or failed): each keeps its slot.
+            assert self._closed or all(
+                i in self._ready or (self._failure is not None and i >= self._failure.index)
+                for i in range(position, self._next_index)
+            ), "a worker stopped between drawing a job and storing its batch"
+            self._consumed = self._first = position
+            self._claimed = max(position, self._next_index)
+            self._paused = False
+        if not self._closed:
+            self._start_workers()
 
     def close(self) -> None:
         """Stop the workers and drop prepared batches; idempotent; returns within seconds."""
@@ -474,7 +544,7 @@ class Prefetcher:
         return self._pool.take(nbytes)
 
     def _stopping(self) -> bool:
-        return self._closed or self._failure is not None or self._total is not None
+        return self._closed or self._paused or self._failure is not None or self._total is not None
 
     def _fail(self, index: int, exc: BaseException) -> None:
         failure = _Failure(
