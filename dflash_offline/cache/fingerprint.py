@@ -7,12 +7,15 @@ from typing import Any
 
 from dflash_offline.errors import CacheFormatError, FingerprintMismatchError
 
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 """Bump when the on-disk layout changes; readers refuse versions they do not know. Format 2 put the
-sha256 of each manifest part's bytes into its name (cache/manifest.py)."""
-READABLE_FORMAT_VERSIONS = (1, 2)
+sha256 of each manifest part's bytes into its name (cache/manifest.py); format 3 stores each sample's
+conversation root in its row (``conversation_root``), so that training groups a conversation's samples
+without reading the data files again."""
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 """Format 1 caches are still read (and appended to, staying format 1): their manifest parts carry no
-sha256, so damage to a part is not detected there."""
+sha256, so damage to a part is not detected there. Format 1 and 2 rows have no conversation root (read
+as None); a format-1 or 2 cache appended to stays at its format, its new rows carrying their roots."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -170,7 +170,8 @@ def parse_cache_json(doc: Any, path: Path) -> CacheFingerprint:
 
 
 def read_format_version(root: str | Path) -> int:
-    """The format version in an existing cache's cache.json (1 or 2; others are refused)."""
+    """The format version in an existing cache's cache.json (``READABLE_FORMAT_VERSIONS``; others are
+    refused)."""
     layout = CacheLayout.at(root)
     read_fingerprint(root)  # the shared messages for a missing or unreadable cache.json
     return _format_version(json.loads(layout.cache_json.read_text()), layout.cache_json)

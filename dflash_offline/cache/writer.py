@@ -336,6 +336,7 @@ class ShardWriter:
                 num_tokens=num_tokens,
                 num_loss_tokens=int(np.count_nonzero(mask_T)),
                 bucket_id=int(sample.bucket_id),
+                conversation_root=sample.conversation_root,
             )
         )
         self._known.add(sample.sample_id)
@@ -586,6 +587,7 @@ class ShardWriter:
                 worker=self.worker,
                 session=self.session,
                 created_at=now,
+                conversation_root=s.conversation_root,
             )
             for s in written
         ]

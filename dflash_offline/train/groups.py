@@ -1,11 +1,14 @@
 """Conversation roots of a cache's samples: what ``--val-group root-id`` splits by.
 
-The cache stores each sample's id and its position in the data file, not the record's own id; the
-root comes from the data file itself. The files are those the cache's ``dflash generate`` runs read
-(their configs are in the cache's runs table); every record is parsed as generate parsed it (the same
-source name, so the same sample ids) and each snapshot sample gets ``conversation_root`` of its record.
-A sample whose record is in none of those files (the file changed or is gone) is an error: a split
-that silently grouped some samples and not others would leak what it is meant to keep apart.
+A format-3 cache stores each sample's conversation root in its row: ``dflash generate`` takes it from
+the record it parsed (``data/sources.py:conversation_root``), so the roots are read from the manifest
+and the data files are not opened. Rows of a format 1 or 2 cache store none; for those samples alone the
+root comes from the data file itself, as before format 3: the files are those the cache's ``dflash
+generate`` runs read (their configs are in the cache's runs table, ``data/generate_inputs.py``); every
+record is parsed as generate parsed it (the same source name, so the same sample ids) and each sample
+without a stored root gets ``conversation_root`` of its record. A sample whose record is in none of those
+files (the file changed or is gone) is an error: a split that silently grouped some samples and not
+others would leak what it is meant to keep apart.
 
 The roots are computed once, when the run starts, and saved beside the snapshot
 (``validation_groups.parquet``): a resume reads them back, so it keeps the split even if the data file
@@ -14,18 +17,15 @@ has moved since.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_offline.config_fields import flag
-from dflash_offline.data.schemas import DataFormat
 from dflash_offline.errors import CacheFormatError, ConfigError
 from dflash_offline.train.config import TrainConfig
 
@@ -34,47 +34,38 @@ _META_VERSION = b"dflash_groups_version"
 GROUPS_FORMAT_VERSION = 1
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GenerateInput:
-    """One data file a ``dflash generate`` run of the cache read."""
-
-    data: str | None
-    """The ``--data`` it was given (None: the embedded ShareGPT file); relative to that run's directory."""
-    data_format: DataFormat
-    """Its ``--data-format``."""
-
-
-def generate_inputs(cache_dir: Path) -> list[GenerateInput]:
-    """The distinct data files of the cache's generate runs, oldest first."""
-    from dflash_offline.cache.manifest import read_runs
-
-    seen: list[GenerateInput] = []
-    for run in read_runs(cache_dir):
-        if run.command != "generate":
-            continue
-        try:
-            config = json.loads(run.config_json)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(config, dict) or "data" not in config:
-            continue
-        data = config.get("data")
-        item = GenerateInput(
-            data=data if isinstance(data, str) else None, data_format=config.get("data_format", "auto")
-        )
-        if item not in seen:
-            seen.append(item)
-    return seen
-
-
 def conversation_groups(
     cache_dir: Path, sample_ids: Sequence[str], *, source: str, progress: bool = False
 ) -> dict[str, str]:
     """Sample id → conversation root for every id of ``sample_ids`` (module docstring); ``source`` is
     the cache's data source name (its fingerprint's)."""
+    roots = stored_roots(cache_dir, sample_ids)
+    if len(roots) < len(set(sample_ids)):  # rows of a format 1 or 2 cache: no root stored
+        unstored = [s for s in sample_ids if s not in roots]
+        roots.update(reparsed_roots(cache_dir, unstored, source=source, progress=progress))
+    return roots
+
+
+def stored_roots(cache_dir: Path, sample_ids: Sequence[str]) -> dict[str, str]:
+    """Sample id → the conversation root stored in its manifest row, for the ids of ``sample_ids`` whose
+    row stores one (every row of a format-3 cache written by ``dflash generate``)."""
+    from dflash_offline.cache.manifest import read_table
+
+    wanted = set(sample_ids)
+    table = read_table(cache_dir, "samples", ["sample_id", "conversation_root"])
+    ids, roots = table.column("sample_id").to_pylist(), table.column("conversation_root").to_pylist()
+    return {s: r for s, r in zip(ids, roots, strict=True) if r is not None and s in wanted}
+
+
+def reparsed_roots(
+    cache_dir: Path, sample_ids: Sequence[str], *, source: str, progress: bool = False
+) -> dict[str, str]:
+    """Sample id → conversation root of each of ``sample_ids``, read from the data files the cache's
+    generate runs read (module docstring); refuses samples none of those files holds."""
     from tqdm import tqdm
 
     from dflash_offline.data.conversations import Conversation
+    from dflash_offline.data.generate_inputs import generate_inputs
     from dflash_offline.data.sources import conversation_root, iter_records, resolve_data_path
     from dflash_offline.errors import DataError
 
@@ -105,9 +96,9 @@ def conversation_groups(
         val_group = flag(TrainConfig, "val_group")
         raise ConfigError(
             f"{val_group} root-id needs the record id of every sample, read from the data files the "
-            f"cache's generate runs read ({read}{gone}); {missing} of {len(wanted)} samples (first: "
-            f"{example!r}) are in none of them. Put the file generate read back in place (unchanged), "
-            f"or use {val_group} sample"
+            f"cache's generate runs read when the cache does not store it (format 1 or 2) ({read}{gone}); "
+            f"{missing} of {len(wanted)} samples (first: {example!r}) are in none of them. Put the file "
+            f"generate read back in place (unchanged), or use {val_group} sample"
         )
     return roots
 

@@ -51,7 +51,7 @@ from dflash_offline.train.prefetch import Prefetcher, RowReader
 from dflash_offline.train.reporting import StepReporter
 from dflash_offline.train.resume import checkpoint_to_resume
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
-from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
+from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, save_run_split, split_snapshot
 from dflash_offline.train.step import OptimizerStep, anchor_sampler
 from dflash_offline.train.validation import ValidationMetrics, ValidationSchedule, Validator
 from dflash_offline.train.wall_time import WallClock, WallSplit
@@ -222,6 +222,7 @@ def train_rank(
             config, state = checkpoint_to_resume(config, info, split.train)
             if info.is_main:  # after the resume check: a refused resume leaves the run's config as it was
                 _write_config(config)
+                save_run_split(config.out_dir, split)  # what `dflash eval` reads (run_split.py)
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
             if config.feature_scale != "none":
                 setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))

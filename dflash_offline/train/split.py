@@ -7,8 +7,9 @@ its conversation root (``--val-group root-id``: ShareGPT's records ``X_0``, ``X_
 conversation are held out together, or trained on together; train/groups.py). The choice depends on
 nothing else (not the seed, the world size, the step or the order of the cache): every resume and every
 world size holds out the same samples, and runs over the same cache are validated on the same ones. The
-run's training snapshot is the rest; the planner never sees a validation sample. ``dflash eval`` reads
-the split back (``split_of_run``): the prompts of samples the run did not train on are held out.
+run's training snapshot is the rest; the planner never sees a validation sample. The run writes its split
+(``save_run_split``, ``run_split.py``), which ``dflash eval`` reads: the prompts of samples the run did
+not train on are held out.
 
 ``--train-samples N`` then trains on part of the rest, chosen the same way under a second key (another
 salt, so the choice does not lean on the validation key): the groups of smallest training key, whole, until
@@ -30,6 +31,7 @@ import numpy as np
 
 from dflash_offline.config_fields import flag
 from dflash_offline.errors import CacheFormatError, ConfigError
+from dflash_offline.run_split import RunSplit, write_run_split
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.groups import GROUPS_FILE, read_groups
 from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, subset_snapshot
@@ -123,6 +125,8 @@ class SplitSnapshots:
     """The held-out samples; None when the split is off or empty."""
     num_not_held_out: int
     """How many samples are not held out (``train`` is all of them without ``--train-samples``)."""
+    snapshot: IndexSnapshot
+    """The whole snapshot that was split."""
 
 
 def split_snapshot(
@@ -146,6 +150,7 @@ def split_snapshot(
         train=subset_snapshot(split.train, keep),
         validation=split.validation,
         num_not_held_out=split.num_not_held_out,
+        snapshot=snapshot,
     )
 
 
@@ -153,7 +158,9 @@ def _split_validation(
     snapshot: IndexSnapshot, *, fraction: float, num_samples: int | None, groups: Mapping[str, str] | None
 ) -> SplitSnapshots:
     """The validation split alone (``split_snapshot``)."""
-    everything = SplitSnapshots(train=snapshot, validation=None, num_not_held_out=len(snapshot))
+    everything = SplitSnapshots(
+        train=snapshot, validation=None, num_not_held_out=len(snapshot), snapshot=snapshot
+    )
     if num_samples is None and fraction <= 0.0:
         return everything
     mask = validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples, groups=groups)
@@ -171,7 +178,21 @@ def _split_validation(
         return everything
     train = subset_snapshot(snapshot, ~mask)
     return SplitSnapshots(
-        train=train, validation=subset_snapshot(snapshot, mask), num_not_held_out=len(train)
+        train=train,
+        validation=subset_snapshot(snapshot, mask),
+        num_not_held_out=len(train),
+        snapshot=snapshot,
+    )
+
+
+def save_run_split(run_dir: Path, split: SplitSnapshots) -> None:
+    """Write the run's split file (``run_split.py``: what ``dflash eval`` reads)."""
+    validation = () if split.validation is None else split.validation.sample_ids
+    write_run_split(
+        run_dir,
+        RunSplit.of(
+            snapshot_ids=split.snapshot.sample_ids, train=split.train.sample_ids, validation=validation
+        ),
     )
 
 
