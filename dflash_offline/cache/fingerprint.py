@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from dflash_offline.cache.codecs import FeatureStorage, feature_storage
 from dflash_offline.errors import CacheFormatError, FingerprintMismatchError
 
 CACHE_FORMAT_VERSION = 3
@@ -45,6 +46,14 @@ class CacheFingerprint:
     """Name of the data source (file name or ``sharegpt-default``); sample ids derive from it."""
     compute_dtype: str
     """The target's compute dtype (``float32`` / ``bfloat16``): it changes the features' bits."""
+    storage: FeatureStorage = field(init=False, repr=False, compare=False)
+    """``codec`` resolved, once, when the fingerprint is built (``codecs.feature_storage``: the stored
+    row's dtype, width and lossy layout, and the codec chain); not stored in cache.json, which names the
+    codec. An unknown codec, or a hidden size it cannot store, is refused here."""
+
+    def __post_init__(self) -> None:
+        storage = feature_storage(self.codec, num_layers=len(self.layer_ids), hidden_size=self.hidden_size)
+        object.__setattr__(self, "storage", storage)  # frozen: set once, here
 
     @property
     def feature_width(self) -> int:
@@ -52,14 +61,14 @@ class CacheFingerprint:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
-        for f in fields(self):
+        for f in _stored_fields(self):
             value = getattr(self, f.name)
             d[f.name] = list(value) if isinstance(value, tuple) else value
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheFingerprint:
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in _stored_fields(cls)}
         if not isinstance(d, dict):
             raise CacheFormatError(f"its fingerprint is {type(d).__name__}, not an object")
         missing = names - d.keys()
@@ -74,7 +83,7 @@ class CacheFingerprint:
 
     def first_difference(self, other: CacheFingerprint) -> str | None:
         """Name of the first field whose value differs, or None when the fingerprints are equal."""
-        for f in fields(self):
+        for f in _stored_fields(self):
             if getattr(self, f.name) != getattr(other, f.name):
                 return f.name
         return None
@@ -84,3 +93,8 @@ class CacheFingerprint:
         name = self.first_difference(new)
         if name is not None:
             raise FingerprintMismatchError(name, getattr(self, name), getattr(new, name))
+
+
+def _stored_fields(of: Any) -> list[Field[Any]]:
+    """The fields cache.json stores (``storage`` is derived from them)."""
+    return [f for f in fields(of) if f.init]

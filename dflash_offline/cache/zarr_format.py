@@ -58,7 +58,7 @@ def create_shard_group(
         dtype=storage.dtype.name,
         chunks=(chunk_rows, feature_width),
         shards=(shard_rows, feature_width),
-        compressors=codec_spec(codec).make_compressors(),
+        compressors=storage.spec.make_compressors(),
         fill_value=0,
         chunk_key_encoding=key_encoding,
         attributes=storage.attributes,
