@@ -46,7 +46,8 @@ class RunSplit:
     """Not held out and not trained on: what ``train_samples`` left out (empty without it)."""
 
     def __post_init__(self) -> None:
-        assert not (self.train & self.validation or self.train & self.left_out), "roles overlap"
+        assert not self.train & self.validation, "roles overlap"
+        assert not self.train & self.left_out, "roles overlap"
         assert not self.validation & self.left_out, "roles overlap"
 
     @property

@@ -34,9 +34,9 @@ class CacheRecord:
 def readable_inputs(cache_dir: Path) -> tuple[list[tuple[Path, DataFormat]], list[str]]:
     """The data files (with their ``--data-format``) of the cache's generate runs that are on disk, each
     once, and the names of those that are not."""
+    from dflash_offline.data.generate_inputs import generate_inputs
     from dflash_offline.data.sources import resolve_data_path
     from dflash_offline.errors import DataError
-    from dflash_offline.data.generate_inputs import generate_inputs
 
     found: list[tuple[Path, DataFormat]] = []
     missing: list[str] = []

@@ -1,7 +1,7 @@
 """The ``validation`` set of ``dflash eval``: the records the drafter's training run held out.
 
-``dflash train`` measures its validation τ on the cached answers of the samples it held out
-(its split file, run_split.py): teacher-forced, over every turn. This set decodes the same records: their prompts
+``dflash train`` measures its validation τ on the cached answers of the samples it held out (its split
+file, run_split.py): teacher-forced, over every turn. This set decodes the same records: their prompts
 come from the data file the run's cache was generated from (cache_data.py), each user turn in turn
 with ``--turns all`` (after the target's own greedy answers, as MT-Bench's turn 2), so that its τ
 compares directly with the validation τ, and with the held-out ``sharegpt`` set decoded the same way.
@@ -118,8 +118,8 @@ def select_validation_prompts(
     split = read_run_split(run_dir)
     if split is None:
         raise ConfigError(
-            f"{THIS_SET}: the run {run_dir} has no {SPLIT_FILE} (trained by an earlier dflash-offline, or not "
-            "started): run its `dflash train` command again to write it (a finished run runs no step)"
+            f"{THIS_SET}: the run {run_dir} has no {SPLIT_FILE} (trained by an earlier dflash-offline, or "
+            "not started): run its `dflash train` command again to write it (a finished run runs no step)"
         )
     validation = split.validation
     if not validation:
