@@ -138,10 +138,10 @@ def _validation_groups(
     config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
 ) -> dict[str, str] | None:
     """``--val-group root-id``: each sample's conversation root, read from the cache's data file by rank
-    0 at the first start and saved; reloaded on resume (train/groups.py). None for ``sample``."""
+    0 at the first start and saved; reloaded on resume (train/split.py). None for ``sample``."""
     if config.val_group == "sample":
         return None
-    from dflash_offline.train.groups import GROUPS_FILE, conversation_groups, read_groups, save_groups
+    from dflash_offline.train.split import GROUPS_FILE, conversation_groups, read_groups, save_groups
 
     path = config.out_dir / GROUPS_FILE
     if info.is_main and not path.exists():
