@@ -20,13 +20,13 @@ training sets against one validation split).
 
 Conversation roots (``--val-group root-id``): a format-3 cache stores each sample's root in its row
 (``dflash generate`` takes it from the record it parsed, ``data/sources.py:conversation_root``), so the
-roots are read from the manifest and the data files are not opened. Rows of a format 1 or 2 cache
-store none; for those samples alone the root comes from the data file itself, as before format 3:
-the files are those the cache's ``dflash generate`` runs read (their configs are in the cache's runs
-table, ``data/generate_inputs.py``); every record is parsed as generate parsed it (the same source
-name, so the same sample ids) and each sample without a stored root gets ``conversation_root`` of its record. A sample whose record is in none of those
-files (the file changed or is gone) is an error: a split that silently grouped some samples and not
-others would leak what it is meant to keep apart.
+roots are read from the manifest and the data files are not opened. Rows of a format 1 or 2 cache store
+none; for those samples alone the root comes from the data file itself, as before format 3: the files
+are those the cache's ``dflash generate`` runs read (their configs are in the cache's runs table,
+``data/generate_inputs.py``); every record is parsed as generate parsed it (the same source name, so the
+same sample ids) and each sample without a stored root gets ``conversation_root`` of its record. A
+sample whose record is in none of those files (the file changed or is gone) is an error: a split that
+silently grouped some samples and not others would leak what it is meant to keep apart.
 
 The roots are computed once, when the run starts, and saved beside the snapshot
 (``validation_groups.parquet``): a resume reads them back, so it keeps the split even if the data file
