@@ -40,6 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from dflash_offline.data.conversations import Conversation, Message, SourceFailure, TokenizedSample
+from dflash_offline.data.sources import conversation_root
 from dflash_offline.errors import DataError
 
 TooLong = Literal["truncate", "skip"]
@@ -204,6 +205,7 @@ def tokenize_conversation(
         input_ids_T=np.ascontiguousarray(ids_T),
         loss_mask_T=loss_mask_T,
         truncated=truncated,
+        conversation_root=conversation_root(conv.record_id, conv.sample_id),
     )
 
 

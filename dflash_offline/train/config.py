@@ -251,7 +251,7 @@ class TrainConfig:
         "(ShareGPT's X_0, X_11, … share the root X; read from the data file the cache was generated from).",
     )
     """``sample``: each sample is its own group; ``root-id``: the records of one conversation are held out
-    (or trained on) together (train/split.py, train/groups.py)."""
+    (or trained on) together (train/split.py)."""
     train_samples: int | None = cli_field(
         None,
         min=1,

@@ -19,7 +19,6 @@ from dflash_offline.cache.rows import CachedSample
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.errors import ConfigError
-from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.snapshot import IndexSnapshot
 
@@ -527,8 +526,8 @@ class LengthMixingPlanner:
             raise ConfigError(
                 f"sample {snapshot.sample_ids[longest]!r} has {int(snapshot.num_tokens_N[longest])} tokens, "
                 f"more than {flag(TrainConfig, 'tokens_per_microbatch')} {tokens_per_microbatch}: raise the "
-                f"budget to at least {int(snapshot.num_tokens_N[longest])} or generate with a lower "
-                f"{flag(GenerateConfig, 'max_length')}"
+                f"budget to at least {int(snapshot.num_tokens_N[longest])} or generate the cache "
+                "with a lower max_length"
             )
         self.snapshot = snapshot
         self.seed = seed

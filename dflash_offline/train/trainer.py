@@ -59,7 +59,7 @@ from dflash_offline.train.metrics import (
 )
 from dflash_offline.train.planner import LengthMixingPlanner, RankSteps, StepPlan
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
-from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
+from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, save_run_split, split_snapshot
 from dflash_offline.train.step import (
     DrafterSetup,
     OptimizerStep,
@@ -394,10 +394,10 @@ def _validation_groups(
     config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
 ) -> dict[str, str] | None:
     """``--val-group root-id``: each sample's conversation root, read from the cache's data file by rank
-    0 at the first start and saved; reloaded on resume (train/groups.py). None for ``sample``."""
+    0 at the first start and saved; reloaded on resume (train/split.py). None for ``sample``."""
     if config.val_group == "sample":
         return None
-    from dflash_offline.train.groups import GROUPS_FILE, conversation_groups, read_groups, save_groups
+    from dflash_offline.train.split import GROUPS_FILE, conversation_groups, read_groups, save_groups
 
     path = config.out_dir / GROUPS_FILE
     if info.is_main and not path.exists():
@@ -478,6 +478,7 @@ def train_rank(
             config, state = checkpoint_to_resume(config, info, split.train)
             if info.is_main:  # after the resume check: a refused resume leaves the run's config as it was
                 _write_config(config)
+                save_run_split(config.out_dir, split)  # what `dflash eval` reads (run_split.py)
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
             if config.feature_scale != "none":
                 setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))

@@ -30,7 +30,7 @@ from dflash_offline.eval.question_decoding import Decoders, EvalQuestion, decode
 from dflash_offline.eval.validation_set import select_validation_prompts
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from dflash_offline.train.snapshot import save_snapshot, take_snapshot
-from dflash_offline.train.split import split_snapshot
+from dflash_offline.train.split import save_run_split, split_snapshot
 from tests.eval.helpers import WORDS, export_untrained, one_thread, untrained_drafter, write_tiny_cache
 from tests.oracles.reference_decode import TargetCaller, target_only_decode
 
@@ -95,6 +95,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, tiny: LoadedTarget) -> dict[
         snapshot = take_snapshot(reader)
     save_snapshot(snapshot, run / "snapshot.parquet")
     split = split_snapshot(snapshot, fraction=FRACTION, num_samples=None)
+    save_run_split(run, split)  # as `dflash train` writes it
     assert split.validation is not None
     export_untrained(tiny, run / "drafter", block_size=4)
     validation = set(split.validation.sample_ids)
