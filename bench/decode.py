@@ -12,7 +12,7 @@ as it exists):
    (transformers' continuous batching, CUDA graphs on) on the same ShareGPT first turns (<= 1,024 prompt
    tokens), one wave of ``batch`` prompts, a fixed answer length (random weights: no stop token), for
    ``random:smollm2-135m`` and ``random:qwen3-8b``; the engine alone again at 512 new tokens.
-3. eval loops, batch 1 (SmolLM2 shape): target-only tok/s of the engine and of the old HF loop, and the
+3. eval loops, batch 1 (SmolLM2 shape): target-only tok/s of the engine and of the HF reference loop, and the
    speculative cycle (untrained drafter, 5 layers, B = 16) as a multiple of one target decode step.
    ``long`` (not in the default list): only the 512-new-token runs of the SmolLM2 shape, the engine at
    batch 256 and 1,024 beside static ``generate`` batches at 256 (a run that follows another pipeline);
@@ -340,7 +340,7 @@ def throughput(
 
 @torch.inference_mode()
 def eval_loops(report: Report, target_spec: str, prompts: list[list[int]], new: int) -> None:
-    from dflash_offline.eval.speculative import TargetCaller, target_only_decode
+    from tests.oracles.reference_decode import TargetCaller, target_only_decode
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(target_spec, device=device)
@@ -463,7 +463,7 @@ def profile(
             "table": events.table(sort_by=sort, row_limit=10, max_name_column_width=60),
         }
 
-    from dflash_offline.eval.speculative import TargetCaller
+    from tests.oracles.reference_decode import TargetCaller
 
     kw = TargetCaller(model)._cache_kwarg
     cache = TargetCaller(model).new_cache()

@@ -1,4 +1,5 @@
-"""Per-step cost of eval's two decoding loops: ms per target-only token, ms per speculative cycle.
+"""Per-step cost of eval's decode loop (``decode/speculative.py``): ms per target-only token, ms per
+speculative cycle.
 
 A cycle emits τ tokens, so speculative decoding beats target-only once τ > cycle ms ÷ token ms (the
 break-even τ printed here). The drafter is an untrained DFlash drafter of the default size (5 layers,
@@ -14,13 +15,8 @@ import statistics
 
 import torch
 
+from dflash_offline.decode import DecodeResult, SingleSequence
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, resolve_mask_token_id
-from dflash_offline.eval.speculative import (
-    DFlashBlockDrafter,
-    TargetCaller,
-    speculative_decode,
-    target_only_decode,
-)
 from dflash_offline.target_model.loader import compute_dtype, load_target, resolve_device
 
 PROMPTS = [
@@ -64,8 +60,6 @@ def main() -> None:
         config, embed_VH=model.get_input_embeddings().weight, lm_head_VH=model.get_output_embeddings().weight
     )
     drafter_model = drafter_model.to(device).cast_parameters(dtype).eval()
-    drafter = DFlashBlockDrafter(drafter_model)
-    caller = TargetCaller(model)
     tok = target.tokenizer
     prompts = [
         tok(
@@ -76,15 +70,23 @@ def main() -> None:
         )["input_ids"]
         for p in PROMPTS[: args.prompts]
     ]
+    engine = SingleSequence(model, max_len=max(map(len, prompts)) + args.new_tokens + args.block_size)
     none: frozenset[int] = frozenset()
-    target_only_decode(caller, prompts[0], max_new_tokens=8, stop_ids=none)  # warm-up
-    speculative_decode(caller, drafter, prompts[0], layer_ids=layer_ids, max_new_tokens=8, stop_ids=none)
+
+    def target_only(prompt: list[int], new_tokens: int) -> DecodeResult:
+        return engine.target_only(prompt, max_new_tokens=new_tokens, stop_ids=none)
+
+    def speculative(prompt: list[int], new_tokens: int) -> DecodeResult:
+        return engine.speculative(
+            prompt, drafter_model, layer_ids=layer_ids, max_new_tokens=new_tokens, stop_ids=none
+        )
+
+    target_only(prompts[0], 8)  # warm-up
+    speculative(prompts[0], 8)
     token_ms, cycle_ms = [], []
     for prompt in prompts:
-        base = target_only_decode(caller, prompt, max_new_tokens=args.new_tokens, stop_ids=none)
-        spec = speculative_decode(
-            caller, drafter, prompt, layer_ids=layer_ids, max_new_tokens=args.new_tokens, stop_ids=none
-        )
+        base = target_only(prompt, args.new_tokens)
+        spec = speculative(prompt, args.new_tokens)
         token_ms.append(1e3 * base.decode_seconds / base.num_target_forwards)
         cycle_ms.append(1e3 * spec.decode_seconds / spec.num_cycles)
     t, c = statistics.median(token_ms), statistics.median(cycle_ms)

@@ -10,8 +10,8 @@ import sys
 import torch
 
 from dflash_offline.eval.exactness import ulp
-from dflash_offline.eval.speculative import TargetCaller
 from dflash_offline.target_model.loader import load_target
+from tests.oracles.reference_decode import TargetCaller  # transformers' forward on a DynamicCache
 
 torch.set_num_threads(2)
 spec = sys.argv[1] if len(sys.argv) > 1 else "default"

@@ -1,7 +1,7 @@
 """Eval's speculative cycle against one target decode step, eager and compiled, side by side.
 
-``dflash eval``'s loops at batch 1 (``decode/single.py``: CUDA graphs on a GPU): ms per target-only decode
-step and per speculative cycle, with the target's and the drafter's layers eager and through
+``dflash eval``'s loop at batch 1 (``decode/speculative.py``: CUDA graphs on a GPU): ms per target-only
+decode step and per speculative cycle, with the target's and the drafter's layers eager and through
 ``torch.compile`` (``--compile on``), each cycle as a multiple of the step of the same variant, and the
 operators a step and a cycle launch (the profiler's CUDA kernels on a GPU; on the CPU the aten operators
 that compute, views left out, and the compiled graphs' fused kernels): at batch 1 they do little

@@ -13,7 +13,8 @@ CREATE TABLE samples (
     checksum        UINTEGER NOT NULL, -- crc32c of features, input_ids, loss_mask bytes
     worker          INTEGER NOT NULL,
     session         VARCHAR NOT NULL,
-    created_at      TIMESTAMPTZ NOT NULL
+    created_at      TIMESTAMPTZ NOT NULL,
+    conversation_root VARCHAR          -- the record's conversation (ShareGPT's X_11 -> X); NULL in format 1-2
 );
 
 CREATE TABLE failures (

@@ -28,7 +28,6 @@ import numpy as np
 from dflash_offline.errors import CacheFormatError
 
 if TYPE_CHECKING:
-    from dflash_offline.cache.fingerprint import CacheFingerprint
     from dflash_offline.cache.lossy import LossyLayout
 
 MIB = 1 << 20
@@ -173,9 +172,14 @@ def codec_spec(name: str) -> CodecSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FeatureStorage:
-    """How one token's features are stored under a fingerprint's codec."""
+    """How one token's features are stored under a fingerprint's codec: the codec resolved once, when the
+    fingerprint is built (``CacheFingerprint.storage``); writers, readers, the prefetcher and verify read
+    it there instead of looking the codec's name up again."""
 
     codec: str
+    """The codec's name (``CacheFingerprint.codec``)."""
+    spec: CodecSpec
+    """What the name stands for: the lossless chain (``make_compressors``) and the lossy scheme, if any."""
     dtype: np.dtype
     """uint16 (bf16 bits) or uint8 (the rows of a lossy codec)."""
     width: int
@@ -184,6 +188,11 @@ class FeatureStorage:
     """Attributes of the feature array (what the bytes mean)."""
     lossy: LossyLayout | None
     """The row layout of a lossy codec (fp8 or nf4: ``cache/lossy.py``), None for the lossless codecs."""
+
+    @property
+    def storage_dtype(self) -> str:
+        """``CacheFingerprint.storage_dtype`` that goes with the codec (``storage_dtype``)."""
+        return str(self.attributes["dtype"])
 
     @property
     def row_bytes(self) -> int:
@@ -218,13 +227,16 @@ def storage_dtype(codec: str) -> str:
 
 
 def feature_storage(codec: str, *, num_layers: int, hidden_size: int) -> FeatureStorage:
-    """The stored row format of a codec for features of ``num_layers`` × ``hidden_size``."""
+    """The stored row format of a codec for features of ``num_layers`` × ``hidden_size`` (a cache's is
+    ``CacheFingerprint.storage``); unknown names and sizes the codec cannot store raise
+    ``CacheFormatError``."""
     spec = codec_spec(codec)
     scheme = spec.fp8 or spec.nf4
     if scheme is None:
         width = num_layers * hidden_size
         return FeatureStorage(
             codec=codec,
+            spec=spec,
             dtype=np.dtype("<u2"),
             width=width,
             attributes={"dtype": "bfloat16", "codec": codec},
@@ -245,17 +257,11 @@ def feature_storage(codec: str, *, num_layers: int, hidden_size: int) -> Feature
     )
     return FeatureStorage(
         codec=codec,
+        spec=spec,
         dtype=np.dtype("u1"),
         width=layout.row_bytes,
         attributes={"dtype": storage_dtype(codec), "codec": codec, kind: layout.to_attributes()},
         lossy=layout,
-    )
-
-
-def storage_of(fingerprint: CacheFingerprint) -> FeatureStorage:
-    """The stored row format of a cache: its codec over its captured layers' features."""
-    return feature_storage(
-        fingerprint.codec, num_layers=len(fingerprint.layer_ids), hidden_size=fingerprint.hidden_size
     )
 
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from dflash_offline.cache.codecs import FeatureStorage, feature_storage
 from dflash_offline.errors import CacheFormatError, FingerprintMismatchError
 
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 """Bump when the on-disk layout changes; readers refuse versions they do not know. Format 2 put the
-sha256 of each manifest part's bytes into its name (cache/manifest.py)."""
-READABLE_FORMAT_VERSIONS = (1, 2)
+sha256 of each manifest part's bytes into its name (cache/manifest.py); format 3 stores each sample's
+conversation root in its row (``conversation_root``), so that training groups a conversation's samples
+without reading the data files again."""
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 """Format 1 caches are still read (and appended to, staying format 1): their manifest parts carry no
-sha256, so damage to a part is not detected there."""
+sha256, so damage to a part is not detected there. Format 1 and 2 rows have no conversation root (read
+as None); a format-1 or 2 cache appended to stays at its format, its new rows carrying their roots."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +46,14 @@ class CacheFingerprint:
     """Name of the data source (file name or ``sharegpt-default``); sample ids derive from it."""
     compute_dtype: str
     """The target's compute dtype (``float32`` / ``bfloat16``): it changes the features' bits."""
+    storage: FeatureStorage = field(init=False, repr=False, compare=False)
+    """``codec`` resolved, once, when the fingerprint is built (``codecs.feature_storage``: the stored
+    row's dtype, width and lossy layout, and the codec chain); not stored in cache.json, which names the
+    codec. An unknown codec, or a hidden size it cannot store, is refused here."""
+
+    def __post_init__(self) -> None:
+        storage = feature_storage(self.codec, num_layers=len(self.layer_ids), hidden_size=self.hidden_size)
+        object.__setattr__(self, "storage", storage)  # frozen: set once, here
 
     @property
     def feature_width(self) -> int:
@@ -49,14 +61,14 @@ class CacheFingerprint:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
-        for f in fields(self):
+        for f in _stored_fields(self):
             value = getattr(self, f.name)
             d[f.name] = list(value) if isinstance(value, tuple) else value
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheFingerprint:
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in _stored_fields(cls)}
         if not isinstance(d, dict):
             raise CacheFormatError(f"its fingerprint is {type(d).__name__}, not an object")
         missing = names - d.keys()
@@ -71,7 +83,7 @@ class CacheFingerprint:
 
     def first_difference(self, other: CacheFingerprint) -> str | None:
         """Name of the first field whose value differs, or None when the fingerprints are equal."""
-        for f in fields(self):
+        for f in _stored_fields(self):
             if getattr(self, f.name) != getattr(other, f.name):
                 return f.name
         return None
@@ -81,3 +93,8 @@ class CacheFingerprint:
         name = self.first_difference(new)
         if name is not None:
             raise FingerprintMismatchError(name, getattr(self, name), getattr(new, name))
+
+
+def _stored_fields(of: Any) -> list[Field[Any]]:
+    """The fields cache.json stores (``storage`` is derived from them)."""
+    return [f for f in fields(of) if f.init]

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.cache.codecs import codec_spec, storage_dtype
 from dflash_offline.cache.fingerprint import (
     CACHE_FORMAT_VERSION,
     READABLE_FORMAT_VERSIONS,
@@ -149,7 +148,8 @@ def _format_version(doc: Any, path: Path) -> int:
         raise CacheFormatError(f"{path} is not a dflash cache.json (needs format_version and fingerprint)")
     version = doc["format_version"]
     if version not in READABLE_FORMAT_VERSIONS:
-        readable = " and ".join(str(v) for v in READABLE_FORMAT_VERSIONS)
+        *first, last = (str(v) for v in READABLE_FORMAT_VERSIONS)
+        readable = f"{', '.join(first)} and {last}" if first else last
         raise CacheFormatError(
             f"{path} has format_version {version!r}; this dflash-offline reads formats {readable}: "
             f"use the dflash-offline version that wrote it, or regenerate the cache"
@@ -169,7 +169,8 @@ def parse_cache_json(doc: Any, path: Path) -> CacheFingerprint:
 
 
 def read_format_version(root: str | Path) -> int:
-    """The format version in an existing cache's cache.json (1 or 2; others are refused)."""
+    """The format version in an existing cache's cache.json (``READABLE_FORMAT_VERSIONS``; others are
+    refused)."""
     layout = CacheLayout.at(root)
     read_fingerprint(root)  # the shared messages for a missing or unreadable cache.json
     return _format_version(json.loads(layout.cache_json.read_text()), layout.cache_json)
@@ -214,8 +215,7 @@ def create_or_open_cache(root: str | Path, fingerprint: CacheFingerprint) -> Cac
     cache.json is created with a hard link, which fails if another process created it first."""
     layout = CacheLayout.at(root)
     _check_root(layout.root)
-    codec_spec(fingerprint.codec)  # refuse unknown codecs before anything is created
-    expected_dtype = storage_dtype(fingerprint.codec)
+    expected_dtype = fingerprint.storage.storage_dtype  # an unknown codec was refused when it was built
     if fingerprint.storage_dtype != expected_dtype:
         raise CacheFormatError(
             f"storage_dtype {fingerprint.storage_dtype!r} does not go with codec {fingerprint.codec!r}; "

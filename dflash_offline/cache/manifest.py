@@ -48,6 +48,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("worker", pa.int32()),
             ("session", pa.string()),
             ("created_at", _TS),
+            ("conversation_root", pa.string()),
         ]
     ),
     "failures": pa.schema(
@@ -119,6 +120,10 @@ SCHEMAS: dict[str, pa.Schema] = {
         ]
     ),
 }
+
+ADDED_COLUMNS: dict[str, frozenset[str]] = {"samples": frozenset({"conversation_root"})}
+"""Columns a later format added to a table (format 3: ``conversation_root``): a part written before has
+none, and reads back with nulls there."""
 
 _RECORD_TYPES: dict[str, Any] = {
     "samples": SampleRow,
@@ -228,9 +233,13 @@ def parse_part(table: str, path: Path, data: bytes, columns: Sequence[str] | Non
     except (OSError, pa.ArrowInvalid) as e:
         raise damaged_part_error(path, f"it does not parse as Parquet ({e})") from e
     missing = [name for name in schema.names if name not in piece.schema.names]
+    added = ADDED_COLUMNS.get(table, frozenset())
+    for name in [m for m in missing if m in added]:  # a part of an older format: null there
+        piece = piece.append_column(schema.field(name), pa.nulls(piece.num_rows, schema.field(name).type))
+    missing = [name for name in missing if name not in added]
     if missing:  # ParquetFile.read skips requested columns it does not have
         raise damaged_part_error(path, f"it lacks the columns {missing}")
-    return piece.cast(schema)
+    return piece.select(schema.names).cast(schema)
 
 
 def read_parts(

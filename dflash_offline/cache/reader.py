@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import torch
 
 from dflash_offline.cache.checksum import sample_checksum
-from dflash_offline.cache.codecs import FeatureStorage, storage_of
+from dflash_offline.cache.codecs import FeatureStorage
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint, read_format_version
 from dflash_offline.cache.lossy import decode_rows
@@ -183,7 +183,7 @@ class CacheReader:
         self.fingerprint: CacheFingerprint = read_fingerprint(root)
         self._legacy_names = read_format_version(root) == 1
         self._skip_parts = skip_parts
-        self.storage: FeatureStorage = storage_of(self.fingerprint)
+        self.storage: FeatureStorage = self.fingerprint.storage
         self.num_threads = max(1, int(num_threads))
         self.check_checksums = check_checksums
         self.on_damaged = on_damaged

@@ -92,6 +92,9 @@ class SampleToWrite:
     """The same features as stored fp8 rows (an fp8 cache only); None when ``features_TF`` holds them."""
     bucket_id: int
     """Index of the first bucket edge >= T."""
+    conversation_root: str | None = None
+    """The conversation the record belongs to (``data/sources.py:conversation_root``: ShareGPT's ``X_11``
+    belongs to ``X``), stored in the sample's row; None when the writer's caller does not know it."""
 
     def __post_init__(self) -> None:
         num_tokens = int(self.input_ids_T.shape[0]) if self.input_ids_T.ndim == 1 else -1
@@ -145,6 +148,9 @@ class SampleRow:
     worker: int
     session: str
     created_at: dt.datetime
+    conversation_root: str | None = None
+    """The record's conversation root (``SampleToWrite.conversation_root``); None in the rows of format 1
+    and 2 caches, which did not store it, and where the writer was not given it."""
 
     def to_dict(self) -> dict[str, Any]:
         return record_to_dict(self)

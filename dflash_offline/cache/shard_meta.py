@@ -17,7 +17,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import write_atomic
 from dflash_offline.cache.rows import ShardInfo
@@ -54,7 +53,7 @@ class MetadataDamage:
 @lru_cache(maxsize=32)
 def _template(fingerprint: CacheFingerprint, chunk_rows: int, shard_rows: int) -> dict[str, str]:
     """key -> the JSON text zarr-python writes for a new group of this layout (attributes empty)."""
-    storage = storage_of(fingerprint)
+    storage = fingerprint.storage
     with tempfile.TemporaryDirectory(prefix="dflash-meta-") as tmp:
         group = Path(tmp) / "g.zarr"
         create_shard_group(

@@ -165,11 +165,12 @@ def _checked_part_files(
 
 
 def _load_samples(con: duckdb.DuckDBPyConnection, files: list[Path]) -> None:
-    """Fill ``samples`` with the first commit of each sample_id and ``duplicates`` with the later ones."""
+    """Fill ``samples`` with the first commit of each sample_id and ``duplicates`` with the later ones
+    (by column name: a part of format 1 or 2 has no ``conversation_root``, NULL here)."""
     con.execute(
         "CREATE TEMP TABLE _samples AS SELECT *, "
         f"row_number() OVER (PARTITION BY sample_id {_FIRST_COMMIT}) "
-        f"AS _copy FROM read_parquet({_file_list(files)})"
+        f"AS _copy FROM read_parquet({_file_list(files)}, union_by_name = true)"
     )
     con.execute("INSERT INTO samples BY NAME SELECT * EXCLUDE (_copy) FROM _samples WHERE _copy = 1")
     con.execute(

@@ -56,6 +56,8 @@ class StagedSample:
     num_tokens: int
     num_loss_tokens: int
     bucket_id: int
+    conversation_root: str | None
+    """``SampleToWrite.conversation_root``."""
 
 
 def set_num_rows_all(formats: tuple[ArrayFormat, ...], num_rows: int) -> int:

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
-from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint
 from dflash_offline.cache.manifest import (
     read_parts,
@@ -166,7 +165,7 @@ class WindowUsage:
 
 def window_usage(root: str | Path) -> WindowUsage:
     """Measure the window from the manifest (works while writers and training are active)."""
-    token_bytes = storage_of(read_fingerprint(root)).token_bytes
+    token_bytes = read_fingerprint(root).storage.token_bytes
     retired = retired_shards(root)
     samples = read_table(root, "samples", ["sample_id", "shard", "num_tokens"])
     shard_N = np.asarray(samples.column("shard").to_pylist(), dtype=object)

@@ -35,7 +35,7 @@ from types import TracebackType
 import numpy as np
 import torch
 
-from dflash_offline.cache.codecs import raw_token_bytes, storage_of
+from dflash_offline.cache.codecs import raw_token_bytes
 from dflash_offline.cache.commit_policy import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_SECONDS
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import CacheLayout, create_or_open_cache, fsync_dir
@@ -131,7 +131,7 @@ class ShardWriter:
         self.flush_seconds = flush_seconds
         self.flush_bytes = int(flush_bytes)
         self.feature_width = fingerprint.feature_width
-        self.storage = storage_of(fingerprint)
+        self.storage = fingerprint.storage
         self.chunk_rows, self.shard_rows = shard_geometry(
             self.feature_width,
             chunk_bytes=chunk_bytes,
@@ -283,7 +283,7 @@ class ShardWriter:
         if rows.layout != self.storage.lossy:
             raise SampleError(
                 f"{where}: rows encoded with {rows.layout}, this cache ({self.fingerprint.codec!r}) "
-                f"stores {self.storage.lossy}; encode with the cache's layout (codecs.storage_of)"
+                f"stores {self.storage.lossy}; encode with the cache's layout (CacheFingerprint.storage)"
             )
         rows.check(where, int(rows.rows_TW.shape[0]))  # as built, unless the tensor changed since
 
@@ -336,6 +336,7 @@ class ShardWriter:
                 num_tokens=num_tokens,
                 num_loss_tokens=int(np.count_nonzero(mask_T)),
                 bucket_id=int(sample.bucket_id),
+                conversation_root=sample.conversation_root,
             )
         )
         self._known.add(sample.sample_id)
@@ -586,6 +587,7 @@ class ShardWriter:
                 worker=self.worker,
                 session=self.session,
                 created_at=now,
+                conversation_root=s.conversation_root,
             )
             for s in written
         ]

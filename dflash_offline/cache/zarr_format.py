@@ -47,7 +47,7 @@ def create_shard_group(
     attributes: dict[str, Any],
 ) -> dict[str, ArrayFormat]:
     """Create a new, empty shard group (refuses an existing one); returns its arrays' formats."""
-    feature_width, codec = storage.width, storage.codec
+    feature_width = storage.width
     assert shard_rows % chunk_rows == 0, (shard_rows, chunk_rows)
     group = zarr.open_group(store=LocalStore(group_path), mode="w-", zarr_format=3, attributes=attributes)
     key_encoding: dict[str, Any] = {"name": "default", "separator": "/"}
@@ -58,7 +58,7 @@ def create_shard_group(
         dtype=storage.dtype.name,
         chunks=(chunk_rows, feature_width),
         shards=(shard_rows, feature_width),
-        compressors=codec_spec(codec).make_compressors(),
+        compressors=storage.spec.make_compressors(),
         fill_value=0,
         chunk_key_encoding=key_encoding,
         attributes=storage.attributes,

@@ -77,6 +77,9 @@ class TokenizedSample:
     """uint8 [T]: 1 exactly on tokens the assistant generates (content and its end-of-turn token)."""
     truncated: bool
     """True when the rendered conversation was longer than ``max_length`` and was cut to it."""
+    conversation_root: str | None = None
+    """The conversation the record belongs to (``data/sources.py:conversation_root``); the cache stores
+    it in the sample's row. None where the sample was built without its record."""
 
     def __post_init__(self) -> None:
         assert self.input_ids_T.dtype == np.int32

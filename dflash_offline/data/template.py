@@ -41,6 +41,7 @@ import numpy as np
 
 from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import Conversation, Message, SourceFailure, TokenizedSample
+from dflash_offline.data.sources import conversation_root
 from dflash_offline.errors import DataError
 
 TooLong = Literal["truncate", "skip"]
@@ -211,6 +212,7 @@ def tokenize_conversation(
         input_ids_T=np.ascontiguousarray(ids_T),
         loss_mask_T=loss_mask_T,
         truncated=truncated,
+        conversation_root=conversation_root(conv.record_id, conv.sample_id),
     )
 
 

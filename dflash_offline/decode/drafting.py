@@ -41,7 +41,11 @@ class DrafterCompileWarning(RuntimeWarning):
 
 
 class StaticDrafter:
-    """``model``'s context keys/values for one sequence of up to ``capacity`` positions."""
+    """``model``'s context keys/values for one sequence of up to ``capacity`` positions (a ``Drafter`` of
+    ``decode/speculative.py``)."""
+
+    capturable = True
+    """No host sync: the speculative cycle runs it inside its CUDA graphs."""
 
     def __init__(self, model: DFlashDrafter, capacity: int, *, compile_backend: str | None = None) -> None:
         cfg = model.config

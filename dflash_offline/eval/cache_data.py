@@ -1,7 +1,7 @@
 """What a training cache's data files say about its samples.
 
 The cache stores sample ids, not records; the records are in the data files its ``dflash generate`` runs
-read (named in its runs table, train/groups.py). Read again with the cache's source name, each record
+read (named in its runs table, data/generate_inputs.py). Read again with the cache's source name, each record
 gives the sample id the cache stored, its own id and conversation root (ShareGPT's ``X_11`` belongs to
 ``X``), and, for ``dflash regenerate`` output, the original record it was answered from
 (``source_sample_id``). ``dflash eval`` keeps its prompts held out with them (prompts.py) and draws the
@@ -34,9 +34,9 @@ class CacheRecord:
 def readable_inputs(cache_dir: Path) -> tuple[list[tuple[Path, DataFormat]], list[str]]:
     """The data files (with their ``--data-format``) of the cache's generate runs that are on disk, each
     once, and the names of those that are not."""
+    from dflash_offline.data.generate_inputs import generate_inputs
     from dflash_offline.data.sources import resolve_data_path
     from dflash_offline.errors import DataError
-    from dflash_offline.train.groups import generate_inputs
 
     found: list[tuple[Path, DataFormat]] = []
     missing: list[str] = []

@@ -105,7 +105,7 @@ def classify(
             target_token_gap=None, spec_token_gap=None, top2_gap=None, tolerance=None, dtype=name,
         )  # fmt: skip
     if j >= len(spec_tokens) or j >= len(target_tokens):
-        # Same tokens, different lengths: both loops stop by the same rule, so no rounding explains it.
+        # Same tokens, different lengths: both decodes stop by the same rule, so no rounding explains it.
         return Divergence(
             kind="mismatch", position=j,
             target_token=target_tokens[j] if j < len(target_tokens) else None,

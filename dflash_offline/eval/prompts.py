@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import Conversation, Message
@@ -27,10 +27,7 @@ from dflash_offline.data.sources import conversation_root, iter_records, source_
 from dflash_offline.data.user_groups import user_groups
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig, Turns
-from dflash_offline.train.config import TrainConfig
-
-if TYPE_CHECKING:
-    from dflash_offline.train.split import SplitSnapshots
+from dflash_offline.run_split import SPLIT_FILE, RunSplit, read_run_split
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,8 +133,7 @@ def _held_out_chain(
     seen = seen | {drafter_dir.resolve()}
     if initial.resolve() in seen:
         raise ConfigError(
-            f"{drafter_dir}: the drafters its run started from ({field_ref(TrainConfig, 'init_from')}) "
-            f"loop back to {initial}"
+            f"{drafter_dir}: the drafters its run started from (their runs' init_from) loop back to {initial}"
         )
     inherited = _held_out_chain(exclude_cache=None, drafter_dir=initial, data=data, seen=seen)
     return HeldOut(
@@ -154,7 +150,6 @@ def _own_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | 
     from dflash_offline.cache.layout import read_fingerprint
     from dflash_offline.cache.manifest import committed_sample_ids
     from dflash_offline.eval.cache_data import iter_cache_records
-    from dflash_offline.train.split import split_of_run
 
     inferred = exclude_cache is None
     cache_dir = exclude_cache if exclude_cache is not None else training_cache_of(drafter_dir)
@@ -164,12 +159,13 @@ def _own_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | 
     committed = committed_sample_ids(cache_dir)
     source = _prompt_source(data)
     run_dir = run_dir_of(drafter_dir)
-    split = split_of_run(run_dir) if run_dir is not None else None
+    split = read_run_split(run_dir) if run_dir is not None else None
     # Samples of the cache the drafter's run never trained on: its validation split, the samples its
-    # --train-samples left out, and those committed after it took its snapshot. Without the run: none.
+    # train_samples left out, and those committed after it took its snapshot. Without the run's split
+    # file: none (every committed sample counts as trained, so nothing trained on is taken for held out).
     never_trained: frozenset[str] = frozenset()
     if split is not None:
-        never_trained = frozenset(committed - set(split.train.sample_ids))
+        never_trained = frozenset(committed - split.train)
     trained = committed - never_trained
     # One pass over the cache's data files: the records behind the samples.
     origin_of: dict[str, str] = {}
@@ -199,6 +195,11 @@ def _own_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | 
             f"on ({_never_trained_note(never_trained, split)})"
         )
         ids = kept
+    if run_dir is not None and split is None:
+        note += (
+            f"; every one counted as trained: the run {run_dir} has no {SPLIT_FILE} (trained by an earlier "
+            "dflash-offline; running its `dflash train` command again writes it, a finished run runs no step)"
+        )
     note += _roots_note(cache_dir, trained_roots)
     return HeldOut(
         cache_dir=cache_dir,
@@ -257,20 +258,17 @@ def _roots_note(cache_dir: Path, trained_roots: set[str]) -> str:
     return ""
 
 
-def _never_trained_note(never_trained: frozenset[str], split: SplitSnapshots) -> str:
-    """Why the run never trained on ``never_trained`` (its validation split, its --train-samples, or a
+def _never_trained_note(never_trained: frozenset[str], split: RunSplit) -> str:
+    """Why the run never trained on ``never_trained`` (its validation split, its train_samples, or a
     commit after its snapshot), counted by cause."""
-    from dflash_offline.train.config import TrainConfig
-
-    validation = frozenset(split.validation.sample_ids) if split.validation is not None else frozenset()
-    held = len(never_trained & validation)
-    # What --train-samples left out is the rest of the snapshot (still committed, unless a repair dropped
+    held = len(never_trained & split.validation)
+    # What train_samples left out is the rest of the snapshot (still committed, unless a repair dropped
     # some); whatever else the run never trained on was committed after it took its snapshot.
-    cut = min(split.num_not_held_out - len(split.train), len(never_trained) - held)
+    cut = len(never_trained & split.left_out)
     later = len(never_trained) - held - cut
     parts = [f"{held} held out for validation"] if held else []
     if cut:
-        parts.append(f"{cut} left out by its {field_ref(TrainConfig, 'train_samples')}")
+        parts.append(f"{cut} left out by its train_samples")
     if later:
         parts.append(f"{later} committed after its start")
     return ", ".join(parts)

@@ -1,10 +1,11 @@
-"""The questions of the eval sets, and decoding one question turn by turn with both loops.
+"""The questions of the eval sets, and decoding one question turn by turn, target-only and speculatively.
 
 A question is one chat-data prompt (rendered already; with ``--turns all`` its later turns too) or a
 standard set's list of user turns. Turn t's prompt is the chat template over the turns' messages 1..t
 with the target-only (greedy) answers to turns 1..t−1 in between, and the generation prompt: the
-target's own conversation, the same for both loops. Each turn is decoded target-only and speculatively,
-and the two outputs are compared tie-aware.
+target's own conversation, the same for both decodes. Each turn is decoded target-only and speculatively
+(the one loop of ``decode/speculative.py``, without and with a drafter), and the two outputs are compared
+tie-aware.
 """
 
 from __future__ import annotations
@@ -13,21 +14,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import Message
-from dflash_offline.decode.single import SingleSequence
+from dflash_offline.decode import DecodeResult, Drafter, SingleSequence
 from dflash_offline.eval.benches import BenchQuestion
 from dflash_offline.eval.config import EvalConfig
 from dflash_offline.eval.exactness import Divergence, classify
 from dflash_offline.eval.prompts import EvalPrompt, render_prompt_ids
-from dflash_offline.eval.speculative import (
-    BlockDrafter,
-    DecodeResult,
-    DFlashBlockDrafter,
-    TargetCaller,
-    speculative_decode,
-    target_only_decode,
-)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,7 +68,7 @@ def from_bench(question: BenchQuestion) -> EvalQuestion:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DecodedTurn:
-    """One turn of one question, decoded by both loops."""
+    """One turn of one question, decoded target-only and speculatively."""
 
     question: EvalQuestion
     turn: int
@@ -86,47 +81,30 @@ class DecodedTurn:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Decoders:
-    """What decoding a turn needs: the target behind both loops, the drafter, and how to stop. With
-    ``engine`` both loops run on the decode engine (``dflash eval``); without it on transformers' forward
-    (the reference loops)."""
+    """What decoding a turn needs: the decode loop over the target (``engine``), the drafter on its device,
+    the target model itself (the exactness check's full forward), and how to stop. Target-only decoding
+    is the same loop with a drafter that proposes nothing."""
 
-    caller: TargetCaller
-    drafter: BlockDrafter
+    engine: SingleSequence
+    drafter: Drafter
+    """``engine.drafter_for(model)`` for a DFlash drafter."""
+    target: nn.Module
     tokenizer: Any
     layer_ids: tuple[int, ...]
     stop_ids: frozenset[int]
     max_new_tokens: int
     max_prompt_tokens: int
     tie_ulps: float
-    engine: SingleSequence | None = None
 
     def target_only(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> DecodeResult:
-        if self.engine is not None:
-            return self.engine.target_only(
-                prompt_ids, max_new_tokens=max_new_tokens or self.max_new_tokens, stop_ids=self.stop_ids
-            )
-        return target_only_decode(
-            self.caller,
-            prompt_ids,
-            max_new_tokens=max_new_tokens or self.max_new_tokens,
-            stop_ids=self.stop_ids,
+        return self.engine.target_only(
+            prompt_ids, max_new_tokens=max_new_tokens or self.max_new_tokens, stop_ids=self.stop_ids
         )
 
     def speculative(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> DecodeResult:
-        if self.engine is not None:
-            # A DFlash drafter drafts on the device (static context, one graph per cycle); others on the host.
-            drafter = self.drafter.model if isinstance(self.drafter, DFlashBlockDrafter) else self.drafter
-            return self.engine.speculative(
-                prompt_ids,
-                drafter,
-                layer_ids=self.layer_ids,
-                max_new_tokens=max_new_tokens or self.max_new_tokens,
-                stop_ids=self.stop_ids,
-            )
-        return speculative_decode(
-            self.caller,
-            self.drafter,
+        return self.engine.speculative(
             prompt_ids,
+            self.drafter,
             layer_ids=self.layer_ids,
             max_new_tokens=max_new_tokens or self.max_new_tokens,
             stop_ids=self.stop_ids,
@@ -155,7 +133,7 @@ def first_turn_ids(question: EvalQuestion, tokenizer: Any) -> tuple[int, ...]:
 def decode_question(
     question: EvalQuestion, dec: Decoders, *, on_skip: Callable[[str], None] | None = None
 ) -> Iterator[DecodedTurn]:
-    """Decode every turn of ``question`` with both loops (a turn whose prompt is longer than
+    """Decode every turn of ``question`` target-only and speculatively (a turn whose prompt is longer than
     ``max_prompt_tokens`` ends it)."""
     answers: list[str] = []
     for t in range(question.num_turns):
@@ -177,7 +155,7 @@ def decode_question(
         base = dec.target_only(prompt_ids)
         fast = dec.speculative(prompt_ids)
         divergence = classify(
-            model=dec.caller.model,
+            model=dec.target,
             prompt_ids=prompt_ids,
             target_tokens=base.tokens,
             spec_tokens=fast.tokens,

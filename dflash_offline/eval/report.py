@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_offline.decode import DecodeResult
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.exactness import Divergence, first_divergence
-from dflash_offline.eval.speculative import DecodeResult
 from dflash_offline.tensorboard import open_writer
 
 TIMED_MIN_TOKENS = 1000

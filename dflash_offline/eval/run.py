@@ -1,5 +1,5 @@
 """``dflash eval``: load the target and an exported drafter, pick the question sets' prompts, decode each
-turn target-only and speculatively, and report τ, its histogram, both loops' decode tok/s, the speedup
+turn target-only and speculatively, and report τ, its histogram, both decodes' tok/s, the speedup
 and the tie-aware exactness check per set.
 
 Sets: ``--bench mt-bench,humaneval,sharegpt,validation`` or ``all`` (benches.py), or without ``--bench``
@@ -168,8 +168,8 @@ def run_eval(config: EvalConfig) -> Any:
             "finished turns only"
         )
     compiled = Compiled(
-        target=dec.engine is not None and dec.engine.target_compiled,
-        drafter=dec.engine is not None and dec.engine.drafter_compiled,
+        target=dec.engine.target_compiled,
+        drafter=dec.engine.drafter_compiled,
     )
     for model, ran_compiled in (("target", compiled.target), ("drafter", compiled.drafter)):
         if compiles(config, device.type) and not ran_compiled:
@@ -186,27 +186,27 @@ def run_eval(config: EvalConfig) -> Any:
 
 
 def _decoders(config: EvalConfig, target: Any, drafter_model: Any) -> Any:
-    """Both loops over the loaded target and drafter (``eval/question_decoding.py:Decoders``)."""
-    from dflash_offline.decode.single import SingleSequence
+    """The decode loop over the loaded target, the drafter on its device (``question_decoding.Decoders``)."""
+    from dflash_offline.decode import SingleSequence
     from dflash_offline.eval.question_decoding import Decoders
-    from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller
 
     block = drafter_model.config.block_size
+    # One slot of the longest prompt + answer + a verify block; CUDA graphs on a GPU.
+    engine = SingleSequence(
+        target.model,
+        max_len=config.max_prompt_tokens + config.max_new_tokens + block,
+        compile_backend=COMPILE_BACKEND if compiles(config, target.device.type) else None,
+    )
     return Decoders(
-        caller=TargetCaller(target.model),
-        drafter=DFlashBlockDrafter(drafter_model),
+        engine=engine,
+        drafter=engine.drafter_for(drafter_model),
+        target=target.model,
         tokenizer=target.tokenizer,
         layer_ids=tuple(drafter_model.config.target_layer_ids),
         stop_ids=stop_token_ids(target.tokenizer, target.model),
         max_new_tokens=config.max_new_tokens,
         max_prompt_tokens=config.max_prompt_tokens,
         tie_ulps=config.tie_ulps,
-        # One slot of the longest prompt + answer + a verify block; CUDA graphs on a GPU.
-        engine=SingleSequence(
-            target.model,
-            max_len=config.max_prompt_tokens + config.max_new_tokens + block,
-            compile_backend=COMPILE_BACKEND if compiles(config, target.device.type) else None,
-        ),
     )
 
 
@@ -223,7 +223,7 @@ class DecodedTurns:
 
 
 def _decode_questions(questions: list[Any], dec: Any, warnings: list[str], *, progress: bool) -> DecodedTurns:
-    """Every turn of every question through both loops, until done or a stop request."""
+    """Every turn of every question, target-only and speculatively, until done or a stop request."""
     from tqdm import tqdm
 
     results: list[Any] = []

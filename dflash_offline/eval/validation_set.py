@@ -1,7 +1,7 @@
 """The ``validation`` set of ``dflash eval``: the records the drafter's training run held out.
 
-``dflash train`` measures its validation τ on the cached answers of the samples it held out
-(train/split.py): teacher-forced, over every turn. This set decodes the same records: their prompts
+``dflash train`` measures its validation τ on the cached answers of the samples it held out (its split
+file, run_split.py): teacher-forced, over every turn. This set decodes the same records: their prompts
 come from the data file the run's cache was generated from (cache_data.py), each user turn in turn
 with ``--turns all`` (after the target's own greedy answers, as MT-Bench's turn 2), so that its τ
 compares directly with the validation τ, and with the held-out ``sharegpt`` set decoded the same way.
@@ -24,7 +24,7 @@ from dflash_offline.data.conversations import Conversation
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.config import EvalConfig, Turns
 from dflash_offline.eval.prompts import EvalPrompt, HeldOut, chat_prompt, run_dir_of, training_cache_of
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.run_split import SPLIT_FILE, read_run_split
 
 THIS_SET = f"{field_ref(EvalConfig, 'bench')} validation"
 """How messages name this set."""
@@ -108,8 +108,6 @@ def select_validation_prompts(
     """The validation records of the run ``drafter_dir`` was exported by (module docstring). ``inherited``:
     what the drafter that run started from trained on (``HeldOut.inherited``): its records are left out, and
     its conversations count as trained ones."""
-    from dflash_offline.train.split import validation_ids_of_run
-
     run_dir = run_dir_of(drafter_dir)
     cache_dir = training_cache_of(drafter_dir)
     if run_dir is None or cache_dir is None:
@@ -117,11 +115,16 @@ def select_validation_prompts(
             f"{THIS_SET}: {drafter_dir} is not the export of a `dflash train` run (RUN/drafter); "
             "the set is the run's validation records"
         )
-    validation = validation_ids_of_run(run_dir)
+    split = read_run_split(run_dir)
+    if split is None:
+        raise ConfigError(
+            f"{THIS_SET}: the run {run_dir} has no {SPLIT_FILE} (trained by an earlier dflash-offline, or "
+            "not started): run its `dflash train` command again to write it (a finished run runs no step)"
+        )
+    validation = split.validation
     if not validation:
         raise ConfigError(
-            f"{THIS_SET}: the run {run_dir} holds no sample out for validation "
-            f"({field_ref(TrainConfig, 'val_fraction')} 0?)"
+            f"{THIS_SET}: the run {run_dir} holds no sample out for validation (its val_fraction is 0?)"
         )
     if not (cache_dir / "cache.json").is_file():
         raise ConfigError(f"{THIS_SET}: the run's cache {cache_dir} is not here")

@@ -170,7 +170,7 @@ def _fingerprint(
 ) -> CacheFingerprint:
     """What the cache's samples depend on: the target, its layers, tokenizer and template, the codec,
     the length rules and the data file's name."""
-    from dflash_offline.cache.codecs import DEFAULT_CODEC, codec_spec, storage_dtype
+    from dflash_offline.cache.codecs import DEFAULT_CODEC, storage_dtype
     from dflash_offline.data.sources import source_name
     from dflash_offline.data.template import chat_template_hash, tokenizer_hash
     from dflash_offline.target_model.layers import resolve_layer_ids
@@ -178,8 +178,7 @@ def _fingerprint(
     layer_ids = resolve_layer_ids(
         info.num_layers, num_features=config.num_features, layer_ids=config.layer_ids
     )
-    codec = config.codec or DEFAULT_CODEC
-    codec_spec(codec)  # unknown names fail here with the list of known ones
+    codec = config.codec or DEFAULT_CODEC  # an unknown name fails in storage_dtype, listing the known ones
     return CacheFingerprint(
         target_id=info.target_id,
         weights_hash=info.weights_hash,

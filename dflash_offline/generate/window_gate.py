@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.layout import read_fingerprint
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.rows import utc_now
@@ -51,7 +50,7 @@ class WindowGate:
         self._run_id = run_id
         self._val_fraction = val_fraction
         self._limit = limit
-        self._token_bytes = storage_of(read_fingerprint(cache_dir)).token_bytes
+        self._token_bytes = read_fingerprint(cache_dir).storage.token_bytes
         self._in_flight: dict[str, int] = {}  # sample_id -> bytes, handed out and not seen committed
         self._estimate = 0  # an upper bound of the window since the last reading
         self.waited_seconds = 0.0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.window import read_seals, seal_orphans
 from dflash_offline.config_fields import field_ref
@@ -44,7 +43,7 @@ def check_window(config: GenerateConfig, fingerprint: CacheFingerprint, num_work
     store = store_bytes(config, num_workers)
     if limit is None or store is None:
         return
-    token_bytes = storage_of(fingerprint).token_bytes
+    token_bytes = fingerprint.storage.token_bytes
     open_stores = num_workers * (store + config.max_length * token_bytes)
     job = config.tokens_per_batch * token_bytes
     if open_stores + job < limit:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.lossy import LossyLayout
 from dflash_offline.cache.rolling import RollingWriter
@@ -80,7 +79,7 @@ def run_worker(spec: WorkerSpec[CaptureTask], events: EventSink, stop: StopFlag,
     start = time.perf_counter()
     capture = build_capture(task, device)
     # What the host rows hold: bf16 features, or fp8 rows encoded on this device (capture_step.py).
-    storage = storage_of(task.fingerprint)
+    storage = task.fingerprint.storage
     # Pinned allocations take seconds at these sizes: part of start-up, before the worker says ready.
     pool = PinnedBufferPool(
         num_buffers=task.writer_queue_depth + 2,  # queued + one being written + one being filled
@@ -155,7 +154,7 @@ def _open_writer(spec: WorkerSpec[CaptureTask]) -> ShardWriter | RollingWriter:
         open_store,
         session=task.session,
         store_bytes=task.store_bytes,
-        token_bytes=storage_of(task.fingerprint).token_bytes,
+        token_bytes=task.fingerprint.storage.token_bytes,
         val_fraction=task.val_fraction,
         fsync=task.fsync,
     )

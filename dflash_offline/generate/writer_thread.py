@@ -149,6 +149,7 @@ class WriterThread:
                         features_TF=rows_TW if batch.fp8 is None else None,
                         fp8_rows=None if batch.fp8 is None else Fp8Rows(layout=batch.fp8, rows_TW=rows_TW),
                         bucket_id=bucket_of(sample.num_tokens, self._bucket_edges),
+                        conversation_root=sample.conversation_root,
                     )
                 )
                 new_samples += 1

@@ -4,11 +4,12 @@ A sample is a validation sample when a keyed hash of its group, read as a number
 ``--val-fraction``; with ``--val-samples N`` the groups of smallest hash are held out, whole, until they
 hold at least N samples. A sample's group is its own sample id (``--val-group sample``, the default) or
 its conversation root (``--val-group root-id``: ShareGPT's records ``X_0``, ``X_11``, … of one long
-conversation are held out together, or trained on together; train/groups.py). The choice depends on
+conversation are held out together, or trained on together; below). The choice depends on
 nothing else (not the seed, the world size, the step or the order of the cache): every resume and every
 world size holds out the same samples, and runs over the same cache are validated on the same ones. The
-run's training snapshot is the rest; the planner never sees a validation sample. ``dflash eval`` reads
-the split back (``split_of_run``): the prompts of samples the run did not train on are held out.
+run's training snapshot is the rest; the planner never sees a validation sample. The run writes its split
+(``save_run_split``, ``run_split.py``), which ``dflash eval`` reads: the prompts of samples the run did
+not train on are held out.
 
 ``--train-samples N`` then trains on part of the rest, chosen the same way under a second key (another
 salt, so the choice does not lean on the validation key): the groups of smallest training key, whole, until
@@ -16,27 +17,48 @@ they hold at least N samples (exactly N with ``--val-group sample``). The valida
 does not depend on N; the subset depends only on the ids and groups, so it is the same on every resume and
 world size, and a larger N takes a superset of a smaller N's samples (a data-scaling curve compares nested
 training sets against one validation split).
+
+Conversation roots (``--val-group root-id``): a format-3 cache stores each sample's root in its row
+(``dflash generate`` takes it from the record it parsed, ``data/sources.py:conversation_root``), so the
+roots are read from the manifest and the data files are not opened. Rows of a format 1 or 2 cache store
+none; for those samples alone the root comes from the data file itself, as before format 3: the files
+are those the cache's ``dflash generate`` runs read (their configs are in the cache's runs table,
+``data/generate_inputs.py``); every record is parsed as generate parsed it (the same source name, so the
+same sample ids) and each sample without a stored root gets ``conversation_root`` of its record. A
+sample whose record is in none of those files (the file changed or is gone) is an error: a split that
+silently grouped some samples and not others would leak what it is meant to keep apart.
+
+The roots are computed once, when the run starts, and saved beside the snapshot
+(``validation_groups.parquet``): a resume reads them back, so it keeps the split even if the data file
+has moved since.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from dflash_offline.config_fields import flag
 from dflash_offline.errors import CacheFormatError, ConfigError
+from dflash_offline.run_split import RunSplit, write_run_split
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.groups import GROUPS_FILE, read_groups
 from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, subset_snapshot
 
 _SALT = b"dflash-validation-split-v1\x00"
 _TRAIN_SALT = b"dflash-training-subset-v1\x00"
 SNAPSHOT_FILE = "snapshot.parquet"
+GROUPS_FILE = "validation_groups.parquet"
+_META_VERSION = b"dflash_groups_version"
+GROUPS_FORMAT_VERSION = 1
 
 
 VAL_GROUPS = ("sample", "root-id")
@@ -123,6 +145,8 @@ class SplitSnapshots:
     """The held-out samples; None when the split is off or empty."""
     num_not_held_out: int
     """How many samples are not held out (``train`` is all of them without ``--train-samples``)."""
+    snapshot: IndexSnapshot
+    """The whole snapshot that was split."""
 
 
 def split_snapshot(
@@ -146,6 +170,7 @@ def split_snapshot(
         train=subset_snapshot(split.train, keep),
         validation=split.validation,
         num_not_held_out=split.num_not_held_out,
+        snapshot=snapshot,
     )
 
 
@@ -153,7 +178,9 @@ def _split_validation(
     snapshot: IndexSnapshot, *, fraction: float, num_samples: int | None, groups: Mapping[str, str] | None
 ) -> SplitSnapshots:
     """The validation split alone (``split_snapshot``)."""
-    everything = SplitSnapshots(train=snapshot, validation=None, num_not_held_out=len(snapshot))
+    everything = SplitSnapshots(
+        train=snapshot, validation=None, num_not_held_out=len(snapshot), snapshot=snapshot
+    )
     if num_samples is None and fraction <= 0.0:
         return everything
     mask = validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples, groups=groups)
@@ -171,7 +198,21 @@ def _split_validation(
         return everything
     train = subset_snapshot(snapshot, ~mask)
     return SplitSnapshots(
-        train=train, validation=subset_snapshot(snapshot, mask), num_not_held_out=len(train)
+        train=train,
+        validation=subset_snapshot(snapshot, mask),
+        num_not_held_out=len(train),
+        snapshot=snapshot,
+    )
+
+
+def save_run_split(run_dir: Path, split: SplitSnapshots) -> None:
+    """Write the run's split file (``run_split.py``: what ``dflash eval`` reads)."""
+    validation = () if split.validation is None else split.validation.sample_ids
+    write_run_split(
+        run_dir,
+        RunSplit.of(
+            snapshot_ids=split.snapshot.sample_ids, train=split.train.sample_ids, validation=validation
+        ),
     )
 
 
@@ -222,3 +263,103 @@ def split_of_run(run_dir: Path) -> SplitSnapshots | None:
         )
     except ConfigError:  # not a split the run could have taken (its files were changed): no answer
         return None
+
+
+# Conversation roots (``--val-group root-id``): module docstring, last part.
+
+
+def conversation_groups(
+    cache_dir: Path, sample_ids: Sequence[str], *, source: str, progress: bool = False
+) -> dict[str, str]:
+    """Sample id → conversation root for every id of ``sample_ids`` (module docstring); ``source`` is
+    the cache's data source name (its fingerprint's)."""
+    roots = stored_roots(cache_dir, sample_ids)
+    if len(roots) < len(set(sample_ids)):  # rows of a format 1 or 2 cache: no root stored
+        unstored = [s for s in sample_ids if s not in roots]
+        roots.update(reparsed_roots(cache_dir, unstored, source=source, progress=progress))
+    return roots
+
+
+def stored_roots(cache_dir: Path, sample_ids: Sequence[str]) -> dict[str, str]:
+    """Sample id → the conversation root stored in its manifest row, for the ids of ``sample_ids`` whose
+    row stores one (every row of a format-3 cache written by ``dflash generate``)."""
+    from dflash_offline.cache.manifest import read_table
+
+    wanted = set(sample_ids)
+    table = read_table(cache_dir, "samples", ["sample_id", "conversation_root"])
+    ids, roots = table.column("sample_id").to_pylist(), table.column("conversation_root").to_pylist()
+    return {s: r for s, r in zip(ids, roots, strict=True) if r is not None and s in wanted}
+
+
+def reparsed_roots(
+    cache_dir: Path, sample_ids: Sequence[str], *, source: str, progress: bool = False
+) -> dict[str, str]:
+    """Sample id → conversation root of each of ``sample_ids``, read from the data files the cache's
+    generate runs read (module docstring); refuses samples none of those files holds."""
+    from tqdm import tqdm
+
+    from dflash_offline.data.conversations import Conversation
+    from dflash_offline.data.generate_inputs import generate_inputs
+    from dflash_offline.data.sources import conversation_root, iter_records, resolve_data_path
+    from dflash_offline.errors import DataError
+
+    wanted = set(sample_ids)
+    roots: dict[str, str] = {}
+    inputs = generate_inputs(cache_dir)
+    unreadable: list[str] = []
+    for item in inputs:
+        if len(roots) == len(wanted):
+            break
+        try:
+            resolve_data_path(item.data)
+        except DataError as e:
+            unreadable.append(f"{item.data or 'the embedded ShareGPT file'} ({e})")
+            continue
+        name = item.data or "the embedded ShareGPT file"
+        bar = tqdm(desc=f"conversation roots: {name}", unit="rec", file=sys.stderr, disable=not progress)
+        with bar:
+            for record in iter_records(item.data, data_format=item.data_format, source=source):
+                bar.update(1)
+                if isinstance(record, Conversation) and record.sample_id in wanted:
+                    roots[record.sample_id] = conversation_root(record.record_id, record.sample_id)
+    missing = len(wanted) - len(roots)
+    if missing:
+        example = next(s for s in sample_ids if s not in roots)
+        read = ", ".join(str(i.data or "default") for i in inputs) or "none (no generate run is recorded)"
+        gone = f"; not readable: {'; '.join(unreadable)}" if unreadable else ""
+        val_group = flag(TrainConfig, "val_group")
+        raise ConfigError(
+            f"{val_group} root-id needs the record id of every sample, read from the data files the "
+            f"cache's generate runs read when the cache does not store it (format 1 or 2) ({read}{gone}); "
+            f"{missing} of {len(wanted)} samples (first: {example!r}) are in none of them. Put the file "
+            f"generate read back in place (unchanged), or use {val_group} sample"
+        )
+    return roots
+
+
+def save_groups(groups: Mapping[str, str], path: Path) -> None:
+    """Write sample id → root as Parquet (temp file, then rename)."""
+    ids = sorted(groups)
+    table = pa.table(
+        {"sample_id": pa.array(ids, pa.string()), "root": pa.array([groups[s] for s in ids], pa.string())}
+    ).replace_schema_metadata({_META_VERSION: str(GROUPS_FORMAT_VERSION).encode()})
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_groups(path: Path) -> dict[str, str]:
+    """The saved sample id → root map (``save_groups``)."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise CacheFormatError(f"cannot read the validation groups {str(path)!r}: {exc}") from exc
+    version = (table.schema.metadata or {}).get(_META_VERSION, b"?").decode()
+    if version != str(GROUPS_FORMAT_VERSION):
+        raise CacheFormatError(
+            f"validation groups {str(path)!r} have format version {version!r}; this dflash reads "
+            f"version {GROUPS_FORMAT_VERSION}: resume with the dflash version that started the run"
+        )
+    return dict(zip(table.column("sample_id").to_pylist(), table.column("root").to_pylist(), strict=True))

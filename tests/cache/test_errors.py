@@ -128,7 +128,7 @@ def test_unknown_format_version_is_refused(cache_with_one_commit, fingerprint):
     (root / "cache.json").write_text(json.dumps(doc))
     for open_it in (read_fingerprint, CacheReader.open, lambda r: create_or_open_cache(r, fingerprint)):
         with pytest.raises(
-            CacheFormatError, match="format_version 99; this dflash-offline reads formats 1 and 2"
+            CacheFormatError, match="format_version 99; this dflash-offline reads formats 1, 2 and 3"
         ):
             open_it(root)
 
@@ -137,6 +137,33 @@ def test_unknown_codec_is_refused_before_anything_is_created(tmp_path):
     with pytest.raises(CacheFormatError, match="unknown feature codec 'lz77'"):
         create_or_open_cache(tmp_path / "c", make_fingerprint(codec="lz77"))
     assert not (tmp_path / "c").exists()
+
+
+def test_the_fingerprint_carries_its_codec_resolved(cache_with_one_commit):
+    """The codec is resolved once, when a fingerprint is built (read from cache.json or made by generate):
+    its stored row format, worked out by hand here, travels with it; cache.json still names the codec
+    alone, and a cache.json naming an unknown codec is refused when it is read, in one line."""
+    plain = make_fingerprint(codec="none", hidden_size=8)  # 2 layers × hidden 8, bf16 bits
+    assert (plain.storage.codec, plain.storage.width, plain.storage.dtype) == ("none", 16, np.dtype("<u2"))
+    assert plain.storage.lossy is None
+    assert plain.storage.storage_dtype == "bfloat16"
+    fp8 = make_fingerprint(codec="fp8", hidden_size=64, storage_dtype="float8_e4m3fn")
+    assert fp8.storage.lossy is not None
+    assert fp8.storage.dtype == np.dtype("u1")
+    assert fp8.storage.storage_dtype == "float8_e4m3fn"
+    # fp8 (cache/codecs.py: one scale a layer, 2 outliers): per layer 64 fp8 bytes, 1 exponent byte, and
+    # 2 outliers of a uint16 index and a bf16 value each.
+    assert fp8.storage.width == 2 * (64 + 1 + 2 * 2 + 2 * 2)
+    assert "storage" not in plain.to_dict()
+    assert dataclasses.replace(plain, codec="fp8", storage_dtype="float8_e4m3fn").storage.lossy is not None
+    root = cache_with_one_commit
+    assert read_fingerprint(root).storage == CacheReader.open(root).storage
+    doc = json.loads((root / "cache.json").read_text())
+    doc["fingerprint"]["codec"] = "lz77"
+    (root / "cache.json").write_text(json.dumps(doc))
+    with pytest.raises(CacheFormatError, match="unknown feature codec 'lz77'") as e:
+        read_fingerprint(root)
+    assert "\n" not in str(e.value)
 
 
 def test_sweep_partial_files(cache_with_one_commit):

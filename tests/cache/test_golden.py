@@ -11,6 +11,7 @@ import pytest
 
 from dflash_offline.cache.index import build_index
 from dflash_offline.cache.layout import read_fingerprint
+from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.sql import SqlConfig, run_sql
 from dflash_offline.cache.verify import verify_cache
@@ -28,7 +29,7 @@ def _generator():
     return module
 
 
-VERSIONS = ("v1", "v2")
+VERSIONS = ("v1", "v2", "v3")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -64,3 +65,29 @@ def test_golden_verifies_and_indexes(tmp_path, version):
     shutil.copytree(root, copy)  # never write into tests/assets
     stats = build_index(copy)
     assert (stats.samples, stats.failures, stats.shards, stats.runs) == (24, 2, 2, 1)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_golden_conversation_roots(tmp_path, version):
+    """Format 3 stores each sample's conversation root in its row (3 samples a conversation in the golden
+    cache); the rows of formats 1 and 2 have none, read as null by the manifest and by the index."""
+    gen = _generator()
+    root = GOLDEN / version
+    rows = read_table(root, "samples", ["sample_id", "conversation_root"]).to_pylist()
+    assert len(rows) == gen.NUM_SAMPLES
+    for row in rows:
+        k = int(row["sample_id"].split("-")[1])
+        want = f"golden-conversation-{k // 3}" if version == "v3" else None
+        assert row["conversation_root"] == want
+    copy = tmp_path / "golden"
+    shutil.copytree(root, copy)
+    build_index(copy)
+    result = run_sql(
+        SqlConfig(
+            root=copy,
+            sql="SELECT count(DISTINCT conversation_root), count(conversation_root) FROM samples",
+            query_name=None,
+            source="index",
+        )
+    )
+    assert result.rows[0] == ((8, 24) if version == "v3" else (0, 0))

@@ -167,7 +167,7 @@ def test_runs_are_revisions_checked_like_every_part(tmp_path: Path) -> None:
 
 
 def test_format_1_cache_reads_with_a_note_and_stays_format_1(tmp_path: Path) -> None:
-    assert CACHE_FORMAT_VERSION == 2
+    assert CACHE_FORMAT_VERSION == 3  # format 3: rows store their conversation root
     root = tmp_path / "v1"
     shutil.copytree(GOLDEN_V1, root)
     assert read_format_version(root) == 1

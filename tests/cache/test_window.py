@@ -8,7 +8,6 @@ import duckdb
 import numpy as np
 import pytest
 
-from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.index import build_index
 from dflash_offline.cache.layout import CacheLayout
 from dflash_offline.cache.manifest import committed_sample_ids, read_table
@@ -41,7 +40,7 @@ def write_rolling(root, fingerprint, samples, *, store_bytes, val_fraction=VAL_F
     def open_store(session: str) -> ShardWriter:
         return ShardWriter(root, fingerprint, worker=worker, session=session, flush_seconds=1e9, **TINY)
 
-    token_bytes = storage_of(fingerprint).token_bytes
+    token_bytes = fingerprint.storage.token_bytes
     with RollingWriter(
         open_store,
         session=f"sess{worker}",
@@ -66,7 +65,7 @@ def store_tokens(root) -> dict[str, int]:
 def test_stores_roll_over_at_their_size_and_every_store_is_sealed(tmp_path):
     fingerprint = make_fingerprint()
     samples = make_samples(fingerprint, range(80))
-    token_bytes = storage_of(fingerprint).token_bytes
+    token_bytes = fingerprint.storage.token_bytes
     store_bytes = 200 * token_bytes
     writer = write_rolling(tmp_path, fingerprint, samples, store_bytes=store_bytes)
 
@@ -116,7 +115,7 @@ def retire(root, shard: str, run_id: str = "run-1") -> None:
 def test_a_retired_store_is_gone_for_every_reader_but_its_rows_stay(tmp_path):
     fingerprint = make_fingerprint()
     samples = make_samples(fingerprint, range(60))
-    write_rolling(tmp_path, fingerprint, samples, store_bytes=150 * storage_of(fingerprint).token_bytes)
+    write_rolling(tmp_path, fingerprint, samples, store_bytes=150 * fingerprint.storage.token_bytes)
     tokens = store_tokens(tmp_path)
     train_stores = sorted(s for s in tokens if not is_validation_store(s))
     gone = train_stores[:2]
@@ -146,7 +145,7 @@ def test_a_retired_store_is_gone_for_every_reader_but_its_rows_stay(tmp_path):
     val_tokens = sum(n for s, n in tokens.items() if is_validation_store(s))
     val_samples = sum(1 for s in rows["shard"] if is_validation_store(s))
     assert usage.samples == len(samples) - len(retired_ids) - val_samples
-    token_bytes = storage_of(fingerprint).token_bytes
+    token_bytes = fingerprint.storage.token_bytes
     assert (
         usage.stored_bytes == (sum(n for s, n in tokens.items() if s not in gone) - val_tokens) * token_bytes
     )
@@ -165,7 +164,7 @@ def test_a_retired_store_is_gone_for_every_reader_but_its_rows_stay(tmp_path):
 def test_a_kill_between_record_and_deletion_leaves_a_store_readers_skip(tmp_path):
     fingerprint = make_fingerprint()
     samples = make_samples(fingerprint, range(40))
-    write_rolling(tmp_path, fingerprint, samples, store_bytes=150 * storage_of(fingerprint).token_bytes)
+    write_rolling(tmp_path, fingerprint, samples, store_bytes=150 * fingerprint.storage.token_bytes)
     shard = sorted(s for s in store_tokens(tmp_path) if not is_validation_store(s))[0]
     layout = CacheLayout.at(tmp_path)
     kept = tmp_path.parent / "kept.zarr"
@@ -208,7 +207,7 @@ def test_stores_of_a_killed_writer_are_sealed_by_the_next_lock_holder(tmp_path):
 def test_status_and_sql_show_the_window(tmp_path):
     fingerprint = make_fingerprint()
     samples = make_samples(fingerprint, range(50))
-    write_rolling(tmp_path, fingerprint, samples, store_bytes=150 * storage_of(fingerprint).token_bytes)
+    write_rolling(tmp_path, fingerprint, samples, store_bytes=150 * fingerprint.storage.token_bytes)
     tokens = store_tokens(tmp_path)
     gone = sorted(s for s in tokens if not is_validation_store(s))[0]
     retire(tmp_path, gone)
@@ -254,7 +253,7 @@ def test_plot_shows_the_window_over_time(tmp_path):
     cache = tmp_path / "cache"
     fingerprint = make_fingerprint()
     samples = make_samples(fingerprint, range(40))
-    write_rolling(cache, fingerprint, samples, store_bytes=150 * storage_of(fingerprint).token_bytes)
+    write_rolling(cache, fingerprint, samples, store_bytes=150 * fingerprint.storage.token_bytes)
     gone = sorted(s for s in store_tokens(cache) if not is_validation_store(s))[:2]
     for shard in gone:
         retire(cache, shard)

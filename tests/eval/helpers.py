@@ -142,7 +142,14 @@ class ScriptedDrafter:
     tokens (the reference's token at that slot is replaced by another id); after the script, perfect.
 
     ``reference`` is the target-only greedy output for the prompt, so a correct draft is known without
-    a model. It also records every context handed to it, to check what the loop passes."""
+    a model. It also records every context handed to it, to check what the loop passes.
+
+    It speaks both drafter interfaces: ``propose`` (the reference loop's, ``tests/oracles``) and
+    ``ingest``/``draft`` (the decode engine's ``Drafter``, on the host: not capturable). The engine hands
+    over whole verify blocks at their positions, stale rows included; ``draft`` passes ``propose`` the
+    rows of the positions below the anchor not yet handed over, the reference loop's contract."""
+
+    capturable = False
 
     def __init__(
         self, *, block_size: int, prompt_len: int, reference: Sequence[int], script: Sequence[int] = ()
@@ -156,6 +163,10 @@ class ScriptedDrafter:
         """(anchor position, new features) per call."""
         self.anchors: list[tuple[int, int]] = []
         """(anchor token, anchor position) per call."""
+        self._ingested: list[tuple[int, Tensor]] = []
+        """(start position, features) handed over by ``ingest`` since the last ``draft``."""
+        self._seen = 0
+        """Positions below this were passed to ``propose``."""
 
     @property
     def block_size(self) -> int:
@@ -165,6 +176,25 @@ class ScriptedDrafter:
         self.cycle = 0
         self.contexts.clear()
         self.anchors.clear()
+        self._ingested.clear()
+        self._seen = 0
+
+    def ingest(self, features_CF: Tensor, start_1: Tensor) -> None:
+        start = int(start_1)
+        if start == 0:  # a new prompt
+            self.reset()
+        self._ingested.append((start, features_CF.clone()))
+
+    def draft(self, anchor_1: Tensor, anchor_position_1: Tensor, attend_len: int) -> Tensor:
+        n, seen = int(anchor_position_1), self._seen
+        # The latest features handed over for the first position not yet seen cover every one up to n.
+        start, features = next((s, f) for s, f in reversed(self._ingested) if s <= seen < s + len(f))
+        assert n <= start + len(features), (n, start, len(features))
+        self._ingested.clear()
+        self._seen = n
+        new_CF = features[seen - start : n - start]
+        draft_K = self.propose(new_features_CF=new_CF, anchor_token=int(anchor_1), anchor_position=n)
+        return draft_K.to(anchor_1.device)
 
     def propose(self, *, new_features_CF: Tensor, anchor_token: int, anchor_position: int) -> Tensor:
         self.contexts.append((anchor_position, new_features_CF.clone()))

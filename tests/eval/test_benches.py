@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_offline.decode import SingleSequence
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.benches import (
     evenly_spaced,
@@ -22,9 +23,9 @@ from dflash_offline.eval.benches import (
 )
 from dflash_offline.eval.prompts import render_prompt_ids
 from dflash_offline.eval.question_decoding import Decoders, decode_question, from_bench
-from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller, target_only_decode
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.eval.helpers import one_thread, untrained_drafter
+from tests.oracles.reference_decode import TargetCaller, target_only_decode
 
 
 @pytest.fixture(autouse=True)
@@ -98,9 +99,11 @@ def tiny() -> LoadedTarget:
 def test_mt_bench_turn_two_follows_the_targets_own_answer(tiny: LoadedTarget) -> None:
     question = from_bench(load_mt_bench(1)[0])
     caller = TargetCaller(tiny.model)
+    engine = SingleSequence(tiny.model, max_len=4096 + 16, attend_granule=16)
     dec = Decoders(
-        caller=caller,
-        drafter=DFlashBlockDrafter(untrained_drafter(tiny, block_size=4)),
+        engine=engine,
+        drafter=engine.drafter_for(untrained_drafter(tiny, block_size=4)),
+        target=tiny.model,
         tokenizer=tiny.tokenizer,
         layer_ids=(0, 2),
         stop_ids=frozenset(),

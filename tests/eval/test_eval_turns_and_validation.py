@@ -22,16 +22,17 @@ from dflash_offline.cache.rows import RunRow
 from dflash_offline.cli import main
 from dflash_offline.data.conversations import Conversation, Message
 from dflash_offline.data.sources import iter_records, source_name
+from dflash_offline.decode import SingleSequence
 from dflash_offline.errors import ConfigError
 from dflash_offline.eval.benches import parse_bench
 from dflash_offline.eval.prompts import render_prompt_ids, resolve_held_out, select_prompts
 from dflash_offline.eval.question_decoding import Decoders, EvalQuestion, decode_question
-from dflash_offline.eval.speculative import DFlashBlockDrafter, TargetCaller, target_only_decode
 from dflash_offline.eval.validation_set import select_validation_prompts
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from dflash_offline.train.snapshot import save_snapshot, take_snapshot
-from dflash_offline.train.split import split_snapshot
+from dflash_offline.train.split import save_run_split, split_snapshot
 from tests.eval.helpers import WORDS, export_untrained, one_thread, untrained_drafter, write_tiny_cache
+from tests.oracles.reference_decode import TargetCaller, target_only_decode
 
 FRACTION = 0.4
 
@@ -94,6 +95,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, tiny: LoadedTarget) -> dict[
         snapshot = take_snapshot(reader)
     save_snapshot(snapshot, run / "snapshot.parquet")
     split = split_snapshot(snapshot, fraction=FRACTION, num_samples=None)
+    save_run_split(run, split)  # as `dflash train` writes it
     assert split.validation is not None
     export_untrained(tiny, run / "drafter", block_size=4)
     validation = set(split.validation.sample_ids)
@@ -171,9 +173,11 @@ def test_a_chat_records_later_turns_follow_the_targets_own_answers(tiny: LoadedT
         bench="sharegpt", question_id="", sample_id="s", record_id="r", turns=((system, first), (second,))
     )
     caller = TargetCaller(tiny.model)
+    engine = SingleSequence(tiny.model, max_len=4096 + 16, attend_granule=16)
     dec = Decoders(
-        caller=caller,
-        drafter=DFlashBlockDrafter(untrained_drafter(tiny, block_size=4)),
+        engine=engine,
+        drafter=engine.drafter_for(untrained_drafter(tiny, block_size=4)),
+        target=tiny.model,
         tokenizer=tiny.tokenizer,
         layer_ids=(0, 2),
         stop_ids=frozenset(),

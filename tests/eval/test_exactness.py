@@ -137,7 +137,7 @@ def test_eval_fails_on_a_real_mismatch(
         out = real(self, prompt_ids, max_new_tokens)
         if max_new_tokens is not None:  # the warm-up
             return out
-        logits = last_logits(self.caller.model, [*prompt_ids, *out.tokens[:2]])
+        logits = last_logits(self.target, [*prompt_ids, *out.tokens[:2]])
         tokens = (*out.tokens[:2], int(logits.argmin()), *out.tokens[3:])
         return type(out)(**{**{f: getattr(out, f) for f in out.__dataclass_fields__}, "tokens": tokens})
 

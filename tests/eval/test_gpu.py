@@ -10,14 +10,14 @@ import torch
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
-from dflash_offline.eval.speculative import (
+from dflash_offline.target_model.loader import load_target
+from tests.eval.helpers import ScriptedDrafter, export_untrained, untrained_drafter, write_chat_jsonl
+from tests.oracles.reference_decode import (
     DFlashBlockDrafter,
     TargetCaller,
     speculative_decode,
     target_only_decode,
 )
-from dflash_offline.target_model.loader import load_target
-from tests.eval.helpers import ScriptedDrafter, export_untrained, untrained_drafter, write_chat_jsonl
 
 pytestmark = pytest.mark.gpu
 

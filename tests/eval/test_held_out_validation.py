@@ -20,9 +20,10 @@ from dflash_offline.data.sources import iter_records
 from dflash_offline.errors import ConfigError, DataError
 from dflash_offline.eval.prompts import resolve_held_out, select_prompts
 from dflash_offline.eval.validation_set import select_validation_prompts
+from dflash_offline.run_split import SPLIT_FILE
 from dflash_offline.target_model.loader import load_tokenizer
 from dflash_offline.train.snapshot import save_snapshot, subset_snapshot, take_snapshot
-from dflash_offline.train.split import split_snapshot
+from dflash_offline.train.split import save_run_split, split_snapshot
 from tests.eval.helpers import write_chat_jsonl, write_tiny_cache
 
 FRACTION = 0.35
@@ -41,6 +42,7 @@ def _run_dir(root: Path, cache: Path) -> tuple[Path, set[str]]:
         snapshot = take_snapshot(reader)
     save_snapshot(snapshot, run / "snapshot.parquet")
     split = split_snapshot(snapshot, fraction=FRACTION, num_samples=None)
+    save_run_split(run, split)
     assert split.validation is not None
     return run, set(split.validation.sample_ids)
 
@@ -161,6 +163,7 @@ def test_samples_the_run_never_trained_on_are_held_out_whatever_the_cause(tmp_pa
     snapshot = subset_snapshot(everything, keep)
     save_snapshot(snapshot, run / "snapshot.parquet")
     split = split_snapshot(snapshot, fraction=FRACTION, num_samples=None, train_samples=5)
+    save_run_split(run, split)
     assert split.validation is not None
     trained = set(split.train.sample_ids)
     validation = set(split.validation.sample_ids)
@@ -171,7 +174,7 @@ def test_samples_the_run_never_trained_on_are_held_out_whatever_the_cause(tmp_pa
     assert held.excluded_ids == trained
     assert (
         f"never trained on ({len(validation)} held out for validation, {len(cut)} left out by its "
-        f"`TrainConfig.train_samples`, {len(later)} committed after its start)"
+        f"train_samples, {len(later)} committed after its start)"
     ) in held.note
     selection = select_prompts(data, load_tokenizer("random:tiny"), held_out=held, limit=20)
     assert {p.sample_id for p in selection.prompts} == {c.sample_id for c in records} - trained
@@ -201,6 +204,7 @@ def _chained_run(
         snapshot = take_snapshot(reader)
     save_snapshot(snapshot, run / "snapshot.parquet")
     split = split_snapshot(snapshot, fraction=fraction, num_samples=None)
+    save_run_split(run, split)
     return run, set(split.train.sample_ids)
 
 
@@ -245,3 +249,28 @@ def test_a_run_started_from_another_drafter_holds_out_what_that_one_trained_on(t
     (run_a / "config.json").write_text(json.dumps({**config_a, "init_from": str(run_b / "drafter")}))
     with pytest.raises(ConfigError, match="loop back to"):
         resolve_held_out(exclude_cache=None, drafter_dir=run_b / "drafter", data=data)
+
+
+def test_a_run_trained_before_its_split_file_is_evaluated_conservatively(tmp_path: Path) -> None:
+    """A run whose directory has no split.parquet (trained by an earlier dflash-offline): eval cannot know
+    which samples it held out, so it counts every committed sample as trained (none leaks into the
+    prompts) and says so, and the validation set, which is nothing but that split, is refused in one line
+    that says how to write the file."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
+    records = [c for c in iter_records(data) if isinstance(c, Conversation)]
+    cached = [c.sample_id for c in records[:12]]
+    cache = write_tiny_cache(tmp_path / "cache", cached, data_source="chat")
+    _record_generate(cache, data, 12)
+    run, validation = _run_dir(tmp_path, cache)
+    assert validation
+    (run / SPLIT_FILE).unlink()
+    held = resolve_held_out(exclude_cache=None, drafter_dir=run / "drafter", data=data)
+    assert held.excluded_ids == set(cached)  # the validation samples too: nothing is taken for held out
+    assert f"the run {run} has no {SPLIT_FILE}" in held.note
+    selection = select_prompts(data, load_tokenizer("random:tiny"), held_out=held, limit=16)
+    assert {p.sample_id for p in selection.prompts} == {c.sample_id for c in records[12:]}
+    with pytest.raises(ConfigError, match=f"has no {SPLIT_FILE}.*run its `dflash train` command again") as e:
+        select_validation_prompts(
+            run / "drafter", load_tokenizer("random:tiny"), limit=4, max_prompt_tokens=512, turns="first"
+        )
+    assert "\n" not in str(e.value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dflash_offline.decode import DecodeResult
 from dflash_offline.eval.report import (
     EVAL_REPORT_VERSION,
     EvalReport,
@@ -11,7 +12,6 @@ from dflash_offline.eval.report import (
     prompt_result,
     summarize_sets,
 )
-from dflash_offline.eval.speculative import DecodeResult
 
 B = 4
 

@@ -1,6 +1,8 @@
-"""The speculative loop against plain greedy decoding (lossless), and τ counted on hand-made cases, for both
-implementations of the two loops: transformers' forward with a ``DynamicCache`` (``hf``) and the decode
-engine's one-slot cache (``engine``, what ``dflash eval`` runs; its drafter drafts on the device).
+"""The one decode loop (``decode/speculative.py``, what ``dflash eval`` runs: speculative with a drafter,
+target-only without one) against the reference loops of ``tests/oracles`` (transformers' forward with a
+``DynamicCache``), lossless against greedy decoding, and τ counted on hand-made cases. Every case runs on
+both implementations (``hf``: the oracles; ``engine``: the one loop, its DFlash drafter drafting on the
+device), so each is held to the same outputs.
 
 The reference is the target-only loop; it is itself checked against an independent greedy decode
 without a KV cache (a full forward over the whole sequence for every token)."""
@@ -15,15 +17,15 @@ import torch
 
 from dflash_offline.decode import DecodeResult, SingleSequence
 from dflash_offline.eval.report import histogram, prompt_result, summarize
-from dflash_offline.eval.speculative import (
+from dflash_offline.target_model.capture import FeatureCapture
+from dflash_offline.target_model.loader import LoadedTarget, load_target
+from tests.eval.helpers import ScriptedDrafter, one_thread, untrained_drafter
+from tests.oracles.reference_decode import (
     DFlashBlockDrafter,
     TargetCaller,
     speculative_decode,
     target_only_decode,
 )
-from dflash_offline.target_model.capture import FeatureCapture
-from dflash_offline.target_model.loader import LoadedTarget, load_target
-from tests.eval.helpers import ScriptedDrafter, one_thread, untrained_drafter
 
 LAYERS = (0, 2)
 NO_STOP: frozenset[int] = frozenset()
@@ -41,7 +43,7 @@ def target(request: pytest.FixtureRequest) -> LoadedTarget:
 
 
 class Loops:
-    """The two loops of one implementation: ``hf`` (the reference loops) or ``engine``."""
+    """Target-only and speculative decoding of one implementation: ``hf`` (the oracles) or ``engine``."""
 
     def __init__(self, target: LoadedTarget, kind: str) -> None:
         self.caller = TargetCaller(target.model)

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline.cache.codecs import storage_of
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.rows import utc_now
@@ -103,7 +102,7 @@ def test_window_bound_holds_while_training_retires_stores(tmp_path: Path) -> Non
     data = make_chat_jsonl(tmp_path / "chat.jsonl", 160, seed=5)
     reference = tmp_path / "reference"
     run_generate(tiny_config(reference, data))
-    token_bytes = storage_of(read_fingerprint(reference)).token_bytes
+    token_bytes = read_fingerprint(reference).storage.token_bytes
     job_bytes = 768 * token_bytes  # tiny_config's tokens_per_batch
     limit = 10 * job_bytes
     store_size = limit // 4  # the default for 2 workers: limit / (2 × workers)
@@ -174,7 +173,7 @@ def test_a_window_that_open_stores_could_fill_is_refused(tmp_path: Path) -> None
     reference = tmp_path / "reference"
     run_generate(tiny_config(reference, data))
     fingerprint = read_fingerprint(reference)
-    token_bytes = storage_of(fingerprint).token_bytes
+    token_bytes = fingerprint.storage.token_bytes
     # 2 workers, --max-len 256, 768 tokens a job: the default stores (limit / 4) fit below the limit
     # once it exceeds 2 × (2 × 256 + 768) tokens' bytes.
     smallest = 2 * (2 * 256 + 768) * token_bytes + 1

@@ -17,13 +17,13 @@ import pytest
 
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import iter_records
-from dflash_offline.eval.speculative import TargetCaller, target_only_decode
 from dflash_offline.generate.run import run_generate
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import render_prompt, run_regenerate
 from dflash_offline.target_model.loader import load_target, stop_token_ids
 from tests.eval.helpers import one_thread
 from tests.generate.helpers import features_by_id, tiny_config
+from tests.oracles.reference_decode import TargetCaller, target_only_decode
 
 RESPLIT = ("List three colours.", "Say something.")
 """random:tiny's 16-token greedy answers to these re-encode to other ids (measured; asserted below)."""

@@ -24,7 +24,6 @@ from dflash_offline.data.conversations import Conversation, Message
 from dflash_offline.data.sources import iter_records
 from dflash_offline.data.user_groups import user_groups
 from dflash_offline.errors import ConfigError, DataError
-from dflash_offline.eval.speculative import TargetCaller, target_only_decode
 from dflash_offline.locking import acquire_lock_beside
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.engine_protocol import EngineStats, Finished, sum_stats
@@ -34,6 +33,7 @@ from dflash_offline.regenerate.run import render_prompt, run_regenerate
 from dflash_offline.regenerate.slot_engine import SlotEngine
 from dflash_offline.target_model.loader import LoadedTarget, load_target, stop_token_ids
 from tests.eval.helpers import conversations, one_thread, write_chat_jsonl
+from tests.oracles.reference_decode import TargetCaller, target_only_decode
 
 
 @pytest.fixture(autouse=True)

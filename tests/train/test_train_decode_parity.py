@@ -5,9 +5,9 @@ position n for the same prompt.
 
 The sample goes through the real data path (the chat template and loss mask of ``dflash generate``,
 its feature capture, bf16 storage, the prefetcher's packing next to another document, its loss rows);
-the eval side runs the reference loop (``speculative_decode``, recording what it hands the drafter) and
-the decode engine ``dflash eval`` runs (recording its on-device drafter's proposals), with the export
-read back as ``dflash eval`` reads it. The drafter has random weights (large enough that its logits
+the eval side runs the reference loop (``tests/oracles``: ``speculative_decode``, recording what it hands
+the drafter) and the decode loop ``dflash eval`` runs (recording its on-device drafter's proposals), with
+the export read back as ``dflash eval`` reads it. The drafter has random weights (large enough that its logits
 are far from uniform) and a feature scale, so the export's folding is part of what is compared.
 Float32 on the CPU: the speculative output equals greedy decoding token for token.
 """
@@ -27,19 +27,19 @@ from dflash_offline.cache.reader import CacheReader
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, export_drafter, resolve_mask_token_id
 from dflash_offline.drafter.anchors import eligible_anchor_mask
 from dflash_offline.eval.run import load_drafter_for
-from dflash_offline.eval.speculative import (
+from dflash_offline.generate.run import run_generate
+from dflash_offline.target_model.capture import FeatureCapture
+from dflash_offline.target_model.loader import LoadedTarget, load_target
+from dflash_offline.train.loader import Prefetcher
+from dflash_offline.train.planner import AnchorRequest, MicrobatchPlan, ScheduledMicrobatch
+from tests.eval.helpers import one_thread
+from tests.generate.helpers import tiny_config
+from tests.oracles.reference_decode import (
     DFlashBlockDrafter,
     TargetCaller,
     speculative_decode,
     target_only_decode,
 )
-from dflash_offline.generate.run import run_generate
-from dflash_offline.target_model.capture import FeatureCapture
-from dflash_offline.target_model.loader import LoadedTarget, load_target
-from dflash_offline.train.microbatch import AnchorRequest, MicrobatchPlan, ScheduledMicrobatch
-from dflash_offline.train.prefetch import Prefetcher
-from tests.eval.helpers import one_thread
-from tests.generate.helpers import tiny_config
 
 LAYERS = (0, 2)
 BLOCK = 4
@@ -151,8 +151,8 @@ def _engine_proposals(
     monkeypatch: pytest.MonkeyPatch,
 ) -> dict[int, Tensor]:
     """Anchor position → the proposal of the decode engine's speculative loop (``dflash eval``'s)."""
+    from dflash_offline.decode import SingleSequence
     from dflash_offline.decode.drafting import StaticDrafter
-    from dflash_offline.decode.single import SingleSequence
 
     proposals: dict[int, Tensor] = {}
     draft = StaticDrafter.draft

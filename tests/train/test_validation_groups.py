@@ -21,11 +21,17 @@ from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import conversation_root, iter_records, source_name
 from dflash_offline.errors import ConfigError, ResumeError
-from dflash_offline.train.groups import GROUPS_FILE, read_groups
-from dflash_offline.train.launch import run_training
+from dflash_offline.run_split import SPLIT_FILE, read_run_split
 from dflash_offline.train.metrics import read_metrics, validation_records
 from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
-from dflash_offline.train.split import split_snapshot, validation_ids_of_run, validation_key
+from dflash_offline.train.split import (
+    GROUPS_FILE,
+    read_groups,
+    split_snapshot,
+    validation_ids_of_run,
+    validation_key,
+)
+from dflash_offline.train.trainer import run_training
 from tests.eval.helpers import tiny_fingerprint
 from tests.generate.helpers import WORDS
 from tests.train.helpers import train_config
@@ -161,6 +167,10 @@ def test_root_id_split_in_a_run_and_its_resume(sharegpt_cache: tuple[Path, Path]
     assert val == {s for s in cached if validation_key(root_of[s]) < 0.3}
     train_ids = set(read_snapshot(run / "snapshot.parquet").sample_ids) - val
     assert not {root_of[s] for s in train_ids} & held_roots
+    # The run's split file, what `dflash eval` reads, says the same.
+    written = read_run_split(run)
+    assert written is not None
+    assert (written.train, written.validation, written.left_out) == (train_ids, val, frozenset())
     records = validation_records(read_metrics(run / "metrics.jsonl"))  # type: ignore[arg-type]
     assert records
     assert records[-1]["val_num_samples"] == len(val)
@@ -168,9 +178,18 @@ def test_root_id_split_in_a_run_and_its_resume(sharegpt_cache: tuple[Path, Path]
     # A resume reads the saved roots: it keeps the split although the data file is gone now.
     moved = data.with_name("moved.jsonl")
     data.rename(moved)
+    (run / SPLIT_FILE).unlink()  # as a run trained before the file existed: the resume writes it
     try:
         run_training(replace(config, max_steps=6))
         assert validation_ids_of_run(run) == val
+        assert read_run_split(run) == written
+        # The finished run's command again: no step runs, and the split file is back.
+        (run / SPLIT_FILE).unlink()
+        rerun = run_training(replace(config, max_steps=6))
+        assert rerun is not None
+        assert rerun.global_step == 6
+        assert read_run_split(run) == written
+        assert validation_records(read_metrics(run / "metrics.jsonl"))[-1]["step"] == 6  # type: ignore[arg-type]
         assert validation_records(read_metrics(run / "metrics.jsonl"))[-1]["step"] == 6  # type: ignore[arg-type]
         # A fresh run cannot read the roots: it says so instead of splitting by sample.
         with pytest.raises(ConfigError, match="--val-group root-id needs the record id"):

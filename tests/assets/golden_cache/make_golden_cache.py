@@ -3,7 +3,8 @@
 Run once per format version, from the repository root:
     .venv/bin/python tests/assets/golden_cache/make_golden_cache.py
 and commit the folder it writes (``tests/assets/golden_cache/v<format>``: v1 was written by format 1,
-v2 by format 2, which names manifest parts with their sha256). Never regenerate an existing version:
+v2 by format 2, which names manifest parts with their sha256, v3 by format 3, which stores each sample's
+conversation root in its row). Never regenerate an existing version:
 the point is that today's reader still reads what an older writer wrote.
 
 The content is a pure function of the sample index through integer hashing (splitmix64), not of a
@@ -22,7 +23,9 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-VERSION_DIR = HERE / "v2"
+VERSION_DIR = HERE / "v3"
+SAMPLES_PER_CONVERSATION = 3
+"""v3 on: samples 3c, 3c + 1, 3c + 2 are records of one conversation (their stored root)."""
 NUM_SAMPLES = 24
 LAYER_IDS = (1, 3)
 HIDDEN_SIZE = 16
@@ -55,6 +58,7 @@ def golden_sample(k: int) -> dict:
         "sample_id": f"golden-{k:03d}",
         "source_index": k,
         "bucket_id": bisect.bisect_left(BUCKET_EDGES, num_tokens),
+        "conversation_root": f"golden-conversation-{k // SAMPLES_PER_CONVERSATION}",
         "features_bits": bits,
         "input_ids": input_ids,
         "loss_mask": loss_mask,
@@ -108,6 +112,7 @@ def main() -> None:
                         loss_mask_T=s["loss_mask"],
                         features_TF=torch.from_numpy(s["features_bits"].view(np.int16)).view(torch.bfloat16),
                         bucket_id=s["bucket_id"],
+                        conversation_root=s["conversation_root"],
                     )
                 )
                 if k == 5:

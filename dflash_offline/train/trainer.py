@@ -1,0 +1,1181 @@
+"""The trainer: the loop of one data-parallel rank, where a step's numbers go, Ctrl-C, and starting the
+ranks (in-process, spawned, or under ``torchrun``)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash_offline import interrupt
+from dflash_offline.cache.reader import CacheReader
+from dflash_offline.config_fields import flag
+from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.interrupt import stop_requested
+from dflash_offline.locking import acquire_lock, hold_lock
+from dflash_offline.placement import DistInfo, free_port, under_torchrun
+from dflash_offline.train.checkpoint import (
+    NonFiniteStep,
+    TrainState,
+    check_run_out,
+    check_weights_finite,
+    checkpoint_to_resume,
+    diverged_error,
+    first_nonfinite,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.loader import DamagedLog, Prefetcher, RowReader
+from dflash_offline.train.metrics import (
+    Lap,
+    MetricsLog,
+    Part,
+    StepMetrics,
+    StepTotals,
+    ThroughputWindow,
+    ValidationMetrics,
+    WallClock,
+    WallSplit,
+    WindowThroughput,
+    all_reduce_sum,
+    recorded_loss,
+)
+from dflash_offline.train.planner import LengthMixingPlanner, RankSteps, StepPlan
+from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
+from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, save_run_split, split_snapshot
+from dflash_offline.train.step import (
+    DrafterSetup,
+    OptimizerStep,
+    StepOutcome,
+    anchor_sampler,
+    build_drafter_setup,
+    init_weights_from,
+    out_of_memory_named,
+    seed_everything,
+)
+from dflash_offline.train.validation import ValidationSchedule, Validator
+from dflash_offline.workers.device import bind_device
+from dflash_offline.workers.group import GroupPolicy
+from dflash_offline.workers.records import EventSink, StopFlag, WorkerFailed, WorkerSpec, user_error
+from dflash_offline.workers.spawned import ChildPolicy, SpawnedWorkers, WorkerExit, forwarding_sigint
+from dflash_offline.writable import check_writable_dir
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+
+# ─── Ctrl-C ─────────────────────────────────────────────────────────────────────────────────────────────────
+# Ctrl-C during ``dflash train``: finish the step, write a checkpoint, exit 130 (as ``generate`` does).
+#
+# SIGINT only sets a flag (``dflash_offline.interrupt``); the loop reads it at each step boundary (all
+# ranks agree through one tiny all-reduce, so every rank stops after the same step) and raises
+# ``TrainInterrupted`` once the checkpoint is on disk. In one process a second Ctrl-C aborts at once;
+# spawned DDP workers keep the flag idempotent, since a terminal's Ctrl-C reaches them and the parent
+# forwards it again.
+
+
+class TrainInterrupted(Exception):  # noqa: N818 (not an error: the user asked for it)
+    """Training stopped on request after ``step`` with a checkpoint of that step on disk."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        super().__init__(
+            f"interrupted after step {step}: checkpoint written; rerun the same command to resume"
+        )
+
+
+@contextlib.contextmanager
+def stop_on_sigint(*, second_aborts: bool) -> Iterator[None]:
+    """Turn SIGINT into a stop request at the next step boundary for the duration (main thread only)."""
+    with interrupt.stop_on_sigint(
+        "dflash train: stopping after this step (a checkpoint is written first)",
+        second_aborts=second_aborts,
+        abort_note="abort without it",
+    ):
+        yield
+
+
+# ─── Reporting a step ───────────────────────────────────────────────────────────────────────────────────────
+# Where a training step's numbers go: ``RUN/metrics.jsonl`` (and TensorBoard), the progress bar and a
+# caller's ``on_step``. The step's results stay on the device until a line is due: a log step
+# (``--log-every``), a validation, the last step, or every step when someone asked for ``on_step``. The
+# throughput of a line is that of the steps since the previous read-back (train/metrics.py).
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Pending:
+    """A step run since the last read-back: its plan, its results on the device, the LR after it."""
+
+    plan: StepPlan
+    outcome: StepOutcome
+    lr: float
+
+
+class StepReporter:
+    """Writes metrics lines on rank 0 (every ``log_every`` steps, at validations and at the last step),
+    moves the progress bar, and calls ``on_step`` on every rank (which reads every step). Owns the
+    throughput window and the run's ``WallClock``: the loop calls ``start`` before the first step and runs
+    validations and checkpoints inside ``paused()``, which also times them on the clock."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        info: DistInfo,
+        total_steps: int,
+        global_step: int,
+        on_step: Callable[[StepMetrics], None] | None,
+        clock: WallClock,
+    ) -> None:
+        self._log_every = config.log_every
+        self._total_steps = total_steps
+        self._on_step = on_step
+        self._log = (
+            MetricsLog(
+                config.out_dir / "metrics.jsonl",
+                resume_from_step=global_step,
+                tensorboard_dir=config.resolved_tensorboard_dir(),
+            )
+            if info.is_main
+            else None
+        )
+        self._progress = _progress_bar(config, info, total_steps, global_step)
+        self._window = ThroughputWindow(info.device)
+        self.clock = clock
+        self._startup_logged = False
+        self.last_loss: float | None = None
+        """The loss of the last step read back."""
+        self._pending: list[_Pending] = []
+        """The steps run since the last read-back (their results still on the device)."""
+        self._last_read: tuple[_Pending, tuple[StepTotals, float]] | None = None
+        """The last step read back whose line is not written yet (read before its validation)."""
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self._log_every == 0 or step == self._total_steps
+
+    def start(self) -> None:
+        """The first step starts now (the first throughput window opens)."""
+        self._window.start()
+
+    @contextlib.contextmanager
+    def paused(self, part: Part) -> Iterator[Lap]:
+        """Time spent inside (a validation, a checkpoint) is left out of the throughput and counted as
+        ``part`` on the clock; the ``Lap`` holds its seconds after."""
+        with self._window.paused(), self.clock.timed(part) as lap:
+            yield lap
+
+    def step_ran(self, plan: StepPlan, outcome: StepOutcome, *, lr: float, data_wait_s: float) -> None:
+        """Step ``plan`` ran and computed ``outcome`` (left on the device); ``lr`` is the learning rate after
+        it (what the next step uses), ``data_wait_s`` the seconds this rank waited for its microbatches."""
+        if self._progress is not None:
+            self._progress.update(1)
+        self._window.add_step(tokens=plan.num_tokens, data_wait_s=data_wait_s)
+        self._pending.append(_Pending(plan=plan, outcome=outcome, lr=lr))
+
+    def report(self, *, validation: ValidationMetrics | None = None) -> NonFiniteStep | None:
+        """Write the line of the step that ran last when it is due (its ``validation`` joins it). At a
+        read-back, the first step since the previous one whose loss or gradient norm is not finite, its
+        line written (the caller stops the run); else None."""
+        last = self._pending[-1] if self._pending else None
+        if last is None and self._last_read is not None:
+            last = self._last_read[0]  # read already, by check_finite before its validation
+        if last is None:
+            return None
+        due = self.is_log_step(last.plan.global_step + 1) or validation is not None
+        if not due and self._on_step is None:
+            return None
+        bad = self.check_finite()  # the host sync that ends the window (none when read already)
+        if bad is not None:
+            return bad
+        assert self._last_read is not None
+        pending, (totals, grad_norm) = self._last_read
+        self._last_read = None
+        window = self._window.close()
+        metrics = step_metrics(
+            pending.plan, totals, grad_norm=grad_norm, lr=pending.lr, window=window, validation=validation
+        )
+        self._publish(metrics, due=due)
+        return None
+
+    def check_finite(self) -> NonFiniteStep | None:
+        """Before a validation or a checkpoint (and at each line): read the steps run since the last
+        read-back (one host sync, none when there are none); the first whose loss or gradient norm is not
+        finite, its line written; None when all are finite."""
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        read = list(zip(pending, StepOutcome.read_all([p.outcome for p in pending]), strict=True))
+        self._last_read = read[-1]
+        return self._nonfinite(read)
+
+    def _nonfinite(self, read: list[tuple[_Pending, tuple[StepTotals, float]]]) -> NonFiniteStep | None:
+        """The first of the ``read`` steps with a non-finite loss or gradient norm, its line written
+        whatever ``--log-every`` says (a plot finds where the loss stopped being finite); else None."""
+        bad = first_nonfinite([(p.plan.global_step + 1, t.loss, g) for p, (t, g) in read])
+        if bad is not None:
+            pending, (totals, grad_norm) = next(r for r in read if r[0].plan.global_step + 1 == bad.step)
+            window = self._window.close()
+            metrics = step_metrics(pending.plan, totals, grad_norm=grad_norm, lr=pending.lr, window=window)
+            self._publish(metrics, due=True)
+        return bad
+
+    def _publish(self, metrics: StepMetrics, *, due: bool) -> None:
+        """Write ``metrics`` (when ``due``), show it on the progress bar, hand it to ``on_step``."""
+        self.last_loss = metrics.loss
+        if self._log is not None and due:
+            if not self._startup_logged:  # the invocation's first line: when its start-up ended
+                metrics = replace(metrics, startup_seconds=self.clock.startup_seconds)
+                self._startup_logged = True
+            self._log.write(metrics)
+        if self._progress is not None:
+            postfix: dict[str, str] = {
+                "loss": f"{metrics.loss:.3f}",
+                "acc1": f"{metrics.acc_by_position[0]:.2f}",
+                "tau": f"{metrics.simulated_tau:.2f}",
+                "tok_s": f"{metrics.tokens_per_s:,.0f}",
+                "wait": f"{metrics.data_wait_fraction:.1%}",
+            }
+            if metrics.validation is not None:
+                postfix["val_chain_tau"] = f"{metrics.validation.chain_tau:.2f}"
+            self._progress.set_postfix(postfix, refresh=False)
+        if self._on_step is not None:
+            self._on_step(metrics)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+        if self._log is not None:
+            self._log.close()
+
+
+def step_metrics(
+    plan: StepPlan,
+    totals: StepTotals,
+    *,
+    grad_norm: float,
+    lr: float,
+    window: WindowThroughput,
+    validation: ValidationMetrics | None = None,
+) -> StepMetrics:
+    """The metrics line of step ``plan`` (its ``totals`` read back), with the throughput of ``window``,
+    the steps since the previous read-back up to this one."""
+    return StepMetrics(
+        step=plan.global_step + 1,
+        epoch=plan.epoch,
+        loss=totals.loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        acc_by_position=totals.acc_by_position,
+        simulated_tau=totals.simulated_tau,
+        tokens=plan.num_tokens,
+        tokens_per_s=window.tokens_per_s,
+        step_seconds=window.step_seconds,
+        data_wait_fraction=window.data_wait_fraction,
+        buckets=sorted({b for mb in plan.microbatches for b in mb.bucket_ids}),
+        num_blocks=totals.num_blocks,
+        validation=validation,
+    )
+
+
+def _progress_bar(config: TrainConfig, info: DistInfo, total: int, initial: int) -> tqdm[Any] | None:
+    if not (config.progress and info.is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", desc="train", file=sys.stderr, dynamic_ncols=True)
+
+
+# ─── The loop of one rank ───────────────────────────────────────────────────────────────────────────────────
+# The training loop of one data-parallel rank: planner → prefetcher → drafter → optimizer, with the
+# held-out validation split evaluated every ``--val-every`` steps.
+#
+# The step itself (train/step.py) leaves its results on the device; the loop reads them back (a host
+# sync) only where they are needed: at log steps, validations, checkpoints and the last step. Under DDP
+# the ranks agree on a stop request at those steps too (one tiny all-reduce and read); a single process
+# checks its flag every step at no cost. At each of those read-backs the steps since the previous one are
+# checked: a non-finite loss or gradient norm stops the run there, before any checkpoint or export of the
+# weights it left (train/checkpoint.py).
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainResult:
+    """What a finished (or stopped) run reports."""
+
+    global_step: int
+    total_steps: int
+    final_loss: float | None
+    export_dir: Path | None
+    seconds: float
+    best_validation_tau: float | None = None
+    """The best validation chain τ (the export in ``export_dir``); None without validation."""
+    best_validation_step: int = 0
+    stopped_early: bool = False
+    """``--early-stop`` ended the run (after a checkpoint)."""
+    wall: WallSplit | None = None
+    """Where rank 0's wall time went (None where the ranks ran in other processes and sent none)."""
+
+
+def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up over ``warmup_ratio`` of the steps, then cosine decay to 0."""
+    warmup = max(1, round(warmup_ratio * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> SplitSnapshots:
+    """The run's sample set (taken at the first start by rank 0 and saved; reloaded on resume), split
+    into training and validation samples, the training ones cut to ``--train-samples`` (announced by rank
+    0)."""
+    snapshot = _saved_snapshot(config, reader, info)
+    holds_out = config.val_fraction > 0 or config.val_samples is not None
+    subsets = config.train_samples is not None
+    groups = _validation_groups(config, reader, snapshot, info) if holds_out or subsets else None
+    split = split_snapshot(
+        snapshot,
+        fraction=config.val_fraction,
+        num_samples=config.val_samples,
+        groups=groups,
+        train_samples=config.train_samples,
+    )
+    if not info.is_main:
+        return split
+    notes = []
+    if holds_out:
+        if split.validation is None:
+            note = f"no sample of {len(snapshot)} fell into the validation split: no validation"
+        else:
+            v = split.validation
+            note = (
+                f"validation: {len(v)} of {len(snapshot)} samples ({v.total_tokens:,} tokens) held out, "
+                f"never trained on; evaluated every {config.val_every} steps and at the end"
+            )
+            if groups is not None:
+                roots = {groups[s] for s in v.sample_ids}
+                val_group = flag(TrainConfig, "val_group")
+                note += f"; whole conversations: {len(roots)} roots ({val_group} root-id)"
+        notes.append(note)
+    if subsets:
+        t = split.train
+        note = (
+            f"training on {len(t)} of {split.num_not_held_out} samples ({t.total_tokens:,} tokens; "
+            f"{flag(TrainConfig, 'train_samples')} {config.train_samples}, those of smallest hash"
+        )
+        if groups is not None:
+            note += f", whole conversations: {len({groups[s] for s in t.sample_ids})} roots"
+        notes.append(note + ")")
+    if notes:
+        print(f"dflash train: {'; '.join(notes)}", file=sys.stderr, flush=True)
+    return split
+
+
+def _validation_groups(
+    config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
+) -> dict[str, str] | None:
+    """``--val-group root-id``: each sample's conversation root, read from the cache's data file by rank
+    0 at the first start and saved; reloaded on resume (train/split.py). None for ``sample``."""
+    if config.val_group == "sample":
+        return None
+    from dflash_offline.train.split import GROUPS_FILE, conversation_groups, read_groups, save_groups
+
+    path = config.out_dir / GROUPS_FILE
+    if info.is_main and not path.exists():
+        groups = conversation_groups(
+            config.cache_dir,
+            snapshot.sample_ids,
+            source=reader.fingerprint.data_source,
+            progress=config.progress,
+        )
+        save_groups(groups, path)
+    barrier(info)
+    return read_groups(path)
+
+
+def _saved_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> IndexSnapshot:
+    path = config.out_dir / SNAPSHOT_FILE
+    taken = None
+    if info.is_main and not path.exists():
+        taken = take_snapshot(reader)
+        save_snapshot(taken, path)
+    barrier(info)
+    # The rank that just took it keeps it (bound to this reader already): re-reading, re-sorting and
+    # re-binding a million ids cost seconds before the first step. Everyone else loads the saved one.
+    return taken if taken is not None else load_snapshot(path, reader)
+
+
+def _feature_scale(
+    config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
+) -> torch.Tensor:
+    """The run's feature scale: computed by rank 0 at the first start and saved; reloaded on resume."""
+    from dflash_offline.train.loader import (
+        FEATURE_SCALE_FILE,
+        compute_feature_scale,
+        load_feature_scale,
+        save_feature_scale,
+    )
+
+    if info.is_main and not (config.out_dir / FEATURE_SCALE_FILE).exists():
+        fp = reader.fingerprint
+        scale = compute_feature_scale(
+            reader,
+            snapshot.reader_rows_N,
+            num_layers=len(fp.layer_ids),
+            feature_width=fp.feature_width,
+            mode=config.feature_scale,
+            seed=config.seed,
+        )
+        save_feature_scale(scale, config.out_dir, mode=config.feature_scale)
+    barrier(info)
+    return load_feature_scale(config.out_dir)
+
+
+def train_rank(
+    config: TrainConfig,
+    info: DistInfo,
+    *,
+    reader: RowReader | None = None,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    started_at: float | None = None,
+) -> TrainResult:
+    """Train on this rank until ``max_steps`` or the end of ``epochs``; checkpoint and export on rank 0.
+
+    ``reader`` replaces the cache reader for the features (a test feeds live target features);
+    ``started_at``: ``time.time()`` when the command started, where start-up is counted from (None: now)."""
+    start_time = time.perf_counter()
+    clock = WallClock(started_at=time.time() if started_at is None else started_at, device=info.device)
+    seed_everything(config.seed, deterministic=config.deterministic)
+    if info.is_main:
+        config.out_dir.mkdir(parents=True, exist_ok=True)
+    on_damaged = DamagedLog(config.out_dir, rank=info.rank) if config.on_damaged == "skip" else None
+    # Every sample is re-checksummed as it is read (≈ 12 GB/s a core; bench/RESULTS.md has the cost).
+    cache_reader = CacheReader.open(
+        config.cache_dir, num_threads=config.loader_threads, check_checksums=True, on_damaged=on_damaged
+    )
+    try:
+        with stop_on_sigint(second_aborts=not info.distributed):
+            split = _prepare_snapshot(config, cache_reader, info)
+            config, state = checkpoint_to_resume(config, info, split.train)
+            if info.is_main:  # after the resume check: a refused resume leaves the run's config as it was
+                _write_config(config)
+                save_run_split(config.out_dir, split)  # what `dflash eval` reads (run_split.py)
+            setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
+            if config.feature_scale != "none":
+                setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
+            if state is None and config.init_from is not None:
+                loaded = init_weights_from(setup.model, config.init_from)
+                if info.is_main:
+                    print(
+                        f"dflash train: starting from the weights of {config.init_from} ({loaded:,} values)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            return _train(
+                config, info, setup, split, state, reader or cache_reader, on_step, start_time, clock
+            )
+    finally:
+        cache_reader.close()
+
+
+def _write_config(config: TrainConfig) -> None:
+    """Write ``RUN/config.json`` whole, by a rename: another rank may be reading the previous one for its
+    resume check."""
+    path = config.out_dir / "config.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config.to_dict(), indent=2))
+    os.replace(tmp, path)
+
+
+def _stop_agreed(info: DistInfo) -> bool:
+    """True on every rank when any rank was asked to stop (under DDP one scalar all-reduce and read:
+    every rank must call it at the same steps)."""
+    flag = stop_requested()
+    if not info.distributed:
+        return flag
+    total = all_reduce_sum(torch.tensor([1.0 if flag else 0.0], device=info.device), info)
+    return bool(total.item() > 0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Optimization:
+    """The stateful objects an optimizer step touches, built once a run by ``_setup_optimization``."""
+
+    model: DFlashDrafter
+    ddp_model: nn.Module
+    """``model`` itself, or its DistributedDataParallel wrapper when the run has several ranks."""
+    params: list[nn.Parameter]
+    """The parameters the optimizer updates (and whose gradient norm is clipped)."""
+    optimizer: torch.optim.Optimizer
+    lr_factor: Callable[[int], float]
+    """LR multiplier of each global step (``cosine_with_warmup`` over ``total_steps``): the learning
+    rate is a pure function of the step, so a resume needs no scheduler state."""
+    planner: LengthMixingPlanner
+    total_steps: int
+    """Steps of the whole run: the planner's over ``epochs``, capped by ``max_steps``."""
+
+
+def _train(
+    config: TrainConfig,
+    info: DistInfo,
+    setup: DrafterSetup,
+    split: SplitSnapshots,
+    state: TrainState | None,
+    reader: RowReader,
+    on_step: Callable[[StepMetrics], None] | None,
+    start_time: float,
+    clock: WallClock,
+) -> TrainResult:
+    """Set up the optimization (from ``state``, the checkpoint resumed, if any), train until the end or an
+    early stop, export."""
+    opt = _setup_optimization(config, info, setup.model, split.train)
+    if compiles(config, info.device):
+        opt.model.compile_training()
+    if state is not None:
+        _restore(config, info, opt, state)
+    elif config.export_initial and info.is_main:
+        from dflash_offline.drafter.export import export_drafter
+
+        export_drafter(opt.model, config.out_dir / "drafter-initial")
+    validation = _validation_schedule(config, info, split, reader, state)
+    stopped_early = _stopped_before_start(info, opt, validation)
+    last_loss = None
+    if not stopped_early:
+        reporter = StepReporter(
+            config, info, opt.total_steps, opt.planner.position.global_step, on_step, clock
+        )
+        try:
+            stopped_early = _run_steps(
+                config,
+                info,
+                opt,
+                split.train,
+                reader,
+                reporter,
+                validation,
+                tokens_seen=0 if state is None else state.tokens_seen,
+            )
+        finally:
+            clock.steps_ended()
+            reporter.close()
+        last_loss = reporter.last_loss
+    if last_loss is None and state is not None and info.is_main:
+        # No step ran here (a finished run rerun, or stopped early): the loss the run recorded last.
+        last_loss = recorded_loss(config.out_dir / "metrics.jsonl", step=opt.planner.position.global_step)
+    with clock.timed("checkpoint"):
+        export_dir = _export_at_end(config, info, opt, validation)
+    barrier(info)
+    tracker = validation.tracker if validation is not None else None
+    return TrainResult(
+        global_step=opt.planner.position.global_step,
+        total_steps=opt.total_steps,
+        final_loss=last_loss,
+        export_dir=export_dir,
+        seconds=time.perf_counter() - start_time,
+        best_validation_tau=None if tracker is None else tracker.best_tau,
+        best_validation_step=0 if tracker is None else tracker.best_step,
+        stopped_early=stopped_early,
+        wall=clock.split(),
+    )
+
+
+def _validation_schedule(
+    config: TrainConfig, info: DistInfo, split: SplitSnapshots, reader: RowReader, state: TrainState | None
+) -> ValidationSchedule | None:
+    """The run's validation (None without a split), its tracker restored from ``state``."""
+    if split.validation is None:
+        return None
+    validator = Validator(
+        split.validation,
+        reader,
+        info=info,
+        tokens_per_microbatch=config.tokens_per_microbatch,
+        prefetch=config.prefetch,
+        loader_threads=config.loader_threads,
+        attention=config.attention,
+        chain_tokens=config.val_chain_tokens,
+        autocast=_autocast(config, info),
+    )
+    schedule = ValidationSchedule(
+        validator,
+        state={} if state is None else state.validation,
+        val_every=config.val_every,
+        early_stop=config.early_stop,
+        best_export_dir=config.out_dir / "drafter" if config.export_at_end and info.is_main else None,
+    )
+    if schedule.tracker.restarted is not None and info.is_main:
+        print(f"dflash train: {schedule.tracker.restarted}", file=sys.stderr, flush=True)
+    return schedule
+
+
+def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None) -> bool:
+    """True (and said once) when the resumed run had already stopped early: no step is left to run."""
+    if validation is None or not validation.should_stop():
+        return False
+    if info.is_main:
+        print(
+            f"dflash train: {validation.stop_reason()} at step {opt.planner.position.global_step}; nothing "
+            f"to do (raise {flag(TrainConfig, 'early_stop')}, or leave it out, to train on)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return True
+
+
+def _export_at_end(
+    config: TrainConfig, info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None
+) -> Path | None:
+    """Export the drafter (rank 0, unless ``export_at_end`` is off); the directory of the run's drafter."""
+    from dflash_offline.drafter.export import export_drafter
+
+    if not (config.export_at_end and info.is_main):
+        return None
+    if validation is None:
+        return export_drafter(opt.model, config.out_dir / "drafter")
+    # RUN/drafter is the best validation chain τ's export (written when it was measured).
+    export_drafter(opt.model, config.out_dir / "drafter-last")
+    return config.out_dir / "drafter"
+
+
+def _setup_optimization(
+    config: TrainConfig, info: DistInfo, model: DFlashDrafter, snapshot: IndexSnapshot
+) -> _Optimization:
+    """DDP wrapper, optimizer, planner and LR schedule of a fresh run (``_resume`` loads a checkpoint)."""
+    ddp_model: nn.Module = model
+    if info.distributed:
+        ddp_model = nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[info.device.index] if info.device.type == "cuda" else None,
+            broadcast_buffers=False,  # the frozen head is a (large) buffer: never re-broadcast it
+        )
+    params = model.trainable_parameters()
+    optimizer: torch.optim.Optimizer
+    if config.optimizer == "sgd":
+        optimizer = torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    planner = LengthMixingPlanner(
+        snapshot,
+        seed=config.seed,
+        tokens_per_microbatch=config.tokens_per_microbatch,
+        grad_accum=config.grad_accum,
+        world_size=info.world_size,
+    )
+    total_steps = planner.total_steps(config.epochs)
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    return _Optimization(
+        model=model,
+        ddp_model=ddp_model,
+        params=params,
+        optimizer=optimizer,
+        lr_factor=cosine_with_warmup(total_steps, config.warmup_ratio),
+        planner=planner,
+        total_steps=total_steps,
+    )
+
+
+def _restore(config: TrainConfig, info: DistInfo, opt: _Optimization, state: TrainState) -> None:
+    """Load the resumed checkpoint ``state`` (admitted by ``resume.checkpoint_to_resume``) into ``opt``."""
+    opt.model.load_state_dict(state.model)
+    opt.optimizer.load_state_dict(state.optimizer)
+    for group in opt.optimizer.param_groups:  # the command line's, not the checkpoint's
+        group["weight_decay"] = config.weight_decay
+    opt.planner.load_state_dict(state.planner)
+    set_rng_state(state.rng)
+    if info.is_main:
+        left = opt.total_steps - state.global_step
+        print(
+            f"dflash train: resumed from the checkpoint of step {state.global_step} of {opt.total_steps}"
+            + (f" ({left} steps to go)" if left > 0 else " (nothing left to train)"),
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _run_steps(
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    snapshot: IndexSnapshot,
+    reader: RowReader,
+    reporter: StepReporter,
+    validation: ValidationSchedule | None,
+    *,
+    tokens_seen: int,
+) -> bool:
+    """Run steps from the planner's position to ``total_steps``; True when ``--early-stop`` ended them.
+
+    Raises ``TrainInterrupted`` (after a checkpoint) when any rank was asked to stop."""
+    planned = itertools.takewhile(
+        lambda plan: plan.global_step < opt.total_steps, opt.planner.iterate(config.epochs)
+    )
+    steps = RankSteps(
+        planned,
+        rank=info.rank,
+        seed=config.seed,
+        reader_rows_N=snapshot.reader_rows_N,
+        fuse=config.fuse_microbatches,
+    )
+    per_row = opt.model.config.num_anchors * (config.grad_accum if config.fuse_microbatches else 1)
+    step = _optimizer_step(config, info, opt)
+    with Prefetcher(
+        reader,
+        steps.jobs(),
+        device=info.device,
+        prefetch=max(config.prefetch, config.grad_accum),
+        num_threads=config.loader_threads,
+        anchor_fn=anchor_sampler(opt.model.config.num_anchors, per_row=per_row),
+        loss_block_size=opt.model.config.block_size,
+    ) as prefetcher:
+        reporter.start()
+        for step_plan, batches in steps.regroup(prefetcher):
+            _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
+            with out_of_memory_named(config, info, "a training step"):
+                outcome = step([b.inputs for b in batches], [b.plan.is_padding for b in batches])
+            reporter.clock.step_done()
+            opt.planner.step_done(step_plan)
+            tokens_seen += step_plan.num_tokens
+            global_step = step_plan.global_step + 1
+            reporter.step_ran(
+                step_plan,
+                outcome,
+                lr=config.lr * opt.lr_factor(global_step),  # the next step's
+                data_wait_s=sum(b.data_wait_s for b in batches),
+            )
+            validated = None
+            if validation is not None and validation.due(global_step, opt.total_steps):
+                _stop_if_diverged(config, reporter.check_finite(), global_step)  # before a best export
+                with (
+                    reporter.paused("validation") as lap,
+                    out_of_memory_named(config, info, f"the validation after step {global_step}"),
+                ):
+                    validated = validation.evaluate(opt.model, global_step)
+                validated = replace(validated, seconds=lap.seconds)
+                with reporter.paused("checkpoint"):
+                    validation.keep_best(opt.model, validated)
+            _stop_if_diverged(config, reporter.report(validation=validated), global_step)
+            if _stops_after(config, info, opt, reporter, validation, global_step, tokens_seen, validated):
+                return True
+    return False
+
+
+def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> OptimizerStep:
+    return OptimizerStep(
+        model=opt.model,
+        ddp_model=opt.ddp_model,
+        params=opt.params,
+        optimizer=opt.optimizer,
+        drafter_config=opt.model.config,
+        info=info,
+        grad_clip=config.grad_clip,
+        attention=config.attention,
+        autocast=_autocast(config, info),
+    )
+
+
+def _stops_after(
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    reporter: StepReporter,
+    validation: ValidationSchedule | None,
+    global_step: int,
+    tokens_seen: int,
+    validated: ValidationMetrics | None,
+) -> bool:
+    """After step ``global_step``: checkpoint when one is due; True (after a checkpoint) when
+    the early stop ends the run here; raises ``TrainInterrupted`` when any rank was asked to stop."""
+    early_stop = validation is not None and validated is not None and validation.should_stop()
+    # Under DDP the ranks agree on a stop request where the step's results are read anyway.
+    agree = (
+        reporter.is_log_step(global_step)
+        or validated is not None
+        or _is_checkpoint_step(config, opt, global_step)
+    )
+    _checkpoint_or_stop(
+        config,
+        info,
+        opt,
+        reporter,
+        global_step,
+        tokens_seen,
+        validation,
+        checkpoint_now=early_stop,
+        check_stop=not early_stop and (agree or not info.distributed),
+    )
+    if early_stop and info.is_main and validation is not None:
+        note = f"{validation.stop_reason()}: stopped after step {global_step}, checkpoint written"
+        print(f"dflash train: {note}", file=sys.stderr, flush=True)
+    return early_stop
+
+
+def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast with ``--autocast bf16``, or ``auto`` on CUDA; otherwise none (float32)."""
+    use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and info.device.type == "cuda")
+    return torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+
+def compiles(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the run compiles the drafter's layers: ``--compile on``, or ``auto`` on CUDA without
+    ``--deterministic`` (whose loss curve stays the eager one; see ``TrainConfig.compile``)."""
+    if config.compile == "auto":
+        return device.type == "cuda" and not config.deterministic
+    return config.compile == "on"
+
+
+def _is_checkpoint_step(config: TrainConfig, opt: _Optimization, global_step: int) -> bool:
+    return global_step % config.checkpoint_every == 0 or global_step == opt.total_steps
+
+
+def _checkpoint_or_stop(
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    reporter: StepReporter,
+    global_step: int,
+    tokens_seen: int,
+    validation: ValidationSchedule | None,
+    *,
+    checkpoint_now: bool,
+    check_stop: bool,
+) -> None:
+    """Checkpoint every ``checkpoint_every`` steps, at the end and when ``checkpoint_now``; with
+    ``check_stop``, when any rank was asked to stop, checkpoint (if this step did not) and raise
+    ``TrainInterrupted``. A checkpoint's time is left out of the ``reporter``'s throughput."""
+    saved = checkpoint_now or _is_checkpoint_step(config, opt, global_step)
+    if saved:
+        with reporter.paused("checkpoint"):
+            _checkpoint(config, info, opt, reporter, global_step, tokens_seen, validation)
+    if check_stop and global_step < opt.total_steps and _stop_agreed(info):
+        if not saved:
+            _checkpoint(config, info, opt, reporter, global_step, tokens_seen, validation)  # the run ends
+        raise TrainInterrupted(global_step)
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The learning rate of the next optimizer step (``--lr`` × the schedule's factor of that step)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _stop_if_diverged(config: TrainConfig, bad: NonFiniteStep | None, global_step: int) -> None:
+    """Stop the run (every rank: they read the same all-reduced values) at a non-finite step."""
+    if bad is not None:
+        raise diverged_error(config.out_dir, bad.describe(), step=bad.step, stopped_after=global_step)
+
+
+def _checkpoint(
+    config: TrainConfig,
+    info: DistInfo,
+    opt: _Optimization,
+    reporter: StepReporter,
+    global_step: int,
+    tokens_seen: int,
+    validation: ValidationSchedule | None,
+) -> None:
+    """Save the state after ``global_step`` (rank 0), never from non-finite weights: the steps since the
+    last read-back are checked first, and the weights themselves."""
+    _stop_if_diverged(config, reporter.check_finite(), global_step)
+    check_weights_finite(config.out_dir, opt.params, step=global_step)
+    if info.is_main:
+        save_checkpoint(
+            config.out_dir,
+            TrainState(
+                global_step=global_step,
+                model=opt.model.state_dict(),
+                optimizer=opt.optimizer.state_dict(),
+                planner=opt.planner.state_dict(),
+                rng=rng_state(),
+                tokens_seen=tokens_seen,
+                world_size=info.world_size,
+                validation={} if validation is None else validation.tracker.state_dict(),
+            ),
+            keep=config.keep_checkpoints,
+        )
+    barrier(info)
+
+
+# ─── Joining the process group ──────────────────────────────────────────────────────────────────────────────
+
+
+def init_distributed(
+    *, rank: int, world_size: int, local_rank: int, use_cuda: bool, timeout_s: float = 1800
+) -> DistInfo:
+    """Join the process group (when world_size > 1) and pick this rank's device.
+
+    Expects MASTER_ADDR / MASTER_PORT in the environment (torchrun sets them; ``launch`` does too)."""
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+    return DistInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        backend=backend if world_size > 1 else "none",
+    )
+
+
+def dist_info_from_env(*, use_cuda: bool) -> DistInfo:
+    """Under torchrun: rank, world size and local rank from its environment variables."""
+    return init_distributed(
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        use_cuda=use_cuda,
+    )
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        # Objects in reference cycles (DDP's reducer and the gloo work it holds) are freed now, while the
+        # interpreter is alive: freed during its finalization, gloo's threads can abort the process after a
+        # finished run (seen once under torchrun on 2 CPU ranks: "terminate called without an active
+        # exception", SIGABRT, after the run's last checkpoint; a mitigation, not yet shown to be the cause).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+# ─── Starting the ranks ─────────────────────────────────────────────────────────────────────────────────────
+# Start training where the config says: one DDP process per GPU (spawned), ``torchrun`` ranks, or
+# CPU processes over gloo. One process trains in-process (no spawn).
+
+
+def _cpu_threads(config: TrainConfig) -> int:
+    return config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.world_size)
+
+
+ORPHAN_GRACE_SECONDS = 120.0
+"""A rank whose launcher died stops at its step boundary (its parent-death signal is SIGINT, a stop
+request here) and checkpoints; one that has not exited this long after is ended (a rank blocked in a
+collective for a dead peer would otherwise live on, holding its GPU)."""
+
+RANK_PROCESS = ChildPolicy(
+    parent_death_signal=signal.SIGINT, orphan_grace_seconds=ORPHAN_GRACE_SECONDS, ignore_sigint=False
+)
+"""A spawned rank handles Ctrl-C itself: it stops at its step boundary with a checkpoint."""
+RANK_GROUP = GroupPolicy(
+    label="rank", resumable="the run", process_name="dflash-train-rank", drain_seconds=30.0
+)
+"""When a rank failed, the others are ended (SIGTERM, SIGKILL ``drain_seconds`` later if still alive)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankTask:
+    """What a spawned rank trains (``WorkerSpec.task``, pickled at spawn)."""
+
+    config: TrainConfig
+    port: int
+    """The rendezvous port on 127.0.0.1 (``MASTER_PORT``)."""
+    started_at: float
+    """``time.time()`` when the command started: where the ranks count their start-up from."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankInterrupted:
+    """A spawned rank stopped on request after ``step``, with a checkpoint of that step on disk."""
+
+    worker: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankFinished:
+    """Rank 0 finished training: where its wall time went (the launcher's summary reports it)."""
+
+    worker: int
+    wall: WallSplit | None
+
+
+def _rank_main(spec: WorkerSpec[RankTask], events: EventSink, stop: StopFlag) -> None:
+    """Entry point of a spawned rank (``workers.spawned``: it dies with its launcher, and any exception
+    reaches the launcher as ``WorkerFailed``)."""
+    # A terminal's Ctrl-C reaches every rank (and the launcher forwards it): stop at the step boundary.
+    with stop_on_sigint(second_aborts=False):
+        try:
+            result = _run_spawned_rank(spec)
+            if spec.worker == 0:
+                events.put(RankFinished(worker=spec.worker, wall=result.wall))
+        except TrainInterrupted as e:
+            events.put(RankInterrupted(worker=spec.worker, step=e.step))
+
+
+def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> TrainResult:
+    config, rank = spec.task.config, spec.worker
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(spec.task.port)
+    use_cuda = bool(config.gpus)
+    bind_device(spec)  # rank r drives the r-th listed GPU (its spec's device), or its CPU threads
+    info = init_distributed(
+        rank=rank,
+        world_size=config.world_size,
+        local_rank=config.gpus[rank] if use_cuda else rank,
+        use_cuda=use_cuda,
+    )
+    try:
+        return train_rank(config, info, started_at=spec.task.started_at)
+    finally:
+        shutdown(info)
+
+
+def _rank_specs(config: TrainConfig, started_at: float) -> list[WorkerSpec[RankTask]]:
+    task = RankTask(config=config, port=free_port(), started_at=started_at)
+    return [
+        WorkerSpec(
+            worker=rank,
+            num_workers=config.world_size,
+            device=f"cuda:{config.gpus[rank]}" if config.gpus else "cpu",
+            cpu_threads=None if config.gpus else _cpu_threads(config),
+            task=task,
+        )
+        for rank in range(config.world_size)
+    ]
+
+
+def _spawn(config: TrainConfig, started_at: float) -> WallSplit | None:
+    """One spawned process per rank; a rank's DflashError or Ctrl-C reaches the caller as itself, a rank's
+    bug or death as the error torch's ``mp.spawn`` raised (with the rank's traceback). Returns rank 0's
+    wall split."""
+    specs = _rank_specs(config, started_at)
+    group = SpawnedWorkers(_rank_main, specs, policy=RANK_GROUP, child=RANK_PROCESS)
+    events: list[object] = []
+    group.start()
+    # The launcher only waits: it passes a Ctrl-C on (a kill -INT of the launcher alone must stop the
+    # ranks at a step boundary too; they ignore the repeat a terminal's Ctrl-C also sends them).
+    with forwarding_sigint(group):
+        exited = group.wait_for_exit(events.append)
+        if exited is not None:
+            group.terminate()  # the other ranks would wait for the failed one in their next collective
+        group.drain_and_join(events.append)
+    for event in events:
+        if isinstance(event, RankInterrupted):
+            raise TrainInterrupted(event.step)
+    failures = {event.worker: event for event in events if isinstance(event, WorkerFailed)}
+    for failed in failures.values():
+        error = user_error(failed)
+        if error is not None:
+            raise error  # one line at the CLI
+    if exited is not None:
+        raise _spawn_error(exited, failures.get(exited.worker))
+    return next((e.wall for e in events if isinstance(e, RankFinished)), None)
+
+
+def _spawn_error(exited: WorkerExit, failed: WorkerFailed | None) -> Exception:
+    """What torch's ``mp.spawn`` raised for a rank that ended with ``exited`` (its traceback: ``failed``)."""
+    import torch.multiprocessing as mp
+
+    if failed is not None:
+        message = f"\n\n-- Process {exited.worker:d} terminated with the following error:\n{failed.traceback}"
+        return mp.ProcessRaisedException(message, exited.worker, exited.pid)
+    if exited.exit_code >= 0:
+        return mp.ProcessExitedException(
+            f"process {exited.worker:d} terminated with exit code {exited.exit_code:d}",
+            error_index=exited.worker,
+            error_pid=exited.pid,
+            exit_code=exited.exit_code,
+        )
+    try:
+        name = signal.Signals(-exited.exit_code).name
+    except ValueError:
+        name = f"<Unknown signal {-exited.exit_code}>"
+    return mp.ProcessExitedException(
+        f"process {exited.worker:d} terminated with signal {name}",
+        error_index=exited.worker,
+        error_pid=exited.pid,
+        exit_code=exited.exit_code,
+        signal_name=name,
+    )
+
+
+def run_training(config: TrainConfig, *, started_at: float | None = None) -> TrainResult | None:
+    """Train; returns the result in the main process (None in a torchrun rank other than 0).
+
+    ``started_at``: ``time.time()`` when the command started, where the start-up is counted from (None:
+    now; under torchrun each rank counts from its own call).
+
+    One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
+    second run into the same directory is refused naming the holder (``LockedError``)."""
+    started_at = time.time() if started_at is None else started_at
+    check_writable_dir(config.out_dir, option=flag(TrainConfig, "out_dir"))
+    check_run_out(config.out_dir, option=flag(TrainConfig, "out_dir"))
+    if config.tensorboard_dir is not None:
+        check_writable_dir(config.tensorboard_dir, option=flag(TrainConfig, "tensorboard_dir"))
+    if under_torchrun():
+        info = dist_info_from_env(use_cuda=torch.cuda.is_available())
+        if info.device.type == "cpu" and config.threads_per_worker > 0:
+            torch.set_num_threads(config.threads_per_worker)  # --threads, as for spawned workers
+        lock = acquire_lock(config.out_dir, what="training run") if info.is_main else None
+        try:
+            result = train_rank(config, info, started_at=started_at)
+        finally:
+            shutdown(info)
+            if lock is not None:
+                lock.release()
+        return result if info.is_main else None
+    with hold_lock(config.out_dir, what="training run"):
+        return _run_training_locked(config, started_at)
+
+
+def _run_training_locked(config: TrainConfig, started_at: float) -> TrainResult | None:
+    if config.world_size == 1:
+        if config.gpus:
+            info = init_distributed(rank=0, world_size=1, local_rank=config.gpus[0], use_cuda=True)
+        else:
+            torch.set_num_threads(_cpu_threads(config))
+            info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+        return train_rank(config, info, started_at=started_at)
+    start = time.perf_counter()
+    wall = _spawn(config, started_at)
+    # The ranks ran in other processes: read what rank 0 logged.
+    from dflash_offline.train.metrics import read_metrics, recorded_number, validation_records
+
+    metrics_path = config.out_dir / "metrics.jsonl"
+    metrics = read_metrics(metrics_path) if metrics_path.exists() else []
+    last = metrics[-1] if metrics else {}
+    step = int(last.get("step", 0))  # type: ignore[call-overload]
+    # The tracker's criterion; lines of a run resumed from before chain τ do not carry it.
+    validated = [r for r in validation_records(metrics) if "val_chain_tau" in r]
+    best = max(validated, key=lambda r: recorded_number(r["val_chain_tau"]), default=None)
+    return TrainResult(
+        global_step=step,
+        total_steps=step,
+        final_loss=recorded_number(last["loss"]) if "loss" in last else None,
+        export_dir=config.out_dir / "drafter" if config.export_at_end else None,
+        seconds=time.perf_counter() - start,
+        best_validation_tau=None if best is None else recorded_number(best["val_chain_tau"]),
+        best_validation_step=0 if best is None else int(best["step"]),  # type: ignore[call-overload]
+        wall=wall,
+    )
