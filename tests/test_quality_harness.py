@@ -51,7 +51,8 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
         [sys.executable, "bench/quality_recipe.py", "--smoke", "--data", str(data), "--work", str(work),
          "--report", str(report), "--code-data", str(code), "--code-limit", "3",
          "--extra-answers", str(extra), "--budget-s", "700", "--regen-s", "240", "--gen-s", "90",
-         "--train-s", "10", "--eval-s", "240", "--expected-steps-per-s", "0.2", "--codecs", "default",
+         "--train-s", "10", "--eval-s", "240", "--expected-steps-per-s", "0.05", "--calibrate-s", "0",
+         "--codecs", "default",
          "--variants", '{"all": ""}',
          "--train-args", "--log-every 10 --val-samples 2 --val-group root-id"],
         cwd=ROOT, capture_output=True, text=True, timeout=880,
@@ -70,10 +71,13 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     assert all(m["content"] for a in answered for m in a["messages"] if m["role"] == "assistant")
     assert summary["variants"]["all"]["steps"] > 0
     # Regenerate and generate take 20–100 of their 330 s here: training's deadline is the budget's end less
-    # the eval's 240 s and the 90 s reserve, minutes past its own 10 s. (Its steps are planned at 0.2 a
-    # second, ≈ 45 of them: it ends well before that deadline, so the test does not wait for it.)
+    # the eval's 240 s and the 90 s reserve, minutes past its own 10 s. Its steps are planned at 0.05 a
+    # second, so the recipe's floor of 20 (one validation at --val-every 20), and with no calibration window
+    # (--calibrate-s 0) no step rate replans them to fill that deadline: the run ends after its 20 steps,
+    # well before the deadline, so the test does not wait for it.
     (more,) = [n for n in summary["notes"] if n.startswith("train: ")]
     assert "more than --train-s (left unused by the stages before)" in more
+    assert "variant all: no step rate after 0 s; it keeps --max-steps 20" in " ".join(summary["notes"])
     assert stages["train_all"]["seconds"] > 10
     # The earlier answers are cached and trained on with this run's (the whole conversations grouped).
     assert "training data: 10 conversations of this run + 4 of --extra-answers" in summary["notes"]
