@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.embedded_assets import smollm2_gguf_available
 from tests.eval.helpers import write_chat_jsonl
@@ -47,6 +49,10 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     with gzip.open(extra, "wb") as f:
         f.write(write_chat_jsonl(tmp_path / "extra.jsonl", 4, seed=1).read_bytes())
     work, report = tmp_path / "q", tmp_path / "report"
+    # The torch threads of this pytest process (one per core and worker under xdist, tests/conftest.py) for
+    # every command of the recipe: its --smoke names no placement, and two threads per command beside the
+    # other worker's test would oversubscribe the cores (eval has no --threads: it reads OMP_NUM_THREADS).
+    threads = str(torch.get_num_threads())
     proc = subprocess.run(
         [sys.executable, "bench/quality_recipe.py", "--smoke", "--data", str(data), "--work", str(work),
          "--report", str(report), "--code-data", str(code), "--code-limit", "3",
@@ -54,8 +60,10 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
          "--train-s", "10", "--eval-s", "240", "--expected-steps-per-s", "0.05", "--calibrate-s", "0",
          "--codecs", "default",
          "--variants", '{"all": ""}',
-         "--train-args", "--log-every 10 --val-samples 2 --val-group root-id"],
-        cwd=ROOT, capture_output=True, text=True, timeout=880,
+         "--regen-args", f"--max-new-tokens 512 --max-prompt-tokens 1024 --threads {threads}",
+         "--gen-args", f"--max-len 2048 --too-long truncate --threads {threads}",
+         "--train-args", f"--log-every 10 --val-samples 2 --val-group root-id --threads {threads}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=880, env={**os.environ, "OMP_NUM_THREADS": threads},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((report / "summary.json").read_text())
