@@ -58,10 +58,8 @@ NOT_SCANNED = ("bench/repo_metrics.py", ".gitignore")
 DATA_PATH = (
     "train/snapshot.py",
     "train/split.py",
-    "train/length_mixing.py",
-    "train/microbatch.py",
-    "train/packing.py",
-    "train/prefetch.py",
+    "train/planner.py",
+    "train/loader.py",
     "drafter/batch.py",
 )
 """The modules (under the package) between the index snapshot and the drafter's input; a module that is

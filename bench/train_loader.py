@@ -53,16 +53,16 @@ from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.train.length_mixing import LengthMixingPlanner
-from dflash_offline.train.microbatch import (
+from dflash_offline.train.loader import Prefetcher, in_place_feature_width
+from dflash_offline.train.planner import (
+    HostBufferPool,
+    LengthMixingPlanner,
     PackedMicrobatch,
     RankSteps,
     ScheduledMicrobatch,
     StepPlan,
     schedule_for_rank,
 )
-from dflash_offline.train.packing import HostBufferPool
-from dflash_offline.train.prefetch import Prefetcher, in_place_feature_width
 from dflash_offline.train.snapshot import IndexSnapshot, take_snapshot
 
 EDGES = (256, 512, 1024, 2048, 4096)

@@ -37,8 +37,7 @@ import torch
 
 from dflash_offline.eval.run import load_drafter_for
 from dflash_offline.target_model.loader import load_target
-from dflash_offline.train.chain_tau import answer_turns, chain_window, walk_chain
-from dflash_offline.train.validation import acceptance_at_every_anchor
+from dflash_offline.train.validation import acceptance_at_every_anchor, answer_turns, chain_window, walk_chain
 
 
 def main() -> None:

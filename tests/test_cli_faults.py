@@ -32,7 +32,7 @@ from click.testing import CliRunner
 from dflash_offline.cache.index import build_index
 from dflash_offline.cli import main
 from dflash_offline.regenerate.config import RegenerateConfig
-from dflash_offline.train.launch import run_training
+from dflash_offline.train.trainer import run_training
 from tests.eval.helpers import export_untrained_for, write_chat_jsonl
 from tests.regenerate.openai_server_process import Server, ready, start_server
 from tests.train.helpers import train_config
@@ -680,7 +680,7 @@ def test_train_and_eval_never_replace_an_export_or_a_run_config(scene: Scene) ->
 def init_drafter(scene: Scene) -> Path:
     """A float32 export of ``scene.run``: a drafter of the shape TRAIN_ARGS trains (for --init-from) and of
     random:tiny (for eval)."""
-    from dflash_offline.train.export_run import export_run
+    from dflash_offline.train.checkpoint import export_run
 
     return export_run(scene.run, scene.root / "init-drafter", dtype="float32")
 

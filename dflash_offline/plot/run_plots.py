@@ -56,7 +56,7 @@ def _validation(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.nd
 
 
 TURN_LABELS = ("chain τ, first turns", "chain τ, second turns", "chain τ, later turns")
-"""The legends of ``val_chain_tau_by_turn`` (train/chain_tau.py: TURN_GROUPS)."""
+"""The legends of ``val_chain_tau_by_turn`` (train/validation.py: TURN_GROUPS)."""
 
 
 def _chain_by_turn(rows: list[dict[str, Any]]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -1,36 +1,56 @@
-"""Training checkpoints: everything needed to continue exactly, written atomically.
-
-``RUN/checkpoints/step-<N>/`` holds ``state.pt`` (trainable weights, optimizer, planner state, RNG
-states, step counters) and ``meta.json``. A checkpoint is written to a temporary folder and
-renamed into place, so a kill -9 mid-write leaves the previous one intact; the newest complete
-``step-*`` folder is the one ``--resume auto`` picks up. A newest checkpoint that does not load (a
-truncated ``state.pt``: a disk that lost data the rename had promised, a hand copy cut short) is renamed
-``step-<N>.unreadable`` with a printed note, and the next older one is used; so is one whose weights hold a
-NaN or an Inf (written by a diverged run before train/divergence.py kept such weights from a checkpoint).
-
-A full disk while saving raises ``CheckpointNoSpaceError`` (one line naming the folder) instead of
-PyTorch's ``inline_container.cc … unexpected pos``; the partial folder is removed, older checkpoints
-stay.
-"""
+"""A training run's checkpoints: written atomically, never with diverged weights, the one a run
+continues, and a drafter exported from one."""
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import re
 import shutil
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from dflash_offline.errors import DivergedError, NoSpaceError, ResumeError
-from dflash_offline.train.length_mixing import PLANNER_STATE_VERSION
+from dflash_offline.cache.fingerprint import CacheFingerprint
+from dflash_offline.cache.layout import CacheLayout, read_fingerprint
+from dflash_offline.config_fields import flag
+from dflash_offline.drafter.export import ARCHITECTURE, CONFIG_FILE, README_FILE, WEIGHTS_FILE
+from dflash_offline.errors import ConfigError, DivergedError, NoSpaceError, ResumeError
+from dflash_offline.placement import DistInfo
+from dflash_offline.train.config import ResumeContract, TrainConfig, check_resume
+from dflash_offline.train.planner import PLANNER_STATE_VERSION
+from dflash_offline.train.snapshot import IndexSnapshot
+from dflash_offline.train.split import SNAPSHOT_FILE
+from dflash_offline.train.step import DrafterSetup, build_drafter_setup
+from dflash_offline.writable import check_writable_dir
+
+if TYPE_CHECKING:
+    from dflash_offline.drafter.model_card import EvalFacts
+
+
+# ─── Checkpoints ────────────────────────────────────────────────────────────────────────────────────────────
+# Training checkpoints: everything needed to continue exactly, written atomically.
+#
+# ``RUN/checkpoints/step-<N>/`` holds ``state.pt`` (trainable weights, optimizer, planner state, RNG
+# states, step counters) and ``meta.json``. A checkpoint is written to a temporary folder and
+# renamed into place, so a kill -9 mid-write leaves the previous one intact; the newest complete
+# ``step-*`` folder is the one ``--resume auto`` picks up. A newest checkpoint that does not load (a
+# truncated ``state.pt``: a disk that lost data the rename had promised, a hand copy cut short) is renamed
+# ``step-<N>.unreadable`` with a printed note, and the next older one is used; so is one whose weights hold a
+# NaN or an Inf (written by a diverged run before train/checkpoint.py kept such weights from a checkpoint).
+#
+# A full disk while saving raises ``CheckpointNoSpaceError`` (one line naming the folder) instead of
+# PyTorch's ``inline_container.cc … unexpected pos``; the partial folder is removed, older checkpoints
+# stay.
+
 
 CHECKPOINT_FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -195,7 +215,7 @@ def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState
     that loads has a format this version does not read (its own, or its planner state's).
 
     This decides only whether a checkpoint file can be read. Whether this invocation may continue it
-    (the same drafter, plan and samples) is the run's ``ResumeContract`` (train/resume_contract.py)."""
+    (the same drafter, plan and samples) is the run's ``ResumeContract`` (train/config.py)."""
     found = list_checkpoints(run_dir)
     if not found:
         return None
@@ -243,3 +263,305 @@ def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState
         f"no checkpoint in {checkpoints_dir(run_dir)} loads ({'; '.join(problems)}); "
         "pass --resume never to start over, or train into a new --out"
     )
+
+
+# ─── Divergence ─────────────────────────────────────────────────────────────────────────────────────────────
+# A diverged run stops: the first step whose loss or gradient norm is not finite (NaN or Inf) ends training
+# with a ``DivergedError`` naming it, and no checkpoint or export is ever written from non-finite weights.
+#
+# The step stays sync-free (train/step.py): its results are checked where the loop reads them back anyway
+# (each metrics line, a validation, a checkpoint; train/trainer.py keeps the steps run since the last
+# read-back and reads them in one copy), so a run stops at most ``--log-every`` steps after it diverged,
+# and at the step itself with the default of 1. A NaN gradient norm makes the clipped update NaN, so every
+# weight after that step is NaN too: there is nothing to continue from but the newest checkpoint, which was
+# written from finite weights (``check_weights_finite`` before every checkpoint, whatever the losses said).
+# Every rank reads the same all-reduced values at the same steps, so under DDP they all stop together.
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NonFiniteStep:
+    """The first step read back whose loss or gradient norm is NaN or Inf."""
+
+    step: int
+    """Optimizer steps completed, that one included (1-based, as in metrics.jsonl)."""
+    loss: float
+    grad_norm: float
+    """The total gradient norm before clipping."""
+
+    def describe(self) -> str:
+        return f"loss {self.loss} and gradient norm {self.grad_norm}"
+
+
+def first_nonfinite(steps: Sequence[tuple[int, float, float]]) -> NonFiniteStep | None:
+    """The first of ``(step, loss, grad_norm)`` with a non-finite loss or gradient norm; None when all are
+    finite."""
+    for step, loss, grad_norm in steps:
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return NonFiniteStep(step=step, loss=loss, grad_norm=grad_norm)
+    return None
+
+
+def diverged_error(out_dir: Path, what: str, *, step: int, stopped_after: int) -> DivergedError:
+    """What the user reads: ``what`` went non-finite at ``step``, the checkpoint a resume continues from,
+    what to change."""
+    where = f"at step {step}"
+    if stopped_after != step:
+        where += f" (read back after step {stopped_after})"
+    found = list_checkpoints(out_dir)
+    if found:
+        saved_step, path = found[-1]
+        keep = (
+            f"the newest checkpoint, {path.name} (step {saved_step}), holds finite weights: rerun with a "
+            f"lower {flag(TrainConfig, 'lr')} to resume from it"
+        )
+    else:
+        keep = f"the run has no checkpoint: train again with a lower {flag(TrainConfig, 'lr')}"
+    return DivergedError(
+        f"training diverged: {what} {where}; stopped without "
+        f"a checkpoint or export of the non-finite weights; {keep} (a larger "
+        f"{flag(TrainConfig, 'warmup_ratio')} or a smaller {flag(TrainConfig, 'grad_clip')} may help too)"
+    )
+
+
+def check_weights_finite(out_dir: Path, params: Sequence[torch.Tensor], *, step: int) -> None:
+    """Raise ``DivergedError`` before a checkpoint of step ``step`` when a weight is NaN or Inf (an update
+    that overflowed although its gradient was finite). One reduction and one host sync: a checkpoint
+    copies every weight to the host anyway."""
+    finite = torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()
+    if not bool(finite):
+        raise diverged_error(out_dir, "non-finite weights", step=step, stopped_after=step)
+
+
+# ─── The checkpoint a run continues ─────────────────────────────────────────────────────────────────────────
+# Which checkpoint a ``dflash train`` invocation continues, and the config it goes on with: the newest
+# checkpoint that loads, once the run's ``ResumeContract`` (train/config.py) admits this invocation,
+# with the run's own microbatch layout where the invocation left it to the device's default.
+
+
+def checkpoint_to_resume(
+    config: TrainConfig, info: DistInfo, train_snapshot: IndexSnapshot
+) -> tuple[TrainConfig, TrainState | None]:
+    """With ``resume="auto"``, the newest checkpoint that loads, once the run's ``ResumeContract`` admits
+    this invocation (the one compatibility decision; its applied changes are announced by rank 0), and the
+    config to go on with: the run's own microbatch layout where this invocation left it to the device's
+    default. (config, None) when starting fresh."""
+    state = load_latest_checkpoint(config.out_dir, is_main=info.is_main) if config.resume == "auto" else None
+    if state is None:
+        return config, None
+    stored = ResumeContract.stored(config.out_dir, state.planner)
+    config, adopted = _run_layout(config, stored)
+    notes = check_resume(
+        stored,
+        ResumeContract.of(config, world_size=info.world_size, train_snapshot=train_snapshot),
+        allow_topology_change=config.allow_topology_change,
+        run_dir=config.out_dir,
+    )
+    if info.is_main:
+        for note in [*adopted, *notes]:
+            print(f"dflash train: {note}", file=sys.stderr, flush=True)
+    return config, state
+
+
+def _run_layout(config: TrainConfig, stored: ResumeContract) -> tuple[TrainConfig, list[str]]:
+    """The fields of the microbatch layout left to the device's default take the resumed run's values (the
+    default may have changed since, or the run began on another kind of device); a note for each."""
+    anchors = (stored.options or {}).get("num_anchors")
+    run_values: dict[str, int | None] = {
+        "grad_accum": stored.grad_accum,
+        "tokens_per_microbatch": stored.tokens_per_microbatch,
+        "num_anchors": None if anchors is None else int(anchors),
+    }
+    changed: dict[str, Any] = {
+        name: run_values[name]
+        for name in config.layout_by_device
+        if run_values[name] is not None and run_values[name] != getattr(config, name)
+    }
+    flags = {
+        "grad_accum": flag(TrainConfig, "grad_accum"),
+        "tokens_per_microbatch": flag(TrainConfig, "tokens_per_microbatch"),
+        "num_anchors": flag(TrainConfig, "num_anchors"),
+    }
+    notes = [
+        f"resuming with the run's own {flags[name]} {value} (left to the device's default, "
+        f"{getattr(config, name)} here)"
+        for name, value in changed.items()
+    ]
+    return (replace(config, **changed) if changed else config), notes
+
+
+# ─── Where exports and runs may live ────────────────────────────────────────────────────────────────────────
+# Where a drafter export may be written, and where a training run may live, whatever path spelling or
+# symlink leads there (every path is resolved first).
+#
+# An export (``dflash export --out``) never writes into a training run or a cache (nor into a folder inside
+# one), and replaces only an earlier export: a directory that does not exist, is empty, or holds nothing but
+# an export's files with a ``DFlashDraftModel`` config.json. ``dflash export RUN --out RUN`` would otherwise
+# replace ``RUN/config.json`` and leave a run that neither resumes nor exports. A training run (``dflash
+# train --out``) is never started over a directory whose config.json is not a run's (an export, a model
+# directory), which it would replace.
+
+
+_EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, README_FILE})
+
+
+def _json_of(path: Path) -> Any:
+    """The JSON value of ``path``; None when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def is_training_run(path: Path) -> bool:
+    """``path`` holds a ``dflash train`` run: its config.json, checkpoints or sample snapshot."""
+    config = _json_of(path / CONFIG_FILE)
+    if isinstance(config, dict) and "cache_dir" in config and "out_dir" in config:
+        return True
+    return checkpoints_dir(path).is_dir() or (path / SNAPSHOT_FILE).is_file()
+
+
+def is_cache(path: Path) -> bool:
+    return CacheLayout.at(path).cache_json.is_file()
+
+
+def is_export_config(path: Path) -> bool:
+    """``path`` (a config.json) is a DFlash drafter export's."""
+    config = _json_of(path)
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    return isinstance(archs, list) and ARCHITECTURE in archs
+
+
+def _enclosing(resolved: Path) -> tuple[str, Path] | None:
+    """The training run or cache that ``resolved`` is, or lies inside: (what, where); else None."""
+    for folder in (resolved, *resolved.parents):
+        if is_training_run(folder):
+            return "the training run", folder
+        if is_cache(folder):
+            return "the cache", folder
+    return None
+
+
+def check_export_out(out_dir: Path, *, option: str) -> None:
+    """Refuse (``ConfigError``, one line) an export into a run or a cache, or over anything but an earlier
+    export."""
+    resolved = out_dir.resolve()
+    inside = _enclosing(resolved)
+    if inside is not None:
+        what, where = inside
+        at = "is" if where == resolved else "is inside"
+        raise ConfigError(
+            f"{option} {out_dir} {at} {what} {where}: an export never writes into a training run or a "
+            f"cache; choose a directory outside it"
+        )
+    if not resolved.is_dir():
+        return
+    foreign = sorted(
+        entry.name + ("/" if entry.is_dir() else "")
+        for entry in resolved.iterdir()
+        if entry.name not in _EXPORT_FILES and not entry.name.startswith(".")
+    )
+    config = resolved / CONFIG_FILE
+    if foreign or (config.exists() and not is_export_config(config)):
+        found = ", ".join(foreign[:3]) if foreign else f"a {CONFIG_FILE} that is not a drafter export's"
+        raise ConfigError(
+            f"{option} {out_dir} holds {found}: an export replaces only an earlier export; choose a new or "
+            "empty directory"
+        )
+
+
+def check_run_out(out_dir: Path, *, option: str) -> None:
+    """Refuse (``ConfigError``) a training run over a directory whose config.json is not a run's."""
+    resolved = out_dir.resolve()
+    config = resolved / CONFIG_FILE
+    if config.exists() and not is_training_run(resolved):
+        kind = "a drafter export's" if is_export_config(config) else "not a training run's"
+        raise ConfigError(
+            f"{option} {out_dir}: its {CONFIG_FILE} is {kind}, and a run would replace it; choose a new or "
+            "empty directory (or the directory of the run to resume)"
+        )
+
+
+# ─── Exporting a run's drafter ──────────────────────────────────────────────────────────────────────────────
+# Export a training run's drafter (from a checkpoint) in z-lab's DFlash layout, with its model card.
+
+
+EVAL_REPORT_NAME = "eval.json"
+"""A ``dflash eval --json`` report at ``RUN/eval.json`` goes into the model card without being named."""
+
+
+def export_run(
+    run_dir: Path,
+    out_dir: Path,
+    *,
+    dtype: str = "bfloat16",
+    step: int | None = None,
+    eval_report: Path | None = None,
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` + ``README.md`` for the checkpoint at ``step`` (default
+    newest); the card's τ table comes from ``eval_report``, else from ``RUN/eval.json`` when it exists.
+
+    The ``ResumeError`` raised here says a run directory or checkpoint is not there; nothing is resumed, so
+    no resume compatibility is decided (that is train/config.py's, for ``dflash train``)."""
+    from dflash_offline.drafter.export import export_drafter, nonfinite_tensors
+    from dflash_offline.drafter.model_card import read_eval_report
+
+    check_export_out(out_dir, option="--out")
+    check_writable_dir(out_dir, option="--out")
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise ResumeError(f"{run_dir} is not a training run directory (no config.json)")
+    config = TrainConfig.from_dict(json.loads(config_path.read_text()))
+    found = dict(list_checkpoints(run_dir))
+    if not found:
+        raise ResumeError(f"{run_dir} has no checkpoint yet")
+    chosen = max(found) if step is None else step
+    if chosen not in found:
+        raise ResumeError(f"{run_dir} has no checkpoint of step {step}; it has {sorted(found)}")
+    if eval_report is None and (run_dir / EVAL_REPORT_NAME).is_file():
+        eval_report = run_dir / EVAL_REPORT_NAME
+    evaluated = read_eval_report(eval_report) if eval_report is not None else None  # fails before writing
+    fingerprint = read_fingerprint(config.cache_dir)
+    setup = build_drafter_setup(config, fingerprint, device=torch.device("cpu"))
+    state = torch.load(found[chosen] / "state.pt", map_location="cpu", weights_only=False)
+    bad = nonfinite_tensors(state["model"])
+    if bad:  # a checkpoint written by a diverged run before dflash-offline refused to write one
+        others = sorted(set(found) - {chosen})
+        raise DivergedError(
+            f"{found[chosen] / 'state.pt'}: non-finite weights (NaN or Inf) in {', '.join(bad[:3])}: the run "
+            f"had diverged by step {chosen}; export an earlier checkpoint with --step (the run has {others})"
+        )
+    if "feature_scale_F" in state["model"]:  # a --feature-scale run: the export folds it into fc
+        setup.model.set_feature_scale(state["model"]["feature_scale_F"])
+    setup.model.load_state_dict(state["model"])
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    readme = _model_card(
+        config, fingerprint, setup, step=chosen, dtype=dtype, evaluated=evaluated, out_dir=out_dir
+    )
+    return export_drafter(setup.model, out_dir, dtype=torch_dtype, readme=readme)
+
+
+def _model_card(
+    config: TrainConfig,
+    fingerprint: CacheFingerprint,
+    setup: DrafterSetup,
+    *,
+    step: int,
+    dtype: str,
+    evaluated: EvalFacts | None,
+    out_dir: Path,
+) -> str:
+    from dflash_offline.drafter.model_card import CardFacts, render_model_card, serve_target_for
+
+    length = f"--max-steps {config.max_steps}" if config.max_steps else f"--epochs {config.epochs}"
+    facts = CardFacts(
+        target_id=fingerprint.target_id,
+        weights_hash=fingerprint.weights_hash,
+        serve_target=serve_target_for(fingerprint.target_id, setup.target_spec),
+        data_source=fingerprint.data_source,
+        cache_dir=str(config.cache_dir),
+        step=step,
+        run_length=f"a run of {length}, seed {config.seed}",
+        dtype=dtype,
+        eval=evaluated,
+    )
+    return render_model_card(facts, setup.model.config, out_dir)

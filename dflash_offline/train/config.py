@@ -1,8 +1,11 @@
-"""The typed configuration of ``dflash train``."""
+"""The configuration of ``dflash train``: its typed options, and which of them a resumed run may change."""
 
 from __future__ import annotations
 
+import enum
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -16,7 +19,9 @@ from dflash_offline.config_fields import (
     WORKERS,
     check_fields,
     cli_field,
+    cli_spec,
     flag,
+    flag_of,
 )
 from dflash_offline.drafter_shape import (
     DEFAULT_BLOCK_SIZE,
@@ -24,8 +29,13 @@ from dflash_offline.drafter_shape import (
     MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,
 )
-from dflash_offline.errors import ConfigError
+from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import parse_gpus
+from dflash_offline.train.snapshot import IndexSnapshot
+
+# ─── The options ────────────────────────────────────────────────────────────────────────────────────────────
+# The typed configuration of ``dflash train``.
+
 
 OPTIONS_ADDED_SINCE: dict[str, Any] = {
     "train_samples": None,
@@ -117,7 +127,7 @@ class TrainConfig:
         help="Fixed multiplier on the features before fc from cache statistics: 1/RMS per dimension or "
         "per captured layer (against massive activations), or none; folded into fc.weight at export.",
     )
-    """A fixed multiplier on the features before fc, from cache statistics (train/feature_scale.py):
+    """A fixed multiplier on the features before fc, from cache statistics (train/loader.py):
     1/RMS per feature dimension (dim) or per captured layer (layer); folded into fc.weight at export.
     The default with ``final_norm_init`` 0.1 since an H200 run on one cache and one validation split
     at equal steps: validation chain τ 1.99 against 1.69 for none with 1.0 (bench/RESULTS.md,
@@ -171,7 +181,7 @@ class TrainConfig:
     )
     """Microbatches per rank and step: a step draws grad_accum × world_size microbatches across
     buckets, so with one GPU and grad_accum 1 each step holds a single length bucket (the buckets still
-    take turns in proportion to their tokens, train/length_mixing.py). 0 = by device, ``GPU_LAYOUT`` or
+    take turns in proportion to their tokens, train/planner.py). 0 = by device, ``GPU_LAYOUT`` or
     ``CPU_LAYOUT``, resolved when the config is built."""
     tokens_per_microbatch: int = cli_field(
         0,
@@ -207,7 +217,7 @@ class TrainConfig:
         False, help="Resume with another world size / grad accumulation (the epoch is re-planned)."
     )
     """Resume even though the world size or grad_accum differs from the checkpoint's
-    (train/resume_contract.py decides; the planner re-plans the rest of the epoch)."""
+    (train/config.py decides; the planner re-plans the rest of the epoch)."""
     attention: Literal["auto", "flex", "sdpa"] = cli_field("auto")
     export_initial: bool = cli_field(
         False, help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval)."
@@ -266,7 +276,7 @@ class TrainConfig:
         "draft-verify cycles over the first N answer tokens of every assistant turn: as "
         "`dflash eval --max-new-tokens N` decodes them.",
     )
-    """Answer tokens per assistant turn that ``val_chain_tau`` covers (train/chain_tau.py): eval's
+    """Answer tokens per assistant turn that ``val_chain_tau`` covers (train/validation.py): eval's
     ``--max-new-tokens`` for the τ to compare with ``dflash eval``'s."""
     early_stop: int | None = cli_field(
         None,
@@ -281,7 +291,7 @@ class TrainConfig:
         "bench/train_step.py), off on a CPU and under --deterministic (its loss curve stays eager's).",
     )
     """torch.compile of the drafter's per-layer work around attention (``DFlashDrafter.compile_training``),
-    resolved by ``train/loop.py:compiles``: auto = on CUDA unless ``deterministic``. On one H200 a training
+    resolved by ``train/trainer.py:compiles``: auto = on CUDA unless ``deterministic``. On one H200 a training
     step made 1.29× the tokens/s at SmolLM2 width and 1.23× at Qwen3-8B width, in less memory
     (docs/facts.md, "Training throughput"). Off on the CPU: nothing measured says it helps there. Off by
     default under ``deterministic``: a deterministic run keeps the eager loss curve it had before compile
@@ -427,3 +437,252 @@ class TrainConfig:
         if isinstance(values.get("compile"), bool):  # written before compile took auto/on/off
             values["compile"] = "on" if values["compile"] else "off"
         return cls(**values)
+
+
+# ─── The resume contract ────────────────────────────────────────────────────────────────────────────────────
+# Whether ``dflash train`` may continue a run: one record, compared once.
+#
+# A resume continues a run's drafter, optimizer and sample plan where its checkpoint left them, so it must
+# ask for the same tensors, loss and samples. ``ResumeContract`` holds everything that decides it, and
+# ``RULES`` says what each of its fields allows:
+#
+# - ``FIXED``: the options that define the drafter's tensors or its loss, the seed and token budget that shape
+#   the sample plan, the validation split, the training subset (``--train-samples``) and the training samples
+#   themselves: a change is refused;
+# - ``TOPOLOGY``: the world size and ``grad_accum``: changed only with ``allow_topology_change`` (the
+#   planner then plans the rest of the interrupted epoch over its remaining samples, each still once);
+# - ``APPLIED``: the optimizer hyper-parameters, the run length and the validation schedule: taken over from
+#   the command line, each change announced.
+#
+# Options outside ``RULES`` (threads, prefetch, checkpointing, logging, ...) change neither the drafter nor
+# the plan nor the schedule: a resume takes them as given.
+#
+# The stored contract is what the run saved: its options in ``RUN/config.json``, its plan (seed, token
+# budget, topology, training samples) in the checkpoint's planner state, since a topology change between two
+# checkpoints is recorded there. ``check_resume`` compares it with this invocation's once, after the
+# checkpoint is read and before any of it is applied, and names every field that differs in one
+# ``ResumeError`` line, each by its option's flag (``config_fields.flag_of``).
+#
+# Not compatibility, so decided where the files are read: whether a checkpoint loads at all
+# (train/checkpoint.py: a corrupt newest one is set aside for the previous one; a format this version does
+# not read is refused), and whether a run directory or a checkpoint exists (train/checkpoint.py).
+
+
+class Rule(enum.Enum):
+    """What a resume may do with one field of the contract."""
+
+    FIXED = "refused when it differs"
+    TOPOLOGY = "differs only where the invocation allows a topology change"
+    APPLIED = "taken from this invocation, announced"
+
+
+FIXED_OPTIONS = (
+    "target",
+    "num_layers",
+    "block_size",
+    "num_anchors",
+    "gamma",
+    "mask_token_id",
+    "optimizer",
+    "feature_scale",
+    "val_fraction",
+    "val_samples",
+    "val_group",
+    "train_samples",
+    "init_from",
+)
+"""``TrainConfig`` options that define the drafter's tensors or its loss, or which samples are trained on
+(the validation split, the training subset), or where its weights started."""
+
+ADDED_OPTIONS: Mapping[str, Any] = {k: v for k, v in OPTIONS_ADDED_SINCE.items() if k in FIXED_OPTIONS}
+"""The options of ``FIXED_OPTIONS`` that some runs' config.json lacks, by the value that means what those
+runs did (config.py: ``OPTIONS_ADDED_SINCE``): a config.json without one is read with it."""
+
+APPLIED_OPTIONS = (
+    "lr",
+    "weight_decay",
+    "warmup_ratio",
+    "grad_clip",
+    "epochs",
+    "max_steps",
+    "val_every",
+    "val_chain_tokens",
+    "early_stop",
+)
+"""``TrainConfig`` options a resume takes over (the LR schedule is recomputed from them)."""
+
+RULES: Mapping[str, Rule] = {
+    **{name: Rule.FIXED for name in FIXED_OPTIONS},
+    "seed": Rule.FIXED,
+    "tokens_per_microbatch": Rule.FIXED,  # it shapes every microbatch: no topology change re-plans it
+    "snapshot": Rule.FIXED,
+    "world_size": Rule.TOPOLOGY,
+    "grad_accum": Rule.TOPOLOGY,
+    **{name: Rule.APPLIED for name in APPLIED_OPTIONS},
+}
+"""Every compared field of ``ResumeContract`` (an option by its ``TrainConfig`` name), in message order."""
+
+_PLAN_FIELDS = ("seed", "tokens_per_microbatch", "snapshot", "world_size", "grad_accum")
+"""The fields of ``RULES`` that the checkpoint records (the others are options of config.json)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
+class SnapshotIdentity:
+    """Which samples a run trains on."""
+
+    snapshot_id: str
+    """``IndexSnapshot.snapshot_id`` of the training samples (the run's snapshot less its validation
+    split)."""
+    num_samples: int
+    """How many they are."""
+
+    def __repr__(self) -> str:  # as the refusal shows it
+        return f"{self.snapshot_id[:12]}… ({self.num_samples} training samples)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResumeContract:
+    """What a run is resumed against (see the module docstring)."""
+
+    options: Mapping[str, Any] | None
+    """``TrainConfig`` field name → value (as ``RUN/config.json`` holds it) of every option in
+    ``FIXED_OPTIONS`` and ``APPLIED_OPTIONS``. A stored contract holds those its config.json had, and is
+    None when that file does not read: then only the fields below are compared (the checkpoint's own)."""
+    seed: int
+    tokens_per_microbatch: int
+    grad_accum: int
+    """Microbatches per rank and step."""
+    world_size: int
+    """Ranks of the run (``gpus`` or ``num_cpu_workers``, or torchrun's)."""
+    snapshot: SnapshotIdentity
+
+    @classmethod
+    def of(cls, config: TrainConfig, *, world_size: int, train_snapshot: IndexSnapshot) -> ResumeContract:
+        """This invocation's contract."""
+        saved = config.to_dict()
+        return cls(
+            options={name: saved[name] for name in (*FIXED_OPTIONS, *APPLIED_OPTIONS)},
+            seed=config.seed,
+            tokens_per_microbatch=config.tokens_per_microbatch,
+            grad_accum=config.grad_accum,
+            world_size=world_size,
+            snapshot=SnapshotIdentity(
+                snapshot_id=train_snapshot.snapshot_id, num_samples=len(train_snapshot)
+            ),
+        )
+
+    @classmethod
+    def stored(cls, run_dir: Path, planner_state: Mapping[str, Any]) -> ResumeContract:
+        """The contract the run saved: its options in ``run_dir/config.json``, its plan in the state of the
+        checkpoint's planner (``LengthMixingPlanner.state_dict``)."""
+        try:
+            saved = json.loads((run_dir / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            saved = None
+        options = (
+            {name: saved[name] for name in (*FIXED_OPTIONS, *APPLIED_OPTIONS) if name in saved}
+            if isinstance(saved, dict)
+            else None
+        )
+        if options is not None:
+            options = {**ADDED_OPTIONS, **options}
+        return cls(
+            options=options,
+            seed=int(planner_state["seed"]),
+            tokens_per_microbatch=int(planner_state["tokens_per_microbatch"]),
+            grad_accum=int(planner_state["grad_accum"]),
+            world_size=int(planner_state["world_size"]),
+            snapshot=SnapshotIdentity(
+                snapshot_id=str(planner_state["snapshot_id"]), num_samples=int(planner_state["num_samples"])
+            ),
+        )
+
+    def compared(self) -> dict[str, Any]:
+        """The value of each ``RULES`` field it holds, by name."""
+        return {**(self.options or {}), **{name: getattr(self, name) for name in _PLAN_FIELDS}}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContractChange:
+    """One field of the contract that differs between the stored run and this invocation."""
+
+    name: str
+    """The ``RULES`` key."""
+    rule: Rule
+    before: Any
+    """The stored value."""
+    now: Any
+    """This invocation's value."""
+
+
+def contract_changes(stored: ResumeContract, current: ResumeContract) -> list[ContractChange]:
+    """Every field of ``RULES`` whose stored value differs from ``current``'s, in ``RULES`` order (an
+    option the stored contract does not hold is not compared)."""
+    before, now = stored.compared(), current.compared()
+    return [
+        ContractChange(name=name, rule=rule, before=before[name], now=now[name])
+        for name, rule in RULES.items()
+        if name in before and before[name] != now[name]
+    ]
+
+
+def check_resume(
+    stored: ResumeContract, current: ResumeContract, *, allow_topology_change: bool, run_dir: Path
+) -> list[str]:
+    """The one resume decision: raise ``ResumeError`` naming every refused change (each field with both
+    values, in one line), else return one note per applied change."""
+    if stored.options is not None:
+        missing = [name for name in FIXED_OPTIONS if name not in stored.options]
+        if missing:
+            raise ResumeError(
+                f"{run_dir / 'config.json'} lacks {missing}: this dflash-offline did not write it; "
+                f"train into a new {_flag('out_dir')} (or pass {_flag('resume')} never to start over there)"
+            )
+    changes = contract_changes(stored, current)
+    refused = [
+        c for c in changes if c.rule is Rule.FIXED or (c.rule is Rule.TOPOLOGY and not allow_topology_change)
+    ]
+    if refused:
+        raise ResumeError(_refusal(refused, run_dir))
+    return [
+        f"resuming with {_label(c.name)} {c.now!r} (the previous run used {c.before!r}): applied from the "
+        "resumed step on"
+        for c in changes
+        if c.rule is Rule.APPLIED
+    ]
+
+
+def _refusal(refused: list[ContractChange], run_dir: Path) -> str:
+    """One line: what the run was trained with, what this invocation asks for, and the ways on."""
+    before = _and([f"{_label(c.name)} {c.before!r}" for c in refused])
+    now = _and([f"{_label(c.name)} {c.now!r}" for c in refused])
+    ways = [f"resume with the same {_and([_label(c.name) for c in refused])}"]
+    if all(c.rule is Rule.TOPOLOGY for c in refused):
+        ways.append(
+            f"pass {_flag('allow_topology_change')} to plan the rest of the epoch over its remaining samples"
+        )
+    ways.append(f"train into a new {_flag('out_dir')} (or pass {_flag('resume')} never to start over there)")
+    return f"{run_dir} was trained with {before}, this run asks for {now}; {', or '.join(ways)}"
+
+
+def _label(name: str) -> str:
+    """How the message names a field: its option's flag, derived from ``TrainConfig``."""
+    if name == "world_size":
+        return f"{_flag('gpus')}/{_flag('num_cpu_workers')} (world size)"
+    if name == "snapshot":
+        # train/split.py imports this module: its file name is looked up here, not at import.
+        from dflash_offline.train.split import SNAPSHOT_FILE
+
+        return f"index snapshot ({SNAPSHOT_FILE})"
+    return _flag(name)
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of ``TrainConfig`` field ``name``."""
+    spec = cli_spec(TrainConfig.__dataclass_fields__[name])
+    assert spec is not None, f"TrainConfig.{name} is a command-line option"
+    return flag_of(name, spec)
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]

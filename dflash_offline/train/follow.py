@@ -1,24 +1,17 @@
-"""``dflash train --follow``: train on a disk window while ``dflash generate --window-limit`` fills it,
-and retire what was trained (docs/follow.md).
-
-The run is a sequence of segments (``follow_state.py``). A segment is every sealed training store that
-was present, not retired and in no earlier segment when it began, with the validation stores present
-then. It is trained as an ordinary run of ``--passes`` epochs in ``RUN/segments/<k>/``: its own
-snapshot (written here before the segment is recorded), length-mixing plan, checkpoints and resume, so
-a kill anywhere inside it resumes exactly as any run does; each segment starts from the previous one's
-last weights. Once the segment's run has written the checkpoint of its last step, the segment is
-recorded as trained (``RUN/follow.json``), and only then are its stores retired: no resume can need them.
-The run ends when the newest generate run of the cache has finished and every sealed store was trained.
-"""
+"""``dflash train --follow``: training segment by segment while ``dflash generate`` fills a disk
+window, and the record of those segments."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,10 +33,122 @@ from dflash_offline.locking import hold_lock
 from dflash_offline.placement import under_torchrun
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.follow_state import FollowState, Segment, read_follow_state, write_follow_state
-from dflash_offline.train.launch import run_training
 from dflash_offline.train.snapshot import save_snapshot, subset_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE
+from dflash_offline.train.trainer import run_training
+
+# ─── The follow record ──────────────────────────────────────────────────────────────────────────────────────
+# The record of a ``dflash train --follow`` run: its segments, in ``RUN/follow.json`` (docs/follow.md).
+#
+# A segment is a set of sealed training stores, trained as one ordinary run of ``--passes`` epochs in
+# ``RUN/segments/<k>/``. The file is replaced whole (temp file, fsync, rename, fsync of the folder), so a
+# kill leaves the previous version or the new one, never half of one.
+
+
+FOLLOW_FILE = "follow.json"
+FOLLOW_STATE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """One segment of a follow run."""
+
+    index: int
+    stores: tuple[str, ...]
+    """The training stores it trains (sealed when it began; retired once it is trained)."""
+    num_samples: int
+    """Training samples of those stores."""
+    trained: bool
+    """Its run reached its last step and wrote that step's checkpoint: its stores may be retired."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "stores": list(self.stores),
+            "num_samples": self.num_samples,
+            "trained": self.trained,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Segment:
+        return cls(
+            index=int(d["index"]),
+            stores=tuple(str(s) for s in d["stores"]),
+            num_samples=int(d["num_samples"]),
+            trained=bool(d["trained"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FollowState:
+    """What a follow run has planned and done so far."""
+
+    passes: int
+    segments: tuple[Segment, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": FOLLOW_STATE_VERSION,
+            "passes": self.passes,
+            "segments": [s.to_dict() for s in self.segments],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], path: Path) -> FollowState:
+        if d.get("version") != FOLLOW_STATE_VERSION:
+            raise ConfigError(
+                f"{path} has version {d.get('version')!r}; this dflash-offline writes version "
+                f"{FOLLOW_STATE_VERSION}: continue the run with the dflash-offline that started it"
+            )
+        return cls(passes=int(d["passes"]), segments=tuple(Segment.from_dict(s) for s in d["segments"]))
+
+    @property
+    def stores(self) -> frozenset[str]:
+        """Every store some segment trains."""
+        return frozenset(store for segment in self.segments for store in segment.stores)
+
+
+def read_follow_state(run_dir: Path) -> FollowState | None:
+    path = run_dir / FOLLOW_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return FollowState.from_dict(json.loads(text), path)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}); it was not written by dflash train --follow") from e
+
+
+def write_follow_state(run_dir: Path, state: FollowState) -> None:
+    """Replace ``RUN/follow.json`` durably."""
+    path = run_dir / FOLLOW_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(state.to_dict(), indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ─── Following a generate run ───────────────────────────────────────────────────────────────────────────────
+# ``dflash train --follow``: train on a disk window while ``dflash generate --window-limit`` fills it,
+# and retire what was trained (docs/follow.md).
+#
+# The run is a sequence of segments (``FollowState``, above). A segment is every sealed training store that
+# was present, not retired and in no earlier segment when it began, with the validation stores present
+# then. It is trained as an ordinary run of ``--passes`` epochs in ``RUN/segments/<k>/``: its own
+# snapshot (written here before the segment is recorded), length-mixing plan, checkpoints and resume, so
+# a kill anywhere inside it resumes exactly as any run does; each segment starts from the previous one's
+# last weights. Once the segment's run has written the checkpoint of its last step, the segment is
+# recorded as trained (``RUN/follow.json``), and only then are its stores retired: no resume can need them.
+# The run ends when the newest generate run of the cache has finished and every sealed store was trained.
+
 
 POLL_SECONDS = 1.0
 """How often a follow run waiting for sealed stores re-reads the manifest."""

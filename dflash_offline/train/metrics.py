@@ -1,23 +1,19 @@
-"""Per-step training metrics: accumulated over a step's microbatches and ranks, logged as JSON lines
-and, with a TensorBoard directory, as scalars with these tags:
-  train/loss, train/lr, train/grad_norm, train/simulated_tau, train/tokens_per_s, train/step_seconds,
-  train/data_wait_fraction, train/acc/pos_01 .. pos_{B−1}       (step = optimizer step)
-  val/loss, val/simulated_tau, val/block_tau, val/chain_tau, val/acc/pos_01 ..
-                                                                (steps where validation ran)
-
-Shape legend: K = B − 1 block positions that carry loss.
-"""
+"""What a training run measures: per-step sums over ranks, the metrics log, the throughput and where
+the wall time goes."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from dflash_offline import strict_json
 from dflash_offline import tensorboard as tb
@@ -27,7 +23,264 @@ from dflash_offline.drafter.model import DrafterOutput
 from dflash_offline.errors import DataError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.dist import all_reduce_sum
+
+# ─── Wall time ──────────────────────────────────────────────────────────────────────────────────────────────
+# Where a training run's wall time goes: start-up, steps, validation, checkpoints and exports.
+#
+# The throughput window (train/metrics.py) measures the steps alone; a run also spends time before its
+# first step (cache and snapshot, model build, the resumed checkpoint, ``--compile``'s warm-up inside the
+# first step), in validations and in checkpoints and exports. ``WallClock`` times those parts on rank 0's
+# host, synchronizing the device at each boundary so that the work queued before it counts where it was
+# queued, and ``WallSplit`` is what the run reports once at its end (``dflash train``'s summary line).
+#
+# The clock is the wall clock (``time.time``), not ``perf_counter``: a spawned rank's start-up counts from
+# its launcher's start (``RankTask.started_at``), and only the wall clock is shared between processes.
+
+
+Part = Literal["validation", "checkpoint"]
+"""A pause of the steps: a validation pass, or a checkpoint or export (the best drafter's included)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WallSplit:
+    """The wall seconds of one ``dflash train`` invocation, by what they were spent on (rank 0's host).
+
+    ``startup + steps + validation + checkpoint + other == total``."""
+
+    total_seconds: float
+    """From the command's start (``started_at``) to the end of the run, the final export included."""
+    startup_seconds: float | None
+    """From the command's start to the end of this invocation's first optimizer step (device synchronized):
+    cache, snapshot, model, the resumed checkpoint, and the first step with its ``--compile`` warm-up.
+    None when no step ran (a finished or early-stopped run resumed)."""
+    step_seconds: float
+    """The other steps: from the end of the first to the end of the last, validations and checkpoints
+    between them left out (data waits included: they are the steps' cost)."""
+    num_steps: int
+    """Optimizer steps this invocation ran (the first included)."""
+    validation_seconds: float
+    """Validation passes (``val_seconds`` summed)."""
+    num_validations: int
+    checkpoint_seconds: float
+    """Checkpoints, the best-drafter exports after validations, and the export at the end."""
+
+    @property
+    def other_seconds(self) -> float:
+        """What no part claims: the set-up of a run that ran no step, the prefetcher's shutdown, …"""
+        parts = (self.startup_seconds or 0.0) + self.step_seconds + self.validation_seconds
+        return self.total_seconds - parts - self.checkpoint_seconds
+
+    def describe(self) -> str:
+        """One line for the end-of-run summary."""
+        mean = f"{self.step_seconds / (self.num_steps - 1):.3f} s a step, " if self.num_steps > 1 else ""
+        startup = "no step ran" if self.startup_seconds is None else f"{self.startup_seconds:.1f} s start-up"
+        return (
+            f"wall time {self.total_seconds:.1f} s: {startup} (to the end of the first step), "
+            f"{self.step_seconds:.1f} s in {max(self.num_steps - 1, 0)} more steps ({mean}validation "
+            f"and checkpoints excluded), {self.validation_seconds:.1f} s in {self.num_validations} "
+            f"validations, {self.checkpoint_seconds:.1f} s in checkpoints and exports, "
+            f"{self.other_seconds:.1f} s other"
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class Lap:
+    """The seconds of one timed part (set when its ``with`` block ends)."""
+
+    seconds: float = 0.0
+
+
+class WallClock:
+    """Times a run's parts (module docstring). ``clock``: seconds since the epoch (a test's fake clock);
+    ``device``: synchronized before each reading, so that queued device work counts where it was queued."""
+
+    def __init__(
+        self, *, started_at: float, device: torch.device, clock: Callable[[], float] | None = None
+    ) -> None:
+        self._started_at = started_at
+        self._device = device
+        # time.time looked up at each reading (not bound here): a test's patch of the module holds.
+        self._clock = clock if clock is not None else lambda: time.time()
+        self._first_step_end: float | None = None
+        self._steps_end: float | None = None
+        self._num_steps = 0
+        self._seconds: dict[Part, float] = {"validation": 0.0, "checkpoint": 0.0}
+        self._in_steps: dict[Part, float] = {"validation": 0.0, "checkpoint": 0.0}
+        """The part of ``_seconds`` spent between the first step's end and the last step's."""
+        self._num_validations = 0
+
+    def _now(self) -> float:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return self._clock()
+
+    def step_done(self) -> None:
+        """An optimizer step was queued; the first one's end (one device sync) ends the start-up."""
+        self._num_steps += 1
+        if self._first_step_end is None:
+            self._first_step_end = self._now()
+
+    @property
+    def startup_seconds(self) -> float | None:
+        """The start-up (``WallSplit.startup_seconds``) once the first step ended, else None."""
+        return None if self._first_step_end is None else self._first_step_end - self._started_at
+
+    def steps_ended(self) -> None:
+        """The last step of this invocation ran (or none will)."""
+        if self._steps_end is None:
+            self._steps_end = self._now() if self._first_step_end is not None else self._clock()
+
+    @contextlib.contextmanager
+    def timed(self, part: Part) -> Iterator[Lap]:
+        """Time a validation pass or a checkpoint/export; the yielded ``Lap`` holds its seconds after."""
+        lap = Lap()
+        began = self._now()
+        try:
+            yield lap
+        finally:
+            lap.seconds = self._now() - began
+            self._seconds[part] += lap.seconds
+            if self._first_step_end is not None and self._steps_end is None:
+                self._in_steps[part] += lap.seconds
+            if part == "validation":
+                self._num_validations += 1
+
+    def split(self) -> WallSplit:
+        """The run's split, now that it ends (after its final export)."""
+        end = self._clock()
+        steps = 0.0
+        if self._first_step_end is not None:
+            steps_end = self._steps_end if self._steps_end is not None else end
+            steps = steps_end - self._first_step_end - sum(self._in_steps.values())
+        return WallSplit(
+            total_seconds=end - self._started_at,
+            startup_seconds=self.startup_seconds,
+            step_seconds=steps,
+            num_steps=self._num_steps,
+            validation_seconds=self._seconds["validation"],
+            num_validations=self._num_validations,
+            checkpoint_seconds=self._seconds["checkpoint"],
+        )
+
+
+# ─── Throughput ─────────────────────────────────────────────────────────────────────────────────────────────
+# The training throughput ``dflash train`` logs: wall-clock, over the window between two read-backs of
+# the step results.
+#
+# On a GPU a step's call returns once the host has queued its work; the device catches up at the next
+# read-back (a host sync: a log step, a validation, the last step). One step's host time is therefore not
+# its cost, and a window of steps is measured instead: from the end of the previous read-back (after its
+# sync; the first window from the first step's start) to the end of this one (after its sync), less the
+# time the loop spent validating or checkpointing in between (the training's throughput, not the
+# pipeline's).
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WindowThroughput:
+    """The steps of one window, measured at the read-back that closes it."""
+
+    num_steps: int
+    """Optimizer steps in the window (≥ 1)."""
+    tokens: int
+    """Real tokens of those steps, over all ranks (``StepPlan.num_tokens``)."""
+    seconds: float
+    """Wall seconds of the window, validation and checkpoints excluded."""
+    data_wait_s: float
+    """Seconds this rank waited for the prefetcher in the window."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def step_seconds(self) -> float:
+        """Mean wall seconds a step."""
+        return self.seconds / self.num_steps
+
+    @property
+    def data_wait_fraction(self) -> float:
+        """Share of the window's wall time spent waiting for the prefetcher."""
+        return self.data_wait_s / self.seconds
+
+
+class ThroughputWindow:
+    """Accumulates the steps since the last read-back; ``close`` measures them and opens the next window.
+
+    Reads ``time.perf_counter``. ``device``: the device the steps run on, synchronized before a pause so
+    that the steps queued before it count as training time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._start: float | None = None
+        self._paused_s = 0.0
+        self._num_steps = 0
+        self._tokens = 0
+        self._data_wait_s = 0.0
+
+    def start(self) -> None:
+        """The first step starts now."""
+        self._open(time.perf_counter())
+
+    def add_step(self, *, tokens: int, data_wait_s: float) -> None:
+        """A step of ``tokens`` tokens ran; this rank waited ``data_wait_s`` for its microbatches."""
+        self._num_steps += 1
+        self._tokens += tokens
+        self._data_wait_s += data_wait_s
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside is left out of the window (a validation, a checkpoint)."""
+        if self._device.type == "cuda":
+            # The steps queued so far are training: let the device finish them on the window's clock.
+            torch.cuda.synchronize(self._device)
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - began
+
+    def close(self) -> WindowThroughput:
+        """Measure the window's steps (call right after the read-back's sync) and open the next window."""
+        assert self._start is not None, "close() before start()"
+        assert self._num_steps > 0, "close() before a step"
+        now = time.perf_counter()
+        window = WindowThroughput(
+            num_steps=self._num_steps,
+            tokens=self._tokens,
+            # A coarse clock may not have moved: never divide by zero.
+            seconds=max(now - self._start - self._paused_s, 1e-9),
+            data_wait_s=self._data_wait_s,
+        )
+        self._open(now)
+        return window
+
+    def _open(self, now: float) -> None:
+        self._start = now
+        self._paused_s = 0.0
+        self._num_steps = 0
+        self._tokens = 0
+        self._data_wait_s = 0.0
+
+
+# ─── Sums over ranks ────────────────────────────────────────────────────────────────────────────────────────
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """In-place sum over ranks (a no-op single-process); returns the tensor."""
+    if info.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+# ─── Per-step metrics ───────────────────────────────────────────────────────────────────────────────────────
+# Per-step training metrics: accumulated over a step's microbatches and ranks, logged as JSON lines
+# and, with a TensorBoard directory, as scalars with these tags:
+#   train/loss, train/lr, train/grad_norm, train/simulated_tau, train/tokens_per_s, train/step_seconds,
+#   train/data_wait_fraction, train/acc/pos_01 .. pos_{B−1}       (step = optimizer step)
+#   val/loss, val/simulated_tau, val/block_tau, val/chain_tau, val/acc/pos_01 ..
+#                                                                 (steps where validation ran)
+#
+# Shape legend: K = B − 1 block positions that carry loss.
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,7 +299,7 @@ class ValidationMetrics:
     acceptance length of the blocks themselves over every answer position."""
     chain_tau: float
     """Mean over cycles of (accepted + 1) of ``dflash eval``'s anchor rule walked over the drafts at every
-    anchor of each turn's first ``--val-chain-tokens`` tokens (train/chain_tau.py): what eval measures
+    anchor of each turn's first ``--val-chain-tokens`` tokens (train/validation.py): what eval measures
     where its target reproduces the cached answers (1.0 without a cycle). The best export's criterion."""
     chain_cycles: int
     """The cycles ``chain_tau`` averages, over the whole split."""
@@ -57,7 +310,7 @@ class ValidationMetrics:
     num_samples: int
     num_tokens: int
     seconds: float | None = None
-    """Wall seconds of the pass, the device synchronized before and after (train/wall_time.py); None where
+    """Wall seconds of the pass, the device synchronized before and after (train/metrics.py); None where
     the caller did not time it (``val_seconds`` is then left out of the line)."""
 
     def fields(self) -> dict[str, Any]:
@@ -100,7 +353,7 @@ class StepMetrics:
     results (the previous line, or every step with an ``on_step`` caller): the real tokens of the
     window's steps over all ranks ÷ the wall seconds from the end of the previous read-back's sync (the
     first window: the first step's start) to the end of this one's, validation and checkpoints excluded
-    (train/throughput.py). Under DDP the tokens are every rank's and the seconds this rank's (rank 0's
+    (train/metrics.py). Under DDP the tokens are every rank's and the seconds this rank's (rank 0's
     in the file): the whole run's throughput, not one GPU's."""
     step_seconds: float
     """Mean wall seconds a step over the same window (its seconds ÷ its steps), not one step's host time:

@@ -31,7 +31,7 @@ from dflash_offline.eval.report import EvalReport, EvalSummary, MeanRow
 from dflash_offline.target_model.loader import load_tokenizer, resolve_target, target_info
 from dflash_offline.train.checkpoint import checkpoints_dir
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.model_setup import build_drafter_setup
+from dflash_offline.train.step import build_drafter_setup
 
 Shapes = dict[str, tuple[int, ...]]
 

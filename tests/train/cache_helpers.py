@@ -16,7 +16,7 @@ import torch
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.train.microbatch import PackedMicrobatch
+from dflash_offline.train.planner import PackedMicrobatch
 
 EDGES = (16, 32, 64, 128)
 HIDDEN = 8

@@ -18,7 +18,7 @@ from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.model_setup import DrafterSetup
+from dflash_offline.train.step import DrafterSetup
 
 EDGES = (16, 32)
 MIN_LEN, MAX_LEN = 8, 25  # short documents: few context positions for the attention to search

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash_offline.placement import DistInfo
-from dflash_offline.train import loop
+from dflash_offline.train import trainer
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.step import OptimizerStep, StepOutcome
 from tests.tiny_caches import TinyCaches
@@ -53,7 +53,11 @@ def clocked_run(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     clock = ManualClock()
     monkeypatch.setattr(time, "perf_counter", clock)
     monkeypatch.setattr(time, "time", clock)
-    real_step, real_read, real_checkpoint = OptimizerStep.__call__, StepOutcome.read_all, loop.save_checkpoint
+    real_step, real_read, real_checkpoint = (
+        OptimizerStep.__call__,
+        StepOutcome.read_all,
+        trainer.save_checkpoint,
+    )
 
     def step(self: OptimizerStep, inputs: Sequence[Any], padding: Sequence[bool]) -> StepOutcome:
         outcome = real_step(self, inputs, padding)
@@ -71,7 +75,7 @@ def clocked_run(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
 
     monkeypatch.setattr(OptimizerStep, "__call__", step)
     monkeypatch.setattr(StepOutcome, "read_all", staticmethod(read))
-    monkeypatch.setattr(loop, "save_checkpoint", checkpoint)
+    monkeypatch.setattr(trainer, "save_checkpoint", checkpoint)
     return clock
 
 

@@ -1,13 +1,12 @@
 """Planner tests' views of a plan, computed from the plan alone, and a brute-force check of the
-guarantees the planner states (train/length_mixing.py's module docstring)."""
+guarantees the planner states (train/planner.py's module docstring)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
 
-from dflash_offline.train.length_mixing import LengthMixingPlanner
-from dflash_offline.train.microbatch import StepPlan
+from dflash_offline.train.planner import LengthMixingPlanner, StepPlan
 from dflash_offline.train.snapshot import IndexSnapshot
 
 

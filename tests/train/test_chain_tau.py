@@ -18,13 +18,18 @@ from safetensors.torch import load_file
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.drafter.export import load_exported_drafter
 from dflash_offline.errors import ResumeError
-from dflash_offline.train import loop
-from dflash_offline.train.chain_tau import answer_turns, chain_window, walk_chain
+from dflash_offline.train import trainer
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import ValidationMetrics, read_metrics, validation_records
-from dflash_offline.train.validation import ValidationTracker, acceptance_at_every_anchor
+from dflash_offline.train.trainer import run_training
+from dflash_offline.train.validation import (
+    ValidationTracker,
+    acceptance_at_every_anchor,
+    answer_turns,
+    chain_window,
+    walk_chain,
+)
 from tests.train.helpers import assert_export_equals_checkpoint
 from tests.train.learnable_task import embedding as learnability_embedding
 from tests.train.learnable_task import synthetic_setup as learnability_setup
@@ -84,7 +89,7 @@ def two_turn_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The learnability task's cache with two answers per sample and token 0 at 60 % of the positions
     (a few steps teach the drafter to propose it: runs of every length), and its well-conditioned head
     installed as the target's."""
-    monkeypatch.setattr(loop, "build_drafter_setup", learnability_setup)
+    monkeypatch.setattr(trainer, "build_drafter_setup", learnability_setup)
     return learnability_cache(
         tmp_path / "cache", zero_features=False, num_samples=60, two_turns=True, common_token_share=0.6
     )

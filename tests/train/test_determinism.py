@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from dflash_offline.train.determinism import CUBLAS_ENV, DeterminismError, seed_everything
+from dflash_offline.train.step import CUBLAS_ENV, DeterminismError, seed_everything
 
 
 @pytest.fixture

@@ -10,10 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.train.checkpoint import list_checkpoints
-from dflash_offline.train.export_run import export_run
-from dflash_offline.train.feature_scale import FEATURE_SCALE_FILE, feature_rms, load_feature_scale
-from dflash_offline.train.launch import run_training
+from dflash_offline.train.checkpoint import export_run, list_checkpoints
+from dflash_offline.train.loader import FEATURE_SCALE_FILE, feature_rms, load_feature_scale
+from dflash_offline.train.trainer import run_training
 from tests.train.helpers import train_config
 
 

@@ -17,9 +17,8 @@ from dflash_offline.errors import ConfigError
 from dflash_offline.generate.run import run_generate
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.follow import run_follow, segment_dir
-from dflash_offline.train.follow_state import read_follow_state
-from dflash_offline.train.length_mixing import LengthMixingPlanner
+from dflash_offline.train.follow import read_follow_state, run_follow, segment_dir
+from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import read_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
 from tests.generate.helpers import make_chat_jsonl, tiny_config
@@ -129,8 +128,7 @@ def test_stores_without_samples_are_retired_without_a_run(tmp_path: Path) -> Non
     """A store can hold failures only (a worker's new store that got a failed sample, then closed)."""
     from dflash_offline.cache.rolling import RollingWriter
     from dflash_offline.cache.writer import ShardWriter
-    from dflash_offline.train.follow import new_segment
-    from dflash_offline.train.follow_state import FollowState
+    from dflash_offline.train.follow import FollowState, new_segment
     from tests.cache._samples import TINY, make_fingerprint
 
     fingerprint = make_fingerprint()

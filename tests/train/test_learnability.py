@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_offline.train import loop
+from dflash_offline.train import trainer
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
+from dflash_offline.train.trainer import run_training
 from tests.train.learnable_task import synthetic_setup, write_cache
 
 
@@ -54,7 +54,7 @@ STEPS = 120
 def test_a_drafter_that_reads_the_features_learns_one_that_cannot_does_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(loop, "build_drafter_setup", synthetic_setup)
+    monkeypatch.setattr(trainer, "build_drafter_setup", synthetic_setup)
     with_ctx = _train(write_cache(tmp_path / "cache", zero_features=False), tmp_path / "run")
     without = _train(write_cache(tmp_path / "cache0", zero_features=True), tmp_path / "run0")
     late = slice(STEPS - 10, STEPS)

@@ -15,8 +15,13 @@ import numpy as np
 import pytest
 
 from dflash_offline.errors import ConfigError
-from dflash_offline.train.length_mixing import LengthMixingPlanner
-from dflash_offline.train.microbatch import RankSteps, StepPlan, anchor_seed, schedule_for_rank
+from dflash_offline.train.planner import (
+    LengthMixingPlanner,
+    RankSteps,
+    StepPlan,
+    anchor_seed,
+    schedule_for_rank,
+)
 from dflash_offline.train.snapshot import IndexSnapshot, snapshot_from_columns
 from tests.train.plan_helpers import bucket_token_shares, epoch_plan, rank_tokens, real_rows
 

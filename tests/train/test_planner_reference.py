@@ -10,7 +10,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from dflash_offline.train.length_mixing import LengthMixingPlanner
+from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import (
     SNAPSHOT_FORMAT_VERSION,
     bind_snapshot,

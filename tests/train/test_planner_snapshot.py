@@ -14,9 +14,8 @@ import torch
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.errors import CacheFormatError
-from dflash_offline.train.length_mixing import LengthMixingPlanner
-from dflash_offline.train.microbatch import schedule_for_rank
-from dflash_offline.train.prefetch import Prefetcher
+from dflash_offline.train.loader import Prefetcher
+from dflash_offline.train.planner import LengthMixingPlanner, schedule_for_rank
 from dflash_offline.train.snapshot import (
     bind_snapshot,
     load_snapshot,

@@ -4,11 +4,13 @@ the thread timing, bounded look-ahead, errors carried to the consumer, prompt cl
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,18 +18,18 @@ import torch
 
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import CachedSample
-from dflash_offline.errors import CacheFormatError, ConfigError, WorkerError
-from dflash_offline.train.length_mixing import LengthMixingPlanner
-from dflash_offline.train.microbatch import (
+from dflash_offline.errors import CacheFormatError, ConfigError, ResumeError, WorkerError
+from dflash_offline.train.loader import LOADER_STATE_VERSION, Prefetcher, in_place_feature_width
+from dflash_offline.train.planner import (
     AnchorRequest,
+    HostBufferPool,
+    LengthMixingPlanner,
     PackedMicrobatch,
     ScheduledMicrobatch,
     schedule_for_rank,
 )
-from dflash_offline.train.packing import HostBufferPool
-from dflash_offline.train.prefetch import Prefetcher, in_place_feature_width
 from dflash_offline.train.snapshot import IndexSnapshot, take_snapshot
-from tests.train.cache_helpers import WrittenSample, as_host_dict, make_samples, write_cache
+from tests.train.cache_helpers import PACKED_TENSORS, WrittenSample, as_host_dict, make_samples, write_cache
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -463,3 +465,85 @@ def test_in_place_feature_reads_are_bit_exact(
     assert in_place.calls_with_out == (len(jobs) if honour else 0)
     for batch, job in zip(batches, jobs):
         assert_matches(batch, job, written)
+
+
+def ahead(prefetcher: Prefetcher, done: Callable[[Prefetcher], bool]) -> None:
+    """Wait until the prefetcher's threads reached ``done`` (batches prepared, a failure recorded)."""
+    deadline = time.monotonic() + 60
+    while True:
+        with prefetcher._cond:
+            if done(prefetcher):
+                return
+            assert time.monotonic() < deadline, "the prefetch threads never got ahead"
+            prefetcher._cond.wait(timeout=0.01)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 6, -1, None])
+def test_a_loaded_state_yields_exactly_the_remaining_batches(
+    cache: tuple[Path, dict[str, WrittenSample]], cut: int | None
+) -> None:
+    """Reference: one uninterrupted prefetcher. A second hands over ``cut`` batches and gives its state; a
+    fresh one over the same jobs, whose threads had already prepared batches before the position, loads
+    it and yields the reference's batches from there: same plans, same bytes, same anchors."""
+    root, _ = cache
+    with CacheReader.open(root, num_threads=2) as reader:
+        _, jobs = jobs_for(reader, epochs=1)
+        cut = len(jobs) + cut if cut is not None and cut < 0 else len(jobs) if cut is None else cut
+        source = JitterReader(reader, 3)
+        options: dict[str, Any] = dict(device="cpu", prefetch=3, num_threads=3, anchor_fn=simple_anchor_fn)
+        with Prefetcher(source, iter(jobs), **options) as whole:
+            reference = [as_host_dict(b) | {"plan": b.plan} for b in whole]  # type: ignore[operator]
+        with Prefetcher(source, iter(jobs), **options) as first:
+            for _, _batch in zip(range(cut), first):
+                pass
+            state = json.loads(json.dumps(first.state_dict()))
+        assert state["num_delivered"] == cut
+        with Prefetcher(source, iter(jobs), **options) as resumed:
+            ahead(resumed, lambda p: len(p._ready) >= min(3, len(jobs)))
+            resumed.load_state_dict(state)
+            rest = [as_host_dict(b) | {"plan": b.plan} for b in resumed]  # type: ignore[operator]
+            assert resumed.state_dict()["num_delivered"] == len(jobs)
+            assert resumed.stats.num_batches == len(jobs) - cut
+    assert len(rest) == len(reference) - cut
+    for got, want in zip(rest, reference[cut:]):
+        assert got["plan"] == want["plan"]
+        for name in PACKED_TENSORS:  # bit-exact: bf16 compared as its bits
+            assert torch.equal(bits(got[name]), bits(want[name])), name
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+
+
+def test_a_failed_read_before_the_loaded_position_is_not_raised(
+    cache: tuple[Path, dict[str, WrittenSample]],
+) -> None:
+    """A job before the position is never handed over, so its read failing ahead of the load is no error;
+    one after it still is, after the batches before it."""
+    root, _ = cache
+    with CacheReader.open(root, num_threads=2) as reader:
+        _, jobs = jobs_for(reader, epochs=1)
+        early = FailingReader(reader, jobs[1].plan.sample_ids[0])
+        with Prefetcher(early, iter(jobs), device="cpu", prefetch=4, num_threads=2) as resumed:
+            ahead(resumed, lambda p: p._failure is not None)
+            resumed.load_state_dict({"version": LOADER_STATE_VERSION, "num_delivered": 4})
+            assert [b.plan for b in resumed] == [j.plan for j in jobs[4:]]
+        late = FailingReader(reader, jobs[6].plan.sample_ids[0])
+        with Prefetcher(late, iter(jobs), device="cpu", prefetch=4, num_threads=2) as resumed:
+            resumed.load_state_dict({"version": LOADER_STATE_VERSION, "num_delivered": 4})
+            assert [next(resumed).plan for _ in range(2)] == [j.plan for j in jobs[4:6]]
+            with pytest.raises(WorkerError, match="simulated disk error"):
+                next(resumed)
+
+
+def test_a_state_of_another_version_or_past_the_jobs_is_refused(
+    cache: tuple[Path, dict[str, WrittenSample]],
+) -> None:
+    root, _ = cache
+    with CacheReader.open(root, num_threads=2) as reader:
+        _, jobs = jobs_for(reader, epochs=1)
+        with Prefetcher(reader, iter(jobs), device="cpu") as prefetcher:
+            with pytest.raises(ResumeError, match="loader state version 2"):
+                prefetcher.load_state_dict({"version": 2, "num_delivered": 0})
+            with pytest.raises(ResumeError, match=f"jobs end after {len(jobs)}"):
+                prefetcher.load_state_dict({"version": LOADER_STATE_VERSION, "num_delivered": len(jobs) + 1})

@@ -1,4 +1,4 @@
-"""Whether a run may resume, decided once (train/resume_contract.py): every option of ``dflash train``
+"""Whether a run may resume, decided once (train/config.py): every option of ``dflash train``
 changed alone against a run saved on disk (its config.json and its checkpoint's planner state), with the
 verdict written out here for each; then several at once, a config.json that does not read, and the
 planner version that the checkpoint loader refuses."""
@@ -16,9 +16,8 @@ import pytest
 
 from dflash_offline.errors import ResumeError
 from dflash_offline.train.checkpoint import TrainState, load_latest_checkpoint, save_checkpoint
-from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.length_mixing import LengthMixingPlanner
-from dflash_offline.train.resume_contract import ResumeContract, check_resume
+from dflash_offline.train.config import ResumeContract, TrainConfig, check_resume
+from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import IndexSnapshot, snapshot_from_columns
 
 WORLD_SIZE = 4

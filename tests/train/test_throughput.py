@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dflash_offline.train import loop
+from dflash_offline.train import trainer
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.validation import ValidationSchedule
 from tests.tiny_caches import TinyCaches
@@ -30,7 +30,7 @@ def test_logged_tokens_per_s_is_the_wall_throughput_of_the_window(
 
     monkeypatch.setattr(ValidationSchedule, "evaluate", validate)
     config = clocked_config(tiny_caches, tmp_path / "run")
-    loop.train_rank(config, CPU)
+    trainer.train_rank(config, CPU)
 
     lines = read_metrics(config.out_dir / "metrics.jsonl")
     step_tokens = clock.step_tokens

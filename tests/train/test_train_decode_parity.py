@@ -36,8 +36,8 @@ from dflash_offline.eval.speculative import (
 from dflash_offline.generate.run import run_generate
 from dflash_offline.target_model.capture import FeatureCapture
 from dflash_offline.target_model.loader import LoadedTarget, load_target
-from dflash_offline.train.microbatch import AnchorRequest, MicrobatchPlan, ScheduledMicrobatch
-from dflash_offline.train.prefetch import Prefetcher
+from dflash_offline.train.loader import Prefetcher
+from dflash_offline.train.planner import AnchorRequest, MicrobatchPlan, ScheduledMicrobatch
 from tests.eval.helpers import one_thread
 from tests.generate.helpers import tiny_config
 

@@ -31,11 +31,9 @@ from dflash_offline.errors import CacheDamageError, ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import CheckpointNoSpaceError, list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
-from dflash_offline.train.interrupt import TrainInterrupted
-from dflash_offline.train.launch import run_training
-from dflash_offline.train.loop import cosine_with_warmup, train_rank
+from dflash_offline.train.loader import DAMAGED_FILE, read_damaged
 from dflash_offline.train.metrics import StepMetrics, read_metrics
+from dflash_offline.train.trainer import TrainInterrupted, cosine_with_warmup, run_training, train_rank
 from tests.train.kill_helpers import assert_same_run, losses
 
 STEPS = 12
@@ -131,7 +129,7 @@ def test_skip_damaged_trains_on_the_rest_and_records_them(cache: Path, tmp_path:
     assert result is not None
     assert result.global_step == result.total_steps
     assert {d.sample_id for d in read_damaged(run)} == damaged
-    # One line per read of the damaged sample (module docstring of train/damaged.py): the feature scale's
+    # One line per read of the damaged sample (module docstring of train/loader.py): the feature scale's
     # statistics pass reads it too, before training does.
     lines = (run / DAMAGED_FILE).read_text().splitlines()
     assert lines
@@ -369,12 +367,12 @@ def test_out_of_memory_in_a_step_or_a_validation_names_the_microbatch_options(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A raw allocator error says nothing of the options; this one says which to lower, and by how much."""
-    import dflash_offline.train.loop as loop
+    import dflash_offline.train.trainer as trainer
 
     def out_of_memory(*args: object, **kwargs: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
 
-    monkeypatch.setattr(loop.OptimizerStep, "__call__", out_of_memory)
+    monkeypatch.setattr(trainer.OptimizerStep, "__call__", out_of_memory)
     with pytest.raises(ConfigError) as caught:
         train_rank(
             _config(cache, tmp_path / "run"),
@@ -392,7 +390,7 @@ def test_out_of_memory_in_a_step_or_a_validation_names_the_microbatch_options(
         )
 
     monkeypatch.undo()
-    monkeypatch.setattr(loop.ValidationSchedule, "evaluate", out_of_memory)
+    monkeypatch.setattr(trainer.ValidationSchedule, "evaluate", out_of_memory)
     config = _config(cache, tmp_path / "run-val", val_every=2)
     with pytest.raises(ConfigError, match=r"^the validation after step 2 ran out of memory on cpu with "):
         train_rank(

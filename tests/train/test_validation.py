@@ -26,15 +26,13 @@ from dflash_offline.drafter.export import load_exported_drafter
 from dflash_offline.drafter.loss import decay_weights
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
-from dflash_offline.train import loop
+from dflash_offline.train import trainer
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.interrupt import TrainInterrupted
-from dflash_offline.train.launch import run_training
-from dflash_offline.train.loop import train_rank
 from dflash_offline.train.metrics import StepMetrics, read_metrics, validation_records
 from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
 from dflash_offline.train.split import split_snapshot
+from dflash_offline.train.trainer import TrainInterrupted, run_training, train_rank
 from tests.tiny_caches import TinyCaches
 from tests.train.helpers import assert_export_equals_checkpoint
 from tests.train.learnable_task import embedding as learnability_embedding
@@ -209,7 +207,7 @@ def test_validation_metrics_equal_a_brute_force_recomputation(
 ) -> None:
     """On the learnability test's synthetic cache (a 64-token vocabulary whose head is well conditioned:
     even an untrained drafter gets some tokens right, so the accuracies count something)."""
-    monkeypatch.setattr(loop, "build_drafter_setup", learnability_setup)
+    monkeypatch.setattr(trainer, "build_drafter_setup", learnability_setup)
     cache = learnability_cache(tmp_path / "cache", zero_features=False, num_samples=60)
     run = tmp_path / "run"
     # A few validation samples (the reference is slow); every eligible position an anchor.

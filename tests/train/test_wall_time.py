@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from dflash_offline.drafter import export
-from dflash_offline.train import loop
-from dflash_offline.train.metrics import read_metrics
+from dflash_offline.train import trainer
+from dflash_offline.train.metrics import WallClock, WallSplit, read_metrics
 from dflash_offline.train.validation import Validator
-from dflash_offline.train.wall_time import WallClock, WallSplit
 from tests.tiny_caches import TinyCaches
 from tests.train.manual_clock import (
     CHECKPOINT_S,
@@ -39,7 +38,7 @@ def test_wall_time_is_split_by_what_it_was_spent_on(
 ) -> None:
     clock = clocked_run(monkeypatch)
     real_evaluate = Validator.evaluate
-    real_setup, real_export = loop.build_drafter_setup, export.export_drafter
+    real_setup, real_export = trainer.build_drafter_setup, export.export_drafter
     exports: list[str] = []
 
     def setup(*args: Any, **kwargs: Any) -> Any:
@@ -55,14 +54,14 @@ def test_wall_time_is_split_by_what_it_was_spent_on(
         exports.append(out.name)
         return real_export(model, out, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "build_drafter_setup", setup)
+    monkeypatch.setattr(trainer, "build_drafter_setup", setup)
     monkeypatch.setattr(Validator, "evaluate", evaluate)
     monkeypatch.setattr(export, "export_drafter", export_drafter)
 
     # Read-backs at the log steps 3 and 6, the validations of steps 5 and 7 (the last); checkpoints after
     # steps 4 and 7; the best drafter's export after each better validation, drafter-last at the end.
     config = clocked_config(tiny_caches, tmp_path / "run")
-    result = loop.train_rank(config, CPU, started_at=COMMAND_START)
+    result = trainer.train_rank(config, CPU, started_at=COMMAND_START)
     end = clock.now
 
     lines = read_metrics(config.out_dir / "metrics.jsonl")
@@ -86,7 +85,7 @@ def test_wall_time_is_split_by_what_it_was_spent_on(
         validation_seconds=2 * VALIDATION_S,
         num_validations=2,
         # The checkpoint after step 4 (no line there) reads that step back first: no checkpoint of
-        # non-finite weights (train/divergence.py).
+        # non-finite weights (train/checkpoint.py).
         checkpoint_seconds=2 * CHECKPOINT_S + SYNC_S + len(exports) * EXPORT_S,
     )
     assert result.wall.other_seconds == pytest.approx(0.0, abs=1e-9)

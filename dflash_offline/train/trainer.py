@@ -1,60 +1,316 @@
-"""The training loop of one data-parallel rank: planner → prefetcher → drafter → optimizer, with the
-held-out validation split evaluated every ``--val-every`` steps.
-
-The step itself (train/step.py) leaves its results on the device; the loop reads them back (a host
-sync) only where they are needed: at log steps, validations, checkpoints and the last step. Under DDP
-the ranks agree on a stop request at those steps too (one tiny all-reduce and read); a single process
-checks its flag every step at no cost. At each of those read-backs the steps since the previous one are
-checked: a non-finite loss or gradient norm stops the run there, before any checkpoint or export of the
-weights it left (train/divergence.py).
-"""
+"""The trainer: the loop of one data-parallel rank, where a step's numbers go, Ctrl-C, and starting the
+ranks (in-process, spawned, or under ``torchrun``)."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import math
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from dflash_offline import interrupt
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.model import DFlashDrafter
-from dflash_offline.placement import DistInfo
+from dflash_offline.interrupt import stop_requested
+from dflash_offline.locking import acquire_lock, hold_lock
+from dflash_offline.placement import DistInfo, free_port, under_torchrun
 from dflash_offline.train.checkpoint import (
+    NonFiniteStep,
     TrainState,
+    check_run_out,
+    check_weights_finite,
+    checkpoint_to_resume,
+    diverged_error,
+    first_nonfinite,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.damaged import DamagedLog
-from dflash_offline.train.determinism import seed_everything
-from dflash_offline.train.dist import all_reduce_sum, barrier
-from dflash_offline.train.divergence import NonFiniteStep, check_weights_finite, diverged_error
-from dflash_offline.train.interrupt import TrainInterrupted, stop_on_sigint, stop_requested
-from dflash_offline.train.length_mixing import LengthMixingPlanner
-from dflash_offline.train.metrics import StepMetrics, recorded_loss
-from dflash_offline.train.microbatch import RankSteps
-from dflash_offline.train.model_setup import DrafterSetup, build_drafter_setup, init_weights_from
-from dflash_offline.train.out_of_memory import out_of_memory_named
-from dflash_offline.train.prefetch import Prefetcher, RowReader
-from dflash_offline.train.reporting import StepReporter
-from dflash_offline.train.resume import checkpoint_to_resume
+from dflash_offline.train.loader import DamagedLog, Prefetcher, RowReader
+from dflash_offline.train.metrics import (
+    Lap,
+    MetricsLog,
+    Part,
+    StepMetrics,
+    StepTotals,
+    ThroughputWindow,
+    ValidationMetrics,
+    WallClock,
+    WallSplit,
+    WindowThroughput,
+    all_reduce_sum,
+    recorded_loss,
+)
+from dflash_offline.train.planner import LengthMixingPlanner, RankSteps, StepPlan
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, split_snapshot
-from dflash_offline.train.step import OptimizerStep, anchor_sampler
-from dflash_offline.train.validation import ValidationMetrics, ValidationSchedule, Validator
-from dflash_offline.train.wall_time import WallClock, WallSplit
+from dflash_offline.train.step import (
+    DrafterSetup,
+    OptimizerStep,
+    StepOutcome,
+    anchor_sampler,
+    build_drafter_setup,
+    init_weights_from,
+    out_of_memory_named,
+    seed_everything,
+)
+from dflash_offline.train.validation import ValidationSchedule, Validator
+from dflash_offline.workers.device import bind_device
+from dflash_offline.workers.group import GroupPolicy
+from dflash_offline.workers.records import EventSink, StopFlag, WorkerFailed, WorkerSpec, user_error
+from dflash_offline.workers.spawned import ChildPolicy, SpawnedWorkers, WorkerExit, forwarding_sigint
+from dflash_offline.writable import check_writable_dir
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+
+# ─── Ctrl-C ─────────────────────────────────────────────────────────────────────────────────────────────────
+# Ctrl-C during ``dflash train``: finish the step, write a checkpoint, exit 130 (as ``generate`` does).
+#
+# SIGINT only sets a flag (``dflash_offline.interrupt``); the loop reads it at each step boundary (all
+# ranks agree through one tiny all-reduce, so every rank stops after the same step) and raises
+# ``TrainInterrupted`` once the checkpoint is on disk. In one process a second Ctrl-C aborts at once;
+# spawned DDP workers keep the flag idempotent, since a terminal's Ctrl-C reaches them and the parent
+# forwards it again.
+
+
+class TrainInterrupted(Exception):  # noqa: N818 (not an error: the user asked for it)
+    """Training stopped on request after ``step`` with a checkpoint of that step on disk."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        super().__init__(
+            f"interrupted after step {step}: checkpoint written; rerun the same command to resume"
+        )
+
+
+@contextlib.contextmanager
+def stop_on_sigint(*, second_aborts: bool) -> Iterator[None]:
+    """Turn SIGINT into a stop request at the next step boundary for the duration (main thread only)."""
+    with interrupt.stop_on_sigint(
+        "dflash train: stopping after this step (a checkpoint is written first)",
+        second_aborts=second_aborts,
+        abort_note="abort without it",
+    ):
+        yield
+
+
+# ─── Reporting a step ───────────────────────────────────────────────────────────────────────────────────────
+# Where a training step's numbers go: ``RUN/metrics.jsonl`` (and TensorBoard), the progress bar and a
+# caller's ``on_step``. The step's results stay on the device until a line is due: a log step
+# (``--log-every``), a validation, the last step, or every step when someone asked for ``on_step``. The
+# throughput of a line is that of the steps since the previous read-back (train/metrics.py).
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Pending:
+    """A step run since the last read-back: its plan, its results on the device, the LR after it."""
+
+    plan: StepPlan
+    outcome: StepOutcome
+    lr: float
+
+
+class StepReporter:
+    """Writes metrics lines on rank 0 (every ``log_every`` steps, at validations and at the last step),
+    moves the progress bar, and calls ``on_step`` on every rank (which reads every step). Owns the
+    throughput window and the run's ``WallClock``: the loop calls ``start`` before the first step and runs
+    validations and checkpoints inside ``paused()``, which also times them on the clock."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        info: DistInfo,
+        total_steps: int,
+        global_step: int,
+        on_step: Callable[[StepMetrics], None] | None,
+        clock: WallClock,
+    ) -> None:
+        self._log_every = config.log_every
+        self._total_steps = total_steps
+        self._on_step = on_step
+        self._log = (
+            MetricsLog(
+                config.out_dir / "metrics.jsonl",
+                resume_from_step=global_step,
+                tensorboard_dir=config.resolved_tensorboard_dir(),
+            )
+            if info.is_main
+            else None
+        )
+        self._progress = _progress_bar(config, info, total_steps, global_step)
+        self._window = ThroughputWindow(info.device)
+        self.clock = clock
+        self._startup_logged = False
+        self.last_loss: float | None = None
+        """The loss of the last step read back."""
+        self._pending: list[_Pending] = []
+        """The steps run since the last read-back (their results still on the device)."""
+        self._last_read: tuple[_Pending, tuple[StepTotals, float]] | None = None
+        """The last step read back whose line is not written yet (read before its validation)."""
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self._log_every == 0 or step == self._total_steps
+
+    def start(self) -> None:
+        """The first step starts now (the first throughput window opens)."""
+        self._window.start()
+
+    @contextlib.contextmanager
+    def paused(self, part: Part) -> Iterator[Lap]:
+        """Time spent inside (a validation, a checkpoint) is left out of the throughput and counted as
+        ``part`` on the clock; the ``Lap`` holds its seconds after."""
+        with self._window.paused(), self.clock.timed(part) as lap:
+            yield lap
+
+    def step_ran(self, plan: StepPlan, outcome: StepOutcome, *, lr: float, data_wait_s: float) -> None:
+        """Step ``plan`` ran and computed ``outcome`` (left on the device); ``lr`` is the learning rate after
+        it (what the next step uses), ``data_wait_s`` the seconds this rank waited for its microbatches."""
+        if self._progress is not None:
+            self._progress.update(1)
+        self._window.add_step(tokens=plan.num_tokens, data_wait_s=data_wait_s)
+        self._pending.append(_Pending(plan=plan, outcome=outcome, lr=lr))
+
+    def report(self, *, validation: ValidationMetrics | None = None) -> NonFiniteStep | None:
+        """Write the line of the step that ran last when it is due (its ``validation`` joins it). At a
+        read-back, the first step since the previous one whose loss or gradient norm is not finite, its
+        line written (the caller stops the run); else None."""
+        last = self._pending[-1] if self._pending else None
+        if last is None and self._last_read is not None:
+            last = self._last_read[0]  # read already, by check_finite before its validation
+        if last is None:
+            return None
+        due = self.is_log_step(last.plan.global_step + 1) or validation is not None
+        if not due and self._on_step is None:
+            return None
+        bad = self.check_finite()  # the host sync that ends the window (none when read already)
+        if bad is not None:
+            return bad
+        assert self._last_read is not None
+        pending, (totals, grad_norm) = self._last_read
+        self._last_read = None
+        window = self._window.close()
+        metrics = step_metrics(
+            pending.plan, totals, grad_norm=grad_norm, lr=pending.lr, window=window, validation=validation
+        )
+        self._publish(metrics, due=due)
+        return None
+
+    def check_finite(self) -> NonFiniteStep | None:
+        """Before a validation or a checkpoint (and at each line): read the steps run since the last
+        read-back (one host sync, none when there are none); the first whose loss or gradient norm is not
+        finite, its line written; None when all are finite."""
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        read = list(zip(pending, StepOutcome.read_all([p.outcome for p in pending]), strict=True))
+        self._last_read = read[-1]
+        return self._nonfinite(read)
+
+    def _nonfinite(self, read: list[tuple[_Pending, tuple[StepTotals, float]]]) -> NonFiniteStep | None:
+        """The first of the ``read`` steps with a non-finite loss or gradient norm, its line written
+        whatever ``--log-every`` says (a plot finds where the loss stopped being finite); else None."""
+        bad = first_nonfinite([(p.plan.global_step + 1, t.loss, g) for p, (t, g) in read])
+        if bad is not None:
+            pending, (totals, grad_norm) = next(r for r in read if r[0].plan.global_step + 1 == bad.step)
+            window = self._window.close()
+            metrics = step_metrics(pending.plan, totals, grad_norm=grad_norm, lr=pending.lr, window=window)
+            self._publish(metrics, due=True)
+        return bad
+
+    def _publish(self, metrics: StepMetrics, *, due: bool) -> None:
+        """Write ``metrics`` (when ``due``), show it on the progress bar, hand it to ``on_step``."""
+        self.last_loss = metrics.loss
+        if self._log is not None and due:
+            if not self._startup_logged:  # the invocation's first line: when its start-up ended
+                metrics = replace(metrics, startup_seconds=self.clock.startup_seconds)
+                self._startup_logged = True
+            self._log.write(metrics)
+        if self._progress is not None:
+            postfix: dict[str, str] = {
+                "loss": f"{metrics.loss:.3f}",
+                "acc1": f"{metrics.acc_by_position[0]:.2f}",
+                "tau": f"{metrics.simulated_tau:.2f}",
+                "tok_s": f"{metrics.tokens_per_s:,.0f}",
+                "wait": f"{metrics.data_wait_fraction:.1%}",
+            }
+            if metrics.validation is not None:
+                postfix["val_chain_tau"] = f"{metrics.validation.chain_tau:.2f}"
+            self._progress.set_postfix(postfix, refresh=False)
+        if self._on_step is not None:
+            self._on_step(metrics)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+        if self._log is not None:
+            self._log.close()
+
+
+def step_metrics(
+    plan: StepPlan,
+    totals: StepTotals,
+    *,
+    grad_norm: float,
+    lr: float,
+    window: WindowThroughput,
+    validation: ValidationMetrics | None = None,
+) -> StepMetrics:
+    """The metrics line of step ``plan`` (its ``totals`` read back), with the throughput of ``window``,
+    the steps since the previous read-back up to this one."""
+    return StepMetrics(
+        step=plan.global_step + 1,
+        epoch=plan.epoch,
+        loss=totals.loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        acc_by_position=totals.acc_by_position,
+        simulated_tau=totals.simulated_tau,
+        tokens=plan.num_tokens,
+        tokens_per_s=window.tokens_per_s,
+        step_seconds=window.step_seconds,
+        data_wait_fraction=window.data_wait_fraction,
+        buckets=sorted({b for mb in plan.microbatches for b in mb.bucket_ids}),
+        num_blocks=totals.num_blocks,
+        validation=validation,
+    )
+
+
+def _progress_bar(config: TrainConfig, info: DistInfo, total: int, initial: int) -> tqdm[Any] | None:
+    if not (config.progress and info.is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", desc="train", file=sys.stderr, dynamic_ncols=True)
+
+
+# ─── The loop of one rank ───────────────────────────────────────────────────────────────────────────────────
+# The training loop of one data-parallel rank: planner → prefetcher → drafter → optimizer, with the
+# held-out validation split evaluated every ``--val-every`` steps.
+#
+# The step itself (train/step.py) leaves its results on the device; the loop reads them back (a host
+# sync) only where they are needed: at log steps, validations, checkpoints and the last step. Under DDP
+# the ranks agree on a stop request at those steps too (one tiny all-reduce and read); a single process
+# checks its flag every step at no cost. At each of those read-backs the steps since the previous one are
+# checked: a non-finite loss or gradient norm stops the run there, before any checkpoint or export of the
+# weights it left (train/checkpoint.py).
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,7 +428,7 @@ def _feature_scale(
     config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
 ) -> torch.Tensor:
     """The run's feature scale: computed by rank 0 at the first start and saved; reloaded on resume."""
-    from dflash_offline.train.feature_scale import (
+    from dflash_offline.train.loader import (
         FEATURE_SCALE_FILE,
         compute_feature_scale,
         load_feature_scale,
@@ -656,3 +912,269 @@ def _checkpoint(
             keep=config.keep_checkpoints,
         )
     barrier(info)
+
+
+# ─── Joining the process group ──────────────────────────────────────────────────────────────────────────────
+
+
+def init_distributed(
+    *, rank: int, world_size: int, local_rank: int, use_cuda: bool, timeout_s: float = 1800
+) -> DistInfo:
+    """Join the process group (when world_size > 1) and pick this rank's device.
+
+    Expects MASTER_ADDR / MASTER_PORT in the environment (torchrun sets them; ``launch`` does too)."""
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+    return DistInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        backend=backend if world_size > 1 else "none",
+    )
+
+
+def dist_info_from_env(*, use_cuda: bool) -> DistInfo:
+    """Under torchrun: rank, world size and local rank from its environment variables."""
+    return init_distributed(
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        use_cuda=use_cuda,
+    )
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        # Objects in reference cycles (DDP's reducer and the gloo work it holds) are freed now, while the
+        # interpreter is alive: freed during its finalization, gloo's threads can abort the process after a
+        # finished run (seen once under torchrun on 2 CPU ranks: "terminate called without an active
+        # exception", SIGABRT, after the run's last checkpoint; a mitigation, not yet shown to be the cause).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+# ─── Starting the ranks ─────────────────────────────────────────────────────────────────────────────────────
+# Start training where the config says: one DDP process per GPU (spawned), ``torchrun`` ranks, or
+# CPU processes over gloo. One process trains in-process (no spawn).
+
+
+def _cpu_threads(config: TrainConfig) -> int:
+    return config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.world_size)
+
+
+ORPHAN_GRACE_SECONDS = 120.0
+"""A rank whose launcher died stops at its step boundary (its parent-death signal is SIGINT, a stop
+request here) and checkpoints; one that has not exited this long after is ended (a rank blocked in a
+collective for a dead peer would otherwise live on, holding its GPU)."""
+
+RANK_PROCESS = ChildPolicy(
+    parent_death_signal=signal.SIGINT, orphan_grace_seconds=ORPHAN_GRACE_SECONDS, ignore_sigint=False
+)
+"""A spawned rank handles Ctrl-C itself: it stops at its step boundary with a checkpoint."""
+RANK_GROUP = GroupPolicy(
+    label="rank", resumable="the run", process_name="dflash-train-rank", drain_seconds=30.0
+)
+"""When a rank failed, the others are ended (SIGTERM, SIGKILL ``drain_seconds`` later if still alive)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankTask:
+    """What a spawned rank trains (``WorkerSpec.task``, pickled at spawn)."""
+
+    config: TrainConfig
+    port: int
+    """The rendezvous port on 127.0.0.1 (``MASTER_PORT``)."""
+    started_at: float
+    """``time.time()`` when the command started: where the ranks count their start-up from."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankInterrupted:
+    """A spawned rank stopped on request after ``step``, with a checkpoint of that step on disk."""
+
+    worker: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankFinished:
+    """Rank 0 finished training: where its wall time went (the launcher's summary reports it)."""
+
+    worker: int
+    wall: WallSplit | None
+
+
+def _rank_main(spec: WorkerSpec[RankTask], events: EventSink, stop: StopFlag) -> None:
+    """Entry point of a spawned rank (``workers.spawned``: it dies with its launcher, and any exception
+    reaches the launcher as ``WorkerFailed``)."""
+    # A terminal's Ctrl-C reaches every rank (and the launcher forwards it): stop at the step boundary.
+    with stop_on_sigint(second_aborts=False):
+        try:
+            result = _run_spawned_rank(spec)
+            if spec.worker == 0:
+                events.put(RankFinished(worker=spec.worker, wall=result.wall))
+        except TrainInterrupted as e:
+            events.put(RankInterrupted(worker=spec.worker, step=e.step))
+
+
+def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> TrainResult:
+    config, rank = spec.task.config, spec.worker
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(spec.task.port)
+    use_cuda = bool(config.gpus)
+    bind_device(spec)  # rank r drives the r-th listed GPU (its spec's device), or its CPU threads
+    info = init_distributed(
+        rank=rank,
+        world_size=config.world_size,
+        local_rank=config.gpus[rank] if use_cuda else rank,
+        use_cuda=use_cuda,
+    )
+    try:
+        return train_rank(config, info, started_at=spec.task.started_at)
+    finally:
+        shutdown(info)
+
+
+def _rank_specs(config: TrainConfig, started_at: float) -> list[WorkerSpec[RankTask]]:
+    task = RankTask(config=config, port=free_port(), started_at=started_at)
+    return [
+        WorkerSpec(
+            worker=rank,
+            num_workers=config.world_size,
+            device=f"cuda:{config.gpus[rank]}" if config.gpus else "cpu",
+            cpu_threads=None if config.gpus else _cpu_threads(config),
+            task=task,
+        )
+        for rank in range(config.world_size)
+    ]
+
+
+def _spawn(config: TrainConfig, started_at: float) -> WallSplit | None:
+    """One spawned process per rank; a rank's DflashError or Ctrl-C reaches the caller as itself, a rank's
+    bug or death as the error torch's ``mp.spawn`` raised (with the rank's traceback). Returns rank 0's
+    wall split."""
+    specs = _rank_specs(config, started_at)
+    group = SpawnedWorkers(_rank_main, specs, policy=RANK_GROUP, child=RANK_PROCESS)
+    events: list[object] = []
+    group.start()
+    # The launcher only waits: it passes a Ctrl-C on (a kill -INT of the launcher alone must stop the
+    # ranks at a step boundary too; they ignore the repeat a terminal's Ctrl-C also sends them).
+    with forwarding_sigint(group):
+        exited = group.wait_for_exit(events.append)
+        if exited is not None:
+            group.terminate()  # the other ranks would wait for the failed one in their next collective
+        group.drain_and_join(events.append)
+    for event in events:
+        if isinstance(event, RankInterrupted):
+            raise TrainInterrupted(event.step)
+    failures = {event.worker: event for event in events if isinstance(event, WorkerFailed)}
+    for failed in failures.values():
+        error = user_error(failed)
+        if error is not None:
+            raise error  # one line at the CLI
+    if exited is not None:
+        raise _spawn_error(exited, failures.get(exited.worker))
+    return next((e.wall for e in events if isinstance(e, RankFinished)), None)
+
+
+def _spawn_error(exited: WorkerExit, failed: WorkerFailed | None) -> Exception:
+    """What torch's ``mp.spawn`` raised for a rank that ended with ``exited`` (its traceback: ``failed``)."""
+    import torch.multiprocessing as mp
+
+    if failed is not None:
+        message = f"\n\n-- Process {exited.worker:d} terminated with the following error:\n{failed.traceback}"
+        return mp.ProcessRaisedException(message, exited.worker, exited.pid)
+    if exited.exit_code >= 0:
+        return mp.ProcessExitedException(
+            f"process {exited.worker:d} terminated with exit code {exited.exit_code:d}",
+            error_index=exited.worker,
+            error_pid=exited.pid,
+            exit_code=exited.exit_code,
+        )
+    try:
+        name = signal.Signals(-exited.exit_code).name
+    except ValueError:
+        name = f"<Unknown signal {-exited.exit_code}>"
+    return mp.ProcessExitedException(
+        f"process {exited.worker:d} terminated with signal {name}",
+        error_index=exited.worker,
+        error_pid=exited.pid,
+        exit_code=exited.exit_code,
+        signal_name=name,
+    )
+
+
+def run_training(config: TrainConfig, *, started_at: float | None = None) -> TrainResult | None:
+    """Train; returns the result in the main process (None in a torchrun rank other than 0).
+
+    ``started_at``: ``time.time()`` when the command started, where the start-up is counted from (None:
+    now; under torchrun each rank counts from its own call).
+
+    One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
+    second run into the same directory is refused naming the holder (``LockedError``)."""
+    started_at = time.time() if started_at is None else started_at
+    check_writable_dir(config.out_dir, option=flag(TrainConfig, "out_dir"))
+    check_run_out(config.out_dir, option=flag(TrainConfig, "out_dir"))
+    if config.tensorboard_dir is not None:
+        check_writable_dir(config.tensorboard_dir, option=flag(TrainConfig, "tensorboard_dir"))
+    if under_torchrun():
+        info = dist_info_from_env(use_cuda=torch.cuda.is_available())
+        if info.device.type == "cpu" and config.threads_per_worker > 0:
+            torch.set_num_threads(config.threads_per_worker)  # --threads, as for spawned workers
+        lock = acquire_lock(config.out_dir, what="training run") if info.is_main else None
+        try:
+            result = train_rank(config, info, started_at=started_at)
+        finally:
+            shutdown(info)
+            if lock is not None:
+                lock.release()
+        return result if info.is_main else None
+    with hold_lock(config.out_dir, what="training run"):
+        return _run_training_locked(config, started_at)
+
+
+def _run_training_locked(config: TrainConfig, started_at: float) -> TrainResult | None:
+    if config.world_size == 1:
+        if config.gpus:
+            info = init_distributed(rank=0, world_size=1, local_rank=config.gpus[0], use_cuda=True)
+        else:
+            torch.set_num_threads(_cpu_threads(config))
+            info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+        return train_rank(config, info, started_at=started_at)
+    start = time.perf_counter()
+    wall = _spawn(config, started_at)
+    # The ranks ran in other processes: read what rank 0 logged.
+    from dflash_offline.train.metrics import read_metrics, recorded_number, validation_records
+
+    metrics_path = config.out_dir / "metrics.jsonl"
+    metrics = read_metrics(metrics_path) if metrics_path.exists() else []
+    last = metrics[-1] if metrics else {}
+    step = int(last.get("step", 0))  # type: ignore[call-overload]
+    # The tracker's criterion; lines of a run resumed from before chain τ do not carry it.
+    validated = [r for r in validation_records(metrics) if "val_chain_tau" in r]
+    best = max(validated, key=lambda r: recorded_number(r["val_chain_tau"]), default=None)
+    return TrainResult(
+        global_step=step,
+        total_steps=step,
+        final_loss=recorded_number(last["loss"]) if "loss" in last else None,
+        export_dir=config.out_dir / "drafter" if config.export_at_end else None,
+        seconds=time.perf_counter() - start,
+        best_validation_tau=None if best is None else recorded_number(best["val_chain_tau"]),
+        best_validation_step=0 if best is None else int(best["step"]),  # type: ignore[call-overload]
+        wall=wall,
+    )

@@ -1,54 +1,217 @@
-"""The asynchronous prefetcher: cache rows -> packed microbatches on the training device, ahead of time.
-
-Worker threads take prefetcher jobs (``ScheduledMicrobatch``) in plan order, read the samples from
-the cache, pack them into one row (documents concatenated; document ids, per-document positions and
-varlen offsets alongside), draw anchors with the microbatch's own seeded generator, and, on CUDA, copy
-the result from pinned host memory to the GPU on a side stream. The consumer gets the microbatches in
-plan order whatever the thread timing (a reorder buffer), and its stream waits on each batch's copy
-event before using it, so the main stream never reads an unfinished copy.
-
-Bounded memory: at most ``prefetch`` microbatches are claimed, in flight or waiting, at any time (a
-slot is freed when the consumer takes a batch). Each packed microbatch lives in one host buffer
-(``packing.py``): on CUDA a pinned block from PyTorch's caching host allocator (reused once the copy
-that read it has finished), on the CPU a ``HostBufferPool`` buffer (reused once nothing holds it).
-When the reader supports ``features_out`` (see ``RowReader``) it decodes straight into that buffer.
-
-Errors: an exception in a worker (a failed read, a checksum mismatch, a failing anchor_fn) or in the
-job iterator is re-raised in the consumer as ``WorkerError`` carrying the thread's traceback, after the
-batches planned before it were delivered (a ``CacheDamageError`` is re-raised as itself: damaged data
-is the user's to act on, and its message names the samples). ``close()`` (also on ``with`` exit)
-stops the threads promptly; a worker in the middle of a read finishes that read and exits. The worker
-threads hold the prefetcher, so an abandoned one is never collected: always use ``with`` or call
-``close()``.
-
-Shape legend: T = tokens of the packed microbatch, F = features per token, D = documents, A = anchors.
-"""
+"""The loader: cache rows -> packed microbatches on the training device, ahead of time (the
+prefetcher), with the fixed feature scale it applies and the log of samples it could not read."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
+import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from dflash_offline.cache.fp8 import Fp8Layout
 from dflash_offline.cache.lossy import LossyLayout, decode_rows
 from dflash_offline.cache.nf4 import Nf4Layout
-from dflash_offline.cache.rows import CachedSample
+from dflash_offline.cache.reader import DamagedSample
+from dflash_offline.cache.rows import CachedSample, utc_now
 from dflash_offline.config_fields import flag
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.loss import loss_rows
-from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, WorkerError
+from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, ResumeError, WorkerError
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.microbatch import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
-from dflash_offline.train.packing import HostBufferPool, pack_into, pack_layout
+from dflash_offline.train.planner import (
+    AnchorRequest,
+    HostBufferPool,
+    PackedMicrobatch,
+    ScheduledMicrobatch,
+    pack_into,
+    pack_layout,
+)
+
+# ─── The feature scale ──────────────────────────────────────────────────────────────────────────────────────
+# A fixed feature scale computed once from cache statistics, against massive activations.
+#
+# SmolLM2-135M's captured residual streams have max |x| ≈ 24,800 in a few dimensions (507, 247, 17) at
+# every position, per-layer RMS 3–47 (docs/facts.md#features-of-a-real-target): through a randomly
+# initialised ``fc`` those few dimensions set the direction of every context vector, so the context starts out
+# nearly the same at every position. Dividing each feature by its RMS over a sample of the cache (``dim``) or
+# each captured layer by its own RMS (``layer``) puts every input of ``fc`` on the same footing. The scale is
+# saved in ``RUN/feature_scale.safetensors`` (a resumed run reuses it) and folded into ``fc.weight`` at
+# export, so the exported drafter keeps z-lab's layout and needs no scale at serving time.
+
+
+FeatureScaleMode = Literal["none", "layer", "dim"]
+FEATURE_SCALE_MODES: tuple[str, ...] = ("none", "layer", "dim")
+FEATURE_SCALE_FILE = "feature_scale.safetensors"
+SAMPLE_TOKENS = 65_536
+"""Tokens read for the statistics (streamed: one sample's features in float32 at a time)."""
+RMS_FLOOR = 1e-2
+"""A dimension's RMS is floored at this fraction of its layer's median RMS, so that a dead dimension
+does not get an enormous multiplier."""
+
+
+def feature_rms(features: Iterable[torch.Tensor], feature_width: int) -> np.ndarray:
+    """float64 [F]: root mean square of each feature over all rows of ``features`` ([T_i, F] tensors)."""
+    sum_sq = torch.zeros(feature_width, dtype=torch.float64)
+    count = 0
+    for f in features:
+        x = f.float()
+        sum_sq += (x * x).sum(0).double()
+        count += int(x.shape[0])
+    if count == 0:
+        raise ConfigError("the cache has no tokens to compute a feature scale from; generate first")
+    rms: np.ndarray = np.sqrt(sum_sq.numpy() / count)
+    return rms
+
+
+def scale_from_rms(rms_F: np.ndarray, *, num_layers: int, mode: FeatureScaleMode) -> torch.Tensor:
+    """float32 [F] multipliers: 1/RMS per dimension (``dim``) or per captured layer (``layer``)."""
+    if mode not in ("layer", "dim"):
+        raise ConfigError(f"feature scale mode {mode!r}: expected one of {FEATURE_SCALE_MODES}")
+    by_layer = rms_F.reshape(num_layers, -1)
+    if mode == "layer":
+        layer_rms = np.sqrt((by_layer**2).mean(1, keepdims=True))
+        out = np.broadcast_to(1.0 / np.maximum(layer_rms, 1e-12), by_layer.shape)
+    else:
+        floor = RMS_FLOOR * np.median(by_layer, axis=1, keepdims=True)
+        out = 1.0 / np.maximum(by_layer, np.maximum(floor, 1e-12))
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(-1))
+
+
+def compute_feature_scale(
+    reader: object,
+    rows_N: np.ndarray,
+    *,
+    num_layers: int,
+    feature_width: int,
+    mode: FeatureScaleMode,
+    seed: int,
+    sample_tokens: int = SAMPLE_TOKENS,
+) -> torch.Tensor:
+    """The scale from a seeded random sample of the snapshot's rows (≈ ``sample_tokens`` tokens)."""
+    order = np.random.default_rng(seed).permutation(np.asarray(rows_N, dtype=np.int64))
+
+    def sampled() -> Iterator[torch.Tensor]:
+        tokens = 0
+        for start in range(0, len(order), 16):
+            for sample in reader.read_rows(order[start : start + 16]):  # type: ignore[attr-defined]
+                yield sample.features_TF
+                tokens += int(sample.features_TF.shape[0])
+            if tokens >= sample_tokens:
+                return
+
+    return scale_from_rms(feature_rms(sampled(), feature_width), num_layers=num_layers, mode=mode)
+
+
+def save_feature_scale(scale_F: torch.Tensor, run_dir: Path, *, mode: str) -> Path:
+    path = run_dir / FEATURE_SCALE_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"feature_scale": scale_F.contiguous()}, str(tmp), metadata={"mode": mode})
+    tmp.replace(path)
+    return path
+
+
+def load_feature_scale(run_dir: Path) -> torch.Tensor:
+    return load_file(str(run_dir / FEATURE_SCALE_FILE))["feature_scale"]
+
+
+# ─── Damaged samples ────────────────────────────────────────────────────────────────────────────────────────
+# ``--on-damaged skip``: samples training could not read (a missing or truncated shard file, a chunk that
+# does not decode, a malformed zarr.json) or that failed their checksum, in ``RUN/damaged_samples.jsonl``.
+#
+# Every rank appends one JSON line per damaged sample it read (``O_APPEND``, one ``write`` a line, so
+# lines of several ranks never interleave); a sample read again in a later epoch or after a resume gets
+# another line, and ``read_damaged`` reports each id once. The reader has already zeroed the sample's
+# features, ids and loss mask, so it carries no anchor and no loss: training goes on with the rest.
+
+
+DAMAGED_FILE = "damaged_samples.jsonl"
+
+
+class DamagedLog:
+    """The ``on_damaged`` callback of the training reader (called from reader threads)."""
+
+    def __init__(self, run_dir: Path, *, rank: int) -> None:
+        self.path = run_dir / DAMAGED_FILE
+        self.rank = rank
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def __call__(self, sample: DamagedSample) -> None:
+        line = json.dumps({**asdict(sample), "rank": self.rank, "seen_at": utc_now().isoformat()}) + "\n"
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+            self.count += 1
+
+
+def read_damaged(run_dir: Path) -> list[DamagedSample]:
+    """Distinct damaged samples recorded in ``run_dir`` (first sighting of each id), or [] if none."""
+    path = run_dir / DAMAGED_FILE
+    if not path.exists():
+        return []
+    found: dict[str, DamagedSample] = {}
+    for raw in path.read_text().splitlines():
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError:  # a line torn by a kill: the sample is read (and logged) again
+            continue
+        if d["sample_id"] not in found:
+            found[d["sample_id"]] = DamagedSample(
+                sample_id=d["sample_id"],
+                shard=d["shard"],
+                row_start=int(d["row_start"]),
+                problem=str(d["problem"]),
+            )
+    return list(found.values())
+
+
+# ─── The prefetcher ─────────────────────────────────────────────────────────────────────────────────────────
+# The asynchronous prefetcher: cache rows -> packed microbatches on the training device, ahead of time.
+#
+# Worker threads take prefetcher jobs (``ScheduledMicrobatch``) in plan order, read the samples from
+# the cache, pack them into one row (documents concatenated; document ids, per-document positions and
+# varlen offsets alongside), draw anchors with the microbatch's own seeded generator, and, on CUDA, copy
+# the result from pinned host memory to the GPU on a side stream. The consumer gets the microbatches in
+# plan order whatever the thread timing (a reorder buffer), and its stream waits on each batch's copy
+# event before using it, so the main stream never reads an unfinished copy.
+#
+# Bounded memory: at most ``prefetch`` microbatches are claimed, in flight or waiting, at any time (a
+# slot is freed when the consumer takes a batch). Each packed microbatch lives in one host buffer
+# (train/planner.py): on CUDA a pinned block from PyTorch's caching host allocator (reused once the copy
+# that read it has finished), on the CPU a ``HostBufferPool`` buffer (reused once nothing holds it).
+# When the reader supports ``features_out`` (see ``RowReader``) it decodes straight into that buffer.
+#
+# Errors: an exception in a worker (a failed read, a checksum mismatch, a failing anchor_fn) or in the
+# job iterator is re-raised in the consumer as ``WorkerError`` carrying the thread's traceback, after the
+# batches planned before it were delivered (a ``CacheDamageError`` is re-raised as itself: damaged data
+# is the user's to act on, and its message names the samples). ``close()`` (also on ``with`` exit)
+# stops the threads promptly; a worker in the middle of a read finishes that read and exits. The worker
+# threads hold the prefetcher, so an abandoned one is never collected: always use ``with`` or call
+# ``close()``.
+#
+# Resume: ``state_dict()`` is the prefetcher's position in its job stream (the batches handed over);
+# ``load_state_dict`` on a fresh prefetcher over the same stream continues after them, so the batches it
+# yields are exactly those the first one had not yet handed over (jobs before the position are never
+# read again; batches its threads had prepared ahead of the position are dropped).
+#
+# Shape legend: T = tokens of the packed microbatch, F = features per token, D = documents, A = anchors.
+
+
+LOADER_STATE_VERSION = 1
 
 AnchorFn = Callable[[AnchorRequest], torch.Tensor]
 """Returns int64 [A] indices into T (drawn with ``request.generator`` only, so they are reproducible)."""
@@ -187,7 +350,9 @@ class Prefetcher:
         # State under _cond:
         self._claimed = 0  # slots taken by workers (a job index each, once the iterator gave one)
         self._next_index = 0  # index the next job from the iterator gets (under _jobs_lock)
-        self._consumed = 0  # batches handed to the consumer
+        self._consumed = 0  # index of the next batch the consumer gets (its position in the job stream)
+        self._first = 0  # the position a loaded state started at (``load_state_dict``)
+        self._paused = False  # load_state_dict is stopping the workers to move the position
         self._total: int | None = None  # job count, once the iterator is exhausted
         self._ready: dict[int, _Ready] = {}
         self._failure: _Failure | None = None
@@ -195,9 +360,14 @@ class Prefetcher:
         self._counters = dict(num_samples=0, num_tokens=0, bytes_read=0, read_s=0.0, pack_s=0.0)
         self._wait_s = 0.0
         self._max_wait_s = 0.0
+        self._num_threads = num_threads
+        self._threads: list[threading.Thread] = []
+        self._start_workers()
+
+    def _start_workers(self) -> None:
         self._threads = [
             threading.Thread(target=self._work, name=f"dflash-prefetch-{i}", daemon=True)
-            for i in range(num_threads)
+            for i in range(self._num_threads)
         ]
         for thread in self._threads:
             thread.start()
@@ -254,7 +424,7 @@ class Prefetcher:
     def stats(self) -> PrefetchStats:
         with self._cond:
             c = dict(self._counters)
-            consumed = self._consumed
+            consumed = self._consumed - self._first
         return PrefetchStats(
             num_batches=consumed,
             num_samples=int(c["num_samples"]),
@@ -265,6 +435,62 @@ class Prefetcher:
             read_s=float(c["read_s"]),
             pack_s=float(c["pack_s"]),
         )
+
+    # ---- state -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the job stream: how many batches were handed to the consumer."""
+        with self._cond:
+            return {"version": LOADER_STATE_VERSION, "num_delivered": self._consumed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue after the first ``state["num_delivered"]`` jobs of this prefetcher's job stream, which is
+        the stream the state was taken from (a resume rebuilds it from the same plan). Called before the
+        first batch is taken. The workers are stopped, the jobs before the position are skipped unread (or
+        dropped, when a worker had prepared them already) and the workers start again at the position."""
+        if state.get("version") != LOADER_STATE_VERSION:
+            raise ResumeError(
+                f"loader state version {state.get('version')!r}: this dflash-offline reads version "
+                f"{LOADER_STATE_VERSION}; resume with the version that wrote it or start a new run"
+            )
+        position = int(state["num_delivered"])
+        with self._cond:
+            if self._consumed != self._first:
+                raise RuntimeError("load_state_dict after a batch was taken: load before iterating")
+            self._paused = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        # Alone now: every job drawn so far is ready, failed, or was never prepared (a worker that stopped).
+        while self._next_index < position and self._total is None:
+            try:
+                next(self._jobs)
+            except StopIteration:
+                self._total = self._next_index
+            except BaseException as exc:
+                self._fail(self._next_index, exc)
+                break
+            else:
+                self._next_index += 1
+        if self._total is not None and position > self._total:
+            raise ResumeError(
+                f"loader state at batch {position}, but its jobs end after {self._total}: the job stream "
+                "is not the one the state was taken from"
+            )
+        with self._cond:
+            self._ready = {i: ready for i, ready in self._ready.items() if i >= position}
+            if self._failure is not None and self._failure.index < position:
+                self._failure = None
+            # Jobs drawn at or after the position were prepared (or failed): each keeps its slot.
+            assert self._closed or all(
+                i in self._ready or (self._failure is not None and i >= self._failure.index)
+                for i in range(position, self._next_index)
+            ), "a worker stopped between drawing a job and storing its batch"
+            self._consumed = self._first = position
+            self._claimed = max(position, self._next_index)
+            self._paused = False
+        if not self._closed:
+            self._start_workers()
 
     def close(self) -> None:
         """Stop the workers and drop prepared batches; idempotent; returns within seconds."""
@@ -318,7 +544,7 @@ class Prefetcher:
         return self._pool.take(nbytes)
 
     def _stopping(self) -> bool:
-        return self._closed or self._failure is not None or self._total is not None
+        return self._closed or self._paused or self._failure is not None or self._total is not None
 
     def _fail(self, index: int, exc: BaseException) -> None:
         failure = _Failure(
