@@ -26,12 +26,14 @@ demo: setup
 # Every test but those marked slow (kills, soaks, torchrun, multi-process runs: each over ~20 s on 2 CPU
 # cores), on two workers (CI's two cores; tests/conftest.py gives each one torch thread). `make test-slow`
 # runs the slow ones and CI runs both (.ci/run). A plain `pytest` runs everything in one process; none of
-# them runs the Quick start end to end (`make quickstart`).
+# them runs the Quick start end to end (`make quickstart`). The slow tests go to the workers one at a time
+# (--maxschedchunk 1), longest first (tests/conftest.py): a worker never queues a long test that the other,
+# idle one could have run.
 test: setup
 	$(BIN)/python -m pytest -n 2 -m "not slow and not quickstart"
 
 test-slow: setup
-	$(BIN)/python -m pytest -n 2 -m "slow and not quickstart"
+	$(BIN)/python -m pytest -n 2 --maxschedchunk 1 -m "slow and not quickstart"
 
 # The README's Quick start, run end to end in a temporary directory (minutes on 2 CPU cores: pyproject.toml
 # leaves its marker out of `make test`).

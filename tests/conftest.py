@@ -24,7 +24,33 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+# The modules of the longest slow tests, longest first (minutes each on 2 CPU cores). `make test-slow` runs
+# about fifty tests of 20 s to a few minutes on two workers: one of these started last would run alone at
+# the end while the other worker idles, so they start first and the short ones fill in around them.
+LONGEST_FIRST = (
+    "tests/test_quality_harness.py",
+    "tests/train/test_follow_kill.py",
+    "tests/target_model/test_gguf_weights.py",
+    "tests/generate/test_torchrun.py",
+    "tests/train/test_follow.py",
+    "tests/generate/test_generate_formats.py",
+    "tests/train/test_train_kill.py",
+    "tests/generate/test_generate_kill.py",
+    "tests/generate/test_window_bound.py",
+    "tests/regenerate/test_workers.py",
+    "tests/generate/test_faults.py",
+)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    path = item.nodeid.partition("::")[0]
+    if "slow" not in item.keywords or path not in LONGEST_FIRST:
+        return len(LONGEST_FIRST)
+    return LONGEST_FIRST.index(path)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_longest_first)  # stable: the order within a module and among the rest is kept
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

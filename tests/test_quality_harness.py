@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.embedded_assets import smollm2_gguf_available
 from tests.eval.helpers import write_chat_jsonl
@@ -47,14 +49,21 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     with gzip.open(extra, "wb") as f:
         f.write(write_chat_jsonl(tmp_path / "extra.jsonl", 4, seed=1).read_bytes())
     work, report = tmp_path / "q", tmp_path / "report"
+    # The torch threads of this pytest process (one per core and worker under xdist, tests/conftest.py) for
+    # every command of the recipe: its --smoke names no placement, and two threads per command beside the
+    # other worker's test would oversubscribe the cores (eval has no --threads: it reads OMP_NUM_THREADS).
+    threads = str(torch.get_num_threads())
     proc = subprocess.run(
         [sys.executable, "bench/quality_recipe.py", "--smoke", "--data", str(data), "--work", str(work),
          "--report", str(report), "--code-data", str(code), "--code-limit", "3",
          "--extra-answers", str(extra), "--budget-s", "700", "--regen-s", "240", "--gen-s", "90",
-         "--train-s", "10", "--eval-s", "240", "--expected-steps-per-s", "0.2", "--codecs", "default",
+         "--train-s", "10", "--eval-s", "240", "--expected-steps-per-s", "0.05", "--calibrate-s", "0",
+         "--codecs", "default",
          "--variants", '{"all": ""}',
-         "--train-args", "--log-every 10 --val-samples 2 --val-group root-id"],
-        cwd=ROOT, capture_output=True, text=True, timeout=880,
+         "--regen-args", f"--max-new-tokens 512 --max-prompt-tokens 1024 --threads {threads}",
+         "--gen-args", f"--max-len 2048 --too-long truncate --threads {threads}",
+         "--train-args", f"--log-every 10 --val-samples 2 --val-group root-id --threads {threads}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=880, env={**os.environ, "OMP_NUM_THREADS": threads},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((report / "summary.json").read_text())
@@ -70,10 +79,13 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     assert all(m["content"] for a in answered for m in a["messages"] if m["role"] == "assistant")
     assert summary["variants"]["all"]["steps"] > 0
     # Regenerate and generate take 20–100 of their 330 s here: training's deadline is the budget's end less
-    # the eval's 240 s and the 90 s reserve, minutes past its own 10 s. (Its steps are planned at 0.2 a
-    # second, ≈ 45 of them: it ends well before that deadline, so the test does not wait for it.)
+    # the eval's 240 s and the 90 s reserve, minutes past its own 10 s. Its steps are planned at 0.05 a
+    # second, so the recipe's floor of 20 (one validation at --val-every 20), and with no calibration window
+    # (--calibrate-s 0) no step rate replans them to fill that deadline: the run ends after its 20 steps,
+    # well before the deadline, so the test does not wait for it.
     (more,) = [n for n in summary["notes"] if n.startswith("train: ")]
     assert "more than --train-s (left unused by the stages before)" in more
+    assert "variant all: no step rate after 0 s; it keeps --max-steps 20" in " ".join(summary["notes"])
     assert stages["train_all"]["seconds"] > 10
     # The earlier answers are cached and trained on with this run's (the whole conversations grouped).
     assert "training data: 10 conversations of this run + 4 of --extra-answers" in summary["notes"]

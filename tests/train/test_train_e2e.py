@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.trainer import run_training, train_rank
 from tests.train.helpers import train_config
-from tests.train.kill_helpers import final_state, losses, train_cmd
+from tests.train.kill_helpers import KILL_RUN_STEPS, final_state, losses, train_cmd
 
 
 def test_loss_falls_and_metrics_are_complete(tiny_cache: Path, tmp_path: Path) -> None:
@@ -91,17 +92,16 @@ def test_two_ddp_cpu_processes_equal_one_process_with_the_same_global_batch(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_kill_9_then_resume_gives_the_uninterrupted_loss_sequence(tiny_cache: Path, tmp_path: Path) -> None:
-    steps = 15
-    reference = tmp_path / "reference"
-    done = subprocess.run(
-        train_cmd(tiny_cache, reference, steps=steps), capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-
+def test_kill_9_then_resume_gives_the_uninterrupted_loss_sequence(
+    uncompressed_cache: Path, uninterrupted: Callable[[int], Path], tmp_path: Path
+) -> None:
+    steps = KILL_RUN_STEPS
+    # The session's uninterrupted run of the same command (one process; the kill tests compare with it).
+    reference = uninterrupted(1)
     run = tmp_path / "killed"
+    cmd = train_cmd(uncompressed_cache, run, steps=steps, checkpoint_every=4)
     process = subprocess.Popen(
-        train_cmd(tiny_cache, run, steps=steps),
+        cmd,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -119,15 +119,13 @@ def test_kill_9_then_resume_gives_the_uninterrupted_loss_sequence(tiny_cache: Pa
     process.wait()
     killed_at = list_checkpoints(run)[-1][0]
     assert 0 < killed_at < steps
-    resumed = subprocess.run(
-        train_cmd(tiny_cache, run, steps=steps), capture_output=True, text=True, timeout=600
-    )
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from the checkpoint of step {killed_at} of {steps}" in resumed.stderr
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, steps + 1))
     assert losses(run) == losses(reference)  # exactly: same data, same order, deterministic kernels
     # The finished run rerun: nothing to train, and it reports the loss the run ended with.
-    rerun = CliRunner().invoke(main, train_cmd(tiny_cache, run, steps=steps)[3:])
+    rerun = CliRunner().invoke(main, cmd[3:])
     assert rerun.exit_code == 0, rerun.output
     assert f"resumed from the checkpoint of step {steps} of {steps} (nothing left to train)" in rerun.output
     assert f"trained {steps} steps; final loss {losses(reference)[-1]:.4f}" in rerun.output
