@@ -105,25 +105,6 @@ def field_ref(owner: type[Any] | str | Cli, name: str | None = None) -> str:
     return f"`{owner_name}.{name}`"
 
 
-def flag_of(name: str, spec: Cli) -> str:
-    """Deprecated: the flag of a field, for the modules of ``train/`` not yet naming fields with
-    ``option``; ``cli.flags.spelling`` is the command line's own."""
-    return spec.flag or "--" + name.replace("_", "-")
-
-
-def flag(owner: type[Any] | Cli, name: str | None = None) -> str:
-    """Deprecated: ``option``'s marker spelled as the flag, for the modules of ``train/`` not yet
-    naming fields with ``option``; ``cli.flags.flag`` is the command line's own."""
-    field_ref(owner, name)
-    if isinstance(owner, Cli):
-        assert owner.flag is not None
-        return owner.flag
-    assert name is not None
-    spec = cli_spec({f.name: f for f in dataclasses.fields(owner)}[name])
-    assert spec is not None
-    return flag_of(name, spec)
-
-
 def literal_choices(hint: Any) -> tuple[Any, ...] | None:
     """The values of a ``Literal[...]`` annotation (or ``Literal[...] | None``), else None."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]

@@ -19,9 +19,7 @@ from dflash_offline.config_fields import (
     WORKERS,
     check_fields,
     cli_field,
-    cli_spec,
-    flag,
-    flag_of,
+    field_ref,
 )
 from dflash_offline.drafter_shape import (
     DEFAULT_BLOCK_SIZE,
@@ -349,10 +347,11 @@ class TrainConfig:
         """--out inside the cache would mix the run's files (and its ``lock``) into the cache's."""
         cache, out = Path(self.cache_dir).resolve(), Path(self.out_dir).resolve()
         if out == cache or cache in out.parents:
-            out_flag = flag(TrainConfig, "out_dir")
+            out_flag = field_ref(TrainConfig, "out_dir")
             raise ConfigError(
-                f"{out_flag} {self.out_dir} is inside {flag(CACHE)} {self.cache_dir}: the run directory and "
-                f"the cache would share files (both hold a `lock`); choose an {out_flag} outside the cache"
+                f"{out_flag} {self.out_dir} is inside {field_ref(CACHE)} {self.cache_dir}: the run "
+                f"directory and the cache would share files (both hold a `lock`); choose an {out_flag} "
+                "outside the cache"
             )
 
     def _resolve_layout(self) -> None:
@@ -372,8 +371,8 @@ class TrainConfig:
             object.__setattr__(self, "tokens_per_microbatch", layout.tokens_per_microbatch)
         if self.tokens_per_microbatch == 1:
             raise ConfigError(
-                f"{flag(TrainConfig, 'tokens_per_microbatch')} 1: a microbatch needs an anchor and the token "
-                "it drafts (≥ 2; 0 = the device's default)"
+                f"{field_ref(TrainConfig, 'tokens_per_microbatch')} 1: a microbatch needs an anchor "
+                "and the token it drafts (≥ 2; 0 = the device's default)"
             )
         if self.num_anchors == 0:
             object.__setattr__(self, "num_anchors", max(1, self.tokens_per_microbatch // TOKENS_PER_ANCHOR))
@@ -385,11 +384,11 @@ class TrainConfig:
         if self.init_from is not None and not self.init_from.is_absolute():
             object.__setattr__(self, "init_from", Path(os.path.abspath(self.init_from)))
         if self.tensorboard_dir is not None:
-            tensorboard_dir = flag(TrainConfig, "tensorboard_dir")
+            tensorboard_dir = field_ref(TrainConfig, "tensorboard_dir")
             if not self.tensorboard:
                 raise ConfigError(
-                    f"{tensorboard_dir} DIR and {flag(TrainConfig, 'tensorboard')} contradict each other: "
-                    "give one"
+                    f"{tensorboard_dir} DIR and {field_ref(TrainConfig, 'tensorboard')} contradict "
+                    "each other: give one"
                 )
             from dflash_offline.tensorboard import require_tensorboard
 
@@ -461,7 +460,7 @@ class TrainConfig:
 # budget, topology, training samples) in the checkpoint's planner state, since a topology change between two
 # checkpoints is recorded there. ``check_resume`` compares it with this invocation's once, after the
 # checkpoint is read and before any of it is applied, and names every field that differs in one
-# ``ResumeError`` line, each by its option's flag (``config_fields.flag_of``).
+# ``ResumeError`` line, each by its field (``config_fields.field_ref``; the command line shows the flag).
 #
 # Not compatibility, so decided where the files are read: whether a checkpoint loads at all
 # (train/checkpoint.py: a corrupt newest one is set aside for the previous one; a format this version does
@@ -521,6 +520,14 @@ RULES: Mapping[str, Rule] = {
     **{name: Rule.APPLIED for name in APPLIED_OPTIONS},
 }
 """Every compared field of ``ResumeContract`` (an option by its ``TrainConfig`` name), in message order."""
+
+_LABELS: Mapping[str, str] = {
+    **{name: field_ref(TrainConfig, name) for name in RULES if name not in ("world_size", "snapshot")},
+    "world_size": f"{field_ref(TrainConfig, 'gpus')}/{field_ref(TrainConfig, 'num_cpu_workers')} "
+    "(world size)",
+}
+"""How a refusal names each field of ``RULES`` but the snapshot (its file name is read when needed);
+built at import, so a renamed option fails there."""
 
 _PLAN_FIELDS = ("seed", "tokens_per_microbatch", "snapshot", "world_size", "grad_accum")
 """The fields of ``RULES`` that the checkpoint records (the others are options of config.json)."""
@@ -636,7 +643,8 @@ def check_resume(
         if missing:
             raise ResumeError(
                 f"{run_dir / 'config.json'} lacks {missing}: this dflash-offline did not write it; "
-                f"train into a new {_flag('out_dir')} (or pass {_flag('resume')} never to start over there)"
+                f"train into a new {field_ref(TrainConfig, 'out_dir')} (or pass "
+                f"{field_ref(TrainConfig, 'resume')} never to start over there)"
             )
     changes = contract_changes(stored, current)
     refused = [
@@ -659,29 +667,25 @@ def _refusal(refused: list[ContractChange], run_dir: Path) -> str:
     ways = [f"resume with the same {_and([_label(c.name) for c in refused])}"]
     if all(c.rule is Rule.TOPOLOGY for c in refused):
         ways.append(
-            f"pass {_flag('allow_topology_change')} to plan the rest of the epoch over its remaining samples"
+            f"pass {field_ref(TrainConfig, 'allow_topology_change')} to plan the rest of the epoch over its "
+            "remaining samples"
         )
-    ways.append(f"train into a new {_flag('out_dir')} (or pass {_flag('resume')} never to start over there)")
+    ways.append(
+        f"train into a new {field_ref(TrainConfig, 'out_dir')} (or pass {field_ref(TrainConfig, 'resume')} "
+        "never to start over there)"
+    )
     return f"{run_dir} was trained with {before}, this run asks for {now}; {', or '.join(ways)}"
 
 
 def _label(name: str) -> str:
-    """How the message names a field: its option's flag, derived from ``TrainConfig``."""
-    if name == "world_size":
-        return f"{_flag('gpus')}/{_flag('num_cpu_workers')} (world size)"
+    """How the message names a field of ``RULES``: its ``TrainConfig`` field marker (the command line
+    shows the flag)."""
     if name == "snapshot":
         # train/split.py imports this module: its file name is looked up here, not at import.
         from dflash_offline.train.split import SNAPSHOT_FILE
 
         return f"index snapshot ({SNAPSHOT_FILE})"
-    return _flag(name)
-
-
-def _flag(name: str) -> str:
-    """The command-line flag of ``TrainConfig`` field ``name``."""
-    spec = cli_spec(TrainConfig.__dataclass_fields__[name])
-    assert spec is not None, f"TrainConfig.{name} is a command-line option"
-    return flag_of(name, spec)
+    return _LABELS[name]
 
 
 def _and(items: list[str]) -> str:

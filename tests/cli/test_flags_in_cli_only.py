@@ -25,15 +25,12 @@ from dflash_offline.target_model.source import resolve_target
 PACKAGE = Path(__file__).resolve().parents[2] / "dflash_offline"
 
 SPELLING_FUNCTIONS = {"flag", "flag_of", "spelling", "render", "arguments"}
-"""The functions that turn a field into its flag (``cli/flags.py``, and the old ``config_fields`` ones)."""
+"""The functions that turn a field into its flag (``cli/flags.py``; ``config_fields`` stays watched so that
+no spelling function comes back there)."""
 SPELLING_MODULES = {"dflash_offline.cli.flags", "dflash_offline.config_fields"}
 
 ALLOWED = {"demo.py": "writes dflash command lines to run (cli.flags.arguments)"}
 """Modules outside ``cli/`` that spell flags on purpose, and why."""
-
-PENDING = ("train/", "config_fields.py")
-"""Not converted yet: train/ still calls ``config_fields.flag()``, kept for it until it names fields with
-``field_ref``; both go together (the last test below fails once train/ no longer needs them)."""
 
 
 def spellings(path: Path) -> list[str]:
@@ -83,11 +80,7 @@ def outside_cli() -> dict[str, list[str]]:
 
 
 def test_no_module_outside_cli_spells_a_flag() -> None:
-    unexpected = {
-        rel: where
-        for rel, where in outside_cli().items()
-        if rel not in ALLOWED and not rel.startswith(PENDING)
-    }
+    unexpected = {rel: where for rel, where in outside_cli().items() if rel not in ALLOWED}
     assert unexpected == {}
 
 
@@ -106,12 +99,6 @@ def test_the_check_catches_a_module_that_spells_a_flag(tmp_path: Path) -> None:
         "4: builds f'--{...}'",
         "5: calls flag()",
     ]
-
-
-def test_the_pending_exemption_is_still_needed() -> None:
-    """train/ still spells flags through ``config_fields.flag``; once it names fields with ``field_ref``
-    this fails: delete ``PENDING`` and ``config_fields.flag``/``flag_of``."""
-    assert any(rel.startswith("train/") for rel in outside_cli())
 
 
 def test_a_shared_option_is_named_by_the_field_every_config_gives_it() -> None:
