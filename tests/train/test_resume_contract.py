@@ -14,9 +14,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dflash_offline.config_fields import cli_field
 from dflash_offline.errors import ResumeError
 from dflash_offline.train.checkpoint import TrainState, load_latest_checkpoint, save_checkpoint
-from dflash_offline.train.config import ResumeContract, TrainConfig, check_resume
+from dflash_offline.train.config import (
+    OPTIONS_ADDED_SINCE,
+    ResumeContract,
+    Rule,
+    TrainConfig,
+    check_resume,
+    resume_rule,
+)
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import IndexSnapshot, snapshot_from_columns
 
@@ -152,6 +160,33 @@ def test_every_option_has_a_verdict() -> None:
     """A new ``dflash train`` option is classified here (and in RULES when a resume must judge it)."""
     options = {f.name for f in dataclasses.fields(TrainConfig)}
     assert options == {field for field, *_ in CHANGES} - {"snapshot", "world_size"}
+
+
+def test_every_option_declares_the_rule_its_verdict_shows() -> None:
+    """Each ``TrainConfig`` field declares its resume rule beside it (the contract is derived from them),
+    the one this table's verdict shows; a field added without one is refused when the module loads."""
+    rule_of_verdict = {REFUSED: Rule.FIXED, TOPOLOGY: Rule.TOPOLOGY, ANNOUNCED: Rule.APPLIED, FREE: Rule.FREE}
+    expected = {field: rule_of_verdict[verdict] for field, _, verdict, _ in CHANGES}
+    for f in dataclasses.fields(TrainConfig):
+        assert resume_rule(f) is expected[f.name], f.name
+
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared:
+        new_option: int = cli_field(0, min=1)
+
+    with pytest.raises(ValueError, match=r"TrainConfig\.new_option declares no resume rule"):
+        resume_rule(dataclasses.fields(Undeclared)[0])
+
+
+def test_an_option_newer_than_old_runs_declares_what_its_absence_meant() -> None:
+    assert OPTIONS_ADDED_SINCE == {
+        "feature_scale": "none",  # features fed to fc unscaled
+        "final_norm_init": 1.0,  # the final norm's weight before the recipe change
+        "init_from": None,  # random initial weights
+        "train_samples": None,  # every sample not held out
+        "follow": False,
+        "passes": 2,
+    }
 
 
 @pytest.mark.parametrize(("field", "value", "verdict", "flag"), CHANGES, ids=[row[0] for row in CHANGES])
