@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import io
+import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
+from dflash_offline import cli as cli_module
 from dflash_offline import config_fields
 from dflash_offline.cli import main
-from dflash_offline.cli.flags import TOP_CONFIGS, _owner, flag, render
+from dflash_offline.cli.flags import TOP_CONFIGS, FlagsOnStream, _owner, flag, render
 from dflash_offline.config_fields import Cli, cli_spec
 from dflash_offline.data.sources import iter_records
 from dflash_offline.errors import ConfigError, DataError, TargetError
@@ -194,3 +198,32 @@ def test_a_shared_option_is_its_field_in_python_and_its_flag_on_the_command_line
     with pytest.raises(DataError) as raised:
         next(iter_records(None, skip=-1))
     assert str(raised.value) == "`skip` must be >= 0, got -1"
+
+
+@click.command()
+def _note_probe() -> None:
+    """A command whose library-side note names an option by its field, as train's resume note does."""
+    from dflash_offline.config_fields import field_ref
+    from dflash_offline.train.config import TrainConfig
+
+    print(f"resuming with {field_ref(TrainConfig, 'lr')} 0.001", file=sys.stderr)
+
+
+def test_a_note_on_stderr_reaches_the_command_line_user_with_the_flag(monkeypatch):
+    """Notes the library prints to stderr name fields; ``dflash`` prints them with the flags, and puts
+    the caller's stderr back when the command ends."""
+    monkeypatch.setitem(cli_module.COMMANDS, "note-probe", f"{__name__}:_note_probe")
+    before = sys.stderr
+    result = CliRunner().invoke(main, ["note-probe"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "resuming with --lr 0.001\n"
+    assert sys.stderr is before
+
+
+def test_the_stderr_wrapper_renders_each_write_and_counts_what_it_was_given():
+    out = io.StringIO()
+    stream = FlagsOnStream(out)
+    text = "invalid `Placement.num_cpu_workers` 0; `seed` 3 and `no-such` stay\n"
+    assert stream.write(text) == len(text)
+    assert out.getvalue() == "invalid --workers 0; --seed 3 and `no-such` stay\n"
+    assert stream.getvalue() == out.getvalue()  # any other attribute is the wrapped stream's
