@@ -13,7 +13,7 @@ The product apart from the lab:
 Training and its seams:
 
 - ``.py`` files under ``dflash_offline/train/``, ``__init__.py`` left out;
-- modules that call ``flag(`` (an option's CLI spelling, ``config_fields.flag``);
+- modules that call ``flag(`` (an option's CLI spelling, ``cli.flags.flag``: cli/ modules only);
 - import edges eval → train and train → generate (module pairs, imports inside functions included);
 - decode loops: functions with a ``for`` or ``while`` loop whose head names the new-token budget
   (``*new_tokens*``) or the stop check ``is_done``: a loop that produces an answer token after token;

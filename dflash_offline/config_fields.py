@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from dflash_offline.errors import ConfigError
@@ -65,14 +65,21 @@ class Cli:
     """For a shared option: the field name the configs give it, which ``field_ref(SHARED)`` names."""
 
 
-def cli_field(default: Any = dataclasses.MISSING, cli: Cli | None = None, **spec: Any) -> Any:
+def cli_field(
+    default: Any = dataclasses.MISSING,
+    cli: Cli | None = None,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    **spec: Any,
+) -> Any:
     """A dataclass field with a command-line spelling: ``cli_field(5, help="...")`` or
-    ``cli_field(0, cli=SEED)`` for a shared option."""
+    ``cli_field(0, cli=SEED)`` for a shared option; ``metadata`` adds what a config declares beside it
+    (train/config.py: the option's resume rule)."""
     if cli is None:
         cli = Cli(**spec)
     elif spec:
         cli = dataclasses.replace(cli, **spec)
-    return dataclasses.field(default=default, metadata={CLI_KEY: cli})
+    return dataclasses.field(default=default, metadata={**(metadata or {}), CLI_KEY: cli})
 
 
 def cli_spec(f: dataclasses.Field[Any]) -> Cli | None:
@@ -103,25 +110,6 @@ def field_ref(owner: type[Any] | str | Cli, name: str | None = None) -> str:
                 f"{owner_name}.{name} is not a command-line option (no such field, or no one flag)"
             )
     return f"`{owner_name}.{name}`"
-
-
-def flag_of(name: str, spec: Cli) -> str:
-    """Deprecated: the flag of a field, for the modules of ``train/`` not yet naming fields with
-    ``option``; ``cli.flags.spelling`` is the command line's own."""
-    return spec.flag or "--" + name.replace("_", "-")
-
-
-def flag(owner: type[Any] | Cli, name: str | None = None) -> str:
-    """Deprecated: ``option``'s marker spelled as the flag, for the modules of ``train/`` not yet
-    naming fields with ``option``; ``cli.flags.flag`` is the command line's own."""
-    field_ref(owner, name)
-    if isinstance(owner, Cli):
-        assert owner.flag is not None
-        return owner.flag
-    assert name is not None
-    spec = cli_spec({f.name: f for f in dataclasses.fields(owner)}[name])
-    assert spec is not None
-    return flag_of(name, spec)
 
 
 def literal_choices(hint: Any) -> tuple[Any, ...] | None:

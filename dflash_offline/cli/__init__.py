@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from dflash_offline.cli.flags import render
+from dflash_offline.cli.flags import FlagsOnStream, render
 from dflash_offline.errors import DflashError, NoSpaceError, find_no_space
 
 # command name -> "module:attribute" of its click command, in the order --help lists them.
@@ -63,6 +63,10 @@ class LazyGroup(click.Group):
         return command
 
     def invoke(self, ctx: click.Context) -> Any:
+        # Notes printed by the library in this process name options by field; the user reads flags.
+        # (Ranks started as processes of their own print through their own sys.stderr.)
+        stderr = sys.stderr
+        sys.stderr = FlagsOnStream(stderr)  # type: ignore[assignment]
         try:
             return super().invoke(ctx)
         except DflashError as e:
@@ -77,6 +81,8 @@ class LazyGroup(click.Group):
                 # be): the user's to fix, so one line naming it. Other OSErrors keep their traceback.
                 raise click.ClickException(f"{e.filename}: {e.strerror}") from e
             raise
+        finally:
+            sys.stderr = stderr
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

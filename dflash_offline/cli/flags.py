@@ -109,3 +109,20 @@ def _nested_configs() -> dict[str, type[Any]]:
                 if isinstance(a, type) and dataclasses.is_dataclass(a)
             )
     return found
+
+
+class FlagsOnStream:
+    """A text stream that writes through ``render``: the command line puts it in place of
+    ``sys.stderr`` while a command runs, so the library's notes and warnings, which name options by
+    their config field (``config_fields.field_ref``), reach a command-line user with the flags. Every
+    other attribute is the wrapped stream's (``fileno``, ``isatty``, ``encoding`` for progress bars)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(render(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

@@ -21,7 +21,7 @@ import torch
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.export import ARCHITECTURE, CONFIG_FILE, README_FILE, WEIGHTS_FILE
 from dflash_offline.errors import ConfigError, DivergedError, NoSpaceError, ResumeError
 from dflash_offline.placement import DistInfo
@@ -312,14 +312,15 @@ def diverged_error(out_dir: Path, what: str, *, step: int, stopped_after: int) -
         saved_step, path = found[-1]
         keep = (
             f"the newest checkpoint, {path.name} (step {saved_step}), holds finite weights: rerun with a "
-            f"lower {flag(TrainConfig, 'lr')} to resume from it"
+            f"lower {field_ref(TrainConfig, 'lr')} to resume from it"
         )
     else:
-        keep = f"the run has no checkpoint: train again with a lower {flag(TrainConfig, 'lr')}"
+        keep = f"the run has no checkpoint: train again with a lower {field_ref(TrainConfig, 'lr')}"
     return DivergedError(
         f"training diverged: {what} {where}; stopped without "
         f"a checkpoint or export of the non-finite weights; {keep} (a larger "
-        f"{flag(TrainConfig, 'warmup_ratio')} or a smaller {flag(TrainConfig, 'grad_clip')} may help too)"
+        f"{field_ref(TrainConfig, 'warmup_ratio')} or a smaller "
+        f"{field_ref(TrainConfig, 'grad_clip')} may help too)"
     )
 
 
@@ -377,9 +378,9 @@ def _run_layout(config: TrainConfig, stored: ResumeContract) -> tuple[TrainConfi
         if run_values[name] is not None and run_values[name] != getattr(config, name)
     }
     flags = {
-        "grad_accum": flag(TrainConfig, "grad_accum"),
-        "tokens_per_microbatch": flag(TrainConfig, "tokens_per_microbatch"),
-        "num_anchors": flag(TrainConfig, "num_anchors"),
+        "grad_accum": field_ref(TrainConfig, "grad_accum"),
+        "tokens_per_microbatch": field_ref(TrainConfig, "tokens_per_microbatch"),
+        "num_anchors": field_ref(TrainConfig, "num_anchors"),
     }
     notes = [
         f"resuming with the run's own {flags[name]} {value} (left to the device's default, "

@@ -6,7 +6,7 @@ import enum
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,9 +19,7 @@ from dflash_offline.config_fields import (
     WORKERS,
     check_fields,
     cli_field,
-    cli_spec,
-    flag,
-    flag_of,
+    field_ref,
 )
 from dflash_offline.drafter_shape import (
     DEFAULT_BLOCK_SIZE,
@@ -33,22 +31,45 @@ from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import parse_gpus
 from dflash_offline.train.snapshot import IndexSnapshot
 
+
+class Rule(enum.Enum):
+    """What a resume may do with one ``dflash train`` option (or a field of the resume contract), declared
+    beside each option: ``cli_field(..., metadata=on_resume(Rule.FIXED))``."""
+
+    FIXED = "refused when it differs"
+    TOPOLOGY = "differs only where the invocation allows a topology change"
+    APPLIED = "taken from this invocation, announced"
+    FREE = "taken from this invocation, unchecked"
+
+
+RESUME_KEY = "resume"
+"""The ``dataclasses.field`` metadata key holding an option's ``Rule``."""
+ABSENT_KEY = "absent"
+"""The metadata key holding what a config.json written before the option existed means by its absence."""
+
+
+_NOT_NEWER = object()
+"""``on_resume``'s ``absent`` when every run's config.json holds the option."""
+
+
+def on_resume(rule: Rule, *, absent: Any = _NOT_NEWER) -> dict[str, Any]:
+    """The metadata of a ``TrainConfig`` field: its resume ``rule``, and for an option newer than some
+    runs' config.json, ``absent=`` the value that means what those runs did (not today's default)."""
+    return {RESUME_KEY: rule} if absent is _NOT_NEWER else {RESUME_KEY: rule, ABSENT_KEY: absent}
+
+
+def resume_rule(f: Field[Any]) -> Rule:
+    """The resume rule a ``TrainConfig`` field declares (``ValueError`` naming the field if none)."""
+    rule = f.metadata.get(RESUME_KEY)
+    if not isinstance(rule, Rule):
+        raise ValueError(
+            f"TrainConfig.{f.name} declares no resume rule: add metadata=on_resume(Rule....) to it"
+        )
+    return rule
+
+
 # ─── The options ────────────────────────────────────────────────────────────────────────────────────────────
 # The typed configuration of ``dflash train``.
-
-
-OPTIONS_ADDED_SINCE: dict[str, Any] = {
-    "train_samples": None,
-    "feature_scale": "none",
-    "final_norm_init": 1.0,
-    "init_from": None,
-    "follow": False,
-    "passes": 2,
-}
-"""Options newer than some runs' config.json, each by the value that means what those runs did (every sample
-not held out trained on; features fed to fc unscaled; the final norm's weight initialised to 1.0, the
-defaults before the recipe change; random initial weights): a run read back (resume, export) gets these,
-not today's defaults."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,29 +105,33 @@ class TrainConfig:
     cache_dir: Path = cli_field(
         cli=CACHE,
         help="Cache written by `dflash generate` (a run still writing is fine: its committed samples).",
+        metadata=on_resume(Rule.FREE),
     )
     out_dir: Path = cli_field(
         flag="--out",
         path="dir",
         required=True,
         help="Run directory: config, snapshot, metrics.jsonl, checkpoints/, drafter/ (the export).",
+        metadata=on_resume(Rule.FREE),
     )
     target: str | None = cli_field(
         None,
         help="Target for the frozen embedding and LM head (default: the cache's, when it is "
         "`default` or random:<preset>).",
+        metadata=on_resume(Rule.FIXED),
     )
     """Where the frozen embedding and LM head come from; None = the cache's target when it is
     ``default`` or ``random:<preset>`` (a model directory must be named again: the cache stores
     only its name)."""
     # The drafter (docs/drafter.md#defaults).
-    num_layers: int = cli_field(DEFAULT_NUM_LAYERS, min=1, max=64)
+    num_layers: int = cli_field(DEFAULT_NUM_LAYERS, min=1, max=64, metadata=on_resume(Rule.FIXED))
     block_size: int = cli_field(
         DEFAULT_BLOCK_SIZE,
         min=MIN_BLOCK_SIZE,
         max=MAX_BLOCK_SIZE,
         why="a block is drafted in one forward and its attention grows with num_anchors × block_size; "
         "DFlash uses 8–16",
+        metadata=on_resume(Rule.FIXED),
     )
     num_anchors: int = cli_field(
         0,
@@ -114,18 +139,24 @@ class TrainConfig:
         max=65536,
         help=f"Blocks per microbatch row (default 0: one per {TOKENS_PER_ANCHOR} tokens of "
         "--tokens-per-microbatch).",
+        metadata=on_resume(Rule.FIXED),
     )
     """Anchors per microbatch row (the packed row is one 'sequence'); 0 = ``tokens_per_microbatch //
     TOKENS_PER_ANCHOR``, resolved when the config is built."""
     gamma: float | None = cli_field(
-        None, min=0, min_open=True, help="Loss decay γ (default: 7 for B=16, 5 for 10, 4 for 8)."
+        None,
+        min=0,
+        min_open=True,
+        help="Loss decay γ (default: 7 for B=16, 5 for 10, 4 for 8).",
+        metadata=on_resume(Rule.FIXED),
     )
     """Loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8."""
-    mask_token_id: int | None = cli_field(None, min=0)
+    mask_token_id: int | None = cli_field(None, min=0, metadata=on_resume(Rule.FIXED))
     feature_scale: Literal["none", "layer", "dim"] = cli_field(
         "dim",
         help="Fixed multiplier on the features before fc from cache statistics: 1/RMS per dimension or "
         "per captured layer (against massive activations), or none; folded into fc.weight at export.",
+        metadata=on_resume(Rule.FIXED, absent="none"),
     )
     """A fixed multiplier on the features before fc, from cache statistics (train/loader.py):
     1/RMS per feature dimension (dim) or per captured layer (layer); folded into fc.weight at export.
@@ -138,6 +169,7 @@ class TrainConfig:
         min_open=True,
         help="Initial weight of the drafter's final RMSNorm (small: the untrained drafter's logits start "
         "near uniform instead of confidently wrong; first loss ≈ ln V instead of ≈ 72 on SmolLM2).",
+        metadata=on_resume(Rule.FREE, absent=1.0),
     )
     """Initial value of every weight of the drafter's final RMSNorm. With a tied head of row norm ~3
     (SmolLM2), a unit-RMS hidden of width 576 gives logits spread over tens of units, so the untrained
@@ -149,28 +181,32 @@ class TrainConfig:
         "drafter) instead of random ones: its shape must be this run's (layers, block size, the cache's "
         "target layers, the target's sizes, mask token); --final-norm-init does not apply, the optimizer and "
         "LR schedule start afresh, and dflash eval also holds out what that drafter's own run trained on.",
+        metadata=on_resume(Rule.FIXED, absent=None),
     )
     """An export whose weights a fresh run starts from (``model_setup.init_weights_from``; a resume takes
     the checkpoint's). Stored absolute, so that ``dflash eval`` finds that drafter's run from anywhere
     (eval/prompts.py: held out from both runs' training samples)."""
     # Optimisation.
     autocast: Literal["auto", "bf16", "off"] = cli_field(
-        "auto", help="bf16 autocast of the forward: auto = on GPUs only (measure before using it on a CPU)."
+        "auto",
+        help="bf16 autocast of the forward: auto = on GPUs only (measure before using it on a CPU).",
+        metadata=on_resume(Rule.FREE),
     )
     """bf16 autocast of the forward (weights stay fp32): auto = on CUDA only. On the 2-core
     development CPU a SmolLM2-width step took 6.0 s with bf16 against 2.2 s in float32."""
-    optimizer: Literal["adamw", "sgd"] = cli_field("adamw")
+    optimizer: Literal["adamw", "sgd"] = cli_field("adamw", metadata=on_resume(Rule.FIXED))
     """AdamW (fp32 master weights) by default; plain SGD makes gradients comparable across topologies
     (Adam's per-element normalisation amplifies float summation noise on near-zero gradients)."""
-    lr: float = cli_field(6e-4, min=0, min_open=True)
-    weight_decay: float = cli_field(0.0, min=0)
-    warmup_ratio: float = cli_field(0.04, min=0, max=1, max_open=True)
-    grad_clip: float = cli_field(1.0, min=0, min_open=True)
-    epochs: int = cli_field(6, min=1)
+    lr: float = cli_field(6e-4, min=0, min_open=True, metadata=on_resume(Rule.APPLIED))
+    weight_decay: float = cli_field(0.0, min=0, metadata=on_resume(Rule.APPLIED))
+    warmup_ratio: float = cli_field(0.04, min=0, max=1, max_open=True, metadata=on_resume(Rule.APPLIED))
+    grad_clip: float = cli_field(1.0, min=0, min_open=True, metadata=on_resume(Rule.APPLIED))
+    epochs: int = cli_field(6, min=1, metadata=on_resume(Rule.APPLIED))
     max_steps: int | None = cli_field(
         None,
         min=1,
         help="Stop after this many optimizer steps (or at the end of --epochs, whichever is first).",
+        metadata=on_resume(Rule.APPLIED),
     )
     """Stop after this many optimizer steps, or at the end of ``epochs``: whichever comes first."""
     grad_accum: int = cli_field(
@@ -178,6 +214,7 @@ class TrainConfig:
         min=0,
         help=f"Microbatches per GPU and step (a step mixes grad-accum × GPUs microbatches of all lengths; "
         f"default 0: {GPU_LAYOUT.grad_accum} on GPUs, {CPU_LAYOUT.grad_accum} on CPU workers).",
+        metadata=on_resume(Rule.TOPOLOGY),
     )
     """Microbatches per rank and step: a step draws grad_accum × world_size microbatches across
     buckets, so with one GPU and grad_accum 1 each step holds a single length bucket (the buckets still
@@ -189,12 +226,14 @@ class TrainConfig:
         max=1 << 24,
         help=f"Tokens packed into one microbatch (default 0: {GPU_LAYOUT.tokens_per_microbatch} on GPUs, "
         f"{CPU_LAYOUT.tokens_per_microbatch} on CPU workers).",
+        metadata=on_resume(Rule.FIXED),
     )
     """0 = by device, ``GPU_LAYOUT`` or ``CPU_LAYOUT``, resolved when the config is built."""
     fuse_microbatches: bool = cli_field(
         False,
         help="Pack this GPU's --grad-accum microbatches of a step into one row: one forward of their tokens "
         "and blocks (--num-anchors each), their length buckets mixed within the step.",
+        metadata=on_resume(Rule.FREE),
     )
     """One forward of a rank's microbatches of a step, packed one after the other (``microbatch.fuse_step``):
     the step of ``--grad-accum 4 --tokens-per-microbatch 8192 --fuse-microbatches`` has the tokens, blocks
@@ -203,24 +242,34 @@ class TrainConfig:
     a row, so a fused row trains as its microbatches would, up to the anchors drawn (one draw over the row,
     seeded by its samples). Not measured on a GPU yet: off by default."""
     # Data path.
-    prefetch: int = cli_field(4, min=1, max=1024, help="Microbatches prepared ahead.")
-    loader_threads: int = cli_field(4, min=1, max=256)
+    prefetch: int = cli_field(
+        4, min=1, max=1024, help="Microbatches prepared ahead.", metadata=on_resume(Rule.FREE)
+    )
+    loader_threads: int = cli_field(4, min=1, max=256, metadata=on_resume(Rule.FREE))
     # Run management.
-    seed: int = cli_field(0, cli=SEED)
-    deterministic: bool = cli_field(False, help="Deterministic kernels (same loss curve across runs).")
-    checkpoint_every: int = cli_field(500, min=1)
-    keep_checkpoints: int = cli_field(2, min=1)
+    seed: int = cli_field(0, cli=SEED, metadata=on_resume(Rule.FIXED))
+    deterministic: bool = cli_field(
+        False, help="Deterministic kernels (same loss curve across runs).", metadata=on_resume(Rule.FREE)
+    )
+    checkpoint_every: int = cli_field(500, min=1, metadata=on_resume(Rule.FREE))
+    keep_checkpoints: int = cli_field(2, min=1, metadata=on_resume(Rule.FREE))
     resume: Literal["auto", "never"] = cli_field(
-        "auto", help="auto: continue from the newest checkpoint in --out, if any."
+        "auto",
+        help="auto: continue from the newest checkpoint in --out, if any.",
+        metadata=on_resume(Rule.FREE),
     )
     allow_topology_change: bool = cli_field(
-        False, help="Resume with another world size / grad accumulation (the epoch is re-planned)."
+        False,
+        help="Resume with another world size / grad accumulation (the epoch is re-planned).",
+        metadata=on_resume(Rule.FREE),
     )
     """Resume even though the world size or grad_accum differs from the checkpoint's
     (train/config.py decides; the planner re-plans the rest of the epoch)."""
-    attention: Literal["auto", "flex", "sdpa"] = cli_field("auto")
+    attention: Literal["auto", "flex", "sdpa"] = cli_field("auto", metadata=on_resume(Rule.FREE))
     export_initial: bool = cli_field(
-        False, help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval)."
+        False,
+        help="Also export the untrained drafter to OUT/drafter-initial (a baseline for dflash eval).",
+        metadata=on_resume(Rule.FREE),
     )
     """Also export the untrained drafter to RUN/drafter-initial (the baseline for eval)."""
     log_every: int = cli_field(
@@ -228,6 +277,7 @@ class TrainConfig:
         min=1,
         help="Write metrics every N steps (and at validation and the last step); reading them back from "
         "a GPU waits for it, so a large N lets the host run ahead.",
+        metadata=on_resume(Rule.FREE),
     )
     """Metrics are read back from the device (a host sync) and written every ``log_every`` steps, at
     every validation and at the last step; in between they stay on the device."""
@@ -239,16 +289,21 @@ class TrainConfig:
         max_open=True,
         help="Hold out this fraction of the cache's samples (chosen by a hash of the sample id: the same "
         "ones on every resume and world size) for validation; 0: none.",
+        metadata=on_resume(Rule.FIXED),
     )
     """Share of the samples held out for validation (train/split.py); 0 turns validation off."""
     val_samples: int | None = cli_field(
-        None, min=1, help="Hold out this many samples instead of --val-fraction (those of smallest hash)."
+        None,
+        min=1,
+        help="Hold out this many samples instead of --val-fraction (those of smallest hash).",
+        metadata=on_resume(Rule.FIXED),
     )
     """Hold out exactly this many samples (the smallest hashes) instead of ``val_fraction``."""
     val_group: Literal["sample", "root-id"] = cli_field(
         "sample",
         help="What is held out together: each sample alone, or (root-id) every record of one conversation "
         "(ShareGPT's X_0, X_11, … share the root X; read from the data file the cache was generated from).",
+        metadata=on_resume(Rule.FIXED),
     )
     """``sample``: each sample is its own group; ``root-id``: the records of one conversation are held out
     (or trained on) together (train/split.py)."""
@@ -259,6 +314,7 @@ class TrainConfig:
         "of the sample id (with --val-group root-id, of the conversation root: whole conversations, so at "
         "least N). The validation split does not depend on N; the same N takes the same samples on every "
         "resume and world size, and a larger N a superset of a smaller N's (nested data-scaling runs).",
+        metadata=on_resume(Rule.FIXED, absent=None),
     )
     """Train on this many of the samples not held out (train/split.py: the smallest training keys, whole
     groups); None: all of them. More than there are is refused."""
@@ -268,6 +324,7 @@ class TrainConfig:
         help="Validate every N steps and at the end: loss, accuracy per position, simulated, per-block and "
         "chain τ; OUT/drafter is the export of the best validation chain τ, OUT/drafter-last the last "
         "weights.",
+        metadata=on_resume(Rule.APPLIED),
     )
     val_chain_tokens: int = cli_field(
         256,
@@ -275,6 +332,7 @@ class TrainConfig:
         help="Validation chain τ (the best export's and --early-stop's criterion) walks `dflash eval`'s "
         "draft-verify cycles over the first N answer tokens of every assistant turn: as "
         "`dflash eval --max-new-tokens N` decodes them.",
+        metadata=on_resume(Rule.APPLIED),
     )
     """Answer tokens per assistant turn that ``val_chain_tau`` covers (train/validation.py): eval's
     ``--max-new-tokens`` for the τ to compare with ``dflash eval``'s."""
@@ -282,6 +340,7 @@ class TrainConfig:
         None,
         min=1,
         help="Stop (checkpointed, a clean end) after K validations without a better validation chain τ.",
+        metadata=on_resume(Rule.APPLIED),
     )
     """Stop after this many validations in a row without a better validation chain τ (a clean end)."""
     compile: Literal["auto", "on", "off"] = cli_field(
@@ -289,6 +348,7 @@ class TrainConfig:
         help="torch.compile the drafter's layers around attention (fused kernels; numbers close to, not "
         "equal to, eager ones): auto = on GPUs (1.23–1.29× a training step's tokens/s on an H200, "
         "bench/train_step.py), off on a CPU and under --deterministic (its loss curve stays eager's).",
+        metadata=on_resume(Rule.FREE),
     )
     """torch.compile of the drafter's per-layer work around attention (``DFlashDrafter.compile_training``),
     resolved by ``train/trainer.py:compiles``: auto = on CUDA unless ``deterministic``. On one H200 a training
@@ -303,10 +363,15 @@ class TrainConfig:
         path="dir",
         help="Write TensorBoard event files to DIR (default: OUT/tb when the tensorboard package is "
         "installed: pip install 'dflash-offline[tensorboard]').",
+        metadata=on_resume(Rule.FREE),
     )
     """Explicit event-file directory (``--tensorboard DIR``): then the package is required."""
     tensorboard: bool = cli_field(
-        True, flag="--no-tensorboard", negate=True, help="Write no TensorBoard event files."
+        True,
+        flag="--no-tensorboard",
+        negate=True,
+        help="Write no TensorBoard event files.",
+        metadata=on_resume(Rule.FREE),
     )
     """Write TensorBoard event files: to ``tensorboard_dir``, else to RUN/tb when the package is there."""
     on_damaged: Literal["stop", "skip"] = cli_field(
@@ -314,6 +379,7 @@ class TrainConfig:
         help="A damaged sample when read (a missing or truncated shard file, a chunk that does not decode, a "
         "zarr.json unlike the writer's, a failed checksum): stop naming it, or skip it (recorded in "
         "RUN/damaged_samples.jsonl, reported at the end).",
+        metadata=on_resume(Rule.FREE),
     )
     """A sample failing its crc32c when read: ``stop`` the run naming it, or ``skip`` it (recorded in
     RUN/damaged_samples.jsonl, announced at the end)."""
@@ -323,6 +389,7 @@ class TrainConfig:
         "sealed stores for --passes epochs as it arrives, retire (delete) the stores whose samples had their "
         "passes once a checkpoint records it, and end once the generate run finished and every store was "
         "trained (docs/follow.md).",
+        metadata=on_resume(Rule.FREE, absent=False),
     )
     """Follow a disk window (``train/follow.py``): segments of sealed stores, each trained ``passes``
     epochs in RUN/segments/<k>, then retired."""
@@ -331,28 +398,30 @@ class TrainConfig:
         min=1,
         help="With --follow: epochs over each sample before its store is retired. Default 2: training runs "
         "about 2.3x the tokens/s of generate on one H100 (fp8, SmolLM2), so two passes keep both busy.",
+        metadata=on_resume(Rule.FREE, absent=2),
     )
     """Passes over every sample under ``follow``: 2 by default, since training's tokens/s is about 2.3×
     generate's on one H100 (docs/follow.md): more passes leave generate waiting, fewer leave training idle."""
-    export_at_end: bool = True
-    layout_by_device: tuple[str, ...] = ()
+    export_at_end: bool = field(default=True, metadata=on_resume(Rule.FREE))
+    layout_by_device: tuple[str, ...] = field(default=(), metadata=on_resume(Rule.FREE))
     """The fields of grad_accum, tokens_per_microbatch and num_anchors that were left to the device's
     default (0) and resolved here: a resume takes the run's own values for those instead (a run started
     before the default changed, or on another kind of device, continues as it began)."""
     # Placement.
-    gpus: tuple[int, ...] = cli_field((), cli=GPUS, parse=parse_gpus)
-    num_cpu_workers: int = cli_field(1, cli=WORKERS)
-    threads_per_worker: int = cli_field(0, cli=THREADS)
-    progress: bool = cli_field(True, cli=PROGRESS)
+    gpus: tuple[int, ...] = cli_field((), cli=GPUS, parse=parse_gpus, metadata=on_resume(Rule.FREE))
+    num_cpu_workers: int = cli_field(1, cli=WORKERS, metadata=on_resume(Rule.FREE))
+    threads_per_worker: int = cli_field(0, cli=THREADS, metadata=on_resume(Rule.FREE))
+    progress: bool = cli_field(True, cli=PROGRESS, metadata=on_resume(Rule.FREE))
 
     def _check_out_beside_cache(self) -> None:
         """--out inside the cache would mix the run's files (and its ``lock``) into the cache's."""
         cache, out = Path(self.cache_dir).resolve(), Path(self.out_dir).resolve()
         if out == cache or cache in out.parents:
-            out_flag = flag(TrainConfig, "out_dir")
+            out_flag = field_ref(TrainConfig, "out_dir")
             raise ConfigError(
-                f"{out_flag} {self.out_dir} is inside {flag(CACHE)} {self.cache_dir}: the run directory and "
-                f"the cache would share files (both hold a `lock`); choose an {out_flag} outside the cache"
+                f"{out_flag} {self.out_dir} is inside {field_ref(CACHE)} {self.cache_dir}: the run "
+                f"directory and the cache would share files (both hold a `lock`); choose an {out_flag} "
+                "outside the cache"
             )
 
     def _resolve_layout(self) -> None:
@@ -372,8 +441,8 @@ class TrainConfig:
             object.__setattr__(self, "tokens_per_microbatch", layout.tokens_per_microbatch)
         if self.tokens_per_microbatch == 1:
             raise ConfigError(
-                f"{flag(TrainConfig, 'tokens_per_microbatch')} 1: a microbatch needs an anchor and the token "
-                "it drafts (≥ 2; 0 = the device's default)"
+                f"{field_ref(TrainConfig, 'tokens_per_microbatch')} 1: a microbatch needs an anchor "
+                "and the token it drafts (≥ 2; 0 = the device's default)"
             )
         if self.num_anchors == 0:
             object.__setattr__(self, "num_anchors", max(1, self.tokens_per_microbatch // TOKENS_PER_ANCHOR))
@@ -385,11 +454,11 @@ class TrainConfig:
         if self.init_from is not None and not self.init_from.is_absolute():
             object.__setattr__(self, "init_from", Path(os.path.abspath(self.init_from)))
         if self.tensorboard_dir is not None:
-            tensorboard_dir = flag(TrainConfig, "tensorboard_dir")
+            tensorboard_dir = field_ref(TrainConfig, "tensorboard_dir")
             if not self.tensorboard:
                 raise ConfigError(
-                    f"{tensorboard_dir} DIR and {flag(TrainConfig, 'tensorboard')} contradict each other: "
-                    "give one"
+                    f"{tensorboard_dir} DIR and {field_ref(TrainConfig, 'tensorboard')} contradict "
+                    "each other: give one"
                 )
             from dflash_offline.tensorboard import require_tensorboard
 
@@ -439,12 +508,25 @@ class TrainConfig:
         return cls(**values)
 
 
+OPTION_RULES: Mapping[str, Rule] = {f.name: resume_rule(f) for f in fields(TrainConfig)}
+"""What a resume may do with each ``TrainConfig`` field, as the field declares it."""
+
+OPTIONS_ADDED_SINCE: Mapping[str, Any] = {
+    f.name: f.metadata[ABSENT_KEY] for f in fields(TrainConfig) if ABSENT_KEY in f.metadata
+}
+"""Options newer than some runs' config.json, each by the value that means what those runs did (every sample
+not held out trained on; features fed to fc unscaled; the final norm's weight initialised to 1.0, the
+defaults before the recipe change; random initial weights; no follow run): a run read back (resume, export)
+gets these, not today's defaults. Each field declares it (``on_resume(..., absent=)``)."""
+
+
 # ─── The resume contract ────────────────────────────────────────────────────────────────────────────────────
 # Whether ``dflash train`` may continue a run: one record, compared once.
 #
 # A resume continues a run's drafter, optimizer and sample plan where its checkpoint left them, so it must
 # ask for the same tensors, loss and samples. ``ResumeContract`` holds everything that decides it, and
-# ``RULES`` says what each of its fields allows:
+# ``RULES`` says what each of its fields allows. Each option declares its own rule beside it
+# (``metadata=on_resume(Rule....)`` in ``TrainConfig``; ``OPTION_RULES``), and ``RULES`` is derived from them:
 #
 # - ``FIXED``: the options that define the drafter's tensors or its loss, the seed and token budget that shape
 #   the sample plan, the validation split, the training subset (``--train-samples``) and the training samples
@@ -452,44 +534,30 @@ class TrainConfig:
 # - ``TOPOLOGY``: the world size and ``grad_accum``: changed only with ``allow_topology_change`` (the
 #   planner then plans the rest of the interrupted epoch over its remaining samples, each still once);
 # - ``APPLIED``: the optimizer hyper-parameters, the run length and the validation schedule: taken over from
-#   the command line, each change announced.
-#
-# Options outside ``RULES`` (threads, prefetch, checkpointing, logging, ...) change neither the drafter nor
-# the plan nor the schedule: a resume takes them as given.
+#   the command line, each change announced;
+# - ``FREE``: options (threads, prefetch, checkpointing, logging, ...) that change neither the drafter nor
+#   the plan nor the schedule: a resume takes them as given, outside ``RULES``.
 #
 # The stored contract is what the run saved: its options in ``RUN/config.json``, its plan (seed, token
 # budget, topology, training samples) in the checkpoint's planner state, since a topology change between two
 # checkpoints is recorded there. ``check_resume`` compares it with this invocation's once, after the
 # checkpoint is read and before any of it is applied, and names every field that differs in one
-# ``ResumeError`` line, each by its option's flag (``config_fields.flag_of``).
+# ``ResumeError`` line, each by its field (``config_fields.field_ref``; the command line shows the flag).
 #
 # Not compatibility, so decided where the files are read: whether a checkpoint loads at all
 # (train/checkpoint.py: a corrupt newest one is set aside for the previous one; a format this version does
 # not read is refused), and whether a run directory or a checkpoint exists (train/checkpoint.py).
 
 
-class Rule(enum.Enum):
-    """What a resume may do with one field of the contract."""
+_PLAN_FIELDS = ("seed", "tokens_per_microbatch", "snapshot", "world_size", "grad_accum")
+"""The fields of ``RULES`` that the checkpoint records (the others are options of config.json)."""
 
-    FIXED = "refused when it differs"
-    TOPOLOGY = "differs only where the invocation allows a topology change"
-    APPLIED = "taken from this invocation, announced"
+_RUN_RULES: Mapping[str, Rule] = {"snapshot": Rule.FIXED, "world_size": Rule.TOPOLOGY}
+"""The fields of ``RULES`` that are not options: the training samples, and the ranks (the options ``gpus``
+and ``num_cpu_workers`` only count them)."""
 
-
-FIXED_OPTIONS = (
-    "target",
-    "num_layers",
-    "block_size",
-    "num_anchors",
-    "gamma",
-    "mask_token_id",
-    "optimizer",
-    "feature_scale",
-    "val_fraction",
-    "val_samples",
-    "val_group",
-    "train_samples",
-    "init_from",
+FIXED_OPTIONS = tuple(
+    name for name, rule in OPTION_RULES.items() if rule is Rule.FIXED and name not in _PLAN_FIELDS
 )
 """``TrainConfig`` options that define the drafter's tensors or its loss, or which samples are trained on
 (the validation split, the training subset), or where its weights started."""
@@ -498,32 +566,23 @@ ADDED_OPTIONS: Mapping[str, Any] = {k: v for k, v in OPTIONS_ADDED_SINCE.items()
 """The options of ``FIXED_OPTIONS`` that some runs' config.json lacks, by the value that means what those
 runs did (config.py: ``OPTIONS_ADDED_SINCE``): a config.json without one is read with it."""
 
-APPLIED_OPTIONS = (
-    "lr",
-    "weight_decay",
-    "warmup_ratio",
-    "grad_clip",
-    "epochs",
-    "max_steps",
-    "val_every",
-    "val_chain_tokens",
-    "early_stop",
-)
+APPLIED_OPTIONS = tuple(name for name, rule in OPTION_RULES.items() if rule is Rule.APPLIED)
 """``TrainConfig`` options a resume takes over (the LR schedule is recomputed from them)."""
 
 RULES: Mapping[str, Rule] = {
     **{name: Rule.FIXED for name in FIXED_OPTIONS},
-    "seed": Rule.FIXED,
-    "tokens_per_microbatch": Rule.FIXED,  # it shapes every microbatch: no topology change re-plans it
-    "snapshot": Rule.FIXED,
-    "world_size": Rule.TOPOLOGY,
-    "grad_accum": Rule.TOPOLOGY,
+    **{name: _RUN_RULES.get(name) or OPTION_RULES[name] for name in _PLAN_FIELDS},
     **{name: Rule.APPLIED for name in APPLIED_OPTIONS},
 }
 """Every compared field of ``ResumeContract`` (an option by its ``TrainConfig`` name), in message order."""
 
-_PLAN_FIELDS = ("seed", "tokens_per_microbatch", "snapshot", "world_size", "grad_accum")
-"""The fields of ``RULES`` that the checkpoint records (the others are options of config.json)."""
+_LABELS: Mapping[str, str] = {
+    **{name: field_ref(TrainConfig, name) for name in RULES if name not in ("world_size", "snapshot")},
+    "world_size": f"{field_ref(TrainConfig, 'gpus')}/{field_ref(TrainConfig, 'num_cpu_workers')} "
+    "(world size)",
+}
+"""How a refusal names each field of ``RULES`` but the snapshot (its file name is read when needed);
+built at import, so a renamed option fails there."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, repr=False)
@@ -636,7 +695,8 @@ def check_resume(
         if missing:
             raise ResumeError(
                 f"{run_dir / 'config.json'} lacks {missing}: this dflash-offline did not write it; "
-                f"train into a new {_flag('out_dir')} (or pass {_flag('resume')} never to start over there)"
+                f"train into a new {field_ref(TrainConfig, 'out_dir')} (or pass "
+                f"{field_ref(TrainConfig, 'resume')} never to start over there)"
             )
     changes = contract_changes(stored, current)
     refused = [
@@ -659,29 +719,25 @@ def _refusal(refused: list[ContractChange], run_dir: Path) -> str:
     ways = [f"resume with the same {_and([_label(c.name) for c in refused])}"]
     if all(c.rule is Rule.TOPOLOGY for c in refused):
         ways.append(
-            f"pass {_flag('allow_topology_change')} to plan the rest of the epoch over its remaining samples"
+            f"pass {field_ref(TrainConfig, 'allow_topology_change')} to plan the rest of the epoch over its "
+            "remaining samples"
         )
-    ways.append(f"train into a new {_flag('out_dir')} (or pass {_flag('resume')} never to start over there)")
+    ways.append(
+        f"train into a new {field_ref(TrainConfig, 'out_dir')} (or pass {field_ref(TrainConfig, 'resume')} "
+        "never to start over there)"
+    )
     return f"{run_dir} was trained with {before}, this run asks for {now}; {', or '.join(ways)}"
 
 
 def _label(name: str) -> str:
-    """How the message names a field: its option's flag, derived from ``TrainConfig``."""
-    if name == "world_size":
-        return f"{_flag('gpus')}/{_flag('num_cpu_workers')} (world size)"
+    """How the message names a field of ``RULES``: its ``TrainConfig`` field marker (the command line
+    shows the flag)."""
     if name == "snapshot":
         # train/split.py imports this module: its file name is looked up here, not at import.
         from dflash_offline.train.split import SNAPSHOT_FILE
 
         return f"index snapshot ({SNAPSHOT_FILE})"
-    return _flag(name)
-
-
-def _flag(name: str) -> str:
-    """The command-line flag of ``TrainConfig`` field ``name``."""
-    spec = cli_spec(TrainConfig.__dataclass_fields__[name])
-    assert spec is not None, f"TrainConfig.{name} is a command-line option"
-    return flag_of(name, spec)
+    return _LABELS[name]
 
 
 def _and(items: list[str]) -> str:

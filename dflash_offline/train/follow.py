@@ -27,7 +27,7 @@ from dflash_offline.cache.window import (
     retire_store,
 )
 from dflash_offline.cache.window_records import StoreRetirement, WindowWait
-from dflash_offline.config_fields import GPUS, WORKERS, flag
+from dflash_offline.config_fields import GPUS, WORKERS, field_ref
 from dflash_offline.errors import ConfigError
 from dflash_offline.locking import hold_lock
 from dflash_offline.placement import under_torchrun
@@ -183,14 +183,14 @@ def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> Fo
     with hold_lock(config.out_dir, what="training run"):
         if list_checkpoints(config.out_dir):
             raise ConfigError(
-                f"{flag(TrainConfig, 'out_dir')} {config.out_dir} holds a training run without "
-                f"{flag(TrainConfig, 'follow')}: give a new directory"
+                f"{field_ref(TrainConfig, 'out_dir')} {config.out_dir} holds a training run without "
+                f"{field_ref(TrainConfig, 'follow')}: give a new directory"
             )
         state = read_follow_state(config.out_dir) or FollowState(passes=config.passes, segments=())
         if state.passes != config.passes:
             raise ConfigError(
-                f"{flag(TrainConfig, 'passes')} {config.passes}, but this run planned {state.passes} passes "
-                "for the stores it trained so far; continue it with the same value"
+                f"{field_ref(TrainConfig, 'passes')} {config.passes}, but this run planned "
+                f"{state.passes} passes for the stores it trained so far; continue it with the same value"
             )
         _wait_for_cache(config.cache_dir, poll_seconds)
         finish_retirements(config.cache_dir)  # files of stores retired by a run killed while deleting them
@@ -238,27 +238,28 @@ def _wait_for_cache(cache_dir: Path, poll_seconds: float) -> None:
 
 def check_follow_config(config: TrainConfig) -> None:
     """Options that do not go with ``--follow`` (each segment is a whole run of ``--passes`` epochs)."""
-    follow = flag(TrainConfig, "follow")
+    follow = field_ref(TrainConfig, "follow")
     if under_torchrun():
         raise ConfigError(
-            f"{follow} runs as one command: give it {flag(WORKERS)} or {flag(GPUS)} instead of torchrun"
+            f"{follow} runs as one command: give it {field_ref(WORKERS)} or {field_ref(GPUS)} "
+            "instead of torchrun"
         )
     refused = {
-        flag(TrainConfig, "max_steps"): config.max_steps,
-        flag(TrainConfig, "early_stop"): config.early_stop,
-        flag(TrainConfig, "train_samples"): config.train_samples,
-        flag(TrainConfig, "val_samples"): config.val_samples,
+        field_ref(TrainConfig, "max_steps"): config.max_steps,
+        field_ref(TrainConfig, "early_stop"): config.early_stop,
+        field_ref(TrainConfig, "train_samples"): config.train_samples,
+        field_ref(TrainConfig, "val_samples"): config.val_samples,
     }
     for option, value in refused.items():
         if value is not None:
             raise ConfigError(
                 f"{option} does not go with {follow}: each segment of stores is trained "
-                f"{flag(TrainConfig, 'passes')} epochs, then retired"
+                f"{field_ref(TrainConfig, 'passes')} epochs, then retired"
             )
     if config.val_group != "sample":
         raise ConfigError(
-            f"{flag(TrainConfig, 'val_group')} {config.val_group} does not go with {follow}: generate routes "
-            "validation samples into their own stores by the sample id alone"
+            f"{field_ref(TrainConfig, 'val_group')} {config.val_group} does not go with {follow}: "
+            "generate routes validation samples into their own stores by the sample id alone"
         )
 
 
@@ -273,8 +274,9 @@ def check_routing(config: TrainConfig) -> None:
         routed = float(generate.get("val_fraction", 0.0))
         if routed != config.val_fraction:
             raise ConfigError(
-                f"{flag(TrainConfig, 'val_fraction')} {config.val_fraction}, but generate run {run.run_id} "
-                f"routed a validation share of {routed} into stores never retired: give {routed} (else "
+                f"{field_ref(TrainConfig, 'val_fraction')} {config.val_fraction}, but generate run "
+                f"{run.run_id} routed a validation share of {routed} into stores never retired: give "
+                f"{routed} (else "
                 "samples this run validates on would be retired, or samples it trains on never)"
             )
 

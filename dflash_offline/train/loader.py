@@ -24,7 +24,7 @@ from dflash_offline.cache.lossy import LossyLayout, decode_rows
 from dflash_offline.cache.nf4 import Nf4Layout
 from dflash_offline.cache.reader import DamagedSample
 from dflash_offline.cache.rows import CachedSample, utc_now
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, ResumeError, WorkerError
@@ -322,7 +322,7 @@ class Prefetcher:
     ) -> None:
         if prefetch < 1 or num_threads < 1:
             raise ConfigError(
-                f"{flag(TrainConfig, 'prefetch')} and prefetch threads must be ≥ 1, got {prefetch} and "
+                f"{field_ref(TrainConfig, 'prefetch')} and prefetch threads must be ≥ 1, got {prefetch} and "
                 f"{num_threads}"
             )
         self._reader = reader

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dflash_offline import strict_json
 from dflash_offline import tensorboard as tb
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.loss import simulated_acceptance_length
 from dflash_offline.drafter.model import DrafterOutput
 from dflash_offline.errors import DataError
@@ -542,7 +542,7 @@ def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 break
             raise DataError(
                 f"{path}:{number} is not valid JSON ({e}): not a metrics file dflash train wrote; "
-                f"move it aside or train into another {flag(TrainConfig, 'out_dir')}"
+                f"move it aside or train into another {field_ref(TrainConfig, 'out_dir')}"
             ) from e
         if isinstance(record, dict):
             out.append((line, record))

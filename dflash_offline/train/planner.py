@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.rows import CachedSample
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.errors import ConfigError
 from dflash_offline.train.config import TrainConfig
@@ -525,8 +525,9 @@ class LengthMixingPlanner:
         if int(snapshot.num_tokens_N[longest]) > tokens_per_microbatch:
             raise ConfigError(
                 f"sample {snapshot.sample_ids[longest]!r} has {int(snapshot.num_tokens_N[longest])} tokens, "
-                f"more than {flag(TrainConfig, 'tokens_per_microbatch')} {tokens_per_microbatch}: raise the "
-                f"budget to at least {int(snapshot.num_tokens_N[longest])} or generate the cache "
+                f"more than {field_ref(TrainConfig, 'tokens_per_microbatch')} "
+                f"{tokens_per_microbatch}: raise the budget to at least "
+                f"{int(snapshot.num_tokens_N[longest])} or generate the cache "
                 "with a lower max_length"
             )
         self.snapshot = snapshot

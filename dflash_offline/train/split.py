@@ -47,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import CacheFormatError, ConfigError
 from dflash_offline.run_split import RunSplit, write_run_split
 from dflash_offline.train.config import TrainConfig
@@ -125,8 +125,9 @@ def training_mask(
     docstring); refuses ``num_samples`` beyond them."""
     if num_samples > len(sample_ids):
         raise ConfigError(
-            f"{flag(TrainConfig, 'train_samples')} {num_samples} asks for more samples than the run has to "
-            f"train on: {len(sample_ids)} (the snapshot's samples less the validation split); ask for at "
+            f"{field_ref(TrainConfig, 'train_samples')} {num_samples} asks for more samples than "
+            f"the run has to train on: {len(sample_ids)} (the snapshot's samples less the validation "
+            "split); ask for at "
             f"most {len(sample_ids)}, or generate more samples and train into a new run"
         )
     names = _group_names(sample_ids, groups)
@@ -186,9 +187,9 @@ def _split_validation(
     mask = validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples, groups=groups)
     if mask.all():
         what = (
-            f"{flag(TrainConfig, 'val_samples')} {num_samples}"
+            f"{field_ref(TrainConfig, 'val_samples')} {num_samples}"
             if num_samples is not None
-            else f"{flag(TrainConfig, 'val_fraction')} {fraction}"
+            else f"{field_ref(TrainConfig, 'val_fraction')} {fraction}"
         )
         raise ConfigError(
             f"{what} holds out all {len(snapshot)} samples of the cache, leaving none to train on: "
@@ -327,7 +328,7 @@ def reparsed_roots(
         example = next(s for s in sample_ids if s not in roots)
         read = ", ".join(str(i.data or "default") for i in inputs) or "none (no generate run is recorded)"
         gone = f"; not readable: {'; '.join(unreadable)}" if unreadable else ""
-        val_group = flag(TrainConfig, "val_group")
+        val_group = field_ref(TrainConfig, "val_group")
         raise ConfigError(
             f"{val_group} root-id needs the record id of every sample, read from the data files the "
             f"cache's generate runs read when the cache does not store it (format 1 or 2) ({read}{gone}); "

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dflash_offline.cache.fingerprint import CacheFingerprint
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.anchors import sample_anchors
 from dflash_offline.drafter.attention import AttentionBackend
 from dflash_offline.drafter.batch import DrafterInputs
@@ -56,8 +56,8 @@ def seed_everything(seed: int, *, deterministic: bool) -> None:
     cublas = os.environ.setdefault(CUBLAS_ENV, DETERMINISTIC_CUBLAS[0])
     if cublas not in DETERMINISTIC_CUBLAS:
         raise DeterminismError(
-            f"{flag(TrainConfig, 'deterministic')}: ${CUBLAS_ENV}={cublas!r} makes cuBLAS non-deterministic; "
-            f"unset it or set it to {' or '.join(DETERMINISTIC_CUBLAS)}"
+            f"{field_ref(TrainConfig, 'deterministic')}: ${CUBLAS_ENV}={cublas!r} makes cuBLAS "
+            f"non-deterministic; unset it or set it to {' or '.join(DETERMINISTIC_CUBLAS)}"
         )
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
@@ -77,23 +77,23 @@ def out_of_memory_named(config: TrainConfig, info: DistInfo, during: str) -> Ite
     try:
         yield
     except torch.OutOfMemoryError as e:
-        tokens_flag = flag(TrainConfig, "tokens_per_microbatch")
-        anchors_flag = flag(TrainConfig, "num_anchors")
-        accum_flag = flag(TrainConfig, "grad_accum")
+        tokens_flag = field_ref(TrainConfig, "tokens_per_microbatch")
+        anchors_flag = field_ref(TrainConfig, "num_anchors")
+        accum_flag = field_ref(TrainConfig, "grad_accum")
         tokens, anchors, accum = config.tokens_per_microbatch, config.num_anchors, config.grad_accum
         smaller = (
             f"{tokens_flag} {max(2, tokens // 4)} {anchors_flag} {max(1, anchors // 4)} "
             f"{accum_flag} {accum * 4}"
         )
         if config.fuse_microbatches:  # its rows hold the whole step: smaller ones need it off
-            smaller += f" without {flag(TrainConfig, 'fuse_microbatches')}"
+            smaller += f" without {field_ref(TrainConfig, 'fuse_microbatches')}"
         said = str(e).splitlines()[0] if str(e) else "out of memory"
         raise ConfigError(
             f"{during} ran out of memory on {info.device} with {tokens_flag} {tokens}, "
             f"{anchors_flag} {anchors} and {accum_flag} {accum}: a microbatch holds too much; start the "
             f"run again with smaller microbatches, e.g. {smaller} (the same tokens and blocks a step; a "
-            f"resume keeps {anchors_flag}, so give a new {flag(TrainConfig, 'out_dir')} or "
-            f"{flag(TrainConfig, 'resume')} never). The allocator said: {said}"
+            f"resume keeps {anchors_flag}, so give a new {field_ref(TrainConfig, 'out_dir')} or "
+            f"{field_ref(TrainConfig, 'resume')} never). The allocator said: {said}"
         ) from None
 
 
@@ -122,13 +122,13 @@ def target_spec_for(config_target: str | None, fingerprint: CacheFingerprint) ->
             return fingerprint.target_id
         raise ConfigError(
             f"the cache was generated with target {fingerprint.target_id!r}; pass "
-            f"{flag(TrainConfig, 'target')} with its model directory or .gguf file so that the drafter can "
-            "borrow its embedding and LM head"
+            f"{field_ref(TrainConfig, 'target')} with its model directory or .gguf file so that the "
+            "drafter can borrow its embedding and LM head"
         )
     info = target_info(resolve_target(config_target))
     if info.weights_hash != fingerprint.weights_hash:
         raise ConfigError(
-            f"{flag(TrainConfig, 'target')} {config_target!r} has weights hash {info.weights_hash}, the "
+            f"{field_ref(TrainConfig, 'target')} {config_target!r} has weights hash {info.weights_hash}, the "
             f"cache was generated with {fingerprint.weights_hash} ({fingerprint.target_id}): use the cache's "
             "target"
         )
@@ -184,9 +184,9 @@ have this run's."""
 def _how_to_match(name: str) -> str:
     """What makes a run match an export that differs from it in ``name``."""
     own = {  # the run's own options
-        "num_layers": flag(TrainConfig, "num_layers"),
-        "block_size": flag(TrainConfig, "block_size"),
-        "mask_token_id": flag(TrainConfig, "mask_token_id"),
+        "num_layers": field_ref(TrainConfig, "num_layers"),
+        "block_size": field_ref(TrainConfig, "block_size"),
+        "mask_token_id": field_ref(TrainConfig, "mask_token_id"),
     }
     if name in own:
         return f"pass {own[name]}"
@@ -204,7 +204,7 @@ def init_weights_from(model: DFlashDrafter, directory: Path) -> int:
     (up to rounding), whatever the two caches' statistics."""
     from dflash_offline.drafter.export import load_exported_drafter, read_export_config
 
-    init_from = flag(TrainConfig, "init_from")
+    init_from = field_ref(TrainConfig, "init_from")
     if not directory.is_dir():
         raise ConfigError(f"{init_from} {directory}: not a directory (an exported drafter: RUN/drafter)")
     try:

@@ -24,7 +24,7 @@ from torch import nn
 
 from dflash_offline import interrupt
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.interrupt import stop_requested
 from dflash_offline.locking import acquire_lock, hold_lock
@@ -373,14 +373,14 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
             )
             if groups is not None:
                 roots = {groups[s] for s in v.sample_ids}
-                val_group = flag(TrainConfig, "val_group")
+                val_group = field_ref(TrainConfig, "val_group")
                 note += f"; whole conversations: {len(roots)} roots ({val_group} root-id)"
         notes.append(note)
     if subsets:
         t = split.train
         note = (
             f"training on {len(t)} of {split.num_not_held_out} samples ({t.total_tokens:,} tokens; "
-            f"{flag(TrainConfig, 'train_samples')} {config.train_samples}, those of smallest hash"
+            f"{field_ref(TrainConfig, 'train_samples')} {config.train_samples}, those of smallest hash"
         )
         if groups is not None:
             note += f", whole conversations: {len({groups[s] for s in t.sample_ids})} roots"
@@ -634,7 +634,7 @@ def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: Valida
     if info.is_main:
         print(
             f"dflash train: {validation.stop_reason()} at step {opt.planner.position.global_step}; nothing "
-            f"to do (raise {flag(TrainConfig, 'early_stop')}, or leave it out, to train on)",
+            f"to do (raise {field_ref(TrainConfig, 'early_stop')}, or leave it out, to train on)",
             file=sys.stderr,
             flush=True,
         )
@@ -1129,10 +1129,10 @@ def run_training(config: TrainConfig, *, started_at: float | None = None) -> Tra
     One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
     second run into the same directory is refused naming the holder (``LockedError``)."""
     started_at = time.time() if started_at is None else started_at
-    check_writable_dir(config.out_dir, option=flag(TrainConfig, "out_dir"))
-    check_run_out(config.out_dir, option=flag(TrainConfig, "out_dir"))
+    check_writable_dir(config.out_dir, option=field_ref(TrainConfig, "out_dir"))
+    check_run_out(config.out_dir, option=field_ref(TrainConfig, "out_dir"))
     if config.tensorboard_dir is not None:
-        check_writable_dir(config.tensorboard_dir, option=flag(TrainConfig, "tensorboard_dir"))
+        check_writable_dir(config.tensorboard_dir, option=field_ref(TrainConfig, "tensorboard_dir"))
     if under_torchrun():
         info = dist_info_from_env(use_cuda=torch.cuda.is_available())
         if info.device.type == "cpu" and config.threads_per_worker > 0:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.config_fields import flag
+from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.anchors import eligible_anchor_mask
 from dflash_offline.drafter.attention import AttentionBackend
 from dflash_offline.drafter.batch import DrafterInputs
@@ -384,7 +384,7 @@ class ValidationTracker:
         if version not in (1, TRACKER_STATE_VERSION):
             raise ResumeError(
                 f"the checkpoint's validation tracker has version {version!r}, this dflash-offline reads "
-                f"{TRACKER_STATE_VERSION}; train into a new {flag(TrainConfig, 'out_dir')} directory"
+                f"{TRACKER_STATE_VERSION}; train into a new {field_ref(TrainConfig, 'out_dir')} directory"
             )
         tracked = "simulated τ" if version == 1 else f"chain τ over {state['chain_tokens']} tokens per turn"
         if version == 1 or int(state["chain_tokens"]) != self.chain_tokens:

@@ -195,7 +195,8 @@ def resolve(module: Any, imports: dict[str, tuple[str, str]], arg: ast.expr) -> 
 CALLS_CHECKED_ELSEWHERE = {
     "dflash_offline/cli/flags.py": "flag() is field_ref() spelled; arguments() is run by tests/test_demo.py, "
     "which parses every stage of the demo's recipe with the real commands",
-    "dflash_offline/config_fields.py": "flag() is field_ref() spelled for train/, whose calls this test runs",
+    "dflash_offline/config_fields.py": "invalid_values() names the field it checks, one with a one-flag Cli; "
+    "tests/cli/test_flags_in_cli_only.py renders a bounds error on the command line",
 }
 """Modules whose ``field_ref()``/``flag()`` of a variable, inside a function, another test runs."""
 

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import io
+import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
+from dflash_offline import cli as cli_module
 from dflash_offline import config_fields
 from dflash_offline.cli import main
-from dflash_offline.cli.flags import TOP_CONFIGS, _owner, flag, render
+from dflash_offline.cli.flags import TOP_CONFIGS, FlagsOnStream, _owner, flag, render
 from dflash_offline.config_fields import Cli, cli_spec
 from dflash_offline.data.sources import iter_records
 from dflash_offline.errors import ConfigError, DataError, TargetError
@@ -25,15 +29,12 @@ from dflash_offline.target_model.source import resolve_target
 PACKAGE = Path(__file__).resolve().parents[2] / "dflash_offline"
 
 SPELLING_FUNCTIONS = {"flag", "flag_of", "spelling", "render", "arguments"}
-"""The functions that turn a field into its flag (``cli/flags.py``, and the old ``config_fields`` ones)."""
+"""The functions that turn a field into its flag (``cli/flags.py``; ``config_fields`` stays watched so that
+no spelling function comes back there)."""
 SPELLING_MODULES = {"dflash_offline.cli.flags", "dflash_offline.config_fields"}
 
 ALLOWED = {"demo.py": "writes dflash command lines to run (cli.flags.arguments)"}
 """Modules outside ``cli/`` that spell flags on purpose, and why."""
-
-PENDING = ("train/", "config_fields.py")
-"""Not converted yet: train/ still calls ``config_fields.flag()``, kept for it until it names fields with
-``field_ref``; both go together (the last test below fails once train/ no longer needs them)."""
 
 
 def spellings(path: Path) -> list[str]:
@@ -83,11 +84,7 @@ def outside_cli() -> dict[str, list[str]]:
 
 
 def test_no_module_outside_cli_spells_a_flag() -> None:
-    unexpected = {
-        rel: where
-        for rel, where in outside_cli().items()
-        if rel not in ALLOWED and not rel.startswith(PENDING)
-    }
+    unexpected = {rel: where for rel, where in outside_cli().items() if rel not in ALLOWED}
     assert unexpected == {}
 
 
@@ -106,12 +103,6 @@ def test_the_check_catches_a_module_that_spells_a_flag(tmp_path: Path) -> None:
         "4: builds f'--{...}'",
         "5: calls flag()",
     ]
-
-
-def test_the_pending_exemption_is_still_needed() -> None:
-    """train/ still spells flags through ``config_fields.flag``; once it names fields with ``field_ref``
-    this fails: delete ``PENDING`` and ``config_fields.flag``/``flag_of``."""
-    assert any(rel.startswith("train/") for rel in outside_cli())
 
 
 def test_a_shared_option_is_named_by_the_field_every_config_gives_it() -> None:
@@ -207,3 +198,32 @@ def test_a_shared_option_is_its_field_in_python_and_its_flag_on_the_command_line
     with pytest.raises(DataError) as raised:
         next(iter_records(None, skip=-1))
     assert str(raised.value) == "`skip` must be >= 0, got -1"
+
+
+@click.command()
+def _note_probe() -> None:
+    """A command whose library-side note names an option by its field, as train's resume note does."""
+    from dflash_offline.config_fields import field_ref
+    from dflash_offline.train.config import TrainConfig
+
+    print(f"resuming with {field_ref(TrainConfig, 'lr')} 0.001", file=sys.stderr)
+
+
+def test_a_note_on_stderr_reaches_the_command_line_user_with_the_flag(monkeypatch):
+    """Notes the library prints to stderr name fields; ``dflash`` prints them with the flags, and puts
+    the caller's stderr back when the command ends."""
+    monkeypatch.setitem(cli_module.COMMANDS, "note-probe", f"{__name__}:_note_probe")
+    before = sys.stderr
+    result = CliRunner().invoke(main, ["note-probe"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "resuming with --lr 0.001\n"
+    assert sys.stderr is before
+
+
+def test_the_stderr_wrapper_renders_each_write_and_counts_what_it_was_given():
+    out = io.StringIO()
+    stream = FlagsOnStream(out)
+    text = "invalid `Placement.num_cpu_workers` 0; `seed` 3 and `no-such` stay\n"
+    assert stream.write(text) == len(text)
+    assert out.getvalue() == "invalid --workers 0; --seed 3 and `no-such` stay\n"
+    assert stream.getvalue() == out.getvalue()  # any other attribute is the wrapped stream's

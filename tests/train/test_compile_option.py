@@ -79,7 +79,7 @@ def test_an_old_run_directory_exports_and_resumes_and_the_run_honours_the_option
         assert (tmp_path / f"export-{old}" / "model.safetensors").is_file()
     capsys.readouterr()
     run_training(replace(config, max_steps=3, compile="on"))  # config.json says false
-    assert "resuming with --max-steps 3 (the previous run used 2)" in capsys.readouterr().err
+    assert "resuming with `TrainConfig.max_steps` 3 (the previous run used 2)" in capsys.readouterr().err
     assert [step for step, _ in list_checkpoints(run)] == [2, 3]
     assert calls == ["compile"]
     assert json.loads((run / "config.json").read_text())["compile"] == "on"

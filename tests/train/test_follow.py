@@ -120,7 +120,7 @@ def test_follow_refuses_a_split_unlike_the_routing(tmp_path: Path) -> None:
     cache = window_cache(tmp_path / "cache", data)
     with pytest.raises(ConfigError, match=r"routed a validation share of 0\.1"):
         run_follow(follow_config(cache, tmp_path / "run", val_fraction=0.2))
-    with pytest.raises(ConfigError, match="--max-steps does not go with --follow"):
+    with pytest.raises(ConfigError, match=r"`TrainConfig\.max_steps` does not go with `TrainConfig\.follow`"):
         run_follow(follow_config(cache, tmp_path / "run", max_steps=3))
 
 

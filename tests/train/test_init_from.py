@@ -78,9 +78,12 @@ def test_another_shape_or_no_export_is_refused(first_run: Path, tiny_cache: Path
             )
         )
     message = str(refused.value)
-    assert f"--init-from {first_run / 'drafter'}: that drafter differs from this run's in " in message
-    assert "num_layers 1 (this run: 2; pass --num-layers)" in message
-    assert "block_size 8 (this run: 4; pass --block-size)" in message
+    assert (
+        f"`TrainConfig.init_from` {first_run / 'drafter'}: that drafter differs from this run's in "
+        in message
+    )
+    assert "num_layers 1 (this run: 2; pass `TrainConfig.num_layers`)" in message
+    assert "block_size 8 (this run: 4; pass `TrainConfig.block_size`)" in message
     with pytest.raises(ConfigError, match="not a directory"):
         run_training(train_config(tiny_cache, tmp_path / "b", init_from=tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match="is missing: not a drafter export directory"):
@@ -99,5 +102,5 @@ def test_a_resume_keeps_its_checkpoint_and_its_init_from(
     assert "resumed from the checkpoint of step 2" in out
     assert "starting from the weights" not in out
     assert [step for step, _ in list_checkpoints(run)][-1] == 3
-    with pytest.raises(ResumeError, match="--init-from"):
+    with pytest.raises(ResumeError, match=r"`TrainConfig\.init_from`"):
         run_training(replace(config, init_from=None, max_steps=4))

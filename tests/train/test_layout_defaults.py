@@ -51,7 +51,7 @@ def test_the_saved_config_holds_the_resolved_numbers(tmp_path: Path) -> None:
 
 
 def test_a_one_token_microbatch_is_refused_naming_the_option(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--tokens-per-microbatch 1"):
+    with pytest.raises(ConfigError, match=r"`TrainConfig\.tokens_per_microbatch` 1"):
         _config(tmp_path, tokens_per_microbatch=1)
 
 
@@ -72,11 +72,14 @@ def test_a_resume_takes_the_runs_own_layout_where_this_invocation_left_it_to_the
     capfd.readouterr()
     run_training(resumed)
     err = capfd.readouterr().err
-    assert "resuming with the run's own --num-anchors 32 (left to the device's default, 512 here)" in err
-    assert "resuming with the run's own --tokens-per-microbatch 600" in err
+    assert (
+        "resuming with the run's own `TrainConfig.num_anchors` 32 (left to the device's default, 512 here)"
+        in err
+    )
+    assert "resuming with the run's own `TrainConfig.tokens_per_microbatch` 600" in err
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")][-1] == 6
     saved = json.loads((run / "config.json").read_text())
     assert (saved["grad_accum"], saved["tokens_per_microbatch"], saved["num_anchors"]) == (1, 600, 32)
     # Given explicitly, another value is a change the contract refuses.
-    with pytest.raises(ResumeError, match="--num-anchors"):
+    with pytest.raises(ResumeError, match=r"`TrainConfig\.num_anchors`"):
         run_training(dataclasses.replace(began, max_steps=8, num_anchors=16))

@@ -14,9 +14,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dflash_offline.config_fields import cli_field
 from dflash_offline.errors import ResumeError
 from dflash_offline.train.checkpoint import TrainState, load_latest_checkpoint, save_checkpoint
-from dflash_offline.train.config import ResumeContract, TrainConfig, check_resume
+from dflash_offline.train.config import (
+    OPTIONS_ADDED_SINCE,
+    ResumeContract,
+    Rule,
+    TrainConfig,
+    check_resume,
+    resume_rule,
+)
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import IndexSnapshot, snapshot_from_columns
 
@@ -30,33 +38,33 @@ FREE = "free"
 # (field, another value, the verdict, the flag its message names). ``world_size`` is the launch's, not a
 # field: its row changes the ranks; ``snapshot`` changes the samples trained on.
 CHANGES: list[tuple[str, Any, str, str]] = [
-    ("target", "random:tiny", REFUSED, "--target"),
-    ("num_layers", 2, REFUSED, "--num-layers"),
-    ("block_size", 16, REFUSED, "--block-size"),
-    ("num_anchors", 64, REFUSED, "--num-anchors"),
-    ("gamma", 5.0, REFUSED, "--gamma"),
-    ("mask_token_id", 3, REFUSED, "--mask-token-id"),
-    ("optimizer", "sgd", REFUSED, "--optimizer"),
-    ("feature_scale", "layer", REFUSED, "--feature-scale"),
-    ("val_fraction", 0.3, REFUSED, "--val-fraction"),
-    ("val_samples", 5, REFUSED, "--val-samples"),
-    ("val_group", "root-id", REFUSED, "--val-group"),
-    ("train_samples", 20, REFUSED, "--train-samples"),
-    ("init_from", Path("/elsewhere/run/drafter"), REFUSED, "--init-from"),
-    ("seed", 8, REFUSED, "--seed"),
-    ("tokens_per_microbatch", 5000, REFUSED, "--tokens-per-microbatch"),
+    ("target", "random:tiny", REFUSED, "`TrainConfig.target`"),
+    ("num_layers", 2, REFUSED, "`TrainConfig.num_layers`"),
+    ("block_size", 16, REFUSED, "`TrainConfig.block_size`"),
+    ("num_anchors", 64, REFUSED, "`TrainConfig.num_anchors`"),
+    ("gamma", 5.0, REFUSED, "`TrainConfig.gamma`"),
+    ("mask_token_id", 3, REFUSED, "`TrainConfig.mask_token_id`"),
+    ("optimizer", "sgd", REFUSED, "`TrainConfig.optimizer`"),
+    ("feature_scale", "layer", REFUSED, "`TrainConfig.feature_scale`"),
+    ("val_fraction", 0.3, REFUSED, "`TrainConfig.val_fraction`"),
+    ("val_samples", 5, REFUSED, "`TrainConfig.val_samples`"),
+    ("val_group", "root-id", REFUSED, "`TrainConfig.val_group`"),
+    ("train_samples", 20, REFUSED, "`TrainConfig.train_samples`"),
+    ("init_from", Path("/elsewhere/run/drafter"), REFUSED, "`TrainConfig.init_from`"),
+    ("seed", 8, REFUSED, "`TrainConfig.seed`"),
+    ("tokens_per_microbatch", 5000, REFUSED, "`TrainConfig.tokens_per_microbatch`"),
     ("snapshot", None, REFUSED, "index snapshot (snapshot.parquet)"),
-    ("world_size", 2, TOPOLOGY, "--gpus/--workers (world size)"),
-    ("grad_accum", 1, TOPOLOGY, "--grad-accum"),
-    ("lr", 1e-3, ANNOUNCED, "--lr"),
-    ("weight_decay", 0.1, ANNOUNCED, "--weight-decay"),
-    ("warmup_ratio", 0.1, ANNOUNCED, "--warmup-ratio"),
-    ("grad_clip", 0.5, ANNOUNCED, "--grad-clip"),
-    ("epochs", 9, ANNOUNCED, "--epochs"),
-    ("max_steps", 30, ANNOUNCED, "--max-steps"),
-    ("val_every", 5, ANNOUNCED, "--val-every"),
-    ("val_chain_tokens", 64, ANNOUNCED, "--val-chain-tokens"),
-    ("early_stop", 3, ANNOUNCED, "--early-stop"),
+    ("world_size", 2, TOPOLOGY, "`TrainConfig.gpus`/`TrainConfig.num_cpu_workers` (world size)"),
+    ("grad_accum", 1, TOPOLOGY, "`TrainConfig.grad_accum`"),
+    ("lr", 1e-3, ANNOUNCED, "`TrainConfig.lr`"),
+    ("weight_decay", 0.1, ANNOUNCED, "`TrainConfig.weight_decay`"),
+    ("warmup_ratio", 0.1, ANNOUNCED, "`TrainConfig.warmup_ratio`"),
+    ("grad_clip", 0.5, ANNOUNCED, "`TrainConfig.grad_clip`"),
+    ("epochs", 9, ANNOUNCED, "`TrainConfig.epochs`"),
+    ("max_steps", 30, ANNOUNCED, "`TrainConfig.max_steps`"),
+    ("val_every", 5, ANNOUNCED, "`TrainConfig.val_every`"),
+    ("val_chain_tokens", 64, ANNOUNCED, "`TrainConfig.val_chain_tokens`"),
+    ("early_stop", 3, ANNOUNCED, "`TrainConfig.early_stop`"),
     ("final_norm_init", 0.5, FREE, ""),
     ("autocast", "off", FREE, ""),
     ("prefetch", 8, FREE, ""),
@@ -154,6 +162,33 @@ def test_every_option_has_a_verdict() -> None:
     assert options == {field for field, *_ in CHANGES} - {"snapshot", "world_size"}
 
 
+def test_every_option_declares_the_rule_its_verdict_shows() -> None:
+    """Each ``TrainConfig`` field declares its resume rule beside it (the contract is derived from them),
+    the one this table's verdict shows; a field added without one is refused when the module loads."""
+    rule_of_verdict = {REFUSED: Rule.FIXED, TOPOLOGY: Rule.TOPOLOGY, ANNOUNCED: Rule.APPLIED, FREE: Rule.FREE}
+    expected = {field: rule_of_verdict[verdict] for field, _, verdict, _ in CHANGES}
+    for f in dataclasses.fields(TrainConfig):
+        assert resume_rule(f) is expected[f.name], f.name
+
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared:
+        new_option: int = cli_field(0, min=1)
+
+    with pytest.raises(ValueError, match=r"TrainConfig\.new_option declares no resume rule"):
+        resume_rule(dataclasses.fields(Undeclared)[0])
+
+
+def test_an_option_newer_than_old_runs_declares_what_its_absence_meant() -> None:
+    assert OPTIONS_ADDED_SINCE == {
+        "feature_scale": "none",  # features fed to fc unscaled
+        "final_norm_init": 1.0,  # the final norm's weight before the recipe change
+        "init_from": None,  # random initial weights
+        "train_samples": None,  # every sample not held out
+        "follow": False,
+        "passes": 2,
+    }
+
+
 @pytest.mark.parametrize(("field", "value", "verdict", "flag"), CHANGES, ids=[row[0] for row in CHANGES])
 def test_each_change_gets_its_verdict(
     tmp_path: Path, field: str, value: Any, verdict: str, flag: str
@@ -182,7 +217,7 @@ def test_each_change_gets_its_verdict(
     else:
         assert f"{flag} {snapshot().snapshot_id[:12]}… (40 training samples), this run asks for " in message
         assert f"{flag} {snapshot(41).snapshot_id[:12]}… (41 training samples);" in message
-    allowed = "--allow-topology-change to plan the rest of the epoch" in message
+    allowed = "`TrainConfig.allow_topology_change` to plan the rest of the epoch" in message
     assert allowed == (verdict == TOPOLOGY)
     if verdict == TOPOLOGY:
         assert resume_with(tmp_path, field, value, allow_topology_change=True) == []
@@ -202,12 +237,13 @@ def test_every_refused_change_is_named_in_one_line(tmp_path: Path) -> None:
             allow_topology_change=False,
             run_dir=config.out_dir,
         )
-    world = "--gpus/--workers (world size)"
+    world = "`TrainConfig.gpus`/`TrainConfig.num_cpu_workers` (world size)"
+    layers, seed, accum = "`TrainConfig.num_layers`", "`TrainConfig.seed`", "`TrainConfig.grad_accum`"
     assert str(refused.value) == (
-        f"{config.out_dir} was trained with --num-layers 1, --seed 0, {world} 4 and --grad-accum 2, this "
-        f"run asks for --num-layers 3, --seed 5, {world} 2 and --grad-accum 4; resume with the same "
-        f"--num-layers, --seed, {world} and --grad-accum, or train into a new --out (or pass --resume never "
-        "to start over there)"
+        f"{config.out_dir} was trained with {layers} 1, {seed} 0, {world} 4 and {accum} 2, this run asks for "
+        f"{layers} 3, {seed} 5, {world} 2 and {accum} 4; resume with the same {layers}, {seed}, {world} and "
+        f"{accum}, or train into a new `TrainConfig.out_dir` (or pass `TrainConfig.resume` never to start "
+        "over there)"
     )
 
 
@@ -223,7 +259,7 @@ def test_a_config_json_that_does_not_read_leaves_the_checkpoints_plan_to_compare
         return check_resume(stored, current, allow_topology_change=False, run_dir=config.out_dir)
 
     assert check(dataclasses.replace(config, num_layers=3, lr=1.0)) == []  # as before the contract
-    with pytest.raises(ResumeError, match="--seed 0"):
+    with pytest.raises(ResumeError, match=r"`TrainConfig\.seed` 0"):
         check(dataclasses.replace(config, seed=3))
 
 
@@ -272,6 +308,8 @@ def test_a_config_json_from_before_feature_scale_reads_as_the_unscaled_run_it_wa
     assert resume("none") == []
     assert config.feature_scale == "dim"  # the default since
     with pytest.raises(
-        ResumeError, match=r"trained with --feature-scale 'none'.*resume with the same --feature-scale"
+        ResumeError,
+        match=r"trained with `TrainConfig\.feature_scale` 'none'.*"
+        r"resume with the same `TrainConfig\.feature_scale`",
     ):
         resume("dim")

@@ -316,7 +316,10 @@ def test_resume_with_another_model_shape_is_refused_naming_the_field(
     cache: Path, reference: Path, tmp_path: Path
 ) -> None:
     run = _copy_run(reference, tmp_path / "run")
-    for overrides, flag in (({"num_layers": 2}, "--num-layers"), ({"block_size": 16}, "--block-size")):
+    for overrides, flag in (
+        ({"num_layers": 2}, "`TrainConfig.num_layers`"),
+        ({"block_size": 16}, "`TrainConfig.block_size`"),
+    ):
         with pytest.raises(ResumeError, match=rf"trained with {flag} .*resume with the same {flag}"):
             run_training(_config(cache, run, **overrides))
     assert json.loads((run / "config.json").read_text())["num_layers"] == 1  # not overwritten
@@ -328,7 +331,10 @@ def test_resume_with_another_lr_applies_it_and_says_so(
     run = _copy_run(reference, tmp_path / "run")
     shutil.rmtree(run / "checkpoints" / "step-00000012")
     run_training(_config(cache, run, lr=1e-3))
-    assert "resuming with --lr 0.001 (the previous run used 0.003): applied" in capfd.readouterr().err
+    assert (
+        "resuming with `TrainConfig.lr` 0.001 (the previous run used 0.003): applied"
+        in capfd.readouterr().err
+    )
     factor = cosine_with_warmup(STEPS, 0.04)
     lrs = [float(m["lr"]) for m in read_metrics(run / "metrics.jsonl")]  # type: ignore[arg-type]
     reference_lrs = [float(m["lr"]) for m in read_metrics(reference / "metrics.jsonl")]  # type: ignore[arg-type]
@@ -386,11 +392,18 @@ def test_out_of_memory_in_a_step_or_a_validation_names_the_microbatch_options(
             DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"),
         )
     message = str(caught.value)
-    assert message.startswith("a training step ran out of memory on cpu with --tokens-per-microbatch 600, ")
-    assert "e.g. --tokens-per-microbatch 150 --num-anchors 8 --grad-accum 4 " in message
+    assert message.startswith(
+        "a training step ran out of memory on cpu with `TrainConfig.tokens_per_microbatch` 600, "
+    )
+    assert (
+        "e.g. `TrainConfig.tokens_per_microbatch` 150 `TrainConfig.num_anchors` 8 `TrainConfig.grad_accum` 4 "
+        in message
+    )
     assert message.endswith("The allocator said: CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    with pytest.raises(ConfigError, match="--grad-accum 4 without --fuse-microbatches"):
+    with pytest.raises(
+        ConfigError, match=r"`TrainConfig\.grad_accum` 4 without `TrainConfig\.fuse_microbatches`"
+    ):
         train_rank(
             replace(_config(cache, tmp_path / "run-fused"), fuse_microbatches=True),
             DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"),

@@ -95,7 +95,9 @@ def test_subset_is_the_n_smallest_training_keys_nested_and_leaves_validation_alo
     assert off.validation is None
     assert set(off.train.sample_ids) == set(sorted(ids, key=_train_key)[:30])
     # More than the split leaves: refused, both numbers named.
-    with pytest.raises(ConfigError, match=rf"--train-samples {len(rest) + 1} .* {len(rest)} \(the snapshot"):
+    with pytest.raises(
+        ConfigError, match=rf"`TrainConfig\.train_samples` {len(rest) + 1} .* {len(rest)} \(the snapshot"
+    ):
         split_snapshot(snap, fraction=0.1, num_samples=None, train_samples=len(rest) + 1)
 
 
@@ -178,7 +180,9 @@ def test_a_run_reads_only_its_subset_and_validation(
     line = f"training on 20 of {len(snapshot) - len(val)} samples"
     assert line in capsys.readouterr().err
     assert json.loads((run / "config.json").read_text())["train_samples"] == 20
-    with pytest.raises(ConfigError, match=f"--train-samples 500 .* {len(snapshot) - len(val)} "):
+    with pytest.raises(
+        ConfigError, match=rf"`TrainConfig\.train_samples` 500 .* {len(snapshot) - len(val)} "
+    ):
         train_rank(replace(config, out_dir=tmp_path / "too-many", train_samples=500), CPU)
 
 
@@ -189,7 +193,11 @@ def test_resume_keeps_n_and_refuses_another(cache: Path, tmp_path: Path) -> None
     run_training(replace(config, max_steps=3))  # the same N resumes
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
     for other in (21, None):
-        with pytest.raises(ResumeError, match=r"trained with --train-samples 20.* resume with the same --tr"):
+        with pytest.raises(
+            ResumeError,
+            match=r"trained with `TrainConfig\.train_samples` 20.* "
+            r"resume with the same `TrainConfig\.train_samples`",
+        ):
             run_training(replace(config, max_steps=4, train_samples=other))
     # A run whose config.json predates --train-samples trained on every sample: it resumes without it.
     old = tmp_path / "old"
@@ -198,7 +206,10 @@ def test_resume_keeps_n_and_refuses_another(cache: Path, tmp_path: Path) -> None
     del saved["train_samples"]
     (old / "config.json").write_text(json.dumps(saved))
     run_training(replace(config, out_dir=old, train_samples=None, max_steps=3))
-    with pytest.raises(ResumeError, match=r"--train-samples None.*this run asks for --train-samples 20"):
+    with pytest.raises(
+        ResumeError,
+        match=r"`TrainConfig\.train_samples` None.*this run asks for `TrainConfig\.train_samples` 20",
+    ):
         run_training(replace(config, out_dir=old, max_steps=4))
 
 

@@ -310,7 +310,10 @@ def test_resume_keeps_the_split_and_refuses_another(cache: Path, tmp_path: Path)
     ]
     assert len(validation_records(got)) == 4  # steps 2, 4, 6 and the last, 7
 
-    for change, flag in (({"val_fraction": 0.3}, "--val-fraction"), ({"val_samples": 5}, "--val-samples")):
+    for change, flag in (
+        ({"val_fraction": 0.3}, "`TrainConfig.val_fraction`"),
+        ({"val_samples": 5}, "`TrainConfig.val_samples`"),
+    ):
         with pytest.raises(ResumeError, match=rf"trained with {flag} .*resume with the same {flag}"):
             run_training(replace(config, out_dir=run, max_steps=9, **change))  # type: ignore[arg-type]
     # A config.json this version did not write (a shape option missing) is refused in one line.

@@ -192,9 +192,9 @@ def test_root_id_split_in_a_run_and_its_resume(sharegpt_cache: tuple[Path, Path]
         assert validation_records(read_metrics(run / "metrics.jsonl"))[-1]["step"] == 6  # type: ignore[arg-type]
         assert validation_records(read_metrics(run / "metrics.jsonl"))[-1]["step"] == 6  # type: ignore[arg-type]
         # A fresh run cannot read the roots: it says so instead of splitting by sample.
-        with pytest.raises(ConfigError, match="--val-group root-id needs the record id"):
+        with pytest.raises(ConfigError, match=r"`TrainConfig\.val_group` root-id needs the record id"):
             run_training(replace(config, out_dir=tmp_path / "fresh"))
     finally:
         moved.rename(data)
-    with pytest.raises(ResumeError, match="--val-group"):
+    with pytest.raises(ResumeError, match=r"`TrainConfig\.val_group`"):
         run_training(replace(config, val_group="sample", max_steps=8))
