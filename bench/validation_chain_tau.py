@@ -37,6 +37,7 @@ import torch
 
 from dflash_offline.eval.run import load_drafter_for
 from dflash_offline.target_model.loader import load_target
+from dflash_offline.train.config import saved_options
 from dflash_offline.train.validation import acceptance_at_every_anchor, answer_turns, chain_window, walk_chain
 
 
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--anchor-chunk", type=int, default=1024, help="anchors per forward")
     args = parser.parse_args()
-    config = json.loads((args.run / "config.json").read_text())
+    config = saved_options(json.loads((args.run / "config.json").read_text()))
     target_spec = args.target or config.get("target")
     if target_spec is None:
         from dflash_offline.cache.layout import read_fingerprint

@@ -156,9 +156,15 @@ def _within(value: float, spec: Cli) -> bool:
 
 
 def invalid_fields(config: Any) -> list[str]:
-    """One line per field of the config dataclass whose value breaks its ``Cli`` bounds or is not one
-    of its ``Literal`` choices (None, an unset optional, always passes)."""
-    return invalid_values(type(config), {f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    """One line per field of the config dataclass (and of its sections) whose value breaks its ``Cli``
+    bounds or is not one of its ``Literal`` choices (None, an unset optional, always passes)."""
+    bad = []
+    for f in dataclasses.fields(config):
+        if section_class(f) is None:
+            bad += invalid_values(type(config), {f.name: getattr(config, f.name)})
+        else:
+            bad += invalid_fields(getattr(config, f.name))
+    return bad
 
 
 def invalid_values(cls: type[Any], values: dict[str, Any]) -> list[str]:
@@ -179,6 +185,80 @@ def invalid_values(cls: type[Any], values: dict[str, Any]) -> list[str]:
             integer = int in (hints[f.name], *typing.get_args(hints[f.name]))
             bad.append(f"{named} {value}: expected {bounds_text(spec, integer=integer)}")
     return bad
+
+
+def section_class(f: dataclasses.Field[Any]) -> type[Any] | None:
+    """The class of the section a config field holds (``field(default_factory=OptimizerConfig)``: a config
+    dataclass of its own, whose fields are options of the config), else None."""
+    factory = f.default_factory
+    if cli_spec(f) is not None or not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
+        return None  # a ``Placement`` is one field of several flags, not a section
+    return factory
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class OptionField:
+    """One option of a config dataclass: a field of its own or of one of its sections."""
+
+    name: str
+    """The field's name: the option's, unique across the config and its sections."""
+    owner: type[Any]
+    """The class declaring the field (the config, or the section's class): ``field_ref(owner, name)``."""
+    section: str | None
+    """The config's field holding the section; None for a field of the config itself."""
+    field: dataclasses.Field[Any]
+
+
+def option_fields(cls: type[Any]) -> list[OptionField]:
+    """Every option of the config dataclass ``cls``: its fields in order, a section's fields in its place.
+    Two options of one name raise ``TypeError`` (the command line is flat)."""
+    found: list[OptionField] = []
+    for f in dataclasses.fields(cls):
+        section = section_class(f)
+        if section is None:
+            found.append(OptionField(name=f.name, owner=cls, section=None, field=f))
+        else:
+            found += [
+                OptionField(name=g.name, owner=section, section=f.name, field=g)
+                for g in dataclasses.fields(section)
+            ]
+    names = [o.name for o in found]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise TypeError(f"{cls.__name__} has options of the same name in two sections: {twice}")
+    return found
+
+
+def _by_section(cls: type[Any], options: Mapping[str, Any]) -> dict[str | None, dict[str, Any]]:
+    owners = {o.name: o for o in option_fields(cls)}
+    grouped: dict[str | None, dict[str, Any]] = {}
+    for name, value in options.items():
+        if name not in owners:
+            raise TypeError(f"{cls.__name__} has no option {name!r}")
+        grouped.setdefault(owners[name].section, {})[name] = value
+    return grouped
+
+
+def from_options(cls: type[Any], options: Mapping[str, Any]) -> Any:
+    """The config dataclass ``cls`` built from options by name (flat, as the command line has them), each
+    put in its section; the others keep their defaults."""
+    grouped = _by_section(cls, options)
+    values = grouped.pop(None, {})
+    for f in dataclasses.fields(cls):
+        section = section_class(f)
+        if section is not None:
+            values[f.name] = section(**grouped.get(f.name, {}))
+    return cls(**values)
+
+
+def replace_options(config: Any, options: Mapping[str, Any]) -> Any:
+    """``config`` with some options changed, by name (flat), each in its section."""
+    grouped = _by_section(type(config), options)
+    values = grouped.pop(None, {})
+    for section, changed in grouped.items():
+        assert section is not None
+        values[section] = dataclasses.replace(getattr(config, section), **changed)
+    return dataclasses.replace(config, **values)
 
 
 def check_fields(config: Any) -> None:

@@ -46,11 +46,14 @@ def flag(owner: type[Any] | str | Cli, name: str | None = None) -> str:
 
 
 def arguments(config: type[Any], **values: object) -> list[str]:
-    """The command-line options that set these fields of ``config`` (a command's config dataclass), in
-    order: the flag and the value, or the bare flag for True."""
+    """The command-line options that set these options of ``config`` (a command's config dataclass; an
+    option of one of its sections by its name), in order: the flag and the value, or the bare flag for
+    True."""
+    owners = {o.name: o.owner for o in config_fields.option_fields(config)}
     args: list[str] = []
     for name, value in values.items():
-        args += [flag(config, name)] if value is True else [flag(config, name), str(value)]
+        spelled = flag(owners.get(name, config), name)
+        args += [spelled] if value is True else [spelled, str(value)]
     return args
 
 

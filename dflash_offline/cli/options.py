@@ -4,7 +4,6 @@ positional argument or ``--cache`` (``cache_input``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
 import typing
@@ -22,6 +21,8 @@ from dflash_offline.config_fields import (
     WORKERS,
     Cli,
     cli_spec,
+    from_options,
+    option_fields,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -112,42 +113,51 @@ def _click_type(base: Any, spec: Cli) -> Any:
     raise TypeError(f"no click type for a config field of type {base!r}")
 
 
-def config_options(cls: type[Any], **fixed: Any) -> Callable[[Callable[..., R]], Callable[..., None]]:
-    """Click options for every field of the config dataclass ``cls`` that has a ``Cli`` (in field order);
-    the command then receives ``config=cls(**options, **fixed)`` and its own other options. A ``--cache``
-    field is also accepted as the positional CACHE (``cache_input``)."""
-    hints = typing.get_type_hints(cls)
-    specs = [(f, spec) for f in dataclasses.fields(cls) if (spec := cli_spec(f)) is not None]
-    field_names = {f.name for f in dataclasses.fields(cls)}
+def config_options(
+    cls: type[Any], *, order: tuple[str, ...] | None = None, **fixed: Any
+) -> Callable[[Callable[..., R]], Callable[..., None]]:
+    """Click options for every option of the config dataclass ``cls`` that has a ``Cli`` (its fields and
+    its sections', ``config_fields.option_fields``), in field order or in ``order`` (option names: each one
+    once); the command then receives ``config`` built from them and ``fixed`` (``config_fields.from_options``:
+    each in its section) and its own other options. A ``--cache`` field is also accepted as the positional
+    CACHE (``cache_input``)."""
+    options = option_fields(cls)
+    specs = [(o, spec) for o in options if (spec := cli_spec(o.field)) is not None]
+    if order is not None:
+        if sorted(order) != sorted(o.name for o, _ in specs):
+            raise TypeError(f"the order of {cls.__name__}'s options names each option once: {order}")
+        specs.sort(key=lambda option: order.index(option[0].name))
+    option_names = {o.name for o in options}
 
     def decorate(command: Callable[..., R]) -> Callable[..., None]:
         @functools.wraps(command)
         def wrapper(*args: Any, **kwargs: Any) -> None:
             values: dict[str, Any] = {}
-            for f, spec in specs:
+            for o, spec in specs:
                 if spec.kind == "placement":
-                    values[f.name] = _placement(kwargs)
+                    values[o.name] = _placement(kwargs)
                     continue
-                value = kwargs.pop(f.name)
+                value = kwargs.pop(o.name)
                 if spec.parse is not None:
                     if value is None:  # not given: the field's own default
                         continue
                     value = spec.parse(value)
                 elif spec.negate:
                     value = not value
-                values[f.name] = value
+                values[o.name] = value
             # The command's own options named like a field (one placed among its other options).
-            values.update({name: kwargs.pop(name) for name in list(kwargs) if name in field_names})
-            command(*args, config=cls(**values, **fixed), **kwargs)
+            values.update({name: kwargs.pop(name) for name in list(kwargs) if name in option_names})
+            command(*args, config=from_options(cls, {**values, **fixed}), **kwargs)
 
         decorators: list[Callable[[Any], Any]] = []
-        for f, spec in specs:
+        for o, spec in specs:
             if spec.kind == "placement":
                 decorators.append(placement_options)
             elif spec.flag == "--cache":
-                decorators.append(cache_input(f.name, help=_help(spec), file_okay=spec.path != "dir"))
+                decorators.append(cache_input(o.name, help=_help(spec), file_okay=spec.path != "dir"))
             else:
-                decorators.append(_click_option(f.name, hints[f.name], spec, f.default))
+                hint = typing.get_type_hints(o.owner)[o.name]
+                decorators.append(_click_option(o.name, hint, spec, o.field.default))
         for decorator in reversed(decorators):
             wrapper = decorator(wrapper)
         return wrapper

@@ -15,7 +15,7 @@ from typing import Any
 from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import ConfigError
 
-MASK_TOKEN_ID = field_ref("TrainConfig", "mask_token_id")
+MASK_TOKEN_ID = field_ref("DrafterTrainConfig", "mask_token_id")
 """How messages name the option (train/ imports the drafter: it names the class)."""
 
 # A small conversation that exercises every role the template renders; the ids it produces (with and

@@ -89,8 +89,10 @@ def run_dir_of(drafter_dir: Path) -> Path | None:
     return resolved.parent
 
 
-def _run_path(drafter_dir: Path, key: str) -> Path | None:
-    """The path ``key`` of the ``RUN/config.json`` of the run ``drafter_dir`` was exported by; else None."""
+def _run_path(drafter_dir: Path, key: str, *, section: str | None = None) -> Path | None:
+    """The path ``key`` (of the object ``section``, where config.json has it: runs before the sections
+    wrote one flat object) of the ``RUN/config.json`` of the run ``drafter_dir`` was exported by; else
+    None."""
     run_dir = run_dir_of(drafter_dir)
     if run_dir is None:
         return None
@@ -99,6 +101,8 @@ def _run_path(drafter_dir: Path, key: str) -> Path | None:
         config: Any = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+    if isinstance(config, dict) and section is not None and isinstance(config.get(section), dict):
+        config = config[section]
     value = config.get(key) if isinstance(config, dict) else None
     return Path(value) if isinstance(value, str) else None
 
@@ -111,7 +115,7 @@ def training_cache_of(drafter_dir: Path) -> Path | None:
 
 def initial_drafter_of(drafter_dir: Path) -> Path | None:
     """The export a drafter's run started from (``dflash train --init-from``, stored absolute); else None."""
-    return _run_path(drafter_dir, "init_from")
+    return _run_path(drafter_dir, "init_from", section="drafter")
 
 
 def resolve_held_out(*, exclude_cache: Path | None, drafter_dir: Path, data: str | Path | None) -> HeldOut:

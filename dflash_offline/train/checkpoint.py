@@ -12,7 +12,7 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,14 @@ from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.export import ARCHITECTURE, CONFIG_FILE, README_FILE, WEIGHTS_FILE
 from dflash_offline.errors import ConfigError, DivergedError, NoSpaceError, ResumeError
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.config import ResumeContract, TrainConfig, check_resume
+from dflash_offline.train.config import (
+    DataConfig,
+    OptimizerConfig,
+    ResumeContract,
+    TopologyConfig,
+    TrainConfig,
+    check_resume,
+)
 from dflash_offline.train.planner import PLANNER_STATE_VERSION
 from dflash_offline.train.snapshot import IndexSnapshot
 from dflash_offline.train.split import SNAPSHOT_FILE
@@ -312,15 +319,15 @@ def diverged_error(out_dir: Path, what: str, *, step: int, stopped_after: int) -
         saved_step, path = found[-1]
         keep = (
             f"the newest checkpoint, {path.name} (step {saved_step}), holds finite weights: rerun with a "
-            f"lower {field_ref(TrainConfig, 'lr')} to resume from it"
+            f"lower {field_ref(OptimizerConfig, 'lr')} to resume from it"
         )
     else:
-        keep = f"the run has no checkpoint: train again with a lower {field_ref(TrainConfig, 'lr')}"
+        keep = f"the run has no checkpoint: train again with a lower {field_ref(OptimizerConfig, 'lr')}"
     return DivergedError(
         f"training diverged: {what} {where}; stopped without "
         f"a checkpoint or export of the non-finite weights; {keep} (a larger "
-        f"{field_ref(TrainConfig, 'warmup_ratio')} or a smaller "
-        f"{field_ref(TrainConfig, 'grad_clip')} may help too)"
+        f"{field_ref(OptimizerConfig, 'warmup_ratio')} or a smaller "
+        f"{field_ref(OptimizerConfig, 'grad_clip')} may help too)"
     )
 
 
@@ -346,7 +353,11 @@ def checkpoint_to_resume(
     this invocation (the one compatibility decision; its applied changes are announced by rank 0), and the
     config to go on with: the run's own microbatch layout where this invocation left it to the device's
     default. (config, None) when starting fresh."""
-    state = load_latest_checkpoint(config.out_dir, is_main=info.is_main) if config.resume == "auto" else None
+    state = (
+        load_latest_checkpoint(config.out_dir, is_main=info.is_main)
+        if config.checkpoint.resume == "auto"
+        else None
+    )
     if state is None:
         return config, None
     stored = ResumeContract.stored(config.out_dir, state.planner)
@@ -354,7 +365,7 @@ def checkpoint_to_resume(
     notes = check_resume(
         stored,
         ResumeContract.of(config, world_size=info.world_size, train_snapshot=train_snapshot),
-        allow_topology_change=config.allow_topology_change,
+        allow_topology_change=config.checkpoint.allow_topology_change,
         run_dir=config.out_dir,
     )
     if info.is_main:
@@ -372,22 +383,26 @@ def _run_layout(config: TrainConfig, stored: ResumeContract) -> tuple[TrainConfi
         "tokens_per_microbatch": stored.tokens_per_microbatch,
         "num_anchors": None if anchors is None else int(anchors),
     }
+    here = {
+        "grad_accum": config.topology.grad_accum,
+        "tokens_per_microbatch": config.data.tokens_per_microbatch,
+        "num_anchors": config.data.num_anchors,
+    }
     changed: dict[str, Any] = {
         name: run_values[name]
         for name in config.layout_by_device
-        if run_values[name] is not None and run_values[name] != getattr(config, name)
+        if run_values[name] is not None and run_values[name] != here[name]
     }
     flags = {
-        "grad_accum": field_ref(TrainConfig, "grad_accum"),
-        "tokens_per_microbatch": field_ref(TrainConfig, "tokens_per_microbatch"),
-        "num_anchors": field_ref(TrainConfig, "num_anchors"),
+        "grad_accum": field_ref(TopologyConfig, "grad_accum"),
+        "tokens_per_microbatch": field_ref(DataConfig, "tokens_per_microbatch"),
+        "num_anchors": field_ref(DataConfig, "num_anchors"),
     }
     notes = [
-        f"resuming with the run's own {flags[name]} {value} (left to the device's default, "
-        f"{getattr(config, name)} here)"
+        f"resuming with the run's own {flags[name]} {value} (left to the device's default, {here[name]} here)"
         for name, value in changed.items()
     ]
-    return (replace(config, **changed) if changed else config), notes
+    return (config.with_options(**changed) if changed else config), notes
 
 
 # ─── Where exports and runs may live ────────────────────────────────────────────────────────────────────────
@@ -553,7 +568,11 @@ def _model_card(
 ) -> str:
     from dflash_offline.drafter.model_card import CardFacts, render_model_card, serve_target_for
 
-    length = f"--max-steps {config.max_steps}" if config.max_steps else f"--epochs {config.epochs}"
+    length = (
+        f"--max-steps {config.optimizer.max_steps}"
+        if config.optimizer.max_steps
+        else f"--epochs {config.optimizer.epochs}"
+    )
     facts = CardFacts(
         target_id=fingerprint.target_id,
         weights_hash=fingerprint.weights_hash,
@@ -561,7 +580,7 @@ def _model_card(
         data_source=fingerprint.data_source,
         cache_dir=str(config.cache_dir),
         step=step,
-        run_length=f"a run of {length}, seed {config.seed}",
+        run_length=f"a run of {length}, seed {config.data.seed}",
         dtype=dtype,
         eval=evaluated,
     )

@@ -32,7 +32,13 @@ from dflash_offline.errors import ConfigError
 from dflash_offline.locking import hold_lock
 from dflash_offline.placement import under_torchrun
 from dflash_offline.train.checkpoint import list_checkpoints
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import (
+    DataConfig,
+    OptimizerConfig,
+    TrainConfig,
+    ValidationConfig,
+    WindowConfig,
+)
 from dflash_offline.train.snapshot import save_snapshot, subset_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE
 from dflash_offline.train.trainer import run_training
@@ -184,12 +190,12 @@ def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> Fo
         if list_checkpoints(config.out_dir):
             raise ConfigError(
                 f"{field_ref(TrainConfig, 'out_dir')} {config.out_dir} holds a training run without "
-                f"{field_ref(TrainConfig, 'follow')}: give a new directory"
+                f"{field_ref(WindowConfig, 'follow')}: give a new directory"
             )
-        state = read_follow_state(config.out_dir) or FollowState(passes=config.passes, segments=())
-        if state.passes != config.passes:
+        state = read_follow_state(config.out_dir) or FollowState(passes=config.window.passes, segments=())
+        if state.passes != config.window.passes:
             raise ConfigError(
-                f"{field_ref(TrainConfig, 'passes')} {config.passes}, but this run planned "
+                f"{field_ref(WindowConfig, 'passes')} {config.window.passes}, but this run planned "
                 f"{state.passes} passes for the stores it trained so far; continue it with the same value"
             )
         _wait_for_cache(config.cache_dir, poll_seconds)
@@ -238,27 +244,27 @@ def _wait_for_cache(cache_dir: Path, poll_seconds: float) -> None:
 
 def check_follow_config(config: TrainConfig) -> None:
     """Options that do not go with ``--follow`` (each segment is a whole run of ``--passes`` epochs)."""
-    follow = field_ref(TrainConfig, "follow")
+    follow = field_ref(WindowConfig, "follow")
     if under_torchrun():
         raise ConfigError(
             f"{follow} runs as one command: give it {field_ref(WORKERS)} or {field_ref(GPUS)} "
             "instead of torchrun"
         )
     refused = {
-        field_ref(TrainConfig, "max_steps"): config.max_steps,
-        field_ref(TrainConfig, "early_stop"): config.early_stop,
-        field_ref(TrainConfig, "train_samples"): config.train_samples,
-        field_ref(TrainConfig, "val_samples"): config.val_samples,
+        field_ref(OptimizerConfig, "max_steps"): config.optimizer.max_steps,
+        field_ref(ValidationConfig, "early_stop"): config.validation.early_stop,
+        field_ref(DataConfig, "train_samples"): config.data.train_samples,
+        field_ref(DataConfig, "val_samples"): config.data.val_samples,
     }
     for option, value in refused.items():
         if value is not None:
             raise ConfigError(
                 f"{option} does not go with {follow}: each segment of stores is trained "
-                f"{field_ref(TrainConfig, 'passes')} epochs, then retired"
+                f"{field_ref(WindowConfig, 'passes')} epochs, then retired"
             )
-    if config.val_group != "sample":
+    if config.data.val_group != "sample":
         raise ConfigError(
-            f"{field_ref(TrainConfig, 'val_group')} {config.val_group} does not go with {follow}: "
+            f"{field_ref(DataConfig, 'val_group')} {config.data.val_group} does not go with {follow}: "
             "generate routes validation samples into their own stores by the sample id alone"
         )
 
@@ -272,9 +278,9 @@ def check_routing(config: TrainConfig) -> None:
         if generate.get("window_limit") is None:
             continue
         routed = float(generate.get("val_fraction", 0.0))
-        if routed != config.val_fraction:
+        if routed != config.data.val_fraction:
             raise ConfigError(
-                f"{field_ref(TrainConfig, 'val_fraction')} {config.val_fraction}, but generate run "
+                f"{field_ref(DataConfig, 'val_fraction')} {config.data.val_fraction}, but generate run "
                 f"{run.run_id} routed a validation share of {routed} into stores never retired: give "
                 f"{routed} (else "
                 "samples this run validates on would be retired, or samples it trains on never)"
@@ -326,7 +332,7 @@ def new_segment(config: TrainConfig, state: FollowState) -> Segment | None:
 def segment_config(config: TrainConfig, state: FollowState, segment: Segment) -> TrainConfig:
     """The ordinary run that trains one segment: ``--passes`` epochs from the last weights of the
     previous segment that was trained (segments without samples have no run)."""
-    init_from = config.init_from
+    init_from = config.drafter.init_from
     earlier = [s for s in state.segments if s.index < segment.index and s.num_samples]
     if earlier:
         previous = segment_dir(config.out_dir, earlier[-1].index)
@@ -335,12 +341,15 @@ def segment_config(config: TrainConfig, state: FollowState, segment: Segment) ->
     return dataclasses.replace(
         config,
         out_dir=segment_dir(config.out_dir, segment.index),
-        epochs=config.passes,
-        init_from=init_from,
-        follow=False,
-        tensorboard_dir=None
-        if config.tensorboard_dir is None
-        else config.tensorboard_dir / f"{segment.index:04d}",
+        optimizer=dataclasses.replace(config.optimizer, epochs=config.window.passes),
+        drafter=dataclasses.replace(config.drafter, init_from=init_from),
+        window=dataclasses.replace(config.window, follow=False),
+        logging=dataclasses.replace(
+            config.logging,
+            tensorboard_dir=None
+            if config.logging.tensorboard_dir is None
+            else config.logging.tensorboard_dir / f"{segment.index:04d}",
+        ),
     )
 
 

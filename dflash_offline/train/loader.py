@@ -28,7 +28,7 @@ from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, ResumeError, WorkerError
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import LaunchConfig
 from dflash_offline.train.planner import (
     AnchorRequest,
     HostBufferPool,
@@ -322,7 +322,7 @@ class Prefetcher:
     ) -> None:
         if prefetch < 1 or num_threads < 1:
             raise ConfigError(
-                f"{field_ref(TrainConfig, 'prefetch')} and prefetch threads must be ≥ 1, got {prefetch} and "
+                f"{field_ref(LaunchConfig, 'prefetch')} and prefetch threads must be ≥ 1, got {prefetch} and "
                 f"{num_threads}"
             )
         self._reader = reader

@@ -19,7 +19,7 @@ from dflash_offline.cache.rows import CachedSample
 from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.errors import ConfigError
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import DataConfig
 from dflash_offline.train.snapshot import IndexSnapshot
 
 # ─── Records of the data path ───────────────────────────────────────────────────────────────────────────────
@@ -525,7 +525,7 @@ class LengthMixingPlanner:
         if int(snapshot.num_tokens_N[longest]) > tokens_per_microbatch:
             raise ConfigError(
                 f"sample {snapshot.sample_ids[longest]!r} has {int(snapshot.num_tokens_N[longest])} tokens, "
-                f"more than {field_ref(TrainConfig, 'tokens_per_microbatch')} "
+                f"more than {field_ref(DataConfig, 'tokens_per_microbatch')} "
                 f"{tokens_per_microbatch}: raise the budget to at least "
                 f"{int(snapshot.num_tokens_N[longest])} or generate the cache "
                 "with a lower max_length"

@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import CacheFormatError, ConfigError
 from dflash_offline.run_split import RunSplit, write_run_split
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import DataConfig, saved_options
 from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, subset_snapshot
 
 _SALT = b"dflash-validation-split-v1\x00"
@@ -125,7 +125,7 @@ def training_mask(
     docstring); refuses ``num_samples`` beyond them."""
     if num_samples > len(sample_ids):
         raise ConfigError(
-            f"{field_ref(TrainConfig, 'train_samples')} {num_samples} asks for more samples than "
+            f"{field_ref(DataConfig, 'train_samples')} {num_samples} asks for more samples than "
             f"the run has to train on: {len(sample_ids)} (the snapshot's samples less the validation "
             "split); ask for at "
             f"most {len(sample_ids)}, or generate more samples and train into a new run"
@@ -187,9 +187,9 @@ def _split_validation(
     mask = validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples, groups=groups)
     if mask.all():
         what = (
-            f"{field_ref(TrainConfig, 'val_samples')} {num_samples}"
+            f"{field_ref(DataConfig, 'val_samples')} {num_samples}"
             if num_samples is not None
-            else f"{field_ref(TrainConfig, 'val_fraction')} {fraction}"
+            else f"{field_ref(DataConfig, 'val_fraction')} {fraction}"
         )
         raise ConfigError(
             f"{what} holds out all {len(snapshot)} samples of the cache, leaving none to train on: "
@@ -236,10 +236,10 @@ def split_of_run(run_dir: Path) -> SplitSnapshots | None:
     """A ``dflash train`` run's split, recomputed as the run computed it (config.json, the saved snapshot
     and groups); None when ``run_dir`` is not a run or has no snapshot yet."""
     try:
-        config = json.loads((run_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        config = saved_options(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, ConfigError):
         return None
-    if not isinstance(config, dict) or not (run_dir / SNAPSHOT_FILE).is_file():
+    if not (run_dir / SNAPSHOT_FILE).is_file():
         return None
     fraction = config.get("val_fraction")
     num_samples = config.get("val_samples")
@@ -328,7 +328,7 @@ def reparsed_roots(
         example = next(s for s in sample_ids if s not in roots)
         read = ", ".join(str(i.data or "default") for i in inputs) or "none (no generate run is recorded)"
         gone = f"; not readable: {'; '.join(unreadable)}" if unreadable else ""
-        val_group = field_ref(TrainConfig, "val_group")
+        val_group = field_ref(DataConfig, "val_group")
         raise ConfigError(
             f"{val_group} root-id needs the record id of every sample, read from the data files the "
             f"cache's generate runs read when the cache does not store it (format 1 or 2) ({read}{gone}); "

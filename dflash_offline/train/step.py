@@ -26,7 +26,14 @@ from dflash_offline.drafter.mask_token import resolve_mask_token_id
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError, DrafterFormatError
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import (
+    CheckpointConfig,
+    DataConfig,
+    DrafterTrainConfig,
+    LaunchConfig,
+    TopologyConfig,
+    TrainConfig,
+)
 from dflash_offline.train.metrics import StepAccumulator, StepTotals, all_reduce_sum
 from dflash_offline.train.planner import AnchorRequest
 
@@ -56,7 +63,7 @@ def seed_everything(seed: int, *, deterministic: bool) -> None:
     cublas = os.environ.setdefault(CUBLAS_ENV, DETERMINISTIC_CUBLAS[0])
     if cublas not in DETERMINISTIC_CUBLAS:
         raise DeterminismError(
-            f"{field_ref(TrainConfig, 'deterministic')}: ${CUBLAS_ENV}={cublas!r} makes cuBLAS "
+            f"{field_ref(LaunchConfig, 'deterministic')}: ${CUBLAS_ENV}={cublas!r} makes cuBLAS "
             f"non-deterministic; unset it or set it to {' or '.join(DETERMINISTIC_CUBLAS)}"
         )
     torch.use_deterministic_algorithms(True)
@@ -77,23 +84,27 @@ def out_of_memory_named(config: TrainConfig, info: DistInfo, during: str) -> Ite
     try:
         yield
     except torch.OutOfMemoryError as e:
-        tokens_flag = field_ref(TrainConfig, "tokens_per_microbatch")
-        anchors_flag = field_ref(TrainConfig, "num_anchors")
-        accum_flag = field_ref(TrainConfig, "grad_accum")
-        tokens, anchors, accum = config.tokens_per_microbatch, config.num_anchors, config.grad_accum
+        tokens_flag = field_ref(DataConfig, "tokens_per_microbatch")
+        anchors_flag = field_ref(DataConfig, "num_anchors")
+        accum_flag = field_ref(TopologyConfig, "grad_accum")
+        tokens, anchors, accum = (
+            config.data.tokens_per_microbatch,
+            config.data.num_anchors,
+            config.topology.grad_accum,
+        )
         smaller = (
             f"{tokens_flag} {max(2, tokens // 4)} {anchors_flag} {max(1, anchors // 4)} "
             f"{accum_flag} {accum * 4}"
         )
-        if config.fuse_microbatches:  # its rows hold the whole step: smaller ones need it off
-            smaller += f" without {field_ref(TrainConfig, 'fuse_microbatches')}"
+        if config.launch.fuse_microbatches:  # its rows hold the whole step: smaller ones need it off
+            smaller += f" without {field_ref(LaunchConfig, 'fuse_microbatches')}"
         said = str(e).splitlines()[0] if str(e) else "out of memory"
         raise ConfigError(
             f"{during} ran out of memory on {info.device} with {tokens_flag} {tokens}, "
             f"{anchors_flag} {anchors} and {accum_flag} {accum}: a microbatch holds too much; start the "
             f"run again with smaller microbatches, e.g. {smaller} (the same tokens and blocks a step; a "
             f"resume keeps {anchors_flag}, so give a new {field_ref(TrainConfig, 'out_dir')} or "
-            f"{field_ref(TrainConfig, 'resume')} never). The allocator said: {said}"
+            f"{field_ref(CheckpointConfig, 'resume')} never). The allocator said: {said}"
         ) from None
 
 
@@ -122,15 +133,15 @@ def target_spec_for(config_target: str | None, fingerprint: CacheFingerprint) ->
             return fingerprint.target_id
         raise ConfigError(
             f"the cache was generated with target {fingerprint.target_id!r}; pass "
-            f"{field_ref(TrainConfig, 'target')} with its model directory or .gguf file so that the "
+            f"{field_ref(DrafterTrainConfig, 'target')} with its model directory or .gguf file so that the "
             "drafter can borrow its embedding and LM head"
         )
     info = target_info(resolve_target(config_target))
     if info.weights_hash != fingerprint.weights_hash:
         raise ConfigError(
-            f"{field_ref(TrainConfig, 'target')} {config_target!r} has weights hash {info.weights_hash}, the "
-            f"cache was generated with {fingerprint.weights_hash} ({fingerprint.target_id}): use the cache's "
-            "target"
+            f"{field_ref(DrafterTrainConfig, 'target')} {config_target!r} has weights hash "
+            f"{info.weights_hash}, the cache was generated with {fingerprint.weights_hash} "
+            f"({fingerprint.target_id}): use the cache's target"
         )
     return config_target
 
@@ -141,24 +152,24 @@ def build_drafter_setup(
     from dflash_offline.target_model.head import load_embedding_and_head
     from dflash_offline.target_model.loader import load_tokenizer
 
-    spec = target_spec_for(config.target, fingerprint)
+    spec = target_spec_for(config.drafter.target, fingerprint)
     head = load_embedding_and_head(spec, device=device)
     tokenizer = load_tokenizer(spec)
-    mask_token_id = resolve_mask_token_id(tokenizer, head.info.vocab_size, config.mask_token_id)
+    mask_token_id = resolve_mask_token_id(tokenizer, head.info.vocab_size, config.drafter.mask_token_id)
     drafter_config = DrafterConfig.from_target_config(
         head.info.hf_config,
         target_layer_ids=fingerprint.layer_ids,
         mask_token_id=mask_token_id,
-        num_layers=config.num_layers,
-        block_size=config.block_size,
-        loss_gamma=config.gamma,
-        num_anchors=config.num_anchors,
+        num_layers=config.drafter.num_layers,
+        block_size=config.drafter.block_size,
+        loss_gamma=config.drafter.gamma,
+        num_anchors=config.data.num_anchors,
     )
-    torch.manual_seed(config.seed)  # the initial weights are a function of the seed
+    torch.manual_seed(config.data.seed)  # the initial weights are a function of the seed
     model = DFlashDrafter(drafter_config, embed_VH=head.embed_VH, lm_head_VH=head.lm_head_VH).to(device)
-    if config.final_norm_init != 1.0:
+    if config.drafter.final_norm_init != 1.0:
         with torch.no_grad():
-            model.norm.weight.fill_(config.final_norm_init)
+            model.norm.weight.fill_(config.drafter.final_norm_init)
     return DrafterSetup(model=model, target_spec=spec)
 
 
@@ -184,9 +195,9 @@ have this run's."""
 def _how_to_match(name: str) -> str:
     """What makes a run match an export that differs from it in ``name``."""
     own = {  # the run's own options
-        "num_layers": field_ref(TrainConfig, "num_layers"),
-        "block_size": field_ref(TrainConfig, "block_size"),
-        "mask_token_id": field_ref(TrainConfig, "mask_token_id"),
+        "num_layers": field_ref(DrafterTrainConfig, "num_layers"),
+        "block_size": field_ref(DrafterTrainConfig, "block_size"),
+        "mask_token_id": field_ref(DrafterTrainConfig, "mask_token_id"),
     }
     if name in own:
         return f"pass {own[name]}"
@@ -204,7 +215,7 @@ def init_weights_from(model: DFlashDrafter, directory: Path) -> int:
     (up to rounding), whatever the two caches' statistics."""
     from dflash_offline.drafter.export import load_exported_drafter, read_export_config
 
-    init_from = field_ref(TrainConfig, "init_from")
+    init_from = field_ref(DrafterTrainConfig, "init_from")
     if not directory.is_dir():
         raise ConfigError(f"{init_from} {directory}: not a directory (an exported drafter: RUN/drafter)")
     try:

@@ -41,7 +41,7 @@ from dflash_offline.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import DataConfig, LoggingConfig, TrainConfig, ValidationConfig
 from dflash_offline.train.loader import DamagedLog, Prefetcher, RowReader
 from dflash_offline.train.metrics import (
     Lap,
@@ -143,7 +143,7 @@ class StepReporter:
         on_step: Callable[[StepMetrics], None] | None,
         clock: WallClock,
     ) -> None:
-        self._log_every = config.log_every
+        self._log_every = config.logging.log_every
         self._total_steps = total_steps
         self._on_step = on_step
         self._log = (
@@ -294,7 +294,7 @@ def step_metrics(
 
 
 def _progress_bar(config: TrainConfig, info: DistInfo, total: int, initial: int) -> tqdm[Any] | None:
-    if not (config.progress and info.is_main):
+    if not (config.logging.progress and info.is_main):
         return None
     from tqdm import tqdm
 
@@ -349,15 +349,15 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
     into training and validation samples, the training ones cut to ``--train-samples`` (announced by rank
     0)."""
     snapshot = _saved_snapshot(config, reader, info)
-    holds_out = config.val_fraction > 0 or config.val_samples is not None
-    subsets = config.train_samples is not None
+    holds_out = config.data.val_fraction > 0 or config.data.val_samples is not None
+    subsets = config.data.train_samples is not None
     groups = _validation_groups(config, reader, snapshot, info) if holds_out or subsets else None
     split = split_snapshot(
         snapshot,
-        fraction=config.val_fraction,
-        num_samples=config.val_samples,
+        fraction=config.data.val_fraction,
+        num_samples=config.data.val_samples,
         groups=groups,
-        train_samples=config.train_samples,
+        train_samples=config.data.train_samples,
     )
     if not info.is_main:
         return split
@@ -369,18 +369,18 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
             v = split.validation
             note = (
                 f"validation: {len(v)} of {len(snapshot)} samples ({v.total_tokens:,} tokens) held out, "
-                f"never trained on; evaluated every {config.val_every} steps and at the end"
+                f"never trained on; evaluated every {config.validation.val_every} steps and at the end"
             )
             if groups is not None:
                 roots = {groups[s] for s in v.sample_ids}
-                val_group = field_ref(TrainConfig, "val_group")
+                val_group = field_ref(DataConfig, "val_group")
                 note += f"; whole conversations: {len(roots)} roots ({val_group} root-id)"
         notes.append(note)
     if subsets:
         t = split.train
         note = (
             f"training on {len(t)} of {split.num_not_held_out} samples ({t.total_tokens:,} tokens; "
-            f"{field_ref(TrainConfig, 'train_samples')} {config.train_samples}, those of smallest hash"
+            f"{field_ref(DataConfig, 'train_samples')} {config.data.train_samples}, those of smallest hash"
         )
         if groups is not None:
             note += f", whole conversations: {len({groups[s] for s in t.sample_ids})} roots"
@@ -395,7 +395,7 @@ def _validation_groups(
 ) -> dict[str, str] | None:
     """``--val-group root-id``: each sample's conversation root, read from the cache's data file by rank
     0 at the first start and saved; reloaded on resume (train/split.py). None for ``sample``."""
-    if config.val_group == "sample":
+    if config.data.val_group == "sample":
         return None
     from dflash_offline.train.split import GROUPS_FILE, conversation_groups, read_groups, save_groups
 
@@ -405,7 +405,7 @@ def _validation_groups(
             config.cache_dir,
             snapshot.sample_ids,
             source=reader.fingerprint.data_source,
-            progress=config.progress,
+            progress=config.logging.progress,
         )
         save_groups(groups, path)
     barrier(info)
@@ -442,10 +442,10 @@ def _feature_scale(
             snapshot.reader_rows_N,
             num_layers=len(fp.layer_ids),
             feature_width=fp.feature_width,
-            mode=config.feature_scale,
-            seed=config.seed,
+            mode=config.drafter.feature_scale,
+            seed=config.data.seed,
         )
-        save_feature_scale(scale, config.out_dir, mode=config.feature_scale)
+        save_feature_scale(scale, config.out_dir, mode=config.drafter.feature_scale)
     barrier(info)
     return load_feature_scale(config.out_dir)
 
@@ -464,13 +464,16 @@ def train_rank(
     ``started_at``: ``time.time()`` when the command started, where start-up is counted from (None: now)."""
     start_time = time.perf_counter()
     clock = WallClock(started_at=time.time() if started_at is None else started_at, device=info.device)
-    seed_everything(config.seed, deterministic=config.deterministic)
+    seed_everything(config.data.seed, deterministic=config.launch.deterministic)
     if info.is_main:
         config.out_dir.mkdir(parents=True, exist_ok=True)
-    on_damaged = DamagedLog(config.out_dir, rank=info.rank) if config.on_damaged == "skip" else None
+    on_damaged = DamagedLog(config.out_dir, rank=info.rank) if config.launch.on_damaged == "skip" else None
     # Every sample is re-checksummed as it is read (≈ 12 GB/s a core; bench/RESULTS.md has the cost).
     cache_reader = CacheReader.open(
-        config.cache_dir, num_threads=config.loader_threads, check_checksums=True, on_damaged=on_damaged
+        config.cache_dir,
+        num_threads=config.launch.loader_threads,
+        check_checksums=True,
+        on_damaged=on_damaged,
     )
     try:
         with stop_on_sigint(second_aborts=not info.distributed):
@@ -480,13 +483,14 @@ def train_rank(
                 _write_config(config)
                 save_run_split(config.out_dir, split)  # what `dflash eval` reads (run_split.py)
             setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
-            if config.feature_scale != "none":
+            if config.drafter.feature_scale != "none":
                 setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
-            if state is None and config.init_from is not None:
-                loaded = init_weights_from(setup.model, config.init_from)
+            if state is None and config.drafter.init_from is not None:
+                loaded = init_weights_from(setup.model, config.drafter.init_from)
                 if info.is_main:
                     print(
-                        f"dflash train: starting from the weights of {config.init_from} ({loaded:,} values)",
+                        f"dflash train: starting from the weights of {config.drafter.init_from} "
+                        f"({loaded:,} values)",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -552,7 +556,7 @@ def _train(
         opt.model.compile_training()
     if state is not None:
         _restore(config, info, opt, state)
-    elif config.export_initial and info.is_main:
+    elif config.checkpoint.export_initial and info.is_main:
         from dflash_offline.drafter.export import export_drafter
 
         export_drafter(opt.model, config.out_dir / "drafter-initial")
@@ -608,19 +612,21 @@ def _validation_schedule(
         split.validation,
         reader,
         info=info,
-        tokens_per_microbatch=config.tokens_per_microbatch,
-        prefetch=config.prefetch,
-        loader_threads=config.loader_threads,
-        attention=config.attention,
-        chain_tokens=config.val_chain_tokens,
+        tokens_per_microbatch=config.data.tokens_per_microbatch,
+        prefetch=config.launch.prefetch,
+        loader_threads=config.launch.loader_threads,
+        attention=config.launch.attention,
+        chain_tokens=config.validation.val_chain_tokens,
         autocast=_autocast(config, info),
     )
     schedule = ValidationSchedule(
         validator,
         state={} if state is None else state.validation,
-        val_every=config.val_every,
-        early_stop=config.early_stop,
-        best_export_dir=config.out_dir / "drafter" if config.export_at_end and info.is_main else None,
+        val_every=config.validation.val_every,
+        early_stop=config.validation.early_stop,
+        best_export_dir=config.out_dir / "drafter"
+        if config.checkpoint.export_at_end and info.is_main
+        else None,
     )
     if schedule.tracker.restarted is not None and info.is_main:
         print(f"dflash train: {schedule.tracker.restarted}", file=sys.stderr, flush=True)
@@ -634,7 +640,7 @@ def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: Valida
     if info.is_main:
         print(
             f"dflash train: {validation.stop_reason()} at step {opt.planner.position.global_step}; nothing "
-            f"to do (raise {field_ref(TrainConfig, 'early_stop')}, or leave it out, to train on)",
+            f"to do (raise {field_ref(ValidationConfig, 'early_stop')}, or leave it out, to train on)",
             file=sys.stderr,
             flush=True,
         )
@@ -647,7 +653,7 @@ def _export_at_end(
     """Export the drafter (rank 0, unless ``export_at_end`` is off); the directory of the run's drafter."""
     from dflash_offline.drafter.export import export_drafter
 
-    if not (config.export_at_end and info.is_main):
+    if not (config.checkpoint.export_at_end and info.is_main):
         return None
     if validation is None:
         return export_drafter(opt.model, config.out_dir / "drafter")
@@ -669,26 +675,30 @@ def _setup_optimization(
         )
     params = model.trainable_parameters()
     optimizer: torch.optim.Optimizer
-    if config.optimizer == "sgd":
-        optimizer = torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
+    if config.optimizer.algorithm == "sgd":
+        optimizer = torch.optim.SGD(
+            params, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
+        )
     else:
-        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
+        )
     planner = LengthMixingPlanner(
         snapshot,
-        seed=config.seed,
-        tokens_per_microbatch=config.tokens_per_microbatch,
-        grad_accum=config.grad_accum,
+        seed=config.data.seed,
+        tokens_per_microbatch=config.data.tokens_per_microbatch,
+        grad_accum=config.topology.grad_accum,
         world_size=info.world_size,
     )
-    total_steps = planner.total_steps(config.epochs)
-    if config.max_steps is not None:
-        total_steps = min(total_steps, config.max_steps)
+    total_steps = planner.total_steps(config.optimizer.epochs)
+    if config.optimizer.max_steps is not None:
+        total_steps = min(total_steps, config.optimizer.max_steps)
     return _Optimization(
         model=model,
         ddp_model=ddp_model,
         params=params,
         optimizer=optimizer,
-        lr_factor=cosine_with_warmup(total_steps, config.warmup_ratio),
+        lr_factor=cosine_with_warmup(total_steps, config.optimizer.warmup_ratio),
         planner=planner,
         total_steps=total_steps,
     )
@@ -699,7 +709,7 @@ def _restore(config: TrainConfig, info: DistInfo, opt: _Optimization, state: Tra
     opt.model.load_state_dict(state.model)
     opt.optimizer.load_state_dict(state.optimizer)
     for group in opt.optimizer.param_groups:  # the command line's, not the checkpoint's
-        group["weight_decay"] = config.weight_decay
+        group["weight_decay"] = config.optimizer.weight_decay
     opt.planner.load_state_dict(state.planner)
     set_rng_state(state.rng)
     if info.is_main:
@@ -727,29 +737,31 @@ def _run_steps(
 
     Raises ``TrainInterrupted`` (after a checkpoint) when any rank was asked to stop."""
     planned = itertools.takewhile(
-        lambda plan: plan.global_step < opt.total_steps, opt.planner.iterate(config.epochs)
+        lambda plan: plan.global_step < opt.total_steps, opt.planner.iterate(config.optimizer.epochs)
     )
     steps = RankSteps(
         planned,
         rank=info.rank,
-        seed=config.seed,
+        seed=config.data.seed,
         reader_rows_N=snapshot.reader_rows_N,
-        fuse=config.fuse_microbatches,
+        fuse=config.launch.fuse_microbatches,
     )
-    per_row = opt.model.config.num_anchors * (config.grad_accum if config.fuse_microbatches else 1)
+    per_row = opt.model.config.num_anchors * (
+        config.topology.grad_accum if config.launch.fuse_microbatches else 1
+    )
     step = _optimizer_step(config, info, opt)
     with Prefetcher(
         reader,
         steps.jobs(),
         device=info.device,
-        prefetch=max(config.prefetch, config.grad_accum),
-        num_threads=config.loader_threads,
+        prefetch=max(config.launch.prefetch, config.topology.grad_accum),
+        num_threads=config.launch.loader_threads,
         anchor_fn=anchor_sampler(opt.model.config.num_anchors, per_row=per_row),
         loss_block_size=opt.model.config.block_size,
     ) as prefetcher:
         reporter.start()
         for step_plan, batches in steps.regroup(prefetcher):
-            _set_lr(opt.optimizer, config.lr * opt.lr_factor(step_plan.global_step))
+            _set_lr(opt.optimizer, config.optimizer.lr * opt.lr_factor(step_plan.global_step))
             with out_of_memory_named(config, info, "a training step"):
                 outcome = step([b.inputs for b in batches], [b.plan.is_padding for b in batches])
             reporter.clock.step_done()
@@ -759,7 +771,7 @@ def _run_steps(
             reporter.step_ran(
                 step_plan,
                 outcome,
-                lr=config.lr * opt.lr_factor(global_step),  # the next step's
+                lr=config.optimizer.lr * opt.lr_factor(global_step),  # the next step's
                 data_wait_s=sum(b.data_wait_s for b in batches),
             )
             validated = None
@@ -787,8 +799,8 @@ def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> 
         optimizer=opt.optimizer,
         drafter_config=opt.model.config,
         info=info,
-        grad_clip=config.grad_clip,
-        attention=config.attention,
+        grad_clip=config.optimizer.grad_clip,
+        attention=config.launch.attention,
         autocast=_autocast(config, info),
     )
 
@@ -831,20 +843,22 @@ def _stops_after(
 
 def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContextManager[Any]:
     """bf16 autocast with ``--autocast bf16``, or ``auto`` on CUDA; otherwise none (float32)."""
-    use_bf16 = config.autocast == "bf16" or (config.autocast == "auto" and info.device.type == "cuda")
+    use_bf16 = config.launch.autocast == "bf16" or (
+        config.launch.autocast == "auto" and info.device.type == "cuda"
+    )
     return torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
 
 def compiles(config: TrainConfig, device: torch.device) -> bool:
     """Whether the run compiles the drafter's layers: ``--compile on``, or ``auto`` on CUDA without
     ``--deterministic`` (whose loss curve stays the eager one; see ``TrainConfig.compile``)."""
-    if config.compile == "auto":
-        return device.type == "cuda" and not config.deterministic
-    return config.compile == "on"
+    if config.launch.compile == "auto":
+        return device.type == "cuda" and not config.launch.deterministic
+    return config.launch.compile == "on"
 
 
 def _is_checkpoint_step(config: TrainConfig, opt: _Optimization, global_step: int) -> bool:
-    return global_step % config.checkpoint_every == 0 or global_step == opt.total_steps
+    return global_step % config.checkpoint.checkpoint_every == 0 or global_step == opt.total_steps
 
 
 def _checkpoint_or_stop(
@@ -910,7 +924,7 @@ def _checkpoint(
                 world_size=info.world_size,
                 validation={} if validation is None else validation.tracker.state_dict(),
             ),
-            keep=config.keep_checkpoints,
+            keep=config.checkpoint.keep_checkpoints,
         )
     barrier(info)
 
@@ -975,7 +989,7 @@ def shutdown(info: DistInfo) -> None:
 
 
 def _cpu_threads(config: TrainConfig) -> int:
-    return config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.world_size)
+    return config.launch.threads_per_worker or max(1, (os.cpu_count() or 1) // config.launch.world_size)
 
 
 ORPHAN_GRACE_SECONDS = 120.0
@@ -1037,12 +1051,12 @@ def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> TrainResult:
     config, rank = spec.task.config, spec.worker
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(spec.task.port)
-    use_cuda = bool(config.gpus)
+    use_cuda = bool(config.launch.gpus)
     bind_device(spec)  # rank r drives the r-th listed GPU (its spec's device), or its CPU threads
     info = init_distributed(
         rank=rank,
-        world_size=config.world_size,
-        local_rank=config.gpus[rank] if use_cuda else rank,
+        world_size=config.launch.world_size,
+        local_rank=config.launch.gpus[rank] if use_cuda else rank,
         use_cuda=use_cuda,
     )
     try:
@@ -1056,12 +1070,12 @@ def _rank_specs(config: TrainConfig, started_at: float) -> list[WorkerSpec[RankT
     return [
         WorkerSpec(
             worker=rank,
-            num_workers=config.world_size,
-            device=f"cuda:{config.gpus[rank]}" if config.gpus else "cpu",
-            cpu_threads=None if config.gpus else _cpu_threads(config),
+            num_workers=config.launch.world_size,
+            device=f"cuda:{config.launch.gpus[rank]}" if config.launch.gpus else "cpu",
+            cpu_threads=None if config.launch.gpus else _cpu_threads(config),
             task=task,
         )
-        for rank in range(config.world_size)
+        for rank in range(config.launch.world_size)
     ]
 
 
@@ -1131,12 +1145,12 @@ def run_training(config: TrainConfig, *, started_at: float | None = None) -> Tra
     started_at = time.time() if started_at is None else started_at
     check_writable_dir(config.out_dir, option=field_ref(TrainConfig, "out_dir"))
     check_run_out(config.out_dir, option=field_ref(TrainConfig, "out_dir"))
-    if config.tensorboard_dir is not None:
-        check_writable_dir(config.tensorboard_dir, option=field_ref(TrainConfig, "tensorboard_dir"))
+    if config.logging.tensorboard_dir is not None:
+        check_writable_dir(config.logging.tensorboard_dir, option=field_ref(LoggingConfig, "tensorboard_dir"))
     if under_torchrun():
         info = dist_info_from_env(use_cuda=torch.cuda.is_available())
-        if info.device.type == "cpu" and config.threads_per_worker > 0:
-            torch.set_num_threads(config.threads_per_worker)  # --threads, as for spawned workers
+        if info.device.type == "cpu" and config.launch.threads_per_worker > 0:
+            torch.set_num_threads(config.launch.threads_per_worker)  # --threads, as for spawned workers
         lock = acquire_lock(config.out_dir, what="training run") if info.is_main else None
         try:
             result = train_rank(config, info, started_at=started_at)
@@ -1150,9 +1164,9 @@ def run_training(config: TrainConfig, *, started_at: float | None = None) -> Tra
 
 
 def _run_training_locked(config: TrainConfig, started_at: float) -> TrainResult | None:
-    if config.world_size == 1:
-        if config.gpus:
-            info = init_distributed(rank=0, world_size=1, local_rank=config.gpus[0], use_cuda=True)
+    if config.launch.world_size == 1:
+        if config.launch.gpus:
+            info = init_distributed(rank=0, world_size=1, local_rank=config.launch.gpus[0], use_cuda=True)
         else:
             torch.set_num_threads(_cpu_threads(config))
             info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
@@ -1173,7 +1187,7 @@ def _run_training_locked(config: TrainConfig, started_at: float) -> TrainResult 
         global_step=step,
         total_steps=step,
         final_loss=recorded_number(last["loss"]) if "loss" in last else None,
-        export_dir=config.out_dir / "drafter" if config.export_at_end else None,
+        export_dir=config.out_dir / "drafter" if config.checkpoint.export_at_end else None,
         seconds=time.perf_counter() - start,
         best_validation_tau=None if best is None else recorded_number(best["val_chain_tau"]),
         best_validation_step=0 if best is None else int(best["step"]),  # type: ignore[call-overload]

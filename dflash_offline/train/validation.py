@@ -21,7 +21,7 @@ from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import TrainConfig, saved_options
 from dflash_offline.train.loader import Prefetcher, RowReader
 from dflash_offline.train.metrics import StepAccumulator, ValidationMetrics, all_reduce_sum
 from dflash_offline.train.planner import (
@@ -477,7 +477,7 @@ def acceptance_at_every_anchor(
     (tests/eval/test_train_eval_agreement.py; bench/validation_chain_tau.py splits the gap between the
     two). ``anchor_chunk``: blocks per forward (None: all of a microbatch's at once)."""
 
-    config = json.loads((run_dir / "config.json").read_text())
+    config = saved_options(json.loads((run_dir / "config.json").read_text()))
     split = validation_split_of_run(run_dir)
     if split is None:
         raise ConfigError(f"{run_dir}: not a dflash train run that holds samples out for validation")
