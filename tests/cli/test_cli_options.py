@@ -101,7 +101,7 @@ def test_train_cli_builds_the_config_a_caller_builds(monkeypatch: pytest.MonkeyP
     _capture(monkeypatch, "dflash_offline.train.trainer", "run_training")
     cache, out = tmp_path / "c", tmp_path / "run"
     base = ["train", "--cache", str(cache), "--out", str(out)]
-    assert _invoked_with(base) == TrainConfig(cache_dir=cache, out_dir=out)
+    assert _invoked_with(base) == TrainConfig.from_options(cache_dir=cache, out_dir=out)
     got = _invoked_with(
         [
             *base,
@@ -109,7 +109,7 @@ def test_train_cli_builds_the_config_a_caller_builds(monkeypatch: pytest.MonkeyP
             *("--feature-scale", "dim", "--deterministic", "--no-progress", "--num-anchors", "64"),
         ]
     )
-    assert got == TrainConfig(
+    assert got == TrainConfig.from_options(
         cache_dir=cache,
         out_dir=out,
         lr=0.1,

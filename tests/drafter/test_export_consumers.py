@@ -232,7 +232,9 @@ def _run_dir(root: Path) -> Path:
     )  # fmt: skip
     create_or_open_cache(root / "cache", fingerprint)
     run = root / "run"
-    config = TrainConfig(cache_dir=root / "cache", out_dir=run, num_layers=2, block_size=8, max_steps=2)
+    config = TrainConfig.from_options(
+        cache_dir=root / "cache", out_dir=run, num_layers=2, block_size=8, max_steps=2
+    )
     run.mkdir()
     (run / "config.json").write_text(json.dumps(config.to_dict()))
     model = build_drafter_setup(config, fingerprint, device=torch.device("cpu")).model

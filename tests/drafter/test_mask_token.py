@@ -58,7 +58,7 @@ def test_unused_special_when_the_vocabulary_fills_the_embedding() -> None:
     # 0 bos, 1 eos, 2 and 5 emitted by the template, 7 not special → highest unused special is 6
     assert resolve_mask_token_id(tok, 200) == 6
     tok.added_tokens_decoder = {i: _Added(f"<s{i}>") for i in (0, 1, 2, 5)}
-    with pytest.raises(ConfigError, match=r"pass `TrainConfig\.mask_token_id` explicitly$"):
+    with pytest.raises(ConfigError, match=r"pass `DrafterTrainConfig\.mask_token_id` explicitly$"):
         resolve_mask_token_id(tok, 200)
 
 

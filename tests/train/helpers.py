@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,7 +10,7 @@ from dflash_offline.train.config import TrainConfig
 
 
 def train_config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
-    base = TrainConfig(
+    base = TrainConfig.from_options(
         cache_dir=cache,
         out_dir=out,
         num_layers=1,
@@ -29,7 +28,7 @@ def train_config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
         deterministic=True,
         threads_per_worker=1,
     )
-    return replace(base, **overrides)  # type: ignore[arg-type]
+    return base.with_options(**overrides)
 
 
 def assert_export_equals_checkpoint(

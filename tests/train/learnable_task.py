@@ -105,7 +105,7 @@ def synthetic_setup(
     embed = embedding()
     drafter_config = DrafterConfig(
         hidden_size=HIDDEN,
-        num_layers=config.num_layers,
+        num_layers=config.drafter.num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
@@ -113,13 +113,13 @@ def synthetic_setup(
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         vocab_size=VOCAB,
-        block_size=config.block_size,
+        block_size=config.drafter.block_size,
         target_layer_ids=fingerprint.layer_ids,
         num_target_layers=fingerprint.num_target_layers,
         mask_token_id=VOCAB - 1,
         max_position_embeddings=256,
-        num_anchors=config.num_anchors,
+        num_anchors=config.data.num_anchors,
     )
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.data.seed)
     model = DFlashDrafter(drafter_config, embed_VH=embed, lm_head_VH=embed).to(device)
     return DrafterSetup(model=model, target_spec="synthetic")

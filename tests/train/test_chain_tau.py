@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,7 @@ def test_turns_windows_and_the_walk_on_a_hand_made_sample() -> None:
 
 
 def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
-    base = TrainConfig(
+    base = TrainConfig.from_options(
         cache_dir=cache,
         out_dir=out,
         num_layers=1,
@@ -81,7 +80,7 @@ def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
         final_norm_init=0.1,
         tensorboard=False,
     )
-    return replace(base, **overrides)  # type: ignore[arg-type]
+    return base.with_options(**overrides)
 
 
 @pytest.fixture
@@ -148,7 +147,7 @@ def test_val_chain_tau_equals_evals_rule_walked_by_hand(two_turn_cache: Path, tm
     config = _config(two_turn_cache, run)
     run_training(config)
     last = validation_records(read_metrics(run / "metrics.jsonl"))[-1]  # type: ignore[arg-type]
-    assert last["step"] == config.max_steps  # the weights of RUN/drafter-last
+    assert last["step"] == config.optimizer.max_steps  # the weights of RUN/drafter-last
 
     embed = learnability_embedding()
     model = load_exported_drafter(run / "drafter-last", embed_VH=embed, lm_head_VH=embed)
@@ -272,9 +271,9 @@ def test_resume_from_a_checkpoint_before_chain_tau(
     run = tmp_path / "run"
     config = _config(two_turn_cache, run, max_steps=4, val_every=2, checkpoint_every=2, keep_checkpoints=100)
     run_training(config)
-    _as_written_before_chain_tau(run, best_simulated_tau=float(config.block_size))
+    _as_written_before_chain_tau(run, best_simulated_tau=float(config.drafter.block_size))
     capfd.readouterr()
-    result = run_training(replace(config, max_steps=8, early_stop=2))
+    result = run_training(config.with_options(max_steps=8, early_stop=2))
     assert result is not None
     assert "best validation simulated τ (step" in capfd.readouterr().err
     assert not result.stopped_early

@@ -6,7 +6,6 @@ still exports and resumes; a bool given in code is refused, not read as "off".""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -39,20 +38,22 @@ RULE = [
 def test_compile_resolves_as_its_help_says(
     tmp_path: Path, option: Literal["auto", "on", "off"], device: str, deterministic: bool, expected: bool
 ) -> None:
-    config = TrainConfig(
+    config = TrainConfig.from_options(
         cache_dir=tmp_path / "c", out_dir=tmp_path / "run", compile=option, deterministic=deterministic
     )
     assert compiles(config, torch.device(device)) is expected
 
 
 def test_the_default_is_auto(tmp_path: Path) -> None:
-    assert TrainConfig(cache_dir=tmp_path / "c", out_dir=tmp_path / "run").compile == "auto"
+    assert (
+        TrainConfig.from_options(cache_dir=tmp_path / "c", out_dir=tmp_path / "run").launch.compile == "auto"
+    )
 
 
 @pytest.mark.parametrize("value", [True, False])
 def test_a_bool_in_code_is_refused_naming_the_choices(tmp_path: Path, value: bool) -> None:
-    with pytest.raises(ConfigError, match=rf"`TrainConfig\.compile` {value}: expected auto, on or off"):
-        TrainConfig(cache_dir=tmp_path / "c", out_dir=tmp_path / "run", compile=value)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=rf"`LaunchConfig\.compile` {value}: expected auto, on or off"):
+        TrainConfig.from_options(cache_dir=tmp_path / "c", out_dir=tmp_path / "run", compile=value)
 
 
 def test_an_old_run_directory_exports_and_resumes_and_the_run_honours_the_option(
@@ -65,7 +66,7 @@ def test_an_old_run_directory_exports_and_resumes_and_the_run_honours_the_option
     monkeypatch.setattr(DFlashDrafter, "compile_training", lambda self, **kw: calls.append("compile"))
     run = tmp_path / "run"
     config = train_config(tiny_cache, run, max_steps=2, checkpoint_every=2, deterministic=False)
-    assert config.compile == "auto"
+    assert config.launch.compile == "auto"
     run_training(config)
     assert calls == []  # auto on the CPU: eager
     saved = json.loads((run / "config.json").read_text())
@@ -78,8 +79,8 @@ def test_an_old_run_directory_exports_and_resumes_and_the_run_honours_the_option
         export_run(run, tmp_path / f"export-{old}", dtype="float32")
         assert (tmp_path / f"export-{old}" / "model.safetensors").is_file()
     capsys.readouterr()
-    run_training(replace(config, max_steps=3, compile="on"))  # config.json says false
-    assert "resuming with `TrainConfig.max_steps` 3 (the previous run used 2)" in capsys.readouterr().err
+    run_training(config.with_options(max_steps=3, compile="on"))  # config.json says false
+    assert "resuming with `OptimizerConfig.max_steps` 3 (the previous run used 2)" in capsys.readouterr().err
     assert [step for step, _ in list_checkpoints(run)] == [2, 3]
     assert calls == ["compile"]
     assert json.loads((run / "config.json").read_text())["compile"] == "on"

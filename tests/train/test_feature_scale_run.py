@@ -3,7 +3,6 @@ folded into fc.weight by `dflash export`."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ def test_feature_scale_survives_resume_and_is_folded_at_export(tiny_cache: Path,
     ref = 1.0 / torch.from_numpy(feature_rms(feats, feats[0].shape[1])).float()
     torch.testing.assert_close(scale, ref, rtol=1e-4, atol=0)
     before = (run / FEATURE_SCALE_FILE).stat().st_mtime_ns
-    run_training(replace(config, max_steps=3))  # resumes from step 2
+    run_training(config.with_options(max_steps=3))  # resumes from step 2
     assert (run / FEATURE_SCALE_FILE).stat().st_mtime_ns == before  # reused, not recomputed
     step, path = list_checkpoints(run)[-1]
     assert step == 3

@@ -62,13 +62,13 @@ def passes_from_records(run: Path, config: TrainConfig) -> Counter[str]:
             continue  # stores without samples: retired untrained
         folder = segment_dir(run, segment.index)
         snapshot = read_snapshot(folder / SNAPSHOT_FILE)
-        train = split_snapshot(snapshot, fraction=config.val_fraction, num_samples=None).train
+        train = split_snapshot(snapshot, fraction=config.data.val_fraction, num_samples=None).train
         planner = LengthMixingPlanner(
             train,
-            seed=config.seed,
-            tokens_per_microbatch=config.tokens_per_microbatch,
-            grad_accum=config.grad_accum,
-            world_size=config.world_size,
+            seed=config.data.seed,
+            tokens_per_microbatch=config.data.tokens_per_microbatch,
+            grad_accum=config.topology.grad_accum,
+            world_size=config.launch.world_size,
         )
         last_checkpoint = max(step for step, _ in list_checkpoints(folder))
         assert last_checkpoint == planner.total_steps(state.passes)
@@ -88,7 +88,7 @@ def check_followed(cache: Path, run: Path, config: TrainConfig) -> None:
     assert val_ids
     counts = passes_from_records(run, config)
     assert set(counts) == train_ids  # no validation sample trained on
-    assert set(counts.values()) == {config.passes}
+    assert set(counts.values()) == {config.window.passes}
     retired = read_retirements(cache)
     assert set(retired) == {s for s in read_seals(cache) if not is_validation_store(s)}
     assert {r.run_id for r in retired.values()} == {f"train-follow:{run.resolve()}"}
@@ -120,7 +120,9 @@ def test_follow_refuses_a_split_unlike_the_routing(tmp_path: Path) -> None:
     cache = window_cache(tmp_path / "cache", data)
     with pytest.raises(ConfigError, match=r"routed a validation share of 0\.1"):
         run_follow(follow_config(cache, tmp_path / "run", val_fraction=0.2))
-    with pytest.raises(ConfigError, match=r"`TrainConfig\.max_steps` does not go with `TrainConfig\.follow`"):
+    with pytest.raises(
+        ConfigError, match=r"`OptimizerConfig\.max_steps` does not go with `WindowConfig\.follow`"
+    ):
         run_follow(follow_config(cache, tmp_path / "run", max_steps=3))
 
 

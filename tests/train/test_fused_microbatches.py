@@ -6,7 +6,6 @@ from its own document)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +81,12 @@ def test_a_run_trains_with_fused_microbatches(
 
     monkeypatch.setattr(OptimizerStep, "__call__", counted)
     config = train_config(tiny_cache, tmp_path / "run", grad_accum=3, tokens_per_microbatch=300)
-    run_training(replace(config, fuse_microbatches=True))
-    assert rows_per_step == [1] * config.max_steps
+    run_training(config.with_options(fuse_microbatches=True))
+    assert rows_per_step == [1] * config.optimizer.max_steps
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows][-1] == config.max_steps
+    assert [r["step"] for r in rows][-1] == config.optimizer.max_steps
     assert max(len(set(r["buckets"])) for r in rows) > 1, "a step's one row holds several buckets"
     assert rows[-1]["loss"] < rows[0]["loss"]
     rows_per_step.clear()
-    run_training(replace(config, out_dir=tmp_path / "unfused"))
-    assert rows_per_step == [3] * config.max_steps
+    run_training(config.with_options(out_dir=tmp_path / "unfused"))
+    assert rows_per_step == [3] * config.optimizer.max_steps

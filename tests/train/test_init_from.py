@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -67,7 +66,7 @@ def test_a_relative_path_is_stored_absolute(first_run: Path, tiny_cache: Path, t
         config = train_config(tiny_cache, tmp_path / "run", init_from=Path("run/drafter"))
     finally:
         os.chdir(here)
-    assert config.init_from == first_run / "drafter"
+    assert config.drafter.init_from == first_run / "drafter"
 
 
 def test_another_shape_or_no_export_is_refused(first_run: Path, tiny_cache: Path, tmp_path: Path) -> None:
@@ -79,11 +78,11 @@ def test_another_shape_or_no_export_is_refused(first_run: Path, tiny_cache: Path
         )
     message = str(refused.value)
     assert (
-        f"`TrainConfig.init_from` {first_run / 'drafter'}: that drafter differs from this run's in "
+        f"`DrafterTrainConfig.init_from` {first_run / 'drafter'}: that drafter differs from this run's in "
         in message
     )
-    assert "num_layers 1 (this run: 2; pass `TrainConfig.num_layers`)" in message
-    assert "block_size 8 (this run: 4; pass `TrainConfig.block_size`)" in message
+    assert "num_layers 1 (this run: 2; pass `DrafterTrainConfig.num_layers`)" in message
+    assert "block_size 8 (this run: 4; pass `DrafterTrainConfig.block_size`)" in message
     with pytest.raises(ConfigError, match="not a directory"):
         run_training(train_config(tiny_cache, tmp_path / "b", init_from=tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match="is missing: not a drafter export directory"):
@@ -97,10 +96,10 @@ def test_a_resume_keeps_its_checkpoint_and_its_init_from(
     config = train_config(tiny_cache, run, init_from=first_run / "drafter", max_steps=2, checkpoint_every=2)
     run_training(config)
     capsys.readouterr()
-    run_training(replace(config, max_steps=3))
+    run_training(config.with_options(max_steps=3))
     out = capsys.readouterr().err
     assert "resumed from the checkpoint of step 2" in out
     assert "starting from the weights" not in out
     assert [step for step, _ in list_checkpoints(run)][-1] == 3
-    with pytest.raises(ResumeError, match=r"`TrainConfig\.init_from`"):
-        run_training(replace(config, init_from=None, max_steps=4))
+    with pytest.raises(ResumeError, match=r"`DrafterTrainConfig\.init_from`"):
+        run_training(config.with_options(init_from=None, max_steps=4))

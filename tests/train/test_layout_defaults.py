@@ -3,7 +3,6 @@ config.json, the resume contract and every reader see numbers, and an explicit v
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -17,11 +16,11 @@ from tests.train.helpers import train_config
 
 
 def _config(tmp_path: Path, **fields: object) -> TrainConfig:
-    return TrainConfig(cache_dir=tmp_path / "cache", out_dir=tmp_path / "run", **fields)  # type: ignore[arg-type]
+    return TrainConfig.from_options(cache_dir=tmp_path / "cache", out_dir=tmp_path / "run", **fields)
 
 
 def _layout(config: TrainConfig) -> tuple[int, int, int]:
-    return config.grad_accum, config.tokens_per_microbatch, config.num_anchors
+    return config.topology.grad_accum, config.data.tokens_per_microbatch, config.data.num_anchors
 
 
 def test_cpu_workers_get_four_microbatches_of_8k_tokens_and_512_blocks(tmp_path: Path) -> None:
@@ -47,11 +46,11 @@ def test_the_saved_config_holds_the_resolved_numbers(tmp_path: Path) -> None:
     assert (saved["grad_accum"], saved["tokens_per_microbatch"], saved["num_anchors"]) == (1, 32768, 2048)
     # Read back on a machine whose default would differ (no GPUs named): the run keeps its numbers.
     assert _layout(TrainConfig.from_dict({**saved, "gpus": []})) == (1, 32768, 2048)
-    assert _layout(dataclasses.replace(config, gpus=())) == (1, 32768, 2048)
+    assert _layout(config.with_options(gpus=())) == (1, 32768, 2048)
 
 
 def test_a_one_token_microbatch_is_refused_naming_the_option(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"`TrainConfig\.tokens_per_microbatch` 1"):
+    with pytest.raises(ConfigError, match=r"`DataConfig\.tokens_per_microbatch` 1"):
         _config(tmp_path, tokens_per_microbatch=1)
 
 
@@ -66,20 +65,20 @@ def test_a_resume_takes_the_runs_own_layout_where_this_invocation_left_it_to_the
     assert began.layout_by_device == ()
     run_training(began)
     # The same run, its layout left to the default (0 = the CPU workers' 4 × 8,192 × 512 here).
-    resumed = dataclasses.replace(began, max_steps=6, grad_accum=0, tokens_per_microbatch=0, num_anchors=0)
+    resumed = began.with_options(max_steps=6, grad_accum=0, tokens_per_microbatch=0, num_anchors=0)
     assert _layout(resumed) == (4, 8192, 512)
     assert resumed.layout_by_device == ("grad_accum", "tokens_per_microbatch", "num_anchors")
     capfd.readouterr()
     run_training(resumed)
     err = capfd.readouterr().err
     assert (
-        "resuming with the run's own `TrainConfig.num_anchors` 32 (left to the device's default, 512 here)"
+        "resuming with the run's own `DataConfig.num_anchors` 32 (left to the device's default, 512 here)"
         in err
     )
-    assert "resuming with the run's own `TrainConfig.tokens_per_microbatch` 600" in err
+    assert "resuming with the run's own `DataConfig.tokens_per_microbatch` 600" in err
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")][-1] == 6
     saved = json.loads((run / "config.json").read_text())
     assert (saved["grad_accum"], saved["tokens_per_microbatch"], saved["num_anchors"]) == (1, 600, 32)
     # Given explicitly, another value is a change the contract refuses.
-    with pytest.raises(ResumeError, match=r"`TrainConfig\.num_anchors`"):
-        run_training(dataclasses.replace(began, max_steps=8, num_anchors=16))
+    with pytest.raises(ResumeError, match=r"`DataConfig\.num_anchors`"):
+        run_training(began.with_options(max_steps=8, num_anchors=16))

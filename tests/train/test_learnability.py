@@ -20,7 +20,7 @@ from tests.train.learnable_task import synthetic_setup, write_cache
 
 
 def _train(cache: Path, out: Path) -> list[float]:
-    config = TrainConfig(
+    config = TrainConfig.from_options(
         cache_dir=cache,
         out_dir=out,
         num_layers=1,

@@ -174,7 +174,7 @@ def test_last_step_is_kept_with_equal_counts_and_padding_only_if_needed() -> Non
 def test_configuration_errors_name_the_value_and_the_fix() -> None:
     snap = snapshot_from_columns(["a", "b", "c"], [100, 5000, 20], [0, 4, 0])
     with pytest.raises(
-        ConfigError, match=r"sample 'b' has 5000 tokens.*`TrainConfig\.tokens_per_microbatch` 4096"
+        ConfigError, match=r"sample 'b' has 5000 tokens.*`DataConfig\.tokens_per_microbatch` 4096"
     ):
         LengthMixingPlanner(snap, seed=0, tokens_per_microbatch=4096, grad_accum=1, world_size=1)
     with pytest.raises(ConfigError, match="no committed samples"):

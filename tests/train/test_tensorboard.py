@@ -196,12 +196,15 @@ def test_without_tensorboard_asking_for_it_is_a_clear_error(
     # Not asked for: no tensorboard means no event files, not an error.
     from dflash_offline.train.config import TrainConfig
 
-    config = TrainConfig(cache_dir=cache, out_dir=tmp_path / "run")
+    config = TrainConfig.from_options(cache_dir=cache, out_dir=tmp_path / "run")
     assert config.resolved_tensorboard_dir() is None
     monkeypatch.setattr(tb, "tensorboard_available", lambda: True)
     assert config.resolved_tensorboard_dir() == tmp_path / "run" / "tb"
     assert (
-        TrainConfig(cache_dir=cache, out_dir=tmp_path, tensorboard=False).resolved_tensorboard_dir() is None
+        TrainConfig.from_options(
+            cache_dir=cache, out_dir=tmp_path, tensorboard=False
+        ).resolved_tensorboard_dir()
+        is None
     )
 
 

@@ -69,7 +69,7 @@ def test_two_ddp_cpu_processes_equal_one_process_with_the_same_global_batch(
     two = tmp_path / "two"
     # SGD: Adam divides each gradient element by its own magnitude, which turns float summation noise
     # on near-zero elements into full-size updates; SGD keeps the comparison about the gradients.
-    common = dict(max_steps=6, export_at_end=False, optimizer="sgd", lr=0.05)
+    common = dict(max_steps=6, export_at_end=False, algorithm="sgd", lr=0.05)
     run_training(train_config(tiny_cache, one, grad_accum=2, **common))
     result = run_training(train_config(tiny_cache, two, grad_accum=1, num_cpu_workers=2, **common))
     # Rank 0's wall split reaches the launcher (its summary line) from the spawned process.

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ def cache(uncompressed_cache: Path) -> Path:
 
 
 def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
-    base = TrainConfig(
+    base = TrainConfig.from_options(
         cache_dir=cache,
         out_dir=out,
         num_layers=1,
@@ -64,7 +63,7 @@ def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
         threads_per_worker=1,
         export_at_end=False,
     )
-    return replace(base, **overrides)  # type: ignore[arg-type]
+    return base.with_options(**overrides)
 
 
 @pytest.fixture(scope="module")
@@ -278,17 +277,17 @@ def test_stop_request_checkpoints_at_the_step_boundary_and_resume_is_exact(
         # Built in Python, the message names the field (test_cli_refuses_nonsense_in_one_line: the flag).
         (
             {"threads_per_worker": -3},
-            r"`TrainConfig\.threads_per_worker` -3: expected an integer in 0\.\.4096",
+            r"`LaunchConfig\.threads_per_worker` -3: expected an integer in 0\.\.4096",
         ),
         (
             {"block_size": 100000},
-            rf"`TrainConfig\.block_size` 100000: expected an integer in 2\.\.{MAX_BLOCK_SIZE}",
+            rf"`DrafterTrainConfig\.block_size` 100000: expected an integer in 2\.\.{MAX_BLOCK_SIZE}",
         ),
-        ({"lr": float("nan")}, r"`TrainConfig\.lr` nan: expected a finite number > 0"),
-        ({"lr": float("inf")}, r"`TrainConfig\.lr` inf"),
-        ({"gamma": -1.0}, r"`TrainConfig\.gamma` -1\.0"),
-        ({"weight_decay": -0.1}, r"`TrainConfig\.weight_decay` -0\.1"),
-        ({"loader_threads": 100000}, r"`TrainConfig\.loader_threads` 100000"),
+        ({"lr": float("nan")}, r"`OptimizerConfig\.lr` nan: expected a finite number > 0"),
+        ({"lr": float("inf")}, r"`OptimizerConfig\.lr` inf"),
+        ({"gamma": -1.0}, r"`DrafterTrainConfig\.gamma` -1\.0"),
+        ({"weight_decay": -0.1}, r"`OptimizerConfig\.weight_decay` -0\.1"),
+        ({"loader_threads": 100000}, r"`LaunchConfig\.loader_threads` 100000"),
     ],
 )
 def test_nonsense_numbers_are_refused_with_the_valid_range(
@@ -317,8 +316,8 @@ def test_resume_with_another_model_shape_is_refused_naming_the_field(
 ) -> None:
     run = _copy_run(reference, tmp_path / "run")
     for overrides, flag in (
-        ({"num_layers": 2}, "`TrainConfig.num_layers`"),
-        ({"block_size": 16}, "`TrainConfig.block_size`"),
+        ({"num_layers": 2}, "`DrafterTrainConfig.num_layers`"),
+        ({"block_size": 16}, "`DrafterTrainConfig.block_size`"),
     ):
         with pytest.raises(ResumeError, match=rf"trained with {flag} .*resume with the same {flag}"):
             run_training(_config(cache, run, **overrides))
@@ -332,7 +331,7 @@ def test_resume_with_another_lr_applies_it_and_says_so(
     shutil.rmtree(run / "checkpoints" / "step-00000012")
     run_training(_config(cache, run, lr=1e-3))
     assert (
-        "resuming with `TrainConfig.lr` 0.001 (the previous run used 0.003): applied"
+        "resuming with `OptimizerConfig.lr` 0.001 (the previous run used 0.003): applied"
         in capfd.readouterr().err
     )
     factor = cosine_with_warmup(STEPS, 0.04)
@@ -393,19 +392,19 @@ def test_out_of_memory_in_a_step_or_a_validation_names_the_microbatch_options(
         )
     message = str(caught.value)
     assert message.startswith(
-        "a training step ran out of memory on cpu with `TrainConfig.tokens_per_microbatch` 600, "
+        "a training step ran out of memory on cpu with `DataConfig.tokens_per_microbatch` 600, "
     )
     assert (
-        "e.g. `TrainConfig.tokens_per_microbatch` 150 `TrainConfig.num_anchors` 8 `TrainConfig.grad_accum` 4 "
-        in message
+        "e.g. `DataConfig.tokens_per_microbatch` 150 `DataConfig.num_anchors` 8 "
+        "`TopologyConfig.grad_accum` 4 " in message
     )
     assert message.endswith("The allocator said: CUDA out of memory. Tried to allocate 2.00 GiB")
 
     with pytest.raises(
-        ConfigError, match=r"`TrainConfig\.grad_accum` 4 without `TrainConfig\.fuse_microbatches`"
+        ConfigError, match=r"`TopologyConfig\.grad_accum` 4 without `LaunchConfig\.fuse_microbatches`"
     ):
         train_rank(
-            replace(_config(cache, tmp_path / "run-fused"), fuse_microbatches=True),
+            _config(cache, tmp_path / "run-fused").with_options(fuse_microbatches=True),
             DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"),
         )
 

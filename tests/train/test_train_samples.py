@@ -8,7 +8,6 @@ import hashlib
 import itertools
 import json
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +95,7 @@ def test_subset_is_the_n_smallest_training_keys_nested_and_leaves_validation_alo
     assert set(off.train.sample_ids) == set(sorted(ids, key=_train_key)[:30])
     # More than the split leaves: refused, both numbers named.
     with pytest.raises(
-        ConfigError, match=rf"`TrainConfig\.train_samples` {len(rest) + 1} .* {len(rest)} \(the snapshot"
+        ConfigError, match=rf"`DataConfig\.train_samples` {len(rest) + 1} .* {len(rest)} \(the snapshot"
     ):
         split_snapshot(snap, fraction=0.1, num_samples=None, train_samples=len(rest) + 1)
 
@@ -180,37 +179,35 @@ def test_a_run_reads_only_its_subset_and_validation(
     line = f"training on 20 of {len(snapshot) - len(val)} samples"
     assert line in capsys.readouterr().err
     assert json.loads((run / "config.json").read_text())["train_samples"] == 20
-    with pytest.raises(
-        ConfigError, match=rf"`TrainConfig\.train_samples` 500 .* {len(snapshot) - len(val)} "
-    ):
-        train_rank(replace(config, out_dir=tmp_path / "too-many", train_samples=500), CPU)
+    with pytest.raises(ConfigError, match=rf"`DataConfig\.train_samples` 500 .* {len(snapshot) - len(val)} "):
+        train_rank(config.with_options(out_dir=tmp_path / "too-many", train_samples=500), CPU)
 
 
 def test_resume_keeps_n_and_refuses_another(cache: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     config = train_config(cache, run, max_steps=2, checkpoint_every=2, train_samples=20, tensorboard=False)
     run_training(config)
-    run_training(replace(config, max_steps=3))  # the same N resumes
+    run_training(config.with_options(max_steps=3))  # the same N resumes
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
     for other in (21, None):
         with pytest.raises(
             ResumeError,
-            match=r"trained with `TrainConfig\.train_samples` 20.* "
-            r"resume with the same `TrainConfig\.train_samples`",
+            match=r"trained with `DataConfig\.train_samples` 20.* "
+            r"resume with the same `DataConfig\.train_samples`",
         ):
-            run_training(replace(config, max_steps=4, train_samples=other))
+            run_training(config.with_options(max_steps=4, train_samples=other))
     # A run whose config.json predates --train-samples trained on every sample: it resumes without it.
     old = tmp_path / "old"
-    run_training(replace(config, out_dir=old, train_samples=None))
+    run_training(config.with_options(out_dir=old, train_samples=None))
     saved = json.loads((old / "config.json").read_text())
     del saved["train_samples"]
     (old / "config.json").write_text(json.dumps(saved))
-    run_training(replace(config, out_dir=old, train_samples=None, max_steps=3))
+    run_training(config.with_options(out_dir=old, train_samples=None, max_steps=3))
     with pytest.raises(
         ResumeError,
-        match=r"`TrainConfig\.train_samples` None.*this run asks for `TrainConfig\.train_samples` 20",
+        match=r"`DataConfig\.train_samples` None.*this run asks for `DataConfig\.train_samples` 20",
     ):
-        run_training(replace(config, out_dir=old, max_steps=4))
+        run_training(config.with_options(out_dir=old, max_steps=4))
 
 
 def test_root_id_subset_in_a_run(sharegpt_cache: tuple[Path, Path], tmp_path: Path) -> None:  # noqa: F811

@@ -11,7 +11,6 @@ import shutil
 import signal
 import threading
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +87,7 @@ def cache(tiny_caches: TinyCaches) -> Path:
 
 
 def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
-    base = TrainConfig(
+    base = TrainConfig.from_options(
         cache_dir=cache,
         out_dir=out,
         num_layers=1,
@@ -109,12 +108,14 @@ def _config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
         val_every=2,
         tensorboard=False,
     )
-    return replace(base, **overrides)  # type: ignore[arg-type]
+    return base.with_options(**overrides)
 
 
 def _validation_ids(run: Path, config: TrainConfig) -> set[str]:
     split = split_snapshot(
-        read_snapshot(run / "snapshot.parquet"), fraction=config.val_fraction, num_samples=config.val_samples
+        read_snapshot(run / "snapshot.parquet"),
+        fraction=config.data.val_fraction,
+        num_samples=config.data.val_samples,
     )
     assert split.validation is not None
     return set(split.validation.sample_ids)
@@ -275,14 +276,14 @@ def test_best_export_and_early_stop(cache: Path, tmp_path: Path) -> None:
     assert stop is not None, taus
     assert stop < steps, taus
     early = tmp_path / "early"
-    stopped = run_training(replace(config, out_dir=early, early_stop=patience, checkpoint_every=100))
+    stopped = run_training(config.with_options(out_dir=early, early_stop=patience, checkpoint_every=100))
     assert stopped is not None
     assert stopped.stopped_early
     assert stopped.global_step == stop
     assert [r["step"] for r in read_metrics(early / "metrics.jsonl")] == list(range(1, stop + 1))
     assert max(step for step, _ in list_checkpoints(early)) == stop
     _assert_same_weights(early / "drafter-last", checkpoints[stop])
-    again = run_training(replace(config, out_dir=early, early_stop=patience, checkpoint_every=100))
+    again = run_training(config.with_options(out_dir=early, early_stop=patience, checkpoint_every=100))
     assert again is not None
     assert again.stopped_early
     assert again.global_step == stop
@@ -300,8 +301,8 @@ def test_resume_keeps_the_split_and_refuses_another(cache: Path, tmp_path: Path)
             signal.raise_signal(signal.SIGINT)  # Ctrl-C: train_rank's handler asks for a stop
 
     with pytest.raises(TrainInterrupted):
-        train_rank(replace(config, out_dir=run), CPU, on_step=stop_at_3)
-    run_training(replace(config, out_dir=run))
+        train_rank(config.with_options(out_dir=run), CPU, on_step=stop_at_3)
+    run_training(config.with_options(out_dir=run))
     # The same lines, validation fields included, bit for bit (timings aside).
     timing = {"tokens_per_s", "step_seconds", "data_wait_fraction", "startup_seconds", "val_seconds"}
     got, want = read_metrics(run / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
@@ -311,11 +312,11 @@ def test_resume_keeps_the_split_and_refuses_another(cache: Path, tmp_path: Path)
     assert len(validation_records(got)) == 4  # steps 2, 4, 6 and the last, 7
 
     for change, flag in (
-        ({"val_fraction": 0.3}, "`TrainConfig.val_fraction`"),
-        ({"val_samples": 5}, "`TrainConfig.val_samples`"),
+        ({"val_fraction": 0.3}, "`DataConfig.val_fraction`"),
+        ({"val_samples": 5}, "`DataConfig.val_samples`"),
     ):
         with pytest.raises(ResumeError, match=rf"trained with {flag} .*resume with the same {flag}"):
-            run_training(replace(config, out_dir=run, max_steps=9, **change))  # type: ignore[arg-type]
+            run_training(config.with_options(out_dir=run, max_steps=9, **change))
     # A config.json this version did not write (a shape option missing) is refused in one line.
     other = tmp_path / "other"
     shutil.copytree(run, other)
@@ -323,7 +324,7 @@ def test_resume_keeps_the_split_and_refuses_another(cache: Path, tmp_path: Path)
     del saved["val_fraction"]
     (other / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ResumeError, match=r"config\.json lacks \['val_fraction'\]: this dflash-offline"):
-        run_training(replace(config, out_dir=other, max_steps=9))
+        run_training(config.with_options(out_dir=other, max_steps=9))
 
 
 @pytest.mark.slow

@@ -180,21 +180,21 @@ def test_root_id_split_in_a_run_and_its_resume(sharegpt_cache: tuple[Path, Path]
     data.rename(moved)
     (run / SPLIT_FILE).unlink()  # as a run trained before the file existed: the resume writes it
     try:
-        run_training(replace(config, max_steps=6))
+        run_training(config.with_options(max_steps=6))
         assert validation_ids_of_run(run) == val
         assert read_run_split(run) == written
         # The finished run's command again: no step runs, and the split file is back.
         (run / SPLIT_FILE).unlink()
-        rerun = run_training(replace(config, max_steps=6))
+        rerun = run_training(config.with_options(max_steps=6))
         assert rerun is not None
         assert rerun.global_step == 6
         assert read_run_split(run) == written
         assert validation_records(read_metrics(run / "metrics.jsonl"))[-1]["step"] == 6  # type: ignore[arg-type]
         assert validation_records(read_metrics(run / "metrics.jsonl"))[-1]["step"] == 6  # type: ignore[arg-type]
         # A fresh run cannot read the roots: it says so instead of splitting by sample.
-        with pytest.raises(ConfigError, match=r"`TrainConfig\.val_group` root-id needs the record id"):
-            run_training(replace(config, out_dir=tmp_path / "fresh"))
+        with pytest.raises(ConfigError, match=r"`DataConfig\.val_group` root-id needs the record id"):
+            run_training(config.with_options(out_dir=tmp_path / "fresh"))
     finally:
         moved.rename(data)
-    with pytest.raises(ResumeError, match=r"`TrainConfig\.val_group`"):
-        run_training(replace(config, val_group="sample", max_steps=8))
+    with pytest.raises(ResumeError, match=r"`DataConfig\.val_group`"):
+        run_training(config.with_options(val_group="sample", max_steps=8))
