@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from dflash_offline.cli import main
 from dflash_offline.cli.flags import render, spelling
-from dflash_offline.config_fields import cli_spec
+from dflash_offline.config_fields import cli_spec, option_fields
 from dflash_offline.decode.attention import fused_kernels_run
 from dflash_offline.eval.config import EVAL_DTYPES, EvalConfig
 from dflash_offline.generate.config import GenerateConfig
@@ -70,9 +70,9 @@ def test_every_config_field_with_a_cli_spec_is_an_option_with_the_field_default(
     command = main.get_command(click.Context(main), command_name)
     assert command is not None
     by_flag = {opt: p for p in command.params for opt in p.opts}
-    hints = typing.get_type_hints(cls)
     checked = 0
-    for f in dataclasses.fields(cls):
+    for o in option_fields(cls):  # a config's fields and its sections' (TrainConfig's)
+        f, hints = o.field, typing.get_type_hints(o.owner)
         spec = cli_spec(f)
         if spec is None or spec.kind == "placement" or spec.required:
             continue
@@ -132,7 +132,7 @@ def test_train_compile_takes_auto_on_or_off_and_refuses_anything_else(
     _capture(monkeypatch, "dflash_offline.train.trainer", "run_training")
     base = ["train", "--cache", str(tmp_path / "c"), "--out", str(tmp_path / "run")]
     for value in ("auto", "on", "off"):
-        assert _invoked_with([*base, "--compile", value]).compile == value
+        assert _invoked_with([*base, "--compile", value]).launch.compile == value
     invalid = "Error: Invalid value for '--compile': {!r} is not one of 'auto', 'on', 'off'."
     for args, error in [
         (["--compile", "yes"], invalid.format("yes")),
@@ -158,7 +158,7 @@ def test_train_help_reads_the_drafter_defaults_without_importing_torch() -> None
     from dflash_offline.drafter import DrafterConfig
 
     drafter = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
-    train = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    train = {o.name: o.field.default for o in option_fields(TrainConfig)}
     shape = ("num_layers", "block_size")
     assert [drafter[k] for k in shape] == [train[k] for k in shape]
     # --num-anchors is resolved by device when the config is built (tests/train/test_layout_defaults.py).
@@ -166,7 +166,7 @@ def test_train_help_reads_the_drafter_defaults_without_importing_torch() -> None
 
 
 def test_train_placement_defaults_are_the_placement_record_defaults() -> None:
-    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    fields = {o.name: o.field.default for o in option_fields(TrainConfig)}
     default = Placement()
     assert (fields["gpus"], fields["num_cpu_workers"], fields["threads_per_worker"]) == (
         default.gpus,

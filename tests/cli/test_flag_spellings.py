@@ -25,7 +25,7 @@ from dflash_offline.cli import COMMANDS, main
 from dflash_offline.cli.flags import flag, render
 from dflash_offline.config_fields import DATA, PLACEMENT, SEED, Cli, field_ref
 from dflash_offline.generate.config import GenerateConfig
-from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainConfig
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dflash_offline"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
@@ -236,14 +236,16 @@ def test_every_flag_call_in_the_package_names_an_option() -> None:
 
 def test_flag_spells_fields_and_shared_options_and_refuses_the_rest() -> None:
     """``cli.flags.flag`` spells what ``field_ref`` names; both refuse what is not one option."""
-    assert flag(TrainConfig, "max_steps") == "--max-steps"
+    assert flag(OptimizerConfig, "max_steps") == "--max-steps"  # an option of a section of TrainConfig
     assert flag(TrainConfig, "out_dir") == "--out"  # an explicit spelling
-    assert flag(TrainConfig, "tensorboard") == "--no-tensorboard"  # a plain off switch
+    assert flag(OptimizerConfig, "algorithm") == "--optimizer"
+    assert flag(LoggingConfig, "tensorboard") == "--no-tensorboard"  # a plain off switch
     assert flag(GenerateConfig, "max_length") == "--max-len"
     assert (flag(SEED), flag(DATA)) == ("--seed", "--data")
     for bad in [
-        (TrainConfig, "max_stepz"),  # no such field
-        (TrainConfig, "export_at_end"),  # a field with no option
+        (OptimizerConfig, "max_stepz"),  # no such field
+        (TrainConfig, "max_steps"),  # an option of a section, named by the config holding the section
+        (CheckpointConfig, "export_at_end"),  # a field with no option
         (GenerateConfig, "placement"),  # three options (--gpus/--workers/--threads)
         (TrainConfig,),
         (PLACEMENT,),
