@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +30,19 @@ def train_config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
         threads_per_worker=1,
     )
     return base.with_options(**overrides)
+
+
+def flat_config_json(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run's config.json (by section, format 2) as dflash-offline wrote it before the sections: one flat
+    object of options, the optimizer's algorithm under its flag's name, no format version."""
+    flat: dict[str, Any] = {}
+    for key, value in saved.items():
+        if isinstance(value, dict):
+            flat.update(value)
+        elif key != "version":
+            flat[key] = value
+    flat["optimizer"] = flat.pop("algorithm")
+    return flat
 
 
 def assert_export_equals_checkpoint(

@@ -29,7 +29,7 @@ from dflash_offline.train.validation import (
     chain_window,
     walk_chain,
 )
-from tests.train.helpers import assert_export_equals_checkpoint
+from tests.train.helpers import assert_export_equals_checkpoint, flat_config_json
 from tests.train.learnable_task import embedding as learnability_embedding
 from tests.train.learnable_task import synthetic_setup as learnability_setup
 from tests.train.learnable_task import write_cache as learnability_cache
@@ -251,7 +251,7 @@ def _as_written_before_chain_tau(run: Path, *, best_simulated_tau: float) -> Non
             "evals_since_best": state["validation"]["evals_since_best"],
         }
         torch.save(state, checkpoint / "state.pt")
-    config = json.loads((run / "config.json").read_text())
+    config = flat_config_json(json.loads((run / "config.json").read_text()))
     del config["val_chain_tokens"]
     (run / "config.json").write_text(json.dumps(config))
     lines = read_metrics(run / "metrics.jsonl")

@@ -17,7 +17,7 @@ from dflash_offline.errors import ConfigError
 from dflash_offline.train.checkpoint import export_run, list_checkpoints
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.trainer import compiles, run_training
-from tests.train.helpers import train_config
+from tests.train.helpers import flat_config_json, train_config
 
 # (--compile, device, --deterministic, compiles?): the rule as the option's help states it.
 RULE = [
@@ -70,10 +70,10 @@ def test_an_old_run_directory_exports_and_resumes_and_the_run_honours_the_option
     run_training(config)
     assert calls == []  # auto on the CPU: eager
     saved = json.loads((run / "config.json").read_text())
-    assert saved["compile"] == "auto"
+    assert saved["launch"]["compile"] == "auto"
     for old in (True, False):
-        (run / "config.json").write_text(json.dumps({**saved, "compile": old}))
-        assert TrainConfig.from_dict(json.loads((run / "config.json").read_text())).compile == (
+        (run / "config.json").write_text(json.dumps({**flat_config_json(saved), "compile": old}))
+        assert TrainConfig.from_dict(json.loads((run / "config.json").read_text())).launch.compile == (
             "on" if old else "off"
         )
         export_run(run, tmp_path / f"export-{old}", dtype="float32")
@@ -83,4 +83,4 @@ def test_an_old_run_directory_exports_and_resumes_and_the_run_honours_the_option
     assert "resuming with `OptimizerConfig.max_steps` 3 (the previous run used 2)" in capsys.readouterr().err
     assert [step for step, _ in list_checkpoints(run)] == [2, 3]
     assert calls == ["compile"]
-    assert json.loads((run / "config.json").read_text())["compile"] == "on"
+    assert json.loads((run / "config.json").read_text())["launch"]["compile"] == "on"

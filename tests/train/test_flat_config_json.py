@@ -35,13 +35,13 @@ FLAT_CONFIG_JSON: dict[str, Any] = {
 ``TrainConfig`` (format 1), verbatim but for the paths: what such a run left in RUN/config.json."""
 
 
-def flat_config_json(cache: Path, run: Path) -> dict[str, Any]:
+def as_written_before(cache: Path, run: Path) -> dict[str, Any]:
     return {**FLAT_CONFIG_JSON, "cache_dir": str(cache), "out_dir": str(run)}
 
 
 def test_a_flat_config_json_reads_as_the_nested_config(tmp_path: Path) -> None:
     cache, run = tmp_path / "cache", tmp_path / "run"
-    config = TrainConfig.from_dict(flat_config_json(cache, run))
+    config = TrainConfig.from_dict(as_written_before(cache, run))
     assert config == train_config(cache, run, max_steps=2, algorithm="sgd", lr=0.05)
     assert (config.optimizer.algorithm, config.optimizer.lr, config.data.tokens_per_microbatch) == (
         "sgd",
@@ -56,7 +56,7 @@ def test_a_flat_config_json_reads_as_the_nested_config(tmp_path: Path) -> None:
 def test_an_older_flat_config_json_reads_with_what_its_missing_options_meant(tmp_path: Path) -> None:
     """Before --feature-scale, --final-norm-init, --init-from, --train-samples and --follow, and while
     --compile was a flag (true/false): those runs trained unscaled, from a final norm of 1.0, at random."""
-    older = flat_config_json(tmp_path / "cache", tmp_path / "run")
+    older = as_written_before(tmp_path / "cache", tmp_path / "run")
     for name in ("feature_scale", "final_norm_init", "init_from", "train_samples", "follow", "passes"):
         del older[name]
     older["compile"] = True
@@ -74,7 +74,7 @@ def test_a_config_json_of_an_unknown_format_or_option_is_refused(tmp_path: Path)
     with pytest.raises(ConfigError, match=r"format version 3; this dflash-offline reads 1 and 2"):
         TrainConfig.from_dict({**config.to_dict(), "version": 3})
     with pytest.raises(ConfigError, match=r"unknown fields \['new_option'\]"):
-        TrainConfig.from_dict({**flat_config_json(tmp_path / "cache", tmp_path / "run"), "new_option": 1})
+        TrainConfig.from_dict({**as_written_before(tmp_path / "cache", tmp_path / "run"), "new_option": 1})
     nested = config.to_dict()
     nested["drafter"]["new_option"] = 1
     with pytest.raises(ConfigError, match=r"unknown fields \['new_option'\]"):
@@ -86,7 +86,7 @@ def test_a_run_with_a_flat_config_json_resumes_and_exports(tiny_cache: Path, tmp
     config = train_config(cache, run, max_steps=2, algorithm="sgd", lr=0.05)
     run_training(config)
     assert json.loads((run / "config.json").read_text())["version"] == 2
-    (run / "config.json").write_text(json.dumps(flat_config_json(cache, run), indent=2))  # as before
+    (run / "config.json").write_text(json.dumps(as_written_before(cache, run), indent=2))  # as before
     step, path = list_checkpoints(run)[-1]
     assert step == 2
     stored = ResumeContract.stored(run, torch.load(path / "state.pt", weights_only=False)["planner"])

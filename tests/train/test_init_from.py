@@ -56,7 +56,7 @@ def test_a_fresh_run_starts_from_the_export(
     last = load_file(str(run / "drafter" / "model.safetensors"))
     assert not torch.equal(last["fc.weight"], want["fc.weight"])
     saved = json.loads((run / "config.json").read_text())
-    assert saved["init_from"] == str((first_run / "drafter").resolve())
+    assert saved["drafter"]["init_from"] == str((first_run / "drafter").resolve())
 
 
 def test_a_relative_path_is_stored_absolute(first_run: Path, tiny_cache: Path, tmp_path: Path) -> None:

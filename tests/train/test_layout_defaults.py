@@ -43,9 +43,21 @@ def test_blocks_follow_the_given_tokens_and_explicit_values_stay(tmp_path: Path)
 def test_the_saved_config_holds_the_resolved_numbers(tmp_path: Path) -> None:
     config = _config(tmp_path, gpus=(0,))
     saved = config.to_dict()
-    assert (saved["grad_accum"], saved["tokens_per_microbatch"], saved["num_anchors"]) == (1, 32768, 2048)
+    assert (
+        saved["topology"]["grad_accum"],
+        saved["data"]["tokens_per_microbatch"],
+        saved["data"]["num_anchors"],
+    ) == (
+        1,
+        32768,
+        2048,
+    )
     # Read back on a machine whose default would differ (no GPUs named): the run keeps its numbers.
-    assert _layout(TrainConfig.from_dict({**saved, "gpus": []})) == (1, 32768, 2048)
+    assert _layout(TrainConfig.from_dict({**saved, "launch": {**saved["launch"], "gpus": []}})) == (
+        1,
+        32768,
+        2048,
+    )
     assert _layout(config.with_options(gpus=())) == (1, 32768, 2048)
 
 
@@ -78,7 +90,15 @@ def test_a_resume_takes_the_runs_own_layout_where_this_invocation_left_it_to_the
     assert "resuming with the run's own `DataConfig.tokens_per_microbatch` 600" in err
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")][-1] == 6
     saved = json.loads((run / "config.json").read_text())
-    assert (saved["grad_accum"], saved["tokens_per_microbatch"], saved["num_anchors"]) == (1, 600, 32)
+    assert (
+        saved["topology"]["grad_accum"],
+        saved["data"]["tokens_per_microbatch"],
+        saved["data"]["num_anchors"],
+    ) == (
+        1,
+        600,
+        32,
+    )
     # Given explicitly, another value is a change the contract refuses.
     with pytest.raises(ResumeError, match=r"`DataConfig\.num_anchors`"):
         run_training(began.with_options(max_steps=8, num_anchors=16))

@@ -27,6 +27,7 @@ from dflash_offline.train.config import (
 )
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import IndexSnapshot, snapshot_from_columns
+from tests.train.helpers import flat_config_json
 
 WORLD_SIZE = 4
 
@@ -323,21 +324,12 @@ def test_an_unknown_planner_state_version_is_refused_when_the_checkpoint_loads(t
     assert loaded.planner == planner_state
 
 
-def flat_part(key: str, part: Any) -> list[tuple[str, Any]]:
-    """The options of one entry of a config.json by section, as a flat config.json held them."""
-    return list(part.items()) if isinstance(part, dict) else [(key, part)]
-
-
 def test_a_config_json_from_before_feature_scale_reads_as_the_unscaled_run_it_was(tmp_path: Path) -> None:
     """A run written before ``--feature-scale`` existed trained on unscaled features: it resumes with
     ``--feature-scale none``, and the default (``dim``) is refused naming the value to pass."""
     config = base_config(tmp_path)
     planner_state = saved_run(config.with_options(feature_scale="none"), snapshot())
-    saved = json.loads((config.out_dir / "config.json").read_text())  # by section; that run's was flat
-    flat = {
-        name: value for key, part in saved.items() if key != "version" for name, value in flat_part(key, part)
-    }
-    flat["optimizer"] = flat.pop("algorithm")
+    flat = flat_config_json(json.loads((config.out_dir / "config.json").read_text()))  # that run's was flat
     del flat["feature_scale"]
     (config.out_dir / "config.json").write_text(json.dumps(flat))
     stored = ResumeContract.stored(config.out_dir, planner_state)

@@ -321,7 +321,7 @@ def test_resume_with_another_model_shape_is_refused_naming_the_field(
     ):
         with pytest.raises(ResumeError, match=rf"trained with {flag} .*resume with the same {flag}"):
             run_training(_config(cache, run, **overrides))
-    assert json.loads((run / "config.json").read_text())["num_layers"] == 1  # not overwritten
+    assert json.loads((run / "config.json").read_text())["drafter"]["num_layers"] == 1  # not overwritten
 
 
 def test_resume_with_another_lr_applies_it_and_says_so(

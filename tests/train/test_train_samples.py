@@ -25,7 +25,7 @@ from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, snapshot
 from dflash_offline.train.split import split_snapshot, validation_ids_of_run
 from dflash_offline.train.trainer import run_training, train_rank
 from tests.tiny_caches import TinyCaches
-from tests.train.helpers import train_config
+from tests.train.helpers import flat_config_json, train_config
 from tests.train.plan_helpers import epoch_plan
 from tests.train.test_validation import CountingReader
 from tests.train.test_validation_groups import sharegpt_cache  # noqa: F401  (a fixture)
@@ -178,7 +178,7 @@ def test_a_run_reads_only_its_subset_and_validation(
     snapshot = read_snapshot(run / "snapshot.parquet")
     line = f"training on 20 of {len(snapshot) - len(val)} samples"
     assert line in capsys.readouterr().err
-    assert json.loads((run / "config.json").read_text())["train_samples"] == 20
+    assert json.loads((run / "config.json").read_text())["data"]["train_samples"] == 20
     with pytest.raises(ConfigError, match=rf"`DataConfig\.train_samples` 500 .* {len(snapshot) - len(val)} "):
         train_rank(config.with_options(out_dir=tmp_path / "too-many", train_samples=500), CPU)
 
@@ -199,7 +199,7 @@ def test_resume_keeps_n_and_refuses_another(cache: Path, tmp_path: Path) -> None
     # A run whose config.json predates --train-samples trained on every sample: it resumes without it.
     old = tmp_path / "old"
     run_training(config.with_options(out_dir=old, train_samples=None))
-    saved = json.loads((old / "config.json").read_text())
+    saved = flat_config_json(json.loads((old / "config.json").read_text()))
     del saved["train_samples"]
     (old / "config.json").write_text(json.dumps(saved))
     run_training(config.with_options(out_dir=old, train_samples=None, max_steps=3))

@@ -33,7 +33,7 @@ from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
 from dflash_offline.train.split import split_snapshot
 from dflash_offline.train.trainer import TrainInterrupted, run_training, train_rank
 from tests.tiny_caches import TinyCaches
-from tests.train.helpers import assert_export_equals_checkpoint
+from tests.train.helpers import assert_export_equals_checkpoint, flat_config_json
 from tests.train.learnable_task import embedding as learnability_embedding
 from tests.train.learnable_task import synthetic_setup as learnability_setup
 from tests.train.learnable_task import write_cache as learnability_cache
@@ -153,8 +153,8 @@ def test_validation_samples_are_never_trained_on_and_evaluated_whole(cache: Path
     assert [r["step"] for r in records] == [result.total_steps]
     assert records[0]["val_num_samples"] == len(val)
     saved = json.loads((run / "config.json").read_text())
-    assert saved["val_fraction"] == 0.15
-    assert saved["val_samples"] is None
+    assert saved["data"]["val_fraction"] == 0.15
+    assert saved["data"]["val_samples"] is None
 
 
 def _brute_force(run: Path, config: TrainConfig) -> dict[str, Any]:
@@ -320,7 +320,7 @@ def test_resume_keeps_the_split_and_refuses_another(cache: Path, tmp_path: Path)
     # A config.json this version did not write (a shape option missing) is refused in one line.
     other = tmp_path / "other"
     shutil.copytree(run, other)
-    saved = json.loads((other / "config.json").read_text())
+    saved = flat_config_json(json.loads((other / "config.json").read_text()))
     del saved["val_fraction"]
     (other / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ResumeError, match=r"config\.json lacks \['val_fraction'\]: this dflash-offline"):
