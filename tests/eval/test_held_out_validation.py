@@ -192,14 +192,20 @@ def _record_generate(cache: Path, data: Path, samples: int) -> None:
 
 
 def _chained_run(
-    root: Path, cache: Path, *, fraction: float, init_from: Path | None
+    root: Path, cache: Path, *, fraction: float, init_from: Path | None, by_section: bool = True
 ) -> tuple[Path, set[str]]:
-    """A run on ``cache`` started from ``init_from``'s weights (config.json as `dflash train` writes it);
-    its training sample ids."""
+    """A run on ``cache`` started from ``init_from``'s weights (config.json as `dflash train` writes it, by
+    section, or flat as it did before the sections); its training sample ids."""
     run = root / "run"
     (run / "drafter").mkdir(parents=True)
-    config = {"cache_dir": str(cache), "val_fraction": fraction, "val_samples": None}
-    (run / "config.json").write_text(json.dumps({**config, "init_from": init_from and str(init_from)}))
+    split_options = {"val_fraction": fraction, "val_samples": None}
+    init = {"init_from": init_from and str(init_from)}
+    config = (
+        {"version": 2, "cache_dir": str(cache), "data": split_options, "drafter": init}
+        if by_section
+        else {"cache_dir": str(cache), **split_options, **init}
+    )
+    (run / "config.json").write_text(json.dumps(config))
     with CacheReader.open(cache) as reader:
         snapshot = take_snapshot(reader)
     save_snapshot(snapshot, run / "snapshot.parquet")
@@ -218,7 +224,7 @@ def test_a_run_started_from_another_drafter_holds_out_what_that_one_trained_on(t
     cache_a = write_tiny_cache(tmp_path / "cache-a", ids[:12], data_source="chat")
     cache_b = write_tiny_cache(tmp_path / "cache-b", ids[6:20], data_source="chat")
     _record_generate(cache_b, data, 14)
-    run_a, trained_a = _chained_run(tmp_path / "a", cache_a, fraction=0.2, init_from=None)
+    run_a, trained_a = _chained_run(tmp_path / "a", cache_a, fraction=0.2, init_from=None, by_section=False)
     run_b, trained_b = _chained_run(tmp_path / "b", cache_b, fraction=0.5, init_from=run_a / "drafter")
     validation_b = set(ids[6:20]) - trained_b
     assert validation_b & trained_a  # B holds out records A trained on: the case the chain is for
@@ -244,7 +250,8 @@ def test_a_run_started_from_another_drafter_holds_out_what_that_one_trained_on(t
         chosen.note
     )
 
-    # A's run claiming to start from B's drafter: a loop, refused rather than followed forever.
+    # A's run (its config.json flat) claiming to start from B's drafter: a loop, refused rather than
+    # followed forever.
     config_a = json.loads((run_a / "config.json").read_text())
     (run_a / "config.json").write_text(json.dumps({**config_a, "init_from": str(run_b / "drafter")}))
     with pytest.raises(ConfigError, match="loop back to"):
