@@ -333,7 +333,7 @@ def test_two_ddp_cpu_processes_validate_the_same_split_as_one(cache: Path, tmp_p
     """Each rank evaluates its part, the sums are reduced: the same metrics as one process (the blocks
     and chain cycles counted once: a rank evaluating everything, or nothing, would change
     val_num_blocks and val_chain_cycles)."""
-    common = {"max_steps": 4, "val_every": 2, "optimizer": "sgd", "lr": 0.05, "export_at_end": False}
+    common = {"max_steps": 4, "val_every": 2, "algorithm": "sgd", "lr": 0.05, "export_at_end": False}
     one, two = tmp_path / "one", tmp_path / "two"
     run_training(_config(cache, one, grad_accum=2, **common))  # type: ignore[arg-type]
     run_training(_config(cache, two, grad_accum=1, num_cpu_workers=2, **common))  # type: ignore[arg-type]
