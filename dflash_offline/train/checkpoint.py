@@ -568,11 +568,8 @@ def _model_card(
 ) -> str:
     from dflash_offline.drafter.model_card import CardFacts, render_model_card, serve_target_for
 
-    length = (
-        f"--max-steps {config.optimizer.max_steps}"
-        if config.optimizer.max_steps
-        else f"--epochs {config.optimizer.epochs}"
-    )
+    run = config.optimizer
+    length = f"--max-steps {run.max_steps}" if run.max_steps else f"--epochs {run.epochs}"
     facts = CardFacts(
         target_id=fingerprint.target_id,
         weights_hash=fingerprint.weights_hash,

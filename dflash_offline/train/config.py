@@ -82,7 +82,7 @@ def resume_rule(section: type[Any], f: Field[Any]) -> Rule:
 # is the section's ``RESUME_RULE`` (a reader learns it from the class), so an option sits in the section whose
 # rule it has. Each field with a ``cli_field`` is a ``dflash train`` option: its default, type and help live
 # here and nowhere else (``cli/options.py:config_options`` derives the click option). Option names are unique
-# across sections: the command line is flat (``--lr``) and builds the sections from it (``from_options``).
+# across sections: the command line is flat (one flag per option) and builds the sections from it (``from_options``).
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,11 +452,12 @@ class LoggingConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WindowConfig:
-    """Training on a cache that ``dflash generate --window-limit`` is still filling (``follow``,
+    """Training on a cache that ``dflash generate`` is still filling within its disk window (``follow``,
     train/follow.py, docs/follow.md). A resume takes these as given: follow.json holds a follow run's passes
     and refuses another value, and a follow run's segments are plain runs.
 
-    Apart from the others: a mode of the whole run, read only by train/follow.py."""
+    Apart from the others: a mode of the whole run (``dflash train`` then runs train/follow.py, which trains
+    each segment as a plain run)."""
 
     RESUME_RULE: ClassVar[Rule] = Rule.FREE
 
