@@ -82,7 +82,7 @@ def resume_rule(section: type[Any], f: Field[Any]) -> Rule:
 # is the section's ``RESUME_RULE`` (a reader learns it from the class), so an option sits in the section whose
 # rule it has. Each field with a ``cli_field`` is a ``dflash train`` option: its default, type and help live
 # here and nowhere else (``cli/options.py:config_options`` derives the click option). Option names are unique
-# across sections: the command line is flat (one flag per option) and builds the sections from it (``from_options``).
+# across sections: the command line is flat and builds the sections from it (``from_options``).
 
 
 @dataclass(frozen=True, slots=True)
