@@ -88,8 +88,9 @@ def cli_spec(f: dataclasses.Field[Any]) -> Cli | None:
 
 
 def field_ref(owner: type[Any] | str | Cli, name: str | None = None) -> str:
-    """How a message names an option: ``field_ref(TrainConfig, "max_steps")`` is "`TrainConfig.max_steps`"
-    (a field of a config dataclass), ``field_ref(SEED)`` is "`seed`" (a shared option, by its field name).
+    """How a message names an option: ``field_ref(OptimizerConfig, "max_steps")`` is
+    "`OptimizerConfig.max_steps`" (a field of a config dataclass, or of a section of one: named by the class
+    declaring it), ``field_ref(SEED)`` is "`seed`" (a shared option, by its field name).
     A Python caller reads that; the command line shows the flag instead (``cli.flags.render``). A field
     that does not exist, has no ``Cli`` or is several options (a ``Placement``) raises ``ValueError``:
     a renamed option breaks every message naming it (a test calls every use). A module the config

@@ -1,5 +1,5 @@
 """How ``dflash`` spells its options, and the one place it does: the library names a config field with a
-marker (``config_fields.field_ref``: "`TrainConfig.lr`", or "`seed`" for a shared option), and ``render``
+marker (``config_fields.field_ref``: "`OptimizerConfig.lr`", or "`seed`" for a shared option), and ``render``
 turns each marker of a message or a help text into the flag ("--lr", "--seed") when the command line
 prints it. A Python caller reads the field names; a ``dflash`` user reads the flags."""
 

@@ -851,7 +851,7 @@ def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContext
 
 def compiles(config: TrainConfig, device: torch.device) -> bool:
     """Whether the run compiles the drafter's layers: ``--compile on``, or ``auto`` on CUDA without
-    ``--deterministic`` (whose loss curve stays the eager one; see ``TrainConfig.compile``)."""
+    ``--deterministic`` (whose loss curve stays the eager one; see ``LaunchConfig.compile``)."""
     if config.launch.compile == "auto":
         return device.type == "cuda" and not config.launch.deterministic
     return config.launch.compile == "on"
