@@ -825,13 +825,15 @@ def _stops_after(
         or _is_checkpoint_step(config, opt, global_step)
     )
     _checkpoint_or_stop(
-        config,
-        info,
-        opt,
-        reporter,
-        global_step,
-        tokens_seen,
-        validation,
+        _CheckpointContext(
+            config=config,
+            info=info,
+            opt=opt,
+            reporter=reporter,
+            validation=validation,
+            global_step=global_step,
+            tokens_seen=tokens_seen,
+        ),
         checkpoint_now=early_stop,
         check_stop=not early_stop and (agree or not info.distributed),
     )
@@ -861,29 +863,36 @@ def _is_checkpoint_step(config: TrainConfig, opt: _Optimization, global_step: in
     return global_step % config.checkpoint.checkpoint_every == 0 or global_step == opt.total_steps
 
 
-def _checkpoint_or_stop(
-    config: TrainConfig,
-    info: DistInfo,
-    opt: _Optimization,
-    reporter: StepReporter,
-    global_step: int,
-    tokens_seen: int,
-    validation: ValidationSchedule | None,
-    *,
-    checkpoint_now: bool,
-    check_stop: bool,
-) -> None:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _CheckpointContext:
+    """What a checkpoint after one step needs: the run's pieces it saves or checks, and the step."""
+
+    config: TrainConfig
+    info: DistInfo
+    opt: _Optimization
+    """The drafter, optimizer and planner whose states are saved."""
+    reporter: StepReporter
+    """Its throughput leaves the checkpoint's time out; its unread steps are checked for non-finite values."""
+    validation: ValidationSchedule | None
+    """Its tracker's state is saved (None: a run without validation)."""
+    global_step: int
+    """Optimizer steps done: the checkpoint's step."""
+    tokens_seen: int
+    """Tokens trained on up to that step."""
+
+
+def _checkpoint_or_stop(at: _CheckpointContext, *, checkpoint_now: bool, check_stop: bool) -> None:
     """Checkpoint every ``checkpoint_every`` steps, at the end and when ``checkpoint_now``; with
     ``check_stop``, when any rank was asked to stop, checkpoint (if this step did not) and raise
     ``TrainInterrupted``. A checkpoint's time is left out of the ``reporter``'s throughput."""
-    saved = checkpoint_now or _is_checkpoint_step(config, opt, global_step)
+    saved = checkpoint_now or _is_checkpoint_step(at.config, at.opt, at.global_step)
     if saved:
-        with reporter.paused("checkpoint"):
-            _checkpoint(config, info, opt, reporter, global_step, tokens_seen, validation)
-    if check_stop and global_step < opt.total_steps and _stop_agreed(info):
+        with at.reporter.paused("checkpoint"):
+            _checkpoint(at)
+    if check_stop and at.global_step < at.opt.total_steps and _stop_agreed(at.info):
         if not saved:
-            _checkpoint(config, info, opt, reporter, global_step, tokens_seen, validation)  # the run ends
-        raise TrainInterrupted(global_step)
+            _checkpoint(at)  # the run ends
+        raise TrainInterrupted(at.global_step)
 
 
 def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -898,35 +907,28 @@ def _stop_if_diverged(config: TrainConfig, bad: NonFiniteStep | None, global_ste
         raise diverged_error(config.out_dir, bad.describe(), step=bad.step, stopped_after=global_step)
 
 
-def _checkpoint(
-    config: TrainConfig,
-    info: DistInfo,
-    opt: _Optimization,
-    reporter: StepReporter,
-    global_step: int,
-    tokens_seen: int,
-    validation: ValidationSchedule | None,
-) -> None:
-    """Save the state after ``global_step`` (rank 0), never from non-finite weights: the steps since the
+def _checkpoint(at: _CheckpointContext) -> None:
+    """Save the state after ``at.global_step`` (rank 0), never from non-finite weights: the steps since the
     last read-back are checked first, and the weights themselves."""
-    _stop_if_diverged(config, reporter.check_finite(), global_step)
-    check_weights_finite(config.out_dir, opt.params, step=global_step)
-    if info.is_main:
+    config, opt, validation = at.config, at.opt, at.validation
+    _stop_if_diverged(config, at.reporter.check_finite(), at.global_step)
+    check_weights_finite(config.out_dir, opt.params, step=at.global_step)
+    if at.info.is_main:
         save_checkpoint(
             config.out_dir,
             TrainState(
-                global_step=global_step,
+                global_step=at.global_step,
                 model=opt.model.state_dict(),
                 optimizer=opt.optimizer.state_dict(),
                 planner=opt.planner.state_dict(),
                 rng=rng_state(),
-                tokens_seen=tokens_seen,
-                world_size=info.world_size,
+                tokens_seen=at.tokens_seen,
+                world_size=at.info.world_size,
                 validation={} if validation is None else validation.tracker.state_dict(),
             ),
             keep=config.checkpoint.keep_checkpoints,
         )
-    barrier(info)
+    barrier(at.info)
 
 
 # ─── Joining the process group ──────────────────────────────────────────────────────────────────────────────
