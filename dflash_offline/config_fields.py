@@ -157,33 +157,31 @@ def _within(value: float, spec: Cli) -> bool:
 
 
 def invalid_fields(config: Any) -> list[str]:
-    """One line per field of the config dataclass (and of its sections) whose value breaks its ``Cli``
-    bounds or is not one of its ``Literal`` choices (None, an unset optional, always passes)."""
-    bad = []
-    for f in dataclasses.fields(config):
-        if section_class(f) is None:
-            bad += invalid_values(type(config), {f.name: getattr(config, f.name)})
-        else:
-            bad += invalid_fields(getattr(config, f.name))
-    return bad
+    """One line per option of the config dataclass (its fields and its sections') whose value breaks its
+    ``Cli`` bounds or is not one of its ``Literal`` choices (None, an unset optional, always passes)."""
+    values = {
+        o.name: getattr(config if o.section is None else getattr(config, o.section), o.name)
+        for o in option_fields(type(config))
+    }
+    return invalid_values(type(config), values)
 
 
 def invalid_values(cls: type[Any], values: dict[str, Any]) -> list[str]:
-    """``invalid_fields`` for the values of some fields of the config dataclass ``cls`` (by field name;
-    names that are not fields are ignored)."""
-    hints = typing.get_type_hints(cls)
+    """``invalid_fields`` for the values of some options of the config dataclass ``cls`` (by option name,
+    as the command line has them; names that are not options are ignored)."""
     bad = []
-    for f in dataclasses.fields(cls):
-        spec = cli_spec(f)
-        value = values.get(f.name)
+    for o in option_fields(cls):
+        spec = cli_spec(o.field)
+        value = values.get(o.name)
         if spec is None or spec.kind != "value" or value is None:
             continue
-        named = field_ref(cls, f.name)
-        choices = literal_choices(hints[f.name]) or spec.choices
+        named = field_ref(o.owner, o.name)
+        hint = typing.get_type_hints(o.owner)[o.name]
+        choices = literal_choices(hint) or spec.choices
         if choices is not None and value not in choices:  # a bool too: an option once a flag
             bad.append(f"{named} {value!r}: expected {_one_of(choices)}")
         elif isinstance(value, int | float) and not isinstance(value, bool) and not _within(value, spec):
-            integer = int in (hints[f.name], *typing.get_args(hints[f.name]))
+            integer = int in (hint, *typing.get_args(hint))
             bad.append(f"{named} {value}: expected {bounds_text(spec, integer=integer)}")
     return bad
 
