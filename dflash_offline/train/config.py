@@ -25,6 +25,7 @@ from dflash_offline.config_fields import (
     from_options,
     option_fields,
     replace_options,
+    section_class,
 )
 from dflash_offline.drafter_shape import (
     DEFAULT_BLOCK_SIZE,
@@ -629,9 +630,7 @@ CONFIG_VERSION = 2
 ``saved_options`` still reads."""
 
 SECTIONS: Mapping[str, type[Any]] = {
-    f.name: f.default_factory  # type: ignore[misc]
-    for f in fields(TrainConfig)
-    if isinstance(f.default_factory, type)
+    f.name: section for f in fields(TrainConfig) if (section := section_class(f)) is not None
 }
 """``TrainConfig``'s sections: attribute name → class."""
 
