@@ -72,7 +72,7 @@ class Segment:
     first_step: int
     """The follow run's global step of its first step (the steps of the segments before it)."""
     num_steps: int
-    """Steps its run plans: ``--passes`` epochs of its length-mixing plan (0 without samples)."""
+    """Steps its run plans: ``passes`` epochs of its length-mixing plan (0 without samples)."""
     last: bool
     """Planned after generate had finished: no store comes after it, so the LR decays over it."""
 
@@ -115,7 +115,7 @@ class FollowState:
 
     passes: int
     warmup_steps: int = 0
-    """Steps of the LR warm-up at the start of the run: ``--warmup-ratio`` of the steps of the first
+    """Steps of the LR warm-up at the start of the run: ``warmup_ratio`` of the steps of the first
     segment that has samples (0 until it is planned)."""
     segments: tuple[Segment, ...]
 
@@ -393,7 +393,7 @@ def new_segment(config: TrainConfig, state: FollowState, *, last: bool = False) 
 
 
 def warmup_steps(config: TrainConfig, first: Segment) -> int:
-    """The run's warm-up: ``--warmup-ratio`` of the steps of its first segment with samples, as an ordinary
+    """The run's warm-up: ``warmup_ratio`` of the steps of its first segment with samples, as an ordinary
     run of those steps would warm up (0 while that segment is not planned)."""
     return max(1, round(config.warmup_ratio * first.num_steps)) if first.num_steps else 0
 
@@ -421,7 +421,7 @@ def previous_run(run_dir: Path, state: FollowState, segment: Segment) -> Path | 
 
 
 def segment_config(config: TrainConfig, state: FollowState, segment: Segment) -> TrainConfig:
-    """The ordinary run that trains one segment: ``--passes`` epochs (from ``--init-from`` for the first
+    """The ordinary run that trains one segment: ``passes`` epochs (from ``init_from`` for the first
     segment that trains; the later ones continue it). Only the last segment exports its drafter."""
     first = previous_run(config.out_dir, state, segment) is None
     return dataclasses.replace(

@@ -1,6 +1,6 @@
-"""What one segment of ``dflash train --follow`` continues from (docs/follow.md): the run's one learning
-rate schedule, the segment's place in the run's global steps, and the drafter and optimizer kept alive
-in the process from one segment to the next.
+"""What one segment of a follow run (``TrainConfig.follow``) continues from (docs/follow.md): the run's
+one learning rate schedule, the segment's place in the run's global steps, and the drafter and
+optimizer kept alive in the process from one segment to the next.
 
 A follow run trains its segments as one optimization: segment k starts from segment k-1's last training
 state (weights, optimizer state, global step), not from an exported drafter. In one process the live
@@ -51,7 +51,7 @@ class FollowSchedule:
     """The arguments of ``wsd_lr_factor`` for a follow run, read from its ``RUN/follow.json``."""
 
     warmup_steps: int
-    """Steps of the linear warm-up at the start of the run (``--warmup-ratio`` of the first segment's)."""
+    """Steps of the linear warm-up at the start of the run (``warmup_ratio`` of the first segment's)."""
     decay_start: int | None
     """The global step where the final segment starts; None while no segment is final."""
     end_step: int
@@ -101,7 +101,7 @@ class SegmentStart:
     """The follow run's global step of the segment's first step: its local step s is global step
     ``first_step + s`` (its checkpoints and ``metrics.jsonl`` count local steps)."""
     num_steps: int
-    """Steps the segment plans (its ``--passes`` epochs over its training samples)."""
+    """Steps the segment plans (its ``passes`` epochs over its training samples)."""
     schedule: FollowSchedule
     previous_run: Path | None
     """The folder of the previous segment that trained samples, whose final checkpoint this segment

@@ -38,6 +38,7 @@ from dflash_offline.train.checkpoint import (
     checkpoint_to_resume,
     diverged_error,
     first_nonfinite,
+    load_latest_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -483,11 +484,9 @@ def train_rank(
             if info.is_main:  # after the resume check: a refused resume leaves the run's config as it was
                 _write_config(config)
                 save_run_split(config.out_dir, split)  # what `dflash eval` reads (run_split.py)
-            live = segment.live.take() if segment is not None and segment.live is not None else None
-            setup = (
-                build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
-                if live is None
-                else live.setup
+            continued = _Continued.start(segment)
+            setup = continued.setup or build_drafter_setup(
+                config, cache_reader.fingerprint, device=info.device
             )
             if config.feature_scale != "none":
                 setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
@@ -499,18 +498,8 @@ def train_rank(
                         file=sys.stderr,
                         flush=True,
                     )
-            return _train(
-                config,
-                info,
-                setup,
-                split,
-                state,
-                reader or cache_reader,
-                on_step,
-                start_time,
-                clock,
-                _Continued(segment=segment, live=live),
-            )
+            reader = reader or cache_reader
+            return _train(config, info, setup, split, state, reader, on_step, start_time, clock, continued)
     finally:
         cache_reader.close()
 
@@ -541,6 +530,31 @@ class _Continued:
     segment: SegmentStart | None
     live: LiveDrafter | None
     """The previous segment's drafter and optimizer, handed over in this process."""
+
+    @classmethod
+    def start(cls, segment: SegmentStart | None) -> _Continued:
+        """Take what the previous segment handed over in this process, if anything."""
+        live = segment.live.take() if segment is not None and segment.live is not None else None
+        return cls(segment=segment, live=live)
+
+    @property
+    def setup(self) -> DrafterSetup | None:
+        return None if self.live is None else self.live.setup
+
+    @property
+    def compiled(self) -> bool:
+        return self.live is not None and self.live.compiled
+
+    @property
+    def from_checkpoint(self) -> Path | None:
+        """The previous segment's run, whose final checkpoint a segment started without a handover
+        continues (None: an ordinary run, the first segment, or a handover)."""
+        return None if self.live is not None or self.segment is None else self.segment.previous_run
+
+    def hand_over(self, setup: DrafterSetup, optimizer: torch.optim.Optimizer, *, compiled: bool) -> None:
+        """Leave the drafter and optimizer to the next segment in this process."""
+        if self.segment is not None and self.segment.live is not None:
+            self.segment.live.keep(LiveDrafter(setup=setup, optimizer=optimizer, compiled=compiled))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -576,14 +590,12 @@ def _train(
     """Set up the optimization (from ``state``, the checkpoint resumed, if any, else from what a follow
     segment continues), train until the end or an early stop, export."""
     opt = _setup_optimization(config, info, setup.model, split.train, continued)
-    compiled = continued.live is not None and continued.live.compiled
-    if compiles(config, info.device) and not compiled:
+    if compiles(config, info.device) and not continued.compiled:
         opt.model.compile_training()
-        compiled = True
     if state is not None:
         _restore(config, info, opt, state)
-    elif continued.live is None and continued.segment is not None and continued.segment.previous_run:
-        _continue_segment(config, info, opt, continued.segment.previous_run)
+    elif continued.from_checkpoint is not None:
+        _continue_segment(config, info, opt, continued.from_checkpoint)
     elif config.export_initial and info.is_main:
         from dflash_offline.drafter.export import export_drafter
 
@@ -616,8 +628,10 @@ def _train(
     with clock.timed("checkpoint"):
         export_dir = _export_at_end(config, info, opt, validation)
     barrier(info)
-    if continued.segment is not None and continued.segment.live is not None and not stopped_early:
-        continued.segment.live.keep(LiveDrafter(setup=setup, optimizer=opt.optimizer, compiled=compiled))
+    if not stopped_early:
+        continued.hand_over(
+            setup, opt.optimizer, compiled=continued.compiled or compiles(config, info.device)
+        )
     tracker = validation.tracker if validation is not None else None
     return TrainResult(
         global_step=opt.planner.position.global_step,
@@ -761,8 +775,6 @@ def _continue_segment(config: TrainConfig, info: DistInfo, opt: _Optimization, p
     """A follow segment's first start in a fresh process: the weights and optimizer state of the previous
     segment's final checkpoint (its planner and RNG stay this segment's own, as a live handover leaves
     them)."""
-    from dflash_offline.train.checkpoint import load_latest_checkpoint
-
     state = load_latest_checkpoint(previous_run, is_main=info.is_main)
     if state is None:
         raise ConfigError(f"{previous_run} has no checkpoint to continue from: its segment was never trained")

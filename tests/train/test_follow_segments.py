@@ -263,3 +263,17 @@ def test_the_final_drafter_is_exported_when_no_segment_was_planned_as_the_last(
     again = run_follow(config)
     assert again.last_drafter == last / "drafter-last"
     assert_export_equals_checkpoint(load_file(str(again.last_drafter / "model.safetensors")), final.model)
+
+
+@pytest.mark.parametrize("total", [1, 2, 7, 40, 333])
+@pytest.mark.parametrize("ratio", [0.0, 0.04, 0.5])
+def test_a_run_of_one_final_segment_gets_an_ordinary_runs_schedule(total: int, ratio: float) -> None:
+    """Generate had finished before training began: one segment, final from its first step, whose LR is
+    the cosine with warm-up of an ordinary run of its steps (``trainer.cosine_with_warmup``)."""
+    from dflash_offline.train.segments import FollowSchedule
+    from dflash_offline.train.trainer import cosine_with_warmup
+
+    warmup = max(1, round(ratio * total))
+    schedule = FollowSchedule(warmup_steps=warmup, decay_start=0, end_step=total)
+    ordinary = cosine_with_warmup(total, ratio)
+    assert [schedule.factor(s) for s in range(total + 1)] == [ordinary(s) for s in range(total + 1)]
