@@ -504,6 +504,19 @@ def _checkpoint_drafter(folder: Path) -> DFlashDrafter:
     return setup.model
 
 
+def checkpointed_run(run_dir: Path) -> Path:
+    """The run whose checkpoints ``dflash export RUN`` reads: ``run_dir`` itself, or for a follow run
+    the folder of its last segment that has a checkpoint (that segment's newest checkpoint is the
+    follow run's newest training state: every segment continues the one before)."""
+    state = read_follow_state(run_dir)
+    if state is None:
+        return run_dir
+    for segment in reversed(state.segments):
+        if list_checkpoints(segment_dir(run_dir, segment.index)):
+            return segment_dir(run_dir, segment.index)
+    return run_dir
+
+
 def _drafter_of(run_dir: Path, segment: Segment) -> Path | None:
     folder = segment_dir(run_dir, segment.index)
     for name in ("drafter-last", "drafter"):

@@ -138,6 +138,19 @@ def test_one_lr_schedule_over_the_segments(
     assert (result.last_drafter / "model.safetensors").is_file()
     assert not (segment_dir(run, 0) / "drafter-last").exists()  # only the final drafter is exported
 
+    # `dflash export RUN` exports the follow run's newest training state: its last segment's checkpoint.
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from dflash_offline.cli.export import export
+
+    exported = tmp_path / "exported"
+    done = CliRunner().invoke(export, [str(run), "--out", str(exported), "--dtype", "float32"])
+    assert done.exit_code == 0, done.output
+    final = load_latest_checkpoint(segment_dir(run, 2))
+    assert final is not None
+    assert_export_equals_checkpoint(load_file(str(exported / "model.safetensors")), final.model)
+
 
 @pytest.mark.timeout(600)
 def test_the_optimizer_state_continues_across_a_segment_boundary(
