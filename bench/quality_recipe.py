@@ -408,14 +408,14 @@ def apply_smoke(args: argparse.Namespace) -> None:
     args.regen_bench_s = 0
     args.regen_limit = min(args.regen_limit, 8)
     args.code_limit = min(args.code_limit, 2)
-    args.regen_args = f"{args.regen_args} --max-new-tokens 32 --max-prompt-tokens 512"
+    args.regen_args = f"{args.regen_args} --max-new-tokens 16 --max-prompt-tokens 512"
     args.train_args = (
         f"{args.train_args} --num-layers 1 --tokens-per-microbatch 1024 --grad-accum 1 --num-anchors 32 "
         "--val-every 20"
     )
-    args.eval_args = f"{args.eval_args} --limit 1 --max-new-tokens 16"
+    args.eval_args = f"{args.eval_args} --limit 1 --max-new-tokens 8"
     if args.chat_eval_args:
-        args.chat_eval_args = f"{args.chat_eval_args} --limit 1 --max-new-tokens 16"
+        args.chat_eval_args = f"{args.chat_eval_args} --limit 1 --max-new-tokens 8"
 
 
 def train_deadline(now: float, end: float, train_s: float, eval_s: float, reserve_s: float) -> float:
