@@ -6,8 +6,10 @@ time from the first command's start until every sample had its passes (training'
 follow / sequential. Sequential: ``dflash generate`` into a plain cache, then ``dflash train --epochs
 PASSES``. Follow: both commands at once, generate bounded by ``--window-limit``, train retiring what it
 trained. Also printed: the steps each way took (follow plans each segment on its own, so its last steps
-of a segment may be fuller or emptier), how long each side waited for the other (the cache's ``waits``),
-and the peak of the window measured by the manifest.
+of a segment may be fuller or emptier), the start-up of each training run (each segment's under
+``--follow``: from its start to the end of its first step, the ``startup_seconds`` of its metrics), how
+long each side waited for the other (the cache's ``waits``), and the peak of the window measured by the
+manifest.
 
   python bench/follow.py                  # CPU: random:tiny, 240 generated chat records, 2 passes
   python bench/follow.py --target default --data bench/answers/answers-00.jsonl.gz --records 4096 \\
@@ -80,8 +82,20 @@ def sequential(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, 
     run(generate_cmd(args, cache, data))
     generated = time.perf_counter() - start
     run(train_cmd(args, cache, out, "--epochs", str(args.passes)))
-    steps = int(read_metrics(out / "metrics.jsonl")[-1]["step"])  # type: ignore[call-overload]
-    return {"wall_s": time.perf_counter() - start, "generate_s": generated, "steps": steps}
+    metrics = read_metrics(out / "metrics.jsonl")
+    steps = int(metrics[-1]["step"])  # type: ignore[call-overload]
+    return {
+        "wall_s": time.perf_counter() - start,
+        "generate_s": generated,
+        "steps": steps,
+        "startup_s": startup_seconds(metrics),
+    }
+
+
+def startup_seconds(metrics: list[dict[str, object]]) -> float:
+    """A run's start-up to the end of its first step (``startup_seconds`` of the first line an invocation
+    writes; these runs are never resumed, so there is one)."""
+    return sum(float(m["startup_seconds"]) for m in metrics if "startup_seconds" in m)  # type: ignore[arg-type]
 
 
 def follow(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, float]:
@@ -116,13 +130,16 @@ def follow(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, floa
     waited = {side: 0.0 for side in ("generate", "train")}
     for side, seconds in zip(waits["side"], waits["seconds"], strict=True):
         waited[side] += seconds
-    steps = sum(
-        int(read_metrics(m)[-1]["step"])  # type: ignore[call-overload]
-        for m in sorted((out / "segments").glob("*/metrics.jsonl"))
-    )
+    segments = [read_metrics(m) for m in sorted((out / "segments").glob("*/metrics.jsonl"))]
+    steps = sum(int(m[-1]["step"]) for m in segments)  # type: ignore[call-overload]
+    startups = [startup_seconds(m) for m in segments]
     return {
         "wall_s": wall,
         "steps": steps,
+        "segments": len(segments),
+        "startup_s": sum(startups),
+        "first_startup_s": startups[0],
+        "later_startup_s": sum(startups[1:]) / max(1, len(startups) - 1),
         "generate_waited_s": waited["generate"],
         "train_waited_s": waited["train"],
         "peak_window_bytes": peak[0],
@@ -154,6 +171,12 @@ def main() -> None:
     print(f"{'wall time to every pass (s)':28}{seq['wall_s']:22.1f}{fol['wall_s']:18.1f}{ratio:8.3f}")
     step_ratio = fol["steps"] / seq["steps"]
     print(f"{'optimizer steps':28}{seq['steps']:22.0f}{fol['steps']:18.0f}{step_ratio:8.3f}")
+    startup_ratio = fol["startup_s"] / seq["startup_s"]
+    print(f"{'training start-up (s)':28}{seq['startup_s']:22.1f}{fol['startup_s']:18.1f}{startup_ratio:8.3f}")
+    print(
+        f"--follow trained {fol['segments']:.0f} segments: start-up to the end of the first step "
+        f"{fol['first_startup_s']:.2f} s in the first, {fol['later_startup_s']:.2f} s a segment after it"
+    )
     print(
         f"generate alone took {seq['generate_s']:.1f} s; under --follow generate waited "
         f"{fol['generate_waited_s']:.1f} s for room, training {fol['train_waited_s']:.1f} s for stores; the "

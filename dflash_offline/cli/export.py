@@ -23,6 +23,8 @@ def export(run_dir: Path, out_dir: Path, dtype: str, step: int | None, eval_repo
     """Export the drafter of RUN_DIR (its newest checkpoint) as config.json + model.safetensors, the
     layout vLLM, SGLang and llama.cpp load, with a model card (README.md) holding the serve commands."""
     from dflash_offline.train.checkpoint import export_run
+    from dflash_offline.train.follow import checkpointed_run
 
-    path = export_run(run_dir, out_dir, dtype=dtype, step=step, eval_report=eval_report)
+    # A follow run (RUN/follow.json): its last segment's checkpoints, where --step counts that segment's.
+    path = export_run(checkpointed_run(run_dir), out_dir, dtype=dtype, step=step, eval_report=eval_report)
     click.echo(f"exported to {path}")

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from dflash_offline.cache.layout import read_fingerprint
 from dflash_offline.cache.manifest import read_runs, read_table
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import utc_now
@@ -28,25 +30,32 @@ from dflash_offline.cache.window import (
 )
 from dflash_offline.cache.window_records import StoreRetirement, WindowWait
 from dflash_offline.config_fields import GPUS, WORKERS, field_ref
+from dflash_offline.drafter.export import export_drafter
+from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError
 from dflash_offline.locking import hold_lock
 from dflash_offline.placement import under_torchrun
-from dflash_offline.train.checkpoint import list_checkpoints
+from dflash_offline.train.checkpoint import list_checkpoints, load_latest_checkpoint
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.snapshot import save_snapshot, subset_snapshot, take_snapshot
-from dflash_offline.train.split import SNAPSHOT_FILE
+from dflash_offline.train.loader import FEATURE_SCALE_FILE
+from dflash_offline.train.planner import LengthMixingPlanner
+from dflash_offline.train.segments import FollowSchedule, LiveTraining, SegmentStart
+from dflash_offline.train.snapshot import read_snapshot, save_snapshot, subset_snapshot, take_snapshot
+from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
+from dflash_offline.train.step import build_drafter_setup
 from dflash_offline.train.trainer import run_training
 
 # ─── The follow record ──────────────────────────────────────────────────────────────────────────────────────
 # The record of a ``dflash train --follow`` run: its segments, in ``RUN/follow.json`` (docs/follow.md).
 #
 # A segment is a set of sealed training stores, trained as one ordinary run of ``--passes`` epochs in
-# ``RUN/segments/<k>/``. The file is replaced whole (temp file, fsync, rename, fsync of the folder), so a
-# kill leaves the previous version or the new one, never half of one.
+# ``RUN/segments/<k>/``, its steps numbered on in the follow run's global steps (``first_step``). The
+# file is replaced whole (temp file, fsync, rename, fsync of the folder), so a kill leaves the previous
+# version or the new one, never half of one.
 
 
 FOLLOW_FILE = "follow.json"
-FOLLOW_STATE_VERSION = 1
+FOLLOW_STATE_VERSION = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +69,12 @@ class Segment:
     """Training samples of those stores."""
     trained: bool
     """Its run reached its last step and wrote that step's checkpoint: its stores may be retired."""
+    first_step: int
+    """The follow run's global step of its first step (the steps of the segments before it)."""
+    num_steps: int
+    """Steps its run plans: ``passes`` epochs of its length-mixing plan (0 without samples)."""
+    last: bool
+    """Planned after generate had finished: no store comes after it, so the LR decays over it."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +82,9 @@ class Segment:
             "stores": list(self.stores),
             "num_samples": self.num_samples,
             "trained": self.trained,
+            "first_step": self.first_step,
+            "num_steps": self.num_steps,
+            "last": self.last,
         }
 
     @classmethod
@@ -76,6 +94,18 @@ class Segment:
             stores=tuple(str(s) for s in d["stores"]),
             num_samples=int(d["num_samples"]),
             trained=bool(d["trained"]),
+            first_step=int(d["first_step"]),
+            num_steps=int(d["num_steps"]),
+            last=bool(d["last"]),
+        )
+
+    def schedule(self, warmup_steps: int) -> FollowSchedule:
+        """The run's LR schedule as it stands while this segment trains (it is the newest segment then):
+        warm-up from the run's start, decay over this segment if it is the last."""
+        return FollowSchedule(
+            warmup_steps=warmup_steps,
+            decay_start=self.first_step if self.last else None,
+            end_step=self.first_step + self.num_steps,
         )
 
 
@@ -84,12 +114,16 @@ class FollowState:
     """What a follow run has planned and done so far."""
 
     passes: int
+    warmup_steps: int = 0
+    """Steps of the LR warm-up at the start of the run: ``warmup_ratio`` of the steps of the first
+    segment that has samples (0 until it is planned)."""
     segments: tuple[Segment, ...]
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": FOLLOW_STATE_VERSION,
             "passes": self.passes,
+            "warmup_steps": self.warmup_steps,
             "segments": [s.to_dict() for s in self.segments],
         }
 
@@ -100,7 +134,16 @@ class FollowState:
                 f"{path} has version {d.get('version')!r}; this dflash-offline writes version "
                 f"{FOLLOW_STATE_VERSION}: continue the run with the dflash-offline that started it"
             )
-        return cls(passes=int(d["passes"]), segments=tuple(Segment.from_dict(s) for s in d["segments"]))
+        return cls(
+            passes=int(d["passes"]),
+            warmup_steps=int(d["warmup_steps"]),
+            segments=tuple(Segment.from_dict(s) for s in d["segments"]),
+        )
+
+    @property
+    def num_steps(self) -> int:
+        """Global steps of every segment planned."""
+        return sum(segment.num_steps for segment in self.segments)
 
     @property
     def stores(self) -> frozenset[str]:
@@ -144,9 +187,12 @@ def write_follow_state(run_dir: Path, state: FollowState) -> None:
 # was present, not retired and in no earlier segment when it began, with the validation stores present
 # then. It is trained as an ordinary run of ``--passes`` epochs in ``RUN/segments/<k>/``: its own
 # snapshot (written here before the segment is recorded), length-mixing plan, checkpoints and resume, so
-# a kill anywhere inside it resumes exactly as any run does; each segment starts from the previous one's
-# last weights. Once the segment's run has written the checkpoint of its last step, the segment is
-# recorded as trained (``RUN/follow.json``), and only then are its stores retired: no resume can need them.
+# a kill anywhere inside it resumes exactly as any run does. The segments are one optimization: each
+# continues the previous one's drafter, optimizer state and global step (handed over alive in this
+# process, else read from the previous segment's final checkpoint) on one LR schedule
+# (``segments.wsd_lr_factor``). Once the segment's run has written the checkpoint of its last step, the
+# segment is recorded as trained (``RUN/follow.json``), and only then are its stores retired: no resume
+# can need them.
 # The run ends when the newest generate run of the cache has finished and every sealed store was trained.
 
 
@@ -186,7 +232,9 @@ def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> Fo
                 f"{field_ref(TrainConfig, 'out_dir')} {config.out_dir} holds a training run without "
                 f"{field_ref(TrainConfig, 'follow')}: give a new directory"
             )
-        state = read_follow_state(config.out_dir) or FollowState(passes=config.passes, segments=())
+        state = read_follow_state(config.out_dir) or FollowState(
+            passes=config.passes, warmup_steps=0, segments=()
+        )
         if state.passes != config.passes:
             raise ConfigError(
                 f"{field_ref(TrainConfig, 'passes')} {config.passes}, but this run planned "
@@ -196,19 +244,21 @@ def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> Fo
         finish_retirements(config.cache_dir)  # files of stores retired by a run killed while deleting them
         run_id = f"train-follow:{config.out_dir.resolve()}"
         waited = 0.0
+        live = LiveTraining()  # the drafter and optimizer, from one segment to the next
         while True:
             retire_trained(config.cache_dir, state, run_id=run_id)
             pending = next((s for s in state.segments if not s.trained), None)
             if pending is not None:
-                train_segment(config, state, pending)
+                train_segment(config, state, pending, live)
                 state = _mark_trained(config.out_dir, state, pending)
                 continue
             check_routing(config)  # again each time: a generate run may have started meanwhile
             # Finished first: its stores were all sealed before its run row said so.
             finished = generate_finished(config.cache_dir)
-            segment = new_segment(config, state)
+            segment = new_segment(config, state, last=finished)
             if segment is not None:
-                state = dataclasses.replace(state, segments=(*state.segments, segment))
+                warmup = state.warmup_steps or warmup_steps(config, segment)
+                state = dataclasses.replace(state, warmup_steps=warmup, segments=(*state.segments, segment))
                 write_follow_state(config.out_dir, state)  # after its snapshot: the segment is planned
                 continue
             if finished:
@@ -220,6 +270,7 @@ def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> Fo
             waited += seconds
             wait = WindowWait(run_id=run_id, side="train", started_at=started_at, seconds=seconds)
             record_wait(config.cache_dir, wait, number=_next_wait_number(config.cache_dir, run_id))
+        _export_last(config, state, live)
     return _result(config, state, waited)
 
 
@@ -300,9 +351,10 @@ def generate_finished(cache_dir: Path) -> bool:
     return bool(runs) and runs[-1].status == "finished"
 
 
-def new_segment(config: TrainConfig, state: FollowState) -> Segment | None:
+def new_segment(config: TrainConfig, state: FollowState, *, last: bool = False) -> Segment | None:
     """Plan the next segment over the new sealed stores (None when there are none): its snapshot (its
-    training stores and the validation stores present) is written first, in a fresh segment folder."""
+    training stores and the validation stores present) is written first, in a fresh segment folder, then
+    its steps are counted from it as its run will plan them. ``last``: generate had finished before."""
     stores = new_stores(config.cache_dir, state)
     if not stores:
         return None
@@ -317,26 +369,68 @@ def new_segment(config: TrainConfig, state: FollowState) -> Segment | None:
     train_N = np.fromiter((s in wanted for s in shard_N), dtype=bool, count=len(shard_N))
     val_N = np.fromiter((is_validation_store(s) for s in shard_N), dtype=bool, count=len(shard_N))
     num_samples = int(train_N.sum())
+    first_step = state.num_steps
     if num_samples == 0:  # stores that hold only failures: nothing to train, retire them as they are
-        return Segment(index=index, stores=stores, num_samples=0, trained=True)
+        return Segment(
+            index=index,
+            stores=stores,
+            num_samples=0,
+            trained=True,
+            first_step=first_step,
+            num_steps=0,
+            last=last,
+        )
     save_snapshot(subset_snapshot(snapshot, train_N | val_N), folder / SNAPSHOT_FILE)
-    return Segment(index=index, stores=stores, num_samples=num_samples, trained=False)
+    return Segment(
+        index=index,
+        stores=stores,
+        num_samples=num_samples,
+        trained=False,
+        first_step=first_step,
+        num_steps=planned_steps(config, folder, passes=state.passes),
+        last=last,
+    )
+
+
+def warmup_steps(config: TrainConfig, first: Segment) -> int:
+    """The run's warm-up: ``warmup_ratio`` of the steps of its first segment with samples, as an ordinary
+    run of those steps would warm up (0 while that segment is not planned)."""
+    return max(1, round(config.warmup_ratio * first.num_steps)) if first.num_steps else 0
+
+
+def planned_steps(config: TrainConfig, folder: Path, *, passes: int) -> int:
+    """Steps of the run of the segment in ``folder``: ``passes`` epochs of the length-mixing plan over
+    the training samples of its snapshot, split as its run splits them."""
+    train = split_snapshot(
+        read_snapshot(folder / SNAPSHOT_FILE), fraction=config.val_fraction, num_samples=None
+    ).train
+    planner = LengthMixingPlanner(
+        train,
+        seed=config.seed,
+        tokens_per_microbatch=config.tokens_per_microbatch,
+        grad_accum=config.grad_accum,
+        world_size=config.world_size,
+    )
+    return planner.total_steps(passes)
+
+
+def previous_run(run_dir: Path, state: FollowState, segment: Segment) -> Path | None:
+    """The folder of the last segment before ``segment`` that trained samples (None: there is none)."""
+    earlier = [s for s in state.segments if s.index < segment.index and s.num_samples]
+    return segment_dir(run_dir, earlier[-1].index) if earlier else None
 
 
 def segment_config(config: TrainConfig, state: FollowState, segment: Segment) -> TrainConfig:
-    """The ordinary run that trains one segment: ``--passes`` epochs from the last weights of the
-    previous segment that was trained (segments without samples have no run)."""
-    init_from = config.init_from
-    earlier = [s for s in state.segments if s.index < segment.index and s.num_samples]
-    if earlier:
-        previous = segment_dir(config.out_dir, earlier[-1].index)
-        last = previous / "drafter-last"
-        init_from = last if last.is_dir() else previous / "drafter"
+    """The ordinary run that trains one segment: ``passes`` epochs (from ``init_from`` for the first
+    segment that trains; the later ones continue it). Only the last segment exports its drafter."""
+    first = previous_run(config.out_dir, state, segment) is None
     return dataclasses.replace(
         config,
         out_dir=segment_dir(config.out_dir, segment.index),
         epochs=config.passes,
-        init_from=init_from,
+        init_from=config.init_from if first else None,
+        export_at_end=config.export_at_end and segment.last,
+        export_initial=config.export_initial and first,
         follow=False,
         tensorboard_dir=None
         if config.tensorboard_dir is None
@@ -344,19 +438,91 @@ def segment_config(config: TrainConfig, state: FollowState, segment: Segment) ->
     )
 
 
-def train_segment(config: TrainConfig, state: FollowState, segment: Segment) -> None:
+def segment_start(run_dir: Path, state: FollowState, segment: Segment, live: LiveTraining) -> SegmentStart:
+    return SegmentStart(
+        first_step=segment.first_step,
+        num_steps=segment.num_steps,
+        schedule=segment.schedule(state.warmup_steps),
+        previous_run=previous_run(run_dir, state, segment),
+        live=live,
+    )
+
+
+def train_segment(config: TrainConfig, state: FollowState, segment: Segment, live: LiveTraining) -> None:
     """Train (or resume) one segment to its last step; its last checkpoint is then on disk."""
     print(
         f"dflash train --follow: segment {segment.index}: {segment.num_samples} samples of "
-        f"{len(segment.stores)} stores, {state.passes} passes",
+        f"{len(segment.stores)} stores, {state.passes} passes, steps {segment.first_step} to "
+        f"{segment.first_step + segment.num_steps}" + (" (the last: the LR decays)" if segment.last else ""),
         file=sys.stderr,
         flush=True,
     )
-    result = run_training(segment_config(config, state, segment))
+    start = segment_start(config.out_dir, state, segment, live)
+    _share_feature_scale(config, start.previous_run, segment_dir(config.out_dir, segment.index))
+    result = run_training(segment_config(config, state, segment), segment=start)
     if result is not None and (result.stopped_early or result.global_step < result.total_steps):
         raise AssertionError(
             f"segment {segment.index} ended at step {result.global_step} of {result.total_steps}"
         )
+
+
+def _share_feature_scale(config: TrainConfig, previous: Path | None, folder: Path) -> None:
+    """One drafter, one feature scale: a segment that continues another uses its scale (computed by the
+    first segment from its samples), written before its run starts (temp file, rename)."""
+    if previous is None or config.feature_scale == "none" or (folder / FEATURE_SCALE_FILE).exists():
+        return
+    tmp = folder / f".{FEATURE_SCALE_FILE}.tmp"
+    shutil.copyfile(previous / FEATURE_SCALE_FILE, tmp)
+    os.replace(tmp, folder / FEATURE_SCALE_FILE)
+
+
+def _export_last(config: TrainConfig, state: FollowState, live: LiveTraining) -> None:
+    """The run's drafter: the last trained segment's export, written at its end when it was planned as
+    the last. Where it was not (generate's run said it had finished only after that segment was
+    planned), it is exported here from the drafter handed over alive, or from the segment's final
+    checkpoint: its stores are retired by now, so its run cannot be run again."""
+    trained = [s for s in state.segments if s.num_samples]
+    if not trained or not config.export_at_end or _drafter_of(config.out_dir, trained[-1]) is not None:
+        return
+    folder = segment_dir(config.out_dir, trained[-1].index)
+    kept = live.take()
+    model = kept.setup.model if kept is not None else _checkpoint_drafter(folder)
+    export_drafter(model, folder / "drafter-last")
+
+
+def _checkpoint_drafter(folder: Path) -> DFlashDrafter:
+    """The drafter of the final checkpoint of the segment run in ``folder`` (on the CPU)."""
+    segment_config = TrainConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    state = load_latest_checkpoint(folder)
+    assert state is not None, f"{folder}: a trained segment without a checkpoint"
+    setup = build_drafter_setup(
+        segment_config, read_fingerprint(segment_config.cache_dir), device=torch.device("cpu")
+    )
+    if "feature_scale_F" in state.model:
+        setup.model.set_feature_scale(state.model["feature_scale_F"])
+    setup.model.load_state_dict(state.model)
+    return setup.model
+
+
+def checkpointed_run(run_dir: Path) -> Path:
+    """The run whose checkpoints ``dflash export RUN`` reads: ``run_dir`` itself, or for a follow run
+    the folder of its last segment that has a checkpoint (that segment's newest checkpoint is the
+    follow run's newest training state: every segment continues the one before)."""
+    state = read_follow_state(run_dir)
+    if state is None:
+        return run_dir
+    for segment in reversed(state.segments):
+        if list_checkpoints(segment_dir(run_dir, segment.index)):
+            return segment_dir(run_dir, segment.index)
+    return run_dir
+
+
+def _drafter_of(run_dir: Path, segment: Segment) -> Path | None:
+    folder = segment_dir(run_dir, segment.index)
+    for name in ("drafter-last", "drafter"):
+        if (folder / name).is_dir():
+            return folder / name
+    return None
 
 
 def _mark_trained(run_dir: Path, state: FollowState, segment: Segment) -> FollowState:
@@ -398,11 +564,8 @@ def _next_wait_number(cache_dir: Path, run_id: str) -> int:
 
 
 def _result(config: TrainConfig, state: FollowState, waited: float) -> FollowResult:
-    last = None
     trained = [s for s in state.segments if s.num_samples]
-    if trained:
-        folder = segment_dir(config.out_dir, trained[-1].index)
-        last = folder / "drafter-last" if (folder / "drafter-last").is_dir() else folder / "drafter"
+    last = _drafter_of(config.out_dir, trained[-1]) if trained else None
     return FollowResult(
         segments=len(state.segments),
         samples_trained=sum(s.num_samples for s in state.segments),

@@ -26,6 +26,7 @@ from dflash_offline import interrupt
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.errors import ConfigError
 from dflash_offline.interrupt import stop_requested
 from dflash_offline.locking import acquire_lock, hold_lock
 from dflash_offline.placement import DistInfo, free_port, under_torchrun
@@ -37,6 +38,7 @@ from dflash_offline.train.checkpoint import (
     checkpoint_to_resume,
     diverged_error,
     first_nonfinite,
+    load_latest_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -58,6 +60,7 @@ from dflash_offline.train.metrics import (
     recorded_loss,
 )
 from dflash_offline.train.planner import LengthMixingPlanner, RankSteps, StepPlan
+from dflash_offline.train.segments import LiveDrafter, SegmentStart
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, save_run_split, split_snapshot
 from dflash_offline.train.step import (
@@ -457,11 +460,13 @@ def train_rank(
     reader: RowReader | None = None,
     on_step: Callable[[StepMetrics], None] | None = None,
     started_at: float | None = None,
+    segment: SegmentStart | None = None,
 ) -> TrainResult:
     """Train on this rank until ``max_steps`` or the end of ``epochs``; checkpoint and export on rank 0.
 
     ``reader`` replaces the cache reader for the features (a test feeds live target features);
-    ``started_at``: ``time.time()`` when the command started, where start-up is counted from (None: now)."""
+    ``started_at``: ``time.time()`` when the command started, where start-up is counted from (None: now);
+    ``segment``: the run is a segment of a follow run (train/segments.py), None for an ordinary run."""
     start_time = time.perf_counter()
     clock = WallClock(started_at=time.time() if started_at is None else started_at, device=info.device)
     seed_everything(config.seed, deterministic=config.deterministic)
@@ -479,7 +484,10 @@ def train_rank(
             if info.is_main:  # after the resume check: a refused resume leaves the run's config as it was
                 _write_config(config)
                 save_run_split(config.out_dir, split)  # what `dflash eval` reads (run_split.py)
-            setup = build_drafter_setup(config, cache_reader.fingerprint, device=info.device)
+            continued = _Continued.start(segment)
+            setup = continued.setup or build_drafter_setup(
+                config, cache_reader.fingerprint, device=info.device
+            )
             if config.feature_scale != "none":
                 setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
             if state is None and config.init_from is not None:
@@ -490,9 +498,8 @@ def train_rank(
                         file=sys.stderr,
                         flush=True,
                     )
-            return _train(
-                config, info, setup, split, state, reader or cache_reader, on_step, start_time, clock
-            )
+            reader = reader or cache_reader
+            return _train(config, info, setup, split, state, reader, on_step, start_time, clock, continued)
     finally:
         cache_reader.close()
 
@@ -514,6 +521,40 @@ def _stop_agreed(info: DistInfo) -> bool:
         return flag
     total = all_reduce_sum(torch.tensor([1.0 if flag else 0.0], device=info.device), info)
     return bool(total.item() > 0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Continued:
+    """What a follow segment's run continues (both None for an ordinary run)."""
+
+    segment: SegmentStart | None
+    live: LiveDrafter | None
+    """The previous segment's drafter and optimizer, handed over in this process."""
+
+    @classmethod
+    def start(cls, segment: SegmentStart | None) -> _Continued:
+        """Take what the previous segment handed over in this process, if anything."""
+        live = segment.live.take() if segment is not None and segment.live is not None else None
+        return cls(segment=segment, live=live)
+
+    @property
+    def setup(self) -> DrafterSetup | None:
+        return None if self.live is None else self.live.setup
+
+    @property
+    def compiled(self) -> bool:
+        return self.live is not None and self.live.compiled
+
+    @property
+    def from_checkpoint(self) -> Path | None:
+        """The previous segment's run, whose final checkpoint a segment started without a handover
+        continues (None: an ordinary run, the first segment, or a handover)."""
+        return None if self.live is not None or self.segment is None else self.segment.previous_run
+
+    def hand_over(self, setup: DrafterSetup, optimizer: torch.optim.Optimizer, *, compiled: bool) -> None:
+        """Leave the drafter and optimizer to the next segment in this process."""
+        if self.segment is not None and self.segment.live is not None:
+            self.segment.live.keep(LiveDrafter(setup=setup, optimizer=optimizer, compiled=compiled))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -544,14 +585,17 @@ def _train(
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
     clock: WallClock,
+    continued: _Continued,
 ) -> TrainResult:
-    """Set up the optimization (from ``state``, the checkpoint resumed, if any), train until the end or an
-    early stop, export."""
-    opt = _setup_optimization(config, info, setup.model, split.train)
-    if compiles(config, info.device):
+    """Set up the optimization (from ``state``, the checkpoint resumed, if any, else from what a follow
+    segment continues), train until the end or an early stop, export."""
+    opt = _setup_optimization(config, info, setup.model, split.train, continued)
+    if compiles(config, info.device) and not continued.compiled:
         opt.model.compile_training()
     if state is not None:
         _restore(config, info, opt, state)
+    elif continued.from_checkpoint is not None:
+        _continue_segment(config, info, opt, continued.from_checkpoint)
     elif config.export_initial and info.is_main:
         from dflash_offline.drafter.export import export_drafter
 
@@ -584,6 +628,10 @@ def _train(
     with clock.timed("checkpoint"):
         export_dir = _export_at_end(config, info, opt, validation)
     barrier(info)
+    if not stopped_early:
+        continued.hand_over(
+            setup, opt.optimizer, compiled=continued.compiled or compiles(config, info.device)
+        )
     tracker = validation.tracker if validation is not None else None
     return TrainResult(
         global_step=opt.planner.position.global_step,
@@ -657,9 +705,10 @@ def _export_at_end(
 
 
 def _setup_optimization(
-    config: TrainConfig, info: DistInfo, model: DFlashDrafter, snapshot: IndexSnapshot
+    config: TrainConfig, info: DistInfo, model: DFlashDrafter, snapshot: IndexSnapshot, continued: _Continued
 ) -> _Optimization:
-    """DDP wrapper, optimizer, planner and LR schedule of a fresh run (``_resume`` loads a checkpoint)."""
+    """DDP wrapper, optimizer, planner and LR schedule of a fresh run (``_resume`` loads a checkpoint); a
+    follow segment keeps the optimizer handed over and steps on the follow run's schedule."""
     ddp_model: nn.Module = model
     if info.distributed:
         ddp_model = nn.parallel.DistributedDataParallel(
@@ -669,7 +718,9 @@ def _setup_optimization(
         )
     params = model.trainable_parameters()
     optimizer: torch.optim.Optimizer
-    if config.optimizer == "sgd":
+    if continued.live is not None:
+        optimizer = continued.live.optimizer
+    elif config.optimizer == "sgd":
         optimizer = torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
     else:
         optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -683,12 +734,20 @@ def _setup_optimization(
     total_steps = planner.total_steps(config.epochs)
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
+    lr_factor = cosine_with_warmup(total_steps, config.warmup_ratio)
+    if continued.segment is not None:
+        if total_steps != continued.segment.num_steps:
+            raise ConfigError(
+                f"this follow segment plans {total_steps} steps where the run planned "
+                f"{continued.segment.num_steps}: continue the run with the options that started it"
+            )
+        lr_factor = continued.segment.lr_factor
     return _Optimization(
         model=model,
         ddp_model=ddp_model,
         params=params,
         optimizer=optimizer,
-        lr_factor=cosine_with_warmup(total_steps, config.warmup_ratio),
+        lr_factor=lr_factor,
         planner=planner,
         total_steps=total_steps,
     )
@@ -707,6 +766,25 @@ def _restore(config: TrainConfig, info: DistInfo, opt: _Optimization, state: Tra
         print(
             f"dflash train: resumed from the checkpoint of step {state.global_step} of {opt.total_steps}"
             + (f" ({left} steps to go)" if left > 0 else " (nothing left to train)"),
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _continue_segment(config: TrainConfig, info: DistInfo, opt: _Optimization, previous_run: Path) -> None:
+    """A follow segment's first start in a fresh process: the weights and optimizer state of the previous
+    segment's final checkpoint (its planner and RNG stay this segment's own, as a live handover leaves
+    them)."""
+    state = load_latest_checkpoint(previous_run, is_main=info.is_main)
+    if state is None:
+        raise ConfigError(f"{previous_run} has no checkpoint to continue from: its segment was never trained")
+    opt.model.load_state_dict(state.model)
+    opt.optimizer.load_state_dict(state.optimizer)
+    for group in opt.optimizer.param_groups:  # the command line's, not the checkpoint's
+        group["weight_decay"] = config.weight_decay
+    if info.is_main:
+        print(
+            f"dflash train: continuing from the last checkpoint of {previous_run} (step {state.global_step})",
             file=sys.stderr,
             flush=True,
         )
@@ -1002,6 +1080,8 @@ class RankTask:
     """The rendezvous port on 127.0.0.1 (``MASTER_PORT``)."""
     started_at: float
     """``time.time()`` when the command started: where the ranks count their start-up from."""
+    segment: SegmentStart | None = None
+    """The follow segment the run trains (without a live handover: each rank is a process of its own)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -1046,13 +1126,17 @@ def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> TrainResult:
         use_cuda=use_cuda,
     )
     try:
-        return train_rank(config, info, started_at=spec.task.started_at)
+        return train_rank(config, info, started_at=spec.task.started_at, segment=spec.task.segment)
     finally:
         shutdown(info)
 
 
-def _rank_specs(config: TrainConfig, started_at: float) -> list[WorkerSpec[RankTask]]:
-    task = RankTask(config=config, port=free_port(), started_at=started_at)
+def _rank_specs(
+    config: TrainConfig, started_at: float, segment: SegmentStart | None
+) -> list[WorkerSpec[RankTask]]:
+    if segment is not None:
+        segment = replace(segment, live=None)  # live objects stay in this process
+    task = RankTask(config=config, port=free_port(), started_at=started_at, segment=segment)
     return [
         WorkerSpec(
             worker=rank,
@@ -1065,11 +1149,11 @@ def _rank_specs(config: TrainConfig, started_at: float) -> list[WorkerSpec[RankT
     ]
 
 
-def _spawn(config: TrainConfig, started_at: float) -> WallSplit | None:
+def _spawn(config: TrainConfig, started_at: float, segment: SegmentStart | None) -> WallSplit | None:
     """One spawned process per rank; a rank's DflashError or Ctrl-C reaches the caller as itself, a rank's
     bug or death as the error torch's ``mp.spawn`` raised (with the rank's traceback). Returns rank 0's
     wall split."""
-    specs = _rank_specs(config, started_at)
+    specs = _rank_specs(config, started_at, segment)
     group = SpawnedWorkers(_rank_main, specs, policy=RANK_GROUP, child=RANK_PROCESS)
     events: list[object] = []
     group.start()
@@ -1120,11 +1204,14 @@ def _spawn_error(exited: WorkerExit, failed: WorkerFailed | None) -> Exception:
     )
 
 
-def run_training(config: TrainConfig, *, started_at: float | None = None) -> TrainResult | None:
+def run_training(
+    config: TrainConfig, *, started_at: float | None = None, segment: SegmentStart | None = None
+) -> TrainResult | None:
     """Train; returns the result in the main process (None in a torchrun rank other than 0).
 
     ``started_at``: ``time.time()`` when the command started, where the start-up is counted from (None:
-    now; under torchrun each rank counts from its own call).
+    now; under torchrun each rank counts from its own call). ``segment``: the run trains one segment of a
+    follow run (train/follow.py; never under torchrun), None for an ordinary run.
 
     One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
     second run into the same directory is refused naming the holder (``LockedError``)."""
@@ -1146,19 +1233,21 @@ def run_training(config: TrainConfig, *, started_at: float | None = None) -> Tra
                 lock.release()
         return result if info.is_main else None
     with hold_lock(config.out_dir, what="training run"):
-        return _run_training_locked(config, started_at)
+        return _run_training_locked(config, started_at, segment)
 
 
-def _run_training_locked(config: TrainConfig, started_at: float) -> TrainResult | None:
+def _run_training_locked(
+    config: TrainConfig, started_at: float, segment: SegmentStart | None
+) -> TrainResult | None:
     if config.world_size == 1:
         if config.gpus:
             info = init_distributed(rank=0, world_size=1, local_rank=config.gpus[0], use_cuda=True)
         else:
             torch.set_num_threads(_cpu_threads(config))
             info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
-        return train_rank(config, info, started_at=started_at)
+        return train_rank(config, info, started_at=started_at, segment=segment)
     start = time.perf_counter()
-    wall = _spawn(config, started_at)
+    wall = _spawn(config, started_at, segment)
     # The ranks ran in other processes: read what rank 0 logged.
     from dflash_offline.train.metrics import read_metrics, recorded_number, validation_records
 
