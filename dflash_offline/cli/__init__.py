@@ -64,7 +64,8 @@ class LazyGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         # Notes printed by the library in this process name options by field; the user reads flags.
-        # (Ranks started as processes of their own print through their own sys.stderr.)
+        # (The worker processes it spawns wrap their stderr in it too: workers/spawned.py. A torchrun rank
+        # runs this command itself.)
         stderr = sys.stderr
         sys.stderr = FlagsOnStream(stderr)  # type: ignore[assignment]
         try:

@@ -120,6 +120,10 @@ class FlagsOnStream:
     their config field (``config_fields.field_ref``), reach a command-line user with the flags. Every
     other attribute is the wrapped stream's (``fileno``, ``isatty``, ``encoding`` for progress bars)."""
 
+    wraps_spawned_workers = True
+    """The worker processes a command spawns (train's DDP ranks, generate's and regenerate's workers)
+    write their stderr through it too (``workers.spawned.ChildPolicy.stderr_wrapper``)."""
+
     def __init__(self, stream: Any) -> None:
         self._stream = stream
 

@@ -96,10 +96,11 @@ class EvalConfig:
     """``float32`` or ``bfloat16`` for the target and the drafter; None = float32 on CPU, bfloat16 on CUDA."""
     compile: Literal["auto", "on", "off"] = cli_field(
         "auto",
-        help="torch.compile the target's and the drafter's layers in both loops (a few fused kernels instead "
-        "of many small ones; logits close to, not equal to, eager ones, so a near-tie may go the other "
-        "way, which the exactness check allows): auto = on a GPU (a decode step 0.56x, a cycle 0.54x on "
-        "an H200: bench/spec_cycle.py), eager on the CPU.",
+        help="torch.compile the target's and the drafter's layers in the decode loop, for target-only and "
+        "speculative turns alike (a few fused kernels instead of many small ones; logits close to, not "
+        "equal to, eager ones, so a near-tie may go the other way, which the exactness check allows): "
+        "auto = on a GPU (a decode step 0.56x, a cycle 0.54x on an H200: bench/spec_cycle.py), eager on "
+        "the CPU.",
     )
     """The target's decoder layers (``decode/forward.py:SlotForward``) and the speculative cycle's drafter
     layers (``decode/drafting.py:StaticDrafter``) through ``torch.compile``, resolved by ``compiles``. A
@@ -113,7 +114,8 @@ class EvalConfig:
     )
     """Near-tie tolerance in ulps of the top logit (exactness.py)."""
     warmup: bool = cli_field(True, secondary="--no-warmup", help="Decode a few untimed tokens first.")
-    """Decode a few tokens of the first prompt with both loops before timing (kernel selection, caches)."""
+    """Decode a few tokens of the first prompt before timing, target-only then speculative, through the one
+    decode loop (``decode/speculative.py:SingleSequence.decode``): kernel selection, caches."""
     progress: bool = True
     """--progress: an option of the command itself (after its output options), passed in by name."""
 
@@ -148,8 +150,9 @@ class EvalConfig:
 
 def compiles(config: EvalConfig, device_type: str) -> bool:
     """Whether eval compiles the target's and the drafter's layers: ``--compile on``, or ``auto`` on CUDA,
-    where both loops ran faster compiled (an H200: a decode step 0.56x, a cycle 0.54x; bench/RESULTS.md,
-    "Eval's speculative cycle"); on the CPU nothing measured says it is faster."""
+    where the decode loop ran faster compiled, target-only and speculative (an H200: a decode step 0.56x, a
+    cycle 0.54x; bench/RESULTS.md, "Eval's speculative cycle"); on the CPU nothing measured says it is
+    faster."""
     if config.compile == "auto":
         return device_type == "cuda"
     return config.compile == "on"

@@ -64,8 +64,13 @@ def build_capture(task: CaptureTask, device: torch.device) -> Any:
     from dflash_offline.target_model.loader import compute_dtype, load_target
 
     layer_ids = task.fingerprint.layer_ids
+    # The coordinator tokenizes; a worker only runs the forward, so it loads no tokenizer.
     target = load_target(
-        task.target, device=device, dtype=compute_dtype(task.dtype, device), max_layer=max(layer_ids)
+        task.target,
+        device=device,
+        dtype=compute_dtype(task.dtype, device),
+        max_layer=max(layer_ids),
+        tokenizer=False,
     )
     return FeatureCapture(target, layer_ids)
 

@@ -93,7 +93,8 @@ class LoadedTarget:
     """The HF CausalLM (``max_layer`` None) or its backbone truncated to ``num_layers_built`` layers
     with the final norm replaced by the identity. In eval mode, gradients off."""
     tokenizer: Any
-    """The target's tokenizer (the embedded SmolLM2 one for ``default`` and random presets)."""
+    """The target's tokenizer (the embedded SmolLM2 one for ``default`` and random presets); None when
+    loaded without it (``load_target(tokenizer=False)``)."""
     device: torch.device
     dtype: torch.dtype
     attn_implementation: str
@@ -277,8 +278,12 @@ def load_target(
     device: torch.device | str,
     dtype: torch.dtype | None = None,
     max_layer: int | None = None,
+    tokenizer: bool = True,
 ) -> LoadedTarget:
-    """Load ``spec`` on ``device`` (see the module docstring for precision, attention and truncation)."""
+    """Load ``spec`` on ``device`` (see the module docstring for precision, attention and truncation);
+    ``tokenizer=False`` leaves the tokenizer out, for a caller that only runs the model (a generate
+    worker: the first tokenizer load of a process also imports transformers' tokenization modules, ≈ 1–2.5
+    s of a worker's start-up on the 2-core machine)."""
     from transformers.utils import logging as hf_logging
 
     # transformers draws a bar per load (GGUF dequantization, weights); ours is the one to watch,
@@ -287,7 +292,7 @@ def load_target(
     hf_logging.disable_progress_bar()
     try:
         with _quiet_gguf_bar():
-            return _load_target(spec, device=device, dtype=dtype, max_layer=max_layer)
+            return _load_target(spec, device=device, dtype=dtype, max_layer=max_layer, tokenizer=tokenizer)
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
@@ -311,7 +316,12 @@ def _quiet_gguf_bar() -> Iterator[None]:
 
 
 def _load_target(
-    spec: str, *, device: torch.device | str, dtype: torch.dtype | None, max_layer: int | None
+    spec: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype | None,
+    max_layer: int | None,
+    tokenizer: bool,
 ) -> LoadedTarget:
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -367,7 +377,7 @@ def _load_target(
     return LoadedTarget(
         info=info,
         model=model,
-        tokenizer=load_tokenizer(source.spec),
+        tokenizer=load_tokenizer(source.spec) if tokenizer else None,
         device=device,
         dtype=dtype,
         attn_implementation=attn,

@@ -4,7 +4,8 @@
   over one queue, a stop request goes out as one event; it finds a worker that died without a word,
   drains and joins them at the end, and ends the ones that do not.
 - ``spawned_main`` (the child): its lifeline (it dies with its coordinator), its Ctrl-C policy, the
-  command's entry point, and any exception carried to the coordinator as ``WorkerFailed`` (exit 1).
+  coordinator's stderr wrapper, the command's entry point, and any exception carried to the coordinator
+  as ``WorkerFailed`` (exit 1).
 
 An entry point is a module-level function ``entry(spec, events, stop, *shared)`` (pickled by name):
 ``events`` takes its event records, ``stop.is_set()`` is the coordinator's stop request, ``shared`` the
@@ -19,10 +20,11 @@ import multiprocessing.connection as mp_connection
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any
 
@@ -47,6 +49,19 @@ class ChildPolicy:
     ignore_sigint: bool = True
     """A terminal's Ctrl-C reaches the whole process group and the coordinator decides. False: the entry
     handles SIGINT itself (train's ranks stop at their step boundary)."""
+    stderr_wrapper: Callable[[Any], Any] | None = None
+    """Wrapped around the worker's ``sys.stderr`` before its entry runs: the coordinator's own stderr
+    wrapper (``inherited_stderr_wrapper``, set by ``SpawnedWorkers.start``): the command line's
+    ``cli.flags.FlagsOnStream``, so that a worker's notes name options by their flags, as its
+    coordinator's do."""
+
+
+def inherited_stderr_wrapper() -> Callable[[Any], Any] | None:
+    """The type of this process's ``sys.stderr`` when that type asks, by a true class attribute
+    ``wraps_spawned_workers``, to wrap the stderr of the workers spawned while it is in place (a class,
+    pickled by name to the worker); None otherwise."""
+    wrapper = type(sys.stderr)
+    return wrapper if getattr(wrapper, "wraps_spawned_workers", False) else None
 
 
 def spawn_context() -> Any:
@@ -68,6 +83,8 @@ def spawned_main(
     die_with_parent(kill_signal=policy.parent_death_signal, grace_seconds=policy.orphan_grace_seconds)
     if policy.ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if policy.stderr_wrapper is not None:
+        sys.stderr = policy.stderr_wrapper(sys.stderr)
     try:
         with failure_reported(spec, events):
             entry(spec, events, stop, *shared)
@@ -112,10 +129,11 @@ class SpawnedWorkers:
         self._dead_since: dict[int, float] = {}
 
     def start(self) -> None:
+        child = replace(self._child, stderr_wrapper=inherited_stderr_wrapper())
         for spec in self._specs:
             process = self._mp.Process(
                 target=spawned_main,
-                args=(self._entry, spec, self._events, self._stop, self._child, self._shared),
+                args=(self._entry, spec, self._events, self._stop, child, self._shared),
                 name=f"{self.policy.process_name}-{spec.worker}",
             )
             process.start()

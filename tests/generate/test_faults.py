@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +22,10 @@ from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cli import main
 from dflash_offline.generate.run import KILLED_RUN_NOTE
 from tests.process_helpers import group_members, workers_of
+from tests.tiny_caches import TinyCache
 
 from . import worker_entry
-from .helpers import features_by_id, generate_cmd, make_chat_jsonl, start_in_new_session
+from .helpers import features_by_id, generate_cmd, start_in_new_session
 
 NUM_RECORDS = 60
 
@@ -43,14 +44,11 @@ def _assert_equal_caches(reference: Path, cache: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(data, uninterrupted cache) shared by the tests of this module."""
-    folder = tmp_path_factory.mktemp("faults")
-    data = make_chat_jsonl(folder / "chat.jsonl", NUM_RECORDS, seed=7)
-    cache = folder / "reference"
-    done = subprocess.run(generate_cmd(cache, data), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return data, cache
+def reference(uninterrupted_generate: Callable[[int, int], TinyCache]) -> tuple[Path, Path]:
+    """(data, uninterrupted cache) shared by the tests of this module (and by the xdist workers that run
+    them)."""
+    shared = uninterrupted_generate(NUM_RECORDS, 7)
+    return shared.data, shared.root
 
 
 def _wait_for_workers(

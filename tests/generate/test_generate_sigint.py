@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +16,14 @@ import torch
 
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.verify import verify_cache
+from tests.tiny_caches import TinyCache
 
 from . import worker_entry
-from .helpers import features_by_id, generate_cmd, make_chat_jsonl
+from .helpers import features_by_id, generate_cmd
 
 pytestmark = pytest.mark.slow
+
+NUM_RECORDS = 40
 
 
 def _ignore_sigint() -> None:
@@ -27,11 +31,11 @@ def _ignore_sigint() -> None:
 
 
 @pytest.mark.timeout(900)
-def test_sigint_stops_a_run_started_with_sigint_ignored_and_the_rerun_completes(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 80, seed=5)
-    reference = tmp_path / "reference"
-    done = subprocess.run(generate_cmd(reference, data), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_sigint_stops_a_run_started_with_sigint_ignored_and_the_rerun_completes(
+    tmp_path: Path, uninterrupted_generate: Callable[[int, int], TinyCache]
+) -> None:
+    shared = uninterrupted_generate(NUM_RECORDS, 5)  # the torchrun test's too
+    data, reference = shared.data, shared.root
 
     cache = tmp_path / "cache"
     cmd = generate_cmd(cache, data, "--flush-seconds", "0.3")
@@ -58,7 +62,7 @@ def test_sigint_stops_a_run_started_with_sigint_ignored_and_the_rerun_completes(
     assert b"resume" in output
     assert [r["status"] for r in read_table(cache, "runs").to_pylist()] == ["interrupted"]
     partial = read_table(cache, "samples").num_rows
-    assert 0 < partial < 80  # stopped before the end, keeping what it had committed
+    assert 0 < partial < NUM_RECORDS  # stopped before the end, keeping what it had committed
     # The summary of what it committed comes before the exit, as for a finished run.
     committed = read_table(cache, "samples")
     tokens = sum(committed.column("num_tokens").to_pylist())

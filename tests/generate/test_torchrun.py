@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.reader import CacheReader
+from tests.tiny_caches import TinyCache
 from tests.torchrun_helpers import rank_pid, torchrun_cmd, torchrun_env
 
 from .helpers import generate_cmd, make_chat_jsonl
@@ -56,13 +58,11 @@ def _runs(cache: Path) -> list[dict[str, object]]:
     return sorted(read_table(cache, "runs").to_pylist(), key=lambda r: str(r["started_at"]))
 
 
-def test_torchrun_ranks_write_the_samples_of_one_worker_and_resume(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 40, seed=5)
-    reference = tmp_path / "reference"
-    one = subprocess.run(
-        generate_cmd(reference, data, "--workers", "1"), capture_output=True, text=True, timeout=240
-    )
-    assert one.returncode == 0, one.stdout + one.stderr
+def test_torchrun_ranks_write_the_samples_of_one_worker_and_resume(
+    tmp_path: Path, uninterrupted_generate: Callable[[int, int], TinyCache]
+) -> None:
+    shared = uninterrupted_generate(40, 5)  # one worker (the SIGINT test's reference too)
+    data, reference = shared.data, shared.root
 
     cache = tmp_path / "ranks"
     cmd = _torchrun_generate(cache, data)

@@ -29,6 +29,7 @@ from dflash_offline.cache.window_records import StoreRetirement
 from dflash_offline.generate.launch import format_summary
 from dflash_offline.generate.run import run_generate
 from dflash_offline.placement import Placement
+from tests.tiny_caches import TinyCaches
 
 from .helpers import features_by_id, make_chat_jsonl, tiny_config
 
@@ -162,16 +163,14 @@ def test_window_bound_holds_while_training_retires_stores(tmp_path: Path) -> Non
     assert verify_cache(cache, progress=False).ok
 
 
-@pytest.mark.slow
-def test_a_window_that_open_stores_could_fill_is_refused(tmp_path: Path) -> None:
+def test_a_window_that_open_stores_could_fill_is_refused(tiny_caches: TinyCaches) -> None:
     """Training retires only sealed stores: a window that two workers' open stores and a job could fill
     would leave generate and training waiting for each other forever."""
     from dflash_offline.errors import ConfigError
     from dflash_offline.generate.window_setup import check_window
 
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 4, seed=1)
-    reference = tmp_path / "reference"
-    run_generate(tiny_config(reference, data))
+    shared = tiny_caches.get(records=80, seed=5)  # the session's tiny_cache: written by tiny_config
+    reference, data = shared.root, shared.data
     fingerprint = read_fingerprint(reference)
     token_bytes = fingerprint.storage.token_bytes
     # 2 workers, --max-len 256, 768 tokens a job: the default stores (limit / 4) fit below the limit

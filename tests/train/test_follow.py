@@ -22,6 +22,7 @@ from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import read_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
 from tests.generate.helpers import make_chat_jsonl, tiny_config
+from tests.tiny_caches import build_once, copy_cache, shared_temp_dir
 from tests.train.helpers import train_config
 
 VAL_FRACTION = 0.1
@@ -41,6 +42,17 @@ def window_cache(root: Path, data: Path, **overrides: object) -> Path:
     )
     assert run_generate(config).status == "finished"
     return root
+
+
+@pytest.fixture(scope="session")
+def written_window(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A window cache of 80 records, written before training, once for the session (xdist workers share
+    it): the tests train on copies of it."""
+
+    def build(where: Path) -> None:
+        window_cache(where / "cache", make_chat_jsonl(where / "chat.jsonl", 80, seed=3))
+
+    return build_once(shared_temp_dir(tmp_path_factory) / "follow-window", build) / "cache"
 
 
 def follow_config(cache: Path, out: Path, **overrides: object) -> TrainConfig:
@@ -101,9 +113,10 @@ def check_followed(cache: Path, run: Path, config: TrainConfig) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("workers", [2])  # one rank is the kill test's (tests/train/test_follow_kill.py)
-def test_follow_trains_every_sample_its_passes_and_retires_its_stores(tmp_path: Path, workers: int) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 80, seed=3)
-    cache = window_cache(tmp_path / "cache", data)
+def test_follow_trains_every_sample_its_passes_and_retires_its_stores(
+    written_window: Path, tmp_path: Path, workers: int
+) -> None:
+    cache = copy_cache(written_window, tmp_path / "cache")  # training retires (deletes) its stores
     config = follow_config(cache, tmp_path / "run", num_cpu_workers=workers)
     result = run_follow(config)
     check_followed(cache, tmp_path / "run", config)
@@ -115,9 +128,8 @@ def test_follow_trains_every_sample_its_passes_and_retires_its_stores(tmp_path: 
 
 
 @pytest.mark.slow
-def test_follow_refuses_a_split_unlike_the_routing(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 12, seed=3)
-    cache = window_cache(tmp_path / "cache", data)
+def test_follow_refuses_a_split_unlike_the_routing(written_window: Path, tmp_path: Path) -> None:
+    cache = copy_cache(written_window, tmp_path / "cache")
     with pytest.raises(ConfigError, match=r"routed a validation share of 0\.1"):
         run_follow(follow_config(cache, tmp_path / "run", val_fraction=0.2))
     with pytest.raises(

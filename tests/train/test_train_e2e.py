@@ -1,32 +1,24 @@
 """End-to-end training on a random:tiny cache: the loss falls, DDP over two CPU processes equals one
-process, kill -9 + resume continues the same loss curve, and cached features train like live ones."""
+process, and cached features train like live ones (kill -9 and resume: tests/train/test_train_kill.py)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import CachedSample
-from dflash_offline.cli import main
 from dflash_offline.placement import DistInfo
 from dflash_offline.target_model.capture import FeatureCapture
 from dflash_offline.target_model.loader import load_target
-from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.trainer import run_training, train_rank
 from tests.train.helpers import train_config
-from tests.train.kill_helpers import KILL_RUN_STEPS, final_state, losses, train_cmd
+from tests.train.kill_helpers import final_state, losses
 
 
 def test_loss_falls_and_metrics_are_complete(tiny_cache: Path, tmp_path: Path) -> None:
@@ -88,50 +80,6 @@ def test_two_ddp_cpu_processes_equal_one_process_with_the_same_global_batch(
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_kill_9_then_resume_gives_the_uninterrupted_loss_sequence(
-    uncompressed_cache: Path, uninterrupted: Callable[[int], Path], tmp_path: Path
-) -> None:
-    steps = KILL_RUN_STEPS
-    # The session's uninterrupted run of the same command (one process; the kill tests compare with it).
-    reference = uninterrupted(1)
-    run = tmp_path / "killed"
-    cmd = train_cmd(uncompressed_cache, run, steps=steps, checkpoint_every=4)
-    process = subprocess.Popen(
-        cmd,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 300
-    # Kill once a checkpoint exists and training has gone past it (metrics of later steps written).
-    while time.monotonic() < deadline and process.poll() is None:
-        found = list_checkpoints(run)
-        metrics = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
-        if found and metrics and int(metrics[-1]["step"]) > found[-1][0]:  # type: ignore[call-overload]
-            break
-        time.sleep(0.05)
-    assert process.poll() is None, "training ended before it could be killed"
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    killed_at = list_checkpoints(run)[-1][0]
-    assert 0 < killed_at < steps
-    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from the checkpoint of step {killed_at} of {steps}" in resumed.stderr
-    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, steps + 1))
-    assert losses(run) == losses(reference)  # exactly: same data, same order, deterministic kernels
-    # The finished run rerun: nothing to train, and it reports the loss the run ended with.
-    rerun = CliRunner().invoke(main, cmd[3:])
-    assert rerun.exit_code == 0, rerun.output
-    assert f"resumed from the checkpoint of step {steps} of {steps} (nothing left to train)" in rerun.output
-    assert f"trained {steps} steps; final loss {losses(reference)[-1]:.4f}" in rerun.output
-    a, b = final_state(reference), final_state(run)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 class LiveFeatureReader:

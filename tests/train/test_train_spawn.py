@@ -1,10 +1,13 @@
 """``dflash train`` with spawned DDP ranks (``--workers 2``): a rank's ``DflashError`` reaches the caller
 as itself (one line at the CLI), a rank's bug as torch's ``ProcessRaisedException`` carrying the rank's
-traceback (what ``mp.spawn`` raised), and the other rank is ended either way."""
+traceback (what ``mp.spawn`` raised), and the other rank is ended either way; a rank's notes reach a
+command-line user with the flags, as the launcher's do."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -49,3 +52,22 @@ def test_a_ranks_bug_reaches_the_caller_with_its_traceback(
     assert text.endswith(f"RuntimeError: {rank_entry.FAULT_TEXT}\n")
     assert raised.value.error_index == 1
     _assert_no_rank_left()
+
+
+@pytest.mark.slow  # a launcher and two spawned ranks as processes of their own: seconds of start-up each
+@pytest.mark.timeout(300)
+def test_a_spawned_ranks_note_names_the_flag(tiny_cache: Path, tmp_path: Path) -> None:
+    """Rank 0 prints the training subset's note, which names ``TrainConfig.train_samples`` by its field;
+    under ``dflash train --workers 2`` it reaches stderr spelled as the flag the user typed."""
+    cmd = [
+        sys.executable, "-m", "dflash_offline", "train",
+        "--cache", str(tiny_cache), "--out", str(tmp_path / "run"), "--workers", "2", "--threads", "1",
+        "--train-samples", "20", "--max-steps", "1", "--num-layers", "1", "--block-size", "8",
+        "--num-anchors", "8", "--tokens-per-microbatch", "600", "--no-progress",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (note,) = [line for line in done.stderr.splitlines() if "training on " in line]
+    assert "training on 20 of 80 samples (" in note, note
+    assert "; --train-samples 20, those of smallest hash)" in note, note
+    assert "`" not in note, note  # no field name left unrendered
