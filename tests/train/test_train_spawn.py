@@ -57,7 +57,7 @@ def test_a_ranks_bug_reaches_the_caller_with_its_traceback(
 @pytest.mark.slow  # a launcher and two spawned ranks as processes of their own: seconds of start-up each
 @pytest.mark.timeout(300)
 def test_a_spawned_ranks_note_names_the_flag(tiny_cache: Path, tmp_path: Path) -> None:
-    """Rank 0 prints the training subset's note, which names ``TrainConfig.train_samples`` by its field;
+    """Rank 0 prints the training subset's note, which names ``DataConfig.train_samples`` by its field;
     under ``dflash train --workers 2`` it reaches stderr spelled as the flag the user typed."""
     cmd = [
         sys.executable, "-m", "dflash_offline", "train",
