@@ -13,6 +13,7 @@ import copy
 import math
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from dflash_offline.generate.run import run_generate
 from dflash_offline.train import follow, trainer
 from dflash_offline.train.checkpoint import list_checkpoints, load_latest_checkpoint
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.follow import FollowState, read_follow_state, run_follow, segment_dir
+from dflash_offline.train.follow import FollowResult, FollowState, read_follow_state, run_follow, segment_dir
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.step import OptimizerStep
 from tests.generate.helpers import make_chat_jsonl, tiny_config
@@ -83,6 +84,40 @@ def config_for(cache: Path, run: Path, **overrides: Any) -> TrainConfig:
     return follow_config(cache, run, warmup_ratio=WARMUP_RATIO, checkpoint_every=3, **overrides)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Uninterrupted:
+    """One uninterrupted, staged follow run that the tests below read (each reads, none writes)."""
+
+    cache: Path
+    run: Path
+    config: TrainConfig
+    result: FollowResult
+    at_setup: list[dict[str, Any]]
+    """The optimizer's state dict at each segment's set-up, in order."""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(staged_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Uninterrupted:
+    """The reference run, trained once for the module: three segments, the optimizer's state recorded at
+    each segment's set-up."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    cache, run = cache_copy(staged_cache, root), root / "run"
+    at_setup: list[dict[str, Any]] = []
+    real_setup = trainer._setup_optimization
+
+    def setup(*args: Any, **kwargs: Any) -> Any:
+        opt = real_setup(*args, **kwargs)
+        at_setup.append(copy.deepcopy(opt.optimizer.state_dict()))
+        return opt
+
+    config = config_for(cache, run)
+    with pytest.MonkeyPatch.context() as m:
+        stage_generate(m, run)
+        m.setattr(trainer, "_setup_optimization", setup)
+        result = run_follow(config)
+    return Uninterrupted(cache=cache, run=run, config=config, result=result, at_setup=at_setup)
+
+
 def hand_lr(config: TrainConfig, state: FollowState, global_step: int) -> float:
     """The schedule computed by hand from the run's record: a linear warm-up over ``--warmup-ratio`` of
     the first segment's steps, then ``--lr``, then a half cosine to 0 over the last segment."""
@@ -108,13 +143,13 @@ def logged_lrs(run: Path, state: FollowState) -> Iterator[tuple[int, float]]:
 
 
 @pytest.mark.timeout(600)
-def test_one_lr_schedule_over_the_segments(
-    staged_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache, run = cache_copy(staged_cache, tmp_path), tmp_path / "run"
-    stage_generate(monkeypatch, run)
-    config = config_for(cache, run)
-    result = run_follow(config)
+def test_one_lr_schedule_over_the_segments(uninterrupted: Uninterrupted, tmp_path: Path) -> None:
+    cache, run, config, result = (
+        uninterrupted.cache,
+        uninterrupted.run,
+        uninterrupted.config,
+        uninterrupted.result,
+    )
     assert result.segments == 3
     state = read_follow_state(run)
     assert state is not None
@@ -155,23 +190,10 @@ def test_one_lr_schedule_over_the_segments(
 
 
 @pytest.mark.timeout(600)
-def test_the_optimizer_state_continues_across_a_segment_boundary(
-    staged_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_optimizer_state_continues_across_a_segment_boundary(uninterrupted: Uninterrupted) -> None:
     """At each segment's set-up its optimizer holds the previous segment's final state (the checkpoint
     of its last step), and AdamW's per-parameter step counts the run's global steps."""
-    cache, run = cache_copy(staged_cache, tmp_path), tmp_path / "run"
-    stage_generate(monkeypatch, run)
-    at_setup: list[dict[str, Any]] = []
-    real_setup = trainer._setup_optimization
-
-    def setup(*args: Any, **kwargs: Any) -> Any:
-        opt = real_setup(*args, **kwargs)
-        at_setup.append(copy.deepcopy(opt.optimizer.state_dict()))
-        return opt
-
-    monkeypatch.setattr(trainer, "_setup_optimization", setup)
-    run_follow(config_for(cache, run))
+    run, at_setup = uninterrupted.run, uninterrupted.at_setup
     state = read_follow_state(run)
     assert state is not None
     assert len(at_setup) == 3
@@ -197,6 +219,7 @@ class KilledError(Exception):
 @pytest.mark.parametrize("into_segment", [0, 4], ids=["at-its-first-step", "after-its-first-checkpoint"])
 def test_a_follow_run_stopped_inside_a_segment_resumes_bit_exact(
     staged_cache: Path,
+    uninterrupted: Uninterrupted,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     into_segment: int,
@@ -205,9 +228,7 @@ def test_a_follow_run_stopped_inside_a_segment_resumes_bit_exact(
     resume continues from the first segment's final checkpoint; after it, from its own) and run again
     from a fresh start (nothing alive handed over): the final weights and optimizer state are bit-equal
     to an uninterrupted run's, and the run is one optimization (AdamW's step is the global step)."""
-    reference_run = tmp_path / "reference" / "run"
-    stage_generate(monkeypatch, reference_run)
-    run_follow(config_for(cache_copy(staged_cache, tmp_path / "reference"), reference_run))
+    reference_run = uninterrupted.run
     reference = read_follow_state(reference_run)
     assert reference is not None
     fault_at = reference.segments[1].first_step + into_segment
