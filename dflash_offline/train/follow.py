@@ -44,12 +44,11 @@ from dflash_offline.train.config import (
     WindowConfig,
 )
 from dflash_offline.train.loader import FEATURE_SCALE_FILE
-from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.segments import FollowSchedule, LiveTraining, SegmentStart
 from dflash_offline.train.snapshot import read_snapshot, save_snapshot, subset_snapshot, take_snapshot
 from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
 from dflash_offline.train.step import build_drafter_setup
-from dflash_offline.train.trainer import run_training
+from dflash_offline.train.trainer import length_mixing_planner, run_training
 
 # ─── The follow record ──────────────────────────────────────────────────────────────────────────────────────
 # The record of a ``dflash train --follow`` run: its segments, in ``RUN/follow.json`` (docs/follow.md).
@@ -410,14 +409,7 @@ def planned_steps(config: TrainConfig, folder: Path, *, passes: int) -> int:
     train = split_snapshot(
         read_snapshot(folder / SNAPSHOT_FILE), fraction=config.data.val_fraction, num_samples=None
     ).train
-    planner = LengthMixingPlanner(
-        train,
-        seed=config.data.seed,
-        tokens_per_microbatch=config.data.tokens_per_microbatch,
-        grad_accum=config.topology.grad_accum,
-        world_size=config.launch.world_size,
-    )
-    return planner.total_steps(passes)
+    return length_mixing_planner(config, train, world_size=config.launch.world_size).total_steps(passes)
 
 
 def previous_run(run_dir: Path, state: FollowState, segment: Segment) -> Path | None:

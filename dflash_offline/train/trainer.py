@@ -734,13 +734,7 @@ def _setup_optimization(
         optimizer = torch.optim.AdamW(
             params, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
         )
-    planner = LengthMixingPlanner(
-        snapshot,
-        seed=config.data.seed,
-        tokens_per_microbatch=config.data.tokens_per_microbatch,
-        grad_accum=config.topology.grad_accum,
-        world_size=info.world_size,
-    )
+    planner = length_mixing_planner(config, snapshot, world_size=info.world_size)
     total_steps = planner.total_steps(config.optimizer.epochs)
     if config.optimizer.max_steps is not None:
         total_steps = min(total_steps, config.optimizer.max_steps)
@@ -763,12 +757,32 @@ def _setup_optimization(
     )
 
 
-def _restore(config: TrainConfig, info: DistInfo, opt: _Optimization, state: TrainState) -> None:
-    """Load the resumed checkpoint ``state`` (admitted by ``resume.checkpoint_to_resume``) into ``opt``."""
+def _load_weights_and_optimizer(config: TrainConfig, opt: _Optimization, state: TrainState) -> None:
+    """The drafter's weights and the optimizer's state of a checkpoint, with this invocation's weight
+    decay (an APPLIED option: the command line's, not the checkpoint's)."""
     opt.model.load_state_dict(state.model)
     opt.optimizer.load_state_dict(state.optimizer)
-    for group in opt.optimizer.param_groups:  # the command line's, not the checkpoint's
+    for group in opt.optimizer.param_groups:
         group["weight_decay"] = config.optimizer.weight_decay
+
+
+def length_mixing_planner(
+    config: TrainConfig, train: IndexSnapshot, *, world_size: int
+) -> LengthMixingPlanner:
+    """The sample plan of a run over its training samples ``train`` (a follow run counts a segment's steps
+    with it before the segment's run plans them)."""
+    return LengthMixingPlanner(
+        train,
+        seed=config.data.seed,
+        tokens_per_microbatch=config.data.tokens_per_microbatch,
+        grad_accum=config.topology.grad_accum,
+        world_size=world_size,
+    )
+
+
+def _restore(config: TrainConfig, info: DistInfo, opt: _Optimization, state: TrainState) -> None:
+    """Load the resumed checkpoint ``state`` (admitted by ``resume.checkpoint_to_resume``) into ``opt``."""
+    _load_weights_and_optimizer(config, opt, state)
     opt.planner.load_state_dict(state.planner)
     set_rng_state(state.rng)
     if info.is_main:
@@ -788,10 +802,7 @@ def _continue_segment(config: TrainConfig, info: DistInfo, opt: _Optimization, p
     state = load_latest_checkpoint(previous_run, is_main=info.is_main)
     if state is None:
         raise ConfigError(f"{previous_run} has no checkpoint to continue from: its segment was never trained")
-    opt.model.load_state_dict(state.model)
-    opt.optimizer.load_state_dict(state.optimizer)
-    for group in opt.optimizer.param_groups:  # the command line's, not the checkpoint's
-        group["weight_decay"] = config.optimizer.weight_decay
+    _load_weights_and_optimizer(config, opt, state)
     if info.is_main:
         print(
             f"dflash train: continuing from the last checkpoint of {previous_run} (step {state.global_step})",
