@@ -91,9 +91,11 @@ def test_torchrun_ranks_write_the_samples_of_one_worker_and_resume(
 
 
 def test_sigkill_of_one_rank_then_rerun_leaves_every_sample_once(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 1200, seed=8)
-    # Small jobs committed every 0.1 s: enough of them that the run is still going when rank 1 dies.
-    # (The reference packs the same jobs: features are bit-equal only for the same batches.)
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 480, seed=8)
+    # Small jobs committed every 0.1 s: rank 1 dies at its first commit (below), when both ranks together
+    # had committed about 190 samples on 2 cores: most of the 480 records' jobs are still to do, the
+    # reference's forwards cost seconds, not the tens of seconds of a larger set. (The reference packs
+    # the same jobs: features are bit-equal only for the same batches.)
     small_jobs = ("--tokens-per-batch", "256", "--flush-seconds", "0.1")
     reference = tmp_path / "reference"
     one = subprocess.run(
