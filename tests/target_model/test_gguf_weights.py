@@ -49,6 +49,20 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield where
 
 
+def gguf_tensors(*names: str) -> dict[str, torch.Tensor]:
+    """These tensors of the default target's GGUF file, dequantized to float32 by the gguf reader."""
+    import gguf
+
+    source = resolve_target("default")
+    assert source.path is not None
+    tensors = {t.name: t for t in gguf.GGUFReader(str(source.path)).tensors if t.name in names}
+    assert sorted(tensors) == sorted(names)
+    return {
+        name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
+        for name, t in tensors.items()
+    }
+
+
 def weights_file() -> Path:
     source = resolve_target("default")
     assert source.path is not None
@@ -103,6 +117,9 @@ def test_the_cached_weights_are_the_gguf_loads_in_every_dtype_and_truncated(
 def test_an_unwritable_cache_or_a_model_over_the_cap_loads_from_the_gguf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Either case makes ``cached_weights_dir`` answer None, and a load that gets None reads the GGUF as
+    before the cache. A load dequantizes for seconds, so one is made (the full disk) and checked against
+    the file's tensors; over the cap the answer alone is checked (the load goes on the same way)."""
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
 
     def disk_full(*args: object) -> None:
@@ -113,12 +130,24 @@ def test_an_unwritable_cache_or_a_model_over_the_cap_loads_from_the_gguf(
         full_disk = load_target("default", device="cpu", dtype=torch.float32)
     assert "not cached (" in capsys.readouterr().err
     assert not weights_file().exists()
+    # The GGUF's own tensors, dequantized by the gguf reader: the 8-bit embedding (the tied head too), a
+    # 4-bit MLP matrix and a float32 norm.
+    model = full_disk.model.model
+    want = gguf_tensors("token_embd.weight", "blk.0.ffn_down.weight", "blk.0.attn_norm.weight")
+    assert torch.equal(model.embed_tokens.weight, want["token_embd.weight"])
+    assert torch.equal(full_disk.model.lm_head.weight, want["token_embd.weight"])
+    assert torch.equal(model.layers[0].mlp.down_proj.weight, want["blk.0.ffn_down.weight"])
+    assert torch.equal(model.layers[0].input_layernorm.weight, want["blk.0.attn_norm.weight"])
 
+    source = resolve_target("default")
+    assert source.path is not None
     with monkeypatch.context() as m:
         m.setattr(gguf_weights, "MAX_CACHED_BYTES", 1)
-        over_cap = load_target("default", device="cpu", dtype=torch.float32)
+        m.setattr(gguf_weights, "write_weights", disk_full)  # over the cap, no write is even tried
+        assets = gguf_assets_dir(source.path, weights_hash(source))
+        assert gguf_weights.cached_weights_dir(source.path, assets, full_disk.model.config) is None
+    assert not capsys.readouterr().err
     assert not weights_file().exists()
-    assert_same_tensors(over_cap.model, full_disk.model)
     # The count the cap is compared with: SmolLM2-135M's parameters (its head tied) in float32.
     assert gguf_weights.float32_bytes(full_disk.model.config) == 4 * sum(
         p.numel() for p in full_disk.model.parameters()
