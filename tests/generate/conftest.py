@@ -3,7 +3,6 @@ the kill, fault and torchrun tests compare with."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 from tests.tiny_caches import TinyCache, build_once, shared_temp_dir
 
-from .helpers import generate_cmd, make_chat_jsonl
+from .helpers import generate_cmd, make_chat_jsonl, run_in_process
 
 
 @pytest.fixture(scope="session")
@@ -22,18 +21,16 @@ def chat_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def uninterrupted_generate(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], TinyCache]:
     """``(records, seed)`` -> the cache of an uninterrupted ``dflash generate`` (``generate_cmd``, one
-    worker) over ``make_chat_jsonl(records, seed=seed)``, and that data. A run is a process start-up, a
-    worker's and the forwards: each is run once for the session, when first asked for (xdist workers share
-    it), and neither may be written to (a test resumes into a cache of its own, from the same data)."""
+    worker, run in this process: ``run_in_process``) over ``make_chat_jsonl(records, seed=seed)``, and that
+    data. A run is a worker's start-up and the forwards: each is run once for the session, when first asked
+    for (xdist workers share it), and neither may be written to (a test resumes into a cache of its own,
+    from the same data)."""
     folder = shared_temp_dir(tmp_path_factory) / "uninterrupted-generate"
 
     def get(records: int, seed: int) -> TinyCache:
         def build(where: Path) -> None:
             data = make_chat_jsonl(where / "chat.jsonl", records, seed=seed)
-            done = subprocess.run(
-                generate_cmd(where / "cache", data), capture_output=True, text=True, timeout=600
-            )
-            assert done.returncode == 0, done.stdout + done.stderr
+            run_in_process(generate_cmd(where / "cache", data))
 
         where = build_once(folder / f"r{records}-s{seed}", build)
         return TinyCache(root=where / "cache", data=where / "chat.jsonl")

@@ -89,6 +89,21 @@ def generate_cmd(cache: Path, data: Path, *extra: str) -> list[str]:
     ]
 
 
+def run_in_process(cmd: list[str]) -> str:
+    """A ``python -m dflash_offline ...`` command line (``generate_cmd``) run in this process through the
+    CLI; its output. The same run as the subprocess's (its workers are spawned processes either way: the
+    same features, bit for bit), less a coordinator's start-up (imports and the target's config: seconds
+    of CPU on 2 cores), for a reference run that a test only reads."""
+    from click.testing import CliRunner
+
+    from dflash_offline.cli import main
+
+    assert cmd[1:3] == ["-m", "dflash_offline"], cmd
+    result = CliRunner().invoke(main, cmd[3:])
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result.output
+
+
 def start_in_new_session(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     # A new session so that SIGKILL reaches the coordinator and its workers alike.
     return subprocess.Popen(

@@ -21,7 +21,7 @@ from dflash_offline.cache.reader import CacheReader
 from tests.tiny_caches import TinyCache
 from tests.torchrun_helpers import rank_pid, torchrun_cmd, torchrun_env
 
-from .helpers import generate_cmd, make_chat_jsonl
+from .helpers import generate_cmd, make_chat_jsonl, run_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # each torchrun start costs seconds
 
@@ -98,13 +98,7 @@ def test_sigkill_of_one_rank_then_rerun_leaves_every_sample_once(tmp_path: Path)
     # the same jobs: features are bit-equal only for the same batches.)
     small_jobs = ("--tokens-per-batch", "256", "--flush-seconds", "0.1")
     reference = tmp_path / "reference"
-    one = subprocess.run(
-        generate_cmd(reference, data, "--workers", "1", *small_jobs),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert one.returncode == 0, one.stdout + one.stderr
+    run_in_process(generate_cmd(reference, data, "--workers", "1", *small_jobs))
 
     cache = tmp_path / "killed"
     cmd = _torchrun_generate(cache, data, *small_jobs)

@@ -19,7 +19,13 @@ import torch
 
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.train.loader import DAMAGED_FILE
-from tests.generate.helpers import features_by_id, generate_cmd, make_chat_jsonl, start_in_new_session
+from tests.generate.helpers import (
+    features_by_id,
+    generate_cmd,
+    make_chat_jsonl,
+    run_in_process,
+    start_in_new_session,
+)
 from tests.train.helpers import train_config
 from tests.train.test_follow import VAL_FRACTION, check_followed
 
@@ -51,8 +57,7 @@ def test_sigkill_generate_train_and_both_during_follow(tmp_path: Path) -> None:
     # generate to finish).
     data = make_chat_jsonl(tmp_path / "chat.jsonl", 60, seed=9)
     reference = tmp_path / "reference"
-    done = subprocess.run(generate_cmd(reference, data), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_in_process(generate_cmd(reference, data))
 
     cache, run = tmp_path / "window", tmp_path / "run"
     gen_cmd = generate_cmd(
