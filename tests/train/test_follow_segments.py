@@ -25,7 +25,14 @@ from dflash_offline.generate.run import run_generate
 from dflash_offline.train import follow, trainer
 from dflash_offline.train.checkpoint import list_checkpoints, load_latest_checkpoint
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.follow import FollowResult, FollowState, read_follow_state, run_follow, segment_dir
+from dflash_offline.train.follow import (
+    FollowResult,
+    FollowState,
+    GenerateProgress,
+    read_follow_state,
+    run_follow,
+    segment_dir,
+)
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.step import OptimizerStep
 from tests.generate.helpers import make_chat_jsonl, tiny_config
@@ -72,12 +79,13 @@ def stage_generate(
     def new_stores(cache_dir: Path, state: FollowState) -> tuple[str, ...]:
         return real_new_stores(cache_dir, state)[:STORES_PER_SEGMENT]
 
-    def generate_finished(cache_dir: Path) -> bool:
+    def generate_progress(cache_dir: Path) -> GenerateProgress:
         state = read_follow_state(run) or FollowState(passes=2, segments=())
-        return len(real_new_stores(cache_dir, state)) <= finished_with_left
+        finished = len(real_new_stores(cache_dir, state)) <= finished_with_left
+        return GenerateProgress(finished=finished, plan_ended=False)  # a generate without a plan's end
 
     monkeypatch.setattr(follow, "new_stores", new_stores)
-    monkeypatch.setattr(follow, "generate_finished", generate_finished)
+    monkeypatch.setattr(follow, "generate_progress", generate_progress)
 
 
 def config_for(cache: Path, run: Path, **overrides: Any) -> TrainConfig:
