@@ -341,9 +341,7 @@ def _run_locked(
     start = time.perf_counter()
     rows = RunRows(ctx, started_at=utc_now(), num_workers=group.num_workers)
     rows.running()
-    planner = Planner(
-        ctx, workers.channel, threading.Event(), group.num_workers, on_plan_end=rows.plan_ended
-    )
+    planner = Planner(ctx, workers.channel, threading.Event(), group.num_workers, on_plan_end=rows.plan_ended)
     tally = _Tally()
     status, error = _watch(ctx, workers, planner, tally, on_event)
     low_space = planner.low_space.message if planner.low_space is not None else ""

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from dflash_offline.cache.window import routing_key
+from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.feed import Planner, plan_events
 from dflash_offline.generate.plan import CaptureJob
 from dflash_offline.generate.run import prepare_run
@@ -40,11 +41,11 @@ class ListChannel:
         pass
 
 
-def run_planner(ctx: object) -> tuple[ListChannel, list[int]]:
+def run_planner(ctx: RunContext) -> tuple[ListChannel, list[int]]:
     """Run the planner to its end; returns its channel and, per plan-end call, the jobs handed out by then."""
     channel = ListChannel()
     ended: list[int] = []
-    planner = Planner(ctx, channel, threading.Event(), 2, on_plan_end=lambda: ended.append(len(channel.jobs)))  # type: ignore[arg-type]
+    planner = Planner(ctx, channel, threading.Event(), 2, on_plan_end=lambda: ended.append(len(channel.jobs)))
     planner.run()  # in this thread: the plan is read to its end
     assert planner.error is None
     assert planner.done

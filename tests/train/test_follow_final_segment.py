@@ -64,7 +64,8 @@ def test_generate_records_its_plans_end_before_its_last_training_samples(staged_
     assert run.started_at <= run.plan_ended_at <= run.finished_at
     samples = read_table(staged_cache, "samples", ["shard", "created_at"]).to_pylist()
     seals = read_seals(staged_cache)
-    later = [s for s in samples if not is_validation_store(s["shard"]) and s["created_at"] >= run.plan_ended_at]
+    training = [s for s in samples if not is_validation_store(s["shard"])]
+    later = [s for s in training if s["created_at"] >= run.plan_ended_at]
     assert later
     assert all(seals[s["shard"]].sealed_at >= run.plan_ended_at for s in later)
 
@@ -85,7 +86,9 @@ class FollowClock:
         self.on_poll()
 
 
-def stage_outpaced(monkeypatch: pytest.MonkeyPatch, cache: Path, *, kill_at_poll: bool = False) -> FollowClock:
+def stage_outpaced(
+    monkeypatch: pytest.MonkeyPatch, cache: Path, *, kill_at_poll: bool = False
+) -> FollowClock:
     """Generate as a follow run that outpaces it sees it: running (plan not ended) while it seals two
     stores at a time; its plan's end recorded as its last two stores are sealed (before training reads
     them); finished while training waits."""
