@@ -289,9 +289,11 @@ def test_a_follow_run_stopped_inside_a_segment_resumes_bit_exact(
 def test_the_final_drafter_is_exported_when_no_segment_was_planned_as_the_last(
     staged_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Generate says it finished only after its last stores were planned: no segment decays, and the
-    drafter of the last one is exported at the run's end (from the live drafter; after a restart, from
-    the segment's final checkpoint, its stores being retired)."""
+    """Generate says it finished only after its last stores were planned, with no plan's end recorded
+    before them (a cache made before ``plan_ended_at``, or the cases at the end of docs/follow.md "The
+    final segment"): no segment decays, and the drafter of the last one is exported at the run's end
+    (from the live drafter; after a restart, from the segment's final checkpoint, its stores being
+    retired)."""
     from safetensors.torch import load_file
 
     cache, run = cache_copy(staged_cache, tmp_path), tmp_path / "run"
