@@ -691,10 +691,11 @@ def main() -> None:
     answers = work / "answers.jsonl"
 
     # 1. regenerate bench: the decode engine beside its references on the same prompts (skipped with
-    # --regen-bench-s 0).
+    # --regen-bench-s 0, and when regenerate does not run: it only picks regenerate's engine).
+    regenerates = args.regen_s > 0 or not answers.is_file()
     bench_json = work / "regen_bench.json"
     engine_args: list[str] = []
-    if args.regen_bench_s > 0:
+    if args.regen_bench_s > 0 and regenerates:
         _regenerate_bench(args, bench_json, logs, report)
         engine_args = _fastest_engine(bench_json, report)
 
@@ -714,7 +715,7 @@ def main() -> None:
             f"regenerate reads records {args.regen_skip}–{args.regen_skip + args.regen_limit} of "
             f"{args.data} and {n_code} code problems of {args.code_data}"
         )
-    if args.regen_s > 0 or not answers.is_file():
+    if regenerates:
         s = Stage(
             name="regenerate",
             argv=dflash(

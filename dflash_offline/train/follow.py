@@ -35,6 +35,7 @@ from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError
 from dflash_offline.locking import hold_lock
 from dflash_offline.placement import under_torchrun
+from dflash_offline.run_split import FOLLOW_FILE, segment_dir
 from dflash_offline.train.checkpoint import list_checkpoints, load_latest_checkpoint
 from dflash_offline.train.config import (
     DataConfig,
@@ -59,7 +60,6 @@ from dflash_offline.train.trainer import length_mixing_planner, run_training
 # version or the new one, never half of one.
 
 
-FOLLOW_FILE = "follow.json"
 FOLLOW_STATE_VERSION = 2
 
 
@@ -221,10 +221,6 @@ class FollowResult:
             f"{self.stores_retired} stores retired; waited {self.waited_seconds:.1f} s for sealed stores\n"
             f"drafter (z-lab DFlash layout): {self.last_drafter}"
         )
-
-
-def segment_dir(run_dir: Path, index: int) -> Path:
-    return run_dir / "segments" / f"{index:04d}"
 
 
 def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> FollowResult:

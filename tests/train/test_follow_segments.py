@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.window import is_validation_store, read_seals
 from dflash_offline.generate.run import run_generate
 from dflash_offline.train import follow, trainer
@@ -326,3 +327,42 @@ def test_a_run_of_one_final_segment_gets_an_ordinary_runs_schedule(total: int, r
     schedule = FollowSchedule(warmup_steps=warmup, decay_start=0, end_step=total)
     ordinary = cosine_with_warmup(total, ratio)
     assert [schedule.factor(s) for s in range(total + 1)] == [ordinary(s) for s in range(total + 1)]
+
+
+def test_a_segments_drafter_counts_every_earlier_segment_as_trained_on(uninterrupted: Uninterrupted) -> None:
+    """The final segment's drafter continues the weights the two before it trained: its run split, and so
+    eval's held-out set, count their samples as trained on, not as never seen (the segment's own snapshot
+    holds only its own stores)."""
+    from dflash_offline.eval.prompts import resolve_held_out
+    from dflash_offline.run_split import read_run_split
+
+    cache, run, result = uninterrupted.cache, uninterrupted.run, uninterrupted.result
+    rows = read_table(cache, "samples", ["sample_id", "shard"]).to_pydict()
+    shard_of = dict(zip(rows["sample_id"], rows["shard"], strict=True))
+    # Every segment trains all of its stores: the trained samples are those of the training stores.
+    trained = {i for i, s in shard_of.items() if not is_validation_store(s)}
+    validation = set(shard_of) - trained
+    own = read_split_file_only(segment_dir(run, 2))
+    assert own < trained  # the reference differs from what the segment's own file says
+
+    split = read_run_split(segment_dir(run, 2))
+    assert split is not None
+    assert split.train == trained
+    assert split.validation == validation
+    assert split.left_out == frozenset()
+    first = read_run_split(segment_dir(run, 0))  # segment 0's drafter saw segment 0 alone
+    assert first is not None
+    assert first.train == read_split_file_only(segment_dir(run, 0))
+
+    assert result.last_drafter is not None
+    held_out = resolve_held_out(exclude_cache=cache, drafter_dir=result.last_drafter, data=None)
+    assert trained <= held_out.excluded_ids
+    assert not validation & held_out.excluded_ids  # the run's validation split stays held out
+
+
+def read_split_file_only(run_dir: Path) -> frozenset[str]:
+    """The training samples of ``run_dir``'s own split file, read with pyarrow alone."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(run_dir / "split.parquet").to_pydict()
+    return frozenset(i for i, r in zip(table["sample_id"], table["role"], strict=True) if r == "train")
