@@ -26,7 +26,14 @@ from dflash_offline.generate.run import run_generate
 from dflash_offline.train import follow, trainer
 from dflash_offline.train.checkpoint import list_checkpoints, load_latest_checkpoint
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.follow import FollowResult, FollowState, read_follow_state, run_follow, segment_dir
+from dflash_offline.train.follow import (
+    FollowResult,
+    FollowState,
+    GenerateProgress,
+    read_follow_state,
+    run_follow,
+    segment_dir,
+)
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.step import OptimizerStep
 from tests.generate.helpers import make_chat_jsonl, tiny_config
@@ -40,8 +47,11 @@ REAL_NEW_STORES = follow.new_stores
 
 @pytest.fixture(scope="module")
 def staged_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_staged_cache(tmp_path_factory.mktemp("staged"))
+
+
+def write_staged_cache(root: Path) -> Path:
     """A finished window cache of six training stores (about 4 samples each) and a validation store."""
-    root = tmp_path_factory.mktemp("staged")
     data = make_chat_jsonl(root / "chat.jsonl", 30, seed=3)
     config = tiny_config(
         root / "cache",
@@ -73,12 +83,13 @@ def stage_generate(
     def new_stores(cache_dir: Path, state: FollowState) -> tuple[str, ...]:
         return real_new_stores(cache_dir, state)[:STORES_PER_SEGMENT]
 
-    def generate_finished(cache_dir: Path) -> bool:
+    def generate_progress(cache_dir: Path) -> GenerateProgress:
         state = read_follow_state(run) or FollowState(passes=2, segments=())
-        return len(real_new_stores(cache_dir, state)) <= finished_with_left
+        finished = len(real_new_stores(cache_dir, state)) <= finished_with_left
+        return GenerateProgress(finished=finished, plan_ended=False)  # a generate without a plan's end
 
     monkeypatch.setattr(follow, "new_stores", new_stores)
-    monkeypatch.setattr(follow, "generate_finished", generate_finished)
+    monkeypatch.setattr(follow, "generate_progress", generate_progress)
 
 
 def config_for(cache: Path, run: Path, **overrides: Any) -> TrainConfig:
@@ -279,9 +290,11 @@ def test_a_follow_run_stopped_inside_a_segment_resumes_bit_exact(
 def test_the_final_drafter_is_exported_when_no_segment_was_planned_as_the_last(
     staged_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Generate says it finished only after its last stores were planned: no segment decays, and the
-    drafter of the last one is exported at the run's end (from the live drafter; after a restart, from
-    the segment's final checkpoint, its stores being retired)."""
+    """Generate says it finished only after its last stores were planned, with no plan's end recorded
+    before them (a cache made before ``plan_ended_at``, or the cases at the end of docs/follow.md "The
+    final segment"): no segment decays, and the drafter of the last one is exported at the run's end
+    (from the live drafter; after a restart, from the segment's final checkpoint, its stores being
+    retired)."""
     from safetensors.torch import load_file
 
     cache, run = cache_copy(staged_cache, tmp_path), tmp_path / "run"
