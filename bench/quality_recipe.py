@@ -197,6 +197,13 @@ class Report:
                     f"- validation at step {row['step']}{secs}: loss {row['loss']:.3f}, {chain}"
                     f"simulated τ {row['tau']:.2f}, per-block τ {row['block_tau']:.2f}, acc[1..6] {acc}"
                 )
+            for seg in v.get("segments", []):  # --follow-window: what was trained, segment by segment
+                tau = seg.get("chain_tau_at_end")
+                out.append(
+                    f"- segment {seg['index']}: from step {seg['first_step']}, {seg['num_samples']} samples "
+                    f"({seg['samples_so_far']} so far){', final' if seg.get('last') else ''}; validation "
+                    f"chain τ at its end {'–' if tau is None else f'{tau:.2f}'}"
+                )
             timing = v.get("timing") or {}
             if timing.get("startup_seconds") or timing.get("validations"):
                 startups = ", ".join(f"{t:.1f}" for t in timing["startup_seconds"]) or "n/a"
@@ -234,6 +241,9 @@ class Report:
             for key in ("eval_table", "chat_eval_table"):
                 if key in v:
                     out += ["", "```", v[key], "```"]
+        if self.data.get("window"):
+            title = "## the window (`dflash sql CACHE --query window`)"
+            out += ["", title, "", "```", self.data["window"], "```"]
         out += ["", "## notes"] + [f"- {n}" for n in self.data["notes"]]
         return "\n".join(out) + "\n"
 
@@ -562,267 +572,141 @@ def dflash(*args: str) -> list[str]:
     return [PY, "-m", "dflash_offline", *args]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="ShareGPT JSONL(.gz) of first turns")
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--report", type=Path, required=True)
-    ap.add_argument("--budget-s", type=float, default=1320.0, help="whole pipeline, start to summary")
-    ap.add_argument("--target", default="default")
-    ap.add_argument("--device-args", default="--gpus 0", help="placement flags of our commands")
-    ap.add_argument(
-        "--regen-bench",
-        default="--limit 512 --max-new-tokens 256 --batch-size 256 "
-        "--cb-batch-sizes 256 --max-prompt-tokens 1024 --limit-seconds 45",
-    )
-    ap.add_argument("--regen-bench-s", type=float, default=200)
-    ap.add_argument("--regen-args", default="--max-new-tokens 512 --max-prompt-tokens 1024")
-    ap.add_argument("--regen-limit", type=int, default=11000)
-    ap.add_argument(
-        "--regen-skip",
-        type=int,
-        default=0,
-        help="records of --data that regenerate skips (answered by an earlier run with other settings, "
-        "passed as --extra-answers); the held-out eval prompts start after them and the new answers",
-    )
-    ap.add_argument(
-        "--extra-answers",
-        nargs="*",
-        type=Path,
-        default=[],
-        help="chat JSONL(.gz) of an earlier run's regenerated conversations (other settings: not resumed): "
-        "cached and trained on beside this run's answers",
-    )
-    ap.add_argument(
-        "--code-data",
-        type=Path,
-        default=None,
-        help="code problems as chat JSONL(.gz) (bench/quality_prompts.py's code-prompts.jsonl.gz): the first "
-        "--code-limit of them are regenerated after --data's records, in the same regenerate",
-    )
-    ap.add_argument("--code-limit", type=int, default=0, help="code problems taken from --code-data")
-    ap.add_argument(
-        "--regen-s",
-        type=float,
-        default=300,
-        help="regenerate's seconds; 0: the answers already in --work as they are",
-    )
-    ap.add_argument("--gen-args", default="--max-len 2048 --too-long truncate")
-    ap.add_argument("--gen-s", type=float, default=150)
-    ap.add_argument("--codecs", default="default,fp8", help="caches of the regenerated answers")
-    ap.add_argument("--original-cache", action="store_true", help="also a cache of the data set's answers")
-    ap.add_argument(
-        "--variants",
-        required=True,
-        help='JSON {name: "train flags [@cache]"}; cache: default (regenerated, default codec), '
-        "fp8, original",
-    )
-    ap.add_argument(
-        "--train-args",
-        default="--val-every 100 --log-every 10",
-        help="flags of every variant's dflash train (validation every N steps; metrics read back every N)",
-    )
-    ap.add_argument(
-        "--train-s",
-        type=float,
-        default=480,
-        help="training's seconds at least; it runs on to the budget's end less --eval-s and --reserve-s, so "
-        "the seconds regenerate and generate leave unused go to training (train_deadline)",
-    )
-    ap.add_argument(
-        "--reserve-s",
-        type=float,
-        default=90,
-        help="seconds kept between training's deadline and the eval's (a late variant's stop grace, the "
-        "export, the summary)",
-    )
-    ap.add_argument(
-        "--calibrate-s", type=float, default=90, help="longest wait for every variant's first logged step"
-    )
-    ap.add_argument(
-        "--equal-steps",
-        action="store_true",
-        help="every variant trains the same number of steps (what the slowest reaches by the deadline): "
-        "for comparisons at equal steps, such as one cache codec against another",
-    )
-    ap.add_argument(
-        "--expected-steps-per-s",
-        type=float,
-        default=2.5,
-        help="each variant's step rate expected before calibration (2.50 measured for two compiled "
-        "SmolLM2-width variants side by side on one H200): its first --max-steps, so that the warm-up and "
-        "the cosine are planned for a run of about the right length from step 1",
-    )
-    ap.add_argument(
-        "--expected-val-s",
-        type=float,
-        default=10.0,
-        help="seconds of one validation of 200 records, on average (the H200: 5–9 s, the first 36 s)",
-    )
-    ap.add_argument("--curve-points", default="250,500,1000,1500,2000,3000,4000,6000,8000")
-    ap.add_argument("--eval-args", default="--bench all --limit 8 --max-new-tokens 128")
-    ap.add_argument(
-        "--chat-eval-args",
-        default="",
-        help="a second dflash eval per variant, run beside the first (its --data/--skip/--exclude-cache are "
-        'the same), e.g. "--bench sharegpt,validation --turns all --limit 8": its own table and τ by turn',
-    )
-    ap.add_argument("--eval-s", type=float, default=260)
-    ap.add_argument(
-        "--eval-variants",
-        choices=["all", "best"],
-        default="all",
-        help="evaluate every variant, or only the one of best validation chain τ (concurrent evals at "
-        "batch 1 share the GPU: each runs at a fraction of its speed alone)",
-    )
-    ap.add_argument("--smoke", action="store_true", help="CPU: the same pipeline, tiny sizes")
-    args = ap.parse_args()
-    if args.smoke:
-        apply_smoke(args)
-    missing = question_sets_missing([args.eval_args, args.chat_eval_args])
-    if missing:
-        sys.exit(f"quality_recipe: {missing}")
+FOLLOW_REFUSED = ("--val-samples", "--val-group", "--max-steps", "--early-stop", "--epochs")
+"""Train flags that ``dflash train --follow`` refuses (each segment is ``--passes`` epochs; its validation
+is generate's routed split by sample id): refused before any stage starts, not after generate."""
 
-    work, logs = args.work, args.work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    report = Report(args.report, work)
-    end = T0 + args.budget_s
-    dev = shlex.split(args.device_args)
-    answers = work / "answers.jsonl"
 
-    # 1. regenerate bench: the decode engine beside its references on the same prompts (skipped with
-    # --regen-bench-s 0).
-    bench_json = work / "regen_bench.json"
-    engine_args: list[str] = []
-    if args.regen_bench_s > 0:
-        _regenerate_bench(args, bench_json, logs, report)
-        engine_args = _fastest_engine(bench_json, report)
+def follow_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--follow-window`` cannot run with these settings, or None."""
+    codecs = [c for c in args.codecs.split(",") if c]
+    variants = json.loads(args.variants)
+    if len(codecs) != 1 or len(variants) != 1:
+        return "--follow-window streams one cache into one training run: give one --codecs and one variant"
+    if args.original_cache or args.equal_steps:
+        return "--follow-window goes with neither --original-cache nor --equal-steps"
+    flags = shlex.split(args.train_args) + shlex.split(next(iter(variants.values())).partition("@")[0])
+    refused = [f for f in FOLLOW_REFUSED if f in flags]
+    if refused:
+        return f"--follow-window: dflash train --follow refuses {', '.join(refused)}; leave it out"
+    return None
 
-    # 2. regenerate: the target's own answers, until its deadline (SIGINT keeps what is done).
-    regen_data, regen_skip, regen_limit = Path(args.data), args.regen_skip, args.regen_limit
-    if args.code_data is not None and args.code_limit > 0:
-        # One regenerate over both (one start-up): the chat records it would read, then the code problems.
-        # Named as --data (less .gz): a record's sample id hashes its source's name, so the chat records
-        # keep theirs and regenerate resumes the answers kept from runs that read --data itself.
-        regen_data = work / "prompts" / Path(args.data).name.removesuffix(".gz")
-        regen_data.parent.mkdir(parents=True, exist_ok=True)
-        n_code = combine_prompts(
-            Path(args.data), args.regen_skip, args.regen_limit, args.code_data, args.code_limit, regen_data
+
+def follow_generate_args(args: argparse.Namespace) -> list[str]:
+    """Generate's flags in the follow mode: the window's bound and the validation share it routes."""
+    if not args.follow_window:
+        return []
+    return ["--window-limit", args.follow_window, "--val-fraction", str(args.follow_val_fraction)]
+
+
+def follow_segments(run: Path) -> list[dict[str, Any]]:
+    """A follow run's segments as RUN/follow.json records them, each with its metrics rows renumbered to the
+    run's global steps (a segment counts its own) and the samples trained in it and the ones before."""
+    path = run / "follow.json"
+    state = json.loads(path.read_text()) if path.is_file() else {"segments": []}
+    out: list[dict[str, Any]] = []
+    so_far = 0
+    for seg in state["segments"]:
+        rows = read_metrics(run / "segments" / f"{seg['index']:04d}" / "metrics.jsonl")
+        for row in rows:
+            row["step"] += seg["first_step"]
+        so_far += seg["num_samples"]
+        chains = [r["chain_tau"] for r in validation_curve(rows) if r.get("chain_tau") is not None]
+        out.append(
+            {
+                **seg,
+                "samples_so_far": so_far,
+                "chain_tau_at_end": chains[-1] if chains else None,
+                "rows": rows,
+            }
         )
-        regen_skip, regen_limit = 0, args.regen_limit + n_code
-        report.note(
-            f"regenerate reads records {args.regen_skip}–{args.regen_skip + args.regen_limit} of "
-            f"{args.data} and {n_code} code problems of {args.code_data}"
-        )
-    if args.regen_s > 0 or not answers.is_file():
-        s = Stage(
-            name="regenerate",
-            argv=dflash(
-                "regenerate",
-                "--target",
-                args.target,
-                "--data",
-                str(regen_data),
-                "--skip",
-                str(regen_skip),
-                "--limit",
-                str(regen_limit),
-                *shlex.split(args.regen_args),
-                *engine_args,
-                *dev,
-                "--no-progress",
-                "--out",
-                str(answers),
-            ),
-            log=logs / "2_regenerate.log",
-        ).start()
-        run_all([s], time.time() + args.regen_s, grace=40)
-        if not answers.is_file():
-            # A killed run leaves parts: a rerun merges them (and answers nothing more with --limit 0).
+    return out
+
+
+def follow_drafter(run: Path) -> Path | None:
+    """The drafter a follow run exported at its end: its last segment's best-validation export, else the
+    last one; None when it was stopped before its end."""
+    segments = sorted((run / "segments").glob("[0-9]*"))
+    for name in ("drafter", "drafter-last"):
+        if segments and (segments[-1] / name / "config.json").is_file():
+            return segments[-1] / name
+    return None
+
+
+def follow_variant(
+    args: argparse.Namespace,
+    caches: dict[str, Path],
+    gens: list[Stage],
+    work: Path,
+    logs: Path,
+    report: Report,
+    end: float,
+) -> list[str]:
+    """Stages 3 and 4 at once: ``dflash train --follow`` of the one variant beside generate's windowed
+    cache, until both end or training's deadline; its drafter (the run's final export, else its newest
+    training state exported) in the report."""
+    (name, spec), cache = next(iter(json.loads(args.variants).items())), next(iter(caches.values()))
+    run = work / f"run-{name}"
+    train = Stage(
+        name=f"train_{name}",
+        argv=dflash(
+            "train", "--cache", str(cache), "--out", str(run), "--target", args.target, "--follow",
+            "--passes", str(args.passes), "--val-fraction", str(args.follow_val_fraction),
+            *chain_tokens_of(args.eval_args), *shlex.split(args.train_args),
+            *shlex.split(spec.partition("@")[0]), *shlex.split(args.device_args), "--no-progress",
+        ),
+        log=logs / f"4_train_{name}.log",
+    ).start()  # fmt: skip
+    train_end = train_deadline(time.time(), end, args.train_s, args.eval_s, args.reserve_s)
+    # Training ends once generate's run has finished; a generate that failed never finishes it, and
+    # training would wait for its stores until the deadline.
+    while not train.poll() and time.time() < train_end:
+        if all(g.poll() for g in gens) and any(g.rc != 0 for g in gens):
+            report.note("generate failed: training stopped (its newest state is exported)")
+            train.interrupt()
+            break
+        time.sleep(2)
+    run_all([*gens, train], train_end, grace=60)
+    for stage in [*gens, train]:
+        report.stage(stage, log_tail=tail(stage.log, 4))
+    segments = follow_segments(run)
+    rows = [row for seg in segments for row in seg.pop("rows")]
+    drafter = follow_drafter(run)
+    if drafter is None:  # stopped at the deadline: the newest checkpoint of its last segment
+        drafter = work / f"drafter-{name}"
+        with open(train.log, "ab") as log:
             subprocess.run(
-                dflash(
-                    "regenerate",
-                    "--target",
-                    args.target,
-                    "--data",
-                    str(regen_data),
-                    "--limit",
-                    "0",
-                    "--out",
-                    str(answers),
-                    "--no-progress",
-                    *dev,
-                ),
+                dflash("export", str(run), "--out", str(drafter)),
                 cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 check=False,
             )
-        n_answers = answers.read_bytes().count(b"\n") if answers.is_file() else 0  # not splitlines: U+2028
-        report.stage(s, conversations=n_answers, throughput=tail(s.log, 3))
-    else:
-        # --regen-s 0 with answers in --work: train on them as they are (no start-up of the target to resume
-        # them: 56 s on one H200 for nothing left to answer).
-        n_answers = answers.read_bytes().count(b"\n")
-        report.note(f"regenerate skipped (--regen-s 0): {n_answers} conversations as they are")
-    if n_answers == 0:
-        report.note("no regenerated answers: stopping")
-        return
+    report.data["variants"] = {
+        name: {
+            "args": spec,
+            "curve": curve(rows, [int(p) for p in args.curve_points.split(",")]),
+            "validation": validation_curve(rows),
+            "timing": train_timing(rows),
+            "steps": rows[-1]["step"] if rows else 0,
+            "segments": segments,
+            "drafter": str(drafter),
+        }
+    }
+    window = subprocess.run(
+        dflash("sql", str(cache), "--query", "window"), cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    report.data["window"] = window.stdout.strip() or window.stderr.strip()
+    report.write()
+    return [name]
 
-    # 3. caches, concurrently: this run's answers and any earlier run's (--extra-answers).
-    train_data = work / "train-data.jsonl"
-    n_extra = concatenate_answers([answers, *args.extra_answers], train_data)
-    if args.extra_answers:
-        report.note(f"training data: {n_answers} conversations of this run + {n_extra} of --extra-answers")
-    caches: dict[str, Path] = {}
-    gens = []
-    for codec in [c for c in args.codecs.split(",") if c]:
-        cache = work / f"cache-{codec}"
-        caches[codec] = cache
-        codec_args = [] if codec == "default" else ["--codec", codec]
-        gens.append(
-            Stage(
-                name=f"generate_{codec}",
-                argv=dflash(
-                    "generate",
-                    "--cache",
-                    str(cache),
-                    "--target",
-                    args.target,
-                    "--data",
-                    str(train_data),
-                    *shlex.split(args.gen_args),
-                    *codec_args,
-                    *dev,
-                    "--no-progress",
-                ),
-                log=logs / f"3_generate_{codec}.log",
-            ).start()
-        )
-    if args.original_cache:
-        cache = work / "cache-original"
-        caches["original"] = cache
-        gens.append(
-            Stage(
-                name="generate_original",
-                argv=dflash(
-                    "generate",
-                    "--cache",
-                    str(cache),
-                    "--target",
-                    args.target,
-                    "--data",
-                    args.data,
-                    "--limit",
-                    str(n_answers),
-                    *shlex.split(args.gen_args),
-                    *dev,
-                    "--no-progress",
-                ),
-                log=logs / "3_generate_original.log",
-            ).start()
-        )
-    run_all(gens, time.time() + args.gen_s, grace=30)
-    for g in gens:
-        report.stage(g, log_tail=tail(g.log, 4))
+
+def _train_variants(
+    args: argparse.Namespace, caches: dict[str, Path], work: Path, logs: Path, report: Report, end: float
+) -> list[str]:
+    """Stage 4, each variant trained on its finished cache side by side, calibrated to the budget; the
+    variants trained, each with its drafter in the report."""
+    dev = shlex.split(args.device_args)
     # 4. train the variants concurrently, calibrated to the budget.
     variants: dict[str, str] = json.loads(args.variants)
     report.data["variants"] = {}
@@ -960,6 +844,299 @@ def main() -> None:
         report.data["equal_steps_met"] = problem is None
         if problem:
             report.note(problem)
+    for name in trains:
+        drafter = work / f"run-{name}" / "drafter"
+        if not (drafter / "config.json").is_file():
+            drafter = work / f"drafter-{name}"  # exported from the newest checkpoint (above)
+        report.data["variants"][name]["drafter"] = str(drafter)
+    return list(trains)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="ShareGPT JSONL(.gz) of first turns")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--report", type=Path, required=True)
+    ap.add_argument("--budget-s", type=float, default=1320.0, help="whole pipeline, start to summary")
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--device-args", default="--gpus 0", help="placement flags of our commands")
+    ap.add_argument(
+        "--regen-bench",
+        default="--limit 512 --max-new-tokens 256 --batch-size 256 "
+        "--cb-batch-sizes 256 --max-prompt-tokens 1024 --limit-seconds 45",
+    )
+    ap.add_argument("--regen-bench-s", type=float, default=200)
+    ap.add_argument("--regen-args", default="--max-new-tokens 512 --max-prompt-tokens 1024")
+    ap.add_argument("--regen-limit", type=int, default=11000)
+    ap.add_argument(
+        "--regen-skip",
+        type=int,
+        default=0,
+        help="records of --data that regenerate skips (answered by an earlier run with other settings, "
+        "passed as --extra-answers); the held-out eval prompts start after them and the new answers",
+    )
+    ap.add_argument(
+        "--extra-answers",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="chat JSONL(.gz) of an earlier run's regenerated conversations (other settings: not resumed): "
+        "cached and trained on beside this run's answers",
+    )
+    ap.add_argument(
+        "--code-data",
+        type=Path,
+        default=None,
+        help="code problems as chat JSONL(.gz) (bench/quality_prompts.py's code-prompts.jsonl.gz): the first "
+        "--code-limit of them are regenerated after --data's records, in the same regenerate",
+    )
+    ap.add_argument("--code-limit", type=int, default=0, help="code problems taken from --code-data")
+    ap.add_argument(
+        "--regen-s",
+        type=float,
+        default=300,
+        help="regenerate's seconds; 0: the answers already in --work as they are",
+    )
+    ap.add_argument("--gen-args", default="--max-len 2048 --too-long truncate")
+    ap.add_argument("--gen-s", type=float, default=150)
+    ap.add_argument("--codecs", default="default,fp8", help="caches of the regenerated answers")
+    ap.add_argument("--original-cache", action="store_true", help="also a cache of the data set's answers")
+    ap.add_argument(
+        "--variants",
+        required=True,
+        help='JSON {name: "train flags [@cache]"}; cache: default (regenerated, default codec), '
+        "fp8, original",
+    )
+    ap.add_argument(
+        "--train-args",
+        default="--val-every 100 --log-every 10",
+        help="flags of every variant's dflash train (validation every N steps; metrics read back every N)",
+    )
+    ap.add_argument(
+        "--train-s",
+        type=float,
+        default=480,
+        help="training's seconds at least; it runs on to the budget's end less --eval-s and --reserve-s, so "
+        "the seconds regenerate and generate leave unused go to training (train_deadline)",
+    )
+    ap.add_argument(
+        "--reserve-s",
+        type=float,
+        default=90,
+        help="seconds kept between training's deadline and the eval's (a late variant's stop grace, the "
+        "export, the summary)",
+    )
+    ap.add_argument(
+        "--calibrate-s", type=float, default=90, help="longest wait for every variant's first logged step"
+    )
+    ap.add_argument(
+        "--equal-steps",
+        action="store_true",
+        help="every variant trains the same number of steps (what the slowest reaches by the deadline): "
+        "for comparisons at equal steps, such as one cache codec against another",
+    )
+    ap.add_argument(
+        "--expected-steps-per-s",
+        type=float,
+        default=2.5,
+        help="each variant's step rate expected before calibration (2.50 measured for two compiled "
+        "SmolLM2-width variants side by side on one H200): its first --max-steps, so that the warm-up and "
+        "the cosine are planned for a run of about the right length from step 1",
+    )
+    ap.add_argument(
+        "--expected-val-s",
+        type=float,
+        default=10.0,
+        help="seconds of one validation of 200 records, on average (the H200: 5–9 s, the first 36 s)",
+    )
+    ap.add_argument("--curve-points", default="250,500,1000,1500,2000,3000,4000,6000,8000")
+    ap.add_argument("--eval-args", default="--bench all --limit 8 --max-new-tokens 128")
+    ap.add_argument(
+        "--chat-eval-args",
+        default="",
+        help="a second dflash eval per variant, run beside the first (its --data/--skip/--exclude-cache are "
+        'the same), e.g. "--bench sharegpt,validation --turns all --limit 8": its own table and τ by turn',
+    )
+    ap.add_argument("--eval-s", type=float, default=260)
+    ap.add_argument(
+        "--eval-variants",
+        choices=["all", "best"],
+        default="all",
+        help="evaluate every variant, or only the one of best validation chain τ (concurrent evals at "
+        "batch 1 share the GPU: each runs at a fraction of its speed alone)",
+    )
+    ap.add_argument(
+        "--follow-window",
+        default="",
+        metavar="SIZE",
+        help="stream the answers through a bounded cache: generate with --window-limit SIZE and the one "
+        "variant's dflash train --follow at once, until both end or training's deadline (one codec, one "
+        "variant; docs/follow.md)",
+    )
+    ap.add_argument("--passes", type=int, default=2, help="--follow-window: train --follow's --passes")
+    ap.add_argument(
+        "--follow-val-fraction",
+        type=float,
+        default=0.01,
+        help="--follow-window: the validation share generate routes into stores never retired, and train "
+        "validates on",
+    )
+    ap.add_argument("--smoke", action="store_true", help="CPU: the same pipeline, tiny sizes")
+    args = ap.parse_args()
+    if args.smoke:
+        apply_smoke(args)
+    problem = follow_problem(args) if args.follow_window else None
+    if problem:
+        sys.exit(f"quality_recipe: {problem}")
+    missing = question_sets_missing([args.eval_args, args.chat_eval_args])
+    if missing:
+        sys.exit(f"quality_recipe: {missing}")
+
+    work, logs = args.work, args.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    report = Report(args.report, work)
+    end = T0 + args.budget_s
+    dev = shlex.split(args.device_args)
+    answers = work / "answers.jsonl"
+
+    # 1. regenerate bench: the decode engine beside its references on the same prompts (skipped with
+    # --regen-bench-s 0, and when regenerate does not run: it only picks regenerate's engine).
+    regenerates = args.regen_s > 0 or not answers.is_file()
+    bench_json = work / "regen_bench.json"
+    engine_args: list[str] = []
+    if args.regen_bench_s > 0 and regenerates:
+        _regenerate_bench(args, bench_json, logs, report)
+        engine_args = _fastest_engine(bench_json, report)
+
+    # 2. regenerate: the target's own answers, until its deadline (SIGINT keeps what is done).
+    regen_data, regen_skip, regen_limit = Path(args.data), args.regen_skip, args.regen_limit
+    if args.code_data is not None and args.code_limit > 0:
+        # One regenerate over both (one start-up): the chat records it would read, then the code problems.
+        # Named as --data (less .gz): a record's sample id hashes its source's name, so the chat records
+        # keep theirs and regenerate resumes the answers kept from runs that read --data itself.
+        regen_data = work / "prompts" / Path(args.data).name.removesuffix(".gz")
+        regen_data.parent.mkdir(parents=True, exist_ok=True)
+        n_code = combine_prompts(
+            Path(args.data), args.regen_skip, args.regen_limit, args.code_data, args.code_limit, regen_data
+        )
+        regen_skip, regen_limit = 0, args.regen_limit + n_code
+        report.note(
+            f"regenerate reads records {args.regen_skip}–{args.regen_skip + args.regen_limit} of "
+            f"{args.data} and {n_code} code problems of {args.code_data}"
+        )
+    if regenerates:
+        s = Stage(
+            name="regenerate",
+            argv=dflash(
+                "regenerate",
+                "--target",
+                args.target,
+                "--data",
+                str(regen_data),
+                "--skip",
+                str(regen_skip),
+                "--limit",
+                str(regen_limit),
+                *shlex.split(args.regen_args),
+                *engine_args,
+                *dev,
+                "--no-progress",
+                "--out",
+                str(answers),
+            ),
+            log=logs / "2_regenerate.log",
+        ).start()
+        run_all([s], time.time() + args.regen_s, grace=40)
+        if not answers.is_file():
+            # A killed run leaves parts: a rerun merges them (and answers nothing more with --limit 0).
+            subprocess.run(
+                dflash(
+                    "regenerate",
+                    "--target",
+                    args.target,
+                    "--data",
+                    str(regen_data),
+                    "--limit",
+                    "0",
+                    "--out",
+                    str(answers),
+                    "--no-progress",
+                    *dev,
+                ),
+                cwd=ROOT,
+                check=False,
+            )
+        n_answers = answers.read_bytes().count(b"\n") if answers.is_file() else 0  # not splitlines: U+2028
+        report.stage(s, conversations=n_answers, throughput=tail(s.log, 3))
+    else:
+        # --regen-s 0 with answers in --work: train on them as they are (no start-up of the target to resume
+        # them: 56 s on one H200 for nothing left to answer).
+        n_answers = answers.read_bytes().count(b"\n")
+        report.note(f"regenerate skipped (--regen-s 0): {n_answers} conversations as they are")
+    if n_answers == 0:
+        report.note("no regenerated answers: stopping")
+        return
+
+    # 3. caches, concurrently: this run's answers and any earlier run's (--extra-answers).
+    train_data = work / "train-data.jsonl"
+    n_extra = concatenate_answers([answers, *args.extra_answers], train_data)
+    if args.extra_answers:
+        report.note(f"training data: {n_answers} conversations of this run + {n_extra} of --extra-answers")
+    caches: dict[str, Path] = {}
+    gens = []
+    for codec in [c for c in args.codecs.split(",") if c]:
+        cache = work / f"cache-{codec}"
+        caches[codec] = cache
+        codec_args = ([] if codec == "default" else ["--codec", codec]) + follow_generate_args(args)
+        gens.append(
+            Stage(
+                name=f"generate_{codec}",
+                argv=dflash(
+                    "generate",
+                    "--cache",
+                    str(cache),
+                    "--target",
+                    args.target,
+                    "--data",
+                    str(train_data),
+                    *shlex.split(args.gen_args),
+                    *codec_args,
+                    *dev,
+                    "--no-progress",
+                ),
+                log=logs / f"3_generate_{codec}.log",
+            ).start()
+        )
+    if args.original_cache:
+        cache = work / "cache-original"
+        caches["original"] = cache
+        gens.append(
+            Stage(
+                name="generate_original",
+                argv=dflash(
+                    "generate",
+                    "--cache",
+                    str(cache),
+                    "--target",
+                    args.target,
+                    "--data",
+                    args.data,
+                    "--limit",
+                    str(n_answers),
+                    *shlex.split(args.gen_args),
+                    *dev,
+                    "--no-progress",
+                ),
+                log=logs / "3_generate_original.log",
+            ).start()
+        )
+    if args.follow_window:
+        trained = follow_variant(args, caches, gens, work, logs, report, end)
+    else:
+        run_all(gens, time.time() + args.gen_s, grace=30)
+        for g in gens:
+            report.stage(g, log_tail=tail(g.log, 4))
+        trained = _train_variants(args, caches, work, logs, report, end)
 
     # 5. eval every variant concurrently (batch 1 is latency-bound; the speeds are measured side by side).
     evals = []
@@ -969,7 +1146,7 @@ def main() -> None:
     chat_read = args.regen_limit if regen_data != Path(args.data) else n_answers
     held_out = ["--data", args.data, "--skip", str(args.regen_skip + chat_read)]
     kinds = [("eval", args.eval_args)] + ([("chat_eval", args.chat_eval_args)] if args.chat_eval_args else [])
-    to_eval = list(trains)
+    to_eval = trained
     if args.eval_variants == "best" and len(to_eval) > 1:
         best_chain = {n: best_chain_tau(report.data["variants"][n].get("validation") or []) for n in to_eval}
         scored = {n: t for n, t in best_chain.items() if t is not None}
@@ -977,9 +1154,7 @@ def main() -> None:
             to_eval = [max(scored, key=lambda n: scored[n])]
             report.note(f"best validation chain τ: {best_chain}; evaluating {to_eval[0]} alone")
     for name in to_eval:
-        drafter = work / f"run-{name}" / "drafter"
-        if not (drafter / "config.json").is_file():
-            drafter = work / f"drafter-{name}"  # exported from the newest checkpoint (stage 4)
+        drafter = Path(report.data["variants"][name]["drafter"])
         if not (drafter / "config.json").is_file():
             report.note(f"variant {name}: no exported drafter")
             continue

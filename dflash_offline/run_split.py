@@ -9,6 +9,10 @@ train`` command again writes it (a finished run runs no step).
 
 One row per snapshot sample: ``sample_id`` and ``role`` (``ROLES``). Samples committed to the cache after
 the run took its snapshot have no row: the run never saw them.
+
+A segment of a ``dflash train --follow`` run (``RUN/segments/<k>``, an ordinary run of its own) holds the
+split of its own snapshot; its drafter continues the weights that the run's earlier segments trained, so
+``read_run_split`` answers for it the union over segments 0..k: what that drafter has trained on.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import pyarrow.parquet as pq
 from dflash_offline.errors import CacheFormatError
 
 SPLIT_FILE = "split.parquet"
+FOLLOW_FILE = "follow.json"
+"""``RUN/follow.json``: the state of a ``dflash train --follow`` run (train/follow.py)."""
+SEGMENTS_DIR = "segments"
+"""``RUN/segments/<k>``: segment k of a follow run, ``k`` written with four digits."""
 SPLIT_FORMAT_VERSION = 1
 _META_VERSION = b"dflash_split_version"
 
@@ -87,10 +95,41 @@ def write_run_split(run_dir: Path, split: RunSplit) -> Path:
     return path
 
 
+def segment_dir(run_dir: Path, index: int) -> Path:
+    """The folder of segment ``index`` of the follow run ``run_dir``."""
+    return run_dir / SEGMENTS_DIR / f"{index:04d}"
+
+
 def read_run_split(run_dir: Path) -> RunSplit | None:
     """The split ``write_run_split`` wrote into ``run_dir``; None when it has no split file (not a run, a
-    run that has not started its first step, or one trained before the file existed). A file this
-    version cannot read is refused."""
+    run that has not started its first step, or one trained before the file existed). For segment k of a
+    follow run: the union of the splits of its segments 0..k (a segment's drafter has trained on every
+    earlier segment's samples; an earlier segment without a split trained nothing). A file this version
+    cannot read is refused."""
+    own = _read_split_file(run_dir)
+    if own is None:
+        return None
+    earlier = [_read_split_file(d) for d in _earlier_segments(run_dir)]
+    splits = [own, *(e for e in earlier if e is not None)]
+    if len(splits) == 1:
+        return own
+    train = frozenset().union(*(x.train for x in splits))
+    validation = frozenset().union(*(x.validation for x in splits)) - train
+    left_out = frozenset().union(*(x.left_out for x in splits)) - train - validation
+    return RunSplit(train=train, validation=validation, left_out=left_out)
+
+
+def _earlier_segments(run_dir: Path) -> list[Path]:
+    """The folders of the segments before ``run_dir`` when it is a segment of a follow run; else none."""
+    folder = run_dir.resolve()
+    run = folder.parent.parent
+    if folder.parent.name != SEGMENTS_DIR or not folder.name.isdigit() or not (run / FOLLOW_FILE).is_file():
+        return []
+    return [segment_dir(run, k) for k in range(int(folder.name))]
+
+
+def _read_split_file(run_dir: Path) -> RunSplit | None:
+    """``run_dir``'s own split file, None without one."""
     path = run_dir / SPLIT_FILE
     if not path.is_file():
         return None

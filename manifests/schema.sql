@@ -52,7 +52,8 @@ CREATE TABLE runs (
     fingerprint_json  VARCHAR NOT NULL,
     host              VARCHAR NOT NULL,
     config_json       VARCHAR NOT NULL,
-    error             VARCHAR NOT NULL
+    error             VARCHAR NOT NULL,
+    plan_ended_at     TIMESTAMPTZ     -- generate: its last job holding a training sample was handed out
 );
 
 -- Bucket edges from cache.json: bucket b holds samples with edge[b-1] < num_tokens <= edge[b];

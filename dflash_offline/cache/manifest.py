@@ -90,6 +90,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("host", pa.string()),
             ("config_json", pa.string()),
             ("error", pa.string()),
+            ("plan_ended_at", _TS),
         ]
     ),
     "seals": pa.schema(
@@ -121,9 +122,12 @@ SCHEMAS: dict[str, pa.Schema] = {
     ),
 }
 
-ADDED_COLUMNS: dict[str, frozenset[str]] = {"samples": frozenset({"conversation_root"})}
-"""Columns a later format added to a table (format 3: ``conversation_root``): a part written before has
-none, and reads back with nulls there."""
+ADDED_COLUMNS: dict[str, frozenset[str]] = {
+    "samples": frozenset({"conversation_root"}),
+    "runs": frozenset({"plan_ended_at"}),
+}
+"""Columns added to a table after its first version (format 3: ``conversation_root``; ``plan_ended_at``
+of a generate run, docs/follow.md): a part written before has none, and reads back with nulls there."""
 
 _RECORD_TYPES: dict[str, Any] = {
     "samples": SampleRow,

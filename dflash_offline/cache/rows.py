@@ -242,6 +242,11 @@ class RunRow:
     """The command's typed config as JSON (for reproduction)."""
     error: str = ""
     """The error message when ``status`` is ``failed``."""
+    plan_ended_at: dt.datetime | None = None
+    """When generate's planner was about to hand out the last job of its plan that holds a training
+    sample (or found none left to hand out): from then on the run never waits for the disk window, and
+    every training sample it commits later lands in a store sealed later (a follow run keeps those
+    stores for its final segment, docs/follow.md). None before that, and in runs of older caches."""
 
     def __post_init__(self) -> None:
         if self.status not in RUN_STATUSES:

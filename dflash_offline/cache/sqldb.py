@@ -130,7 +130,11 @@ def _load_manifest(con: duckdb.DuckDBPyConnection, root: str | Path) -> Manifest
         _load_samples(con, files["samples"])
     for table in ("failures", "shards", "runs", "seals", "retirements", "waits"):
         if files[table]:
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_file_list(files[table])})")
+            # By name across parts: a run part written before ``plan_ended_at`` existed has NULL there.
+            con.execute(
+                f"INSERT INTO {table} BY NAME SELECT * FROM "
+                f"read_parquet({_file_list(files[table])}, union_by_name = true)"
+            )
     _insert_buckets(con, list(fingerprint.bucket_edges))
     _insert_parts(con, stamps)
     duplicates = _count(con, "SELECT count(*) FROM duplicates")

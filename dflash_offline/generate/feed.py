@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.cache.layout import create_or_open_cache
 from dflash_offline.cache.manifest import records_to_table, write_part
 from dflash_offline.cache.rows import FailureRow, utc_now
+from dflash_offline.cache.window import routing_key
 from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import SourceFailure
 from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.context import RunContext
-from dflash_offline.generate.plan import PlanConfig, PlanEvent, plan_jobs
+from dflash_offline.generate.plan import CaptureJob, PlanConfig, PlanEvent, plan_jobs
 from dflash_offline.generate.window_gate import WindowGate
 
 PLANNER_WORKER_ID = -1
@@ -121,14 +122,30 @@ class Planner(threading.Thread):
     """Feeds the job channel from the plan; records failures; stops on request, or before a job when the
     cache's file system has less than ``--keep-free-gb`` free (``low_space`` then says so: the workers
     finish the jobs already handed out). With ``--window-limit`` it waits before a job that does not fit
-    the disk window (``window_gate.py``). Errors are kept."""
+    the disk window (``window_gate.py``). Errors are kept.
 
-    def __init__(self, ctx: RunContext, channel: JobChannel, stop: threading.Event, num_workers: int) -> None:
+    ``on_plan_end`` is called once the plan is read to its end, before the last job holding a training
+    sample is handed out (the jobs after it hold validation samples only, which the window does not
+    count): every training sample committed after the call is in a store sealed after it, and the run
+    never waits for the window again (docs/follow.md, "The final segment")."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        channel: JobChannel,
+        stop: threading.Event,
+        num_workers: int,
+        *,
+        on_plan_end: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__(name="planner", daemon=True)
         self._ctx = ctx
         self._channel = channel
         self.stop_requested = stop
         self._num_workers = num_workers
+        self._on_plan_end = on_plan_end
+        # Validation samples go to stores of their own only under a window (``worker_spec``).
+        self._val_fraction = ctx.config.val_fraction if ctx.config.window_limit is not None else 0.0
         self.failure_log = FailureLog(ctx)
         self.error: BaseException | None = None
         self.planned_samples = 0
@@ -148,6 +165,10 @@ class Planner(threading.Thread):
 
     def run(self) -> None:
         keep_free = int(self._ctx.config.keep_free_gb * 1e9)
+        # The newest job holding a training sample and the jobs planned after it, admitted and not yet
+        # handed out: whether it is the plan's last such job is known only once the plan has moved past
+        # it, and the run's plan end (``on_plan_end``) must be recorded before that job goes out.
+        held: list[CaptureJob] = []
         try:
             for event in plan_events(self._ctx):
                 if self.stop_requested.is_set():
@@ -160,6 +181,11 @@ class Planner(threading.Thread):
                 if keep_free and (free := free_bytes(self._ctx.config.cache_dir)) < keep_free:
                     self.low_space = LowSpace(free_bytes=free, keep_free_bytes=keep_free)
                     break
+                training = self._holds_training_sample(job)
+                if training:  # a later job holds a training sample: the held ones go now
+                    if not self._hand_out(held):
+                        return
+                    held = []
                 if self.window is not None and not self.window.admit(
                     {s.sample_id: s.num_tokens for s, done in zip(job.samples, job.already_done) if not done},
                     self.stop_requested,
@@ -170,10 +196,30 @@ class Planner(threading.Thread):
                 self.planned_tokens += sum(
                     s.num_tokens for s, done in zip(job.samples, job.already_done) if not done
                 )
-                while not self._channel.try_put(job, timeout=0.5):
-                    if self.stop_requested.is_set():
-                        return
+                if training or held:
+                    held.append(job)
+                elif not self._hand_out([job]):
+                    return
+            if self.low_space is None:
+                self._on_plan_end()  # before the last job holding a training sample is handed out
+            if not self._hand_out(held):
+                return
             self.done = self.low_space is None
             self._channel.finish(self._num_workers)
         except BaseException as e:
             self.error = e
+
+    def _holds_training_sample(self, job: CaptureJob) -> bool:
+        """The job holds a sample not yet in the cache that goes to a training store (not validation)."""
+        return any(
+            not done and not (self._val_fraction > 0 and routing_key(s.sample_id) < self._val_fraction)
+            for s, done in zip(job.samples, job.already_done)
+        )
+
+    def _hand_out(self, jobs: list[CaptureJob]) -> bool:
+        """Put ``jobs`` into the channel in order; False when a stop was requested meanwhile."""
+        for job in jobs:
+            while not self._channel.try_put(job, timeout=0.5):
+                if self.stop_requested.is_set():
+                    return False
+        return True

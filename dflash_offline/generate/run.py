@@ -14,6 +14,7 @@ an exception in a worker stops the run with the worker's traceback.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import socket
 import threading
@@ -337,11 +338,10 @@ def _run_locked(
     sweep_partial_files(config.cache_dir)  # under the lock: no other writer is running
     _close_abandoned_runs(ctx)
     seal_abandoned_stores(config)  # under the lock too: their writers are dead
-    started_at = utc_now()
     start = time.perf_counter()
-    running = _run_row(ctx, started_at=started_at, status="running", num_workers=group.num_workers)
-    record_run(config.cache_dir, running)
-    planner = Planner(ctx, workers.channel, threading.Event(), group.num_workers)
+    rows = RunRows(ctx, started_at=utc_now(), num_workers=group.num_workers)
+    rows.running()
+    planner = Planner(ctx, workers.channel, threading.Event(), group.num_workers, on_plan_end=rows.plan_ended)
     tally = _Tally()
     status, error = _watch(ctx, workers, planner, tally, on_event)
     low_space = planner.low_space.message if planner.low_space is not None else ""
@@ -362,7 +362,7 @@ def _run_locked(
         window_wait_seconds=0.0 if planner.window is None else planner.window.waited_seconds,
     )
     error = as_no_space_error(error, config.cache_dir) if error is not None else None
-    _record_end(ctx, started_at=started_at, summary=summary, num_workers=group.num_workers, error=error)
+    _record_end(ctx, rows, summary=summary, error=error)
     if isinstance(error, KeyboardInterrupt):
         raise GenerateInterrupted(summary) from error
     if error is not None:
@@ -439,25 +439,16 @@ def _watch(
 
 def _record_end(
     ctx: RunContext,
+    rows: RunRows,
     *,
-    started_at: Any,
     summary: GenerateSummary,
-    num_workers: int,
     error: BaseException | None,
 ) -> None:
     """The run row's final status, then the index merge (not when the disk is full)."""
     config = ctx.config
     try:
-        record_run(
-            config.cache_dir,
-            _run_row(
-                ctx,
-                started_at=started_at,
-                status=summary.status,
-                num_workers=num_workers,
-                summary=summary,
-                error=summary.stopped_because if error is None else f"{type(error).__name__}: {error}",
-            ),
+        rows.ended(
+            summary, error=summary.stopped_because if error is None else f"{type(error).__name__}: {error}"
         )
         if config.build_index and not isinstance(error, NoSpaceError):
             from dflash_offline.cache.index import build_index
@@ -468,6 +459,49 @@ def _record_end(
             raise as_no_space_error(e, config.cache_dir) from e
         # The run already failed (e.g. the disk is full): report that, not this follow-up error.
         error.add_note(f"and recording the run failed too: {e!r}")
+
+
+class RunRows:
+    """The revisions of this run's ``runs`` row: ``running`` at its start, the plan's end from the
+    planner thread (``Planner.on_plan_end``), the final status. One is written at a time, and the plan's
+    end is never written after the final status (a planner outliving a stopped run)."""
+
+    def __init__(self, ctx: RunContext, *, started_at: dt.datetime, num_workers: int) -> None:
+        self._ctx = ctx
+        self._started_at = started_at
+        self._num_workers = num_workers
+        self._lock = threading.Lock()
+        self._plan_ended_at: dt.datetime | None = None
+        self._ended = False
+
+    def running(self) -> None:
+        with self._lock:
+            self._write("running")
+
+    def plan_ended(self) -> None:
+        with self._lock:
+            if not self._ended:
+                self._plan_ended_at = utc_now()
+                self._write("running")
+
+    def ended(self, summary: GenerateSummary, *, error: str) -> None:
+        with self._lock:
+            self._ended = True
+            self._write(summary.status, summary=summary, error=error)
+
+    def _write(self, status: str, *, summary: GenerateSummary | None = None, error: str = "") -> None:
+        record_run(
+            self._ctx.config.cache_dir,
+            _run_row(
+                self._ctx,
+                started_at=self._started_at,
+                status=status,
+                num_workers=self._num_workers,
+                summary=summary,
+                error=error,
+                plan_ended_at=self._plan_ended_at,
+            ),
+        )
 
 
 def _progress_view(tally: _Tally, planner: Planner) -> ProgressView:
@@ -489,6 +523,7 @@ def _run_row(
     num_workers: int,
     summary: GenerateSummary | None = None,
     error: str = "",
+    plan_ended_at: dt.datetime | None = None,
 ) -> RunRow:
     """The ``runs`` row: zero counts while ``running``, the summary's once the run ended."""
     return RunRow(
@@ -506,4 +541,5 @@ def _run_row(
         host=socket.gethostname(),
         config_json=json.dumps(ctx.config.to_dict(), default=str),
         error=error,
+        plan_ended_at=plan_ended_at,
     )

@@ -61,7 +61,8 @@ class WindowGate:
         Validation samples (routed to stores never retired) are not counted: see ``window_usage``."""
         sample_tokens = {i: n for i, n in sample_tokens.items() if not routing_key(i) < self._val_fraction}
         job_bytes = sum(sample_tokens.values()) * self._token_bytes
-        if self._estimate + job_bytes > self._limit:
+        # A job that adds nothing to the window never waits (after the plan's end, only such jobs come).
+        if job_bytes > 0 and self._estimate + job_bytes > self._limit:
             reading = self.read()
             started, started_at = time.perf_counter(), utc_now()
             waited = False

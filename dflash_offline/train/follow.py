@@ -35,6 +35,7 @@ from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError
 from dflash_offline.locking import hold_lock
 from dflash_offline.placement import under_torchrun
+from dflash_offline.run_split import FOLLOW_FILE, segment_dir
 from dflash_offline.train.checkpoint import list_checkpoints, load_latest_checkpoint
 from dflash_offline.train.config import (
     DataConfig,
@@ -59,7 +60,6 @@ from dflash_offline.train.trainer import length_mixing_planner, run_training
 # version or the new one, never half of one.
 
 
-FOLLOW_FILE = "follow.json"
 FOLLOW_STATE_VERSION = 2
 
 
@@ -223,10 +223,6 @@ class FollowResult:
         )
 
 
-def segment_dir(run_dir: Path, index: int) -> Path:
-    return run_dir / "segments" / f"{index:04d}"
-
-
 def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> FollowResult:
     """Follow the cache until its generate run finished and every sealed store was trained and retired."""
     check_follow_config(config)
@@ -258,18 +254,18 @@ def run_follow(config: TrainConfig, *, poll_seconds: float = POLL_SECONDS) -> Fo
                 state = _mark_trained(config.out_dir, state, pending)
                 continue
             check_routing(config)  # again each time: a generate run may have started meanwhile
-            # Finished first: its stores were all sealed before its run row said so.
-            finished = generate_finished(config.cache_dir)
-            segment = new_segment(config, state, last=finished)
-            if segment is not None:
+            plannable = plannable_stores(config.cache_dir, state)
+            if plannable.stores:
+                segment = new_segment(config, state, stores=plannable.stores, last=plannable.last)
+                assert segment is not None
                 warmup = state.warmup_steps or warmup_steps(config, segment)
                 state = dataclasses.replace(state, warmup_steps=warmup, segments=(*state.segments, segment))
                 write_follow_state(config.out_dir, state)  # after its snapshot: the segment is planned
                 continue
-            if finished:
+            if plannable.last:
                 break
             started_at, started = utc_now(), time.perf_counter()
-            while new_stores(config.cache_dir, state) == () and not generate_finished(config.cache_dir):
+            while not worth_planning(config.cache_dir, state):
                 time.sleep(poll_seconds)
             seconds = time.perf_counter() - started
             waited += seconds
@@ -349,18 +345,72 @@ def new_stores(cache_dir: Path, state: FollowState) -> tuple[str, ...]:
     )
 
 
-def generate_finished(cache_dir: Path) -> bool:
-    """The newest generate run of the cache finished (a killed one still says ``running`` until the
-    next run on the cache takes over: rerun it to go on)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateProgress:
+    """How far the newest generate run of the cache has got, from its run row."""
+
+    finished: bool
+    """It finished: every store it wrote was sealed before its run row said so (a killed run still
+    says ``running`` until the next run on the cache takes over: rerun it to go on)."""
+    plan_ended: bool
+    """Its planner is past its plan's last job holding a training sample (``RunRow.plan_ended_at``):
+    every training sample it commits from then on lands in a store sealed later."""
+
+
+def generate_progress(cache_dir: Path) -> GenerateProgress:
     runs = [r for r in read_runs(cache_dir) if r.command == "generate"]
-    return bool(runs) and runs[-1].status == "finished"
+    if not runs:
+        return GenerateProgress(finished=False, plan_ended=False)
+    newest = runs[-1]
+    return GenerateProgress(finished=newest.status == "finished", plan_ended=newest.plan_ended_at is not None)
 
 
-def new_segment(config: TrainConfig, state: FollowState, *, last: bool = False) -> Segment | None:
-    """Plan the next segment over the new sealed stores (None when there are none): its snapshot (its
-    training stores and the validation stores present) is written first, in a fresh segment folder, then
-    its steps are counted from it as its run will plan them. ``last``: generate had finished before."""
-    stores = new_stores(config.cache_dir, state)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plannable:
+    """The stores the next segment may take now (none: wait, or the run is over)."""
+
+    stores: tuple[str, ...]
+    last: bool
+    """Generate has finished: no store comes after these (the segment is final; with no stores, the
+    follow run is over)."""
+
+
+def plannable_stores(cache_dir: Path, state: FollowState) -> Plannable:
+    """The rule of the final segment (docs/follow.md): stores are planned while the newest generate run
+    still hands out jobs holding training samples; once its plan has ended, nothing is planned until it
+    has finished, and then every store left forms the final segment, over which the LR decays. So the
+    final segment holds the samples of the plan's last jobs, whatever the two sides' speeds: a store
+    sealed after the plan's end is never trained on the stable LR as if more were to come.
+
+    Holding stores back then is safe for the window: after its plan's end generate never waits for room
+    (``feed.Planner``). The order of the reads matters: the run row says ``finished`` only after every
+    store was sealed, so the stores are read after it; a seal may come after the plan's end, so the run
+    row is read again after the stores."""
+    progress = generate_progress(cache_dir)
+    if progress.finished:
+        return Plannable(stores=new_stores(cache_dir, state), last=True)
+    if progress.plan_ended:
+        return Plannable(stores=(), last=False)
+    stores = new_stores(cache_dir, state)
+    if generate_progress(cache_dir) != progress:  # the plan ended (or the run finished) meanwhile
+        return Plannable(stores=(), last=False)
+    return Plannable(stores=stores, last=False)
+
+
+def worth_planning(cache_dir: Path, state: FollowState) -> bool:
+    """A waiting follow run looks again: generate finished, or new stores it may plan now."""
+    progress = generate_progress(cache_dir)
+    return progress.finished or (not progress.plan_ended and new_stores(cache_dir, state) != ())
+
+
+def new_segment(
+    config: TrainConfig, state: FollowState, *, stores: tuple[str, ...] | None = None, last: bool = False
+) -> Segment | None:
+    """Plan the next segment over ``stores`` (by default every new sealed store; None when there are
+    none): its snapshot (its training stores and the validation stores present) is written first, in a
+    fresh segment folder, then its steps are counted from it as its run will plan them. ``last``:
+    generate had finished before (``plannable_stores``)."""
+    stores = new_stores(config.cache_dir, state) if stores is None else stores
     if not stores:
         return None
     index = len(state.segments)

@@ -20,12 +20,20 @@ from typing import Any
 import pytest
 import torch
 
+from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.window import is_validation_store, read_seals
 from dflash_offline.generate.run import run_generate
 from dflash_offline.train import follow, trainer
 from dflash_offline.train.checkpoint import list_checkpoints, load_latest_checkpoint
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.follow import FollowResult, FollowState, read_follow_state, run_follow, segment_dir
+from dflash_offline.train.follow import (
+    FollowResult,
+    FollowState,
+    GenerateProgress,
+    read_follow_state,
+    run_follow,
+    segment_dir,
+)
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.step import OptimizerStep
 from tests.generate.helpers import make_chat_jsonl, tiny_config
@@ -39,8 +47,11 @@ REAL_NEW_STORES = follow.new_stores
 
 @pytest.fixture(scope="module")
 def staged_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_staged_cache(tmp_path_factory.mktemp("staged"))
+
+
+def write_staged_cache(root: Path) -> Path:
     """A finished window cache of six training stores (about 4 samples each) and a validation store."""
-    root = tmp_path_factory.mktemp("staged")
     data = make_chat_jsonl(root / "chat.jsonl", 30, seed=3)
     config = tiny_config(
         root / "cache",
@@ -72,12 +83,13 @@ def stage_generate(
     def new_stores(cache_dir: Path, state: FollowState) -> tuple[str, ...]:
         return real_new_stores(cache_dir, state)[:STORES_PER_SEGMENT]
 
-    def generate_finished(cache_dir: Path) -> bool:
+    def generate_progress(cache_dir: Path) -> GenerateProgress:
         state = read_follow_state(run) or FollowState(passes=2, segments=())
-        return len(real_new_stores(cache_dir, state)) <= finished_with_left
+        finished = len(real_new_stores(cache_dir, state)) <= finished_with_left
+        return GenerateProgress(finished=finished, plan_ended=False)  # a generate without a plan's end
 
     monkeypatch.setattr(follow, "new_stores", new_stores)
-    monkeypatch.setattr(follow, "generate_finished", generate_finished)
+    monkeypatch.setattr(follow, "generate_progress", generate_progress)
 
 
 def config_for(cache: Path, run: Path, **overrides: Any) -> TrainConfig:
@@ -278,9 +290,11 @@ def test_a_follow_run_stopped_inside_a_segment_resumes_bit_exact(
 def test_the_final_drafter_is_exported_when_no_segment_was_planned_as_the_last(
     staged_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Generate says it finished only after its last stores were planned: no segment decays, and the
-    drafter of the last one is exported at the run's end (from the live drafter; after a restart, from
-    the segment's final checkpoint, its stores being retired)."""
+    """Generate says it finished only after its last stores were planned, with no plan's end recorded
+    before them (a cache made before ``plan_ended_at``, or the cases at the end of docs/follow.md "The
+    final segment"): no segment decays, and the drafter of the last one is exported at the run's end
+    (from the live drafter; after a restart, from the segment's final checkpoint, its stores being
+    retired)."""
     from safetensors.torch import load_file
 
     cache, run = cache_copy(staged_cache, tmp_path), tmp_path / "run"
@@ -313,3 +327,42 @@ def test_a_run_of_one_final_segment_gets_an_ordinary_runs_schedule(total: int, r
     schedule = FollowSchedule(warmup_steps=warmup, decay_start=0, end_step=total)
     ordinary = cosine_with_warmup(total, ratio)
     assert [schedule.factor(s) for s in range(total + 1)] == [ordinary(s) for s in range(total + 1)]
+
+
+def test_a_segments_drafter_counts_every_earlier_segment_as_trained_on(uninterrupted: Uninterrupted) -> None:
+    """The final segment's drafter continues the weights the two before it trained: its run split, and so
+    eval's held-out set, count their samples as trained on, not as never seen (the segment's own snapshot
+    holds only its own stores)."""
+    from dflash_offline.eval.prompts import resolve_held_out
+    from dflash_offline.run_split import read_run_split
+
+    cache, run, result = uninterrupted.cache, uninterrupted.run, uninterrupted.result
+    rows = read_table(cache, "samples", ["sample_id", "shard"]).to_pydict()
+    shard_of = dict(zip(rows["sample_id"], rows["shard"], strict=True))
+    # Every segment trains all of its stores: the trained samples are those of the training stores.
+    trained = {i for i, s in shard_of.items() if not is_validation_store(s)}
+    validation = set(shard_of) - trained
+    own = read_split_file_only(segment_dir(run, 2))
+    assert own < trained  # the reference differs from what the segment's own file says
+
+    split = read_run_split(segment_dir(run, 2))
+    assert split is not None
+    assert split.train == trained
+    assert split.validation == validation
+    assert split.left_out == frozenset()
+    first = read_run_split(segment_dir(run, 0))  # segment 0's drafter saw segment 0 alone
+    assert first is not None
+    assert first.train == read_split_file_only(segment_dir(run, 0))
+
+    assert result.last_drafter is not None
+    held_out = resolve_held_out(exclude_cache=cache, drafter_dir=result.last_drafter, data=None)
+    assert trained <= held_out.excluded_ids
+    assert not validation & held_out.excluded_ids  # the run's validation split stays held out
+
+
+def read_split_file_only(run_dir: Path) -> frozenset[str]:
+    """The training samples of ``run_dir``'s own split file, read with pyarrow alone."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(run_dir / "split.parquet").to_pydict()
+    return frozenset(i for i, r in zip(table["sample_id"], table["role"], strict=True) if r == "train")
