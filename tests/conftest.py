@@ -30,6 +30,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 LONGEST_FIRST = (
     "tests/test_quality_harness.py",
     "tests/train/test_follow_kill.py",
+    "tests/test_quality_follow.py",
     "tests/train/test_train_kill.py",
     "tests/generate/test_torchrun.py",
     "tests/train/test_learnability.py",
