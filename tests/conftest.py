@@ -29,19 +29,18 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 # the end while the other worker idles, so they start first and the short ones fill in around them.
 LONGEST_FIRST = (
     "tests/test_quality_harness.py",
-    "tests/train/test_follow_kill.py",
-    "tests/test_quality_follow.py",
     "tests/train/test_train_kill.py",
-    "tests/generate/test_torchrun.py",
-    "tests/train/test_learnability.py",
-    "tests/generate/test_generate_kill.py",
-    "tests/generate/test_generate_formats.py",
+    "tests/train/test_follow_kill.py",
     "tests/target_model/test_gguf_weights.py",
+    "tests/generate/test_generate_kill.py",
+    "tests/generate/test_torchrun.py",
+    "tests/generate/test_generate_formats.py",
+    "tests/train/test_learnability.py",
+    "tests/generate/test_window_bound.py",
+    "tests/generate/test_faults.py",
     "tests/train/test_train_torchrun.py",
     "tests/regenerate/test_workers.py",
-    "tests/generate/test_faults.py",
     "tests/train/test_follow.py",
-    "tests/generate/test_window_bound.py",
 )
 
 

@@ -34,7 +34,7 @@ def cache(uncompressed_cache: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [2, 1])  # the longer first (tests/conftest.py: LONGEST_FIRST)
 def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
     cache: Path, uninterrupted: Callable[[int], Path], tmp_path: Path, workers: int
 ) -> None:
