@@ -107,14 +107,18 @@ def test_sigkill_of_one_rank_then_rerun_leaves_every_sample_once(tmp_path: Path)
     )
     try:
         # Rank 1 is killed once it has committed work of its own, or at the latest 3 s after its worker
-        # started (on a loaded machine rank 0 may take every early job): mid-run either way.
+        # started once rank 0 has committed some (on a loaded machine rank 0 may take every early job, and
+        # both may still be loading the target 3 s after rank 1's store opened): mid-run either way.
         deadline = time.monotonic() + 200
         victim = started = None
+        parts = cache / "manifest" / "samples"
         while time.monotonic() < deadline and process.poll() is None:
             if started is None and list((cache / "shards").glob("w001-*")):
                 started = time.monotonic()
-            committed_by_1 = list((cache / "manifest" / "samples").glob("w001-*"))
-            if committed_by_1 or (started is not None and time.monotonic() - started > 3):
+            # Committed parts only: one being written is named ``<part>.parquet.tmp-<pid>-<n>``.
+            committed_by_1 = list(parts.glob("w001-*.parquet"))
+            waited = started is not None and time.monotonic() - started > 3
+            if committed_by_1 or (waited and list(parts.glob("w000-*.parquet"))):
                 victim = rank_pid(process.pid, 1)
                 break
             time.sleep(0.02)
