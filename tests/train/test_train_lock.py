@@ -15,7 +15,7 @@ from dflash_offline.locking import LockedError, acquire_lock
 from dflash_offline.train.trainer import run_training
 from tests.process_helpers import group_members, workers_of
 from tests.train.helpers import train_config
-from tests.train.kill_helpers import train_cmd
+from tests.train.kill_helpers import last_step, train_cmd
 
 
 def test_a_second_train_into_the_same_out_is_refused(tmp_path: Path) -> None:
@@ -48,7 +48,12 @@ def test_sigkill_of_the_launcher_takes_its_ddp_ranks_with_it(tiny_cache: Path, t
             ranks = workers_of(process.pid)
             time.sleep(0.2)
         assert len(ranks) == 2, "the DDP ranks did not start"
-        time.sleep(3.0)  # let them import and reach the process group
+        # Killed while training: the ranks stop at their next step boundary. (Killed earlier, a rank
+        # still importing or joining the process group stops only when it gets there, or after
+        # ORPHAN_GRACE_SECONDS: a fixed sleep here made the test race the ranks' start-up.)
+        while time.monotonic() < deadline and process.poll() is None and last_step(tmp_path / "run") < 1:
+            time.sleep(0.2)
+        assert last_step(tmp_path / "run") >= 1, "the run logged no step"
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
         deadline = time.monotonic() + 30
