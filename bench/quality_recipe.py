@@ -585,7 +585,10 @@ def follow_problem(args: argparse.Namespace) -> str | None:
         return "--follow-window streams one cache into one training run: give one --codecs and one variant"
     if args.original_cache or args.equal_steps:
         return "--follow-window goes with neither --original-cache nor --equal-steps"
-    flags = shlex.split(args.train_args) + shlex.split(next(iter(variants.values())).partition("@")[0])
+    flags, _, cache_name = next(iter(variants.values())).partition("@")
+    if cache_name.strip() not in ("", codecs[0]):
+        return f"--follow-window: the variant's cache @{cache_name.strip()} is not --codecs {codecs[0]}"
+    flags = shlex.split(args.train_args) + shlex.split(flags)
     refused = [f for f in FOLLOW_REFUSED if f in flags]
     if refused:
         return f"--follow-window: dflash train --follow refuses {', '.join(refused)}; leave it out"

@@ -39,6 +39,8 @@ def _args(**overrides: object) -> argparse.Namespace:
         ({"equal_steps": True}, "neither --original-cache nor --equal-steps"),
         ({"train_args": "--val-every 50 --val-samples 200"}, "refuses --val-samples; leave it out"),
         ({"variants": '{"f": "--max-steps 9 @fp8"}'}, "refuses --max-steps; leave it out"),
+        ({"variants": '{"f": "@fp8"}'}, None),
+        ({"variants": '{"f": "@nf4"}'}, "the variant's cache @nf4 is not --codecs fp8"),
     ],
 )
 def test_the_follow_mode_refuses_what_train_follow_refuses_before_any_stage(
