@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -29,7 +28,6 @@ from dflash_offline.train import follow
 from dflash_offline.train.checkpoint import list_checkpoints, load_latest_checkpoint
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.follow import FollowState, read_follow_state, run_follow, segment_dir
-from dflash_offline.train.step import OptimizerStep
 from tests.train.test_follow import check_followed
 from tests.train.test_follow_segments import (
     REAL_NEW_STORES,
@@ -37,6 +35,7 @@ from tests.train.test_follow_segments import (
     KilledError,
     cache_copy,
     config_for,
+    fail_at_step,
     hand_lr,
     logged_lrs,
     write_staged_cache,
@@ -235,18 +234,9 @@ def test_killed_inside_the_final_segment_it_resumes_bit_exact(
     assert fault_at < reference.num_steps
     cache, run = cache_copy(staged_cache, tmp_path), tmp_path / "run"
     config = config_for(cache, run)
-    real_call = OptimizerStep.__call__
-    steps_run = [0]
-
-    def call(self: OptimizerStep, *args: Any, **kwargs: Any) -> Any:
-        if steps_run[0] == fault_at:
-            raise KilledError
-        steps_run[0] += 1
-        return real_call(self, *args, **kwargs)
-
     with monkeypatch.context() as m:
         stage_outpaced(m, cache)
-        m.setattr(OptimizerStep, "__call__", call)
+        fail_at_step(m, fault_at)
         with pytest.raises(KilledError):
             run_follow(config)
     stopped = read_follow_state(run)

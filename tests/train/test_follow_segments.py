@@ -227,6 +227,21 @@ class KilledError(Exception):
     """The fault injected in place of a kill -9: the run stops at once, between two checkpoints."""
 
 
+def fail_at_step(m: pytest.MonkeyPatch, fault_at: int) -> None:
+    """The optimizer step ``fault_at`` (counted from 0 in this process) raises ``KilledError`` instead of
+    running."""
+    real_call = OptimizerStep.__call__
+    steps_run = [0]
+
+    def call(self: OptimizerStep, *args: Any, **kwargs: Any) -> Any:
+        if steps_run[0] == fault_at:
+            raise KilledError
+        steps_run[0] += 1
+        return real_call(self, *args, **kwargs)
+
+    m.setattr(OptimizerStep, "__call__", call)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("into_segment", [0, 4], ids=["at-its-first-step", "after-its-first-checkpoint"])
 def test_a_follow_run_stopped_inside_a_segment_resumes_bit_exact(
@@ -248,17 +263,8 @@ def test_a_follow_run_stopped_inside_a_segment_resumes_bit_exact(
     cache, run = cache_copy(staged_cache, tmp_path / "stopped"), tmp_path / "stopped" / "run"
     stage_generate(monkeypatch, run)
     config = config_for(cache, run)
-    real_call = OptimizerStep.__call__
-    steps_run = [0]
-
-    def call(self: OptimizerStep, *args: Any, **kwargs: Any) -> Any:
-        if steps_run[0] == fault_at:
-            raise KilledError
-        steps_run[0] += 1
-        return real_call(self, *args, **kwargs)
-
     with monkeypatch.context() as m:
-        m.setattr(OptimizerStep, "__call__", call)
+        fail_at_step(m, fault_at)
         with pytest.raises(KilledError):
             run_follow(config)
     stopped = read_follow_state(run)
