@@ -572,9 +572,10 @@ def dflash(*args: str) -> list[str]:
     return [PY, "-m", "dflash_offline", *args]
 
 
-FOLLOW_REFUSED = ("--val-samples", "--val-group", "--max-steps", "--early-stop", "--epochs")
+FOLLOW_REFUSED = ("--val-samples", "--max-steps", "--early-stop", "--epochs")
 """Train flags that ``dflash train --follow`` refuses (each segment is ``--passes`` epochs; its validation
-is generate's routed split by sample id): refused before any stage starts, not after generate."""
+is what generate routed into its validation stores, whole conversations by conversation root, so
+``--val-group`` is not consulted): refused before any stage starts, not after generate."""
 
 
 def follow_problem(args: argparse.Namespace) -> str | None:
@@ -981,8 +982,8 @@ def main() -> None:
         "--follow-val-fraction",
         type=float,
         default=0.01,
-        help="--follow-window: the validation share generate routes into stores never retired, and train "
-        "validates on",
+        help="--follow-window: the validation share generate routes, whole conversations (by conversation "
+        "root), into stores never retired, and train validates on",
     )
     ap.add_argument("--smoke", action="store_true", help="CPU: the same pipeline, tiny sizes")
     args = ap.parse_args()

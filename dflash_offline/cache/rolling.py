@@ -4,8 +4,9 @@ Under a disk window, a store is what training retires whole, so stores must be b
 (one ``ShardWriter``, one shard group) is closed, committed and then sealed once the rows added to it
 reach ``store_bytes`` (the codec's bytes a token before compression: exact for fp8, an upper bound
 for the lossless codecs), and the next sample opens the next store. Samples whose ``routing_key`` is
-below ``val_fraction`` (the validation split of ``dflash train``, train/split.py) go to stores of
-their own, which training never retires. Every store is sealed when the session closes.
+below ``val_fraction`` (the validation split's hash over the sample's conversation root, so that a
+conversation's samples land together; cache/window.py) go to stores of their own, which training never
+retires. Every store is sealed when the session closes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from types import TracebackType
 from typing import Any
 
 from dflash_offline.cache.rows import SampleToWrite, WriterStats, utc_now
-from dflash_offline.cache.window import VALIDATION_MARK, routing_key, seal_store
+from dflash_offline.cache.window import VALIDATION_MARK, routes_to_validation, seal_store
 from dflash_offline.cache.window_records import StoreSeal
 from dflash_offline.cache.writer import ShardWriter
 
@@ -70,7 +71,11 @@ class RollingWriter:
         return lane.writer
 
     def add(self, sample: SampleToWrite) -> None:
-        validation = self._val_fraction > 0 and routing_key(sample.sample_id) < self._val_fraction
+        validation = routes_to_validation(
+            sample_id=sample.sample_id,
+            conversation_root=sample.conversation_root,
+            val_fraction=self._val_fraction,
+        )
         lane = self._val if validation else self._train
         self._writer(lane).add(sample)
         lane.added_bytes += sample.num_tokens * self._token_bytes

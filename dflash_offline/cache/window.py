@@ -10,7 +10,6 @@ which every reader already skips and ``finish_retirements`` deletes.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import re
 import shutil
 from collections.abc import Sequence
@@ -30,21 +29,28 @@ from dflash_offline.cache.manifest import (
 )
 from dflash_offline.cache.rows import utc_now
 from dflash_offline.cache.window_records import StoreRetirement, StoreSeal, WindowWait
+from dflash_offline.split_key import split_group, validation_key
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 VALIDATION_MARK = "-val-r"
 """In a store's name (``w<worker>-<session>-val-r<n>``): it holds validation samples, never retired."""
 
 
-_VALIDATION_SALT = b"dflash-validation-split-v1\x00"
-"""The salt of ``dflash train``'s validation split (train/split.py): routing and split must agree."""
+def routing_key(*, sample_id: str, conversation_root: str | None) -> float:
+    """The sample's place in [0, 1) under the validation split's hash, taken over its conversation
+    (split_key.py: ``validation_key`` of ``split_group``, the key of ``dflash train --val-group root-id``),
+    so that every sample of one conversation lands on the same side: ShareGPT's records ``X_0``, ``X_11``,
+    … of one long conversation, and other answers to the same prompts under the same record id."""
+    return validation_key(split_group(sample_id=sample_id, conversation_root=conversation_root))
 
 
-def routing_key(sample_id: str) -> float:
-    """The sample's place in [0, 1) under the validation split's hash (train/split.py
-    ``validation_key`` with ``--val-group sample``): below ``--val-fraction`` it is a validation sample."""
-    digest = hashlib.blake2b(_VALIDATION_SALT + sample_id.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2.0**64
+def routes_to_validation(*, sample_id: str, conversation_root: str | None, val_fraction: float) -> bool:
+    """Under a disk window, the sample goes to a validation store (never retired): its ``routing_key``
+    is below ``val_fraction`` (``--val-fraction``; 0 routes none)."""
+    return (
+        val_fraction > 0
+        and routing_key(sample_id=sample_id, conversation_root=conversation_root) < val_fraction
+    )
 
 
 def is_validation_store(shard: str) -> bool:

@@ -122,10 +122,12 @@ class GenerateConfig:
         min=0,
         max=1,
         max_open=True,
-        help="With --window-limit: route the samples that `dflash train --val-fraction` (same value) holds "
-        "out into stores of their own, never retired.",
+        help="With --window-limit: route this share of the conversations (every sample of one conversation "
+        "together, by its conversation root) into stores of their own, never retired: what `dflash train "
+        "--follow --val-fraction` (same value) validates on.",
     )
-    """Validation share routed into never-retired stores (cache/rolling.py); train's default."""
+    """Validation share routed into never-retired stores, by conversation root (cache/rolling.py);
+    train's default."""
     dtype: str | None = cli_field(None, cli=DTYPE)
     """``float32`` / ``bfloat16``; None = float32 on CPU, bfloat16 on CUDA."""
     placement: Placement = cli_field(Placement(), cli=PLACEMENT)

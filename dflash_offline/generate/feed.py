@@ -14,14 +14,14 @@ from pathlib import Path
 from dflash_offline.cache.layout import create_or_open_cache
 from dflash_offline.cache.manifest import records_to_table, write_part
 from dflash_offline.cache.rows import FailureRow, utc_now
-from dflash_offline.cache.window import routing_key
+from dflash_offline.cache.window import routes_to_validation
 from dflash_offline.config_fields import field_ref
 from dflash_offline.data.conversations import SourceFailure
 from dflash_offline.generate.channel import JobChannel
 from dflash_offline.generate.config import GenerateConfig
 from dflash_offline.generate.context import RunContext
 from dflash_offline.generate.plan import CaptureJob, PlanConfig, PlanEvent, plan_jobs
-from dflash_offline.generate.window_gate import WindowGate
+from dflash_offline.generate.window_gate import JobSample, WindowGate
 
 PLANNER_WORKER_ID = -1
 """``worker`` value of failure rows written by the planner (records that never reached a target)."""
@@ -187,7 +187,15 @@ class Planner(threading.Thread):
                         return
                     held = []
                 if self.window is not None and not self.window.admit(
-                    {s.sample_id: s.num_tokens for s, done in zip(job.samples, job.already_done) if not done},
+                    [
+                        JobSample(
+                            sample_id=s.sample_id,
+                            conversation_root=s.conversation_root,
+                            num_tokens=s.num_tokens,
+                        )
+                        for s, done in zip(job.samples, job.already_done)
+                        if not done
+                    ],
                     self.stop_requested,
                 ):
                     return
@@ -212,7 +220,10 @@ class Planner(threading.Thread):
     def _holds_training_sample(self, job: CaptureJob) -> bool:
         """The job holds a sample not yet in the cache that goes to a training store (not validation)."""
         return any(
-            not done and not (self._val_fraction > 0 and routing_key(s.sample_id) < self._val_fraction)
+            not done
+            and not routes_to_validation(
+                sample_id=s.sample_id, conversation_root=s.conversation_root, val_fraction=self._val_fraction
+            )
             for s, done in zip(job.samples, job.already_done)
         )
 

@@ -15,17 +15,36 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.cache.layout import read_fingerprint
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.rows import utc_now
-from dflash_offline.cache.window import is_validation_store, record_wait, retired_shards, routing_key
+from dflash_offline.cache.window import (
+    is_validation_store,
+    record_wait,
+    retired_shards,
+    routes_to_validation,
+)
 from dflash_offline.cache.window_records import WindowWait
 
 POLL_SECONDS = 0.5
 """How often a waiting planner re-reads the manifest (a retirement frees the window at once)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobSample:
+    """A sample of a job the planner is about to hand out, as the window counts it (a sample the cache
+    already holds is not one: it is not written again)."""
+
+    sample_id: str
+    conversation_root: str | None
+    """Its conversation (``TokenizedSample.conversation_root``): whether it is routed to a validation
+    store, which the window does not count (``window.routes_to_validation``)."""
+    num_tokens: int
+    """Its tokens (the window counts the codec's stored bytes of each)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,11 +75,17 @@ class WindowGate:
         self.waited_seconds = 0.0
         self.waits = 0
 
-    def admit(self, sample_tokens: dict[str, int], stop: threading.Event) -> bool:
-        """Wait until the new samples (id -> tokens) fit; False when ``stop`` was set meanwhile.
-        Validation samples (routed to stores never retired) are not counted: see ``window_usage``."""
-        sample_tokens = {i: n for i, n in sample_tokens.items() if not routing_key(i) < self._val_fraction}
-        job_bytes = sum(sample_tokens.values()) * self._token_bytes
+    def admit(self, samples: Sequence[JobSample], stop: threading.Event) -> bool:
+        """Wait until the job's new samples fit; False when ``stop`` was set meanwhile. Validation
+        samples (routed to stores never retired) are not counted: see ``window_usage``."""
+        training = [
+            s
+            for s in samples
+            if not routes_to_validation(
+                sample_id=s.sample_id, conversation_root=s.conversation_root, val_fraction=self._val_fraction
+            )
+        ]
+        job_bytes = sum(s.num_tokens for s in training) * self._token_bytes
         # A job that adds nothing to the window never waits (after the plan's end, only such jobs come).
         if job_bytes > 0 and self._estimate + job_bytes > self._limit:
             reading = self.read()
@@ -75,8 +100,8 @@ class WindowGate:
                 self._record(started_at, time.perf_counter() - started)
             if stop.is_set():
                 return False
-        for sample_id, tokens in sample_tokens.items():
-            self._in_flight[sample_id] = tokens * self._token_bytes
+        for sample in training:
+            self._in_flight[sample.sample_id] = sample.num_tokens * self._token_bytes
         self._estimate += job_bytes
         return True
 

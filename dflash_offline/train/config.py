@@ -215,7 +215,8 @@ class DataConfig:
         max=1,
         max_open=True,
         help="Hold out this fraction of the cache's samples (chosen by a hash of the sample id: the same "
-        "ones on every resume and world size) for validation; 0: none.",
+        "ones on every resume and world size) for validation; 0: none. With --follow: generate's "
+        "--val-fraction, whose validation stores (whole conversations) are held out.",
     )
     """Share of the samples held out for validation (train/split.py); 0 turns validation off."""
     val_samples: int | None = cli_field(
@@ -227,7 +228,8 @@ class DataConfig:
     val_group: Literal["sample", "root-id"] = cli_field(
         "sample",
         help="What is held out together: each sample alone, or (root-id) every record of one conversation "
-        "(ShareGPT's X_0, X_11, … share the root X; read from the data file the cache was generated from).",
+        "(ShareGPT's X_0, X_11, … share the root X; read from the data file the cache was generated from). "
+        "Not consulted with --follow: generate routed whole conversations.",
     )
     """``sample``: each sample is its own group; ``root-id``: the records of one conversation are held out
     (or trained on) together (train/split.py)."""

@@ -47,7 +47,13 @@ from dflash_offline.train.config import (
 from dflash_offline.train.loader import FEATURE_SCALE_FILE
 from dflash_offline.train.segments import FollowSchedule, LiveTraining, SegmentStart
 from dflash_offline.train.snapshot import read_snapshot, save_snapshot, subset_snapshot, take_snapshot
-from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
+from dflash_offline.train.split import (
+    HELD_OUT_FILE,
+    SNAPSHOT_FILE,
+    held_out_of_run,
+    save_held_out,
+    split_snapshot,
+)
 from dflash_offline.train.step import build_drafter_setup
 from dflash_offline.train.trainer import length_mixing_planner, run_training
 
@@ -308,11 +314,6 @@ def check_follow_config(config: TrainConfig) -> None:
                 f"{option} does not go with {follow}: each segment of stores is trained "
                 f"{field_ref(WindowConfig, 'passes')} epochs, then retired"
             )
-    if config.data.val_group != "sample":
-        raise ConfigError(
-            f"{field_ref(DataConfig, 'val_group')} {config.data.val_group} does not go with {follow}: "
-            "generate routes validation samples into their own stores by the sample id alone"
-        )
 
 
 def check_routing(config: TrainConfig) -> None:
@@ -435,6 +436,9 @@ def new_segment(
             num_steps=0,
             last=last,
         )
+    # The stores decide the split: the segment's run holds out its samples of validation stores.
+    val_ids = [s for s, v in zip(snapshot.sample_ids, val_N, strict=True) if v]
+    save_held_out(val_ids, folder / HELD_OUT_FILE)
     save_snapshot(subset_snapshot(snapshot, train_N | val_N), folder / SNAPSHOT_FILE)
     return Segment(
         index=index,
@@ -457,7 +461,10 @@ def planned_steps(config: TrainConfig, folder: Path, *, passes: int) -> int:
     """Steps of the run of the segment in ``folder``: ``passes`` epochs of the length-mixing plan over
     the training samples of its snapshot, split as its run splits them."""
     train = split_snapshot(
-        read_snapshot(folder / SNAPSHOT_FILE), fraction=config.data.val_fraction, num_samples=None
+        read_snapshot(folder / SNAPSHOT_FILE),
+        fraction=config.data.val_fraction,
+        num_samples=None,
+        held_out=held_out_of_run(folder),
     ).train
     return length_mixing_planner(config, train, world_size=config.launch.world_size).total_steps(passes)
 

@@ -31,11 +31,17 @@ silently grouped some samples and not others would leak what it is meant to keep
 The roots are computed once, when the run starts, and saved beside the snapshot
 (``validation_groups.parquet``): a resume reads them back, so it keeps the split even if the data file
 has moved since.
+
+A segment of ``dflash train --follow`` (train/follow.py) is split by the stores instead: generate routed
+its validation samples, whole conversations, into validation stores (cache/window.py ``routing_key``),
+and the follow run wrote the segment's samples of those stores beside its snapshot
+(``validation_samples.parquet``, ``save_held_out``). The segment's run holds exactly those out; nothing
+is hashed again on the training side, so training and validation are what generate stored, whatever the
+run's ``--val-group``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -50,35 +56,22 @@ import pyarrow.parquet as pq
 from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import CacheFormatError, ConfigError
 from dflash_offline.run_split import RunSplit, write_run_split
+from dflash_offline.split_key import training_key, validation_key
 from dflash_offline.train.config import DataConfig, saved_options
 from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, subset_snapshot
 
-_SALT = b"dflash-validation-split-v1\x00"
-_TRAIN_SALT = b"dflash-training-subset-v1\x00"
 SNAPSHOT_FILE = "snapshot.parquet"
 GROUPS_FILE = "validation_groups.parquet"
 _META_VERSION = b"dflash_groups_version"
 GROUPS_FORMAT_VERSION = 1
+HELD_OUT_FILE = "validation_samples.parquet"
+"""A follow segment's validation samples: those of its snapshot in validation stores (module docstring)."""
+_HELD_OUT_META_VERSION = b"dflash_held_out_version"
+HELD_OUT_FORMAT_VERSION = 1
 
 
 VAL_GROUPS = ("sample", "root-id")
 """``--val-group`` values: what is held out together (module docstring)."""
-
-
-def validation_key(group: str) -> float:
-    """The group's place in [0, 1) (64 bits of a keyed blake2b of its name: a sample id or a root)."""
-    return _key(_SALT, group)
-
-
-def training_key(group: str) -> float:
-    """The group's place in [0, 1) in the training order of ``--train-samples`` (``validation_key``'s rule
-    under another salt)."""
-    return _key(_TRAIN_SALT, group)
-
-
-def _key(salt: bytes, group: str) -> float:
-    digest = hashlib.blake2b(salt + group.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2.0**64
 
 
 def _group_names(sample_ids: Sequence[str], groups: Mapping[str, str] | None) -> Sequence[str]:
@@ -157,11 +150,17 @@ def split_snapshot(
     num_samples: int | None,
     groups: Mapping[str, str] | None = None,
     train_samples: int | None = None,
+    held_out: frozenset[str] | None = None,
 ) -> SplitSnapshots:
     """Split ``snapshot`` (``groups``: sample id → group, None: by sample), then keep ``train_samples`` of
     the rest to train on (None: all); refuses a split that leaves nothing to train on, and more training
-    samples than the split leaves."""
-    split = _split_validation(snapshot, fraction=fraction, num_samples=num_samples, groups=groups)
+    samples than the split leaves. ``held_out``: the validation samples as the stores hold them (a follow
+    segment's, ``HELD_OUT_FILE``), taken as they are instead of the hash."""
+    if held_out is None:
+        mask = _validation_mask(snapshot, fraction=fraction, num_samples=num_samples, groups=groups)
+    else:
+        mask = np.fromiter((s in held_out for s in snapshot.sample_ids), dtype=bool, count=len(snapshot))
+    split = _split_validation(snapshot, mask, fraction=fraction, num_samples=num_samples)
     if train_samples is None:
         return split
     keep = training_mask(split.train.sample_ids, num_samples=train_samples, groups=groups)
@@ -175,16 +174,24 @@ def split_snapshot(
     )
 
 
-def _split_validation(
+def _validation_mask(
     snapshot: IndexSnapshot, *, fraction: float, num_samples: int | None, groups: Mapping[str, str] | None
+) -> np.ndarray | None:
+    """bool [N]: the hashed validation split (``validation_mask``); None when nothing is held out."""
+    if num_samples is None and fraction <= 0.0:
+        return None
+    return validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples, groups=groups)
+
+
+def _split_validation(
+    snapshot: IndexSnapshot, mask: np.ndarray | None, *, fraction: float, num_samples: int | None
 ) -> SplitSnapshots:
-    """The validation split alone (``split_snapshot``)."""
+    """The validation split alone (``split_snapshot``): ``mask`` (bool [N]) holds out, None nothing."""
     everything = SplitSnapshots(
         train=snapshot, validation=None, num_not_held_out=len(snapshot), snapshot=snapshot
     )
-    if num_samples is None and fraction <= 0.0:
+    if mask is None:
         return everything
-    mask = validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples, groups=groups)
     if mask.all():
         what = (
             f"{field_ref(DataConfig, 'val_samples')} {num_samples}"
@@ -249,7 +256,8 @@ def split_of_run(run_dir: Path) -> SplitSnapshots | None:
     if not (train_samples is None or isinstance(train_samples, int)):
         return None
     groups = None
-    if config.get("val_group") == "root-id":
+    held_out = held_out_of_run(run_dir)
+    if held_out is None and config.get("val_group") == "root-id":
         if not (run_dir / GROUPS_FILE).is_file():
             return None
         groups = read_groups(run_dir / GROUPS_FILE)
@@ -261,6 +269,7 @@ def split_of_run(run_dir: Path) -> SplitSnapshots | None:
             num_samples=num_samples,
             groups=groups,
             train_samples=train_samples,
+            held_out=held_out,
         )
     except ConfigError:  # not a split the run could have taken (its files were changed): no answer
         return None
@@ -364,3 +373,37 @@ def read_groups(path: Path) -> dict[str, str]:
             f"version {GROUPS_FORMAT_VERSION}: resume with the dflash version that started the run"
         )
     return dict(zip(table.column("sample_id").to_pylist(), table.column("root").to_pylist(), strict=True))
+
+
+# A follow segment's validation samples, as the stores hold them (module docstring, last part).
+
+
+def save_held_out(sample_ids: Sequence[str], path: Path) -> None:
+    """Write the validation sample ids of a follow segment as Parquet (temp file, then rename)."""
+    table = pa.table({"sample_id": pa.array(sorted(sample_ids), pa.string())}).replace_schema_metadata(
+        {_HELD_OUT_META_VERSION: str(HELD_OUT_FORMAT_VERSION).encode()}
+    )
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def held_out_of_run(run_dir: Path) -> frozenset[str] | None:
+    """The validation samples saved in ``run_dir`` (``save_held_out``: a follow segment's run); None in
+    any other run, which hashes its split."""
+    path = run_dir / HELD_OUT_FILE
+    if not path.is_file():
+        return None
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise CacheFormatError(f"cannot read the validation samples {str(path)!r}: {exc}") from exc
+    version = (table.schema.metadata or {}).get(_HELD_OUT_META_VERSION, b"?").decode()
+    if version != str(HELD_OUT_FORMAT_VERSION):
+        raise CacheFormatError(
+            f"validation samples {str(path)!r} have format version {version!r}; this dflash reads "
+            f"version {HELD_OUT_FORMAT_VERSION}: resume with the dflash version that started the run"
+        )
+    return frozenset(table.column("sample_id").to_pylist())

@@ -62,7 +62,13 @@ from dflash_offline.train.metrics import (
 from dflash_offline.train.planner import LengthMixingPlanner, RankSteps, StepPlan
 from dflash_offline.train.segments import LiveDrafter, SegmentStart
 from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
-from dflash_offline.train.split import SNAPSHOT_FILE, SplitSnapshots, save_run_split, split_snapshot
+from dflash_offline.train.split import (
+    SNAPSHOT_FILE,
+    SplitSnapshots,
+    held_out_of_run,
+    save_run_split,
+    split_snapshot,
+)
 from dflash_offline.train.step import (
     DrafterSetup,
     OptimizerStep,
@@ -352,15 +358,18 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
     into training and validation samples, the training ones cut to ``--train-samples`` (announced by rank
     0)."""
     snapshot = _saved_snapshot(config, reader, info)
-    holds_out = config.data.val_fraction > 0 or config.data.val_samples is not None
+    held_out = held_out_of_run(config.out_dir)  # a follow segment: the validation stores' samples
+    holds_out = config.data.val_fraction > 0 or config.data.val_samples is not None or held_out is not None
     subsets = config.data.train_samples is not None
-    groups = _validation_groups(config, reader, snapshot, info) if holds_out or subsets else None
+    grouped = held_out is None and (holds_out or subsets)
+    groups = _validation_groups(config, reader, snapshot, info) if grouped else None
     split = split_snapshot(
         snapshot,
         fraction=config.data.val_fraction,
         num_samples=config.data.val_samples,
         groups=groups,
         train_samples=config.data.train_samples,
+        held_out=held_out,
     )
     if not info.is_main:
         return split
@@ -378,6 +387,8 @@ def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) 
                 roots = {groups[s] for s in v.sample_ids}
                 val_group = field_ref(DataConfig, "val_group")
                 note += f"; whole conversations: {len(roots)} roots ({val_group} root-id)"
+            if held_out is not None:
+                note += "; the samples of the validation stores (generate routed whole conversations)"
         notes.append(note)
     if subsets:
         t = split.train

@@ -4,6 +4,8 @@ reader (never listed, never read, never reported as damage)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import duckdb
 import numpy as np
 import pytest
@@ -30,7 +32,7 @@ from dflash_offline.cache.window import (
 )
 from dflash_offline.cache.window_records import StoreRetirement, WindowWait
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.train.split import validation_key
+from dflash_offline.train.split import validation_key, validation_mask
 from tests.cache._samples import TINY, assert_same, make_fingerprint, make_samples
 
 VAL_FRACTION = 0.25
@@ -99,8 +101,49 @@ def test_validation_samples_are_routed_by_the_split_hash(tmp_path):
     want_val = {s.sample_id for s in samples if validation_key(s.sample_id) < VAL_FRACTION}
     assert 5 < len(want_val) < 40  # the hash splits this set both ways
     assert {i for i, shard in shard_of.items() if is_validation_store(shard)} == want_val
-    for s in samples:
-        assert routing_key(s.sample_id) == validation_key(s.sample_id)
+    for s in samples:  # no conversation root known: each sample is its own conversation
+        assert s.conversation_root is None
+        assert routing_key(sample_id=s.sample_id, conversation_root=None) == validation_key(s.sample_id)
+
+
+def test_the_samples_of_one_conversation_land_on_one_side(tmp_path):
+    """Samples sharing a conversation root (ShareGPT's X_0, X_11, …; other answers to the same prompts)
+    all go to validation stores or all to training stores, as ``dflash train --val-group root-id`` would
+    split them: a split by sample would train on a validation sample's sibling."""
+    fingerprint = make_fingerprint()
+    samples = make_samples(fingerprint, range(60))
+    # Three samples a conversation; the roots are searched so that the key of each sample alone would split
+    # some conversation across the two sides (the leak), and the conversations fall on both sides.
+    for offset in range(100):
+        roots = {s.sample_id: f"conv{(i // 3) + offset:04d}" for i, s in enumerate(samples)}
+        by_sample = {s: validation_key(s) < VAL_FRACTION for s in roots}
+        sides_by_sample = {r: {by_sample[s] for s in roots if roots[s] == r} for r in roots.values()}
+        if any(len(sides) == 2 for sides in sides_by_sample.values()) and 0 < sum(
+            validation_key(r) < VAL_FRACTION for r in set(roots.values())
+        ) < len(set(roots.values())):
+            break
+    else:
+        raise AssertionError("no root naming splits a conversation under the per-sample key")
+    samples = [dataclasses.replace(s, conversation_root=roots[s.sample_id]) for s in samples]
+    write_rolling(tmp_path, fingerprint, samples, store_bytes=400 * fingerprint.storage.token_bytes)
+
+    rows = read_table(tmp_path, "samples", ["sample_id", "shard", "conversation_root"]).to_pydict()
+    assert sorted(rows["sample_id"]) == sorted(roots)
+    side: dict[str, set[bool]] = {}
+    for sample_id, shard, root in zip(
+        rows["sample_id"], rows["shard"], rows["conversation_root"], strict=True
+    ):
+        assert root == roots[sample_id]
+        side.setdefault(root, set()).add(is_validation_store(shard))
+    assert all(len(sides) == 1 for sides in side.values())  # never split
+    held_out = {
+        s for s, shard in zip(rows["sample_id"], rows["shard"], strict=True) if is_validation_store(shard)
+    }
+    # The reference: the validation split of ``dflash train --val-group root-id`` over the same samples.
+    ids = sorted(roots)
+    mask = validation_mask(ids, fraction=VAL_FRACTION, num_samples=None, groups=roots)
+    assert held_out == {s for s, m in zip(ids, mask, strict=True) if m}
+    assert 0 < len(held_out) < len(ids)
 
 
 def retire(root, shard: str, run_id: str = "run-1") -> None:

@@ -37,6 +37,41 @@ def make_chat_jsonl(path: Path, num_records: int, *, seed: int = 0, max_words: i
     return path
 
 
+def make_conversations_jsonl(path: Path, *, seed: int, parts: int = 8, prompts: int = 6) -> Path:
+    """Chat JSONL of related records, in shuffled order: ``parts`` long conversations split ShareGPT's way
+    into records ``<root>_0``, ``<root>_4``, ``<root>_11`` (``data/sources.py:conversation_root``: one root),
+    and ``prompts`` prompts answered twice (one record id, the same user turns, other answers: a greedy and
+    a sampled regeneration)."""
+    rng = np.random.default_rng(seed)
+    alnum = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+
+    def words(most: int) -> str:
+        return " ".join(rng.choice(WORDS, int(rng.integers(1, most))))
+
+    records: list[dict[str, Any]] = []
+    for _ in range(parts):
+        root = "".join(rng.choice(alnum, 7))
+        for first_turn in (0, 4, 11):
+            messages = [
+                {"role": role, "content": words(30)} for _turn in range(2) for role in ("user", "assistant")
+            ]
+            records.append({"id": f"{root}_{first_turn}", "messages": messages})
+    for p in range(prompts):
+        asked = [words(12) for _turn in range(2)]
+        for _answer in range(2):
+            messages = [
+                m
+                for q in asked
+                for m in ({"role": "user", "content": q}, {"role": "assistant", "content": words(30)})
+            ]
+            records.append({"id": f"prompt-{seed}-{p}", "messages": messages})
+    order = rng.permutation(len(records))
+    with open(path, "w") as f:
+        for i in order.tolist():
+            f.write(json.dumps(records[i]) + "\n")
+    return path
+
+
 def tiny_config(cache_dir: Path, data: Path, **overrides: Any) -> GenerateConfig:
     config = GenerateConfig(
         cache_dir=cache_dir,

@@ -54,7 +54,7 @@ def run_planner(ctx: RunContext) -> tuple[ListChannel, list[int]]:
 
 
 def test_the_plans_end_is_recorded_before_its_last_training_job(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 24, seed=1)  # its plan ends with two validation-only jobs
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", 24, seed=5)  # its plan ends with validation-only jobs
     config = tiny_config(
         tmp_path / "cache", data, window_limit=10**9, val_fraction=VAL_FRACTION, max_batch_size=1
     )
@@ -66,7 +66,10 @@ def test_the_plans_end_is_recorded_before_its_last_training_job(tmp_path: Path) 
     training = [
         i
         for i, job in enumerate(channel.jobs)
-        if any(routing_key(s.sample_id) >= VAL_FRACTION for s in job.samples)
+        if any(
+            routing_key(sample_id=s.sample_id, conversation_root=s.conversation_root) >= VAL_FRACTION
+            for s in job.samples
+        )
     ]
     assert training
     assert training[-1] < len(channel.jobs) - 1  # validation-only jobs come after the last training job
@@ -82,16 +85,27 @@ def test_the_plans_end_is_recorded_before_its_last_training_job(tmp_path: Path) 
 def test_a_job_of_validation_samples_only_never_waits_for_the_window(tmp_path: Path) -> None:
     """After the plan's end only such jobs come: they add nothing to the window, so they go even while
     the window is over its limit (here by a job larger than the limit, which goes into an empty window)."""
-    from dflash_offline.generate.window_gate import WindowGate
+    from dflash_offline.generate.window_gate import JobSample, WindowGate
 
     data = make_chat_jsonl(tmp_path / "chat.jsonl", 2, seed=1)
     ctx = prepare_run(tiny_config(tmp_path / "cache", data, window_limit=10**9, val_fraction=VAL_FRACTION))
     gate = WindowGate(ctx.config.cache_dir, 1000, run_id="r", val_fraction=VAL_FRACTION)
-    training_ids = [f"t{i}" for i in range(100) if routing_key(f"t{i}") >= VAL_FRACTION]
-    validation_id = next(f"v{i}" for i in range(100) if routing_key(f"v{i}") < VAL_FRACTION)
-    assert gate.admit({training_ids[0]: 10**6}, threading.Event())  # larger than the limit: goes alone
+
+    def own_key(name: str) -> float:
+        return routing_key(sample_id=name, conversation_root=None)
+
+    def job(sample_id: str, tokens: int, root: str | None = None) -> list[JobSample]:
+        return [JobSample(sample_id=sample_id, conversation_root=root, num_tokens=tokens)]
+
+    training_ids = [f"t{i}" for i in range(100) if own_key(f"t{i}") >= VAL_FRACTION]
+    validation_ids = [f"v{i}" for i in range(100) if own_key(f"v{i}") < VAL_FRACTION]
+    assert gate.admit(job(training_ids[0], 10**6), threading.Event())  # larger than the limit: goes alone
     assert gate.read().total > 1000
     refuse_waiting = threading.Event()
     refuse_waiting.set()  # a job that would wait is refused at once
-    assert not gate.admit({training_ids[1]: 10}, refuse_waiting)  # a training job waits
-    assert gate.admit({validation_id: 10}, refuse_waiting)  # a validation-only job does not
+    assert not gate.admit(job(training_ids[1], 10), refuse_waiting)  # a training job waits
+    assert gate.admit(job(validation_ids[0], 10), refuse_waiting)  # a validation-only job does not
+    # A sample is counted by its conversation, not its own id: a sample of a training conversation waits
+    # whatever its id's key, one of a validation conversation does not.
+    assert not gate.admit(job(validation_ids[1], 10, root=training_ids[2]), refuse_waiting)
+    assert gate.admit(job(training_ids[3], 10, root=validation_ids[2]), refuse_waiting)

@@ -138,9 +138,10 @@ def test_window_bound_holds_while_training_retires_stores(tmp_path: Path) -> Non
     assert read_retirements(cache)  # and training freed it
 
     # Validation samples sit in stores of their own, none retired.
-    rows = read_table(cache, "samples", ["sample_id", "shard", "checksum"]).to_pydict()
+    rows = read_table(cache, "samples", ["sample_id", "shard", "checksum", "conversation_root"]).to_pydict()
     shard_of = dict(zip(rows["sample_id"], rows["shard"], strict=True))
-    val_ids = {i for i in shard_of if routing_key(i) < VAL_FRACTION}
+    root_of = dict(zip(rows["sample_id"], rows["conversation_root"], strict=True))
+    val_ids = {i for i in shard_of if routing_key(sample_id=i, conversation_root=root_of[i]) < VAL_FRACTION}
     assert val_ids
     assert {i for i, s in shard_of.items() if is_validation_store(s)} == val_ids
     assert not any(is_validation_store(s) for s in read_retirements(cache))

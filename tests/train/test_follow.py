@@ -20,7 +20,7 @@ from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.follow import read_follow_state, run_follow, segment_dir
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import read_snapshot
-from dflash_offline.train.split import SNAPSHOT_FILE, split_snapshot
+from dflash_offline.train.split import SNAPSHOT_FILE, held_out_of_run, split_snapshot
 from tests.generate.helpers import make_chat_jsonl, tiny_config
 from tests.tiny_caches import build_once, copy_cache, shared_temp_dir
 from tests.train.helpers import train_config
@@ -74,7 +74,11 @@ def passes_from_records(run: Path, config: TrainConfig) -> Counter[str]:
             continue  # stores without samples: retired untrained
         folder = segment_dir(run, segment.index)
         snapshot = read_snapshot(folder / SNAPSHOT_FILE)
-        train = split_snapshot(snapshot, fraction=config.data.val_fraction, num_samples=None).train
+        held_out = held_out_of_run(folder)  # the validation stores' samples, saved when it was planned
+        assert held_out is not None
+        train = split_snapshot(
+            snapshot, fraction=config.data.val_fraction, num_samples=None, held_out=held_out
+        ).train
         planner = LengthMixingPlanner(
             train,
             seed=config.data.seed,
