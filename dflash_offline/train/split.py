@@ -1,4 +1,5 @@
-"""The validation split: samples of a run's snapshot held out of training, chosen by their id alone.
+"""The validation split: samples of a run's snapshot held out of training, chosen by their id (or their
+conversation) alone; in a follow segment, by the stores (last part).
 
 A sample is a validation sample when a keyed hash of its group, read as a number in [0, 1), is below
 ``--val-fraction``; with ``--val-samples N`` the groups of smallest hash are held out, whole, until they
