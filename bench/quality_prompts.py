@@ -12,6 +12,23 @@ prompt), decontaminated against MT-Bench and HumanEval, with their counts printe
     turns (each run of messages by one speaker is one turn), the second speaker's the answers that
     regenerate replaces; at most ``--chitchat-turns`` human turns per conversation (a chat has ≈ 10), and
     none of fewer than 2 (half the chats are one unanswered "hi there");
+  * ``chatterbot-prompts.jsonl.gz``: the English conversations of the ChatterBot dialog corpus in the
+    ``chatterbot-corpus`` package (BSD licence; ``pip install --no-deps chatterbot-corpus``, or
+    ``--chatterbot FOLDER`` of its ``*.yml``): short questions and remarks by topic (trivia, AI, coding,
+    tech support, …); in each conversation the first, third, … statements are the human turns; the repeats
+    the corpus holds (tech support's questions come many times) are left out;
+  * ``math-prompts.jsonl.gz``: school-level mathematics questions (arithmetic, algebra, numbers,
+    comparison, measurement, probability, polynomials, …: "Solve 5*z + 3 = 18 for z.", "Is 5658251 a
+    prime number?") that the ``mathematics-dataset`` package (DeepMind, Apache-2.0 licence; ``pip install
+    --no-deps mathematics-dataset six``) generates from a seed: ``--math-per-module`` distinct questions of
+    each of its training modules (answers of at most 30 characters, questions of at most 160, its own
+    limits), the modules taking turns. The package predates sympy 1.7 and numpy 2: one sympy name is
+    re-exported where it looks for it, and the modules that call what numpy 2 removed (``np.object``,
+    ``ndarray.itemset``: calculus and most polynomial manipulation) give fewer questions or none (the counts
+    say how many failed: 7 of its 56 modules give none). The questions follow ``--math-seed`` and Python's
+    string hashing: ``PYTHONHASHSEED=0`` makes them again, but for the order in which a composed question
+    lists its "Let …" statements, which can differ between runs. An id names its question's text
+    (``math-<module>-<hash>``), so that a file made again never gives an answered id another question;
   * ``code-prompts.jsonl.gz``: code problems in HumanEval's form (a function's signature and docstring,
     to be written) taken from the Python code installed with this interpreter: the standard library and
     the packages of ``--code-packages`` (default: numpy, pandas, sympy, networkx, setuptools, pip, click,
@@ -32,11 +49,14 @@ prompt), decontaminated against MT-Bench and HumanEval, with their counts printe
     decontamination.
 
 Records that fail to parse, have no human turn to answer, or hold an evaluation question are left out (the
-counts say how many).
+counts say how many); so is a ChatterBot or mathematics record whose first human turn (as normalised words)
+is the first human turn of a record written before it (ShareGPT's, Chit-Chat's, or its own set's): the
+target answers both alike.
 Each output is read back with dflash's own reader to count what ``dflash regenerate`` will see. The
-answers in ``bench/answers/`` were regenerated from these files (its README has the commands).
+answers in ``bench/answers/`` were regenerated from the ShareGPT and code files (its README has the
+commands).
 
-  python bench/quality_prompts.py --out prompts
+  PYTHONHASHSEED=0 python bench/quality_prompts.py --out prompts
 """
 
 from __future__ import annotations
@@ -48,11 +68,13 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import random
 import sys
 import sysconfig
 import textwrap
+import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +82,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_offline.data.conversations import Conversation  # noqa: E402
-from dflash_offline.data.decontaminate import Decontaminator  # noqa: E402
+from dflash_offline.data.decontaminate import Decontaminator, normalised_words  # noqa: E402
 from dflash_offline.data.question_sets import HUMANEVAL_FILE, package_file  # noqa: E402
 from dflash_offline.data.sources import iter_records  # noqa: E402
 from dflash_offline.data.user_groups import user_groups  # noqa: E402
@@ -153,6 +175,148 @@ def chitchat_records(
             turns.append({"from": "gpt", "value": "."})
         if sum(t["from"] == "human" for t in turns) >= min_turns:
             yield {"id": f"chitchat-{key}", "conversations": turns}
+
+
+def first_turn_key(record: dict[str, Any]) -> tuple[str, ...]:
+    """The normalised words of a ShareGPT record's first human turn (the decontamination's words)."""
+    first = next((t["value"] for t in record.get("conversations", []) if t.get("from") == "human"), "")
+    return tuple(normalised_words(str(first)))
+
+
+def first_turns_unseen(
+    records: Iterable[dict[str, Any]], seen: set[tuple[str, ...]], left_out: Counter[str], name: str
+) -> Iterator[dict[str, Any]]:
+    """The records whose first human turn no record before them had (``seen``, which grows with each one
+    passed on); the others counted in ``left_out[name]``."""
+    for record in records:
+        key = first_turn_key(record)
+        if key in seen:
+            left_out[name] += 1
+            continue
+        seen.add(key)
+        yield record
+
+
+def first_turns_seen(
+    records: Iterable[dict[str, Any]], seen: set[tuple[str, ...]]
+) -> Iterator[dict[str, Any]]:
+    """The records, each one's first human turn added to ``seen`` (a set kept whole: ShareGPT, Chit-Chat)."""
+    for record in records:
+        seen.add(first_turn_key(record))
+        yield record
+
+
+def chatterbot_records(folder: Path) -> Iterator[dict[str, Any]]:
+    """ChatterBot corpus conversations as ShareGPT records (module docstring): ``chatterbot-<topic>-<n>``,
+    ``n`` the conversation's index in ``<topic>.yml``, the files in name order. Repeats are left in
+    (``first_turns_unseen`` takes them out)."""
+    import yaml
+
+    for path in sorted(folder.glob("*.yml")):
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        for n, conversation in enumerate(data.get("conversations") or []):
+            statements = [str(s).strip() for s in conversation or []]
+            humans = statements[0::2]
+            if not any(humans):
+                continue
+            turns = []
+            for text in humans:
+                turns += [{"from": "human", "value": text}, {"from": "gpt", "value": "."}]
+            yield {"id": f"chatterbot-{path.stem}-{n}", "conversations": turns}
+
+
+def chatterbot_folder(given: str | None) -> Path | None:
+    if given:
+        return Path(given)
+    spec = importlib.util.find_spec("chatterbot_corpus")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        folder = Path(root) / "data" / "english"
+        if folder.is_dir():
+            return folder
+    return None
+
+
+MATH_LIMITS = (160, 30)
+"""Longest question and answer (characters) that ``mathematics-dataset`` keeps (its ``generate_settings``)."""
+MATH_FAILED_TRIES = 20
+"""A module whose first this many calls all fail is given up."""
+
+
+def math_modules() -> dict[str, Callable[[], Any]] | None:
+    """``mathematics-dataset``'s training modules by name (``algebra__linear_1d``, …), sorted; None when the
+    package is not installed. Importing it needs ``base_solution_linear`` where sympy kept it before 1.7."""
+    if importlib.util.find_spec("mathematics_dataset") is None:
+        return None
+    diophantine = importlib.import_module("sympy.solvers.diophantine")
+    if not hasattr(diophantine, "base_solution_linear"):
+        inner = importlib.import_module("sympy.solvers.diophantine.diophantine")
+        diophantine.base_solution_linear = inner.base_solution_linear  # type: ignore[attr-defined]
+    from mathematics_dataset.modules import modules  # type: ignore[import-not-found]
+
+    flat: dict[str, Callable[[], Any]] = {}
+
+    def add(tree: Mapping[str, Any], prefix: str) -> None:
+        for key, value in tree.items():
+            name = f"{prefix}__{key}" if prefix else key
+            if isinstance(value, Mapping):
+                add(value, name)
+            else:
+                flat[name] = value
+
+    add(modules.train(lambda entropy: entropy), "")  # the whole entropy range, as its generate.py's "train"
+    return dict(sorted(flat.items()))
+
+
+def math_records(
+    modules: Mapping[str, Callable[[], Any]],
+    *,
+    per_module: int,
+    seed: int = 0,
+    failed: Counter[str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """One-turn ShareGPT records of ``per_module`` distinct questions of each module (a module called until it
+    has them, at most ``2 * per_module + MATH_FAILED_TRIES`` times), the modules taking turns (module
+    docstring). A call is a ``problem`` with ``question`` and ``answer``; one that raises AttributeError (what
+    numpy 2 removed) is counted in ``failed`` and another call made. Python's, numpy's and sympy's random
+    generators (the package draws from all three: sympy's ``randprime``) are seeded before each module with a
+    hash of ``seed`` and its name: a module's questions depend on neither the modules before it nor their
+    failures."""
+    import numpy as np
+    import sympy.core.random
+
+    queues: list[list[tuple[str, str]]] = []
+    for name, module in modules.items():
+        module_seed = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "big")
+        random.seed(module_seed)
+        np.random.seed(module_seed)
+        sympy.core.random.seed(module_seed)
+        questions: dict[str, None] = {}
+        calls = errors = 0
+        while len(questions) < per_module and calls < 2 * per_module + MATH_FAILED_TRIES:
+            calls += 1
+            try:
+                with warnings.catch_warnings():  # its own old calls: float randrange bounds, np.object
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    warnings.simplefilter("ignore", FutureWarning)
+                    problem = module()
+            except AttributeError:
+                errors += 1
+                if failed is not None:
+                    failed[name] += 1
+                if errors == calls == MATH_FAILED_TRIES:
+                    break
+                continue
+            question = str(problem.question)
+            if len(question) <= MATH_LIMITS[0] and len(str(problem.answer)) <= MATH_LIMITS[1]:
+                questions.setdefault(question)
+        queues.append([(name, q) for q in questions])
+    for turn in itertools.zip_longest(*queues):
+        for name, question in (q for q in turn if q is not None):
+            digest = hashlib.sha1(question.encode()).hexdigest()[:12]
+            yield {
+                "id": f"math-{name}-{digest}",
+                "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": "."}],
+            }
 
 
 def code_roots(packages: tuple[str, ...]) -> list[tuple[str, Path]]:
@@ -340,6 +504,16 @@ def main() -> None:
         "--chitchat-turns", type=int, default=4, help="human turns kept per chit-chat conversation"
     )
     ap.add_argument(
+        "--chatterbot", default=None, help="chatterbot_corpus's data/english folder (default: the package's)"
+    )
+    ap.add_argument(
+        "--math-per-module",
+        type=int,
+        default=300,
+        help="distinct questions of each mathematics-dataset module (0: no math-prompts.jsonl.gz)",
+    )
+    ap.add_argument("--math-seed", type=int, default=0)
+    ap.add_argument(
         "--code-packages",
         default=",".join(CODE_PACKAGES),
         help="installed packages whose functions become code problems beside the standard library's "
@@ -373,7 +547,10 @@ def main() -> None:
             if isinstance(item, Conversation):
                 yield answers_replaced(item)
 
-    rows.append(write_set("sharegpt", sharegpt(), args.out, decontaminator))
+    # First human turns written so far: a ChatterBot or math record that repeats one is left out.
+    seen: set[tuple[str, ...]] = set()
+    repeats: Counter[str] = Counter()
+    rows.append(write_set("sharegpt", first_turns_seen(sharegpt(), seen), args.out, decontaminator))
     chitchat = chitchat_path(args.chitchat)
     if chitchat is None:
         print(
@@ -382,11 +559,34 @@ def main() -> None:
         )
     else:
         dataset = json.loads(chitchat.read_text(encoding="utf-8"))
-        rows.append(
-            write_set(
-                "chitchat", chitchat_records(dataset, max_turns=args.chitchat_turns), args.out, decontaminator
-            )
+        records = chitchat_records(dataset, max_turns=args.chitchat_turns)
+        rows.append(write_set("chitchat", first_turns_seen(records, seen), args.out, decontaminator))
+    chatterbot = chatterbot_folder(args.chatterbot)
+    if chatterbot is None:
+        print(
+            "chatterbot-corpus not installed (pip install --no-deps chatterbot-corpus): skipped",
+            file=sys.stderr,
         )
+    else:
+        records = first_turns_unseen(chatterbot_records(chatterbot), seen, repeats, "chatterbot")
+        rows.append(write_set("chatterbot", records, args.out, decontaminator))
+    modules = math_modules() if args.math_per_module > 0 else None
+    if modules is None and args.math_per_module > 0:
+        print(
+            "mathematics-dataset not installed (pip install --no-deps mathematics-dataset six): skipped",
+            file=sys.stderr,
+        )
+    elif modules is not None:
+        failed: Counter[str] = Counter()
+        records = math_records(modules, per_module=args.math_per_module, seed=args.math_seed, failed=failed)
+        rows.append(
+            write_set("math", first_turns_unseen(records, seen, repeats, "math"), args.out, decontaminator)
+        )
+        if failed:
+            print(
+                f"math: {failed.total()} calls failed in {len(failed)} of {len(modules)} modules "
+                f"({', '.join(f'{k} {v}' for k, v in failed.most_common())})"
+            )
     if not args.no_code:
         packages = expand_packages(f"stdlib,{args.code_packages}")
         after = expand_packages(args.code_after)
@@ -400,11 +600,15 @@ def main() -> None:
                 f"{args.code_set}: left out {left_out.total()} functions named as a HumanEval function "
                 f"({', '.join(f'{k} {v}' for k, v in left_out.most_common())})"
             )
-    print(f"{'set':<10} {'conversations':>13} {'answers':>8} {'contaminated':>12} {'MB':>6}  file")
+    for r in rows:
+        r["repeats_left_out"] = repeats[r["set"]]
+    header = f"{'set':<10} {'conversations':>13} {'answers':>8} {'contaminated':>12} {'repeats':>7} {'MB':>6}"
+    print(f"{header}  file")
     for r in rows:
         print(
             f"{r['set']:<10} {r['conversations']:>13,} {r['answers_to_generate']:>8,} "
-            f"{r['contaminated_left_out']:>12} {r['bytes'] / 1e6:>6.1f}  {r['file']}"
+            f"{r['contaminated_left_out']:>12} {r['repeats_left_out']:>7,} {r['bytes'] / 1e6:>6.1f}  "
+            f"{r['file']}"
         )
         for example in r["contaminated_examples"]:
             print(f"  contaminated: {example}")

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ast
 import gzip
+import hashlib
 import importlib.util
 import json
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -195,3 +197,202 @@ def test_package_groups_expand_each_package_once() -> None:
     assert four[-1] == "torch"
     assert len(four) == len(set(four)) == len(stage.CODE_4_PACKAGES) + 1
     assert stage.expand_packages("") == ()
+
+
+def test_chatterbot_conversations_become_records_and_a_repeated_first_turn_is_left_out(
+    tmp_path: Path,
+) -> None:
+    stage = _bench_module("quality_prompts")
+    folder = tmp_path / "english"
+    folder.mkdir()
+    (folder / "ai.yml").write_text(
+        "categories:\n- AI\nconversations:\n"
+        "- - What is AI?\n  - Artificial intelligence.\n"
+        "- - Hello there\n  - Hi\n  - How are you?\n  - Fine.\n  - Tell me a joke\n"
+        "- - what is ai\n  - The same question in other case and punctuation.\n"
+        "- - 42\n  - A number the YAML reader gives as an int.\n"
+    )
+    (folder / "coding.yml").write_text(
+        "conversations:\n"
+        "- - can you write a sorting algorithm?\n  - |\n    Sure:\n    ```\n    sorted(xs)\n    ```\n"
+        "- - Hello there!\n  - Hi again\n"
+    )
+    (folder / "notes.txt").write_text("- - not a corpus file\n")
+    records = list(stage.chatterbot_records(folder))
+    dot = {"from": "gpt", "value": "."}
+
+    def human(text: str) -> dict[str, str]:
+        return {"from": "human", "value": text}
+
+    assert records == [
+        {"id": "chatterbot-ai-0", "conversations": [human("What is AI?"), dot]},
+        {
+            "id": "chatterbot-ai-1",
+            "conversations": [
+                human("Hello there"),
+                dot,
+                human("How are you?"),
+                dot,
+                human("Tell me a joke"),
+                dot,
+            ],
+        },
+        {"id": "chatterbot-ai-2", "conversations": [human("what is ai"), dot]},
+        {"id": "chatterbot-ai-3", "conversations": [human("42"), dot]},
+        {"id": "chatterbot-coding-0", "conversations": [human("can you write a sorting algorithm?"), dot]},
+        {"id": "chatterbot-coding-1", "conversations": [human("Hello there!"), dot]},
+    ]
+    # A set written before (ShareGPT) asked "What is 42" first: nothing here repeats it. Its own repeats go.
+    seen = {tuple(stage.normalised_words("What is 42?"))}
+    left_out: Counter[str] = Counter()
+    kept = list(stage.first_turns_unseen(records, seen, left_out, "chatterbot"))
+    assert [r["id"] for r in kept] == [
+        "chatterbot-ai-0",
+        "chatterbot-ai-1",
+        "chatterbot-ai-3",
+        "chatterbot-coding-0",
+    ]
+    assert left_out == Counter({"chatterbot": 2})
+    # A later set meets the first turns of both: "42" and "what is 42" are taken.
+    later = [
+        {"id": "m-1", "conversations": [human("42."), dot]},
+        {"id": "m-2", "conversations": [human("43"), dot]},
+    ]
+    assert [r["id"] for r in stage.first_turns_unseen(later, seen, left_out, "math")] == ["m-2"]
+    assert left_out["math"] == 1
+
+
+class _Problem:
+    def __init__(self, question: str, answer: str = "1") -> None:
+        self.question, self.answer = question, answer
+
+
+def test_math_records_take_distinct_short_questions_from_each_module_in_turn() -> None:
+    stage = _bench_module("quality_prompts")
+    calls: Counter[str] = Counter()
+
+    def cycling(name: str, problems: list[_Problem | None]):  # type: ignore[no-untyped-def]
+        def module() -> _Problem:
+            problem = problems[calls[name] % len(problems)]
+            calls[name] += 1
+            if problem is None:
+                raise AttributeError("module 'numpy' has no attribute 'object'")
+            return problem
+
+        return module
+
+    too_long = "Is " + "9" * 157 + "?"
+    assert len(too_long) == stage.MATH_LIMITS[0] + 1
+    modules = {
+        "algebra__solve": cycling(
+            "algebra__solve",
+            [
+                _Problem("Solve x = 1."),
+                _Problem("Solve x = 1."),
+                _Problem(too_long),
+                _Problem("Solve y = 2."),
+            ],
+        ),
+        "broken": cycling("broken", [None]),
+        "numbers__flaky": cycling(
+            "numbers__flaky",
+            [None, _Problem("Is 7 prime?"), _Problem("x", answer="1" * 31), _Problem("Is 9 prime?")],
+        ),
+        "same": cycling("same", [_Problem("What is 1 + 1?")]),
+    }
+    failed: Counter[str] = Counter()
+    records = list(stage.math_records(modules, per_module=2, failed=failed))
+    questions = [(r["id"].rsplit("-", 1)[0], r["conversations"][0]["value"]) for r in records]
+    assert questions == [
+        ("math-algebra__solve", "Solve x = 1."),
+        ("math-numbers__flaky", "Is 7 prime?"),
+        ("math-same", "What is 1 + 1?"),
+        ("math-algebra__solve", "Solve y = 2."),
+        ("math-numbers__flaky", "Is 9 prime?"),
+    ]
+    for record, (_, question) in zip(records, questions, strict=True):
+        assert record["id"].rsplit("-", 1)[1] == hashlib.sha1(question.encode()).hexdigest()[:12]
+        assert record["conversations"][1] == {"from": "gpt", "value": "."}
+    # A module that only fails is given up after MATH_FAILED_TRIES calls; one that repeats itself after
+    # 2 * per_module + MATH_FAILED_TRIES; the others once they have their questions.
+    assert calls == Counter({"algebra__solve": 4, "broken": 20, "numbers__flaky": 4, "same": 24})
+    assert failed == Counter({"broken": 20, "numbers__flaky": 1})
+
+
+def test_math_records_from_the_installed_mathematics_dataset_package() -> None:
+    stage = _bench_module("quality_prompts")
+    modules = stage.math_modules()
+    assert modules is not None, "the Makefile installs mathematics-dataset and six"
+    assert len(modules) == 56
+    first = list(stage.math_records(modules, per_module=2, seed=3))
+    second = list(stage.math_records(modules, per_module=2, seed=3))
+    per_module = Counter(r["id"].rsplit("-", 1)[0].removeprefix("math-") for r in first)
+    assert set(per_module) <= set(modules)
+    assert len(per_module) >= 40  # numpy 2 breaks calculus and most polynomial manipulation, not the rest
+    assert len({r["id"] for r in first}) == len(first)
+    assert all(0 < len(r["conversations"][0]["value"]) <= stage.MATH_LIMITS[0] for r in first)
+    # The same seed, the same questions, but for the order of a composed question's "Let …" statements.
+    assert Counter(r["id"].rsplit("-", 1)[0] for r in second) == Counter(
+        r["id"].rsplit("-", 1)[0] for r in first
+    )
+    plain = [r for r in first if not r["id"].rsplit("-", 1)[0].endswith("_composed")]
+    assert len(plain) >= 40
+    assert [r for r in second if not r["id"].rsplit("-", 1)[0].endswith("_composed")] == plain
+    # Another seed, other questions.
+    other = list(stage.math_records(modules, per_module=2, seed=4))
+    assert {r["id"] for r in other}.isdisjoint(r["id"] for r in plain)
+
+
+def test_the_stage_writes_the_new_sets_decontaminated_and_without_repeats(tmp_path: Path) -> None:
+    """The script end to end: ShareGPT, Chit-Chat and ChatterBot from small files, math from the package."""
+    from dflash_offline.data.question_sets import read_mt_bench
+
+    question = next(q for q in read_mt_bench() if q.question_id == "81").texts[0]
+    sharegpt = tmp_path / "sharegpt.json"
+    pairs = {"abcdefg_0": "Tell me a joke.", "abcdefh_0": "Who are you?"}
+    sharegpt.write_text(
+        json.dumps(
+            [
+                {
+                    "id": key,
+                    "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "Hm."}],
+                }
+                for key, text in pairs.items()
+            ]
+        )
+    )
+    chitchat = tmp_path / "chitchat.json"
+    said = [[{"sender": "a", "text": "Hi! Do you like hiking?"}], [{"sender": "b", "text": "Yes."}]]
+    said += [[{"sender": "a", "text": "Where do you go?"}], [{"sender": "b", "text": "Up."}]]
+    chitchat.write_text(json.dumps({"c1": {"messages": said}}))
+    folder = tmp_path / "english"
+    folder.mkdir()
+    (folder / "misc.yml").write_text(
+        "conversations:\n"
+        "- - tell me a JOKE\n  - Knock knock.\n"
+        f"- - {json.dumps(question)}\n  - An MT-Bench question.\n"
+        "- - What is your name?\n  - Bot.\n"
+    )
+    out = tmp_path / "prompts"
+    counts = tmp_path / "counts.json"
+    args = ["--out", str(out), "--sharegpt", str(sharegpt), "--chitchat", str(chitchat)]
+    args += ["--chatterbot", str(folder), "--math-per-module", "1", "--no-code", "--json", str(counts)]
+    script = str(ROOT / "bench" / "quality_prompts.py")
+    done = subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, check=False, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {r["set"]: r for r in json.loads(counts.read_text())}
+    assert sorted(rows) == ["chatterbot", "chitchat", "math", "sharegpt"]
+    assert rows["chatterbot"]["contaminated_left_out"] == 1
+    assert rows["chatterbot"]["repeats_left_out"] == 1
+    kept = [c for c in iter_records(out / "chatterbot-prompts.jsonl.gz") if isinstance(c, Conversation)]
+    assert [(c.record_id, c.messages[0].content) for c in kept] == [
+        ("chatterbot-misc-2", "What is your name?")
+    ]
+    math = [c for c in iter_records(out / "math-prompts.jsonl.gz") if isinstance(c, Conversation)]
+    assert len(math) == rows["math"]["conversations"] >= 40
+    assert all(
+        c.record_id.startswith("math-") and [m.role for m in c.messages] == ["user", "assistant"]
+        for c in math
+    )
