@@ -96,6 +96,8 @@ class Stage:
 
 
 T0 = time.time()
+POLL_S = 0.5
+"""How often a waiting stage is looked at: its end or its deadline is seen within this."""
 
 
 def stamp() -> str:
@@ -112,7 +114,7 @@ def run_all(stages: list[Stage], deadline: float, grace: float = 45.0) -> None:
         if now > deadline + grace:
             for s in stages:
                 s.kill()
-        time.sleep(2)
+        time.sleep(POLL_S)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -397,8 +399,9 @@ def _step_rates(trains: dict[str, Stage], work: Path, calibrate_s: float) -> dic
             step = _last_step(work / f"run-{name}")
             if name not in first and step >= 1:
                 first[name] = (time.time(), step)
-        time.sleep(2)
-    time.sleep(30)
+        time.sleep(POLL_S)
+    if first:  # no variant logged a step within calibrate_s: there is no rate to measure
+        time.sleep(30)
     rates = {}
     for name, (t1, s1) in first.items():
         rows = read_metrics(work / f"run-{name}" / "metrics.jsonl")
@@ -669,7 +672,7 @@ def follow_variant(
             report.note("generate failed: training stopped (its newest state is exported)")
             train.interrupt()
             break
-        time.sleep(2)
+        time.sleep(POLL_S)
     run_all([*gens, train], train_end, grace=60)
     for stage in [*gens, train]:
         report.stage(stage, log_tail=tail(stage.log, 4))

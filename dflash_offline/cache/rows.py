@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from dflash_offline.cache.lossy import LossyLayout
 from dflash_offline.errors import SampleError
+
+# torch is imported where a tensor is checked: `dflash sql`, `status` and `--help` read these records
+# without it.
+if TYPE_CHECKING:
+    import torch
+
+    from dflash_offline.cache.lossy import LossyLayout
 
 # Reasons a sample can land in the failures table. Kept as plain strings in the manifest so that SQL
 # users read them directly; the tuple documents the closed set.
@@ -60,6 +65,8 @@ class Fp8Rows:
 
     def check(self, where: str, num_tokens: int) -> None:
         """Raise ``SampleError`` unless the rows are uint8 [num_tokens, W] on the CPU."""
+        import torch
+
         rows = self.rows_TW
         if rows.dtype != torch.uint8:
             raise SampleError(f"{where}: fp8 rows must be uint8, got {rows.dtype}")
@@ -112,6 +119,8 @@ class SampleToWrite:
             self.fp8_rows.check(where, num_tokens)
             return
         assert self.features_TF is not None
+        import torch
+
         if self.features_TF.dtype != torch.bfloat16:
             raise SampleError(f"{where}: features must be bfloat16, got {self.features_TF.dtype}")
         if self.features_TF.ndim != 2 or self.features_TF.shape[0] != num_tokens:

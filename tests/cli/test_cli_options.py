@@ -165,6 +165,25 @@ def test_train_help_reads_the_drafter_defaults_without_importing_torch() -> None
     assert train["num_anchors"] == 0
 
 
+def test_help_sql_and_status_run_without_importing_torch(tiny_cache: Path) -> None:
+    """``dflash --help`` (which lists every command), ``dflash sql`` and ``dflash status`` read the cache's
+    rows without torch (≈ 1 s of an interpreter's start-up): it is imported where a tensor is handled."""
+    code = (
+        "import sys; from click.testing import CliRunner; from dflash_offline.cli import main; "
+        "outs = [CliRunner().invoke(main, args) for args in "
+        f"(['--help'], ['sql', {str(tiny_cache)!r}, '--query', 'buckets', '--format', 'json'], "
+        f"['status', {str(tiny_cache)!r}])]; "
+        "print('torch' in sys.modules, *(o.exit_code for o in outs)); "
+        "print(*(o.output for o in outs), sep='\\n')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    first, _, output = done.stdout.partition("\n")
+    assert first.split() == ["False", "0", "0", "0"], done.stdout + done.stderr
+    assert "Commands:" in output  # the help
+    assert '"bucket_id"' in output  # the SQL answer
+    assert f"cache      {tiny_cache}" in output  # the status report
+
+
 def test_train_placement_defaults_are_the_placement_record_defaults() -> None:
     fields = {o.name: o.field.default for o in option_fields(TrainConfig)}
     default = Placement()
