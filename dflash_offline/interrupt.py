@@ -6,7 +6,10 @@ as ignored, and Python then installs no KeyboardInterrupt handler: such a run ne
 ``kill -INT``. So every long command installs its handler explicitly (``take_sigint``), whatever it
 inherited:
 
-  - outside a stop-checking loop (imports, loading the target): SIGINT raises KeyboardInterrupt;
+  - outside a stop-checking loop (imports, loading the target): SIGINT raises KeyboardInterrupt. Python
+    reports and drops an exception raised inside a finalizer (``__del__``, a weakref callback), so a
+    KeyboardInterrupt that lands there is lost and loading goes on; the handler also records the SIGINT,
+    and entering ``stop_on_sigint`` raises it again (``_sigint_seen``);
   - inside ``stop_on_sigint``: the first SIGINT only sets a flag, which the command's loop reads between
     steps (a decode step, a generate job, a train step) before it stops cleanly, keeping everything
     finished, and raises ``StopRequested``; the second raises KeyboardInterrupt at once, and restores
@@ -39,6 +42,8 @@ without it (the work's thread is a daemon: the process exit ends it)."""
 
 _stop = threading.Event()
 _depth = 0
+_sigint_seen = threading.Event()
+"""Set by a SIGINT outside ``stop_on_sigint``: the KeyboardInterrupt it raised may have been lost."""
 
 
 class StopRequested(KeyboardInterrupt):
@@ -50,7 +55,19 @@ def take_sigint() -> None:
     """SIGINT raises KeyboardInterrupt in this process, even when it was started with SIGINT ignored
     (main thread only; elsewhere a no-op)."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _sigint_seen.clear()
+        signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
+
+
+def forget_sigint() -> None:
+    """The command has ended: a SIGINT it saw is not carried into the next one run in this process."""
+    _sigint_seen.clear()
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    """``signal.default_int_handler``, remembering the SIGINT for ``stop_on_sigint``."""
+    _sigint_seen.set()
+    raise KeyboardInterrupt
 
 
 def skip_exit_collection() -> None:
@@ -77,6 +94,10 @@ def stop_on_sigint(
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if _sigint_seen.is_set():
+        # A Ctrl-C came before the loop and its KeyboardInterrupt did not end the command: it was raised
+        # inside a finalizer, which Python reports ("Exception ignored in ...") and drops.
+        raise KeyboardInterrupt
     if _depth == 0:
         _stop.clear()
     previous = signal.getsignal(signal.SIGINT)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from dflash_offline.interrupt import EXIT_INTERRUPTED, skip_exit_collection, take_sigint
+from dflash_offline.interrupt import EXIT_INTERRUPTED, forget_sigint, skip_exit_collection, take_sigint
 
 
 def ctrl_c_exits_130(message: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -27,6 +27,8 @@ def ctrl_c_exits_130(message: str) -> Callable[[Callable[..., None]], Callable[.
                 click.echo(message, err=True)
                 skip_exit_collection()
                 raise SystemExit(EXIT_INTERRUPTED) from None
+            finally:
+                forget_sigint()
 
         return wrapper
 
