@@ -34,8 +34,7 @@ from dflash_offline.train.config import (
     check_resume,
 )
 from dflash_offline.train.planner import PLANNER_STATE_VERSION
-from dflash_offline.train.snapshot import IndexSnapshot
-from dflash_offline.train.split import SNAPSHOT_FILE
+from dflash_offline.train.snapshot import SNAPSHOT_FILE, IndexSnapshot
 from dflash_offline.train.step import DrafterSetup, build_drafter_setup
 from dflash_offline.writable import check_writable_dir
 

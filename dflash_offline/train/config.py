@@ -35,7 +35,7 @@ from dflash_offline.drafter_shape import (
 )
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import parse_gpus
-from dflash_offline.train.snapshot import IndexSnapshot
+from dflash_offline.train.snapshot import SNAPSHOT_FILE, IndexSnapshot
 
 
 class Rule(enum.Enum):
@@ -902,9 +902,6 @@ def _label(name: str) -> str:
     """How the message names a field of ``RULES``: its option's field marker (the command line
     shows the flag)."""
     if name == "snapshot":
-        # train/split.py imports this module: its file name is looked up here, not at import.
-        from dflash_offline.train.split import SNAPSHOT_FILE
-
         return f"index snapshot ({SNAPSHOT_FILE})"
     return _LABELS[name]
 

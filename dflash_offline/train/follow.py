@@ -46,10 +46,15 @@ from dflash_offline.train.config import (
 )
 from dflash_offline.train.loader import FEATURE_SCALE_FILE
 from dflash_offline.train.segments import FollowSchedule, LiveTraining, SegmentStart
-from dflash_offline.train.snapshot import read_snapshot, save_snapshot, subset_snapshot, take_snapshot
+from dflash_offline.train.snapshot import (
+    SNAPSHOT_FILE,
+    read_snapshot,
+    save_snapshot,
+    subset_snapshot,
+    take_snapshot,
+)
 from dflash_offline.train.split import (
     HELD_OUT_FILE,
-    SNAPSHOT_FILE,
     held_out_of_run,
     save_held_out,
     split_snapshot,

@@ -27,6 +27,8 @@ import pyarrow.parquet as pq
 
 from dflash_offline.errors import CacheFormatError
 
+SNAPSHOT_FILE = "snapshot.parquet"
+"""A run's snapshot, in its ``--out`` directory."""
 SNAPSHOT_FORMAT_VERSION = 1
 _META_VERSION = b"dflash_snapshot_version"
 _META_ID = b"dflash_snapshot_id"

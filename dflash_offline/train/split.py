@@ -59,9 +59,8 @@ from dflash_offline.errors import CacheFormatError, ConfigError
 from dflash_offline.run_split import RunSplit, write_run_split
 from dflash_offline.split_key import training_key, validation_key
 from dflash_offline.train.config import DataConfig, saved_options
-from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, subset_snapshot
+from dflash_offline.train.snapshot import SNAPSHOT_FILE, IndexSnapshot, read_snapshot, subset_snapshot
 
-SNAPSHOT_FILE = "snapshot.parquet"
 GROUPS_FILE = "validation_groups.parquet"
 _META_VERSION = b"dflash_groups_version"
 GROUPS_FORMAT_VERSION = 1

@@ -61,9 +61,14 @@ from dflash_offline.train.metrics import (
 )
 from dflash_offline.train.planner import LengthMixingPlanner, RankSteps, StepPlan
 from dflash_offline.train.segments import LiveDrafter, SegmentStart
-from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
-from dflash_offline.train.split import (
+from dflash_offline.train.snapshot import (
     SNAPSHOT_FILE,
+    IndexSnapshot,
+    load_snapshot,
+    save_snapshot,
+    take_snapshot,
+)
+from dflash_offline.train.split import (
     SplitSnapshots,
     held_out_of_run,
     save_run_split,
