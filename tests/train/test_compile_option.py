@@ -16,7 +16,8 @@ from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError
 from dflash_offline.train.checkpoint import export_run, list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.trainer import compiles, run_training
+from dflash_offline.train.launch import run_training
+from dflash_offline.train.trainer import compiles
 from tests.train.helpers import flat_config_json, train_config
 
 # (--compile, device, --deterministic, compiles?): the rule as the option's help states it.

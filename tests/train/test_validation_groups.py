@@ -22,6 +22,7 @@ from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import conversation_root, iter_records, source_name
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.run_split import SPLIT_FILE, read_run_split
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics, validation_records
 from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
 from dflash_offline.train.split import (
@@ -31,7 +32,6 @@ from dflash_offline.train.split import (
     validation_ids_of_run,
     validation_key,
 )
-from dflash_offline.train.trainer import run_training
 from tests.eval.helpers import tiny_fingerprint
 from tests.generate.helpers import WORDS
 from tests.train.helpers import train_config
