@@ -384,7 +384,7 @@ class LaunchConfig:
         "bench/train_step.py), off on a CPU and under --deterministic (its loss curve stays eager's).",
     )
     """torch.compile of the drafter's per-layer work around attention (``DFlashDrafter.compile_training``),
-    resolved by ``train/trainer.py:compiles``: auto = on CUDA unless ``deterministic``. On one H200 a training
+    resolved by ``train/prepare.py:compiles``: auto = on CUDA unless ``deterministic``. On one H200 a training
     step made 1.29× the tokens/s at SmolLM2 width and 1.23× at Qwen3-8B width, in less memory
     (docs/facts.md, "Training throughput"). Off on the CPU: nothing measured says it helps there. Off by
     default under ``deterministic``: a deterministic run keeps the eager loss curve it had before compile

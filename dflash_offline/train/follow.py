@@ -46,7 +46,7 @@ from dflash_offline.train.config import (
 )
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loader import FEATURE_SCALE_FILE
-from dflash_offline.train.segments import FollowSchedule, LiveTraining, SegmentStart
+from dflash_offline.train.prepare import FollowSchedule, LiveTraining, SegmentStart, length_mixing_planner
 from dflash_offline.train.snapshot import (
     SNAPSHOT_FILE,
     read_snapshot,
@@ -61,7 +61,6 @@ from dflash_offline.train.split import (
     split_snapshot,
 )
 from dflash_offline.train.step import build_drafter_setup
-from dflash_offline.train.trainer import length_mixing_planner
 
 # ─── The follow record ──────────────────────────────────────────────────────────────────────────────────────
 # The record of a ``dflash train --follow`` run: its segments, in ``RUN/follow.json`` (docs/follow.md).

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import math
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -16,13 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from dflash_offline import interrupt
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.config_fields import field_ref
-from dflash_offline.drafter.model import DFlashDrafter
-from dflash_offline.errors import ConfigError
 from dflash_offline.interrupt import stop_requested
 from dflash_offline.placement import DistInfo, barrier
 from dflash_offline.train.checkpoint import (
@@ -32,12 +26,10 @@ from dflash_offline.train.checkpoint import (
     checkpoint_to_resume,
     diverged_error,
     first_nonfinite,
-    load_latest_checkpoint,
     rng_state,
     save_checkpoint,
-    set_rng_state,
 )
-from dflash_offline.train.config import DataConfig, TrainConfig, ValidationConfig
+from dflash_offline.train.config import TrainConfig, ValidationConfig
 from dflash_offline.train.loader import DamagedLog, Prefetcher, RowReader
 from dflash_offline.train.metrics import (
     Lap,
@@ -53,20 +45,25 @@ from dflash_offline.train.metrics import (
     all_reduce_sum,
     recorded_loss,
 )
-from dflash_offline.train.planner import LengthMixingPlanner, RankSteps, StepPlan
-from dflash_offline.train.segments import LiveDrafter, SegmentStart
+from dflash_offline.train.planner import RankSteps, StepPlan
+from dflash_offline.train.prepare import (
+    Continuation,
+    Optimization,
+    SegmentStart,
+    compiles,
+    continue_from_segment,
+    prepare_feature_scale,
+    prepare_split,
+    restore_checkpoint,
+    setup_optimization,
+    write_config,
+)
 from dflash_offline.train.snapshot import (
-    SNAPSHOT_FILE,
     IndexSnapshot,
-    load_snapshot,
-    save_snapshot,
-    take_snapshot,
 )
 from dflash_offline.train.split import (
     SplitSnapshots,
-    held_out_of_run,
     save_run_split,
-    split_snapshot,
 )
 from dflash_offline.train.step import (
     DrafterSetup,
@@ -334,130 +331,6 @@ class TrainResult:
     """Where rank 0's wall time went (None where the ranks ran in other processes and sent none)."""
 
 
-def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
-    """LR multiplier: linear warm-up over ``warmup_ratio`` of the steps, then cosine decay to 0."""
-    warmup = max(1, round(warmup_ratio * total_steps))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> SplitSnapshots:
-    """The run's sample set (taken at the first start by rank 0 and saved; reloaded on resume), split
-    into training and validation samples, the training ones cut to ``--train-samples`` (announced by rank
-    0)."""
-    snapshot = _saved_snapshot(config, reader, info)
-    held_out = held_out_of_run(config.out_dir)  # a follow segment: the validation stores' samples
-    holds_out = config.data.val_fraction > 0 or config.data.val_samples is not None or held_out is not None
-    subsets = config.data.train_samples is not None
-    grouped = held_out is None and (holds_out or subsets)
-    groups = _validation_groups(config, reader, snapshot, info) if grouped else None
-    split = split_snapshot(
-        snapshot,
-        fraction=config.data.val_fraction,
-        num_samples=config.data.val_samples,
-        groups=groups,
-        train_samples=config.data.train_samples,
-        held_out=held_out,
-    )
-    if not info.is_main:
-        return split
-    notes = []
-    if holds_out:
-        if split.validation is None:
-            note = f"no sample of {len(snapshot)} fell into the validation split: no validation"
-        else:
-            v = split.validation
-            note = (
-                f"validation: {len(v)} of {len(snapshot)} samples ({v.total_tokens:,} tokens) held out, "
-                f"never trained on; evaluated every {config.validation.val_every} steps and at the end"
-            )
-            if groups is not None:
-                roots = {groups[s] for s in v.sample_ids}
-                val_group = field_ref(DataConfig, "val_group")
-                note += f"; whole conversations: {len(roots)} roots ({val_group} root-id)"
-            if held_out is not None:
-                note += "; the samples of the validation stores (generate routed whole conversations)"
-        notes.append(note)
-    if subsets:
-        t = split.train
-        note = (
-            f"training on {len(t)} of {split.num_not_held_out} samples ({t.total_tokens:,} tokens; "
-            f"{field_ref(DataConfig, 'train_samples')} {config.data.train_samples}, those of smallest hash"
-        )
-        if groups is not None:
-            note += f", whole conversations: {len({groups[s] for s in t.sample_ids})} roots"
-        notes.append(note + ")")
-    if notes:
-        print(f"dflash train: {'; '.join(notes)}", file=sys.stderr, flush=True)
-    return split
-
-
-def _validation_groups(
-    config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
-) -> dict[str, str] | None:
-    """``--val-group root-id``: each sample's conversation root, read from the cache's data file by rank
-    0 at the first start and saved; reloaded on resume (train/split.py). None for ``sample``."""
-    if config.data.val_group == "sample":
-        return None
-    from dflash_offline.train.split import GROUPS_FILE, conversation_groups, read_groups, save_groups
-
-    path = config.out_dir / GROUPS_FILE
-    if info.is_main and not path.exists():
-        groups = conversation_groups(
-            config.cache_dir,
-            snapshot.sample_ids,
-            source=reader.fingerprint.data_source,
-            progress=config.logging.progress,
-        )
-        save_groups(groups, path)
-    barrier(info)
-    return read_groups(path)
-
-
-def _saved_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> IndexSnapshot:
-    path = config.out_dir / SNAPSHOT_FILE
-    taken = None
-    if info.is_main and not path.exists():
-        taken = take_snapshot(reader)
-        save_snapshot(taken, path)
-    barrier(info)
-    # The rank that just took it keeps it (bound to this reader already): re-reading, re-sorting and
-    # re-binding a million ids cost seconds before the first step. Everyone else loads the saved one.
-    return taken if taken is not None else load_snapshot(path, reader)
-
-
-def _feature_scale(
-    config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
-) -> torch.Tensor:
-    """The run's feature scale: computed by rank 0 at the first start and saved; reloaded on resume."""
-    from dflash_offline.train.loader import (
-        FEATURE_SCALE_FILE,
-        compute_feature_scale,
-        load_feature_scale,
-        save_feature_scale,
-    )
-
-    if info.is_main and not (config.out_dir / FEATURE_SCALE_FILE).exists():
-        fp = reader.fingerprint
-        scale = compute_feature_scale(
-            reader,
-            snapshot.reader_rows_N,
-            num_layers=len(fp.layer_ids),
-            feature_width=fp.feature_width,
-            mode=config.drafter.feature_scale,
-            seed=config.data.seed,
-        )
-        save_feature_scale(scale, config.out_dir, mode=config.drafter.feature_scale)
-    barrier(info)
-    return load_feature_scale(config.out_dir)
-
-
 def train_rank(
     config: TrainConfig,
     info: DistInfo,
@@ -471,7 +344,7 @@ def train_rank(
 
     ``reader`` replaces the cache reader for the features (a test feeds live target features);
     ``started_at``: ``time.time()`` when the command started, where start-up is counted from (None: now);
-    ``segment``: the run is a segment of a follow run (train/segments.py), None for an ordinary run."""
+    ``segment``: the run is a segment of a follow run (train/prepare.py), None for an ordinary run."""
     start_time = time.perf_counter()
     clock = WallClock(started_at=time.time() if started_at is None else started_at, device=info.device)
     seed_everything(config.data.seed, deterministic=config.launch.deterministic)
@@ -487,17 +360,17 @@ def train_rank(
     )
     try:
         with stop_on_sigint(second_aborts=not info.distributed):
-            split = _prepare_snapshot(config, cache_reader, info)
+            split = prepare_split(config, cache_reader, info)
             config, state = checkpoint_to_resume(config, info, split.train)
             if info.is_main:  # after the resume check: a refused resume leaves the run's config as it was
-                _write_config(config)
+                write_config(config)
                 save_run_split(config.out_dir, split)  # what `dflash eval` reads (run_split.py)
-            continued = _Continued.start(segment)
+            continued = Continuation.start(segment)
             setup = continued.setup or build_drafter_setup(
                 config, cache_reader.fingerprint, device=info.device
             )
             if config.drafter.feature_scale != "none":
-                setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
+                setup.model.set_feature_scale(prepare_feature_scale(config, cache_reader, split.train, info))
             if state is None and config.drafter.init_from is not None:
                 loaded = init_weights_from(setup.model, config.drafter.init_from)
                 if info.is_main:
@@ -513,15 +386,6 @@ def train_rank(
         cache_reader.close()
 
 
-def _write_config(config: TrainConfig) -> None:
-    """Write ``RUN/config.json`` whole, by a rename: another rank may be reading the previous one for its
-    resume check."""
-    path = config.out_dir / "config.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(config.to_dict(), indent=2))
-    os.replace(tmp, path)
-
-
 def _stop_agreed(info: DistInfo) -> bool:
     """True on every rank when any rank was asked to stop (under DDP one scalar all-reduce and read:
     every rank must call it at the same steps)."""
@@ -530,58 +394,6 @@ def _stop_agreed(info: DistInfo) -> bool:
         return flag
     total = all_reduce_sum(torch.tensor([1.0 if flag else 0.0], device=info.device), info)
     return bool(total.item() > 0)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Continued:
-    """What a follow segment's run continues (both None for an ordinary run)."""
-
-    segment: SegmentStart | None
-    live: LiveDrafter | None
-    """The previous segment's drafter and optimizer, handed over in this process."""
-
-    @classmethod
-    def start(cls, segment: SegmentStart | None) -> _Continued:
-        """Take what the previous segment handed over in this process, if anything."""
-        live = segment.live.take() if segment is not None and segment.live is not None else None
-        return cls(segment=segment, live=live)
-
-    @property
-    def setup(self) -> DrafterSetup | None:
-        return None if self.live is None else self.live.setup
-
-    @property
-    def compiled(self) -> bool:
-        return self.live is not None and self.live.compiled
-
-    @property
-    def from_checkpoint(self) -> Path | None:
-        """The previous segment's run, whose final checkpoint a segment started without a handover
-        continues (None: an ordinary run, the first segment, or a handover)."""
-        return None if self.live is not None or self.segment is None else self.segment.previous_run
-
-    def hand_over(self, setup: DrafterSetup, optimizer: torch.optim.Optimizer, *, compiled: bool) -> None:
-        """Leave the drafter and optimizer to the next segment in this process."""
-        if self.segment is not None and self.segment.live is not None:
-            self.segment.live.keep(LiveDrafter(setup=setup, optimizer=optimizer, compiled=compiled))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Optimization:
-    """The stateful objects an optimizer step touches, built once a run by ``_setup_optimization``."""
-
-    model: DFlashDrafter
-    ddp_model: nn.Module
-    """``model`` itself, or its DistributedDataParallel wrapper when the run has several ranks."""
-    params: list[nn.Parameter]
-    """The parameters the optimizer updates (and whose gradient norm is clipped)."""
-    optimizer: torch.optim.Optimizer
-    lr_factor: Callable[[int], float]
-    """LR multiplier of each global step (``cosine_with_warmup`` over ``total_steps``): the learning
-    rate is a pure function of the step, so a resume needs no scheduler state."""
-    planner: LengthMixingPlanner
-    total_steps: int
-    """Steps of the whole run: the planner's over ``epochs``, capped by ``max_steps``."""
 
 
 def _train(
@@ -594,17 +406,17 @@ def _train(
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
     clock: WallClock,
-    continued: _Continued,
+    continued: Continuation,
 ) -> TrainResult:
     """Set up the optimization (from ``state``, the checkpoint resumed, if any, else from what a follow
     segment continues), train until the end or an early stop, export."""
-    opt = _setup_optimization(config, info, setup.model, split.train, continued)
+    opt = setup_optimization(config, info, setup.model, split.train, continued)
     if compiles(config, info.device) and not continued.compiled:
         opt.model.compile_training()
     if state is not None:
-        _restore(config, info, opt, state)
+        restore_checkpoint(config, info, opt, state)
     elif continued.from_checkpoint is not None:
-        _continue_segment(config, info, opt, continued.from_checkpoint)
+        continue_from_segment(config, info, opt, continued.from_checkpoint)
     elif config.checkpoint.export_initial and info.is_main:
         from dflash_offline.drafter.export import export_drafter
 
@@ -686,7 +498,7 @@ def _validation_schedule(
     return schedule
 
 
-def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None) -> bool:
+def _stopped_before_start(info: DistInfo, opt: Optimization, validation: ValidationSchedule | None) -> bool:
     """True (and said once) when the resumed run had already stopped early: no step is left to run."""
     if validation is None or not validation.should_stop():
         return False
@@ -701,7 +513,7 @@ def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: Valida
 
 
 def _export_at_end(
-    config: TrainConfig, info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None
+    config: TrainConfig, info: DistInfo, opt: Optimization, validation: ValidationSchedule | None
 ) -> Path | None:
     """Export the drafter (rank 0, unless ``export_at_end`` is off); the directory of the run's drafter."""
     from dflash_offline.drafter.export import export_drafter
@@ -715,111 +527,10 @@ def _export_at_end(
     return config.out_dir / "drafter"
 
 
-def _setup_optimization(
-    config: TrainConfig, info: DistInfo, model: DFlashDrafter, snapshot: IndexSnapshot, continued: _Continued
-) -> _Optimization:
-    """DDP wrapper, optimizer, planner and LR schedule of a fresh run (``_resume`` loads a checkpoint); a
-    follow segment keeps the optimizer handed over and steps on the follow run's schedule."""
-    ddp_model: nn.Module = model
-    if info.distributed:
-        ddp_model = nn.parallel.DistributedDataParallel(
-            model,
-            device_ids=[info.device.index] if info.device.type == "cuda" else None,
-            broadcast_buffers=False,  # the frozen head is a (large) buffer: never re-broadcast it
-        )
-    params = model.trainable_parameters()
-    optimizer: torch.optim.Optimizer
-    if continued.live is not None:
-        optimizer = continued.live.optimizer
-    elif config.optimizer.algorithm == "sgd":
-        optimizer = torch.optim.SGD(
-            params, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
-        )
-    else:
-        optimizer = torch.optim.AdamW(
-            params, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
-        )
-    planner = length_mixing_planner(config, snapshot, world_size=info.world_size)
-    total_steps = planner.total_steps(config.optimizer.epochs)
-    if config.optimizer.max_steps is not None:
-        total_steps = min(total_steps, config.optimizer.max_steps)
-    lr_factor = cosine_with_warmup(total_steps, config.optimizer.warmup_ratio)
-    if continued.segment is not None:
-        if total_steps != continued.segment.num_steps:
-            raise ConfigError(
-                f"this follow segment plans {total_steps} steps where the run planned "
-                f"{continued.segment.num_steps}: continue the run with the options that started it"
-            )
-        lr_factor = continued.segment.lr_factor
-    return _Optimization(
-        model=model,
-        ddp_model=ddp_model,
-        params=params,
-        optimizer=optimizer,
-        lr_factor=lr_factor,
-        planner=planner,
-        total_steps=total_steps,
-    )
-
-
-def _load_weights_and_optimizer(config: TrainConfig, opt: _Optimization, state: TrainState) -> None:
-    """The drafter's weights and the optimizer's state of a checkpoint, with this invocation's weight
-    decay (an APPLIED option: the command line's, not the checkpoint's)."""
-    opt.model.load_state_dict(state.model)
-    opt.optimizer.load_state_dict(state.optimizer)
-    for group in opt.optimizer.param_groups:
-        group["weight_decay"] = config.optimizer.weight_decay
-
-
-def length_mixing_planner(
-    config: TrainConfig, train: IndexSnapshot, *, world_size: int
-) -> LengthMixingPlanner:
-    """The sample plan of a run over its training samples ``train`` (a follow run counts a segment's steps
-    with it before the segment's run plans them)."""
-    return LengthMixingPlanner(
-        train,
-        seed=config.data.seed,
-        tokens_per_microbatch=config.data.tokens_per_microbatch,
-        grad_accum=config.topology.grad_accum,
-        world_size=world_size,
-    )
-
-
-def _restore(config: TrainConfig, info: DistInfo, opt: _Optimization, state: TrainState) -> None:
-    """Load the resumed checkpoint ``state`` (admitted by ``resume.checkpoint_to_resume``) into ``opt``."""
-    _load_weights_and_optimizer(config, opt, state)
-    opt.planner.load_state_dict(state.planner)
-    set_rng_state(state.rng)
-    if info.is_main:
-        left = opt.total_steps - state.global_step
-        print(
-            f"dflash train: resumed from the checkpoint of step {state.global_step} of {opt.total_steps}"
-            + (f" ({left} steps to go)" if left > 0 else " (nothing left to train)"),
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def _continue_segment(config: TrainConfig, info: DistInfo, opt: _Optimization, previous_run: Path) -> None:
-    """A follow segment's first start in a fresh process: the weights and optimizer state of the previous
-    segment's final checkpoint (its planner and RNG stay this segment's own, as a live handover leaves
-    them)."""
-    state = load_latest_checkpoint(previous_run, is_main=info.is_main)
-    if state is None:
-        raise ConfigError(f"{previous_run} has no checkpoint to continue from: its segment was never trained")
-    _load_weights_and_optimizer(config, opt, state)
-    if info.is_main:
-        print(
-            f"dflash train: continuing from the last checkpoint of {previous_run} (step {state.global_step})",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
 def _run_steps(
     config: TrainConfig,
     info: DistInfo,
-    opt: _Optimization,
+    opt: Optimization,
     snapshot: IndexSnapshot,
     reader: RowReader,
     reporter: StepReporter,
@@ -885,7 +596,7 @@ def _run_steps(
     return False
 
 
-def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> OptimizerStep:
+def _optimizer_step(config: TrainConfig, info: DistInfo, opt: Optimization) -> OptimizerStep:
     return OptimizerStep(
         model=opt.model,
         ddp_model=opt.ddp_model,
@@ -902,7 +613,7 @@ def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> 
 def _stops_after(
     config: TrainConfig,
     info: DistInfo,
-    opt: _Optimization,
+    opt: Optimization,
     reporter: StepReporter,
     validation: ValidationSchedule | None,
     global_step: int,
@@ -945,15 +656,7 @@ def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContext
     return torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
 
-def compiles(config: TrainConfig, device: torch.device) -> bool:
-    """Whether the run compiles the drafter's layers: ``--compile on``, or ``auto`` on CUDA without
-    ``--deterministic`` (whose loss curve stays the eager one; see ``LaunchConfig.compile``)."""
-    if config.launch.compile == "auto":
-        return device.type == "cuda" and not config.launch.deterministic
-    return config.launch.compile == "on"
-
-
-def _is_checkpoint_step(config: TrainConfig, opt: _Optimization, global_step: int) -> bool:
+def _is_checkpoint_step(config: TrainConfig, opt: Optimization, global_step: int) -> bool:
     return global_step % config.checkpoint.checkpoint_every == 0 or global_step == opt.total_steps
 
 
@@ -963,7 +666,7 @@ class _CheckpointContext:
 
     config: TrainConfig
     info: DistInfo
-    opt: _Optimization
+    opt: Optimization
     """The drafter, optimizer and planner whose states are saved."""
     reporter: StepReporter
     """Its throughput leaves the checkpoint's time out; its unread steps are checked for non-finite values."""

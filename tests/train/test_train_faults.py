@@ -33,7 +33,8 @@ from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.loader import DAMAGED_FILE, read_damaged
 from dflash_offline.train.metrics import StepMetrics, read_metrics
-from dflash_offline.train.trainer import TrainInterrupted, cosine_with_warmup, train_rank
+from dflash_offline.train.prepare import cosine_with_warmup
+from dflash_offline.train.trainer import TrainInterrupted, train_rank
 from tests.train.kill_helpers import assert_same_run, losses
 
 STEPS = 12
