@@ -32,6 +32,7 @@ from dflash_offline.errors import ConfigError
 from dflash_offline.placement import DistInfo, barrier
 from dflash_offline.train.checkpoint import TrainState, load_latest_checkpoint, set_rng_state
 from dflash_offline.train.config import DataConfig, TrainConfig
+from dflash_offline.train.loader import RowReader
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import (
     SNAPSHOT_FILE,
@@ -41,9 +42,10 @@ from dflash_offline.train.snapshot import (
     take_snapshot,
 )
 from dflash_offline.train.split import SplitSnapshots, held_out_of_run, split_snapshot
-from dflash_offline.train.step import DrafterSetup
+from dflash_offline.train.step import DrafterSetup, autocast_for
+from dflash_offline.train.validation import ValidationSchedule, Validator
 
-# ─── The run's samples ─────────────────────────────────────────────────────────────────────────────────────
+# ─── The run's samples and their validation ─────────────────────────────────────────────────────────────────
 
 
 def prepare_split(config: TrainConfig, reader: CacheReader, info: DistInfo) -> SplitSnapshots:
@@ -166,7 +168,38 @@ def write_config(config: TrainConfig) -> None:
     os.replace(tmp, path)
 
 
-# ─── The optimization ──────────────────────────────────────────────────────────────────────────────────────
+def validation_schedule(
+    config: TrainConfig, info: DistInfo, split: SplitSnapshots, reader: RowReader, state: TrainState | None
+) -> ValidationSchedule | None:
+    """The run's validation (None without a split), its tracker restored from ``state``."""
+    if split.validation is None:
+        return None
+    validator = Validator(
+        split.validation,
+        reader,
+        info=info,
+        tokens_per_microbatch=config.data.tokens_per_microbatch,
+        prefetch=config.launch.prefetch,
+        loader_threads=config.launch.loader_threads,
+        attention=config.launch.attention,
+        chain_tokens=config.validation.val_chain_tokens,
+        autocast=autocast_for(config, info),
+    )
+    schedule = ValidationSchedule(
+        validator,
+        state={} if state is None else state.validation,
+        val_every=config.validation.val_every,
+        early_stop=config.validation.early_stop,
+        best_export_dir=config.out_dir / "drafter"
+        if config.checkpoint.export_at_end and info.is_main
+        else None,
+    )
+    if schedule.tracker.restarted is not None and info.is_main:
+        print(f"dflash train: {schedule.tracker.restarted}", file=sys.stderr, flush=True)
+    return schedule
+
+
+# ─── The optimization ───────────────────────────────────────────────────────────────────────────────────────
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,7 +333,7 @@ def compiles(config: TrainConfig, device: torch.device) -> bool:
     return config.launch.compile == "on"
 
 
-# ─── The learning-rate schedules ───────────────────────────────────────────────────────────────────────────
+# ─── The learning-rate schedules ────────────────────────────────────────────────────────────────────────────
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:

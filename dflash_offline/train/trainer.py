@@ -56,6 +56,7 @@ from dflash_offline.train.prepare import (
     prepare_split,
     restore_checkpoint,
     setup_optimization,
+    validation_schedule,
     write_config,
 )
 from dflash_offline.train.snapshot import (
@@ -70,12 +71,13 @@ from dflash_offline.train.step import (
     OptimizerStep,
     StepOutcome,
     anchor_sampler,
+    autocast_for,
     build_drafter_setup,
     init_weights_from,
     out_of_memory_named,
     seed_everything,
 )
-from dflash_offline.train.validation import ValidationSchedule, Validator
+from dflash_offline.train.validation import ValidationSchedule
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -421,7 +423,7 @@ def _train(
         from dflash_offline.drafter.export import export_drafter
 
         export_drafter(opt.model, config.out_dir / "drafter-initial")
-    validation = _validation_schedule(config, info, split, reader, state)
+    validation = validation_schedule(config, info, split, reader, state)
     stopped_early = _stopped_before_start(info, opt, validation)
     last_loss = None
     if not stopped_early:
@@ -465,37 +467,6 @@ def _train(
         stopped_early=stopped_early,
         wall=clock.split(),
     )
-
-
-def _validation_schedule(
-    config: TrainConfig, info: DistInfo, split: SplitSnapshots, reader: RowReader, state: TrainState | None
-) -> ValidationSchedule | None:
-    """The run's validation (None without a split), its tracker restored from ``state``."""
-    if split.validation is None:
-        return None
-    validator = Validator(
-        split.validation,
-        reader,
-        info=info,
-        tokens_per_microbatch=config.data.tokens_per_microbatch,
-        prefetch=config.launch.prefetch,
-        loader_threads=config.launch.loader_threads,
-        attention=config.launch.attention,
-        chain_tokens=config.validation.val_chain_tokens,
-        autocast=_autocast(config, info),
-    )
-    schedule = ValidationSchedule(
-        validator,
-        state={} if state is None else state.validation,
-        val_every=config.validation.val_every,
-        early_stop=config.validation.early_stop,
-        best_export_dir=config.out_dir / "drafter"
-        if config.checkpoint.export_at_end and info.is_main
-        else None,
-    )
-    if schedule.tracker.restarted is not None and info.is_main:
-        print(f"dflash train: {schedule.tracker.restarted}", file=sys.stderr, flush=True)
-    return schedule
 
 
 def _stopped_before_start(info: DistInfo, opt: Optimization, validation: ValidationSchedule | None) -> bool:
@@ -606,7 +577,7 @@ def _optimizer_step(config: TrainConfig, info: DistInfo, opt: Optimization) -> O
         info=info,
         grad_clip=config.optimizer.grad_clip,
         attention=config.launch.attention,
-        autocast=_autocast(config, info),
+        autocast=autocast_for(config, info),
     )
 
 
@@ -646,14 +617,6 @@ def _stops_after(
         note = f"{validation.stop_reason()}: stopped after step {global_step}, checkpoint written"
         print(f"dflash train: {note}", file=sys.stderr, flush=True)
     return early_stop
-
-
-def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast with ``--autocast bf16``, or ``auto`` on CUDA; otherwise none (float32)."""
-    use_bf16 = config.launch.autocast == "bf16" or (
-        config.launch.autocast == "auto" and info.device.type == "cuda"
-    )
-    return torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
 
 def _is_checkpoint_step(config: TrainConfig, opt: Optimization, global_step: int) -> bool:
