@@ -43,7 +43,6 @@ run's ``--val-group``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -58,8 +57,7 @@ from dflash_offline.config_fields import field_ref
 from dflash_offline.errors import CacheFormatError, ConfigError
 from dflash_offline.run_split import RunSplit, write_run_split
 from dflash_offline.split_key import training_key, validation_key
-from dflash_offline.train.config import DataConfig, saved_options
-from dflash_offline.train.snapshot import SNAPSHOT_FILE, IndexSnapshot, read_snapshot, subset_snapshot
+from dflash_offline.train.snapshot import IndexSnapshot, subset_snapshot
 
 GROUPS_FILE = "validation_groups.parquet"
 _META_VERSION = b"dflash_groups_version"
@@ -118,7 +116,7 @@ def training_mask(
     docstring); refuses ``num_samples`` beyond them."""
     if num_samples > len(sample_ids):
         raise ConfigError(
-            f"{field_ref(DataConfig, 'train_samples')} {num_samples} asks for more samples than "
+            f"{field_ref('DataConfig', 'train_samples')} {num_samples} asks for more samples than "
             f"the run has to train on: {len(sample_ids)} (the snapshot's samples less the validation "
             "split); ask for at "
             f"most {len(sample_ids)}, or generate more samples and train into a new run"
@@ -194,9 +192,9 @@ def _split_validation(
         return everything
     if mask.all():
         what = (
-            f"{field_ref(DataConfig, 'val_samples')} {num_samples}"
+            f"{field_ref('DataConfig', 'val_samples')} {num_samples}"
             if num_samples is not None
-            else f"{field_ref(DataConfig, 'val_fraction')} {fraction}"
+            else f"{field_ref('DataConfig', 'val_fraction')} {fraction}"
         )
         raise ConfigError(
             f"{what} holds out all {len(snapshot)} samples of the cache, leaving none to train on: "
@@ -222,57 +220,6 @@ def save_run_split(run_dir: Path, split: SplitSnapshots) -> None:
             snapshot_ids=split.snapshot.sample_ids, train=split.train.sample_ids, validation=validation
         ),
     )
-
-
-def validation_ids_of_run(run_dir: Path) -> frozenset[str] | None:
-    """The validation sample ids of a ``dflash train`` run (from its config.json and saved snapshot);
-    None when ``run_dir`` is not a run, has no snapshot yet, or holds nothing out."""
-    validation = validation_split_of_run(run_dir)
-    return None if validation is None else frozenset(validation.sample_ids)
-
-
-def validation_split_of_run(run_dir: Path) -> IndexSnapshot | None:
-    """The validation split of a ``dflash train`` run, as the run took it (its config.json, saved snapshot
-    and groups), bound to no reader; None when ``run_dir`` is not a run, has no snapshot yet, or holds
-    nothing out."""
-    split = split_of_run(run_dir)
-    return None if split is None else split.validation
-
-
-def split_of_run(run_dir: Path) -> SplitSnapshots | None:
-    """A ``dflash train`` run's split, recomputed as the run computed it (config.json, the saved snapshot
-    and groups); None when ``run_dir`` is not a run or has no snapshot yet."""
-    try:
-        config = saved_options(json.loads((run_dir / "config.json").read_text()))
-    except (OSError, json.JSONDecodeError, ConfigError):
-        return None
-    if not (run_dir / SNAPSHOT_FILE).is_file():
-        return None
-    fraction = config.get("val_fraction")
-    num_samples = config.get("val_samples")
-    train_samples = config.get("train_samples")
-    if not isinstance(fraction, int | float) or not (num_samples is None or isinstance(num_samples, int)):
-        return None
-    if not (train_samples is None or isinstance(train_samples, int)):
-        return None
-    groups = None
-    held_out = held_out_of_run(run_dir)
-    if held_out is None and config.get("val_group") == "root-id":
-        if not (run_dir / GROUPS_FILE).is_file():
-            return None
-        groups = read_groups(run_dir / GROUPS_FILE)
-    snapshot = read_snapshot(run_dir / SNAPSHOT_FILE)
-    try:
-        return split_snapshot(
-            snapshot,
-            fraction=float(fraction),
-            num_samples=num_samples,
-            groups=groups,
-            train_samples=train_samples,
-            held_out=held_out,
-        )
-    except ConfigError:  # not a split the run could have taken (its files were changed): no answer
-        return None
 
 
 # Conversation roots (``--val-group root-id``): module docstring, last part.
@@ -337,7 +284,7 @@ def reparsed_roots(
         example = next(s for s in sample_ids if s not in roots)
         read = ", ".join(str(i.data or "default") for i in inputs) or "none (no generate run is recorded)"
         gone = f"; not readable: {'; '.join(unreadable)}" if unreadable else ""
-        val_group = field_ref(DataConfig, "val_group")
+        val_group = field_ref("DataConfig", "val_group")
         raise ConfigError(
             f"{val_group} root-id needs the record id of every sample, read from the data files the "
             f"cache's generate runs read when the cache does not store it (format 1 or 2) ({read}{gone}); "

@@ -29,9 +29,9 @@ from dflash_offline.train.split import (
     GROUPS_FILE,
     read_groups,
     split_snapshot,
-    validation_ids_of_run,
     validation_key,
 )
+from dflash_offline.train.validation import validation_ids_of_run
 from tests.eval.helpers import tiny_fingerprint
 from tests.generate.helpers import WORDS
 from tests.train.helpers import train_config
