@@ -185,7 +185,7 @@ class DrafterTrainConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     """Which samples a run trains on and holds out, and in which order and microbatches: the
-    validation split and the training subset (train/split.py), and the seed and token budget from which the
+    validation split and the training subset (train/snapshot.py), and the seed and token budget from which the
     sample plan is a pure function (train/planner.py). A resume that asks for other values is refused: the
     checkpoint's plan is a position in this order (its planner state records the seed and budget)."""
 
@@ -218,7 +218,7 @@ class DataConfig:
         "ones on every resume and world size) for validation; 0: none. With --follow: generate's "
         "--val-fraction, whose validation stores (whole conversations) are held out.",
     )
-    """Share of the samples held out for validation (train/split.py); 0 turns validation off."""
+    """Share of the samples held out for validation (train/snapshot.py); 0 turns validation off."""
     val_samples: int | None = cli_field(
         None,
         min=1,
@@ -232,7 +232,7 @@ class DataConfig:
         "Not consulted with --follow: generate routed whole conversations.",
     )
     """``sample``: each sample is its own group; ``root-id``: the records of one conversation are held out
-    (or trained on) together (train/split.py)."""
+    (or trained on) together (train/snapshot.py)."""
     train_samples: int | None = cli_field(
         None,
         min=1,
@@ -242,7 +242,7 @@ class DataConfig:
         "resume and world size, and a larger N a superset of a smaller N's (nested data-scaling runs).",
         metadata=on_resume(absent=None),
     )
-    """Train on this many of the samples not held out (train/split.py: the smallest training keys, whole
+    """Train on this many of the samples not held out (train/snapshot.py: the smallest training keys, whole
     groups); None: all of them. More than there are is refused."""
 
 

@@ -48,17 +48,15 @@ from dflash_offline.train.launch import run_training
 from dflash_offline.train.loader import FEATURE_SCALE_FILE
 from dflash_offline.train.prepare import FollowSchedule, LiveTraining, SegmentStart, length_mixing_planner
 from dflash_offline.train.snapshot import (
+    HELD_OUT_FILE,
     SNAPSHOT_FILE,
+    held_out_of_run,
     read_snapshot,
+    save_held_out,
     save_snapshot,
+    split_snapshot,
     subset_snapshot,
     take_snapshot,
-)
-from dflash_offline.train.split import (
-    HELD_OUT_FILE,
-    held_out_of_run,
-    save_held_out,
-    split_snapshot,
 )
 from dflash_offline.train.step import build_drafter_setup
 

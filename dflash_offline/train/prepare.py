@@ -37,11 +37,13 @@ from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import (
     SNAPSHOT_FILE,
     IndexSnapshot,
+    SplitSnapshots,
+    held_out_of_run,
     load_snapshot,
     save_snapshot,
+    split_snapshot,
     take_snapshot,
 )
-from dflash_offline.train.split import SplitSnapshots, held_out_of_run, split_snapshot
 from dflash_offline.train.step import DrafterSetup, autocast_for
 from dflash_offline.train.validation import ValidationSchedule, Validator
 
@@ -103,10 +105,10 @@ def _validation_groups(
     config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
 ) -> dict[str, str] | None:
     """``--val-group root-id``: each sample's conversation root, read from the cache's data file by rank
-    0 at the first start and saved; reloaded on resume (train/split.py). None for ``sample``."""
+    0 at the first start and saved; reloaded on resume (train/snapshot.py). None for ``sample``."""
     if config.data.val_group == "sample":
         return None
-    from dflash_offline.train.split import GROUPS_FILE, conversation_groups, read_groups, save_groups
+    from dflash_offline.train.snapshot import GROUPS_FILE, conversation_groups, read_groups, save_groups
 
     path = config.out_dir / GROUPS_FILE
     if info.is_main and not path.exists():

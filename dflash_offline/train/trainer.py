@@ -61,8 +61,6 @@ from dflash_offline.train.prepare import (
 )
 from dflash_offline.train.snapshot import (
     IndexSnapshot,
-)
-from dflash_offline.train.split import (
     SplitSnapshots,
     save_run_split,
 )

@@ -31,12 +31,15 @@ from dflash_offline.train.planner import (
     ScheduledMicrobatch,
     anchor_seed,
 )
-from dflash_offline.train.snapshot import SNAPSHOT_FILE, IndexSnapshot, bind_snapshot, read_snapshot
-from dflash_offline.train.split import (
+from dflash_offline.train.snapshot import (
     GROUPS_FILE,
+    SNAPSHOT_FILE,
+    IndexSnapshot,
     SplitSnapshots,
+    bind_snapshot,
     held_out_of_run,
     read_groups,
+    read_snapshot,
     split_snapshot,
 )
 from dflash_offline.train.step import anchor_sampler
@@ -192,7 +195,7 @@ def row_chain_cycles(
 # ─── The validator ──────────────────────────────────────────────────────────────────────────────────────────
 # Validation during training: loss, accuracy per block position and simulated τ of the held-out split.
 #
-# The split (train/split.py) is packed once into microbatches under the training token budget, shortest
+# The split (train/snapshot.py) is packed once into microbatches under the training token budget, shortest
 # samples first, in a fixed order; each microbatch's anchors are drawn by the training rule with a seed
 # fixed by its sample ids alone (not the run's seed, not the step), so every evaluation of every run
 # over the same split sees the same blocks and the values are comparable across steps and runs. On DDP
@@ -455,7 +458,7 @@ class ValidationSchedule:
 
 # ─── A finished run's validation split ──────────────────────────────────────────────────────────────────────
 # A finished run's split, recomputed as the run computed it from the files it saved (config.json, the
-# snapshot, the groups; train/split.py): the samples ``acceptance_at_every_anchor`` measures.
+# snapshot, the groups; train/snapshot.py): the samples ``acceptance_at_every_anchor`` measures.
 
 
 def validation_ids_of_run(run_dir: Path) -> frozenset[str] | None:

@@ -13,7 +13,7 @@ from dflash_offline.cache.window import is_validation_store
 from dflash_offline.generate.run import run_generate
 from dflash_offline.run_split import read_run_split
 from dflash_offline.train.follow import read_follow_state, run_follow, segment_dir
-from dflash_offline.train.split import validation_key
+from dflash_offline.train.snapshot import validation_key
 from dflash_offline.train.validation import split_of_run
 from tests.generate.helpers import tiny_config
 from tests.generate.test_window_conversations import VAL_FRACTION, related_records

@@ -22,8 +22,7 @@ from dflash_offline.placement import DistInfo
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.planner import LengthMixingPlanner
-from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, snapshot_from_columns
-from dflash_offline.train.split import split_snapshot
+from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, snapshot_from_columns, split_snapshot
 from dflash_offline.train.trainer import train_rank
 from dflash_offline.train.validation import validation_ids_of_run
 from tests.tiny_caches import TinyCaches

@@ -24,10 +24,11 @@ from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.run_split import SPLIT_FILE, read_run_split
 from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics, validation_records
-from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
-from dflash_offline.train.split import (
+from dflash_offline.train.snapshot import (
     GROUPS_FILE,
     read_groups,
+    read_snapshot,
+    snapshot_from_columns,
     split_snapshot,
     validation_key,
 )
