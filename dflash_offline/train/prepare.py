@@ -32,14 +32,24 @@ from dflash_offline.errors import ConfigError
 from dflash_offline.placement import DistInfo, barrier
 from dflash_offline.train.checkpoint import TrainState, load_latest_checkpoint, set_rng_state
 from dflash_offline.train.config import DataConfig, TrainConfig
-from dflash_offline.train.loader import RowReader
+from dflash_offline.train.loader import (
+    FEATURE_SCALE_FILE,
+    RowReader,
+    compute_feature_scale,
+    load_feature_scale,
+    save_feature_scale,
+)
 from dflash_offline.train.planner import LengthMixingPlanner
 from dflash_offline.train.snapshot import (
+    GROUPS_FILE,
     SNAPSHOT_FILE,
     IndexSnapshot,
     SplitSnapshots,
+    conversation_groups,
     held_out_of_run,
     load_snapshot,
+    read_groups,
+    save_groups,
     save_snapshot,
     split_snapshot,
     take_snapshot,
@@ -108,8 +118,6 @@ def _validation_groups(
     0 at the first start and saved; reloaded on resume (train/snapshot.py). None for ``sample``."""
     if config.data.val_group == "sample":
         return None
-    from dflash_offline.train.snapshot import GROUPS_FILE, conversation_groups, read_groups, save_groups
-
     path = config.out_dir / GROUPS_FILE
     if info.is_main and not path.exists():
         groups = conversation_groups(
@@ -139,13 +147,6 @@ def prepare_feature_scale(
     config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
 ) -> torch.Tensor:
     """The run's feature scale: computed by rank 0 at the first start and saved; reloaded on resume."""
-    from dflash_offline.train.loader import (
-        FEATURE_SCALE_FILE,
-        compute_feature_scale,
-        load_feature_scale,
-        save_feature_scale,
-    )
-
     if info.is_main and not (config.out_dir / FEATURE_SCALE_FILE).exists():
         fp = reader.fingerprint
         scale = compute_feature_scale(

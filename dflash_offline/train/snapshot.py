@@ -78,7 +78,7 @@ from dflash_offline.split_key import training_key, validation_key
 # ─── The snapshot ───────────────────────────────────────────────────────────────────────────────────────────
 
 SNAPSHOT_FILE = "snapshot.parquet"
-"""A run's snapshot, in its ``--out`` directory."""
+"""A run's snapshot, in its run directory."""
 SNAPSHOT_FORMAT_VERSION = 1
 _META_VERSION = b"dflash_snapshot_version"
 _META_ID = b"dflash_snapshot_id"
