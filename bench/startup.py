@@ -161,7 +161,7 @@ def import_floor(code: Path) -> float:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-c", "import dflash_offline.cli, dflash_offline.train.launch"],
+        [sys.executable, "-c", "import dflash_offline.cli, dflash_offline.train.trainer"],
         check=True,
         timeout=300,
         env=env,
