@@ -31,8 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_offline.train.split import validation_ids_of_run  # noqa: E402
-from dflash_offline.train.validation import TURN_GROUPS  # noqa: E402
+from dflash_offline.train.validation import TURN_GROUPS, validation_ids_of_run  # noqa: E402
 
 
 def codec_flags(name: str) -> list[str]:

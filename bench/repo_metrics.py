@@ -57,7 +57,6 @@ PLUMBING = re.compile(
 NOT_SCANNED = ("bench/repo_metrics.py", ".gitignore")
 DATA_PATH = (
     "train/snapshot.py",
-    "train/split.py",
     "train/planner.py",
     "train/loader.py",
     "drafter/batch.py",

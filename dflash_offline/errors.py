@@ -8,6 +8,7 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import errno
+import shutil
 from pathlib import Path
 
 
@@ -89,6 +90,29 @@ def find_no_space(exc: BaseException | None) -> tuple[BaseException, str | None]
             return exc, None
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+_LOW_SPACE_BYTES = 64 << 20
+"""Free space below which a failed write is put down to a full disk (torch.save's writer reports a
+short write as ``unexpected pos``, without the errno)."""
+
+
+def is_no_space(error: BaseException, path: Path) -> bool:
+    """True when ``error`` (an OSError, or torch's RuntimeError from its zip writer) came from a full
+    disk under ``path``."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if _NO_SPACE_TEXT in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(error, OSError | RuntimeError):
+        try:
+            return shutil.disk_usage(path).free < _LOW_SPACE_BYTES
+        except OSError:
+            return False
+    return False
 
 
 def as_no_space_error(exc: BaseException, path: str | Path) -> BaseException:

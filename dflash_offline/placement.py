@@ -108,6 +108,14 @@ class DistInfo:
         return self.world_size > 1
 
 
+def barrier(info: DistInfo) -> None:
+    """Wait until every rank of ``info``'s process group gets here (nothing in a single process)."""
+    if info.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def free_port() -> int:
     """A free TCP port on localhost for a process group started by us (not torchrun)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

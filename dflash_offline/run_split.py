@@ -1,7 +1,7 @@
 """The split file of a ``dflash train`` run, ``RUN/split.parquet``: which samples of its snapshot it
 trained on, which it held out for validation and which its ``train_samples`` left out.
 
-Training decides the split (train/split.py) and writes this file at every start, before the first step;
+Training decides the split (train/snapshot.py) and writes this file at every start, before the first step;
 ``dflash eval`` reads it (eval/prompts.py, eval/validation_set.py) to know what the drafter never
 trained on, without recomputing the split: data flows one way, from the run to its evaluation. A run
 trained before the file existed has none (``read_run_split`` answers None): running its ``dflash

@@ -1,4 +1,4 @@
-"""The keyed hashes of the validation split, in one home: ``dflash train``'s split (train/split.py) and
+"""The keyed hashes of the validation split, in one home: ``dflash train``'s split (train/snapshot.py) and
 ``dflash generate``'s routing of validation samples into stores of their own under a disk window
 (cache/window.py, docs/follow.md) both read a sample's place in [0, 1) here, so the two agree.
 

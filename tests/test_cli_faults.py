@@ -32,7 +32,7 @@ from click.testing import CliRunner
 from dflash_offline.cache.index import build_index
 from dflash_offline.cli import main
 from dflash_offline.regenerate.config import RegenerateConfig
-from dflash_offline.train.trainer import run_training
+from dflash_offline.train.launch import run_training
 from tests.eval.helpers import export_untrained_for, write_chat_jsonl
 from tests.regenerate.openai_server_process import Server, ready, start_server
 from tests.train.helpers import train_config

@@ -14,7 +14,7 @@ from dflash_offline.demo import DemoSizes, StageTime, _run, compared_drafters
 from dflash_offline.eval.prompts import resolve_held_out, select_prompts
 from dflash_offline.target_model.loader import load_tokenizer
 from dflash_offline.train.checkpoint import export_run
-from dflash_offline.train.trainer import run_training
+from dflash_offline.train.launch import run_training
 from tests.train.helpers import train_config
 
 

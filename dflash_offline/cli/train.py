@@ -35,8 +35,9 @@ def train(config: TrainConfig) -> None:
 
     started_at = time.time()  # the start-up counts from here: the train command's first line
     from dflash_offline.interrupt import EXIT_INTERRUPTED
+    from dflash_offline.train.launch import run_training
     from dflash_offline.train.loader import DAMAGED_FILE, read_damaged
-    from dflash_offline.train.trainer import TrainInterrupted, run_training
+    from dflash_offline.train.trainer import TrainInterrupted
 
     if config.window.follow:
         from dflash_offline.train.follow import run_follow

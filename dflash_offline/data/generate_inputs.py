@@ -2,7 +2,7 @@
 
 Each generate run writes its typed config into the cache's runs table (``cache/manifest.py:record_run``);
 its ``data`` and ``data_format`` name the file it read. Training reads them for the conversation roots
-of samples whose rows do not store one (train/split.py), and ``dflash eval`` for the records behind the
+of samples whose rows do not store one (train/snapshot.py), and ``dflash eval`` for the records behind the
 samples (eval/cache_data.py).
 """
 

@@ -3,7 +3,6 @@ continues, and a drafter exported from one."""
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from dflash_offline.cache.fingerprint import CacheFingerprint
 from dflash_offline.cache.layout import CacheLayout, read_fingerprint
 from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.export import ARCHITECTURE, CONFIG_FILE, README_FILE, WEIGHTS_FILE
-from dflash_offline.errors import ConfigError, DivergedError, NoSpaceError, ResumeError
+from dflash_offline.errors import ConfigError, DivergedError, NoSpaceError, ResumeError, is_no_space
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.config import (
     DataConfig,
@@ -34,8 +33,7 @@ from dflash_offline.train.config import (
     check_resume,
 )
 from dflash_offline.train.planner import PLANNER_STATE_VERSION
-from dflash_offline.train.snapshot import IndexSnapshot
-from dflash_offline.train.split import SNAPSHOT_FILE
+from dflash_offline.train.snapshot import SNAPSHOT_FILE, IndexSnapshot
 from dflash_offline.train.step import DrafterSetup, build_drafter_setup
 from dflash_offline.writable import check_writable_dir
 
@@ -61,31 +59,10 @@ if TYPE_CHECKING:
 
 CHECKPOINT_FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-_LOW_SPACE_BYTES = 64 << 20
-"""Free space below which a failed write is put down to a full disk (torch.save's writer reports a
-short write as ``unexpected pos``, without the errno)."""
 
 
 CheckpointNoSpaceError = NoSpaceError
 """A full disk while writing a checkpoint or the metrics log: the package's one no-space error."""
-
-
-def is_no_space(error: BaseException, path: Path) -> bool:
-    """True when ``error`` (an OSError, or torch's RuntimeError from its zip writer) came from a full
-    disk under ``path``."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    if isinstance(error, OSError | RuntimeError):
-        try:
-            return shutil.disk_usage(path).free < _LOW_SPACE_BYTES
-        except OSError:
-            return False
-    return False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -35,7 +35,7 @@ from dflash_offline.drafter_shape import (
 )
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import parse_gpus
-from dflash_offline.train.snapshot import IndexSnapshot
+from dflash_offline.train.snapshot import SNAPSHOT_FILE, IndexSnapshot
 
 
 class Rule(enum.Enum):
@@ -185,7 +185,7 @@ class DrafterTrainConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     """Which samples a run trains on and holds out, and in which order and microbatches: the
-    validation split and the training subset (train/split.py), and the seed and token budget from which the
+    validation split and the training subset (train/snapshot.py), and the seed and token budget from which the
     sample plan is a pure function (train/planner.py). A resume that asks for other values is refused: the
     checkpoint's plan is a position in this order (its planner state records the seed and budget)."""
 
@@ -218,7 +218,7 @@ class DataConfig:
         "ones on every resume and world size) for validation; 0: none. With --follow: generate's "
         "--val-fraction, whose validation stores (whole conversations) are held out.",
     )
-    """Share of the samples held out for validation (train/split.py); 0 turns validation off."""
+    """Share of the samples held out for validation (train/snapshot.py); 0 turns validation off."""
     val_samples: int | None = cli_field(
         None,
         min=1,
@@ -232,7 +232,7 @@ class DataConfig:
         "Not consulted with --follow: generate routed whole conversations.",
     )
     """``sample``: each sample is its own group; ``root-id``: the records of one conversation are held out
-    (or trained on) together (train/split.py)."""
+    (or trained on) together (train/snapshot.py)."""
     train_samples: int | None = cli_field(
         None,
         min=1,
@@ -242,7 +242,7 @@ class DataConfig:
         "resume and world size, and a larger N a superset of a smaller N's (nested data-scaling runs).",
         metadata=on_resume(absent=None),
     )
-    """Train on this many of the samples not held out (train/split.py: the smallest training keys, whole
+    """Train on this many of the samples not held out (train/snapshot.py: the smallest training keys, whole
     groups); None: all of them. More than there are is refused."""
 
 
@@ -384,7 +384,7 @@ class LaunchConfig:
         "bench/train_step.py), off on a CPU and under --deterministic (its loss curve stays eager's).",
     )
     """torch.compile of the drafter's per-layer work around attention (``DFlashDrafter.compile_training``),
-    resolved by ``train/trainer.py:compiles``: auto = on CUDA unless ``deterministic``. On one H200 a training
+    resolved by ``train/prepare.py:compiles``: auto = on CUDA unless ``deterministic``. On one H200 a training
     step made 1.29× the tokens/s at SmolLM2 width and 1.23× at Qwen3-8B width, in less memory
     (docs/facts.md, "Training throughput"). Off on the CPU: nothing measured says it helps there. Off by
     default under ``deterministic``: a deterministic run keeps the eager loss curve it had before compile
@@ -902,9 +902,6 @@ def _label(name: str) -> str:
     """How the message names a field of ``RULES``: its option's field marker (the command line
     shows the flag)."""
     if name == "snapshot":
-        # train/split.py imports this module: its file name is looked up here, not at import.
-        from dflash_offline.train.split import SNAPSHOT_FILE
-
         return f"index snapshot ({SNAPSHOT_FILE})"
     return _LABELS[name]
 

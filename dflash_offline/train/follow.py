@@ -44,18 +44,21 @@ from dflash_offline.train.config import (
     ValidationConfig,
     WindowConfig,
 )
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.loader import FEATURE_SCALE_FILE
-from dflash_offline.train.segments import FollowSchedule, LiveTraining, SegmentStart
-from dflash_offline.train.snapshot import read_snapshot, save_snapshot, subset_snapshot, take_snapshot
-from dflash_offline.train.split import (
+from dflash_offline.train.prepare import FollowSchedule, LiveTraining, SegmentStart, length_mixing_planner
+from dflash_offline.train.snapshot import (
     HELD_OUT_FILE,
     SNAPSHOT_FILE,
     held_out_of_run,
+    read_snapshot,
     save_held_out,
+    save_snapshot,
     split_snapshot,
+    subset_snapshot,
+    take_snapshot,
 )
 from dflash_offline.train.step import build_drafter_setup
-from dflash_offline.train.trainer import length_mixing_planner, run_training
 
 # ─── The follow record ──────────────────────────────────────────────────────────────────────────────────────
 # The record of a ``dflash train --follow`` run: its segments, in ``RUN/follow.json`` (docs/follow.md).

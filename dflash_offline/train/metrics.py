@@ -20,7 +20,7 @@ from dflash_offline import tensorboard as tb
 from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.loss import simulated_acceptance_length
 from dflash_offline.drafter.model import DrafterOutput
-from dflash_offline.errors import DataError
+from dflash_offline.errors import DataError, NoSpaceError, is_no_space
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.config import TrainConfig
 
@@ -512,10 +512,8 @@ class MetricsLog:
             self._file.write(metrics.to_json() + "\n")
             self._file.flush()
         except OSError as e:
-            from dflash_offline.train.checkpoint import CheckpointNoSpaceError, is_no_space
-
             if is_no_space(e, self.path.parent):
-                raise CheckpointNoSpaceError(self.path) from None
+                raise NoSpaceError(self.path) from None
             raise
         if self._tb is not None:
             write_step(self._tb, metrics)

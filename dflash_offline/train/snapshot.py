@@ -1,4 +1,5 @@
-"""The index snapshot: the set of committed samples a training run trains on.
+"""The samples a training run trains and validates on: the index snapshot of the committed samples
+when it started (first part), and its split into training and validation samples (second part).
 
 ``dflash train`` trains on whatever the cache has committed when it starts, so a cache that a
 generate run is still filling (or that was stopped) is usable. The snapshot freezes that set: it is
@@ -9,6 +10,48 @@ Samples are kept in a canonical order (sorted by sample id), so the snapshot and
 it are independent of the order in which the cache's workers committed rows. ``reader_rows_N`` binds
 the snapshot to one open ``CacheReader`` (it is never saved: rows may move when the index is rebuilt).
 
+The validation split: samples of a run's snapshot held out of training, chosen by their id (or their
+conversation) alone; in a follow segment, by the stores (last part).
+
+A sample is a validation sample when a keyed hash of its group, read as a number in [0, 1), is below
+``--val-fraction``; with ``--val-samples N`` the groups of smallest hash are held out, whole, until they
+hold at least N samples. A sample's group is its own sample id (``--val-group sample``, the default) or
+its conversation root (``--val-group root-id``: ShareGPT's records ``X_0``, ``X_11``, … of one long
+conversation are held out together, or trained on together; below). The choice depends on
+nothing else (not the seed, the world size, the step or the order of the cache): every resume and every
+world size holds out the same samples, and runs over the same cache are validated on the same ones. The
+run's training snapshot is the rest; the planner never sees a validation sample. The run writes its split
+(``save_run_split``, ``run_split.py``), which ``dflash eval`` reads: the prompts of samples the run did
+not train on are held out.
+
+``--train-samples N`` then trains on part of the rest, chosen the same way under a second key (another
+salt, so the choice does not lean on the validation key): the groups of smallest training key, whole, until
+they hold at least N samples (exactly N with ``--val-group sample``). The validation split is taken first and
+does not depend on N; the subset depends only on the ids and groups, so it is the same on every resume and
+world size, and a larger N takes a superset of a smaller N's samples (a data-scaling curve compares nested
+training sets against one validation split).
+
+Conversation roots (``--val-group root-id``): a format-3 cache stores each sample's root in its row
+(``dflash generate`` takes it from the record it parsed, ``data/sources.py:conversation_root``), so the
+roots are read from the manifest and the data files are not opened. Rows of a format 1 or 2 cache store
+none; for those samples alone the root comes from the data file itself, as before format 3: the files
+are those the cache's ``dflash generate`` runs read (their configs are in the cache's runs table,
+``data/generate_inputs.py``); every record is parsed as generate parsed it (the same source name, so the
+same sample ids) and each sample without a stored root gets ``conversation_root`` of its record. A
+sample whose record is in none of those files (the file changed or is gone) is an error: a split that
+silently grouped some samples and not others would leak what it is meant to keep apart.
+
+The roots are computed once, when the run starts, and saved beside the snapshot
+(``validation_groups.parquet``): a resume reads them back, so it keeps the split even if the data file
+has moved since.
+
+A segment of ``dflash train --follow`` (train/follow.py) is split by the stores instead: generate routed
+its validation samples, whole conversations, into validation stores (cache/window.py ``routing_key``),
+and the follow run wrote the segment's samples of those stores beside its snapshot
+(``validation_samples.parquet``, ``save_held_out``). The segment's run holds exactly those out; nothing
+is hashed again on the training side, so training and validation are what generate stored, whatever the
+run's ``--val-group``.
+
 Shape legend: N = samples in the snapshot.
 """
 
@@ -16,6 +59,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,8 +70,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dflash_offline.errors import CacheFormatError
+from dflash_offline.config_fields import field_ref
+from dflash_offline.errors import CacheFormatError, ConfigError
+from dflash_offline.run_split import RunSplit, write_run_split
+from dflash_offline.split_key import training_key, validation_key
 
+# ─── The snapshot ───────────────────────────────────────────────────────────────────────────────────────────
+
+SNAPSHOT_FILE = "snapshot.parquet"
+"""A run's snapshot, in its run directory."""
 SNAPSHOT_FORMAT_VERSION = 1
 _META_VERSION = b"dflash_snapshot_version"
 _META_ID = b"dflash_snapshot_id"
@@ -266,3 +318,302 @@ def bind_snapshot(snapshot: IndexSnapshot, reader: _ReaderLike) -> IndexSnapshot
 def load_snapshot(path: str | os.PathLike[str], reader: _ReaderLike) -> IndexSnapshot:
     """Read the run's saved snapshot and bind it to ``reader`` (see ``bind_snapshot``)."""
     return bind_snapshot(read_snapshot(path), reader)
+
+
+# ─── The split ──────────────────────────────────────────────────────────────────────────────────────────────
+
+GROUPS_FILE = "validation_groups.parquet"
+_GROUPS_META_VERSION = b"dflash_groups_version"
+GROUPS_FORMAT_VERSION = 1
+HELD_OUT_FILE = "validation_samples.parquet"
+"""A follow segment's validation samples: those of its snapshot in validation stores (module docstring)."""
+_HELD_OUT_META_VERSION = b"dflash_held_out_version"
+HELD_OUT_FORMAT_VERSION = 1
+
+
+VAL_GROUPS = ("sample", "root-id")
+"""``--val-group`` values: what is held out together (module docstring)."""
+
+
+def _group_names(sample_ids: Sequence[str], groups: Mapping[str, str] | None) -> Sequence[str]:
+    """Each sample's group name (its own id when ``groups`` is None)."""
+    if groups is None:
+        return sample_ids
+    missing = [s for s in sample_ids if s not in groups]
+    if missing:
+        raise CacheFormatError(
+            f"{len(missing)} samples of the run (first: {missing[0]!r}) have no validation group; "
+            "the run's validation_groups.parquet does not belong to its snapshot"
+        )
+    return [groups[s] for s in sample_ids]
+
+
+def _smallest(keys_N: np.ndarray, num_samples: int) -> np.ndarray:
+    """bool [N]: the smallest keys up to the ``num_samples``-th sample's, whole groups (a group's samples
+    share its key); all of them when there are no more."""
+    if num_samples >= len(keys_N):
+        return np.ones(len(keys_N), dtype=bool)
+    return keys_N <= np.sort(keys_N)[num_samples - 1]
+
+
+def validation_mask(
+    sample_ids: Sequence[str],
+    *,
+    fraction: float,
+    num_samples: int | None,
+    groups: Mapping[str, str] | None = None,
+) -> np.ndarray:
+    """bool [N]: which of ``sample_ids`` are validation samples (module docstring); ``groups`` maps each
+    sample id to its group (None: every sample is its own)."""
+    names = _group_names(sample_ids, groups)
+    keys_N = np.fromiter((validation_key(g) for g in names), dtype=np.float64, count=len(sample_ids))
+    if num_samples is None:
+        return keys_N < fraction
+    return _smallest(keys_N, num_samples)
+
+
+def training_mask(
+    sample_ids: Sequence[str], *, num_samples: int, groups: Mapping[str, str] | None = None
+) -> np.ndarray:
+    """bool [N]: the ``--train-samples`` subset of ``sample_ids`` (the samples not held out; module
+    docstring); refuses ``num_samples`` beyond them."""
+    if num_samples > len(sample_ids):
+        raise ConfigError(
+            f"{field_ref('DataConfig', 'train_samples')} {num_samples} asks for more samples than "
+            f"the run has to train on: {len(sample_ids)} (the snapshot's samples less the validation "
+            "split); ask for at "
+            f"most {len(sample_ids)}, or generate more samples and train into a new run"
+        )
+    names = _group_names(sample_ids, groups)
+    keys_N = np.fromiter((training_key(g) for g in names), dtype=np.float64, count=len(sample_ids))
+    return _smallest(keys_N, num_samples)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SplitSnapshots:
+    """A run's snapshot split in two."""
+
+    train: IndexSnapshot
+    """What the planner plans over: the samples not held out (the whole snapshot when nothing is), or their
+    ``--train-samples`` subset."""
+    validation: IndexSnapshot | None
+    """The held-out samples; None when the split is off or empty."""
+    num_not_held_out: int
+    """How many samples are not held out (``train`` is all of them without ``--train-samples``)."""
+    snapshot: IndexSnapshot
+    """The whole snapshot that was split."""
+
+
+def split_snapshot(
+    snapshot: IndexSnapshot,
+    *,
+    fraction: float,
+    num_samples: int | None,
+    groups: Mapping[str, str] | None = None,
+    train_samples: int | None = None,
+    held_out: frozenset[str] | None = None,
+) -> SplitSnapshots:
+    """Split ``snapshot`` (``groups``: sample id → group, None: by sample), then keep ``train_samples`` of
+    the rest to train on (None: all); refuses a split that leaves nothing to train on, and more training
+    samples than the split leaves. ``held_out``: the validation samples as the stores hold them (a follow
+    segment's, ``HELD_OUT_FILE``), taken as they are instead of the hash."""
+    if held_out is None:
+        mask = _validation_mask(snapshot, fraction=fraction, num_samples=num_samples, groups=groups)
+    else:
+        mask = np.fromiter((s in held_out for s in snapshot.sample_ids), dtype=bool, count=len(snapshot))
+    split = _split_validation(snapshot, mask, fraction=fraction, num_samples=num_samples)
+    if train_samples is None:
+        return split
+    keep = training_mask(split.train.sample_ids, num_samples=train_samples, groups=groups)
+    if keep.all():
+        return split
+    return SplitSnapshots(
+        train=subset_snapshot(split.train, keep),
+        validation=split.validation,
+        num_not_held_out=split.num_not_held_out,
+        snapshot=snapshot,
+    )
+
+
+def _validation_mask(
+    snapshot: IndexSnapshot, *, fraction: float, num_samples: int | None, groups: Mapping[str, str] | None
+) -> np.ndarray | None:
+    """bool [N]: the hashed validation split (``validation_mask``); None when nothing is held out."""
+    if num_samples is None and fraction <= 0.0:
+        return None
+    return validation_mask(snapshot.sample_ids, fraction=fraction, num_samples=num_samples, groups=groups)
+
+
+def _split_validation(
+    snapshot: IndexSnapshot, mask: np.ndarray | None, *, fraction: float, num_samples: int | None
+) -> SplitSnapshots:
+    """The validation split alone (``split_snapshot``): ``mask`` (bool [N]) holds out, None nothing."""
+    everything = SplitSnapshots(
+        train=snapshot, validation=None, num_not_held_out=len(snapshot), snapshot=snapshot
+    )
+    if mask is None:
+        return everything
+    if mask.all():
+        what = (
+            f"{field_ref('DataConfig', 'val_samples')} {num_samples}"
+            if num_samples is not None
+            else f"{field_ref('DataConfig', 'val_fraction')} {fraction}"
+        )
+        raise ConfigError(
+            f"{what} holds out all {len(snapshot)} samples of the cache, leaving none to train on: "
+            "hold out fewer, or generate more samples"
+        )
+    if not mask.any():
+        return everything
+    train = subset_snapshot(snapshot, ~mask)
+    return SplitSnapshots(
+        train=train,
+        validation=subset_snapshot(snapshot, mask),
+        num_not_held_out=len(train),
+        snapshot=snapshot,
+    )
+
+
+def save_run_split(run_dir: Path, split: SplitSnapshots) -> None:
+    """Write the run's split file (``run_split.py``: what ``dflash eval`` reads)."""
+    validation = () if split.validation is None else split.validation.sample_ids
+    write_run_split(
+        run_dir,
+        RunSplit.of(
+            snapshot_ids=split.snapshot.sample_ids, train=split.train.sample_ids, validation=validation
+        ),
+    )
+
+
+# Conversation roots (``--val-group root-id``): module docstring, last part.
+
+
+def conversation_groups(
+    cache_dir: Path, sample_ids: Sequence[str], *, source: str, progress: bool = False
+) -> dict[str, str]:
+    """Sample id → conversation root for every id of ``sample_ids`` (module docstring); ``source`` is
+    the cache's data source name (its fingerprint's)."""
+    roots = stored_roots(cache_dir, sample_ids)
+    if len(roots) < len(set(sample_ids)):  # rows of a format 1 or 2 cache: no root stored
+        unstored = [s for s in sample_ids if s not in roots]
+        roots.update(reparsed_roots(cache_dir, unstored, source=source, progress=progress))
+    return roots
+
+
+def stored_roots(cache_dir: Path, sample_ids: Sequence[str]) -> dict[str, str]:
+    """Sample id → the conversation root stored in its manifest row, for the ids of ``sample_ids`` whose
+    row stores one (every row of a format-3 cache written by ``dflash generate``)."""
+    from dflash_offline.cache.manifest import read_table
+
+    wanted = set(sample_ids)
+    table = read_table(cache_dir, "samples", ["sample_id", "conversation_root"])
+    ids, roots = table.column("sample_id").to_pylist(), table.column("conversation_root").to_pylist()
+    return {s: r for s, r in zip(ids, roots, strict=True) if r is not None and s in wanted}
+
+
+def reparsed_roots(
+    cache_dir: Path, sample_ids: Sequence[str], *, source: str, progress: bool = False
+) -> dict[str, str]:
+    """Sample id → conversation root of each of ``sample_ids``, read from the data files the cache's
+    generate runs read (module docstring); refuses samples none of those files holds."""
+    from tqdm import tqdm
+
+    from dflash_offline.data.conversations import Conversation
+    from dflash_offline.data.generate_inputs import generate_inputs
+    from dflash_offline.data.sources import conversation_root, iter_records, resolve_data_path
+    from dflash_offline.errors import DataError
+
+    wanted = set(sample_ids)
+    roots: dict[str, str] = {}
+    inputs = generate_inputs(cache_dir)
+    unreadable: list[str] = []
+    for item in inputs:
+        if len(roots) == len(wanted):
+            break
+        try:
+            resolve_data_path(item.data)
+        except DataError as e:
+            unreadable.append(f"{item.data or 'the embedded ShareGPT file'} ({e})")
+            continue
+        name = item.data or "the embedded ShareGPT file"
+        bar = tqdm(desc=f"conversation roots: {name}", unit="rec", file=sys.stderr, disable=not progress)
+        with bar:
+            for record in iter_records(item.data, data_format=item.data_format, source=source):
+                bar.update(1)
+                if isinstance(record, Conversation) and record.sample_id in wanted:
+                    roots[record.sample_id] = conversation_root(record.record_id, record.sample_id)
+    missing = len(wanted) - len(roots)
+    if missing:
+        example = next(s for s in sample_ids if s not in roots)
+        read = ", ".join(str(i.data or "default") for i in inputs) or "none (no generate run is recorded)"
+        gone = f"; not readable: {'; '.join(unreadable)}" if unreadable else ""
+        val_group = field_ref("DataConfig", "val_group")
+        raise ConfigError(
+            f"{val_group} root-id needs the record id of every sample, read from the data files the "
+            f"cache's generate runs read when the cache does not store it (format 1 or 2) ({read}{gone}); "
+            f"{missing} of {len(wanted)} samples (first: {example!r}) are in none of them. Put the file "
+            f"generate read back in place (unchanged), or use {val_group} sample"
+        )
+    return roots
+
+
+def save_groups(groups: Mapping[str, str], path: Path) -> None:
+    """Write sample id → root as Parquet (temp file, then rename)."""
+    ids = sorted(groups)
+    table = pa.table(
+        {"sample_id": pa.array(ids, pa.string()), "root": pa.array([groups[s] for s in ids], pa.string())}
+    ).replace_schema_metadata({_GROUPS_META_VERSION: str(GROUPS_FORMAT_VERSION).encode()})
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_groups(path: Path) -> dict[str, str]:
+    """The saved sample id → root map (``save_groups``)."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise CacheFormatError(f"cannot read the validation groups {str(path)!r}: {exc}") from exc
+    version = (table.schema.metadata or {}).get(_GROUPS_META_VERSION, b"?").decode()
+    if version != str(GROUPS_FORMAT_VERSION):
+        raise CacheFormatError(
+            f"validation groups {str(path)!r} have format version {version!r}; this dflash reads "
+            f"version {GROUPS_FORMAT_VERSION}: resume with the dflash version that started the run"
+        )
+    return dict(zip(table.column("sample_id").to_pylist(), table.column("root").to_pylist(), strict=True))
+
+
+# A follow segment's validation samples, as the stores hold them (module docstring, last part).
+
+
+def save_held_out(sample_ids: Sequence[str], path: Path) -> None:
+    """Write the validation sample ids of a follow segment as Parquet (temp file, then rename)."""
+    table = pa.table({"sample_id": pa.array(sorted(sample_ids), pa.string())}).replace_schema_metadata(
+        {_HELD_OUT_META_VERSION: str(HELD_OUT_FORMAT_VERSION).encode()}
+    )
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def held_out_of_run(run_dir: Path) -> frozenset[str] | None:
+    """The validation samples saved in ``run_dir`` (``save_held_out``: a follow segment's run); None in
+    any other run, which hashes its split."""
+    path = run_dir / HELD_OUT_FILE
+    if not path.is_file():
+        return None
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise CacheFormatError(f"cannot read the validation samples {str(path)!r}: {exc}") from exc
+    version = (table.schema.metadata or {}).get(_HELD_OUT_META_VERSION, b"?").decode()
+    if version != str(HELD_OUT_FORMAT_VERSION):
+        raise CacheFormatError(
+            f"validation samples {str(path)!r} have format version {version!r}; this dflash reads "
+            f"version {HELD_OUT_FORMAT_VERSION}: resume with the dflash version that started the run"
+        )
+    return frozenset(table.column("sample_id").to_pylist())

@@ -265,6 +265,14 @@ def init_weights_from(model: DFlashDrafter, directory: Path) -> int:
 # Shape legend: K = B − 1 block positions that carry loss.
 
 
+def autocast_for(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast with ``--autocast bf16``, or ``auto`` on CUDA; otherwise none (float32)."""
+    use_bf16 = config.launch.autocast == "bf16" or (
+        config.launch.autocast == "auto" and info.device.type == "cuda"
+    )
+    return torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+
 def anchor_sampler(
     num_anchors: int, *, per_row: int | None = None
 ) -> Callable[[AnchorRequest], torch.Tensor]:

@@ -1,49 +1,35 @@
-"""The trainer: the loop of one data-parallel rank, where a step's numbers go, Ctrl-C, and starting the
-ranks (in-process, spawned, or under ``torchrun``)."""
+"""The trainer: the loop of one data-parallel rank, where a step's numbers go, and Ctrl-C (the ranks are
+started by train/launch.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
-import json
-import math
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from dflash_offline import interrupt
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.config_fields import field_ref
-from dflash_offline.drafter.model import DFlashDrafter
-from dflash_offline.errors import ConfigError
 from dflash_offline.interrupt import stop_requested
-from dflash_offline.locking import acquire_lock, hold_lock
-from dflash_offline.placement import DistInfo, free_port, under_torchrun
+from dflash_offline.placement import DistInfo, barrier
 from dflash_offline.train.checkpoint import (
     NonFiniteStep,
     TrainState,
-    check_run_out,
     check_weights_finite,
     checkpoint_to_resume,
     diverged_error,
     first_nonfinite,
-    load_latest_checkpoint,
     rng_state,
     save_checkpoint,
-    set_rng_state,
 )
-from dflash_offline.train.config import DataConfig, LoggingConfig, TrainConfig, ValidationConfig
+from dflash_offline.train.config import TrainConfig, ValidationConfig
 from dflash_offline.train.loader import DamagedLog, Prefetcher, RowReader
 from dflash_offline.train.metrics import (
     Lap,
@@ -59,32 +45,37 @@ from dflash_offline.train.metrics import (
     all_reduce_sum,
     recorded_loss,
 )
-from dflash_offline.train.planner import LengthMixingPlanner, RankSteps, StepPlan
-from dflash_offline.train.segments import LiveDrafter, SegmentStart
-from dflash_offline.train.snapshot import IndexSnapshot, load_snapshot, save_snapshot, take_snapshot
-from dflash_offline.train.split import (
-    SNAPSHOT_FILE,
+from dflash_offline.train.planner import RankSteps, StepPlan
+from dflash_offline.train.prepare import (
+    Continuation,
+    Optimization,
+    SegmentStart,
+    compiles,
+    continue_from_segment,
+    prepare_feature_scale,
+    prepare_split,
+    restore_checkpoint,
+    setup_optimization,
+    validation_schedule,
+    write_config,
+)
+from dflash_offline.train.snapshot import (
+    IndexSnapshot,
     SplitSnapshots,
-    held_out_of_run,
     save_run_split,
-    split_snapshot,
 )
 from dflash_offline.train.step import (
     DrafterSetup,
     OptimizerStep,
     StepOutcome,
     anchor_sampler,
+    autocast_for,
     build_drafter_setup,
     init_weights_from,
     out_of_memory_named,
     seed_everything,
 )
-from dflash_offline.train.validation import ValidationSchedule, Validator
-from dflash_offline.workers.device import bind_device
-from dflash_offline.workers.group import GroupPolicy
-from dflash_offline.workers.records import EventSink, StopFlag, WorkerFailed, WorkerSpec, user_error
-from dflash_offline.workers.spawned import ChildPolicy, SpawnedWorkers, WorkerExit, forwarding_sigint
-from dflash_offline.writable import check_writable_dir
+from dflash_offline.train.validation import ValidationSchedule
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -340,130 +331,6 @@ class TrainResult:
     """Where rank 0's wall time went (None where the ranks ran in other processes and sent none)."""
 
 
-def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
-    """LR multiplier: linear warm-up over ``warmup_ratio`` of the steps, then cosine decay to 0."""
-    warmup = max(1, round(warmup_ratio * total_steps))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _prepare_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> SplitSnapshots:
-    """The run's sample set (taken at the first start by rank 0 and saved; reloaded on resume), split
-    into training and validation samples, the training ones cut to ``--train-samples`` (announced by rank
-    0)."""
-    snapshot = _saved_snapshot(config, reader, info)
-    held_out = held_out_of_run(config.out_dir)  # a follow segment: the validation stores' samples
-    holds_out = config.data.val_fraction > 0 or config.data.val_samples is not None or held_out is not None
-    subsets = config.data.train_samples is not None
-    grouped = held_out is None and (holds_out or subsets)
-    groups = _validation_groups(config, reader, snapshot, info) if grouped else None
-    split = split_snapshot(
-        snapshot,
-        fraction=config.data.val_fraction,
-        num_samples=config.data.val_samples,
-        groups=groups,
-        train_samples=config.data.train_samples,
-        held_out=held_out,
-    )
-    if not info.is_main:
-        return split
-    notes = []
-    if holds_out:
-        if split.validation is None:
-            note = f"no sample of {len(snapshot)} fell into the validation split: no validation"
-        else:
-            v = split.validation
-            note = (
-                f"validation: {len(v)} of {len(snapshot)} samples ({v.total_tokens:,} tokens) held out, "
-                f"never trained on; evaluated every {config.validation.val_every} steps and at the end"
-            )
-            if groups is not None:
-                roots = {groups[s] for s in v.sample_ids}
-                val_group = field_ref(DataConfig, "val_group")
-                note += f"; whole conversations: {len(roots)} roots ({val_group} root-id)"
-            if held_out is not None:
-                note += "; the samples of the validation stores (generate routed whole conversations)"
-        notes.append(note)
-    if subsets:
-        t = split.train
-        note = (
-            f"training on {len(t)} of {split.num_not_held_out} samples ({t.total_tokens:,} tokens; "
-            f"{field_ref(DataConfig, 'train_samples')} {config.data.train_samples}, those of smallest hash"
-        )
-        if groups is not None:
-            note += f", whole conversations: {len({groups[s] for s in t.sample_ids})} roots"
-        notes.append(note + ")")
-    if notes:
-        print(f"dflash train: {'; '.join(notes)}", file=sys.stderr, flush=True)
-    return split
-
-
-def _validation_groups(
-    config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
-) -> dict[str, str] | None:
-    """``--val-group root-id``: each sample's conversation root, read from the cache's data file by rank
-    0 at the first start and saved; reloaded on resume (train/split.py). None for ``sample``."""
-    if config.data.val_group == "sample":
-        return None
-    from dflash_offline.train.split import GROUPS_FILE, conversation_groups, read_groups, save_groups
-
-    path = config.out_dir / GROUPS_FILE
-    if info.is_main and not path.exists():
-        groups = conversation_groups(
-            config.cache_dir,
-            snapshot.sample_ids,
-            source=reader.fingerprint.data_source,
-            progress=config.logging.progress,
-        )
-        save_groups(groups, path)
-    barrier(info)
-    return read_groups(path)
-
-
-def _saved_snapshot(config: TrainConfig, reader: CacheReader, info: DistInfo) -> IndexSnapshot:
-    path = config.out_dir / SNAPSHOT_FILE
-    taken = None
-    if info.is_main and not path.exists():
-        taken = take_snapshot(reader)
-        save_snapshot(taken, path)
-    barrier(info)
-    # The rank that just took it keeps it (bound to this reader already): re-reading, re-sorting and
-    # re-binding a million ids cost seconds before the first step. Everyone else loads the saved one.
-    return taken if taken is not None else load_snapshot(path, reader)
-
-
-def _feature_scale(
-    config: TrainConfig, reader: CacheReader, snapshot: IndexSnapshot, info: DistInfo
-) -> torch.Tensor:
-    """The run's feature scale: computed by rank 0 at the first start and saved; reloaded on resume."""
-    from dflash_offline.train.loader import (
-        FEATURE_SCALE_FILE,
-        compute_feature_scale,
-        load_feature_scale,
-        save_feature_scale,
-    )
-
-    if info.is_main and not (config.out_dir / FEATURE_SCALE_FILE).exists():
-        fp = reader.fingerprint
-        scale = compute_feature_scale(
-            reader,
-            snapshot.reader_rows_N,
-            num_layers=len(fp.layer_ids),
-            feature_width=fp.feature_width,
-            mode=config.drafter.feature_scale,
-            seed=config.data.seed,
-        )
-        save_feature_scale(scale, config.out_dir, mode=config.drafter.feature_scale)
-    barrier(info)
-    return load_feature_scale(config.out_dir)
-
-
 def train_rank(
     config: TrainConfig,
     info: DistInfo,
@@ -477,7 +344,7 @@ def train_rank(
 
     ``reader`` replaces the cache reader for the features (a test feeds live target features);
     ``started_at``: ``time.time()`` when the command started, where start-up is counted from (None: now);
-    ``segment``: the run is a segment of a follow run (train/segments.py), None for an ordinary run."""
+    ``segment``: the run is a segment of a follow run (train/prepare.py), None for an ordinary run."""
     start_time = time.perf_counter()
     clock = WallClock(started_at=time.time() if started_at is None else started_at, device=info.device)
     seed_everything(config.data.seed, deterministic=config.launch.deterministic)
@@ -493,17 +360,17 @@ def train_rank(
     )
     try:
         with stop_on_sigint(second_aborts=not info.distributed):
-            split = _prepare_snapshot(config, cache_reader, info)
+            split = prepare_split(config, cache_reader, info)
             config, state = checkpoint_to_resume(config, info, split.train)
             if info.is_main:  # after the resume check: a refused resume leaves the run's config as it was
-                _write_config(config)
+                write_config(config)
                 save_run_split(config.out_dir, split)  # what `dflash eval` reads (run_split.py)
-            continued = _Continued.start(segment)
+            continued = Continuation.start(segment)
             setup = continued.setup or build_drafter_setup(
                 config, cache_reader.fingerprint, device=info.device
             )
             if config.drafter.feature_scale != "none":
-                setup.model.set_feature_scale(_feature_scale(config, cache_reader, split.train, info))
+                setup.model.set_feature_scale(prepare_feature_scale(config, cache_reader, split.train, info))
             if state is None and config.drafter.init_from is not None:
                 loaded = init_weights_from(setup.model, config.drafter.init_from)
                 if info.is_main:
@@ -519,15 +386,6 @@ def train_rank(
         cache_reader.close()
 
 
-def _write_config(config: TrainConfig) -> None:
-    """Write ``RUN/config.json`` whole, by a rename: another rank may be reading the previous one for its
-    resume check."""
-    path = config.out_dir / "config.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(config.to_dict(), indent=2))
-    os.replace(tmp, path)
-
-
 def _stop_agreed(info: DistInfo) -> bool:
     """True on every rank when any rank was asked to stop (under DDP one scalar all-reduce and read:
     every rank must call it at the same steps)."""
@@ -536,58 +394,6 @@ def _stop_agreed(info: DistInfo) -> bool:
         return flag
     total = all_reduce_sum(torch.tensor([1.0 if flag else 0.0], device=info.device), info)
     return bool(total.item() > 0)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Continued:
-    """What a follow segment's run continues (both None for an ordinary run)."""
-
-    segment: SegmentStart | None
-    live: LiveDrafter | None
-    """The previous segment's drafter and optimizer, handed over in this process."""
-
-    @classmethod
-    def start(cls, segment: SegmentStart | None) -> _Continued:
-        """Take what the previous segment handed over in this process, if anything."""
-        live = segment.live.take() if segment is not None and segment.live is not None else None
-        return cls(segment=segment, live=live)
-
-    @property
-    def setup(self) -> DrafterSetup | None:
-        return None if self.live is None else self.live.setup
-
-    @property
-    def compiled(self) -> bool:
-        return self.live is not None and self.live.compiled
-
-    @property
-    def from_checkpoint(self) -> Path | None:
-        """The previous segment's run, whose final checkpoint a segment started without a handover
-        continues (None: an ordinary run, the first segment, or a handover)."""
-        return None if self.live is not None or self.segment is None else self.segment.previous_run
-
-    def hand_over(self, setup: DrafterSetup, optimizer: torch.optim.Optimizer, *, compiled: bool) -> None:
-        """Leave the drafter and optimizer to the next segment in this process."""
-        if self.segment is not None and self.segment.live is not None:
-            self.segment.live.keep(LiveDrafter(setup=setup, optimizer=optimizer, compiled=compiled))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Optimization:
-    """The stateful objects an optimizer step touches, built once a run by ``_setup_optimization``."""
-
-    model: DFlashDrafter
-    ddp_model: nn.Module
-    """``model`` itself, or its DistributedDataParallel wrapper when the run has several ranks."""
-    params: list[nn.Parameter]
-    """The parameters the optimizer updates (and whose gradient norm is clipped)."""
-    optimizer: torch.optim.Optimizer
-    lr_factor: Callable[[int], float]
-    """LR multiplier of each global step (``cosine_with_warmup`` over ``total_steps``): the learning
-    rate is a pure function of the step, so a resume needs no scheduler state."""
-    planner: LengthMixingPlanner
-    total_steps: int
-    """Steps of the whole run: the planner's over ``epochs``, capped by ``max_steps``."""
 
 
 def _train(
@@ -600,22 +406,22 @@ def _train(
     on_step: Callable[[StepMetrics], None] | None,
     start_time: float,
     clock: WallClock,
-    continued: _Continued,
+    continued: Continuation,
 ) -> TrainResult:
     """Set up the optimization (from ``state``, the checkpoint resumed, if any, else from what a follow
     segment continues), train until the end or an early stop, export."""
-    opt = _setup_optimization(config, info, setup.model, split.train, continued)
+    opt = setup_optimization(config, info, setup.model, split.train, continued)
     if compiles(config, info.device) and not continued.compiled:
         opt.model.compile_training()
     if state is not None:
-        _restore(config, info, opt, state)
+        restore_checkpoint(config, info, opt, state)
     elif continued.from_checkpoint is not None:
-        _continue_segment(config, info, opt, continued.from_checkpoint)
+        continue_from_segment(config, info, opt, continued.from_checkpoint)
     elif config.checkpoint.export_initial and info.is_main:
         from dflash_offline.drafter.export import export_drafter
 
         export_drafter(opt.model, config.out_dir / "drafter-initial")
-    validation = _validation_schedule(config, info, split, reader, state)
+    validation = validation_schedule(config, info, split, reader, state)
     stopped_early = _stopped_before_start(info, opt, validation)
     last_loss = None
     if not stopped_early:
@@ -661,38 +467,7 @@ def _train(
     )
 
 
-def _validation_schedule(
-    config: TrainConfig, info: DistInfo, split: SplitSnapshots, reader: RowReader, state: TrainState | None
-) -> ValidationSchedule | None:
-    """The run's validation (None without a split), its tracker restored from ``state``."""
-    if split.validation is None:
-        return None
-    validator = Validator(
-        split.validation,
-        reader,
-        info=info,
-        tokens_per_microbatch=config.data.tokens_per_microbatch,
-        prefetch=config.launch.prefetch,
-        loader_threads=config.launch.loader_threads,
-        attention=config.launch.attention,
-        chain_tokens=config.validation.val_chain_tokens,
-        autocast=_autocast(config, info),
-    )
-    schedule = ValidationSchedule(
-        validator,
-        state={} if state is None else state.validation,
-        val_every=config.validation.val_every,
-        early_stop=config.validation.early_stop,
-        best_export_dir=config.out_dir / "drafter"
-        if config.checkpoint.export_at_end and info.is_main
-        else None,
-    )
-    if schedule.tracker.restarted is not None and info.is_main:
-        print(f"dflash train: {schedule.tracker.restarted}", file=sys.stderr, flush=True)
-    return schedule
-
-
-def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None) -> bool:
+def _stopped_before_start(info: DistInfo, opt: Optimization, validation: ValidationSchedule | None) -> bool:
     """True (and said once) when the resumed run had already stopped early: no step is left to run."""
     if validation is None or not validation.should_stop():
         return False
@@ -707,7 +482,7 @@ def _stopped_before_start(info: DistInfo, opt: _Optimization, validation: Valida
 
 
 def _export_at_end(
-    config: TrainConfig, info: DistInfo, opt: _Optimization, validation: ValidationSchedule | None
+    config: TrainConfig, info: DistInfo, opt: Optimization, validation: ValidationSchedule | None
 ) -> Path | None:
     """Export the drafter (rank 0, unless ``export_at_end`` is off); the directory of the run's drafter."""
     from dflash_offline.drafter.export import export_drafter
@@ -721,111 +496,10 @@ def _export_at_end(
     return config.out_dir / "drafter"
 
 
-def _setup_optimization(
-    config: TrainConfig, info: DistInfo, model: DFlashDrafter, snapshot: IndexSnapshot, continued: _Continued
-) -> _Optimization:
-    """DDP wrapper, optimizer, planner and LR schedule of a fresh run (``_resume`` loads a checkpoint); a
-    follow segment keeps the optimizer handed over and steps on the follow run's schedule."""
-    ddp_model: nn.Module = model
-    if info.distributed:
-        ddp_model = nn.parallel.DistributedDataParallel(
-            model,
-            device_ids=[info.device.index] if info.device.type == "cuda" else None,
-            broadcast_buffers=False,  # the frozen head is a (large) buffer: never re-broadcast it
-        )
-    params = model.trainable_parameters()
-    optimizer: torch.optim.Optimizer
-    if continued.live is not None:
-        optimizer = continued.live.optimizer
-    elif config.optimizer.algorithm == "sgd":
-        optimizer = torch.optim.SGD(
-            params, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
-        )
-    else:
-        optimizer = torch.optim.AdamW(
-            params, lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
-        )
-    planner = length_mixing_planner(config, snapshot, world_size=info.world_size)
-    total_steps = planner.total_steps(config.optimizer.epochs)
-    if config.optimizer.max_steps is not None:
-        total_steps = min(total_steps, config.optimizer.max_steps)
-    lr_factor = cosine_with_warmup(total_steps, config.optimizer.warmup_ratio)
-    if continued.segment is not None:
-        if total_steps != continued.segment.num_steps:
-            raise ConfigError(
-                f"this follow segment plans {total_steps} steps where the run planned "
-                f"{continued.segment.num_steps}: continue the run with the options that started it"
-            )
-        lr_factor = continued.segment.lr_factor
-    return _Optimization(
-        model=model,
-        ddp_model=ddp_model,
-        params=params,
-        optimizer=optimizer,
-        lr_factor=lr_factor,
-        planner=planner,
-        total_steps=total_steps,
-    )
-
-
-def _load_weights_and_optimizer(config: TrainConfig, opt: _Optimization, state: TrainState) -> None:
-    """The drafter's weights and the optimizer's state of a checkpoint, with this invocation's weight
-    decay (an APPLIED option: the command line's, not the checkpoint's)."""
-    opt.model.load_state_dict(state.model)
-    opt.optimizer.load_state_dict(state.optimizer)
-    for group in opt.optimizer.param_groups:
-        group["weight_decay"] = config.optimizer.weight_decay
-
-
-def length_mixing_planner(
-    config: TrainConfig, train: IndexSnapshot, *, world_size: int
-) -> LengthMixingPlanner:
-    """The sample plan of a run over its training samples ``train`` (a follow run counts a segment's steps
-    with it before the segment's run plans them)."""
-    return LengthMixingPlanner(
-        train,
-        seed=config.data.seed,
-        tokens_per_microbatch=config.data.tokens_per_microbatch,
-        grad_accum=config.topology.grad_accum,
-        world_size=world_size,
-    )
-
-
-def _restore(config: TrainConfig, info: DistInfo, opt: _Optimization, state: TrainState) -> None:
-    """Load the resumed checkpoint ``state`` (admitted by ``resume.checkpoint_to_resume``) into ``opt``."""
-    _load_weights_and_optimizer(config, opt, state)
-    opt.planner.load_state_dict(state.planner)
-    set_rng_state(state.rng)
-    if info.is_main:
-        left = opt.total_steps - state.global_step
-        print(
-            f"dflash train: resumed from the checkpoint of step {state.global_step} of {opt.total_steps}"
-            + (f" ({left} steps to go)" if left > 0 else " (nothing left to train)"),
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def _continue_segment(config: TrainConfig, info: DistInfo, opt: _Optimization, previous_run: Path) -> None:
-    """A follow segment's first start in a fresh process: the weights and optimizer state of the previous
-    segment's final checkpoint (its planner and RNG stay this segment's own, as a live handover leaves
-    them)."""
-    state = load_latest_checkpoint(previous_run, is_main=info.is_main)
-    if state is None:
-        raise ConfigError(f"{previous_run} has no checkpoint to continue from: its segment was never trained")
-    _load_weights_and_optimizer(config, opt, state)
-    if info.is_main:
-        print(
-            f"dflash train: continuing from the last checkpoint of {previous_run} (step {state.global_step})",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
 def _run_steps(
     config: TrainConfig,
     info: DistInfo,
-    opt: _Optimization,
+    opt: Optimization,
     snapshot: IndexSnapshot,
     reader: RowReader,
     reporter: StepReporter,
@@ -891,7 +565,7 @@ def _run_steps(
     return False
 
 
-def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> OptimizerStep:
+def _optimizer_step(config: TrainConfig, info: DistInfo, opt: Optimization) -> OptimizerStep:
     return OptimizerStep(
         model=opt.model,
         ddp_model=opt.ddp_model,
@@ -901,14 +575,14 @@ def _optimizer_step(config: TrainConfig, info: DistInfo, opt: _Optimization) -> 
         info=info,
         grad_clip=config.optimizer.grad_clip,
         attention=config.launch.attention,
-        autocast=_autocast(config, info),
+        autocast=autocast_for(config, info),
     )
 
 
 def _stops_after(
     config: TrainConfig,
     info: DistInfo,
-    opt: _Optimization,
+    opt: Optimization,
     reporter: StepReporter,
     validation: ValidationSchedule | None,
     global_step: int,
@@ -943,23 +617,7 @@ def _stops_after(
     return early_stop
 
 
-def _autocast(config: TrainConfig, info: DistInfo) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast with ``--autocast bf16``, or ``auto`` on CUDA; otherwise none (float32)."""
-    use_bf16 = config.launch.autocast == "bf16" or (
-        config.launch.autocast == "auto" and info.device.type == "cuda"
-    )
-    return torch.autocast(info.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-
-
-def compiles(config: TrainConfig, device: torch.device) -> bool:
-    """Whether the run compiles the drafter's layers: ``--compile on``, or ``auto`` on CUDA without
-    ``--deterministic`` (whose loss curve stays the eager one; see ``LaunchConfig.compile``)."""
-    if config.launch.compile == "auto":
-        return device.type == "cuda" and not config.launch.deterministic
-    return config.launch.compile == "on"
-
-
-def _is_checkpoint_step(config: TrainConfig, opt: _Optimization, global_step: int) -> bool:
+def _is_checkpoint_step(config: TrainConfig, opt: Optimization, global_step: int) -> bool:
     return global_step % config.checkpoint.checkpoint_every == 0 or global_step == opt.total_steps
 
 
@@ -969,7 +627,7 @@ class _CheckpointContext:
 
     config: TrainConfig
     info: DistInfo
-    opt: _Optimization
+    opt: Optimization
     """The drafter, optimizer and planner whose states are saved."""
     reporter: StepReporter
     """Its throughput leaves the checkpoint's time out; its unread steps are checked for non-finite values."""
@@ -1029,280 +687,3 @@ def _checkpoint(at: _CheckpointContext) -> None:
             keep=config.checkpoint.keep_checkpoints,
         )
     barrier(at.info)
-
-
-# ─── Joining the process group ──────────────────────────────────────────────────────────────────────────────
-
-
-def init_distributed(
-    *, rank: int, world_size: int, local_rank: int, use_cuda: bool, timeout_s: float = 1800
-) -> DistInfo:
-    """Join the process group (when world_size > 1) and pick this rank's device.
-
-    Expects MASTER_ADDR / MASTER_PORT in the environment (torchrun sets them; ``launch`` does too)."""
-    if use_cuda:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
-    return DistInfo(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        device=device,
-        backend=backend if world_size > 1 else "none",
-    )
-
-
-def dist_info_from_env(*, use_cuda: bool) -> DistInfo:
-    """Under torchrun: rank, world size and local rank from its environment variables."""
-    return init_distributed(
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        use_cuda=use_cuda,
-    )
-
-
-def barrier(info: DistInfo) -> None:
-    if info.distributed:
-        dist.barrier()
-
-
-def shutdown(info: DistInfo) -> None:
-    if info.distributed and dist.is_initialized():
-        # Objects in reference cycles (DDP's reducer and the gloo work it holds) are freed now, while the
-        # interpreter is alive: freed during its finalization, gloo's threads can abort the process after a
-        # finished run (seen once under torchrun on 2 CPU ranks: "terminate called without an active
-        # exception", SIGABRT, after the run's last checkpoint; a mitigation, not yet shown to be the cause).
-        gc.collect()
-        dist.destroy_process_group()
-
-
-# ─── Starting the ranks ─────────────────────────────────────────────────────────────────────────────────────
-# Start training where the config says: one DDP process per GPU (spawned), ``torchrun`` ranks, or
-# CPU processes over gloo. One process trains in-process (no spawn).
-
-
-def _cpu_threads(config: TrainConfig) -> int:
-    return config.launch.threads_per_worker or max(1, (os.cpu_count() or 1) // config.launch.world_size)
-
-
-ORPHAN_GRACE_SECONDS = 120.0
-"""A rank whose launcher died stops at its step boundary (its parent-death signal is SIGINT, a stop
-request here) and checkpoints; one that has not exited this long after is ended (a rank blocked in a
-collective for a dead peer would otherwise live on, holding its GPU)."""
-
-RANK_PROCESS = ChildPolicy(
-    parent_death_signal=signal.SIGINT, orphan_grace_seconds=ORPHAN_GRACE_SECONDS, ignore_sigint=False
-)
-"""A spawned rank handles Ctrl-C itself: it stops at its step boundary with a checkpoint."""
-RANK_GROUP = GroupPolicy(
-    label="rank", resumable="the run", process_name="dflash-train-rank", drain_seconds=30.0
-)
-"""When a rank failed, the others are ended (SIGTERM, SIGKILL ``drain_seconds`` later if still alive)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RankTask:
-    """What a spawned rank trains (``WorkerSpec.task``, pickled at spawn)."""
-
-    config: TrainConfig
-    port: int
-    """The rendezvous port on 127.0.0.1 (``MASTER_PORT``)."""
-    started_at: float
-    """``time.time()`` when the command started: where the ranks count their start-up from."""
-    segment: SegmentStart | None = None
-    """The follow segment the run trains (without a live handover: each rank is a process of its own)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RankInterrupted:
-    """A spawned rank stopped on request after ``step``, with a checkpoint of that step on disk."""
-
-    worker: int
-    step: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RankFinished:
-    """Rank 0 finished training: where its wall time went (the launcher's summary reports it)."""
-
-    worker: int
-    wall: WallSplit | None
-
-
-def _rank_main(spec: WorkerSpec[RankTask], events: EventSink, stop: StopFlag) -> None:
-    """Entry point of a spawned rank (``workers.spawned``: it dies with its launcher, and any exception
-    reaches the launcher as ``WorkerFailed``)."""
-    # A terminal's Ctrl-C reaches every rank (and the launcher forwards it): stop at the step boundary.
-    with stop_on_sigint(second_aborts=False):
-        try:
-            result = _run_spawned_rank(spec)
-            if spec.worker == 0:
-                events.put(RankFinished(worker=spec.worker, wall=result.wall))
-        except TrainInterrupted as e:
-            events.put(RankInterrupted(worker=spec.worker, step=e.step))
-
-
-def _run_spawned_rank(spec: WorkerSpec[RankTask]) -> TrainResult:
-    config, rank = spec.task.config, spec.worker
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(spec.task.port)
-    use_cuda = bool(config.launch.gpus)
-    bind_device(spec)  # rank r drives the r-th listed GPU (its spec's device), or its CPU threads
-    info = init_distributed(
-        rank=rank,
-        world_size=config.launch.world_size,
-        local_rank=config.launch.gpus[rank] if use_cuda else rank,
-        use_cuda=use_cuda,
-    )
-    try:
-        return train_rank(config, info, started_at=spec.task.started_at, segment=spec.task.segment)
-    finally:
-        shutdown(info)
-
-
-def _rank_specs(
-    config: TrainConfig, started_at: float, segment: SegmentStart | None
-) -> list[WorkerSpec[RankTask]]:
-    if segment is not None:
-        segment = replace(segment, live=None)  # live objects stay in this process
-    task = RankTask(config=config, port=free_port(), started_at=started_at, segment=segment)
-    return [
-        WorkerSpec(
-            worker=rank,
-            num_workers=config.launch.world_size,
-            device=f"cuda:{config.launch.gpus[rank]}" if config.launch.gpus else "cpu",
-            cpu_threads=None if config.launch.gpus else _cpu_threads(config),
-            task=task,
-        )
-        for rank in range(config.launch.world_size)
-    ]
-
-
-def _spawn(config: TrainConfig, started_at: float, segment: SegmentStart | None) -> WallSplit | None:
-    """One spawned process per rank; a rank's DflashError or Ctrl-C reaches the caller as itself, a rank's
-    bug or death as the error torch's ``mp.spawn`` raised (with the rank's traceback). Returns rank 0's
-    wall split."""
-    specs = _rank_specs(config, started_at, segment)
-    group = SpawnedWorkers(_rank_main, specs, policy=RANK_GROUP, child=RANK_PROCESS)
-    events: list[object] = []
-    group.start()
-    # The launcher only waits: it passes a Ctrl-C on (a kill -INT of the launcher alone must stop the
-    # ranks at a step boundary too; they ignore the repeat a terminal's Ctrl-C also sends them).
-    with forwarding_sigint(group):
-        exited = group.wait_for_exit(events.append)
-        if exited is not None:
-            group.terminate()  # the other ranks would wait for the failed one in their next collective
-        group.drain_and_join(events.append)
-    for event in events:
-        if isinstance(event, RankInterrupted):
-            raise TrainInterrupted(event.step)
-    failures = {event.worker: event for event in events if isinstance(event, WorkerFailed)}
-    for failed in failures.values():
-        error = user_error(failed)
-        if error is not None:
-            raise error  # one line at the CLI
-    if exited is not None:
-        raise _spawn_error(exited, failures.get(exited.worker))
-    return next((e.wall for e in events if isinstance(e, RankFinished)), None)
-
-
-def _spawn_error(exited: WorkerExit, failed: WorkerFailed | None) -> Exception:
-    """What torch's ``mp.spawn`` raised for a rank that ended with ``exited`` (its traceback: ``failed``)."""
-    import torch.multiprocessing as mp
-
-    if failed is not None:
-        message = f"\n\n-- Process {exited.worker:d} terminated with the following error:\n{failed.traceback}"
-        return mp.ProcessRaisedException(message, exited.worker, exited.pid)
-    if exited.exit_code >= 0:
-        return mp.ProcessExitedException(
-            f"process {exited.worker:d} terminated with exit code {exited.exit_code:d}",
-            error_index=exited.worker,
-            error_pid=exited.pid,
-            exit_code=exited.exit_code,
-        )
-    try:
-        name = signal.Signals(-exited.exit_code).name
-    except ValueError:
-        name = f"<Unknown signal {-exited.exit_code}>"
-    return mp.ProcessExitedException(
-        f"process {exited.worker:d} terminated with signal {name}",
-        error_index=exited.worker,
-        error_pid=exited.pid,
-        exit_code=exited.exit_code,
-        signal_name=name,
-    )
-
-
-def run_training(
-    config: TrainConfig, *, started_at: float | None = None, segment: SegmentStart | None = None
-) -> TrainResult | None:
-    """Train; returns the result in the main process (None in a torchrun rank other than 0).
-
-    ``started_at``: ``time.time()`` when the command started, where the start-up is counted from (None:
-    now; under torchrun each rank counts from its own call). ``segment``: the run trains one segment of a
-    follow run (train/follow.py; never under torchrun), None for an ordinary run.
-
-    One run at a time per ``--out``: the launcher (under torchrun: rank 0) holds ``OUT/lock``, and a
-    second run into the same directory is refused naming the holder (``LockedError``)."""
-    started_at = time.time() if started_at is None else started_at
-    check_writable_dir(config.out_dir, option=field_ref(TrainConfig, "out_dir"))
-    check_run_out(config.out_dir, option=field_ref(TrainConfig, "out_dir"))
-    if config.logging.tensorboard_dir is not None:
-        check_writable_dir(config.logging.tensorboard_dir, option=field_ref(LoggingConfig, "tensorboard_dir"))
-    if under_torchrun():
-        info = dist_info_from_env(use_cuda=torch.cuda.is_available())
-        if info.device.type == "cpu" and config.launch.threads_per_worker > 0:
-            torch.set_num_threads(config.launch.threads_per_worker)  # --threads, as for spawned workers
-        lock = acquire_lock(config.out_dir, what="training run") if info.is_main else None
-        try:
-            result = train_rank(config, info, started_at=started_at)
-        finally:
-            shutdown(info)
-            if lock is not None:
-                lock.release()
-        return result if info.is_main else None
-    with hold_lock(config.out_dir, what="training run"):
-        return _run_training_locked(config, started_at, segment)
-
-
-def _run_training_locked(
-    config: TrainConfig, started_at: float, segment: SegmentStart | None
-) -> TrainResult | None:
-    if config.launch.world_size == 1:
-        if config.launch.gpus:
-            info = init_distributed(rank=0, world_size=1, local_rank=config.launch.gpus[0], use_cuda=True)
-        else:
-            torch.set_num_threads(_cpu_threads(config))
-            info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
-        return train_rank(config, info, started_at=started_at, segment=segment)
-    start = time.perf_counter()
-    wall = _spawn(config, started_at, segment)
-    # The ranks ran in other processes: read what rank 0 logged.
-    from dflash_offline.train.metrics import read_metrics, recorded_number, validation_records
-
-    metrics_path = config.out_dir / "metrics.jsonl"
-    metrics = read_metrics(metrics_path) if metrics_path.exists() else []
-    last = metrics[-1] if metrics else {}
-    step = int(last.get("step", 0))  # type: ignore[call-overload]
-    # The tracker's criterion; lines of a run resumed from before chain τ do not carry it.
-    validated = [r for r in validation_records(metrics) if "val_chain_tau" in r]
-    best = max(validated, key=lambda r: recorded_number(r["val_chain_tau"]), default=None)
-    return TrainResult(
-        global_step=step,
-        total_steps=step,
-        final_loss=recorded_number(last["loss"]) if "loss" in last else None,
-        export_dir=config.out_dir / "drafter" if config.checkpoint.export_at_end else None,
-        seconds=time.perf_counter() - start,
-        best_validation_tau=None if best is None else recorded_number(best["val_chain_tau"]),
-        best_validation_step=0 if best is None else int(best["step"]),  # type: ignore[call-overload]
-        wall=wall,
-    )

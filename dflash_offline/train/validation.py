@@ -31,8 +31,17 @@ from dflash_offline.train.planner import (
     ScheduledMicrobatch,
     anchor_seed,
 )
-from dflash_offline.train.snapshot import IndexSnapshot, bind_snapshot
-from dflash_offline.train.split import validation_split_of_run
+from dflash_offline.train.snapshot import (
+    GROUPS_FILE,
+    SNAPSHOT_FILE,
+    IndexSnapshot,
+    SplitSnapshots,
+    bind_snapshot,
+    held_out_of_run,
+    read_groups,
+    read_snapshot,
+    split_snapshot,
+)
 from dflash_offline.train.step import anchor_sampler
 
 # ─── Chain τ ────────────────────────────────────────────────────────────────────────────────────────────────
@@ -186,7 +195,7 @@ def row_chain_cycles(
 # ─── The validator ──────────────────────────────────────────────────────────────────────────────────────────
 # Validation during training: loss, accuracy per block position and simulated τ of the held-out split.
 #
-# The split (train/split.py) is packed once into microbatches under the training token budget, shortest
+# The split (train/snapshot.py) is packed once into microbatches under the training token budget, shortest
 # samples first, in a fixed order; each microbatch's anchors are drawn by the training rule with a seed
 # fixed by its sample ids alone (not the run's seed, not the step), so every evaluation of every run
 # over the same split sees the same blocks and the values are comparable across steps and runs. On DDP
@@ -445,6 +454,62 @@ class ValidationSchedule:
             f"early stop: {t.evals_since_best} validations without a better chain τ than "
             f"{t.best_tau:.4f} (step {t.best_step}, the export in OUT/drafter)"
         )
+
+
+# ─── A finished run's validation split ──────────────────────────────────────────────────────────────────────
+# A finished run's split, recomputed as the run computed it from the files it saved (config.json, the
+# snapshot, the groups; train/snapshot.py): the samples ``acceptance_at_every_anchor`` measures.
+
+
+def validation_ids_of_run(run_dir: Path) -> frozenset[str] | None:
+    """The validation sample ids of a ``dflash train`` run (from its config.json and saved snapshot);
+    None when ``run_dir`` is not a run, has no snapshot yet, or holds nothing out."""
+    validation = validation_split_of_run(run_dir)
+    return None if validation is None else frozenset(validation.sample_ids)
+
+
+def validation_split_of_run(run_dir: Path) -> IndexSnapshot | None:
+    """The validation split of a ``dflash train`` run, as the run took it (its config.json, saved snapshot
+    and groups), bound to no reader; None when ``run_dir`` is not a run, has no snapshot yet, or holds
+    nothing out."""
+    split = split_of_run(run_dir)
+    return None if split is None else split.validation
+
+
+def split_of_run(run_dir: Path) -> SplitSnapshots | None:
+    """A ``dflash train`` run's split, recomputed as the run computed it (config.json, the saved snapshot
+    and groups); None when ``run_dir`` is not a run or has no snapshot yet."""
+    try:
+        config = saved_options(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, ConfigError):
+        return None
+    if not (run_dir / SNAPSHOT_FILE).is_file():
+        return None
+    fraction = config.get("val_fraction")
+    num_samples = config.get("val_samples")
+    train_samples = config.get("train_samples")
+    if not isinstance(fraction, int | float) or not (num_samples is None or isinstance(num_samples, int)):
+        return None
+    if not (train_samples is None or isinstance(train_samples, int)):
+        return None
+    groups = None
+    held_out = held_out_of_run(run_dir)
+    if held_out is None and config.get("val_group") == "root-id":
+        if not (run_dir / GROUPS_FILE).is_file():
+            return None
+        groups = read_groups(run_dir / GROUPS_FILE)
+    snapshot = read_snapshot(run_dir / SNAPSHOT_FILE)
+    try:
+        return split_snapshot(
+            snapshot,
+            fraction=float(fraction),
+            num_samples=num_samples,
+            groups=groups,
+            train_samples=train_samples,
+            held_out=held_out,
+        )
+    except ConfigError:  # not a split the run could have taken (its files were changed): no answer
+        return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

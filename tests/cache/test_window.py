@@ -32,7 +32,7 @@ from dflash_offline.cache.window import (
 )
 from dflash_offline.cache.window_records import StoreRetirement, WindowWait
 from dflash_offline.cache.writer import ShardWriter
-from dflash_offline.train.split import validation_key, validation_mask
+from dflash_offline.train.snapshot import validation_key, validation_mask
 from tests.cache._samples import TINY, assert_same, make_fingerprint, make_samples
 
 VAL_FRACTION = 0.25

@@ -98,7 +98,7 @@ def test_every_config_field_with_a_cli_spec_is_an_option_with_the_field_default(
 
 
 def test_train_cli_builds_the_config_a_caller_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    _capture(monkeypatch, "dflash_offline.train.trainer", "run_training")
+    _capture(monkeypatch, "dflash_offline.train.launch", "run_training")
     cache, out = tmp_path / "c", tmp_path / "run"
     base = ["train", "--cache", str(cache), "--out", str(out)]
     assert _invoked_with(base) == TrainConfig.from_options(cache_dir=cache, out_dir=out)
@@ -129,7 +129,7 @@ def test_train_compile_takes_auto_on_or_off_and_refuses_anything_else(
 ) -> None:
     """``--compile`` takes a value now (it was a flag): the value reaches the config; another value, or
     the old bare flag, is click's one-line refusal naming the choices, before any run."""
-    _capture(monkeypatch, "dflash_offline.train.trainer", "run_training")
+    _capture(monkeypatch, "dflash_offline.train.launch", "run_training")
     base = ["train", "--cache", str(tmp_path / "c"), "--out", str(tmp_path / "run")]
     for value in ("auto", "on", "off"):
         assert _invoked_with([*base, "--compile", value]).launch.compile == value
@@ -334,7 +334,7 @@ def test_the_removed_regenerate_engines_are_click_s_invalid_choice(
     [
         ("generate", "dflash_offline.generate.launch", "generate_from_config"),
         ("regenerate", "dflash_offline.regenerate.run", "run_regenerate"),
-        ("train", "dflash_offline.train.trainer", "run_training"),
+        ("train", "dflash_offline.train.launch", "run_training"),
     ],
 )
 def test_a_negative_thread_count_is_refused_in_one_line(
@@ -391,7 +391,7 @@ def test_sql_takes_the_statement_after_a_cache_option(
 def test_train_and_generate_take_a_positional_cache_too(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    _capture(monkeypatch, "dflash_offline.train.trainer", "run_training")
+    _capture(monkeypatch, "dflash_offline.train.launch", "run_training")
     cache, out = tmp_path / "c", tmp_path / "run"
     assert _invoked_with(["train", str(cache), "--out", str(out)]).cache_dir == cache
     result = CliRunner().invoke(main, ["train", "--out", str(out)])

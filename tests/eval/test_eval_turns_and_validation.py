@@ -29,8 +29,7 @@ from dflash_offline.eval.prompts import render_prompt_ids, resolve_held_out, sel
 from dflash_offline.eval.question_decoding import Decoders, EvalQuestion, decode_question
 from dflash_offline.eval.validation_set import select_validation_prompts
 from dflash_offline.target_model.loader import LoadedTarget, load_target
-from dflash_offline.train.snapshot import save_snapshot, take_snapshot
-from dflash_offline.train.split import save_run_split, split_snapshot
+from dflash_offline.train.snapshot import save_run_split, save_snapshot, split_snapshot, take_snapshot
 from tests.eval.helpers import WORDS, export_untrained, one_thread, untrained_drafter, write_tiny_cache
 from tests.oracles.reference_decode import TargetCaller, target_only_decode
 

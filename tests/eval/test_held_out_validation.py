@@ -22,8 +22,13 @@ from dflash_offline.eval.prompts import resolve_held_out, select_prompts
 from dflash_offline.eval.validation_set import select_validation_prompts
 from dflash_offline.run_split import SPLIT_FILE
 from dflash_offline.target_model.loader import load_tokenizer
-from dflash_offline.train.snapshot import save_snapshot, subset_snapshot, take_snapshot
-from dflash_offline.train.split import save_run_split, split_snapshot
+from dflash_offline.train.snapshot import (
+    save_run_split,
+    save_snapshot,
+    split_snapshot,
+    subset_snapshot,
+    take_snapshot,
+)
 from tests.eval.helpers import write_chat_jsonl, write_tiny_cache
 
 FRACTION = 0.35

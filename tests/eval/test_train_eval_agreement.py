@@ -49,9 +49,9 @@ from dflash_offline.generate.run import run_generate
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.target_model.loader import load_target
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
-from dflash_offline.train.split import validation_key
-from dflash_offline.train.trainer import run_training
+from dflash_offline.train.snapshot import validation_key
 from dflash_offline.train.validation import acceptance_at_every_anchor
 from tests.eval.helpers import one_thread
 from tests.generate.helpers import tiny_config

@@ -13,7 +13,7 @@ from dflash_offline.cache.window import is_validation_store
 from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import conversation_root, iter_records
 from dflash_offline.generate.run import run_generate
-from dflash_offline.train.split import validation_key, validation_mask
+from dflash_offline.train.snapshot import validation_key, validation_mask
 
 from .helpers import make_conversations_jsonl, tiny_config
 

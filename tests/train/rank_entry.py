@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash_offline.errors import ConfigError
-from dflash_offline.train import trainer
+from dflash_offline.train import launch
 
 FAULT_TEXT = "injected fault in rank 1"
 
@@ -23,10 +23,10 @@ def _rank_1_raises(error: BaseException) -> Callable[..., Any]:
 
 
 def rank_1_config_error(spec: Any, events: Any, stop: Any) -> None:
-    trainer.train_rank = _rank_1_raises(ConfigError(FAULT_TEXT))  # type: ignore[assignment]
-    trainer._rank_main(spec, events, stop)
+    launch.train_rank = _rank_1_raises(ConfigError(FAULT_TEXT))  # type: ignore[assignment]
+    launch._rank_main(spec, events, stop)
 
 
 def rank_1_bug(spec: Any, events: Any, stop: Any) -> None:
-    trainer.train_rank = _rank_1_raises(RuntimeError(FAULT_TEXT))  # type: ignore[assignment]
-    trainer._rank_main(spec, events, stop)
+    launch.train_rank = _rank_1_raises(RuntimeError(FAULT_TEXT))  # type: ignore[assignment]
+    launch._rank_main(spec, events, stop)

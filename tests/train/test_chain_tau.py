@@ -20,8 +20,8 @@ from dflash_offline.errors import ResumeError
 from dflash_offline.train import trainer
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import ValidationMetrics, read_metrics, validation_records
-from dflash_offline.train.trainer import run_training
 from dflash_offline.train.validation import (
     ValidationTracker,
     acceptance_at_every_anchor,

@@ -1,5 +1,5 @@
 """``--compile auto|on|off`` (train/config.py): auto compiles the drafter's layers on CUDA only and not
-under ``--deterministic`` (``train/trainer.py:compiles``, checked against the rule written out here); a run
+under ``--deterministic`` (``train/prepare.py:compiles``, checked against the rule written out here); a run
 honours it; a ``compile: true``/``false`` written into config.json before the option took three values
 still exports and resumes; a bool given in code is refused, not read as "off"."""
 
@@ -16,7 +16,8 @@ from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.errors import ConfigError
 from dflash_offline.train.checkpoint import export_run, list_checkpoints
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.train.trainer import compiles, run_training
+from dflash_offline.train.launch import run_training
+from dflash_offline.train.prepare import compiles
 from tests.train.helpers import flat_config_json, train_config
 
 # (--compile, device, --deterministic, compiles?): the rule as the option's help states it.

@@ -14,7 +14,7 @@ import torch
 
 from dflash_offline.errors import DivergedError
 from dflash_offline.train.checkpoint import export_run, list_checkpoints, load_latest_checkpoint
-from dflash_offline.train.trainer import run_training
+from dflash_offline.train.launch import run_training
 from tests.train.helpers import train_config
 
 

@@ -19,8 +19,7 @@ from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.follow import read_follow_state, run_follow, segment_dir
 from dflash_offline.train.planner import LengthMixingPlanner
-from dflash_offline.train.snapshot import read_snapshot
-from dflash_offline.train.split import SNAPSHOT_FILE, held_out_of_run, split_snapshot
+from dflash_offline.train.snapshot import SNAPSHOT_FILE, held_out_of_run, read_snapshot, split_snapshot
 from tests.generate.helpers import make_chat_jsonl, tiny_config
 from tests.tiny_caches import build_once, copy_cache, shared_temp_dir
 from tests.train.helpers import train_config

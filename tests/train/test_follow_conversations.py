@@ -13,7 +13,8 @@ from dflash_offline.cache.window import is_validation_store
 from dflash_offline.generate.run import run_generate
 from dflash_offline.run_split import read_run_split
 from dflash_offline.train.follow import read_follow_state, run_follow, segment_dir
-from dflash_offline.train.split import split_of_run, validation_key
+from dflash_offline.train.snapshot import validation_key
+from dflash_offline.train.validation import split_of_run
 from tests.generate.helpers import tiny_config
 from tests.generate.test_window_conversations import VAL_FRACTION, related_records
 from tests.train.helpers import train_config
@@ -50,7 +51,7 @@ def test_follow_segments_hold_out_the_validation_stores_whole_conversations(tmp_
     assert split.train == set(root_of) - in_validation_store
     roots_held = {root_of[s] for s in split.validation}
     assert not any(root_of[s] in roots_held for s in split.train)  # no conversation on both sides
-    # The split as recomputed for ``dflash eval`` (train/split.py ``split_of_run``) is the run's own.
+    # The split as recomputed for ``dflash eval`` (train/validation.py ``split_of_run``) is the run's own.
     again = split_of_run(folder)
     assert again is not None
     assert again.validation is not None

@@ -1,4 +1,4 @@
-"""The segments of ``dflash train --follow`` are one optimization (train/segments.py, docs/follow.md):
+"""The segments of ``dflash train --follow`` are one optimization (train/prepare.py, docs/follow.md):
 one LR schedule over the run's global steps (warm-up once, no drop at a segment's end, the decay over
 the final segment), one optimizer whose state continues across a segment boundary, and a run stopped
 inside a segment and resumed ends where the uninterrupted run ends, bit for bit (CPU, deterministic).
@@ -115,7 +115,7 @@ def uninterrupted(staged_cache: Path, tmp_path_factory: pytest.TempPathFactory) 
     root = tmp_path_factory.mktemp("uninterrupted")
     cache, run = cache_copy(staged_cache, root), root / "run"
     at_setup: list[dict[str, Any]] = []
-    real_setup = trainer._setup_optimization
+    real_setup = trainer.setup_optimization
 
     def setup(*args: Any, **kwargs: Any) -> Any:
         opt = real_setup(*args, **kwargs)
@@ -125,7 +125,7 @@ def uninterrupted(staged_cache: Path, tmp_path_factory: pytest.TempPathFactory) 
     config = config_for(cache, run)
     with pytest.MonkeyPatch.context() as m:
         stage_generate(m, run)
-        m.setattr(trainer, "_setup_optimization", setup)
+        m.setattr(trainer, "setup_optimization", setup)
         result = run_follow(config)
     return Uninterrupted(cache=cache, run=run, config=config, result=result, at_setup=at_setup)
 
@@ -325,9 +325,8 @@ def test_the_final_drafter_is_exported_when_no_segment_was_planned_as_the_last(
 @pytest.mark.parametrize("ratio", [0.0, 0.04, 0.5])
 def test_a_run_of_one_final_segment_gets_an_ordinary_runs_schedule(total: int, ratio: float) -> None:
     """Generate had finished before training began: one segment, final from its first step, whose LR is
-    the cosine with warm-up of an ordinary run of its steps (``trainer.cosine_with_warmup``)."""
-    from dflash_offline.train.segments import FollowSchedule
-    from dflash_offline.train.trainer import cosine_with_warmup
+    the cosine with warm-up of an ordinary run of its steps (``prepare.cosine_with_warmup``)."""
+    from dflash_offline.train.prepare import FollowSchedule, cosine_with_warmup
 
     warmup = max(1, round(ratio * total))
     schedule = FollowSchedule(warmup_steps=warmup, decay_start=0, end_step=total)

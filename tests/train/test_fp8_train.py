@@ -16,11 +16,11 @@ from dflash_offline.cache.fp8 import Fp8Layout, decode_rows, encode_rows
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.loader import Prefetcher, device_decode_layout
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.planner import LengthMixingPlanner, ScheduledMicrobatch, schedule_for_rank
 from dflash_offline.train.snapshot import take_snapshot
-from dflash_offline.train.trainer import run_training
 from tests.cache.fp8_reference import CODEC_K, HIDDEN, features, ref_decode, ref_encode
 from tests.tiny_caches import TinyCaches
 from tests.train.cache_helpers import as_host_dict

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from dflash_offline.drafter.batch import DrafterInputs
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.planner import RankSteps, fuse_step
 from dflash_offline.train.step import OptimizerStep
-from dflash_offline.train.trainer import run_training
 from tests.train.helpers import train_config
 from tests.train.plan_helpers import epoch_plan, real_rows
 from tests.train.test_planner import make_snapshot, planner

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.train.checkpoint import list_checkpoints
-from dflash_offline.train.trainer import run_training
+from dflash_offline.train.launch import run_training
 from tests.train.helpers import train_config
 
 

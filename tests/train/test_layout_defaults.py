@@ -10,8 +10,8 @@ import pytest
 
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
-from dflash_offline.train.trainer import run_training
 from tests.train.helpers import train_config
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from dflash_offline.train import trainer
 from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
-from dflash_offline.train.trainer import run_training
 from tests.train.learnable_task import synthetic_setup, write_cache
 
 

@@ -16,9 +16,9 @@ from dflash_offline.cache.nf4 import Nf4Layout, decode_rows
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.loader import device_decode_layout
 from dflash_offline.train.metrics import read_metrics
-from dflash_offline.train.trainer import run_training
 from tests.cache.fp8_reference import LAYERS
 from tests.cache.test_nf4 import WIDE, ref_encode, wide_features
 from tests.tiny_caches import TinyCaches

@@ -18,8 +18,13 @@ from dflash_offline.data.template import tokenize_conversation
 from dflash_offline.errors import ConfigError
 from dflash_offline.generate.run import run_generate
 from dflash_offline.target_model.loader import load_tokenizer
-from dflash_offline.train.snapshot import snapshot_from_columns
-from dflash_offline.train.split import conversation_groups, reparsed_roots, split_snapshot, stored_roots
+from dflash_offline.train.snapshot import (
+    conversation_groups,
+    reparsed_roots,
+    snapshot_from_columns,
+    split_snapshot,
+    stored_roots,
+)
 from tests.generate.helpers import tiny_config
 from tests.tiny_caches import copy_cache
 from tests.train.test_validation_groups import _sharegpt_file

@@ -15,8 +15,9 @@ from dflash_offline.cache.rows import CachedSample
 from dflash_offline.placement import DistInfo
 from dflash_offline.target_model.capture import FeatureCapture
 from dflash_offline.target_model.loader import load_target
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
-from dflash_offline.train.trainer import run_training, train_rank
+from dflash_offline.train.trainer import train_rank
 from tests.train.helpers import train_config
 from tests.train.kill_helpers import final_state, losses
 

@@ -30,9 +30,11 @@ from dflash_offline.errors import CacheDamageError, ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import CheckpointNoSpaceError, list_checkpoints
 from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.loader import DAMAGED_FILE, read_damaged
 from dflash_offline.train.metrics import StepMetrics, read_metrics
-from dflash_offline.train.trainer import TrainInterrupted, cosine_with_warmup, run_training, train_rank
+from dflash_offline.train.prepare import cosine_with_warmup
+from dflash_offline.train.trainer import TrainInterrupted, train_rank
 from tests.train.kill_helpers import assert_same_run, losses
 
 STEPS = 12

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_offline.errors import ConfigError
 from dflash_offline.locking import LockedError, acquire_lock
-from dflash_offline.train.trainer import run_training
+from dflash_offline.train.launch import run_training
 from tests.process_helpers import group_members, workers_of
 from tests.train.helpers import train_config
 from tests.train.kill_helpers import last_step, train_cmd

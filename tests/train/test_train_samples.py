@@ -19,11 +19,12 @@ from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import iter_records
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics
 from dflash_offline.train.planner import LengthMixingPlanner
-from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, snapshot_from_columns
-from dflash_offline.train.split import split_snapshot, validation_ids_of_run
-from dflash_offline.train.trainer import run_training, train_rank
+from dflash_offline.train.snapshot import IndexSnapshot, read_snapshot, snapshot_from_columns, split_snapshot
+from dflash_offline.train.trainer import train_rank
+from dflash_offline.train.validation import validation_ids_of_run
 from tests.tiny_caches import TinyCaches
 from tests.train.helpers import flat_config_json, train_config
 from tests.train.plan_helpers import epoch_plan

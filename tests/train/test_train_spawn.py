@@ -15,7 +15,7 @@ import pytest
 import torch.multiprocessing as torch_mp
 
 from dflash_offline.errors import ConfigError
-from dflash_offline.train.trainer import run_training
+from dflash_offline.train.launch import run_training
 from tests.process_helpers import workers_of
 from tests.train import rank_entry
 from tests.train.helpers import train_config
@@ -33,7 +33,7 @@ def test_a_ranks_dflash_error_reaches_the_caller_as_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Spawned ranks import their entry by name: the test's own, whose rank 1 raises.
-    monkeypatch.setattr("dflash_offline.train.trainer._rank_main", rank_entry.rank_1_config_error)
+    monkeypatch.setattr("dflash_offline.train.launch._rank_main", rank_entry.rank_1_config_error)
     with pytest.raises(ConfigError, match=rank_entry.FAULT_TEXT) as raised:
         run_training(train_config(tmp_path / "cache", tmp_path / "run", num_cpu_workers=2))
     assert str(raised.value) == rank_entry.FAULT_TEXT
@@ -44,7 +44,7 @@ def test_a_ranks_dflash_error_reaches_the_caller_as_itself(
 def test_a_ranks_bug_reaches_the_caller_with_its_traceback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("dflash_offline.train.trainer._rank_main", rank_entry.rank_1_bug)
+    monkeypatch.setattr("dflash_offline.train.launch._rank_main", rank_entry.rank_1_bug)
     with pytest.raises(torch_mp.ProcessRaisedException) as raised:
         run_training(train_config(tmp_path / "cache", tmp_path / "run", num_cpu_workers=2))
     text = str(raised.value)

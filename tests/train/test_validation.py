@@ -28,10 +28,10 @@ from dflash_offline.placement import DistInfo
 from dflash_offline.train import trainer
 from dflash_offline.train.checkpoint import list_checkpoints
 from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import StepMetrics, read_metrics, validation_records
-from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
-from dflash_offline.train.split import split_snapshot
-from dflash_offline.train.trainer import TrainInterrupted, run_training, train_rank
+from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns, split_snapshot
+from dflash_offline.train.trainer import TrainInterrupted, train_rank
 from tests.tiny_caches import TinyCaches
 from tests.train.helpers import assert_export_equals_checkpoint, flat_config_json
 from tests.train.learnable_task import embedding as learnability_embedding

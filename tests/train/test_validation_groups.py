@@ -22,16 +22,17 @@ from dflash_offline.data.conversations import Conversation
 from dflash_offline.data.sources import conversation_root, iter_records, source_name
 from dflash_offline.errors import ConfigError, ResumeError
 from dflash_offline.run_split import SPLIT_FILE, read_run_split
+from dflash_offline.train.launch import run_training
 from dflash_offline.train.metrics import read_metrics, validation_records
-from dflash_offline.train.snapshot import read_snapshot, snapshot_from_columns
-from dflash_offline.train.split import (
+from dflash_offline.train.snapshot import (
     GROUPS_FILE,
     read_groups,
+    read_snapshot,
+    snapshot_from_columns,
     split_snapshot,
-    validation_ids_of_run,
     validation_key,
 )
-from dflash_offline.train.trainer import run_training
+from dflash_offline.train.validation import validation_ids_of_run
 from tests.eval.helpers import tiny_fingerprint
 from tests.generate.helpers import WORDS
 from tests.train.helpers import train_config
