@@ -7,9 +7,9 @@ leaves the engine eager, with a warning and the same answers.
 
 The CPU tests compile with ``aot_eager`` (the graphs inductor would get, run by eager kernels), through
 one backend for the module: each preset's graphs are compiled by its first engine and run by the later
-ones, which compile only the kinds of forward they meet first (a compile is seconds, a run milliseconds). The slow
-test with inductor itself (C++ kernels on the CPU); the GPU test runs inductor's kernels inside the engine's
-CUDA graphs, in bfloat16."""
+ones, which compile only the kinds of forward they meet first (a compile takes seconds, a run
+milliseconds). The slow test compiles with inductor itself (C++ kernels on the CPU); the GPU test runs
+inductor's kernels inside the engine's CUDA graphs, in bfloat16."""
 
 from __future__ import annotations
 
