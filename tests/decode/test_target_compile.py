@@ -5,9 +5,11 @@ every forward run compiled (continuous batching, chunked prefill, continuations 
 live attention's path); one compiled graph serves every layer; a compiler that fails at once or mid-run
 leaves the engine eager, with a warning and the same answers.
 
-The CPU tests compile with ``aot_eager`` (the graphs inductor would get, run by eager kernels); the slow
-test with inductor itself (C++ kernels on the CPU); the GPU test runs inductor's kernels inside the engine's
-CUDA graphs, in bfloat16."""
+The CPU tests compile with ``aot_eager`` (the graphs inductor would get, run by eager kernels), through
+one backend for the module: each preset's graphs are compiled by its first engine and run by the later
+ones, which compile only the kinds of forward they meet first (a compile takes seconds, a run
+milliseconds). The slow test compiles with inductor itself (C++ kernels on the CPU); the GPU test runs
+inductor's kernels inside the engine's CUDA graphs, in bfloat16."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from dflash_offline.decode import DecodeEngine, EngineSettings
 from dflash_offline.decode import forward as forward_module
 from dflash_offline.decode.forward import SlotForward, TargetCompileWarning
 from dflash_offline.target_model.loader import LoadedTarget, load_target
-from tests.decode.test_drafter_compile import CountingBackend, FailingLater, _broken_backend
+from tests.decode.test_drafter_compile import CountingBackend, _broken_backend
 from tests.decode.test_engine import generate_greedy, random_prompts, run_all
 from tests.decode.test_live_attention import kernel_by_hand  # noqa: F401  (a fixture)
 from tests.decode.test_parked_slots import converse, earlier_turn_rewritten
@@ -38,20 +40,21 @@ def target(request: pytest.FixtureRequest) -> LoadedTarget:
     return load_target(request.param, device="cpu")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class GraphLog(CountingBackend):
-    """``aot_eager``, logging which compiled graph each call ran (graphs numbered as compiled)."""
+    """``aot_eager``, logging which compiled graph each call ran (graphs numbered as compiled). Once
+    ``fail_after`` is set, its graphs fail from their ``fail_after``-th call on (a kernel that breaks on a
+    shape met mid-run); ``attempts`` counts the calls from then on."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ran: list[int] = []
         self.compiled = 0
+        self.fail_after: int | None = None
+        self.attempts = 0
+
+    def start(self) -> None:
+        """Forget the calls logged so far (a test counts its own); the graphs compiled are kept."""
+        self.calls, self.ran, self.fail_after, self.attempts = 0, [], None, 0
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         counted = super().__call__(gm, example_inputs)
@@ -59,10 +62,32 @@ class GraphLog(CountingBackend):
         self.compiled += 1
 
         def run(*args: Any) -> Any:
+            if self.fail_after is not None:
+                self.attempts += 1
+                if self.attempts > self.fail_after:
+                    raise RuntimeError("a kernel broke")
             self.ran.append(number)
             return counted(*args)
 
         return run
+
+
+@pytest.fixture(scope="module")
+def _module_graphs() -> Iterator[GraphLog]:
+    """One backend for the module: dynamo keeps the graphs it compiled per backend and code object, so
+    every engine of a preset (whatever its model instance or settings) runs the graphs the first one
+    compiled, and compiles only the kinds of forward not met before. Dynamo starts and ends empty."""
+    torch._dynamo.reset()
+    yield GraphLog()
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def graphs(_module_graphs: GraphLog) -> Iterator[GraphLog]:
+    """The module's backend, its calls counted from this test's start."""
+    _module_graphs.start()
+    yield _module_graphs
+    _module_graphs.start()
 
 
 class CountedForwards:
@@ -101,13 +126,13 @@ def _assert_equals_generate(target: LoadedTarget, got: dict[str, Any], prompts, 
 
 @pytest.mark.parametrize("prefill_graphs", [False, True], ids=["eager-prefill", "static-prefill"])
 def test_compiled_engine_equals_generate(
-    target: LoadedTarget, monkeypatch: pytest.MonkeyPatch, prefill_graphs: bool
+    target: LoadedTarget, graphs: GraphLog, monkeypatch: pytest.MonkeyPatch, prefill_graphs: bool
 ) -> None:
     """7 prompts of 3–59 tokens through 3 slots in prefill chunks of 16 tokens, 4–12 new tokens each, some
     ended by a stop token: every layer of every forward runs compiled, the answers are ``generate``'s, and
     every layer of a forward runs the same compiled graph (the layer index is not baked into it)."""
     prompts, max_new, stop = _prompts_and_budgets(target)
-    backend = GraphLog()
+    backend = graphs
     forwards = CountedForwards(monkeypatch)
     engine = DecodeEngine(
         target.model, _settings(stop_ids=stop, prefill_graphs=prefill_graphs, compile_backend=backend)
@@ -123,11 +148,13 @@ def test_compiled_engine_equals_generate(
     assert len(set(backend.ran)) <= 6  # a few kinds of forward (decode, prefill, one row or many)
 
 
-def test_compiled_continuations_over_parked_slots_equal_generate(target: LoadedTarget) -> None:
+def test_compiled_continuations_over_parked_slots_equal_generate(
+    target: LoadedTarget, graphs: GraphLog
+) -> None:
     """Conversations of three turns whose later turns continue their parked slot (a chunk attending over
     the cache, the rows gathered) with compiled layers: the answers are ``generate``'s."""
     firsts = random_prompts(4, seed=4, vocab=target.info.vocab_size, lengths=(4, 30))
-    engine = DecodeEngine(target.model, _settings(compile_backend="aot_eager"))
+    engine = DecodeEngine(target.model, _settings(compile_backend=graphs))
     seen = converse(
         engine, firsts, turns=3, rule=earlier_turn_rewritten, reuse=True, max_new=lambda c, k: 3 + (c + k) % 4
     )
@@ -135,21 +162,22 @@ def test_compiled_continuations_over_parked_slots_equal_generate(target: LoadedT
         want = generate_greedy(target.model, prompt, len(seen.answers[key]), frozenset())
         assert seen.answers[key] == want, key
     assert engine.fwd.compiled
+    assert graphs.calls > 0  # the compiled graphs ran
 
 
 def test_compiled_engine_over_live_keys_equals_generate(
     target: LoadedTarget,
+    graphs: GraphLog,
     kernel_by_hand: Counter[int],  # noqa: F811  (the fixture imported above)
 ) -> None:
     """The live attention's path (the kernel run by hand on the CPU) inside compiled layers: the attention
     operator reads each row's live keys, and the answers are ``generate``'s."""
     prompts, max_new, stop = _prompts_and_budgets(target)
-    engine = DecodeEngine(
-        target.model, _settings(stop_ids=stop, live_attention=True, compile_backend="aot_eager")
-    )
+    engine = DecodeEngine(target.model, _settings(stop_ids=stop, live_attention=True, compile_backend=graphs))
     got = run_all(engine, prompts, max_new)
     _assert_equals_generate(target, got, prompts, max_new, stop)
     assert engine.fwd.compiled
+    assert graphs.calls > 0  # the compiled graphs ran
     assert engine.cache.reads_live_lengths
     assert kernel_by_hand[1] > 0  # decode steps over live keys, under the compiled layers
 
@@ -163,25 +191,27 @@ def test_a_failed_compile_runs_eagerly_with_a_warning(target: LoadedTarget) -> N
     _assert_equals_generate(target, got, prompts, max_new, stop)
 
 
-def test_a_compiled_forward_that_fails_midway_is_run_again_eagerly(target: LoadedTarget) -> None:
+def test_a_compiled_forward_that_fails_midway_is_run_again_eagerly(
+    target: LoadedTarget, graphs: GraphLog
+) -> None:
     """The compiled graphs break inside a forward, some layers in (their keys already written): that
     forward runs again eagerly, and so does every later one; the answers are still ``generate``'s."""
     prompts, max_new, stop = _prompts_and_budgets(target)
-    backend = FailingLater(after=5 * target.info.num_layers + 2)
-    engine = DecodeEngine(target.model, _settings(stop_ids=stop, compile_backend=backend))
+    graphs.fail_after = 5 * target.info.num_layers + 2
+    engine = DecodeEngine(target.model, _settings(stop_ids=stop, compile_backend=graphs))
     with pytest.warns(TargetCompileWarning, match="a kernel broke"):
         got = run_all(engine, prompts, max_new)
     assert not engine.fwd.compiled
-    assert backend.attempts == backend.after + 1  # the one failure, then eager for good
+    assert graphs.attempts == graphs.fail_after + 1  # the one failure, then eager for good
     _assert_equals_generate(target, got, prompts, max_new, stop)
 
 
 def test_regenerate_compile_on_writes_what_off_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: GraphLog
 ) -> None:
     from tests.regenerate.test_regenerate import _regenerate_two_turns, write_chat_jsonl
 
-    backend = CountingBackend()  # aot_eager, counting its graphs' calls: the compiled layers must run
+    backend = graphs  # aot_eager, counting its graphs' calls: the compiled layers must run
     monkeypatch.setattr(forward_module, "DEFAULT_COMPILE_BACKEND", backend)
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 5, turns=2)
     outputs = {}

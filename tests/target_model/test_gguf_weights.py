@@ -6,6 +6,7 @@ written or the model is over the size cap, the load reads the GGUF as before. A 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from dflash_offline.target_model import gguf_weights, loader
 from dflash_offline.target_model.head import load_embedding_and_head
 from dflash_offline.target_model.loader import LoadedTarget, load_target
-from dflash_offline.target_model.source import gguf_assets_dir, resolve_target, weights_hash
+from dflash_offline.target_model.source import gguf_assets_dir, resolve_target, user_cache_dir, weights_hash
 from tests.embedded_assets import smollm2_gguf_available
 
 pytestmark = [
@@ -39,6 +40,10 @@ def assert_same_tensors(got: torch.nn.Module, want: torch.nn.Module) -> None:
     for name in w:
         assert g[name].dtype == w[name].dtype, name
         assert torch.equal(g[name], w[name]), name
+
+
+USER_CACHE = user_cache_dir()
+"""The cache that loads of the default target use outside this module (read before ``cache_dir`` sets it)."""
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +168,19 @@ def test_weights_cached_under_another_gguf_reader_are_not_read(
 
     source = resolve_target("default")
     assert source.path is not None
+    # This version's assets (tokenizer and config.json, no weights), as every test of the default target
+    # finds them in the user's cache, copied into the private one rather than built again (seconds).
+    with monkeypatch.context() as m:
+        m.setenv("DFLASH_CACHE_DIR", str(USER_CACHE))
+        built = gguf_assets_dir(source.path, weights_hash(source))
+    shutil.copytree(  # (the first test of the module may have built them here already)
+        built,
+        cache_dir / "gguf" / built.name,
+        ignore=shutil.ignore_patterns(gguf_weights.WEIGHTS_FILE),
+        dirs_exist_ok=True,
+    )
     here = gguf_assets_dir(source.path, weights_hash(source))
+    assert here == cache_dir / "gguf" / built.name
     monkeypatch.setattr(source_module, "_gguf_version", lambda: "0.0.1")
     other = gguf_assets_dir(source.path, weights_hash(source))
     assert other != here

@@ -1,4 +1,5 @@
-"""Fixtures for the train tests: uninterrupted CLI runs that the kill and torchrun tests compare with."""
+"""Fixtures for the train tests: uninterrupted CLI runs that the kill and torchrun tests compare with; the
+staged window cache of the follow-segment tests."""
 
 from __future__ import annotations
 
@@ -28,3 +29,15 @@ def uninterrupted(
         run_to_end(cmd)
 
     return lambda workers: build_once(folder / f"w{workers}", build) / "run"
+
+
+@pytest.fixture(scope="session")
+def staged_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The window cache of test_follow_segments.py and test_follow_final_segment.py, generated once for the
+    session (xdist workers share it); a test copies it (``cache_copy``) before a run writes into it."""
+    from tests.train.test_follow_segments import write_staged_cache
+
+    def build(where: Path) -> None:
+        write_staged_cache(where)
+
+    return build_once(shared_temp_dir(tmp_path_factory) / "follow-staged", build) / "cache"

@@ -38,13 +38,7 @@ from tests.train.test_follow_segments import (
     fail_at_step,
     hand_lr,
     logged_lrs,
-    write_staged_cache,
 )
-
-
-@pytest.fixture(scope="module")
-def staged_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_staged_cache(tmp_path_factory.mktemp("staged"))
 
 
 def generate_row(cache: Path) -> RunRow:

@@ -45,11 +45,6 @@ WARMUP_RATIO = 0.5  # a warm-up of several steps, all inside the first segment
 REAL_NEW_STORES = follow.new_stores
 
 
-@pytest.fixture(scope="module")
-def staged_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_staged_cache(tmp_path_factory.mktemp("staged"))
-
-
 def write_staged_cache(root: Path) -> Path:
     """A finished window cache of six training stores (about 4 samples each) and a validation store."""
     data = make_chat_jsonl(root / "chat.jsonl", 30, seed=3)
