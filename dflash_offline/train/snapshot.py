@@ -246,11 +246,7 @@ def save_snapshot(snapshot: IndexSnapshot, path: str | os.PathLike[str]) -> None
     ).replace_schema_metadata(
         {_META_VERSION: str(SNAPSHOT_FORMAT_VERSION).encode(), _META_ID: snapshot.snapshot_id.encode()}
     )
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_table_durably(table, path)
 
 
 def read_snapshot(path: str | os.PathLike[str]) -> IndexSnapshot:
@@ -563,25 +559,12 @@ def save_groups(groups: Mapping[str, str], path: Path) -> None:
     table = pa.table(
         {"sample_id": pa.array(ids, pa.string()), "root": pa.array([groups[s] for s in ids], pa.string())}
     ).replace_schema_metadata({_GROUPS_META_VERSION: str(GROUPS_FORMAT_VERSION).encode()})
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_table_durably(table, path)
 
 
 def read_groups(path: Path) -> dict[str, str]:
     """The saved sample id → root map (``save_groups``)."""
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise CacheFormatError(f"cannot read the validation groups {str(path)!r}: {exc}") from exc
-    version = (table.schema.metadata or {}).get(_GROUPS_META_VERSION, b"?").decode()
-    if version != str(GROUPS_FORMAT_VERSION):
-        raise CacheFormatError(
-            f"validation groups {str(path)!r} have format version {version!r}; this dflash reads "
-            f"version {GROUPS_FORMAT_VERSION}: resume with the dflash version that started the run"
-        )
+    table = _read_versioned_table(path, "validation groups", _GROUPS_META_VERSION, GROUPS_FORMAT_VERSION)
     return dict(zip(table.column("sample_id").to_pylist(), table.column("root").to_pylist(), strict=True))
 
 
@@ -593,11 +576,7 @@ def save_held_out(sample_ids: Sequence[str], path: Path) -> None:
     table = pa.table({"sample_id": pa.array(sorted(sample_ids), pa.string())}).replace_schema_metadata(
         {_HELD_OUT_META_VERSION: str(HELD_OUT_FORMAT_VERSION).encode()}
     )
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_table_durably(table, path)
 
 
 def held_out_of_run(run_dir: Path) -> frozenset[str] | None:
@@ -606,14 +585,30 @@ def held_out_of_run(run_dir: Path) -> frozenset[str] | None:
     path = run_dir / HELD_OUT_FILE
     if not path.is_file():
         return None
+    table = _read_versioned_table(path, "validation samples", _HELD_OUT_META_VERSION, HELD_OUT_FORMAT_VERSION)
+    return frozenset(table.column("sample_id").to_pylist())
+
+
+def _write_table_durably(table: pa.Table, path: Path) -> None:
+    """Write ``table`` as Parquet: a temp file, fsynced, then renamed, so a crash never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_versioned_table(path: Path, what: str, key: bytes, version: int) -> pa.Table:
+    """The Parquet file of a run's ``what`` (validation groups, samples), refused unless readable and of
+    format ``version`` (schema metadata ``key``)."""
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowInvalid) as exc:
-        raise CacheFormatError(f"cannot read the validation samples {str(path)!r}: {exc}") from exc
-    version = (table.schema.metadata or {}).get(_HELD_OUT_META_VERSION, b"?").decode()
-    if version != str(HELD_OUT_FORMAT_VERSION):
+        raise CacheFormatError(f"cannot read the {what} {str(path)!r}: {exc}") from exc
+    found = (table.schema.metadata or {}).get(key, b"?").decode()
+    if found != str(version):
         raise CacheFormatError(
-            f"validation samples {str(path)!r} have format version {version!r}; this dflash reads "
-            f"version {HELD_OUT_FORMAT_VERSION}: resume with the dflash version that started the run"
+            f"{what} {str(path)!r} have format version {found!r}; this dflash reads version {version}: "
+            "resume with the dflash version that started the run"
         )
-    return frozenset(table.column("sample_id").to_pylist())
+    return table
