@@ -455,12 +455,17 @@ def replanned_max_steps(
     ``first``. ``fits``: the steps each calibrated variant can reach by the deadline. Alone, a variant is
     replanned only when ``first`` is more than 10 % off what fits it (a restart costs start-up and compile
     again; a little long, the deadline's SIGINT ends it checkpointed). With ``equal_steps`` every variant
-    makes the same number: ``first`` while the slowest can reach it (the faster ones end early), else all of
-    them are replanned to what the slowest reaches, the ``uncalibrated`` ones (no step rate measured) too:
-    left at ``first`` they would train more steps than the others."""
+    makes the same number, what the slowest reaches: when that is below ``first``, all of them are
+    replanned to it, the ``uncalibrated`` ones (no step rate measured) too, since left at ``first`` they
+    would train more steps than the others; when it is more than 10 % above ``first``, all of them are
+    replanned up to it, unless one is uncalibrated (it might not reach a longer plan by the deadline), since
+    otherwise every variant ends early and the budget's training seconds go unused; within 10 % above,
+    they keep ``first``."""
+    waiting = list(uncalibrated)
     if equal_steps:
         common = min(fits.values(), default=first)
-        return {} if common >= first else dict.fromkeys([*fits, *uncalibrated], common)
+        longer = common > 1.1 * first and not waiting
+        return dict.fromkeys([*fits, *waiting], common) if common < first or longer else {}
     return {name: steps for name, steps in fits.items() if abs(steps - first) > 0.1 * first}
 
 
@@ -945,10 +950,11 @@ def main() -> None:
     ap.add_argument(
         "--expected-steps-per-s",
         type=float,
-        default=2.5,
-        help="each variant's step rate expected before calibration (2.50 measured for two compiled "
-        "SmolLM2-width variants side by side on one H200): its first --max-steps, so that the warm-up and "
-        "the cosine are planned for a run of about the right length from step 1",
+        default=5.0,
+        help="each variant's step rate expected before calibration (5.25 and 5.31 measured for two compiled "
+        "SmolLM2-width variants side by side on one H100, bench/RESULTS.md's data-size curve): its first "
+        "--max-steps, so that the warm-up and the cosine are planned for a run of about the right length "
+        "from step 1",
     )
     ap.add_argument(
         "--expected-val-s",

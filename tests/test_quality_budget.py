@@ -58,6 +58,11 @@ def test_calibration_replans_each_variant_alone_or_all_to_equal_steps() -> None:
         "fp8": 1_990,
         "seed": 1_990,
     }
+    # Equal steps, the slowest reaches 2,581 of a planned 1,344 (more than 10 % above): all are replanned up
+    # to 2,581, or both would stop at 1,344 and leave the rest of the training budget unused.
+    assert replanned(1_344, {"24k": 2_619, "all": 2_581}, equal_steps=True) == {"24k": 2_581, "all": 2_581}
+    # Within 10 % above the plan: a restart would cost more than the steps it wins.
+    assert replanned(2_000, {"bf16": 2_150, "fp8": 2_190}, equal_steps=True) == {}
     # No variant calibrated: nothing to replan either way.
     assert replanned(2_000, {}, equal_steps=True) == {}
     assert replanned(2_000, {}, equal_steps=False) == {}
@@ -74,6 +79,9 @@ def test_equal_steps_stops_an_uncalibrated_variant_at_the_common_count_too() -> 
     }
     # The slowest calibrated one reaches the first count: all of them keep it, the uncalibrated one too.
     assert replanned(2_000, {"bf16": 2_150, "fp8": 2_010}, equal_steps=True, uncalibrated=["slow"]) == {}
+    # Nor are they replanned up, however far above the plan the calibrated ones reach: the uncalibrated
+    # one might not reach a longer plan by the deadline.
+    assert replanned(1_344, {"bf16": 2_619, "fp8": 2_581}, equal_steps=True, uncalibrated=["slow"]) == {}
     # Alone, an uncalibrated variant runs on to the deadline as before.
     assert replanned(2_000, {"fp8": 1_700}, equal_steps=False, uncalibrated=["slow"]) == {"fp8": 1_700}
 
