@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from dflash_offline.target_model.quiet import quiet_transformers
+
 WEIGHTS_FILE = "model.safetensors"
 MAX_CACHED_BYTES = 4 << 30
 """The largest float32 copy kept (a 1B-parameter model): a larger GGUF would put tens of GB on the disk."""
@@ -60,8 +62,6 @@ def write_weights(gguf_path: Path, assets_dir: Path) -> None:
     at once (workers, parallel tests) never read half of it; the last rename wins with equal contents."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-
-    from dflash_offline.target_model.loader import quiet_transformers
 
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(

@@ -26,6 +26,7 @@ from dflash_offline.config_fields import DEVICE, field_ref
 from dflash_offline.errors import ConfigError, TargetError
 from dflash_offline.target_model.gguf_weights import cached_weights_dir
 from dflash_offline.target_model.presets import fill_random_weights
+from dflash_offline.target_model.quiet import quiet_transformers
 from dflash_offline.target_model.source import (
     TargetSource,
     gguf_assets_dir,
@@ -249,20 +250,6 @@ def truncated_config(config: Any, num_layers: int) -> Any:
     if isinstance(layer_types, list):  # per-layer attention kinds (qwen3, gemma, ...) must match
         config.layer_types = layer_types[:num_layers]
     return config
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' warnings off for the block: the ones it prints on load and on ``generate`` are
-    about settings we override on purpose (e.g. top_k under greedy)."""
-    from transformers.utils import logging as hf_logging
-
-    previous = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(previous)
 
 
 def _normalize_device(device: torch.device | str) -> torch.device:
