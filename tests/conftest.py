@@ -27,10 +27,12 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 # The modules of the slow tests of over ~20 s, ordered by their longest test, longest first (`make test-slow
 # --durations=60`, 2026-12-07: 108 s down to 24 s on the shared 2-core machine). `make test-slow` runs about
 # sixty tests of a few seconds to two minutes on two workers: one of these started last would run alone at the
-# end while the other worker idles, so they start first and the short ones fill in around them.
+# end while the other worker idles, so they start first and the short ones fill in around them. The two slow
+# tests of test_gguf_weights.py share one GGUF load (a module fixture): pytest-xdist hands each worker a first
+# chunk of two tests (--maxschedchunk 1), so with that module first both run on one worker and load it once.
 LONGEST_FIRST = (
+    "tests/target_model/test_gguf_weights.py",  # first: see below
     "tests/test_quality_harness.py",
-    "tests/target_model/test_gguf_weights.py",
     "tests/train/test_train_kill.py",
     "tests/decode/test_target_compile.py",
     "tests/train/test_follow_kill.py",
