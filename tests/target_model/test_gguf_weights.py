@@ -53,8 +53,11 @@ USER_CACHE = user_cache_dir()
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The module's private cache directory: this version's assets (tokenizer and config.json), as every
+    test of the default target finds them in the user's cache, and no weights yet."""
     with pytest.MonkeyPatch.context() as m:
         where = tmp_path_factory.mktemp("user-cache")
+        copy_assets(USER_CACHE, where)
         m.setenv("DFLASH_CACHE_DIR", str(where))
         yield where
 
@@ -217,7 +220,7 @@ def test_weights_cached_under_another_gguf_reader_are_not_read(
     source = resolve_target("default")
     assert source.path is not None
     # This version's assets, as every test of the default target finds them in the user's cache, copied
-    # into the private one (the slow tests of the module may have built them there already).
+    # into the private one (``cache_dir`` did; copied again, it is the same directory).
     copied = copy_assets(USER_CACHE, cache_dir)
     here = gguf_assets_dir(source.path, weights_hash(source))
     assert here == copied
