@@ -3,8 +3,8 @@ cache gives the tensors transformers' own GGUF load gives, bit for bit, in float
 truncated; the GGUF is not read again; the head loader reads the same tensors; where the cache cannot be
 written or the model is over the size cap, the load reads the GGUF as before. A private
 ``DFLASH_CACHE_DIR`` makes the first load in this module build the cache. One GGUF load on a full disk
-(``full_disk``: the load as before the cache) serves both slow tests: the first checks it against the
-file's own tensors, the second compares the cached weights with it."""
+(``full_disk``: the load as before the cache) serves both slow tests: one compares the cached weights with
+it, the other checks it against the file's own tensors."""
 
 from __future__ import annotations
 
