@@ -415,21 +415,21 @@ def _step_rates(trains: dict[str, Stage], work: Path, calibrate_s: float) -> dic
 
 def apply_smoke(args: argparse.Namespace) -> None:
     """``--smoke``: the same stages on the CPU at sizes two cores finish in minutes (a 1-layer drafter on
-    microbatches of 1,024 tokens with 8 anchors, answers of 16 tokens, 8 decoded in eval, a few records
+    microbatches of 1,024 tokens with 8 anchors, answers of 8 tokens, 4 decoded in eval, a few records
     and questions, no regenerate bench): these flags come last in each stage's flags, so they win over the
     same flags given."""
     args.device_args = ""
     args.regen_bench_s = 0
     args.regen_limit = min(args.regen_limit, 8)
     args.code_limit = min(args.code_limit, 2)
-    args.regen_args = f"{args.regen_args} --max-new-tokens 16 --max-prompt-tokens 512"
+    args.regen_args = f"{args.regen_args} --max-new-tokens 8 --max-prompt-tokens 512"
     args.train_args = (
         f"{args.train_args} --num-layers 1 --tokens-per-microbatch 1024 --grad-accum 1 --num-anchors 8 "
         "--val-every 20"
     )
-    args.eval_args = f"{args.eval_args} --limit 1 --max-new-tokens 8"
+    args.eval_args = f"{args.eval_args} --limit 1 --max-new-tokens 4"
     if args.chat_eval_args:
-        args.chat_eval_args = f"{args.chat_eval_args} --limit 1 --max-new-tokens 8"
+        args.chat_eval_args = f"{args.chat_eval_args} --limit 1 --max-new-tokens 4"
 
 
 def train_deadline(now: float, end: float, train_s: float, eval_s: float, reserve_s: float) -> float:

@@ -25,38 +25,42 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 
 
 # The modules of the slow tests of over ~20 s, ordered by their longest test, longest first (`make test-slow
-# --durations=60`, 2026-12-07: 108 s down to 24 s on the shared 2-core machine). `make test-slow` runs about
-# sixty tests of a few seconds to two minutes on two workers: one of these started last would run alone at the
-# end while the other worker idles, so they start first and the short ones fill in around them.
+# --durations=60` on the shared 2-core machine, 2026-12-07: 62 s down to 8 s; test_target_compile.py by its
+# run with inductor's cache empty, as on a fresh machine: 34 s, 12 s with it filled). `make test-slow` runs
+# about sixty tests of a few seconds to a minute on two workers: one of these started last would run alone at
+# the end while the other worker idles, so they start first and the short ones fill in around them. The two
+# slow tests of test_gguf_weights.py share one GGUF load (a module fixture): pytest-xdist hands each worker a
+# first chunk of two tests (--maxschedchunk 1), so with that module first both run on one worker and load it
+# once.
 LONGEST_FIRST = (
-    "tests/test_quality_harness.py",
     "tests/target_model/test_gguf_weights.py",
-    "tests/train/test_train_kill.py",
-    "tests/decode/test_target_compile.py",
+    "tests/test_quality_harness.py",
     "tests/train/test_follow_kill.py",
-    "tests/decode/test_drafter_compile.py",
-    "tests/eval/test_train_eval_agreement.py",
-    "tests/generate/test_generate_e2e.py",
-    "tests/train/test_learnability.py",
-    "tests/generate/test_generate_kill.py",
-    "tests/regenerate/test_workers.py",
-    "tests/generate/test_generate_formats.py",
-    "tests/generate/test_generate_sigint.py",
-    "tests/train/test_validation.py",
-    "tests/generate/test_window_bound.py",
-    "tests/regenerate/test_partial.py",
-    "tests/train/test_train_torchrun.py",
-    "tests/train/test_train_e2e.py",
-    "tests/test_quality_follow.py",
-    "tests/regenerate/test_regenerate_sigint.py",
-    "tests/train/test_follow.py",
+    "tests/train/test_train_kill.py",
     "tests/generate/test_torchrun.py",
-    "tests/test_cli_faults.py",
+    "tests/generate/test_generate_kill.py",
+    "tests/decode/test_target_compile.py",
+    "tests/generate/test_generate_formats.py",
+    "tests/train/test_train_torchrun.py",
+    "tests/generate/test_window_bound.py",
     "tests/generate/test_faults.py",
-    "tests/drafter/test_compile.py",
-    "tests/regenerate/test_answer_ids.py",
+    "tests/train/test_learnability.py",
+    "tests/regenerate/test_workers.py",
+    "tests/generate/test_generate_sigint.py",
+    "tests/test_quality_follow.py",
+    "tests/eval/test_train_eval_agreement.py",
+    "tests/train/test_validation.py",
+    "tests/train/test_follow.py",
+    "tests/decode/test_drafter_compile.py",
+    "tests/train/test_train_e2e.py",
+    "tests/generate/test_generate_e2e.py",
+    "tests/regenerate/test_partial.py",
+    "tests/test_cli_faults.py",
+    "tests/regenerate/test_regenerate_sigint.py",
     "tests/train/test_train_lock.py",
     "tests/train/test_train_spawn.py",
+    "tests/drafter/test_compile.py",
+    "tests/regenerate/test_answer_ids.py",
 )
 
 

@@ -2,12 +2,17 @@
 cache gives the tensors transformers' own GGUF load gives, bit for bit, in float32, in bfloat16 and
 truncated; the GGUF is not read again; the head loader reads the same tensors; where the cache cannot be
 written or the model is over the size cap, the load reads the GGUF as before. A private
-``DFLASH_CACHE_DIR`` makes the first load in this module build the cache."""
+``DFLASH_CACHE_DIR`` makes the first load in this module build the cache. One GGUF load on a full disk
+(``full_disk``: the load as before the cache) serves both slow tests: one compares the cached weights with
+it, the other checks it against the file's own tensors."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -48,10 +53,56 @@ USER_CACHE = user_cache_dir()
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The module's private cache directory: this version's assets (tokenizer and config.json), as every
+    test of the default target finds them in the user's cache, and no weights yet."""
     with pytest.MonkeyPatch.context() as m:
         where = tmp_path_factory.mktemp("user-cache")
+        copy_assets(USER_CACHE, where)
         m.setenv("DFLASH_CACHE_DIR", str(where))
         yield where
+
+
+def copy_assets(source_dir: Path, dest_dir: Path) -> Path:
+    """This version's assets of the default target (tokenizer and config.json, no weights) in the cache
+    directory ``source_dir`` (built there if missing), copied into the cache directory ``dest_dir`` rather
+    than built again (seconds); the copy."""
+    source = resolve_target("default")
+    assert source.path is not None
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("DFLASH_CACHE_DIR", str(source_dir))
+        built = gguf_assets_dir(source.path, weights_hash(source))
+    copy = dest_dir / "gguf" / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns(gguf_weights.WEIGHTS_FILE), dirs_exist_ok=True)
+    return copy
+
+
+def disk_full(*args: object) -> None:
+    raise OSError(28, "No space left on device")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FullDiskLoad:
+    """A float32 load of the default target whose weights could not be cached."""
+
+    target: LoadedTarget
+    """What ``load_target`` returned: the GGUF read through transformers, as before the cache."""
+    stderr: str
+    """What the load printed to stderr."""
+
+
+@pytest.fixture(scope="module")
+def full_disk(cache_dir: Path) -> FullDiskLoad:
+    """A load into the module's cache directory (before any test writes its weights there) whose write of
+    the weights fails as on a full disk: ``cached_weights_dir`` answers None and the GGUF is read through
+    transformers, as every load was before the cache. A GGUF load takes seconds: the slow tests share this
+    one (tests/conftest.py starts them first, on one worker)."""
+    assert not weights_file().exists()
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stderr(err):
+        m.setattr(gguf_weights, "write_weights", disk_full)
+        target = load_target("default", device="cpu", dtype=torch.float32)
+    assert not weights_file().exists()
+    return FullDiskLoad(target=target, stderr=err.getvalue())
 
 
 def gguf_tensors(*names: str) -> dict[str, torch.Tensor]:
@@ -76,7 +127,7 @@ def weights_file() -> Path:
 
 @pytest.mark.slow  # over 20 s on 2 cores
 def test_the_cached_weights_are_the_gguf_loads_in_every_dtype_and_truncated(
-    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    cache_dir: Path, full_disk: FullDiskLoad, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert not weights_file().exists()
     cached32 = load_target("default", device="cpu", dtype=torch.float32)
@@ -95,7 +146,8 @@ def test_the_cached_weights_are_the_gguf_loads_in_every_dtype_and_truncated(
         cached16 = load_target("default", device="cpu", dtype=torch.bfloat16)
         truncated = load_target("default", device="cpu", dtype=torch.float32, max_layer=3)
 
-    want32 = direct_load(monkeypatch, dtype=torch.float32)
+    # transformers' own GGUF load in float32: the full disk's (its write failed, so it read the GGUF).
+    want32 = full_disk.target
     assert_same_tensors(cached32.model, want32.model)
     assert_same_tensors(cached16.model, direct_load(monkeypatch, dtype=torch.bfloat16).model)
     # The truncated model holds the first 4 layers of the same tensors, and its own identity norm.
@@ -120,43 +172,42 @@ def test_the_cached_weights_are_the_gguf_loads_in_every_dtype_and_truncated(
 
 @pytest.mark.slow  # over 20 s on 2 cores
 def test_an_unwritable_cache_or_a_model_over_the_cap_loads_from_the_gguf(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    cache_dir: Path,
+    full_disk: FullDiskLoad,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Either case makes ``cached_weights_dir`` answer None, and a load that gets None reads the GGUF as
-    before the cache. A load dequantizes for seconds, so one is made (the full disk) and checked against
-    the file's tensors; over the cap the answer alone is checked (the load goes on the same way)."""
-    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
-
-    def disk_full(*args: object) -> None:
-        raise OSError(28, "No space left on device")
-
-    with monkeypatch.context() as m:
-        m.setattr(gguf_weights, "write_weights", disk_full)
-        full_disk = load_target("default", device="cpu", dtype=torch.float32)
-    assert "not cached (" in capsys.readouterr().err
-    assert not weights_file().exists()
+    before the cache. A load dequantizes for seconds, so one is made (the full disk: ``full_disk``) and
+    checked against the file's tensors; over the cap the answer alone is checked (the load goes on the same
+    way), in a cache directory of its own that holds the assets but no weights."""
+    assert "not cached (" in full_disk.stderr
     # The GGUF's own tensors, dequantized by the gguf reader: the 8-bit embedding (the tied head too), a
     # 4-bit MLP matrix and a float32 norm.
-    model = full_disk.model.model
+    model = full_disk.target.model.model
     want = gguf_tensors("token_embd.weight", "blk.0.ffn_down.weight", "blk.0.attn_norm.weight")
     assert torch.equal(model.embed_tokens.weight, want["token_embd.weight"])
-    assert torch.equal(full_disk.model.lm_head.weight, want["token_embd.weight"])
+    assert torch.equal(full_disk.target.model.lm_head.weight, want["token_embd.weight"])
     assert torch.equal(model.layers[0].mlp.down_proj.weight, want["blk.0.ffn_down.weight"])
     assert torch.equal(model.layers[0].input_layernorm.weight, want["blk.0.attn_norm.weight"])
 
+    copied = copy_assets(cache_dir, tmp_path)
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
     source = resolve_target("default")
     assert source.path is not None
     with monkeypatch.context() as m:
         m.setattr(gguf_weights, "MAX_CACHED_BYTES", 1)
         m.setattr(gguf_weights, "write_weights", disk_full)  # over the cap, no write is even tried
         assets = gguf_assets_dir(source.path, weights_hash(source))
-        assert gguf_weights.cached_weights_dir(source.path, assets, full_disk.model.config) is None
+        assert assets == copied
+        config = full_disk.target.model.config
+        assert gguf_weights.cached_weights_dir(source.path, assets, config) is None
     assert not capsys.readouterr().err
     assert not weights_file().exists()
     # The count the cap is compared with: SmolLM2-135M's parameters (its head tied) in float32.
-    assert gguf_weights.float32_bytes(full_disk.model.config) == 4 * sum(
-        p.numel() for p in full_disk.model.parameters()
-    )
+    parameters = full_disk.target.model.parameters()
+    assert gguf_weights.float32_bytes(config) == 4 * sum(p.numel() for p in parameters)
 
 
 def test_weights_cached_under_another_gguf_reader_are_not_read(
@@ -168,19 +219,11 @@ def test_weights_cached_under_another_gguf_reader_are_not_read(
 
     source = resolve_target("default")
     assert source.path is not None
-    # This version's assets (tokenizer and config.json, no weights), as every test of the default target
-    # finds them in the user's cache, copied into the private one rather than built again (seconds).
-    with monkeypatch.context() as m:
-        m.setenv("DFLASH_CACHE_DIR", str(USER_CACHE))
-        built = gguf_assets_dir(source.path, weights_hash(source))
-    shutil.copytree(  # (the first test of the module may have built them here already)
-        built,
-        cache_dir / "gguf" / built.name,
-        ignore=shutil.ignore_patterns(gguf_weights.WEIGHTS_FILE),
-        dirs_exist_ok=True,
-    )
+    # This version's assets, as every test of the default target finds them in the user's cache, copied
+    # into the private one (``cache_dir`` did; copied again, it is the same directory).
+    copied = copy_assets(USER_CACHE, cache_dir)
     here = gguf_assets_dir(source.path, weights_hash(source))
-    assert here == cache_dir / "gguf" / built.name
+    assert here == copied
     monkeypatch.setattr(source_module, "_gguf_version", lambda: "0.0.1")
     other = gguf_assets_dir(source.path, weights_hash(source))
     assert other != here

@@ -89,7 +89,7 @@ def test_sigkill_generate_train_and_both_during_follow(tmp_path: Path) -> None:
             for process in (generate, train):
                 if process.poll() not in (None, 0):
                     raise AssertionError(process.communicate()[0].decode()[-3000:])
-            time.sleep(0.5)
+            time.sleep(0.1)
         for process in (generate, train):
             output = process.communicate(timeout=5)[0].decode()
             assert process.returncode == 0, output[-3000:]
