@@ -580,6 +580,49 @@ def dflash(*args: str) -> list[str]:
     return [PY, "-m", "dflash_offline", *args]
 
 
+def sampled_answers(
+    args: argparse.Namespace, data: Path, logs: Path, report: Report, dev: list[str]
+) -> list[Path]:
+    """``--sampled-seeds``: one regenerate of every conversation of ``data`` for each seed, sampled at
+    ``--sampled-temperature``, all at once until ``--sampled-s`` (SIGINT keeps what is done; a stopped one's
+    parts are merged after). Returns the answer files that hold a conversation."""
+    seeds = [int(seed) for seed in args.sampled_seeds.split(",") if seed.strip()]
+    argvs = {
+        seed: dflash(
+            "regenerate",
+            "--target",
+            args.target,
+            "--data",
+            str(data),
+            *shlex.split(args.regen_args),
+            "--temperature",
+            str(args.sampled_temperature),
+            "--seed",
+            str(seed),
+            *dev,
+            "--no-progress",
+            "--out",
+            str(args.work / f"sampled-{seed}.jsonl"),
+        )
+        for seed in seeds
+    }
+    stages = {
+        seed: Stage(name=f"sampled_{seed}", argv=argv, log=logs / f"2_sampled_{seed}.log").start()
+        for seed, argv in argvs.items()
+    }
+    run_all(list(stages.values()), time.time() + args.sampled_s, grace=40)
+    kept = []
+    for seed, stage in stages.items():
+        out = args.work / f"sampled-{seed}.jsonl"
+        if not out.is_file():  # stopped at its deadline: the same command merges its parts, answering no more
+            subprocess.run([*argvs[seed], "--limit", "0"], cwd=ROOT, check=False, capture_output=True)
+        n = out.read_bytes().count(b"\n") if out.is_file() else 0  # not splitlines: U+2028
+        report.stage(stage, conversations=n, throughput=tail(stage.log, 3))
+        if n:
+            kept.append(out)
+    return kept
+
+
 FOLLOW_REFUSED = ("--val-samples", "--max-steps", "--early-stop", "--epochs")
 """Train flags that ``dflash train --follow`` refuses (each segment is ``--passes`` epochs; its validation
 is what generate routed into its validation stores, whole conversations by conversation root, so
@@ -909,6 +952,17 @@ def main() -> None:
         default=300,
         help="regenerate's seconds; 0: the answers already in --work as they are",
     )
+    ap.add_argument(
+        "--sampled-seeds",
+        default="",
+        help="comma-separated seeds: for each, one sampled regenerate of every training conversation "
+        "(the greedy answers and --extra-answers: their prompts, --regen-args, --sampled-temperature), side "
+        "by side on the GPU until --sampled-s; the sampled answers are cached and trained on beside the "
+        "greedy ones (more data from the same prompts; they keep each record's id, so --val-group root-id "
+        "and --follow-window keep a conversation's answers on one side of the validation split)",
+    )
+    ap.add_argument("--sampled-temperature", type=float, default=0.8, help="the sampled answers' temperature")
+    ap.add_argument("--sampled-s", type=float, default=300, help="the sampled regenerates' seconds")
     ap.add_argument("--gen-args", default="--max-len 2048 --too-long truncate")
     ap.add_argument("--gen-s", type=float, default=150)
     ap.add_argument("--codecs", default="default,fp8", help="caches of the regenerated answers")
@@ -1095,6 +1149,14 @@ def main() -> None:
     n_extra = concatenate_answers([answers, *args.extra_answers], train_data)
     if args.extra_answers:
         report.note(f"training data: {n_answers} conversations of this run + {n_extra} of --extra-answers")
+    sampled = sampled_answers(args, train_data, logs, report, dev) if args.sampled_seeds else []
+    if sampled:
+        greedy = work / "greedy-data.jsonl"
+        os.replace(train_data, greedy)
+        n_sampled = concatenate_answers([greedy, *sampled], train_data)
+        report.note(
+            f"training data: + {n_sampled} sampled conversations ({', '.join(p.name for p in sampled)})"
+        )
     caches: dict[str, Path] = {}
     gens = []
     for codec in [c for c in args.codecs.split(",") if c]:

@@ -56,7 +56,8 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     proc = subprocess.run(
         [sys.executable, "bench/quality_recipe.py", "--smoke", "--data", str(data), "--work", str(work),
          "--report", str(report), "--code-data", str(code), "--code-limit", "3",
-         "--extra-answers", str(extra), "--budget-s", "700", "--regen-s", "240", "--gen-s", "90",
+         "--extra-answers", str(extra), "--sampled-seeds", "1", "--sampled-s", "240",
+         "--budget-s", "700", "--regen-s", "240", "--gen-s", "90",
          "--train-s", "10", "--eval-s", "240", "--expected-steps-per-s", "0.05", "--calibrate-s", "0",
          "--codecs", "default",
          "--variants", '{"all": ""}',
@@ -68,7 +69,7 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((report / "summary.json").read_text())
     stages = summary["stages"]
-    assert list(stages) == ["regenerate", "generate_default", "train_all", "eval_all"]
+    assert list(stages) == ["regenerate", "sampled_1", "generate_default", "train_all", "eval_all"]
     assert {name: s["rc"] for name, s in stages.items()} == dict.fromkeys(stages, 0)
     # --smoke keeps 8 records and 2 code problems, regenerated together into one answers file, which a
     # later run with the same --work resumes from.
@@ -90,7 +91,23 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     assert summary["variants"]["all"]["steps"] == 20
     # The earlier answers are cached and trained on with this run's (the whole conversations grouped).
     assert "training data: 10 conversations of this run + 4 of --extra-answers" in summary["notes"]
-    assert "committed 14 samples" in stages["generate_default"]["log_tail"]
+    # --sampled-seeds 1: a sampled regenerate of those 14 conversations, cached beside them. A sampled answer
+    # equal to its greedy one is the same sample: cached once, the repeat recorded as a failure.
+    assert stages["sampled_1"]["conversations"] == 14
+    assert "training data: + 14 sampled conversations (sampled-1.jsonl)" in summary["notes"]
+    greedy, sampled = (_conversations(work / name) for name in ("greedy-data.jsonl", "sampled-1.jsonl"))
+    assert len(greedy) == 14
+    assert {record_id for record_id, _ in sampled} == {record_id for record_id, _ in greedy}
+    assert len(greedy | sampled) > len(greedy)  # sampled, not the greedy answers again
+    settings = [
+        json.loads(line)["regenerated_by"]
+        for line in (work / "sampled-1.jsonl").read_bytes().split(b"\n")
+        if line
+    ]
+    assert {(s["temperature"], s["seed"]) for s in settings} == {(0.8, 1)}
+    log = stages["generate_default"]["log_tail"]
+    assert f"committed {len(greedy | sampled)} samples" in log
+    assert f"{len(greedy & sampled)} failures" in log
     # Validation chain τ by turn, beside eval's τ by turn (two-turn conversations: turns 1 and 2).
     (last,) = summary["variants"]["all"]["validation"][-1:]
     assert last["chain_tau_by_turn"][0] is not None
@@ -102,3 +119,9 @@ def test_the_quality_harness_runs_every_stage_and_reports_them(tmp_path: Path) -
     assert {s["name"] for s in evaluated["sets"]} >= {"mt-bench", "humaneval", "sharegpt"}
     # The held-out chat prompts start after the 8 chat records regenerate read, whatever the code added.
     assert "--skip 8 " in (report / "logs.txt").read_text()
+
+
+def _conversations(path: Path) -> set[tuple[str, str]]:
+    """Each conversation of a regenerate output file as (record id, its turns' roles and texts)."""
+    lines = [json.loads(line) for line in path.read_bytes().split(b"\n") if line]
+    return {(d["id"], json.dumps([[m["role"], m["content"]] for m in d["messages"]])) for d in lines}
