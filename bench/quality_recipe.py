@@ -478,6 +478,17 @@ def unequal_steps(steps: dict[str, int]) -> str | None:
     return f"--equal-steps not met: the variants' last steps differ ({listed}); their τ are not comparable"
 
 
+def seed_list(text: str) -> list[int]:
+    """``--sampled-seeds``: comma-separated distinct integers (each seed writes its own answer file)."""
+    try:
+        seeds = [int(seed) for seed in text.split(",") if seed.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"a seed is repeated in {text!r}")
+    return seeds
+
+
 def flag_value(args: str, flag: str, default: int) -> int:
     """The integer value of ``flag`` in a flag string (``--val-every 100``), or ``default``."""
     tokens = shlex.split(args)
@@ -586,7 +597,6 @@ def sampled_answers(
     """``--sampled-seeds``: one regenerate of every conversation of ``data`` for each seed, sampled at
     ``--sampled-temperature``, all at once until ``--sampled-s`` (SIGINT keeps what is done; a stopped one's
     parts are merged after). Returns the answer files that hold a conversation."""
-    seeds = [int(seed) for seed in args.sampled_seeds.split(",") if seed.strip()]
     argvs = {
         seed: dflash(
             "regenerate",
@@ -604,7 +614,7 @@ def sampled_answers(
             "--out",
             str(args.work / f"sampled-{seed}.jsonl"),
         )
-        for seed in seeds
+        for seed in args.sampled_seeds
     }
     stages = {
         seed: Stage(name=f"sampled_{seed}", argv=argv, log=logs / f"2_sampled_{seed}.log").start()
@@ -954,14 +964,17 @@ def main() -> None:
     )
     ap.add_argument(
         "--sampled-seeds",
-        default="",
+        type=seed_list,
+        default=[],
         help="comma-separated seeds: for each, one sampled regenerate of every training conversation "
         "(the greedy answers and --extra-answers: their prompts, --regen-args, --sampled-temperature), side "
         "by side on the GPU until --sampled-s; the sampled answers are cached and trained on beside the "
         "greedy ones (more data from the same prompts; they keep each record's id, so --val-group root-id "
         "and --follow-window keep a conversation's answers on one side of the validation split)",
     )
-    ap.add_argument("--sampled-temperature", type=float, default=0.8, help="the sampled answers' temperature")
+    ap.add_argument(
+        "--sampled-temperature", type=float, default=0.8, help="the sampled answers' temperature (> 0)"
+    )
     ap.add_argument("--sampled-s", type=float, default=300, help="the sampled regenerates' seconds")
     ap.add_argument("--gen-args", default="--max-len 2048 --too-long truncate")
     ap.add_argument("--gen-s", type=float, default=150)
@@ -1052,6 +1065,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         apply_smoke(args)
+    if args.sampled_seeds and args.sampled_temperature <= 0:
+        sys.exit(
+            "quality_recipe: --sampled-temperature must be > 0 (0 answers greedily: the same answers again)"
+        )
     problem = follow_problem(args) if args.follow_window else None
     if problem:
         sys.exit(f"quality_recipe: {problem}")

