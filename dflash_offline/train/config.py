@@ -150,7 +150,7 @@ class DrafterTrainConfig:
         "per captured layer (against massive activations), or none; folded into fc.weight at export.",
         metadata=on_resume(absent="none"),
     )
-    """A fixed multiplier on the features before fc, from cache statistics (train/loader.py):
+    """A fixed multiplier on the features before fc, from cache statistics (train/prepare.py):
     1/RMS per feature dimension (dim) or per captured layer (layer); folded into fc.weight at export.
     The default with ``final_norm_init`` 0.1 since an H200 run on one cache and one validation split
     at equal steps: validation chain τ 1.99 against 1.69 for none with 1.0 (bench/RESULTS.md,

@@ -45,8 +45,13 @@ from dflash_offline.train.config import (
     WindowConfig,
 )
 from dflash_offline.train.launch import run_training
-from dflash_offline.train.loader import FEATURE_SCALE_FILE
-from dflash_offline.train.prepare import FollowSchedule, LiveTraining, SegmentStart, length_mixing_planner
+from dflash_offline.train.prepare import (
+    FEATURE_SCALE_FILE,
+    FollowSchedule,
+    LiveTraining,
+    SegmentStart,
+    length_mixing_planner,
+)
 from dflash_offline.train.snapshot import (
     HELD_OUT_FILE,
     SNAPSHOT_FILE,

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_offline.drafter.export import export_drafter, load_exported_drafter
-from dflash_offline.train.loader import feature_rms, scale_from_rms
+from dflash_offline.train.prepare import feature_rms, scale_from_rms
 
 from .helpers import HIDDEN, NUM_FEATURES, random_row, tiny_config, tiny_drafter
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.train.checkpoint import export_run, list_checkpoints
 from dflash_offline.train.launch import run_training
-from dflash_offline.train.loader import FEATURE_SCALE_FILE, feature_rms, load_feature_scale
+from dflash_offline.train.prepare import FEATURE_SCALE_FILE, feature_rms, load_feature_scale
 from tests.train.helpers import train_config
 
 
