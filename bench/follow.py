@@ -9,7 +9,9 @@ trained. Also printed: the steps each way took (follow plans each segment on its
 of a segment may be fuller or emptier), the start-up of each training run (each segment's under
 ``--follow``: from its start to the end of its first step, the ``startup_seconds`` of its metrics), how
 long each side waited for the other (the cache's ``waits``), and the peak of the window measured by the
-manifest.
+manifest. With ``--eval-args``, each way's final drafter then runs ``dflash eval`` on the same held-out
+prompts (say, ``"--bench all --limit 20 --max-new-tokens 256"`` with ``--target default``), and its τ is
+printed beside the other's: the held-out quality each way reached with the same passes over the same data.
 
   python bench/follow.py                  # CPU: random:tiny, 240 generated chat records, 2 passes
   python bench/follow.py --target default --data bench/answers/answers-00.jsonl.gz --records 4096 \\
@@ -19,6 +21,8 @@ manifest.
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -70,18 +74,42 @@ def train_cmd(args: argparse.Namespace, cache: Path, run: Path, *extra: str) -> 
     return cmd + list(extra)
 
 
-def run(cmd: list[str]) -> None:
+def run_cmd(cmd: list[str]) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:5])} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
+def final_drafter(run: Path) -> Path:
+    """A run's exported drafter at its end (its best-validation export, else its last); for a follow run,
+    its last segment's."""
+    segments = sorted((run / "segments").glob("[0-9]*"))
+    for name in ("drafter", "drafter-last"):
+        path = (segments[-1] if segments else run) / name
+        if (path / "config.json").is_file():
+            return path
+    raise SystemExit(f"no exported drafter in {run}")
+
+
+def held_out_tau(args: argparse.Namespace, run: Path, out: Path) -> dict[str, float | None]:
+    """τ of ``run``'s final drafter on ``--eval-args``' held-out prompts: each set's, and their mean."""
+    cmd = [
+        sys.executable, "-m", "dflash_offline", "eval", "--target", args.target,
+        "--drafter", str(final_drafter(run)), "--json", str(out), "--no-progress",
+        *shlex.split(args.eval_args),
+    ]  # fmt: skip
+    run_cmd(cmd)
+    report = json.loads(out.read_text())
+    taus: dict[str, float | None] = {s["name"]: s["tau"] for s in report["sets"]}
+    return {**taus, "mean": report["mean"]["tau"]}
+
+
 def sequential(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, float]:
     cache, out = folder / "cache", folder / "run"
     start = time.perf_counter()
-    run(generate_cmd(args, cache, data))
+    run_cmd(generate_cmd(args, cache, data))
     generated = time.perf_counter() - start
-    run(train_cmd(args, cache, out, "--epochs", str(args.passes)))
+    run_cmd(train_cmd(args, cache, out, "--epochs", str(args.passes)))
     metrics = read_metrics(out / "metrics.jsonl")
     steps = int(metrics[-1]["step"])  # type: ignore[call-overload]
     return {
@@ -160,12 +188,25 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--val-fraction", type=float, default=0.02)
     parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument(
+        "--eval-args",
+        default="",
+        help="dflash eval's flags for both final drafters (held-out τ side by side; default: no eval)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="dflash-follow-bench-") as tmp:
         folder = Path(tmp)
         data = args.data or make_chat_jsonl(folder / "chat.jsonl", args.records, seed=0)
         seq = sequential(args, data, folder / "sequential")
         fol = follow(args, data, folder / "follow")
+        taus = (
+            {
+                way: held_out_tau(args, folder / way / "run", folder / f"eval-{way}.json")
+                for way in ("sequential", "follow")
+            }
+            if args.eval_args
+            else {}
+        )
     ratio = fol["wall_s"] / seq["wall_s"]
     print(f"{'':28}{'generate, then train':>22}{'train --follow':>18}{'ratio':>8}")
     print(f"{'wall time to every pass (s)':28}{seq['wall_s']:22.1f}{fol['wall_s']:18.1f}{ratio:8.3f}")
@@ -182,6 +223,14 @@ def main() -> None:
         f"{fol['generate_waited_s']:.1f} s for room, training {fol['train_waited_s']:.1f} s for stores; the "
         f"window peaked at {fol['peak_window_bytes'] / 1e6:.3f} MB (--window-limit {args.window_limit})"
     )
+    for name, seq_tau in taus.get("sequential", {}).items():
+        fol_tau = taus["follow"][name]
+        ratio_text = f"{fol_tau / seq_tau:8.3f}" if fol_tau is not None and seq_tau else f"{'–':>8}"
+        print(f"{'held-out τ, ' + name:28}{_fmt(seq_tau):>22}{_fmt(fol_tau):>18}{ratio_text}")
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":
