@@ -450,7 +450,7 @@ class HostBufferPool:
 # Resume: ``state_dict()`` records the position after the last step the loop reported done
 # (``step_done``), with what the plan was made from (seed, snapshot, token budget, topology).
 # ``load_state_dict`` only restores the position: whether this planner may continue that state at all is
-# the run's ``ResumeContract`` (train/config.py), compared before. A state made under another
+# the run's ``ResumeContract`` (train/resume_contract.py), compared before. A state made under another
 # world size or grad_accum (which the contract admits with ``allow_topology_change``) continues the
 # interrupted epoch: its rest is planned, with the new topology, over the samples the old topology had not
 # reached yet (replayed from its own plan), so still exactly once.
@@ -741,7 +741,7 @@ class LengthMixingPlanner:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Resume at ``d``'s position. ``d`` was checked against this run before (train/config.py:
+        """Resume at ``d``'s position. ``d`` was checked against this run before (train/resume_contract.py:
         the same seed, snapshot and token budget; the version is the checkpoint format's); a ``d`` planned
         under another world size or grad_accum continues its epoch over that epoch's remaining samples."""
         old = _topology_from_dict(d)
