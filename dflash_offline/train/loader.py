@@ -28,14 +28,8 @@ from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, ResumeError, WorkerError
 from dflash_offline.train.config import LaunchConfig
-from dflash_offline.train.planner import (
-    AnchorRequest,
-    HostBufferPool,
-    PackedMicrobatch,
-    ScheduledMicrobatch,
-    pack_into,
-    pack_layout,
-)
+from dflash_offline.train.packing import HostBufferPool, pack_into, pack_layout
+from dflash_offline.train.planner import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
 
 # ─── Damaged samples ────────────────────────────────────────────────────────────────────────────────────────
 # ``--on-damaged skip``: samples training could not read (a missing or truncated shard file, a chunk that
@@ -103,7 +97,7 @@ def read_damaged(run_dir: Path) -> list[DamagedSample]:
 #
 # Bounded memory: at most ``prefetch`` microbatches are claimed, in flight or waiting, at any time (a
 # slot is freed when the consumer takes a batch). Each packed microbatch lives in one host buffer
-# (train/planner.py): on CUDA a pinned block from PyTorch's caching host allocator (reused once the copy
+# (train/packing.py): on CUDA a pinned block from PyTorch's caching host allocator (reused once the copy
 # that read it has finished), on the CPU a ``HostBufferPool`` buffer (reused once nothing holds it).
 # When the reader supports ``features_out`` (see ``RowReader``) it decodes straight into that buffer.
 #
