@@ -1,6 +1,6 @@
-"""The log of damaged samples (``--on-damaged skip``): samples training could not read (a missing or
-truncated shard file, a chunk that does not decode, a malformed zarr.json) or that failed their checksum,
-in ``RUN/damaged_samples.jsonl``, written by the training reader and read back at the end.
+"""The log of damaged samples (``LaunchConfig.on_damaged="skip"``): samples training could not read (a
+missing or truncated shard file, a chunk that does not decode, a malformed zarr.json) or that failed their
+checksum, in ``RUN/damaged_samples.jsonl``, written by the training reader and read back at the end.
 
 Every rank appends one JSON line per damaged sample it read (``O_APPEND``, one ``write`` a line, so
 lines of several ranks never interleave); a sample read again in a later epoch or after a resume gets

@@ -6,8 +6,8 @@ ask for the same tensors, loss and samples. ``ResumeContract`` holds everything 
 options (train/config.py: ``RESUME_RULE``; ``OPTION_RULES``), and ``RULES`` is derived from them:
 
 - ``FIXED``: the options that define the drafter's tensors or its loss, the seed and token budget that shape
-  the sample plan, the validation split, the training subset (``--train-samples``) and the training samples
-  themselves: a change is refused;
+  the sample plan, the validation split, the training subset (``DataConfig.train_samples``) and the training
+  samples themselves: a change is refused;
 - ``TOPOLOGY``: the world size and ``grad_accum``: changed only with ``allow_topology_change`` (the
   planner then plans the rest of the interrupted epoch over its remaining samples, each still once);
 - ``APPLIED``: the optimizer hyper-parameters, the run length and the validation schedule: taken over from
