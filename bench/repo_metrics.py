@@ -58,6 +58,7 @@ NOT_SCANNED = ("bench/repo_metrics.py", ".gitignore")
 DATA_PATH = (
     "train/snapshot.py",
     "train/planner.py",
+    "train/packing.py",
     "train/loader.py",
     "drafter/batch.py",
 )

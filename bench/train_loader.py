@@ -54,8 +54,8 @@ from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import SampleToWrite
 from dflash_offline.cache.writer import ShardWriter
 from dflash_offline.train.loader import Prefetcher, in_place_feature_width
+from dflash_offline.train.packing import HostBufferPool
 from dflash_offline.train.planner import (
-    HostBufferPool,
     LengthMixingPlanner,
     PackedMicrobatch,
     RankSteps,

@@ -35,8 +35,8 @@ def train(config: TrainConfig) -> None:
 
     started_at = time.time()  # the start-up counts from here: the train command's first line
     from dflash_offline.interrupt import EXIT_INTERRUPTED
+    from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
     from dflash_offline.train.launch import run_training
-    from dflash_offline.train.loader import DAMAGED_FILE, read_damaged
     from dflash_offline.train.trainer import TrainInterrupted
 
     if config.window.follow:

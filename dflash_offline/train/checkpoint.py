@@ -27,12 +27,11 @@ from dflash_offline.placement import DistInfo
 from dflash_offline.train.config import (
     DataConfig,
     OptimizerConfig,
-    ResumeContract,
     TopologyConfig,
     TrainConfig,
-    check_resume,
 )
 from dflash_offline.train.planner import PLANNER_STATE_VERSION
+from dflash_offline.train.resume_contract import ResumeContract, check_resume
 from dflash_offline.train.snapshot import SNAPSHOT_FILE, IndexSnapshot
 from dflash_offline.train.step import DrafterSetup, build_drafter_setup
 from dflash_offline.writable import check_writable_dir
@@ -199,7 +198,7 @@ def load_latest_checkpoint(run_dir: Path, *, is_main: bool = True) -> TrainState
     that loads has a format this version does not read (its own, or its planner state's).
 
     This decides only whether a checkpoint file can be read. Whether this invocation may continue it
-    (the same drafter, plan and samples) is the run's ``ResumeContract`` (train/config.py)."""
+    (the same drafter, plan and samples) is the run's ``ResumeContract`` (train/resume_contract.py)."""
     found = list_checkpoints(run_dir)
     if not found:
         return None
@@ -319,7 +318,7 @@ def check_weights_finite(out_dir: Path, params: Sequence[torch.Tensor], *, step:
 
 # ─── The checkpoint a run continues ─────────────────────────────────────────────────────────────────────────
 # Which checkpoint a ``dflash train`` invocation continues, and the config it goes on with: the newest
-# checkpoint that loads, once the run's ``ResumeContract`` (train/config.py) admits this invocation,
+# checkpoint that loads, once the run's ``ResumeContract`` (train/resume_contract.py) admits this invocation,
 # with the run's own microbatch layout where the invocation left it to the device's default.
 
 
@@ -494,7 +493,7 @@ def export_run(
     newest); the card's τ table comes from ``eval_report``, else from ``RUN/eval.json`` when it exists.
 
     The ``ResumeError`` raised here says a run directory or checkpoint is not there; nothing is resumed, so
-    no resume compatibility is decided (that is train/config.py's, for ``dflash train``)."""
+    no resume compatibility is decided (that is train/resume_contract.py's, for ``dflash train``)."""
     from dflash_offline.drafter.export import export_drafter, nonfinite_tensors
     from dflash_offline.drafter.model_card import read_eval_report
 

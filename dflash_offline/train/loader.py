@@ -1,18 +1,15 @@
 """The loader: cache rows -> packed microbatches on the training device, ahead of time (the
-prefetcher), with the fixed feature scale it applies and the log of samples it could not read."""
+prefetcher)."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
-import os
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,75 +18,14 @@ import torch
 from dflash_offline.cache.fp8 import Fp8Layout
 from dflash_offline.cache.lossy import LossyLayout, decode_rows
 from dflash_offline.cache.nf4 import Nf4Layout
-from dflash_offline.cache.reader import DamagedSample
-from dflash_offline.cache.rows import CachedSample, utc_now
+from dflash_offline.cache.rows import CachedSample
 from dflash_offline.config_fields import field_ref
 from dflash_offline.drafter.batch import DrafterInputs
 from dflash_offline.drafter.loss import loss_rows
 from dflash_offline.errors import CacheDamageError, CacheFormatError, ConfigError, ResumeError, WorkerError
 from dflash_offline.train.config import LaunchConfig
-from dflash_offline.train.planner import (
-    AnchorRequest,
-    HostBufferPool,
-    PackedMicrobatch,
-    ScheduledMicrobatch,
-    pack_into,
-    pack_layout,
-)
-
-# ─── Damaged samples ────────────────────────────────────────────────────────────────────────────────────────
-# ``--on-damaged skip``: samples training could not read (a missing or truncated shard file, a chunk that
-# does not decode, a malformed zarr.json) or that failed their checksum, in ``RUN/damaged_samples.jsonl``.
-#
-# Every rank appends one JSON line per damaged sample it read (``O_APPEND``, one ``write`` a line, so
-# lines of several ranks never interleave); a sample read again in a later epoch or after a resume gets
-# another line, and ``read_damaged`` reports each id once. The reader has already zeroed the sample's
-# features, ids and loss mask, so it carries no anchor and no loss: training goes on with the rest.
-
-
-DAMAGED_FILE = "damaged_samples.jsonl"
-
-
-class DamagedLog:
-    """The ``on_damaged`` callback of the training reader (called from reader threads)."""
-
-    def __init__(self, run_dir: Path, *, rank: int) -> None:
-        self.path = run_dir / DAMAGED_FILE
-        self.rank = rank
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def __call__(self, sample: DamagedSample) -> None:
-        line = json.dumps({**asdict(sample), "rank": self.rank, "seen_at": utc_now().isoformat()}) + "\n"
-        with self._lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
-            self.count += 1
-
-
-def read_damaged(run_dir: Path) -> list[DamagedSample]:
-    """Distinct damaged samples recorded in ``run_dir`` (first sighting of each id), or [] if none."""
-    path = run_dir / DAMAGED_FILE
-    if not path.exists():
-        return []
-    found: dict[str, DamagedSample] = {}
-    for raw in path.read_text().splitlines():
-        try:
-            d = json.loads(raw)
-        except json.JSONDecodeError:  # a line torn by a kill: the sample is read (and logged) again
-            continue
-        if d["sample_id"] not in found:
-            found[d["sample_id"]] = DamagedSample(
-                sample_id=d["sample_id"],
-                shard=d["shard"],
-                row_start=int(d["row_start"]),
-                problem=str(d["problem"]),
-            )
-    return list(found.values())
-
+from dflash_offline.train.packing import HostBufferPool, pack_into, pack_layout
+from dflash_offline.train.planner import AnchorRequest, PackedMicrobatch, ScheduledMicrobatch
 
 # ─── The prefetcher ─────────────────────────────────────────────────────────────────────────────────────────
 # The asynchronous prefetcher: cache rows -> packed microbatches on the training device, ahead of time.
@@ -103,7 +39,7 @@ def read_damaged(run_dir: Path) -> list[DamagedSample]:
 #
 # Bounded memory: at most ``prefetch`` microbatches are claimed, in flight or waiting, at any time (a
 # slot is freed when the consumer takes a batch). Each packed microbatch lives in one host buffer
-# (train/planner.py): on CUDA a pinned block from PyTorch's caching host allocator (reused once the copy
+# (train/packing.py): on CUDA a pinned block from PyTorch's caching host allocator (reused once the copy
 # that read it has finished), on the CPU a ``HostBufferPool`` buffer (reused once nothing holds it).
 # When the reader supports ``features_out`` (see ``RowReader``) it decodes straight into that buffer.
 #

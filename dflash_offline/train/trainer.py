@@ -30,7 +30,8 @@ from dflash_offline.train.checkpoint import (
     save_checkpoint,
 )
 from dflash_offline.train.config import TrainConfig, ValidationConfig
-from dflash_offline.train.loader import DamagedLog, Prefetcher, RowReader
+from dflash_offline.train.damaged import DamagedLog
+from dflash_offline.train.loader import Prefetcher, RowReader
 from dflash_offline.train.metrics import (
     Lap,
     MetricsLog,

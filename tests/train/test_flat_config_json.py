@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 from dflash_offline.errors import ConfigError
 from dflash_offline.train.checkpoint import export_run, list_checkpoints
-from dflash_offline.train.config import ResumeContract, TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.train.launch import run_training
+from dflash_offline.train.resume_contract import ResumeContract
 from tests.train.helpers import assert_export_equals_checkpoint, train_config
 
 FLAT_CONFIG_JSON: dict[str, Any] = {

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dflash_offline.cache.manifest import read_table
-from dflash_offline.train.loader import DAMAGED_FILE
+from dflash_offline.train.damaged import DAMAGED_FILE
 from tests.generate.helpers import (
     features_by_id,
     generate_cmd,

@@ -20,9 +20,9 @@ from dflash_offline.cache.reader import CacheReader
 from dflash_offline.cache.rows import CachedSample
 from dflash_offline.errors import CacheFormatError, ConfigError, ResumeError, WorkerError
 from dflash_offline.train.loader import LOADER_STATE_VERSION, Prefetcher, in_place_feature_width
+from dflash_offline.train.packing import HostBufferPool
 from dflash_offline.train.planner import (
     AnchorRequest,
-    HostBufferPool,
     LengthMixingPlanner,
     PackedMicrobatch,
     ScheduledMicrobatch,

@@ -1,4 +1,4 @@
-"""Whether a run may resume, decided once (train/config.py): every option of ``dflash train``
+"""Whether a run may resume, decided once (train/resume_contract.py): every option of ``dflash train``
 changed alone against a run saved on disk (its config.json and its checkpoint's planner state), with the
 verdict written out here for each; then several at once, a config.json that does not read, and the
 planner version that the checkpoint loader refuses."""
@@ -17,15 +17,9 @@ import pytest
 from dflash_offline.config_fields import cli_field, option_fields
 from dflash_offline.errors import ResumeError
 from dflash_offline.train.checkpoint import TrainState, load_latest_checkpoint, save_checkpoint
-from dflash_offline.train.config import (
-    OPTIONS_ADDED_SINCE,
-    ResumeContract,
-    Rule,
-    TrainConfig,
-    check_resume,
-    resume_rule,
-)
+from dflash_offline.train.config import OPTIONS_ADDED_SINCE, Rule, TrainConfig, resume_rule
 from dflash_offline.train.planner import LengthMixingPlanner
+from dflash_offline.train.resume_contract import ResumeContract, check_resume
 from dflash_offline.train.snapshot import IndexSnapshot, snapshot_from_columns
 from tests.train.helpers import flat_config_json
 

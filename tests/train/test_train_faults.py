@@ -30,8 +30,8 @@ from dflash_offline.errors import CacheDamageError, ConfigError, ResumeError
 from dflash_offline.placement import DistInfo
 from dflash_offline.train.checkpoint import CheckpointNoSpaceError, list_checkpoints
 from dflash_offline.train.config import TrainConfig
+from dflash_offline.train.damaged import DAMAGED_FILE, read_damaged
 from dflash_offline.train.launch import run_training
-from dflash_offline.train.loader import DAMAGED_FILE, read_damaged
 from dflash_offline.train.metrics import StepMetrics, read_metrics
 from dflash_offline.train.prepare import cosine_with_warmup
 from dflash_offline.train.trainer import TrainInterrupted, train_rank
@@ -130,7 +130,7 @@ def test_skip_damaged_trains_on_the_rest_and_records_them(cache: Path, tmp_path:
     assert result is not None
     assert result.global_step == result.total_steps
     assert {d.sample_id for d in read_damaged(run)} == damaged
-    # One line per read of the damaged sample (module docstring of train/loader.py): the feature scale's
+    # One line per read of the damaged sample (module docstring of train/damaged.py): the feature scale's
     # statistics pass reads it too, before training does.
     lines = (run / DAMAGED_FILE).read_text().splitlines()
     assert lines
