@@ -1,0 +1,52 @@
+"""The sampled answers kept in ``bench/answers/`` (README there) answer again conversations that the greedy
+files already hold, and nothing else: the same record ids and the same human turns, less those a record
+says it dropped (so the same decontaminated prompts, and no held-out record), each file at its own seed."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+ANSWERS = Path(__file__).resolve().parents[2] / "bench" / "answers"
+GREEDY = ("answers-00", "extra-answers-code-1", "code-answers-2", "sources-answers-3")
+
+
+def _records(name: str) -> list[dict[str, Any]]:
+    with gzip.open(ANSWERS / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _turns(record: dict[str, Any]) -> tuple[list[str], int]:
+    """The human turns of a record, and its answers (one a group of consecutive human turns)."""
+    messages = record["messages"]
+    return [m["content"] for m in messages if m["role"] != "assistant"], sum(
+        m["role"] == "assistant" for m in messages
+    )
+
+
+def test_the_sampled_answers_answer_the_greedy_files_conversations_again_at_their_own_seed() -> None:
+    greedy = {r["id"]: _turns(r) for name in GREEDY for r in _records(name)}
+    sampled = sorted(p.name.removesuffix(".jsonl.gz") for p in ANSWERS.glob("sampled-answers-*.jsonl.gz"))
+    assert sampled, "no sampled answers in bench/answers"
+    for name in sampled:
+        seed = int(name.rpartition("seed")[2])
+        records = _records(name)
+        ids = [r["id"] for r in records]
+        assert len(set(ids)) == len(ids), name  # each conversation once a file
+        for r in records:
+            key = (name, r["id"])
+            assert r["id"] in greedy, key
+            greedy_human, greedy_answers = greedy[r["id"]]
+            human, answers = _turns(r)
+            # A longer sampled answer can make a later turn's prompt outgrow --max-prompt-tokens: that turn
+            # and those after it are dropped, and the record counts them (one a group of human turns).
+            assert human == greedy_human[: len(human)], key
+            assert answers + r["dropped_turns"] == greedy_answers, key
+            assert answers > 0, key
+            by = r["regenerated_by"]
+            assert (by["target"], by["seed"], by["max_new_tokens"]) == ("default", seed, 256), key
+            assert by["temperature"] > 0, key
+            lengths = [len(m["token_ids"]) for m in r["messages"] if m["role"] == "assistant"]
+            assert all(0 < n <= 256 for n in lengths), key
