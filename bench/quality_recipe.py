@@ -489,6 +489,50 @@ def seed_list(text: str) -> list[int]:
     return seeds
 
 
+def earlier_sampled(paths: list[Path], seeds: list[int], temperature: float) -> dict[int, Path]:
+    """``--sampled-from``: each earlier sampled answer file by the seed its records were sampled with (its
+    first record's ``regenerated_by``). Raises ValueError, in one line, for a file that cannot be read, whose
+    seed is not in ``seeds`` or is another file's, or whose temperature is not ``temperature`` (regenerate
+    would refuse to resume it, but only once the stages before it had run)."""
+    by_seed: dict[int, Path] = {}
+    for path in paths:
+        try:
+            first = next(jsonl_lines(path), None)
+            recorded = json.loads(first)["regenerated_by"] if first is not None else None
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--sampled-from {path}: not a regenerated chat JSONL(.gz) ({e})") from None
+        if recorded is None:
+            raise ValueError(f"--sampled-from {path}: the file holds no answer")
+        seed, temp = recorded.get("seed"), recorded.get("temperature")
+        if seed not in seeds:
+            raise ValueError(f"--sampled-from {path}: sampled with seed {seed}, which --sampled-seeds lacks")
+        if seed in by_seed:
+            raise ValueError(f"--sampled-from {path}: seed {seed} is also {by_seed[seed]}'s")
+        if temp != temperature:
+            raise ValueError(
+                f"--sampled-from {path}: sampled at temperature {temp}, "
+                f"not --sampled-temperature {temperature}"
+            )
+        by_seed[seed] = path
+    return by_seed
+
+
+def start_from_earlier(earlier: dict[int, Path], work: Path) -> dict[int, int]:
+    """Each seed's answer file in ``work`` begins as its earlier file (decompressed), so that its regenerate
+    resumes it and answers only the conversations it lacks. A seed whose file in ``work`` exists already (a
+    rerun of the recipe) keeps it. Returns the conversations copied, by seed."""
+    copied = {}
+    for seed, path in earlier.items():
+        out = work / f"sampled-{seed}.jsonl"
+        if out.exists():
+            continue
+        tmp = out.with_name(out.name + ".copying")
+        with open(tmp, "wb") as dst:
+            copied[seed] = sum(dst.write(line) > 0 for line in jsonl_lines(path))
+        os.replace(tmp, out)
+    return copied
+
+
 def flag_value(args: str, flag: str, default: int) -> int:
     """The integer value of ``flag`` in a flag string (``--val-every 100``), or ``default``."""
     tokens = shlex.split(args)
@@ -616,6 +660,16 @@ def sampled_answers(
         )
         for seed in args.sampled_seeds
     }
+    earlier = earlier_sampled(args.sampled_from, args.sampled_seeds, args.sampled_temperature)
+    for seed, n in start_from_earlier(earlier, args.work).items():
+        report.note(f"sampled_{seed}: starts from {earlier[seed]} ({n} conversations)")
+    if args.sampled_s <= 0:  # the sampled answers in --work (and --sampled-from) as they are
+        outs = [args.work / f"sampled-{seed}.jsonl" for seed in args.sampled_seeds]
+        kept = [out for out in outs if out.is_file() and out.stat().st_size > 0]
+        report.note(
+            f"sampled regenerate skipped (--sampled-s 0): {', '.join(p.name for p in kept) or 'none'}"
+        )
+        return kept
     stages = {
         seed: Stage(name=f"sampled_{seed}", argv=argv, log=logs / f"2_sampled_{seed}.log").start()
         for seed, argv in argvs.items()
@@ -975,7 +1029,22 @@ def main() -> None:
     ap.add_argument(
         "--sampled-temperature", type=float, default=0.8, help="the sampled answers' temperature (> 0)"
     )
-    ap.add_argument("--sampled-s", type=float, default=300, help="the sampled regenerates' seconds")
+    ap.add_argument(
+        "--sampled-s",
+        type=float,
+        default=300,
+        help="the sampled regenerates' seconds; 0: the sampled answers in --work and --sampled-from as "
+        "they are",
+    )
+    ap.add_argument(
+        "--sampled-from",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="earlier sampled answers of the same training conversations (bench/answers/sampled-answers-*), "
+        "at most one per seed of --sampled-seeds: each seed's regenerate resumes its file and answers only "
+        "the conversations it lacks, so that sampled answers accumulate across runs",
+    )
     ap.add_argument("--gen-args", default="--max-len 2048 --too-long truncate")
     ap.add_argument("--gen-s", type=float, default=150)
     ap.add_argument("--codecs", default="default,fp8", help="caches of the regenerated answers")
@@ -1069,6 +1138,12 @@ def main() -> None:
         sys.exit(
             "quality_recipe: --sampled-temperature must be > 0 (0 answers greedily: the same answers again)"
         )
+    if args.sampled_from and not args.sampled_seeds:
+        sys.exit("quality_recipe: --sampled-from needs --sampled-seeds (the seeds it resumes)")
+    try:
+        earlier_sampled(args.sampled_from, args.sampled_seeds, args.sampled_temperature)
+    except ValueError as e:
+        sys.exit(f"quality_recipe: {e}")
     problem = follow_problem(args) if args.follow_window else None
     if problem:
         sys.exit(f"quality_recipe: {problem}")

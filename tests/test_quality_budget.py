@@ -4,7 +4,11 @@ stages before training leave unused must go to training, not idle at the end."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
+import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -130,3 +134,74 @@ def test_sampled_seeds_are_distinct_integers() -> None:
         seed_list("a,b")
     with pytest.raises(argparse.ArgumentTypeError, match="a seed is repeated in '1,1'"):
         seed_list("1,1")
+
+
+def _sampled_file(path: Path, seed: int, ids: list[str], temperature: float = 0.8) -> Path:
+    by = {"target": "random:tiny", "temperature": temperature, "max_new_tokens": 8, "seed": seed}
+    lines = [
+        json.dumps({"id": i, "messages": [{"role": "user", "content": i}], "regenerated_by": by}) + "\n"
+        for i in ids
+    ]
+    with gzip.open(path, "wt", encoding="utf-8") if path.suffix == ".gz" else open(path, "w") as f:
+        f.writelines(lines)
+    return path
+
+
+def test_earlier_sampled_answers_are_matched_to_their_seed_or_refused_in_one_line(tmp_path: Path) -> None:
+    earlier_sampled = _harness().earlier_sampled
+    one = _sampled_file(tmp_path / "s1.jsonl.gz", 1, ["a", "b"])
+    two = _sampled_file(tmp_path / "s2.jsonl", 2, ["a"])
+    assert earlier_sampled([two, one], [1, 2, 3], 0.8) == {1: one, 2: two}
+    assert earlier_sampled([], [1], 0.8) == {}
+    refused = {
+        "sampled with seed 2, which --sampled-seeds lacks": ([two], [1], 0.8),
+        f"seed 1 is also {one}'s": ([one, _sampled_file(tmp_path / "again.jsonl", 1, ["c"])], [1], 0.8),
+        "sampled at temperature 0.8, not --sampled-temperature 1.0": ([one], [1], 1.0),
+        "the file holds no answer": ([_sampled_file(tmp_path / "empty.jsonl", 1, [])], [1], 0.8),
+    }
+    for message, (paths, seeds, temperature) in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            earlier_sampled(paths, seeds, temperature)
+    (tmp_path / "text.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match=r"text\.jsonl: not a regenerated chat JSONL"):
+        earlier_sampled([tmp_path / "text.jsonl"], [1], 0.8)
+    # The recipe refuses them before any stage starts, in one line.
+    for extra, message in (
+        ([], "quality_recipe: --sampled-from needs --sampled-seeds (the seeds it resumes)"),
+        (["--sampled-seeds", "1"], f"quality_recipe: --sampled-from {two}: sampled with seed 2, which"),
+    ):
+        run = subprocess.run(
+            [sys.executable, "bench/quality_recipe.py", "--data", str(one), "--work", str(tmp_path / "w"),
+             "--report", str(tmp_path / "r"), "--variants", '{"a": ""}', "--sampled-from", str(two),
+             *extra],
+            cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+        assert run.returncode == 1
+        assert run.stderr.strip().splitlines()[-1].startswith(message)
+        assert not (tmp_path / "w").exists()
+
+
+def test_each_seed_resumes_its_earlier_answers_and_a_zero_budget_keeps_them_as_they_are(
+    tmp_path: Path,
+) -> None:
+    harness = _harness()
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    one = _sampled_file(tmp_path / "s1.jsonl.gz", 1, ["a", "b"])
+    # Seed 2's file in --work is a rerun's, longer than its earlier one: it is kept, not overwritten.
+    _sampled_file(work / "sampled-2.jsonl", 2, ["a", "b", "c"])
+    two = _sampled_file(tmp_path / "s2.jsonl", 2, ["a"])
+    assert harness.start_from_earlier({1: one, 2: two}, work) == {1: 2}
+    assert (work / "sampled-1.jsonl").read_bytes() == gzip.decompress(one.read_bytes())
+    assert (work / "sampled-2.jsonl").read_bytes().count(b"\n") == 3
+
+    args = argparse.Namespace(
+        target="random:tiny", regen_args="", sampled_temperature=0.8, sampled_seeds=[1, 2, 3],
+        sampled_from=[one, two], sampled_s=0, work=work,
+    )  # fmt: skip
+    report = harness.Report(tmp_path / "report", work)
+    kept = harness.sampled_answers(args, tmp_path / "train-data.jsonl", work / "logs", report, [])
+    # --sampled-s 0: no regenerate ran (no stage, no log), and seed 3, with no answers, is left out.
+    assert kept == [work / "sampled-1.jsonl", work / "sampled-2.jsonl"]
+    assert report.data["stages"] == {}
+    assert not list((work / "logs").iterdir())
