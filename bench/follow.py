@@ -10,8 +10,9 @@ of a segment may be fuller or emptier), the start-up of each training run (each 
 ``--follow``: from its start to the end of its first step, the ``startup_seconds`` of its metrics), how
 long each side waited for the other (the cache's ``waits``), and the peak of the window measured by the
 manifest. With ``--eval-args``, each way's final drafter then runs ``dflash eval`` on the same held-out
-prompts (say, ``"--bench all --limit 20 --max-new-tokens 256"`` with ``--target default``), and its τ is
-printed beside the other's: the held-out quality each way reached with the same passes over the same data.
+prompts (say, ``"--bench mt-bench,humaneval --limit 20 --max-new-tokens 256"`` with ``--target default``;
+bench/RESULTS.md has the run with held-out ShareGPT records too), and its τ is printed beside the other's:
+the held-out quality each way reached with the same passes over the same data.
 
   python bench/follow.py                  # CPU: random:tiny, 240 generated chat records, 2 passes
   python bench/follow.py --target default --data bench/answers/answers-00.jsonl.gz --records 4096 \\

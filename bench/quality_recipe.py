@@ -503,6 +503,8 @@ def earlier_sampled(paths: list[Path], seeds: list[int], temperature: float) -> 
             raise ValueError(f"--sampled-from {path}: not a regenerated chat JSONL(.gz) ({e})") from None
         if recorded is None:
             raise ValueError(f"--sampled-from {path}: the file holds no answer")
+        if not isinstance(recorded, dict):
+            raise ValueError(f"--sampled-from {path}: its first record's regenerated_by is not an object")
         seed, temp = recorded.get("seed"), recorded.get("temperature")
         if seed not in seeds:
             raise ValueError(f"--sampled-from {path}: sampled with seed {seed}, which --sampled-seeds lacks")

@@ -11,6 +11,9 @@ from typing import Any
 
 ANSWERS = Path(__file__).resolve().parents[2] / "bench" / "answers"
 GREEDY = ("answers-00", "extra-answers-code-1", "code-answers-2", "sources-answers-3")
+HELD_OUT_FROM = 16_000
+"""ShareGPT records from this index of the prompt file on are held out for eval (the quality recipe's
+--regen-limit 16000; bench/RESULTS.md's eval commands skip them): no sampled answer may train on one."""
 
 
 def _records(name: str) -> list[dict[str, Any]]:
@@ -28,6 +31,8 @@ def _turns(record: dict[str, Any]) -> tuple[list[str], int]:
 
 def test_the_sampled_answers_answer_the_greedy_files_conversations_again_at_their_own_seed() -> None:
     greedy = {r["id"]: _turns(r) for name in GREEDY for r in _records(name)}
+    held_out = {r["id"] for r in _records("answers-00") if r["source_index"] >= HELD_OUT_FROM}
+    assert len(held_out) > 500  # answers-00 answers every record of the file, the held-out ones too
     sampled = sorted(p.name.removesuffix(".jsonl.gz") for p in ANSWERS.glob("sampled-answers-*.jsonl.gz"))
     assert sampled, "no sampled answers in bench/answers"
     for name in sampled:
@@ -38,6 +43,7 @@ def test_the_sampled_answers_answer_the_greedy_files_conversations_again_at_thei
         for r in records:
             key = (name, r["id"])
             assert r["id"] in greedy, key
+            assert r["id"] not in held_out, key
             greedy_human, greedy_answers = greedy[r["id"]]
             human, answers = _turns(r)
             # A longer sampled answer can make a later turn's prompt outgrow --max-prompt-tokens: that turn
