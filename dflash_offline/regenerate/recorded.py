@@ -1,10 +1,10 @@
 """What an existing regenerate output says about the settings that wrote it, checked before a resume.
 
-Every output line records its ``regenerated_by`` settings; a resume with another target, answer length or
-temperature would append answers of another kind to the same data set without a word (or continue a
-conversation kept in progress with them). The first line of the output, of the partial file and of each
-worker part left by a killed run is read (one line each: cheap at any output size), and a difference is
-refused naming both values.
+Every output line records its ``regenerated_by`` settings; a resume with another target, answer length,
+temperature (or, sampled, another seed or top-p) would append answers of another kind to the same data set
+without a word (or continue a conversation kept in progress with them). The first line of the output, of
+the partial file and of each worker part left by a killed run is read (one line each: cheap at any output
+size), and a difference is refused naming both values.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from dflash_offline.regenerate.config import PARTIAL_SUFFIX, RegenerateConfig
 
 CHECKED = {field: field_ref(RegenerateConfig, field) for field in ("max_new_tokens", "temperature")}
 """``regenerated_by`` fields a resume must repeat, and their flags."""
+
+CHECKED_WHEN_SAMPLED = {field: field_ref(RegenerateConfig, field) for field in ("seed", "top_p")}
+"""Fields a sampled resume (temperature > 0) must repeat too: they choose its answers, so a file resumed with
+another seed or nucleus would mix two samplings under one name. A greedy answer depends on neither. An
+output written before ``top_p`` was recorded is not checked for it."""
 
 
 def first_settings(path: Path) -> dict[str, Any] | None:
@@ -48,7 +53,8 @@ def check_resume_settings(config: RegenerateConfig) -> None:
         recorded = first_settings(path)
         if recorded is None:
             continue
-        for field, option in CHECKED.items():
+        checked = CHECKED | (CHECKED_WHEN_SAMPLED if config.temperature > 0 else {})
+        for field, option in checked.items():
             if field in recorded and recorded[field] != getattr(config, field):
                 raise ConfigError(
                     f"{option} {getattr(config, field)} differs from the {option} {recorded[field]} that "

@@ -328,6 +328,7 @@ def _sink(
             "temperature": config.temperature,
             "max_new_tokens": config.max_new_tokens,
             "seed": config.seed,
+            "top_p": config.top_p,
             **loaded.provenance,
         },
         on_tally=on_tally,

@@ -269,6 +269,42 @@ def test_a_resume_with_another_answer_length_is_refused_naming_both(tmp_path: Pa
         run_regenerate(_config(out2, data, max_new_tokens=20))
 
 
+def test_a_sampled_resume_with_another_seed_or_top_p_is_refused_and_a_greedy_one_is_not(
+    tmp_path: Path,
+) -> None:
+    """A sampled file resumed with another seed or nucleus would hold two samplings under one name; a greedy
+    answer depends on neither, so a greedy resume may name any seed."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)
+    out = tmp_path / "sampled.jsonl"
+    first = run_regenerate(_config(out, data, limit=2, temperature=0.8, top_p=0.9, seed=1))
+    assert first is not None
+    recorded = _lines(out)[0]["regenerated_by"]
+    assert (recorded["temperature"], recorded["top_p"], recorded["seed"]) == (0.8, 0.9, 1)
+    before = out.read_bytes()
+    for flag, value, wrote in (("--seed", "2", "1"), ("--top-p", "0.95", "0.9")):
+        result = CliRunner().invoke(
+            main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
+                   "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9", "--seed", "1",
+                   flag, value, "--batch-size", "3", "--no-progress"],
+        )  # fmt: skip
+        assert result.exit_code == 1, result.output
+        assert result.output.strip().splitlines() == [
+            f"Error: {flag} {value} differs from the {flag} {wrote} that wrote {out}: "
+            f"resume with {flag} {wrote}, or write to another --out"
+        ]
+        assert out.read_bytes() == before  # nothing appended
+    # The same sampling resumes it.
+    second = run_regenerate(_config(out, data, temperature=0.8, top_p=0.9, seed=1))
+    assert second is not None
+    assert (second.written, second.skipped) == (2, 2)
+    # Greedy: another seed (or top-p) chooses the same answers, and the resume goes on.
+    greedy = tmp_path / "greedy.jsonl"
+    assert run_regenerate(_config(greedy, data, limit=2)) is not None
+    resumed = run_regenerate(_config(greedy, data, seed=5, top_p=0.5))
+    assert resumed is not None
+    assert (resumed.written, resumed.skipped) == (2, 2)
+
+
 def test_a_resume_by_another_target_is_refused_before_it_loads(tmp_path: Path) -> None:
     """Answers of two targets in one data set would train a drafter on a mix without a word: the target
     recorded in the output's first line must be the one resuming it (the answers in progress too)."""
