@@ -1,18 +1,18 @@
 """``dflash train --follow`` beside ``dflash generate --window-limit`` against generate-then-train on the
 same data, side by side in one run (docs/follow.md).
 
-Both ways train every training sample ``--passes`` times with the same settings; the figure is the wall
-time from the first command's start until every sample had its passes (training's end), and the ratio
-follow / sequential. Sequential: ``dflash generate`` into a plain cache, then ``dflash train --epochs
-PASSES``. Follow: both commands at once, generate bounded by ``--window-limit``, train retiring what it
-trained. Also printed: the steps each way took (follow plans each segment on its own, so its last steps
-of a segment may be fuller or emptier), the start-up of each training run (each segment's under
-``--follow``: from its start to the end of its first step, the ``startup_seconds`` of its metrics), how
-long each side waited for the other (the cache's ``waits``), and the peak of the window measured by the
-manifest. With ``--eval-args``, each way's final drafter then runs ``dflash eval`` on the same held-out
+Both ways train every training sample ``--passes`` times with the same settings; the figure is the wall time
+from the first command's start until every sample had its passes (training's end), and the ratio follow /
+sequential. Sequential: ``dflash generate`` into a plain cache, then ``dflash train --epochs PASSES``. Follow:
+both commands at once, generate bounded by ``--window-limit``, train retiring what it trained. Also printed:
+the steps each way took (follow plans each segment on its own, so its last steps of a segment may be fuller or
+emptier) and the wall time each way took to the step both reached, the start-up of each training run (each
+segment's under ``--follow``: from its start to the end of its first step, the ``startup_seconds`` of its
+metrics), how long each side waited for the other (the cache's ``waits``), and the peak of the window measured
+by the manifest. With ``--eval-args``, each way's final drafter then runs ``dflash eval`` on the same held-out
 prompts (say, ``"--bench mt-bench,humaneval --limit 20 --max-new-tokens 256"`` with ``--target default``;
-bench/RESULTS.md has the run with held-out ShareGPT records too), and its τ is printed beside the other's:
-the held-out quality each way reached with the same passes over the same data.
+bench/RESULTS.md has the run with held-out ShareGPT records too), and its τ is printed beside the other's: the
+held-out quality each way reached with the same passes over the same data.
 
   python bench/follow.py                  # CPU: random:tiny, 240 generated chat records, 2 passes
   python bench/follow.py --target default --data bench/answers/answers-00.jsonl.gz --records 4096 \\
@@ -22,6 +22,7 @@ the held-out quality each way reached with the same passes over the same data.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import subprocess
@@ -105,20 +106,66 @@ def held_out_tau(args: argparse.Namespace, run: Path, out: Path) -> dict[str, fl
     return {**taus, "mean": report["mean"]["tau"]}
 
 
-def sequential(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, float]:
+def logged_steps(run: Path) -> int:
+    """The optimizer steps a run has logged so far: its ``metrics.jsonl``'s last step, or under ``--follow``
+    the sum over its segments (each numbers its steps from 1). A line still being written is skipped."""
+    total = 0
+    for path in [run / "metrics.jsonl", *sorted((run / "segments").glob("*/metrics.jsonl"))]:
+        last = 0
+        with contextlib.suppress(OSError):
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    last = max(last, int(json.loads(line)["step"]))
+        total += last
+    return total
+
+
+class StepClock:
+    """When a run reached each step: polls its logged steps (``--log-every`` is 1 here, the default) every
+    0.25 s from the way's start, so that both ways can be timed to the same step."""
+
+    def __init__(self, run: Path, start: float) -> None:
+        self.run, self.start = run, start
+        self.seen: list[tuple[int, float]] = []  # (steps logged, seconds since start), steps rising
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while True:
+            stopping = self._done.wait(0.25)
+            steps = logged_steps(self.run)
+            if steps > (self.seen[-1][0] if self.seen else 0):
+                self.seen.append((steps, time.perf_counter() - self.start))
+            if stopping:
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def seconds_to(self, step: int) -> float:
+        """Seconds from the start until ``step`` was logged (to the poll's 0.25 s)."""
+        return next(seconds for steps, seconds in self.seen if steps >= step)
+
+
+def sequential(args: argparse.Namespace, data: Path, folder: Path) -> tuple[dict[str, float], StepClock]:
     cache, out = folder / "cache", folder / "run"
     start = time.perf_counter()
+    clock = StepClock(out, start)
     run_cmd(generate_cmd(args, cache, data))
     generated = time.perf_counter() - start
     run_cmd(train_cmd(args, cache, out, "--epochs", str(args.passes)))
+    wall = time.perf_counter() - start
+    clock.stop()
     metrics = read_metrics(out / "metrics.jsonl")
     steps = int(metrics[-1]["step"])  # type: ignore[call-overload]
     return {
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall,
         "generate_s": generated,
         "steps": steps,
         "startup_s": startup_seconds(metrics),
-    }
+    }, clock
 
 
 def startup_seconds(metrics: list[dict[str, object]]) -> float:
@@ -127,7 +174,7 @@ def startup_seconds(metrics: list[dict[str, object]]) -> float:
     return sum(float(m["startup_seconds"]) for m in metrics if "startup_seconds" in m)  # type: ignore[arg-type]
 
 
-def follow(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, float]:
+def follow(args: argparse.Namespace, data: Path, folder: Path) -> tuple[dict[str, float], StepClock]:
     cache, out = folder / "cache", folder / "run"
     peak = [0]
     done = threading.Event()
@@ -140,6 +187,7 @@ def follow(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, floa
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     start = time.perf_counter()
+    clock = StepClock(out, start)
     window = ("--window-limit", args.window_limit, "--val-fraction", str(args.val_fraction))
     generate = subprocess.Popen(
         generate_cmd(args, cache, data, *window), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -152,6 +200,7 @@ def follow(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, floa
     outputs = [p.communicate()[0].decode() for p in (generate, train)]
     wall = time.perf_counter() - start
     done.set()
+    clock.stop()
     for process, output in zip((generate, train), outputs, strict=True):
         if process.returncode != 0:
             raise SystemExit(output[-3000:])
@@ -172,7 +221,7 @@ def follow(args: argparse.Namespace, data: Path, folder: Path) -> dict[str, floa
         "generate_waited_s": waited["generate"],
         "train_waited_s": waited["train"],
         "peak_window_bytes": peak[0],
-    }
+    }, clock
 
 
 def main() -> None:
@@ -198,8 +247,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dflash-follow-bench-") as tmp:
         folder = Path(tmp)
         data = args.data or make_chat_jsonl(folder / "chat.jsonl", args.records, seed=0)
-        seq = sequential(args, data, folder / "sequential")
-        fol = follow(args, data, folder / "follow")
+        seq, seq_clock = sequential(args, data, folder / "sequential")
+        fol, fol_clock = follow(args, data, folder / "follow")
         taus = (
             {
                 way: held_out_tau(args, folder / way / "run", folder / f"eval-{way}.json")
@@ -213,6 +262,12 @@ def main() -> None:
     print(f"{'wall time to every pass (s)':28}{seq['wall_s']:22.1f}{fol['wall_s']:18.1f}{ratio:8.3f}")
     step_ratio = fol["steps"] / seq["steps"]
     print(f"{'optimizer steps':28}{seq['steps']:22.0f}{fol['steps']:18.0f}{step_ratio:8.3f}")
+    # Follow's segments each end on a partial step, so it takes more steps for the same passes: the time
+    # to the step both reached compares the two at the same number of optimizer updates.
+    same = int(min(seq["steps"], fol["steps"]))
+    seq_to, fol_to = seq_clock.seconds_to(same), fol_clock.seconds_to(same)
+    label = f"wall time to step {same} (s)"
+    print(f"{label:28}{seq_to:22.1f}{fol_to:18.1f}{fol_to / seq_to:8.3f}")
     startup_ratio = fol["startup_s"] / seq["startup_s"]
     print(f"{'training start-up (s)':28}{seq['startup_s']:22.1f}{fol['startup_s']:18.1f}{startup_ratio:8.3f}")
     print(
