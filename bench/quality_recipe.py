@@ -489,11 +489,17 @@ def seed_list(text: str) -> list[int]:
     return seeds
 
 
-def earlier_sampled(paths: list[Path], seeds: list[int], temperature: float) -> dict[int, Path]:
+def earlier_sampled(
+    paths: list[Path], seeds: list[int], temperature: float, *, extend: bool
+) -> dict[int, Path]:
     """``--sampled-from``: each earlier sampled answer file by the seed its records were sampled with (its
     first record's ``regenerated_by``). Raises ValueError, in one line, for a file that cannot be read, whose
-    seed is not in ``seeds`` or is another file's, or whose temperature is not ``temperature`` (regenerate
-    would refuse to resume it, but only once the stages before it had run)."""
+    seed is not in ``seeds`` or is another file's, whose temperature is not ``temperature``, or, when its
+    regenerate will ``extend`` it (``--sampled-s`` above 0), that another sampling algorithm drew
+    (regenerate would refuse to resume it, but only once the stages before it had run)."""
+    if extend and paths:
+        from dflash_offline.decode.sampling import SAMPLER
+        from dflash_offline.regenerate.recorded import EARLIER_SAMPLER
     by_seed: dict[int, Path] = {}
     for path in paths:
         try:
@@ -514,6 +520,11 @@ def earlier_sampled(paths: list[Path], seeds: list[int], temperature: float) -> 
             raise ValueError(
                 f"--sampled-from {path}: sampled at temperature {temp}, "
                 f"not --sampled-temperature {temperature}"
+            )
+        if extend and (drawn_by := recorded.get("sampler", EARLIER_SAMPLER)) != SAMPLER:
+            raise ValueError(
+                f"--sampled-from {path}: drawn by the {drawn_by} sampler, which regenerate does not extend "
+                f"(it samples by {SAMPLER}): pass --sampled-s 0 to train on it as it is"
             )
         by_seed[seed] = path
     return by_seed
@@ -662,7 +673,9 @@ def sampled_answers(
         )
         for seed in args.sampled_seeds
     }
-    earlier = earlier_sampled(args.sampled_from, args.sampled_seeds, args.sampled_temperature)
+    earlier = earlier_sampled(
+        args.sampled_from, args.sampled_seeds, args.sampled_temperature, extend=args.sampled_s > 0
+    )
     for seed, n in start_from_earlier(earlier, args.work).items():
         report.note(f"sampled_{seed}: starts from {earlier[seed]} ({n} conversations)")
     if args.sampled_s <= 0:  # the sampled answers in --work (and --sampled-from) as they are
@@ -1143,7 +1156,9 @@ def main() -> None:
     if args.sampled_from and not args.sampled_seeds:
         sys.exit("quality_recipe: --sampled-from needs --sampled-seeds (the seeds it resumes)")
     try:
-        earlier_sampled(args.sampled_from, args.sampled_seeds, args.sampled_temperature)
+        earlier_sampled(
+            args.sampled_from, args.sampled_seeds, args.sampled_temperature, extend=args.sampled_s > 0
+        )
     except ValueError as e:
         sys.exit(f"quality_recipe: {e}")
     problem = follow_problem(args) if args.follow_window else None

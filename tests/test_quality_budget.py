@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_offline.decode.sampling import SAMPLER
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -136,8 +138,12 @@ def test_sampled_seeds_are_distinct_integers() -> None:
         seed_list("1,1")
 
 
-def _sampled_file(path: Path, seed: int, ids: list[str], temperature: float = 0.8) -> Path:
+def _sampled_file(
+    path: Path, seed: int, ids: list[str], temperature: float = 0.8, sampler: str | None = None
+) -> Path:
     by = {"target": "random:tiny", "temperature": temperature, "max_new_tokens": 8, "seed": seed}
+    if sampler is not None:
+        by["sampler"] = sampler
     lines = [
         json.dumps({"id": i, "messages": [{"role": "user", "content": i}], "regenerated_by": by}) + "\n"
         for i in ids
@@ -151,8 +157,17 @@ def test_earlier_sampled_answers_are_matched_to_their_seed_or_refused_in_one_lin
     earlier_sampled = _harness().earlier_sampled
     one = _sampled_file(tmp_path / "s1.jsonl.gz", 1, ["a", "b"])
     two = _sampled_file(tmp_path / "s2.jsonl", 2, ["a"])
-    assert earlier_sampled([two, one], [1, 2, 3], 0.8) == {1: one, 2: two}
-    assert earlier_sampled([], [1], 0.8) == {}
+    assert earlier_sampled([two, one], [1, 2, 3], 0.8, extend=False) == {1: one, 2: two}
+    assert earlier_sampled([], [1], 0.8, extend=True) == {}
+    # A file drawn by today's sampler may be extended; one of the earlier sampler (no ``sampler`` recorded)
+    # only trained on as it is.
+    now = _sampled_file(tmp_path / "now.jsonl", 1, ["a"], sampler=SAMPLER)
+    assert earlier_sampled([now], [1], 0.8, extend=True) == {1: now}
+    with pytest.raises(ValueError, match=re.escape(
+        f"--sampled-from {one}: drawn by the gumbel-max sampler, which regenerate does not extend "
+        f"(it samples by {SAMPLER}): pass --sampled-s 0 to train on it as it is"
+    )):  # fmt: skip
+        earlier_sampled([one], [1], 0.8, extend=True)
     refused = {
         "sampled with seed 2, which --sampled-seeds lacks": ([two], [1], 0.8),
         f"seed 1 is also {one}'s": ([one, _sampled_file(tmp_path / "again.jsonl", 1, ["c"])], [1], 0.8),
@@ -161,10 +176,10 @@ def test_earlier_sampled_answers_are_matched_to_their_seed_or_refused_in_one_lin
     }
     for message, (paths, seeds, temperature) in refused.items():
         with pytest.raises(ValueError, match=re.escape(message)):
-            earlier_sampled(paths, seeds, temperature)
+            earlier_sampled(paths, seeds, temperature, extend=False)
     (tmp_path / "text.jsonl").write_text("not json\n")
     with pytest.raises(ValueError, match=r"text\.jsonl: not a regenerated chat JSONL"):
-        earlier_sampled([tmp_path / "text.jsonl"], [1], 0.8)
+        earlier_sampled([tmp_path / "text.jsonl"], [1], 0.8, extend=False)
     # The recipe refuses them before any stage starts, in one line.
     for extra, message in (
         ([], "quality_recipe: --sampled-from needs --sampled-seeds (the seeds it resumes)"),

@@ -1,15 +1,21 @@
-"""Choosing the next token: greedy, or sampled with temperature / top-p from noise that depends only on the
-request, never on the batch it runs in.
+"""Choosing the next token: greedy, or sampled with temperature / top-p from a uniform that depends only on
+the request, never on the batch it runs in.
 
 Legend: N rows, V vocabulary.
 
-Sampling is the Gumbel-max trick: argmax(logits / T + g) with g = −log(−log u) draws a token from
-softmax(logits / T) exactly. The uniforms u come from a counter-based hash of (seed, request key, index
-of the token in the answer, vocabulary id), computed on the device with exact integer arithmetic (the
-hash that makes the random presets' weights, ``target_model/presets.py``), so the same seed gives the same
-answer whatever the batch size, the slot, or the other requests beside it, on the CPU and on CUDA, with
-no random-generator state to carry (and nothing a CUDA graph could freeze). Top-p keeps the smallest set
-of most likely tokens whose probability reaches p (the first always kept) and samples among them.
+Sampling is by the inverse of the distribution function: one uniform u per row, and the token at the
+first position where the cumulative probability (in the nucleus's sorted order with top-p, else in
+vocabulary order) reaches u times the mass kept. The uniform comes from a counter-based hash of (seed,
+request key, index of the token in the answer), computed on the device with exact integer arithmetic
+(the hash that makes the random presets' weights, ``target_model/presets.py``), so the same seed gives the
+same answer whatever the batch size, the slot, or the other requests beside it, with no random-generator
+state to carry (and nothing a CUDA graph could freeze). Top-p keeps the smallest set of most likely tokens
+whose probability reaches p (the first always kept) and samples among them, renormalised.
+
+It replaced a Gumbel-max sampler (argmax of logits / T plus noise hashed for every vocabulary entry),
+which drew from the same distribution but wrote and read about twenty [N, V] int64 tensors a step for the
+noise; here the only [N, V] work is the softmax, the cumulative sum and, with top-p, the sort. The two
+draw different tokens for the same seed, so answers record ``SAMPLER`` and a resume checks it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from dflash_offline.errors import ConfigError
 from dflash_offline.target_model.presets import mix32
 
 _MASK32 = 0xFFFFFFFF
+
+SAMPLER = "inverse-cdf"
+"""The sampling algorithm, recorded in sampled answers' ``regenerated_by`` (answers written before it was
+recorded were drawn by the Gumbel-max sampler this one replaced)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,24 +63,13 @@ def request_key_hash(key: str) -> tuple[int, int]:
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
 
 
-def uniform_noise(seed: int, keys_N2: Tensor, steps_N: Tensor, vocab: int) -> Tensor:
-    """float32 [N, V] in (0, 1): the uniforms of each row's token ``steps_N`` (keys: int64 [N, 2])."""
+def row_uniform(seed: int, keys_N2: Tensor, steps_N: Tensor) -> Tensor:
+    """float32 [N] in (0, 1): each row's uniform for its token ``steps_N`` (keys: int64 [N, 2])."""
     s = seed & _MASK32
-    row_N = mix32(mix32(keys_N2[:, 0] ^ s) ^ keys_N2[:, 1])
-    row_N = mix32(row_N ^ (steps_N & _MASK32))
-    ids_V = torch.arange(vocab, dtype=torch.int64, device=keys_N2.device)
-    h_NV = mix32(mix32(ids_V[None, :] ^ row_N[:, None]) ^ ((seed >> 32) & _MASK32))
+    h_N = mix32(mix32(keys_N2[:, 0] ^ s) ^ keys_N2[:, 1])
+    h_N = mix32(mix32(h_N ^ (steps_N & _MASK32)) ^ ((seed >> 32) & _MASK32))
     # Top 24 bits, centred in their interval: never exactly 0 or 1.
-    return ((h_NV >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-def top_p_filter(scaled_NV: Tensor, top_p: float) -> Tensor:
-    """``scaled_NV`` with every token outside each row's nucleus set to −inf."""
-    sorted_NV, order_NV = scaled_NV.sort(dim=-1, descending=True)
-    probs_NV = sorted_NV.softmax(dim=-1)
-    mass_before_NV = probs_NV.cumsum(dim=-1) - probs_NV
-    sorted_NV = sorted_NV.masked_fill(mass_before_NV >= top_p, float("-inf"))
-    return torch.empty_like(scaled_NV).scatter_(-1, order_NV, sorted_NV)
+    return ((h_N >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 class Sampler:
@@ -84,7 +83,18 @@ class Sampler:
         if s.greedy:
             return logits_NV.argmax(dim=-1)
         scaled_NV = logits_NV.float() / s.temperature
+        order_NV = None
         if s.top_p < 1:
-            scaled_NV = top_p_filter(scaled_NV, s.top_p)
-        u_NV = uniform_noise(s.seed, keys_N2, steps_N, scaled_NV.shape[-1])
-        return (scaled_NV - torch.log(-torch.log(u_NV))).argmax(dim=-1)
+            scaled_NV, order_NV = scaled_NV.sort(dim=-1, descending=True)
+        probs_NV = scaled_NV.softmax(dim=-1)
+        cum_NV = probs_NV.cumsum(dim=-1)
+        if order_NV is None:
+            last_N = torch.full_like(steps_N, scaled_NV.shape[-1] - 1)
+        else:  # the nucleus: the positions whose mass before them is below top_p (the first always)
+            last_N = ((cum_NV - probs_NV) < s.top_p).sum(dim=-1) - 1
+        mass_N = cum_NV.gather(-1, last_N[:, None])
+        target_N1 = row_uniform(s.seed, keys_N2, steps_N)[:, None] * mass_N
+        # The first position whose cumulative probability reaches the target: a count, not a binary search,
+        # so a cumulative sum that rounding made dip by an ulp still gives one well-defined answer.
+        pos_N = torch.minimum((cum_NV < target_N1).sum(dim=-1), last_N)
+        return pos_N if order_NV is None else order_NV.gather(-1, pos_N[:, None])[:, 0]

@@ -25,6 +25,9 @@ CHECKED_WHEN_SAMPLED = {field: field_ref(RegenerateConfig, field) for field in (
 another seed or nucleus would mix two samplings under one name. A greedy answer depends on neither. An
 output written before ``top_p`` was recorded is not checked for it."""
 
+EARLIER_SAMPLER = "gumbel-max"
+"""The decode engine's sampler before answers recorded theirs (``decode/sampling.py``'s ``SAMPLER``)."""
+
 
 def first_settings(path: Path) -> dict[str, Any] | None:
     """The ``regenerated_by`` of the first line of ``path`` (None: no file, no complete line, none)."""
@@ -44,7 +47,7 @@ def first_settings(path: Path) -> dict[str, Any] | None:
 def check_resume_settings(config: RegenerateConfig) -> None:
     """Refuse to resume an output (or its conversations in progress) written by another target (its
     ``target_id``: ``default``, ``random:<preset>``, the model folder's or GGUF file's name) or with another
-    --max-new-tokens or --temperature."""
+    --max-new-tokens or --temperature (sampled: another seed, top-p or sampling algorithm)."""
     outputs = [config.out, config.partial_path]
     if config.parts_dir.is_dir():
         outputs += sorted(p for p in config.parts_dir.glob("w*.jsonl") if ".failures." not in p.name)
@@ -61,8 +64,22 @@ def check_resume_settings(config: RegenerateConfig) -> None:
                     f"wrote {path}: resume with {option} {recorded[field]}, or write to another "
                     f"{field_ref(RegenerateConfig, 'out')}"
                 )
+        if config.temperature > 0 and config.engine != "openai" and "served_model" not in recorded:
+            _check_sampler(recorded.get("sampler", EARLIER_SAMPLER), path)
         if "target" in recorded:
             _check_target(config, recorded["target"], path)
+
+
+def _check_sampler(recorded: object, path: Path) -> None:
+    """A sampled output extended by the decode engine must have been drawn by the same sampling algorithm:
+    another one gives other answers for the same seed, so the file would hold two samplings under one."""
+    from dflash_offline.decode.sampling import SAMPLER
+
+    if recorded != SAMPLER:
+        raise ConfigError(
+            f"{path} was sampled by the {recorded} sampler and this version samples by {SAMPLER}: its seed "
+            f"would draw other answers here; write to another {field_ref(RegenerateConfig, 'out')}"
+        )
 
 
 def _check_target(config: RegenerateConfig, recorded: object, path: Path) -> None:

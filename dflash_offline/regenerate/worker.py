@@ -122,12 +122,13 @@ class LoadedEngine:
     batch_size: int
     """Conversations the engine answers at once (per forward step, or requests in flight)."""
     provenance: dict[str, Any]
-    """Extra ``regenerated_by`` entries (the served model of ``--engine openai``)."""
+    """Extra ``regenerated_by`` entries (the engine's sampler; ``--engine openai``: the served model)."""
 
 
 def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEngine:
     from dflash_offline.decode.attention import fused_kernels_run
     from dflash_offline.decode.forward import DEFAULT_COMPILE_BACKEND
+    from dflash_offline.decode.sampling import SAMPLER
     from dflash_offline.regenerate.engine_protocol import EngineOptions
     from dflash_offline.regenerate.generation import GenerationSettings
     from dflash_offline.regenerate.slot_engine import SlotEngine
@@ -160,8 +161,9 @@ def _load_engine(spec: WorkerSpec[AnswerTask], device: torch.device) -> LoadedEn
     )
     engine = SlotEngine(target.model, settings, options)  # --engine auto and slots alike
     return LoadedEngine(
-        tokenizer=tokenizer, info=target.info, engine=engine, batch_size=batch_size, provenance={}
-    )
+        tokenizer=tokenizer, info=target.info, engine=engine, batch_size=batch_size,
+        provenance={"sampler": SAMPLER},
+    )  # fmt: skip
 
 
 def _load_server_engine(spec: WorkerSpec[AnswerTask]) -> LoadedEngine:

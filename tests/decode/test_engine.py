@@ -5,6 +5,7 @@ real SmolLM2 target too. Sampling: the same seed gives the same answers whatever
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 
 from dflash_offline.decode import DecodeEngine, DecodeError, EngineSettings, Sampling
 from dflash_offline.decode import engine as engine_module
-from dflash_offline.decode.sampling import Sampler, request_key_hash
+from dflash_offline.decode.sampling import Sampler, request_key_hash, row_uniform
 from dflash_offline.target_model.loader import LoadedTarget, load_target
 from tests.embedded_assets import smollm2_gguf_available
 
@@ -236,6 +237,51 @@ def test_the_sampler_draws_from_softmax_and_top_p_keeps_the_nucleus() -> None:
     perm = torch.randperm(20000, generator=torch.Generator().manual_seed(0))
     again = Sampler(Sampling(temperature=0.5, seed=1))(logits, keys[perm], steps)
     assert torch.equal(again, drawn[perm])
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_each_draw_is_the_inverse_distribution_function_at_the_rows_uniform(top_p: float) -> None:
+    """Every draw against a float64 brute force of its own row: the tokens sorted by probability (with
+    top-p; else in vocabulary order), the nucleus kept, and the first token whose cumulative probability
+    reaches the row's uniform times the kept mass. Only a target within float32 rounding of a boundary may
+    go to the neighbour."""
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab, temperature = 4000, 50, 0.7
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    keys = torch.tensor([request_key_hash(f"q{i}") for i in range(rows)], dtype=torch.int64)
+    steps = torch.randint(0, 300, (rows,), generator=gen)
+    sampling = Sampling(temperature=temperature, top_p=top_p, seed=11)
+    drawn = Sampler(sampling)(logits, keys, steps).tolist()
+    u = row_uniform(11, keys, steps).double().tolist()
+    near, exact = 0, 0
+    for i in range(rows):
+        probs = [math.exp(x / temperature) for x in logits[i].double().tolist()]
+        total = sum(probs)
+        probs = [p / total for p in probs]
+        order = sorted(range(vocab), key=lambda j: -probs[j]) if top_p < 1 else list(range(vocab))
+        kept, before = [], 0.0
+        for j in order:
+            if before >= top_p:
+                break
+            kept.append(j)
+            before += probs[j]
+        target, cum = u[i] * before, 0.0
+        expected = kept[-1]
+        boundary_gap = 1.0
+        for j in kept:
+            cum += probs[j]
+            boundary_gap = min(boundary_gap, abs(cum - target))
+            if cum >= target:
+                expected = j
+                break
+        if drawn[i] == expected:
+            exact += 1
+        else:
+            assert boundary_gap < 1e-5, (i, drawn[i], expected)
+            near += 1
+    assert exact >= rows - 4
+    if top_p < 1:  # and it does sample: several tokens drawn in most rows' nucleus
+        assert len(set(drawn)) > 10
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ from dflash_offline.cli import main
 from dflash_offline.data.conversations import Conversation, Message
 from dflash_offline.data.sources import iter_records
 from dflash_offline.data.user_groups import user_groups
+from dflash_offline.decode.sampling import SAMPLER
 from dflash_offline.errors import ConfigError, DataError
 from dflash_offline.locking import acquire_lock_beside
 from dflash_offline.regenerate.config import RegenerateConfig
@@ -301,6 +302,41 @@ def test_a_sampled_resume_with_another_seed_or_top_p_is_refused_and_a_greedy_one
     greedy = tmp_path / "greedy.jsonl"
     assert run_regenerate(_config(greedy, data, limit=2)) is not None
     resumed = run_regenerate(_config(greedy, data, seed=5, top_p=0.5))
+    assert resumed is not None
+    assert (resumed.written, resumed.skipped) == (2, 2)
+
+
+def test_a_sampled_file_of_the_earlier_sampling_algorithm_is_not_extended(tmp_path: Path) -> None:
+    """Answers drawn by the Gumbel-max sampler (files written before answers recorded their sampler) and
+    answers drawn by today's for the same seed differ: extending such a file would mix two samplings."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 4)
+    out = tmp_path / "sampled.jsonl"
+    assert run_regenerate(_config(out, data, limit=2, temperature=0.8, top_p=0.9, seed=1)) is not None
+    lines = _lines(out)
+    assert {line["regenerated_by"]["sampler"] for line in lines} == {SAMPLER}
+    for line in lines:  # as the files written before the field was recorded
+        del line["regenerated_by"]["sampler"]
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    before = out.read_bytes()
+    result = CliRunner().invoke(
+        main, ["regenerate", "--target", "random:tiny", "--data", str(data), "--out", str(out),
+               "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9", "--seed", "1",
+               "--batch-size", "3", "--no-progress"],
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: {out} was sampled by the gumbel-max sampler and this version samples by {SAMPLER}: its seed "
+        "would draw other answers here; write to another --out"
+    ]
+    assert out.read_bytes() == before
+    # A greedy file of that age resumes: greedy answers depend on no sampler.
+    greedy = tmp_path / "greedy.jsonl"
+    assert run_regenerate(_config(greedy, data, limit=2)) is not None
+    old = _lines(greedy)
+    for line in old:
+        del line["regenerated_by"]["sampler"]
+    greedy.write_text("".join(json.dumps(line) + "\n" for line in old))
+    resumed = run_regenerate(_config(greedy, data))
     assert resumed is not None
     assert (resumed.written, resumed.skipped) == (2, 2)
 
