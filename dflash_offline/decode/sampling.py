@@ -90,8 +90,9 @@ class Sampler:
         cum_NV = probs_NV.cumsum(dim=-1)
         if order_NV is None:
             last_N = torch.full_like(steps_N, scaled_NV.shape[-1] - 1)
-        else:  # the nucleus: the positions whose mass before them is below top_p (the first always)
-            last_N = ((cum_NV - probs_NV) < s.top_p).sum(dim=-1) - 1
+        else:  # the nucleus: the positions whose mass before them is below top_p (the first always; a NaN
+            # row, which an idle slot may hold, counts none, so it is clamped to stay a valid index on CUDA)
+            last_N = (((cum_NV - probs_NV) < s.top_p).sum(dim=-1) - 1).clamp_(min=0)
         mass_N = cum_NV.gather(-1, last_N[:, None])
         target_N1 = row_uniform(s.seed, keys_N2, steps_N)[:, None] * mass_N
         # The first position whose cumulative probability reaches the target: a count, not a binary search,

@@ -282,6 +282,9 @@ def test_each_draw_is_the_inverse_distribution_function_at_the_rows_uniform(top_
     assert exact >= rows - 4
     if top_p < 1:  # and it does sample: several tokens drawn in most rows' nucleus
         assert len(set(drawn)) > 10
+    # A row of NaN logits (an idle slot's may be) still gives an index inside the vocabulary.
+    nan_rows = Sampler(sampling)(torch.full((2, vocab), float("nan")), keys[:2], steps[:2])
+    assert ((nan_rows >= 0) & (nan_rows < vocab)).all()
 
 
 @pytest.mark.gpu
