@@ -58,7 +58,7 @@ class Sampling:
 
 
 def request_key_hash(key: str) -> tuple[int, int]:
-    """Two 32-bit words identifying a request in the sampling noise."""
+    """Two 32-bit words identifying a request in its sampling uniforms."""
     digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
 

@@ -314,3 +314,29 @@ def test_on_cuda_with_graphs_equals_generate(prefill_graphs: bool) -> None:
             do_sample=False, eos_token_id=None, pad_token_id=0,
         )[0, len(p) :].tolist()  # fmt: skip
         assert list(got[f"p{i}"].token_ids) == ref, i
+
+
+@pytest.mark.gpu
+def test_sampled_answers_on_cuda_are_the_same_replayed_as_graphs_and_in_any_batch() -> None:
+    """The sampler inside captured decode steps and prefill graphs (float32, CUDA): the answers equal the
+    eager engine's on the same device, whatever the slots, and they do sample."""
+    cuda = load_target("random:tiny", device="cuda", dtype=torch.float32)
+    prompts = random_prompts(6, seed=5, vocab=cuda.info.vocab_size)
+    max_new = [4, 12, 7, 12, 3, 9]
+
+    def answers(num_slots: int, graphs: bool) -> dict[str, tuple[int, ...]]:
+        settings = EngineSettings(
+            num_slots=num_slots, max_len=80, max_new_tokens=12, stop_ids=frozenset(), prefill_tokens=32,
+            attend_granule=16, prefill_graphs=graphs, cuda_graphs=graphs,
+            sampling=Sampling(temperature=0.9, top_p=0.95, seed=3),
+        )  # fmt: skip
+        engine = DecodeEngine(cuda.model, settings)
+        got = run_all(engine, prompts, max_new)
+        assert engine.graphs.num_captured >= (2 if graphs else 0)
+        return {k: v.token_ids for k, v in got.items()}
+
+    eager = answers(2, graphs=False)
+    assert answers(2, graphs=True) == eager
+    assert answers(5, graphs=True) == eager
+    greedy = [generate_greedy(cuda.model, p, max_new[i], frozenset()) for i, p in enumerate(prompts)]
+    assert sum(list(eager[f"p{i}"]) != g for i, g in enumerate(greedy)) >= 3
