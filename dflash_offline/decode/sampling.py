@@ -4,12 +4,13 @@ the request, never on the batch it runs in.
 Legend: N rows, V vocabulary.
 
 Sampling is by the inverse of the distribution function: one uniform u per row, and the token at the
-first position where the cumulative probability (in the nucleus's sorted order with top-p, else in
-vocabulary order) reaches u times the mass kept. The uniform comes from a counter-based hash of (seed,
-request key, index of the token in the answer), computed on the device with exact integer arithmetic
-(the hash that makes the random presets' weights, ``target_model/presets.py``), so the same seed gives the
-same answer whatever the batch size, the slot, or the other requests beside it, with no random-generator
-state to carry (and nothing a CUDA graph could freeze). Top-p keeps the smallest set of most likely tokens
+first position where the cumulative probability (in the nucleus's order with top-p: most likely first,
+equal ones in vocabulary order; else in vocabulary order) reaches u times the mass kept. The uniform
+comes from a counter-based hash of (seed, request key, index of the token in the answer), computed on
+the device with exact integer arithmetic (the hash that makes the random presets' weights,
+``target_model/presets.py``), so the same seed gives the same answer whatever the batch size, the slot,
+or the other requests beside it, with no random-generator state to carry (and nothing a CUDA graph could
+freeze). Top-p keeps the smallest set of most likely tokens
 whose probability reaches p (the first always kept) and samples among them, renormalised.
 
 It replaced a Gumbel-max sampler (argmax of logits / T plus noise hashed for every vocabulary entry),
@@ -85,7 +86,9 @@ class Sampler:
         scaled_NV = logits_NV.float() / s.temperature
         order_NV = None
         if s.top_p < 1:
-            scaled_NV, order_NV = scaled_NV.sort(dim=-1, descending=True)
+            # Stable: bf16 logits tie often (about 2,400 distinct values in a row of 49,152), and equal
+            # tokens then keep their vocabulary order on every device and in every batch.
+            scaled_NV, order_NV = scaled_NV.sort(dim=-1, descending=True, stable=True)
         probs_NV = scaled_NV.softmax(dim=-1)
         cum_NV = probs_NV.cumsum(dim=-1)
         if order_NV is None:

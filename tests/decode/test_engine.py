@@ -244,15 +244,23 @@ def test_the_sampler_draws_from_softmax_and_top_p_keeps_the_nucleus() -> None:
     assert torch.equal(again, drawn[perm])
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_each_draw_is_the_inverse_distribution_function_at_the_rows_uniform(top_p: float) -> None:
-    """Every draw against a float64 brute force of its own row: the tokens sorted by probability (with
-    top-p; else in vocabulary order), the nucleus kept, and the first token whose cumulative probability
-    reaches the row's uniform times the kept mass. Only a target within float32 rounding of a boundary may
-    go to the neighbour."""
+@pytest.mark.parametrize(
+    ("top_p", "dtype"), [(1.0, torch.float32), (0.9, torch.float32), (0.9, torch.bfloat16)]
+)
+def test_each_draw_is_the_inverse_distribution_function_at_the_rows_uniform(
+    top_p: float, dtype: torch.dtype
+) -> None:
+    """Every draw against a float64 brute force of its own row: the tokens sorted by probability, equal ones
+    in vocabulary order (with top-p; else vocabulary order alone), the nucleus kept, and the first token
+    whose cumulative probability reaches the row's uniform times the kept mass. Only a target within
+    float32 rounding of a boundary may go to the neighbour. bf16 logits tie often: the order of equal
+    tokens decides which of them is drawn."""
     gen = torch.Generator().manual_seed(3)
     rows, vocab, temperature = 4000, 50, 0.7
-    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    if dtype == torch.bfloat16:
+        logits = logits.round()  # whole numbers: many ties in a row
+        assert all(logits[i].unique().numel() < vocab // 2 for i in range(10))
     keys = torch.tensor([request_key_hash(f"q{i}") for i in range(rows)], dtype=torch.int64)
     steps = torch.randint(0, 300, (rows,), generator=gen)
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=11)
