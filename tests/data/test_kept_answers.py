@@ -30,8 +30,8 @@ def _turns(record: dict[str, Any]) -> tuple[list[str], int]:
 
 
 def test_the_sampled_answers_answer_the_greedy_files_conversations_again_at_their_own_seed() -> None:
-    # Two code problems may share an id (a property's getter and setter, `code-<module>.<name>`), so an id
-    # maps to every greedy record that has it.
+    # Two kept code problems share an id (a property's getter and setter in code-answers-2, written before
+    # bench/quality_prompts.py gave the second a "#2"), so an id maps to every greedy record that has it.
     greedy: dict[str, list[tuple[list[str], int]]] = {}
     for name in GREEDY:
         for r in _records(name):
