@@ -126,9 +126,10 @@ def generate_cmd(cache: Path, data: Path, *extra: str) -> list[str]:
 
 def run_in_process(cmd: list[str]) -> str:
     """A ``python -m dflash_offline ...`` command line (``generate_cmd``) run in this process through the
-    CLI; its output. The same run as the subprocess's (its workers are spawned processes either way: the
-    same features, bit for bit), less a coordinator's start-up (imports and the target's config: seconds
-    of CPU on 2 cores), for a reference run that a test only reads."""
+    CLI; its output (stdout and stderr). The same run as the subprocess's (its workers are spawned processes
+    either way: the same features, bit for bit), less a coordinator's start-up (imports and the target's
+    config: seconds of CPU on 2 cores), for a reference run that a test only reads, or the rerun that
+    resumes a killed or interrupted subprocess's cache (all it resumes from is on disk)."""
     from click.testing import CliRunner
 
     from dflash_offline.cli import main

@@ -25,7 +25,7 @@ from tests.process_helpers import group_members, workers_of
 from tests.tiny_caches import TinyCache
 
 from . import worker_entry
-from .helpers import features_by_id, generate_cmd, start_in_new_session
+from .helpers import features_by_id, generate_cmd, run_in_process, start_in_new_session
 
 NUM_RECORDS = 60
 
@@ -94,8 +94,7 @@ def test_sigkill_of_the_coordinator_leaves_no_worker_and_the_rerun_completes(
     if survivors:
         os.killpg(process.pid, signal.SIGKILL)
     assert not survivors, f"processes {survivors} survived their coordinator (workers were {workers})"
-    final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert final.returncode == 0, final.stdout + final.stderr
+    run_in_process(cmd)
     _assert_equal_caches(ref, cache)
     # The killed run no longer reads as live once the rerun took the lock.
     runs = sorted(read_table(cache, "runs").to_pylist(), key=lambda r: r["started_at"])
@@ -121,8 +120,7 @@ def test_sigkill_of_one_worker_stops_the_run_and_the_rerun_completes(
     assert process.returncode != 0, output.decode()[-2000:]
     assert b"rerun the same command" in output, output.decode()[-2000:]
     assert not _wait_gone(process.pid)
-    final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert final.returncode == 0, final.stdout + final.stderr
+    run_in_process(cmd)
     _assert_equal_caches(ref, cache)
 
 
@@ -203,8 +201,7 @@ def test_disk_full_is_one_line_and_the_cache_resumes_to_the_uninterrupted_result
         assert read_table(cache, "samples").num_rows < NUM_RECORDS
         assert verify_cache(cache, progress=False).ok
         _resize(mount, "64m")
-        final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert final.returncode == 0, final.stdout + final.stderr
+        run_in_process(cmd)
         _assert_equal_caches(ref, cache)
 
 
@@ -229,9 +226,7 @@ def test_keep_free_stops_a_run_on_a_small_disk_and_the_rerun_completes(
         assert verify_cache(cache, progress=False).ok
         # Given room and no reserve, the same command resumes and completes the cache.
         _resize(mount, "256m")
-        final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert final.returncode == 0, final.stdout + final.stderr
-        assert f"{committed} already in the cache" in final.stdout
+        assert f"{committed} already in the cache" in run_in_process(cmd)
         _assert_equal_caches(ref, cache)
 
 

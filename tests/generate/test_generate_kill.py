@@ -19,7 +19,7 @@ from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.verify import verify_cache
 
 from . import worker_entry
-from .helpers import features_by_id, generate_cmd, make_chat_jsonl, start_in_new_session
+from .helpers import features_by_id, generate_cmd, make_chat_jsonl, run_in_process, start_in_new_session
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +52,7 @@ def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path: Path
             continue
         break  # it finished before the kill: the rest of the loop would only re-run a no-op
     assert kills >= 3
-    final = subprocess.run(generate_cmd(cache, data), capture_output=True, text=True, timeout=600)
-    assert final.returncode == 0, final.stdout + final.stderr
+    run_in_process(generate_cmd(cache, data))
 
     samples = read_table(cache, "samples").column("sample_id").to_pylist()
     assert len(samples) == len(set(samples))  # none twice
@@ -135,7 +134,6 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_completes(tmp_path: Path) -> None:
     partial = read_table(cache, "samples").num_rows
     assert 0 < partial < 80
     assert verify_cache(cache, progress=False).ok
-    final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert final.returncode == 0, final.stdout + final.stderr
+    run_in_process(cmd)
     samples = read_table(cache, "samples").column("sample_id").to_pylist()
     assert len(samples) == len(set(samples)) == 80

@@ -19,7 +19,7 @@ from dflash_offline.cache.verify import verify_cache
 from tests.tiny_caches import TinyCache
 
 from . import worker_entry
-from .helpers import features_by_id, generate_cmd
+from .helpers import features_by_id, generate_cmd, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -70,8 +70,7 @@ def test_sigint_stops_a_run_started_with_sigint_ignored_and_the_rerun_completes(
     assert f"committed {partial} samples, {tokens} tokens (" in output.decode(), output.decode()[-3000:]
     assert verify_cache(cache, progress=False).ok
 
-    final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert final.returncode == 0, final.stdout + final.stderr
+    run_in_process(cmd)
     samples = read_table(cache, "samples").column("sample_id").to_pylist()
     assert len(samples) == len(set(samples))
     ref, got = features_by_id(reference), features_by_id(cache)

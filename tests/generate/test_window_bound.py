@@ -31,7 +31,7 @@ from dflash_offline.generate.run import run_generate
 from dflash_offline.placement import Placement
 from tests.tiny_caches import TinyCaches
 
-from .helpers import features_by_id, make_chat_jsonl, tiny_config
+from .helpers import features_by_id, tiny_config
 
 VAL_FRACTION = 0.1
 SMALL_FILES = dict(chunk_bytes=2048, shard_file_bytes=16384)
@@ -99,10 +99,11 @@ class SlowTrainer(threading.Thread):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_window_bound_holds_while_training_retires_stores(tmp_path: Path) -> None:
-    data = make_chat_jsonl(tmp_path / "chat.jsonl", 160, seed=5)
-    reference = tmp_path / "reference"
-    run_generate(tiny_config(reference, data))
+def test_window_bound_holds_while_training_retires_stores(tmp_path: Path, tiny_caches: TinyCaches) -> None:
+    # The session's tiny_cache is the plain generate to compare with (written by tiny_config): its 80
+    # records hold about 19 jobs' tokens, twice the window's 10, so generate has to wait for the trainer.
+    shared = tiny_caches.get(records=80, seed=5)
+    reference, data = shared.root, shared.data
     token_bytes = read_fingerprint(reference).storage.token_bytes
     job_bytes = 768 * token_bytes  # tiny_config's tokens_per_batch
     limit = 10 * job_bytes

@@ -20,7 +20,7 @@ from tests.train.kill_helpers import (
     assert_same_run,
     losses,
     run_and_kill,
-    run_to_end,
+    run_to_end_in_process,
     train_cmd,
 )
 
@@ -36,7 +36,11 @@ def cache(uncompressed_cache: Path) -> Path:
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("workers", [2, 1])  # the longer first (tests/conftest.py: LONGEST_FIRST)
 def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
-    cache: Path, uninterrupted: Callable[[int], Path], tmp_path: Path, workers: int
+    cache: Path,
+    uninterrupted: Callable[[int], Path],
+    tmp_path: Path,
+    workers: int,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     """One run killed at random steps (SIGKILL of the whole group), then Ctrl-C'd once, each time
     rerun with the same command: each rerun says which checkpoint it resumed from, and the run ends as
@@ -67,10 +71,9 @@ def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
     assert "Traceback" not in record.stderr
     assert "Aborted" not in record.stderr
     assert record.survivors == 0
-    done = run_to_end(cmd)
-    assert (
-        f"resumed from the checkpoint of step {step} of {STEPS} ({STEPS - step} steps to go)" in done.stderr
-    )
+    capfd.readouterr()
+    done = run_to_end_in_process(cmd) + capfd.readouterr().err  # spawned ranks write to the process's stderr
+    assert f"resumed from the checkpoint of step {step} of {STEPS} ({STEPS - step} steps to go)" in done
     assert_same_run(run, uninterrupted(workers), steps=STEPS)
     if workers == 1:
         # The finished run rerun (in this process, one rank: no start-up to pay): nothing to train, and it
