@@ -125,11 +125,12 @@ def generate_cmd(cache: Path, data: Path, *extra: str) -> list[str]:
 
 
 def run_in_process(cmd: list[str]) -> str:
-    """A ``python -m dflash_offline ...`` command line (``generate_cmd``) run in this process through the
-    CLI; its output (stdout and stderr). The same run as the subprocess's (its workers are spawned processes
-    either way: the same features, bit for bit), less a coordinator's start-up (imports and the target's
-    config: seconds of CPU on 2 cores), for a reference run that a test only reads, or the rerun that
-    resumes a killed or interrupted subprocess's cache (all it resumes from is on disk)."""
+    """A ``python -m dflash_offline ...`` command line (``generate_cmd``, the train kill tests' ``train_cmd``)
+    run to its end in this process through the CLI; its output (stdout and stderr). The same run as the
+    subprocess's (generate's workers and train's spawned ranks are processes either way; one train rank
+    trains in this process, as the fast tests' runs do), less a process's start-up (imports and the
+    target's config: seconds of CPU on 2 cores), for a reference run that a test only reads, or the rerun
+    that resumes a killed or interrupted subprocess's cache or run (all it resumes from is on disk)."""
     from click.testing import CliRunner
 
     from dflash_offline.cli import main

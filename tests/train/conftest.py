@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.generate.helpers import run_in_process
 from tests.tiny_caches import build_once, shared_temp_dir
-from tests.train.kill_helpers import KILL_RUN_STEPS, run_to_end_in_process, train_cmd
+from tests.train.kill_helpers import KILL_RUN_STEPS, train_cmd
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +19,7 @@ def uninterrupted(
 ) -> Callable[[int], Path]:
     """``workers`` -> an uninterrupted ``dflash train`` run of ``KILL_RUN_STEPS`` steps on
     ``uncompressed_cache`` with that many spawned workers, through the CLI in this process
-    (``run_to_end_in_process``); each is run once, when first asked for, and must not be written to (copy
+    (``run_in_process``); each is run once, when first asked for, and must not be written to (copy
     it)."""
     folder = shared_temp_dir(tmp_path_factory) / "uninterrupted"
 
@@ -27,7 +28,7 @@ def uninterrupted(
         cmd = train_cmd(
             uncompressed_cache, where / "run", steps=KILL_RUN_STEPS, workers=workers, checkpoint_every=4
         )
-        run_to_end_in_process(cmd)
+        run_in_process(cmd)
 
     return lambda workers: build_once(folder / f"w{workers}", build) / "run"
 

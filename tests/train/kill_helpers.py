@@ -140,22 +140,6 @@ def run_to_end(cmd: list[str], *, timeout: float = 600.0) -> subprocess.Complete
     return done
 
 
-def run_to_end_in_process(cmd: list[str]) -> str:
-    """A ``train_cmd`` command line run to its end in this process through the CLI; its output (stdout and
-    stderr). The same run as the subprocess's (one rank trains in the process that runs the command, as
-    the fast tests' runs do; spawned ranks are processes either way), less a process's start-up (imports,
-    the target's config: seconds of CPU on 2 cores), for an uninterrupted reference or the run that resumes
-    a killed or interrupted one (all it resumes from is on disk)."""
-    from click.testing import CliRunner
-
-    from dflash_offline.cli import main
-
-    assert cmd[1:3] == ["-m", "dflash_offline"], cmd
-    result = CliRunner().invoke(main, cmd[3:])
-    assert result.exit_code == 0, (result.output[-3000:], result.exception)
-    return result.output
-
-
 def losses(run: Path) -> list[float]:
     return [float(m["loss"]) for m in read_metrics(run / "metrics.jsonl")]  # type: ignore[arg-type]
 

@@ -15,12 +15,12 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_offline.cli import main
+from tests.generate.helpers import run_in_process
 from tests.train.kill_helpers import (
     KILL_RUN_STEPS,
     assert_same_run,
     losses,
     run_and_kill,
-    run_to_end_in_process,
     train_cmd,
 )
 
@@ -72,7 +72,7 @@ def test_sigkill_at_random_steps_and_ctrl_c_then_resume_is_exact(
     assert "Aborted" not in record.stderr
     assert record.survivors == 0
     capfd.readouterr()
-    done = run_to_end_in_process(cmd) + capfd.readouterr().err  # spawned ranks write to the process's stderr
+    done = run_in_process(cmd) + capfd.readouterr().err  # spawned ranks write to the process's stderr
     assert f"resumed from the checkpoint of step {step} of {STEPS} ({STEPS - step} steps to go)" in done
     assert_same_run(run, uninterrupted(workers), steps=STEPS)
     if workers == 1:
