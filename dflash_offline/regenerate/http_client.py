@@ -156,7 +156,9 @@ class JsonClient:
                 self._open.add(conn)
         return conn
 
-    def _drop_connection(self) -> None:
+    def close_connection(self) -> None:
+        """Close the calling thread's keep-alive connection, if it has one (a later request opens a new
+        one): each thread calls it once it is done with the client."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
@@ -171,15 +173,15 @@ class JsonClient:
             response = conn.getresponse()
             data = response.read()
         except TimeoutError:
-            self._drop_connection()
+            self.close_connection()
             raise RequestTimeoutError(f"no answer within {self.policy.timeout_seconds:g} s") from None
         except (OSError, http.client.HTTPException, UnicodeError) as e:
             # Refused, reset, closed without a response (RemoteDisconnected), DNS failure, a host name
             # the resolver cannot encode (UnicodeError), ...
-            self._drop_connection()
+            self.close_connection()
             raise ConnectionLostError(f"{type(e).__name__}: {e}") from None
         if response.will_close:
-            self._drop_connection()
+            self.close_connection()
         text = data.decode("utf-8", errors="replace")
         if response.status >= 400:
             raise HttpStatusError(

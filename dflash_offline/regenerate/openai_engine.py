@@ -138,8 +138,6 @@ def make_client(options: ServerOptions, root: str, *, policy: RetryPolicy | None
 
 def probe_server(options: ServerOptions, tokenizer: Any) -> ServedModel:
     """Check the server before anything is written: it answers, serves the model, and sees our tokens."""
-    from dflash_offline.regenerate.driver import render_prompt
-
     root = root_url(options.base_url)
     # Listing the models is tried once (a wrong URL fails at once); the probe completion is retried on
     # 429/5xx like any request.
@@ -149,6 +147,15 @@ def probe_server(options: ServerOptions, tokenizer: Any) -> ServedModel:
         backoff_seconds=options.policy.backoff_seconds,
     )
     client = make_client(options, root, policy=probe_policy)
+    try:
+        return _probe(client, options, root, tokenizer)
+    finally:
+        client.close_connection()  # the run's requests go through its threads' own connections
+
+
+def _probe(client: JsonClient, options: ServerOptions, root: str, tokenizer: Any) -> ServedModel:
+    from dflash_offline.regenerate.driver import render_prompt
+
     model = _served_model(client, options, root)
     ids = render_prompt(tokenizer, PROBE_CHAT)
     text = tokenizer.decode(ids, skip_special_tokens=False)
@@ -312,6 +319,12 @@ class OpenAIEngine:
         return None
 
     def _work(self) -> None:
+        try:
+            self._work_until_stopped()
+        finally:
+            self._client.close_connection()
+
+    def _work_until_stopped(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:

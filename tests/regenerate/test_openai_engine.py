@@ -8,9 +8,12 @@ or tokenizer is a one-line error before anything is written."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import subprocess
+import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -246,6 +249,23 @@ def test_a_wrong_url_model_key_or_tokenizer_is_one_line_before_anything_is_writt
     with pytest.raises(ServerError, match="read the probe prompt \\(text\\) as"):
         run_regenerate(_config(out, data, server.url))
     assert not out.parent.exists()
+
+
+def test_the_probe_and_every_request_thread_close_their_connections(
+    tmp_path: Path, data: Path, server: Server
+) -> None:
+    """No connection is left for the garbage collector to close (with a ResourceWarning): neither the
+    probe's nor those of the request threads, once the run has ended."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        summary = run_regenerate(_config(tmp_path / "served.jsonl", data, server.url, limit=4))
+        for thread in threading.enumerate():
+            if thread.name.startswith("openai-"):
+                thread.join(timeout=60)  # the engine's close told it to stop
+        gc.collect()
+    assert summary is not None
+    assert (summary.written, summary.failed) == (4, 0)
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
 def test_server_target_stop_ids_are_those_of_the_loaded_model() -> None:
