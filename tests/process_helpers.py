@@ -1,12 +1,19 @@
-"""Which processes a run left behind, read from /proc: children, descendants, process-group members.
+"""Which processes a run left behind, read from /proc: children, descendants, process-group members; and
+``reaped``, which leaves none of a test's own subprocesses behind.
 
-Used by the kill and crash tests (a command must take its workers with it) and by bench/soak.py.
+Used by the kill and crash tests (a command must take its workers with it), by the tests that start a
+server or a lock holder (``reaped``) and by bench/soak.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import AnyStr
 
 
 def _stat_fields(pid: int | str) -> list[str] | None:
@@ -68,3 +75,21 @@ def workers_of(pid: int) -> list[int]:
 def alive(pids: set[int] | list[int]) -> set[int]:
     """Those of ``pids`` that still run (zombies count as gone)."""
     return {pid for pid in pids if (fields := _stat_fields(pid)) is not None and fields[0] != "Z"}
+
+
+@contextlib.contextmanager
+def reaped(process: subprocess.Popen[AnyStr]) -> Iterator[subprocess.Popen[AnyStr]]:
+    """``process`` for a ``with`` block. At its end, however the block ends, a process still running is
+    killed with SIGKILL (its whole process group when it leads one: a run started in a new session), then
+    it is reaped and its pipes are closed: a failing test leaves no process behind, and a passing one no
+    pipe for the garbage collector to find open."""
+    with process:  # Popen's own exit: closes the pipes, then waits
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    if os.getpgid(process.pid) == process.pid:
+                        os.killpg(process.pid, signal.SIGKILL)
+                    else:
+                        process.kill()

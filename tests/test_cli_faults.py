@@ -34,6 +34,7 @@ from dflash_offline.cli import main
 from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.train.launch import run_training
 from tests.eval.helpers import export_untrained_for, write_chat_jsonl
+from tests.process_helpers import reaped
 from tests.regenerate.openai_server_process import Server, ready, start_server
 from tests.train.helpers import train_config
 
@@ -802,13 +803,9 @@ def test_a_damaged_drafter_is_one_line_naming_the_file(
 def openai_servers() -> Iterator[tuple[Server, Server]]:
     """A fake OpenAI-compatible server (tests/regenerate/openai_server.py) and one the cases kill."""
     processes = [start_server(), start_server()]
-    try:
+    with reaped(processes[0]), reaped(processes[1]):
         healthy, victim = (ready(p) for p in processes)
         yield healthy, victim
-    finally:
-        for p in processes:
-            p.kill()
-            p.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

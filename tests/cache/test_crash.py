@@ -51,8 +51,10 @@ class ForkServer:
 
     def close(self) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.close()
+        assert self.proc.stdout is not None
+        self.proc.stdin.close()  # the server ends at the end of its input
         self.proc.wait(timeout=30)
+        self.proc.stdout.close()
 
 
 def _sessions(cache: Path) -> set[Path]:

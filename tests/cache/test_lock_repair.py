@@ -25,6 +25,7 @@ from dflash_offline.cli import main
 from dflash_offline.errors import CacheFormatError, FingerprintMismatchError
 from dflash_offline.locking import LOCK_NAME, LockedError, LockHolder, acquire_lock
 from tests.cache._samples import TINY, bits, make_fingerprint, make_samples
+from tests.process_helpers import reaped
 
 HOLDER = textwrap.dedent(
     """
@@ -59,11 +60,9 @@ def test_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> Non
 
 @pytest.mark.timeout(60)
 def test_lock_of_a_live_process_refused_of_a_killed_one_taken_over(tmp_path: Path, capsys) -> None:
-    proc = _hold_in_subprocess(tmp_path)
-    try:
+    with reaped(_hold_in_subprocess(tmp_path)) as proc:
         with pytest.raises(LockedError, match=rf"pid {proc.pid} .*holder-under-test"):
             acquire_lock(tmp_path, what="cache")
-    finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     stale = LockHolder.from_json((tmp_path / LOCK_NAME).read_text())

@@ -21,7 +21,7 @@ from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.verify import verify_cache
 from dflash_offline.cli import main
 from dflash_offline.generate.run import KILLED_RUN_NOTE
-from tests.process_helpers import group_members, workers_of
+from tests.process_helpers import group_members, reaped, workers_of
 from tests.tiny_caches import TinyCache
 
 from . import worker_entry
@@ -85,11 +85,11 @@ def test_sigkill_of_the_coordinator_leaves_no_worker_and_the_rerun_completes(
     # (on a fast one, 60 records were all done before polling saw both shard groups open).
     held = tmp_path / "held"
     held.mkdir()
-    process = start_in_new_session(*worker_entry.held_cmd(cmd, held))
-    workers = _wait_for_workers(process, cache, 2)
-    worker_entry.wait_until_held(held, 2, process)
-    os.kill(process.pid, signal.SIGKILL)  # the coordinator only: its workers must notice
-    process.wait(timeout=30)
+    with reaped(start_in_new_session(*worker_entry.held_cmd(cmd, held))) as process:
+        workers = _wait_for_workers(process, cache, 2)
+        worker_entry.wait_until_held(held, 2, process)
+        os.kill(process.pid, signal.SIGKILL)  # the coordinator only: its workers must notice
+        process.wait(timeout=30)
     survivors = _wait_gone(process.pid)
     if survivors:
         os.killpg(process.pid, signal.SIGKILL)
@@ -111,12 +111,12 @@ def test_sigkill_of_one_worker_stops_the_run_and_the_rerun_completes(
     data, ref = reference
     cache = tmp_path / "cache"
     cmd = generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.2")
-    process = start_in_new_session(cmd)
-    # Killed while it starts: 60 records take the workers less time than finding them once they
-    # opened their shard groups (bench/soak.py kills workers mid-run too).
-    workers = _wait_for_workers(process, cache, 2, opened=False)
-    os.kill(workers[0], signal.SIGKILL)
-    output, _ = process.communicate(timeout=120)
+    with reaped(start_in_new_session(cmd)) as process:
+        # Killed while it starts: 60 records take the workers less time than finding them once they
+        # opened their shard groups (bench/soak.py kills workers mid-run too).
+        workers = _wait_for_workers(process, cache, 2, opened=False)
+        os.kill(workers[0], signal.SIGKILL)
+        output, _ = process.communicate(timeout=120)
     assert process.returncode != 0, output.decode()[-2000:]
     assert b"rerun the same command" in output, output.decode()[-2000:]
     assert not _wait_gone(process.pid)
@@ -132,8 +132,7 @@ def test_a_second_generate_into_the_same_cache_is_refused_and_the_first_is_unhar
     data, ref = reference
     cache = tmp_path / "cache"
     cmd = generate_cmd(cache, data, "--workers", "1")
-    first = start_in_new_session(cmd)
-    try:
+    with reaped(start_in_new_session(cmd)) as first:
         deadline = time.monotonic() + 300
         lock = cache / "lock"
         # The holder's JSON is written after the flock is taken: wait for it, not just for the file.
@@ -154,9 +153,6 @@ def test_a_second_generate_into_the_same_cache_is_refused_and_the_first_is_unhar
         assert f"is in use by pid {first.pid}" in message[0], second.stderr
         output, _ = first.communicate(timeout=600)
         assert first.returncode == 0, output.decode()[-3000:]
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
     _assert_equal_caches(ref, cache)
     assert not (cache / "lock").exists()  # released at the end
 

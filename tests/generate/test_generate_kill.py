@@ -17,6 +17,7 @@ import torch
 
 from dflash_offline.cache.manifest import read_table
 from dflash_offline.cache.verify import verify_cache
+from tests.process_helpers import reaped
 
 from . import worker_entry
 from .helpers import features_by_id, generate_cmd, make_chat_jsonl, run_in_process, start_in_new_session
@@ -41,15 +42,16 @@ def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path: Path
     kills = attempts = 0
     while kills < 3 and attempts < 8:
         attempts += 1
-        process = start_in_new_session(generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.3"))
-        delay = float(rng.uniform(0.15, 0.3)) * whole_run
-        try:
-            process.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            kills += 1
-            continue
+        cmd = generate_cmd(cache, data, "--workers", "2", "--flush-seconds", "0.3")
+        with reaped(start_in_new_session(cmd)) as process:
+            delay = float(rng.uniform(0.15, 0.3)) * whole_run
+            try:
+                process.wait(timeout=delay)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                kills += 1
+                continue
         break  # it finished before the kill: the rest of the loop would only re-run a no-op
     assert kills >= 3
     run_in_process(generate_cmd(cache, data))
@@ -76,8 +78,7 @@ def test_sql_shows_buckets_while_generate_is_writing(tmp_path: Path) -> None:
     cmd[cmd.index("random:tiny")] = "random:smollm2-135m"
     cmd[cmd.index("0,2")] = "1,8,14"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = start_in_new_session([*cmd, "--workers", "1"], env=env)
-    try:
+    with reaped(start_in_new_session([*cmd, "--workers", "1"], env=env)) as process:
         deadline = time.monotonic() + 400
         seen: list[dict[str, object]] = []
         while time.monotonic() < deadline and process.poll() is None:
@@ -108,10 +109,6 @@ def test_sql_shows_buckets_while_generate_is_writing(tmp_path: Path) -> None:
         assert process.poll() is None  # still writing when the histogram was read
         assert not (cache / "index.duckdb").exists()  # so the answer came from the live manifest
         assert {"bucket_id", "samples", "tokens"} <= set(seen[0])
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 @pytest.mark.timeout(600)
@@ -123,10 +120,10 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_completes(tmp_path: Path) -> None:
     # worker holding a job, however fast the machine (a real model sized to be slow enough cost minutes).
     held = tmp_path / "held"
     held.mkdir()
-    process = start_in_new_session(*worker_entry.held_cmd(cmd, held))
-    worker_entry.wait_until_held(held, 2, process)
-    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the process group
-    output, _ = process.communicate(timeout=300)
+    with reaped(start_in_new_session(*worker_entry.held_cmd(cmd, held))) as process:
+        worker_entry.wait_until_held(held, 2, process)
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the process group
+        output, _ = process.communicate(timeout=300)
     assert process.returncode == 130, output.decode()[-3000:]
     assert b"resume" in output
     runs = read_table(cache, "runs").to_pylist()

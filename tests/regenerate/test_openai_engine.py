@@ -28,6 +28,7 @@ from dflash_offline.regenerate.openai_engine import OpenAIEngine, ServerError, s
 from dflash_offline.regenerate.run import RegenerateStopped, run_regenerate
 from dflash_offline.target_model.loader import load_target, stop_token_ids
 from tests.eval.helpers import one_thread, write_chat_jsonl
+from tests.process_helpers import reaped
 from tests.regenerate.openai_server_process import Server, ready, start_server
 from tests.regenerate.turns import answered_before_stop, turn_keys
 
@@ -44,12 +45,8 @@ COMMON: dict[str, Any] = {
 def starting() -> Iterator[list[subprocess.Popen[str]]]:
     """A healthy server and one that the kill test kills, loading while the reference is computed."""
     processes = [start_server(), start_server()]
-    try:
+    with reaped(processes[0]), reaped(processes[1]):
         yield processes
-    finally:
-        for p in processes:
-            p.kill()
-            p.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import RegenerateStopped, run_regenerate
 from dflash_offline.regenerate.slot_engine import SlotEngine
 from tests.eval.helpers import one_thread, write_chat_jsonl
+from tests.process_helpers import reaped
 from tests.regenerate.turns import answered_before_stop, sample_id, turn_keys
 
 NUM_RECORDS, TURNS = 10, 3
@@ -307,14 +308,12 @@ def test_a_rerun_killed_after_continuing_a_kept_conversation_then_a_rerun_comple
            "--no-progress", "--out", str(out)]  # fmt: skip
     # Held after its first written conversation (worker_entry.py), then killed.
     env = {**os.environ, "OMP_NUM_THREADS": "1", HOLD_ENV: str(held)}
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
+    with reaped(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)) as process:
         deadline = time.monotonic() + 300
         while not (held / "w0").exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (held / "w0").exists(), process.communicate()[0].decode()[-3000:]
         process.send_signal(signal.SIGKILL)
-    finally:
         process.wait(timeout=60)
     newly = set(_lines(out)) - written_before
     assert len(newly) == 1

@@ -24,7 +24,7 @@ from dflash_offline.regenerate.config import RegenerateConfig
 from dflash_offline.regenerate.run import run_regenerate
 from dflash_offline.regenerate.worker import belongs_to
 from tests.eval.helpers import conversations, write_chat_jsonl
-from tests.process_helpers import alive, workers_of
+from tests.process_helpers import alive, reaped, workers_of
 
 pytestmark = pytest.mark.slow
 
@@ -122,11 +122,9 @@ def test_sigkill_of_a_two_worker_run_then_rerun_writes_every_conversation_once(t
     result = CliRunner().invoke(main, _cmd(data, reference, 1)[3:])  # in this process: no start-up cost
     assert result.exit_code == 0, result.output
     out = tmp_path / "killed.jsonl"
-    process = _start(_cmd(data, out, 2))
-    try:
+    with reaped(_start(_cmd(data, out, 2))) as process:
         _wait_for_lines(process, out, 4)
         os.killpg(process.pid, signal.SIGKILL)
-    finally:
         process.wait(timeout=60)
     assert 4 <= _lines_written(out) < 24
     # The rerun, with another worker count, merges the killed run's parts and answers the rest.
@@ -141,10 +139,10 @@ def test_sigkill_of_a_two_worker_run_then_rerun_writes_every_conversation_once(t
 def test_ctrl_c_stops_workers_cleanly_and_the_rerun_completes(tmp_path: Path) -> None:
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 24, turns=2, seed=4)
     out = tmp_path / "out.jsonl"
-    process = _start(_cmd(data, out, 2))
-    _wait_for_lines(process, out, 3)
-    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the process group
-    output, _ = process.communicate(timeout=300)
+    with reaped(_start(_cmd(data, out, 2))) as process:
+        _wait_for_lines(process, out, 3)
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the process group
+        output, _ = process.communicate(timeout=300)
     assert process.returncode == 130, output.decode()[-3000:]
     assert b"resume" in output
     partial = _messages(out)  # merged at the stop: no parts left behind
@@ -161,8 +159,7 @@ def test_ctrl_c_stops_workers_cleanly_and_the_rerun_completes(tmp_path: Path) ->
 def test_workers_exit_when_the_coordinator_is_killed(tmp_path: Path) -> None:
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 24, turns=2, seed=5)
     out = tmp_path / "out.jsonl"
-    process = _start(_cmd(data, out, 2))
-    try:
+    with reaped(_start(_cmd(data, out, 2))) as process:
         _wait_for_lines(process, out, 1)
         workers = workers_of(process.pid)
         assert len(workers) == 2
@@ -172,9 +169,6 @@ def test_workers_exit_when_the_coordinator_is_killed(tmp_path: Path) -> None:
         while time.monotonic() < deadline and alive(workers):
             time.sleep(0.2)
         assert not alive(workers), "a worker outlived its coordinator"
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(600)
@@ -223,7 +217,7 @@ def test_ctrl_c_stops_torchrun_ranks_after_their_decode_step_and_the_rerun_compl
         cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1", HOLD_ENV: str(held)},
     )  # fmt: skip
-    try:
+    with reaped(process):
         deadline = time.monotonic() + 300
         while len(list(held.glob("w*"))) < 2 and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -231,10 +225,6 @@ def test_ctrl_c_stops_torchrun_ranks_after_their_decode_step_and_the_rerun_compl
         # A terminal's Ctrl-C reaches torchrun and the ranks; torchrun passes it on to the ranks again.
         os.killpg(process.pid, signal.SIGINT)
         output, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
     text = output.decode()
     for rank in (0, 1):
         assert f"[rank {rank}] dflash regenerate: stopping after this decode step" in text, text[-3000:]

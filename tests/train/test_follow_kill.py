@@ -77,11 +77,14 @@ def test_sigkill_generate_train_and_both_during_follow(tmp_path: Path) -> None:
                 kill(generate)
             if victim in ("train", "both"):
                 kill(train)
+            # A process that ended is read to its end (which closes its pipe) before it is replaced.
             if generate.poll() is not None:
-                assert generate.returncode in (0, -signal.SIGKILL), generate.communicate()[0].decode()
+                output = generate.communicate()[0].decode()
+                assert generate.returncode in (0, -signal.SIGKILL), output
                 generate = start_in_new_session(gen_cmd)
             if train.poll() is not None:
-                assert train.returncode in (0, -signal.SIGKILL), train.communicate()[0].decode()
+                output = train.communicate()[0].decode()
+                assert train.returncode in (0, -signal.SIGKILL), output
                 train = start_in_new_session(train_cmd)
         # Both end by themselves: generate once its data is done, train once generate finished and every
         # store was trained. Either failing fails the test at once (the other would wait for it forever).
