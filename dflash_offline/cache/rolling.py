@@ -7,6 +7,10 @@ for the lossless codecs), and the next sample opens the next store. Samples whos
 below ``val_fraction`` (the validation split's hash over the sample's conversation root, so that a
 conversation's samples land together; cache/window.py) go to stores of their own, which training never
 retires. Every store is sealed when the session closes.
+
+A store opens with its first sample (or failure), so a session handed none leaves no store: a rerun of a
+finished generate, whose workers get no job, would otherwise seal an empty store after the follow run that
+retires stores had ended, and nothing would retire it (found by bench/soak_follow.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 from dflash_offline.cache.rows import SampleToWrite, WriterStats, utc_now
 from dflash_offline.cache.window import VALIDATION_MARK, routes_to_validation, seal_store
 from dflash_offline.cache.window_records import StoreSeal
-from dflash_offline.cache.writer import ShardWriter
+from dflash_offline.cache.writer import ShardWriter, shard_name
 
 OpenStore = Callable[[str], ShardWriter]
 """Opens a new store for a session name (the worker's ``ShardWriter`` options applied)."""
@@ -45,6 +49,7 @@ class RollingWriter:
         self,
         open_store: OpenStore,
         *,
+        worker: int,
         session: str,
         store_bytes: int | None,
         token_bytes: int,
@@ -60,7 +65,7 @@ class RollingWriter:
         self._val = _Lane(prefix=f"{session}{VALIDATION_MARK}")
         self._session = session
         self.sealed: list[StoreSeal] = []
-        self.shard = self._writer(self._train).shard  # opened now: start-up fails early, as before
+        self.shard = shard_name(worker, session)  # its first training store's, known before that opens
 
     def _writer(self, lane: _Lane) -> ShardWriter:
         if lane.writer is None:

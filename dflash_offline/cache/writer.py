@@ -96,6 +96,11 @@ def shard_geometry(
     return chunk_rows, chunk_rows * chunks_per_shard
 
 
+def shard_name(worker: int, session: str) -> str:
+    """The shard (store) a worker's writer session writes: ``w<worker>-<session>``."""
+    return f"w{worker:03d}-{session}"
+
+
 class ShardWriter:
     """Append-only writer of one session's shard group. Not thread-safe: one thread owns it."""
 
@@ -122,7 +127,7 @@ class ShardWriter:
             raise SampleError(
                 f"session {self.session!r} must be letters, digits, '_', '.', '-' (it names files)"
             )
-        self.shard = f"w{self.worker:03d}-{self.session}"
+        self.shard = shard_name(self.worker, self.session)
         self.fsync = fsync
         if flush_seconds < 0 or flush_bytes < 1:
             raise SampleError(

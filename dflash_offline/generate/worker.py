@@ -157,6 +157,7 @@ def _open_writer(spec: WorkerSpec[CaptureTask]) -> ShardWriter | RollingWriter:
         return open_store(task.session)
     return RollingWriter(
         open_store,
+        worker=spec.worker,
         session=task.session,
         store_bytes=task.store_bytes,
         token_bytes=task.fingerprint.storage.token_bytes,

@@ -45,6 +45,7 @@ def write_rolling(root, fingerprint, samples, *, store_bytes, val_fraction=VAL_F
     token_bytes = fingerprint.storage.token_bytes
     with RollingWriter(
         open_store,
+        worker=worker,
         session=f"sess{worker}",
         store_bytes=store_bytes,
         token_bytes=token_bytes,
@@ -89,6 +90,26 @@ def test_stores_roll_over_at_their_size_and_every_store_is_sealed(tmp_path):
     for g, want in zip(got, samples, strict=True):
         assert_same(g, want)
     assert writer.stats.samples == len(samples)
+
+
+def test_a_session_handed_no_sample_leaves_no_store(tmp_path):
+    """A worker that gets no job (a rerun of a finished generate) opens no store, so it seals none: an empty
+    store sealed after the follow run had ended would never be retired. One failure opens a store."""
+    fingerprint = make_fingerprint()
+    writer = write_rolling(tmp_path, fingerprint, [], store_bytes=None)
+    assert writer.sealed == []
+    assert list(tmp_path.iterdir()) == []  # no store, no seal (here not even the cache, which generate makes)
+    assert writer.stats.shard == "w000-sess0"
+    assert writer.stats.samples == 0
+
+    def open_store(session: str) -> ShardWriter:
+        return ShardWriter(tmp_path, fingerprint, worker=1, session=session, flush_seconds=1e9, **TINY)
+
+    with RollingWriter(
+        open_store, worker=1, session="f", store_bytes=None, token_bytes=1, val_fraction=0, fsync=False
+    ) as failing:
+        failing.add_failure(sample_id="x", source_index=0, reason="too_long", detail="")
+    assert [s.shard for s in failing.sealed] == ["w001-f"] == list(read_seals(tmp_path))
 
 
 def test_validation_samples_are_routed_by_the_split_hash(tmp_path):

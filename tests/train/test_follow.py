@@ -141,6 +141,25 @@ def test_follow_refuses_a_split_unlike_the_routing(written_window: Path, tmp_pat
         run_follow(follow_config(cache, tmp_path / "run", max_steps=3))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_rerun_of_a_finished_generate_after_follow_leaves_the_window_drained(
+    written_window: Path, tmp_path: Path
+) -> None:
+    """The same generate command again, after the follow run retired every training store: its workers get
+    no job and open no store, so no empty store is sealed that no run would retire (bench/soak_follow.py
+    found two such stores a round when a kill hit a generate that had already finished)."""
+    cache = copy_cache(written_window, tmp_path / "cache")
+    config = follow_config(cache, tmp_path / "run")
+    run_follow(config)
+    stores = sorted(p.name for p in (cache / "shards").iterdir())
+    seals = read_seals(cache)
+    window_cache(cache, written_window.parent / "chat.jsonl")  # the same command: nothing left to do
+    assert sorted(p.name for p in (cache / "shards").iterdir()) == stores
+    assert read_seals(cache) == seals
+    check_followed(cache, tmp_path / "run", config)
+
+
 def test_stores_without_samples_are_retired_without_a_run(tmp_path: Path) -> None:
     """A store can hold failures only (a worker's new store that got a failed sample, then closed)."""
     from dflash_offline.cache.rolling import RollingWriter
@@ -154,7 +173,7 @@ def test_stores_without_samples_are_retired_without_a_run(tmp_path: Path) -> Non
         return ShardWriter(tmp_path / "cache", fingerprint, worker=0, session=session, **TINY)
 
     with RollingWriter(
-        open_store, session="s", store_bytes=None, token_bytes=1, val_fraction=0, fsync=False
+        open_store, worker=0, session="s", store_bytes=None, token_bytes=1, val_fraction=0, fsync=False
     ) as w:
         w.add_failure(sample_id="x", source_index=0, reason="too_long", detail="")
     config = train_config(tmp_path / "cache", tmp_path / "run", follow=True, max_steps=None)
